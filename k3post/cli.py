@@ -1,0 +1,101 @@
+"""The `k3post` command.
+
+    k3post demo [CONFIG] [key=value ...]        the whole pipeline on a tiny MoE (CPU)
+    k3post sft CONFIG [key=value ...]           Stage 1 SFT on a JSONL file (sft.train_file)
+    k3post init-model OUT_DIR [--preset tiny]   write a tiny Qwen3-MoE + BPE tokenizer that transformers loads
+    k3post report RUN_DIR                       rebuild a run's report.html
+
+Overrides are dotted config keys (`sft.lr=3e-4`); an unknown key is an error naming the closest valid one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def _load(config: str | None, overrides: list[str]):  # noqa: ANN202
+    from k3post.config import load_config
+
+    return load_config(config, overrides)
+
+
+def _split_config(args: list[str]) -> tuple[str | None, list[str]]:
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return None, args
+
+
+def cmd_demo(ns: argparse.Namespace) -> int:
+    from k3post.demo import run_demo
+
+    config, overrides = _split_config(ns.args)
+    if config is None and Path("configs/demo.yaml").exists():
+        config = "configs/demo.yaml"
+    run_demo(_load(config, overrides))
+    return 0
+
+
+def cmd_sft(ns: argparse.Namespace) -> int:
+    from k3post.commands import run_sft
+
+    config, overrides = _split_config(ns.args)
+    if config is None:
+        raise ValueError("usage: k3post sft CONFIG [key=value ...]")
+    run_sft(_load(config, overrides))
+    return 0
+
+
+def cmd_init_model(ns: argparse.Namespace) -> int:
+    from k3post.commands import init_model
+
+    out = init_model(ns.out_dir, preset=ns.preset, vocab_size=ns.vocab_size, seed=ns.seed)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_report(ns: argparse.Namespace) -> int:
+    from k3post.report import write_report
+
+    print(write_report(ns.run_dir))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="k3post", description="Kimi K3 post-training pipeline")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="run the whole pipeline on a tiny MoE on CPU")
+    d.add_argument("args", nargs="*", help="[CONFIG] [key=value ...]")
+    d.set_defaults(fn=cmd_demo)
+    s = sub.add_parser("sft", help="Stage 1 SFT on XTML conversations (JSONL)")
+    s.add_argument("args", nargs="*", help="CONFIG [key=value ...]")
+    s.set_defaults(fn=cmd_sft)
+    i = sub.add_parser("init-model", help="write a tiny Qwen3-MoE + tokenizer folder")
+    i.add_argument("out_dir")
+    i.add_argument("--preset", default="tiny")
+    i.add_argument("--vocab-size", type=int, default=512)
+    i.add_argument("--seed", type=int, default=0)
+    i.set_defaults(fn=cmd_init_model)
+    r = sub.add_parser("report", help="rebuild report.html of a run folder")
+    r.add_argument("run_dir")
+    r.set_defaults(fn=cmd_report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.fn(ns)
+    except ValueError as e:  # user errors: one clear line, no traceback (-v shows it)
+        if ns.verbose:
+            raise
+        print(f"k3post: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

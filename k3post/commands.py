@@ -1,0 +1,68 @@
+"""Command bodies behind `k3post sft` and `k3post init-model` (the demo has its own module)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from k3post.config import K3Config, to_yaml
+from k3post.data import load_sft_jsonl
+from k3post.metrics import MetricsLogger
+from k3post.models import build_tiny_moe, load_model, save_model
+from k3post.quant.qat import apply_qat
+from k3post.sft import train_sft
+from k3post.tasks import arithmetic
+from k3post.tokenizer import ensure_xtml_tokens, load_tokenizer, train_tokenizer
+from k3post.xtml import XTML, render_text
+
+
+def default_corpus(n: int = 2000, seed: int = 0) -> list[str]:
+    """Tokenizer training text: XTML renderings of the built-in family at every effort."""
+    tasks = arithmetic.generate(n, seed=seed, min_digits=1, max_digits=4)
+    recs = arithmetic.sft_records(tasks, list(arithmetic.EFFORTS), seed=seed)
+    return [render_text(r["messages"], effort=r["effort"]) for r in recs]
+
+
+def init_model(out_dir: str | Path, *, preset: str = "tiny", vocab_size: int = 512, seed: int = 0) -> Path:
+    """Write a tokenizer + freshly initialised tiny Qwen3-MoE into one folder plain transformers loads."""
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        raise ValueError(f"{out}: already holds a model; choose an empty folder")
+    tok = train_tokenizer(default_corpus(seed=seed), vocab_size=vocab_size, out_dir=out)
+    model = build_tiny_moe(
+        len(tok), preset, seed=seed, pad_token_id=tok.pad_token_id, eos_token_id=tok.convert_tokens_to_ids("<|end_of_msg|>")
+    )
+    return save_model(model, out, tok)
+
+
+def run_sft(cfg: K3Config) -> Path:
+    """`k3post sft CONFIG`: train `model.path` (or a fresh preset) on `sft.train_file`; returns the final folder."""
+    if not cfg.sft.train_file:
+        raise ValueError("sft.train_file is not set: give the SFT JSONL path in the config or as sft.train_file=PATH")
+    run = cfg.run.dir
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    if cfg.model.path:
+        model = load_model(cfg.model.path, cfg.model.dtype)
+        tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
+        ensure_xtml_tokens(tokenizer, model)
+    else:
+        if not cfg.tokenizer.path:
+            raise ValueError("set model.path (a model folder) or tokenizer.path (to build a fresh model.preset)")
+        tokenizer = load_tokenizer(cfg.tokenizer.path)
+        model = build_tiny_moe(
+            len(tokenizer), cfg.model.preset, seed=cfg.run.seed, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.convert_tokens_to_ids("<|end_of_msg|>"),
+        )
+    xtml = XTML(tokenizer)
+    samples, stats = load_sft_jsonl(cfg.sft.train_file, xtml, max_len=cfg.sft.max_len, on_bad_sample=cfg.sft.on_bad_sample, mode=cfg.sft.mode)
+    if stats.skipped:
+        print(f"skipped samples: {json.dumps(stats.skipped)} of {stats.read}")
+    if cfg.qat.enabled:
+        apply_qat(model, cfg.qat)
+    metrics = MetricsLogger(run)
+    res = train_sft(model, tokenizer, samples, cfg.sft, run / "sft", seed=cfg.run.seed, metrics=metrics)
+    metrics.close()
+    final = save_model(model, run / "sft" / "final", tokenizer)
+    print(f"SFT done: {res.steps} steps, final loss {res.final_loss:.4f}, {res.wall_s:.0f} s → {final}")
+    return final

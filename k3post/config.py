@@ -1,0 +1,152 @@
+"""Typed configs: YAML files under ``configs/`` plus dotted command-line overrides.
+
+Each component owns a dataclass next to its code (``SFTConfig`` in ``sft.py``, ``ModelConfig`` in
+``models.py`` ...); this module assembles them into one :class:`K3Config` and loads it with OmegaConf
+structured configs, which type-check every value. An unknown or mistyped key is a ``ConfigError``
+naming the key, the file it came from and the closest valid key.
+
+    cfg = load_config("configs/demo.yaml", ["sft.lr=3e-4", "run.name=try2"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from k3post.data import DataConfig
+from k3post.evaluate import EvalConfig
+from k3post.models import ModelConfig, TokenizerConfig
+
+from k3post.quant.qat import QATConfig
+from k3post.sft import SFTConfig
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid (unknown key, wrong type, bad YAML)."""
+
+
+@dataclass
+class RunConfig:
+    """Where and how a run writes its outputs."""
+
+    name: str = "demo"  # run folder name under `root`
+    root: str = "runs"  # parent folder of all runs
+    seed: int = 0  # global seed: data generation, init, shuffling
+    overwrite: bool = False  # allow writing into an existing run folder that holds a finished run
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.root) / self.name
+
+
+@dataclass
+class K3Config:
+    """The whole pipeline's config: one section per component."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    qat: QATConfig = field(default_factory=QATConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def _valid_keys(cls: type, prefix: str = "") -> dict[str, type | None]:
+    """All dotted keys of a dataclass tree → the dataclass type of a section (None for leaves)."""
+    keys: dict[str, type | None] = {}
+    for f in dataclasses.fields(cls):
+        dotted = f"{prefix}{f.name}"
+        ftype = f.type if not isinstance(f.type, str) else _resolve(cls, f.name)
+        if dataclasses.is_dataclass(ftype):
+            keys[dotted] = ftype
+            keys.update(_valid_keys(ftype, dotted + "."))
+        else:
+            keys[dotted] = None
+    return keys
+
+
+def _resolve(cls: type, name: str) -> Any:
+    import typing
+
+    return typing.get_type_hints(cls)[name]
+
+
+def _check_keys(tree: Any, valid: dict[str, type | None], source: str, prefix: str = "") -> None:
+    if not isinstance(tree, dict):
+        return
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if dotted not in valid:
+            siblings = [k for k in valid if k.rsplit(".", 1)[0] == dotted.rsplit(".", 1)[0] or "." not in k]
+            close = difflib.get_close_matches(dotted, list(valid), n=1, cutoff=0.5) or difflib.get_close_matches(
+                dotted, siblings, n=1, cutoff=0.0
+            )
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{source}: unknown config key '{dotted}'{hint}")
+        if valid[dotted] is not None:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: '{dotted}' is a section; give it a mapping, not {value!r}")
+            _check_keys(value, valid, source, dotted + ".")
+
+
+def _dotlist_tree(overrides: Sequence[str]) -> list[tuple[str, dict]]:
+    trees = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}': expected KEY=VALUE, e.g. sft.lr=3e-4")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node: dict = {}
+        cur = node
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            cur = cur.setdefault(p, {})
+        cur[parts[-1]] = value
+        trees.append((item, node))
+    return trees
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> K3Config:
+    """Load defaults ← YAML file ← dotted overrides into a typed :class:`K3Config`.
+
+    Raises ConfigError naming the file (or override) and key for unknown keys, wrong types and bad YAML.
+    """
+    valid = _valid_keys(K3Config)
+    merged = OmegaConf.structured(K3Config)
+    layers: list[tuple[str, Any]] = []
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: invalid YAML: {e}") from e
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(tree).__name__}")
+        layers.append((str(p), tree))
+    layers.extend((f"override '{item}'", tree) for item, tree in _dotlist_tree(overrides))
+    for source, tree in layers:
+        _check_keys(tree, valid, source)
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.create(tree))
+        except OmegaConfBaseException as e:
+            key = getattr(e, "full_key", None) or ""
+            raise ConfigError(f"{source}: bad value for '{key}': {e.msg if hasattr(e, 'msg') else e}") from e
+    obj = OmegaConf.to_object(merged)
+    assert isinstance(obj, K3Config)
+    return obj
+
+
+def to_yaml(cfg: K3Config) -> str:
+    """The resolved config as YAML (written into every run folder)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

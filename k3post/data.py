@@ -1,0 +1,232 @@
+"""SFT data: JSONL conversations → XTML token ids with loss masks → packed rows.
+
+Legend: R rows in a micro-batch, L packed row length.
+
+A JSONL line is ``{"messages": [...], "tools": [...] | null, "effort": "low"|"high"|"max"|null}`` with
+OpenAI chat messages plus ``reasoning_content``. Every problem is reported with file and line; a config
+switch turns per-sample problems into counted skips instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from k3post.xtml import XTML
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class DataConfig:
+    """The built-in data a demo run generates (until the synthesis pipeline replaces it)."""
+
+    family: str = "arithmetic"  # built-in task family
+    n_train: int = 6000  # training tasks (each rendered at one effort, round-robin over `efforts`)
+    n_eval: int = 200  # held-out tasks, disjoint from training
+    min_digits: int = 2
+    max_digits: int = 3
+    efforts: list[str] = field(default_factory=lambda: ["max", "high", "low"])
+
+
+class DataError(ValueError):
+    """A sample is malformed; the message names file and line, `reason` is a short category for skip counts."""
+
+    def __init__(self, message: str, reason: str = "invalid") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class Sample:
+    """One rendered conversation."""
+
+    ids: list[int]
+    loss_mask: list[bool]
+    source: str  # "file:line" for messages
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
+class LoadStats:
+    read: int = 0
+    kept: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+
+def check_record(rec: Any) -> None:
+    """Structural checks the XTML renderer does not make: roles, declared tools. Raises ValueError."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"a record must be a JSON object, got {type(rec).__name__}")
+    msgs = rec.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError("key 'messages' must be a non-empty list")
+    tools = rec.get("tools") or []
+    if not isinstance(tools, list):
+        raise ValueError("key 'tools' must be a list of OpenAI function specs or null")
+    declared = {(t.get("function") or t).get("name") for t in tools if isinstance(t, dict)}
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}]: unknown role {role!r}; expected one of {ROLES}")
+        if m.get("type") == "tool-declare":  # mid-session tool declaration adds tools from here on
+            declared |= {(t.get("function") or t).get("name") for t in m.get("tools") or []}
+        for j, call in enumerate(m.get("tool_calls") or []):
+            name = (call.get("function") or {}).get("name")
+            if name not in declared:
+                raise ValueError(f"messages[{i}].tool_calls[{j}]: call to undeclared tool {name!r}; declared: {sorted(n for n in declared if n)}")
+    effort = rec.get("effort")
+    if effort not in (None, "low", "high", "max"):
+        raise ValueError(f"key 'effort': unknown effort {effort!r}; expected low, high, max or null")
+
+
+def render_record(xtml: XTML, rec: dict[str, Any], mode: str = "think") -> tuple[list[int], list[bool]]:
+    r = xtml.render(rec["messages"], tools=rec.get("tools") or None, effort=rec.get("effort"), mode=mode)
+    return list(r.ids), [bool(x) for x in r.loss_mask]
+
+
+def load_sft_jsonl(
+    path: str | Path, xtml: XTML, *, max_len: int, on_bad_sample: str = "error", mode: str = "think"
+) -> tuple[list[Sample], LoadStats]:
+    """Read, validate and render every line. Errors name `path:line`; `on_bad_sample="skip"` counts them instead."""
+    if on_bad_sample not in ("error", "skip"):
+        raise ValueError(f"on_bad_sample must be 'error' or 'skip', got {on_bad_sample!r}")
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{p}: SFT data file not found")
+    samples: list[Sample] = []
+    stats = LoadStats()
+    with p.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            stats.read += 1
+            where = f"{p}:{lineno}"
+            try:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: malformed JSON at column {e.colno}: {e.msg}", "malformed_json") from e
+                try:
+                    check_record(rec)
+                    ids, mask = render_record(xtml, rec, mode)
+                except DataError:
+                    raise
+                except ValueError as e:
+                    raise DataError(f"{where}: {e}", "invalid_record") from e
+                if len(ids) > max_len:
+                    raise DataError(f"{where}: sample is {len(ids)} tokens, longer than max_len={max_len}", "too_long")
+                if not any(mask):
+                    raise DataError(f"{where}: sample has no trainable (assistant) tokens", "no_trainable_tokens")
+            except DataError as e:
+                if on_bad_sample == "error":
+                    raise
+                stats.skip(e.reason)
+                continue
+            samples.append(Sample(ids, mask, where))
+            stats.kept += 1
+    if not samples:
+        raise DataError(f"{p}: no usable samples ({stats.read} read, skipped {stats.skipped})")
+    return samples, stats
+
+
+def write_jsonl(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """Write records atomically (temp file + rename) so a crash never leaves half a dataset."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    with tmp.open("w", encoding="utf-8") as fh:
+        for r in records:
+            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+    tmp.replace(p)
+    return p
+
+
+@dataclass
+class PackedBatch:
+    """A micro-batch of packed rows.
+
+    input_ids_RL, position_ids_RL: tokens and per-segment positions (restart at 0 for every sample)
+    attention_mask_R1LL: block-diagonal causal mask (True = may attend): no attention across samples
+    labels_RL: next-token targets, -100 where not trained (mask off, segment end, padding)
+    """
+
+    input_ids_RL: torch.Tensor
+    position_ids_RL: torch.Tensor
+    attention_mask_R1LL: torch.Tensor
+    labels_RL: torch.Tensor
+
+    @property
+    def n_target_tokens(self) -> int:
+        return int((self.labels_RL != -100).sum())
+
+
+def pack_rows(samples: Sequence[Sample], order: Sequence[int], max_len: int) -> list[list[int]]:
+    """Greedy first-fit-in-order packing: consecutive samples (in `order`) share a row while they fit."""
+    rows: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i in order:
+        n = len(samples[i])
+        if used + n > max_len and cur:
+            rows.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        rows.append(cur)
+    return rows
+
+
+def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]], max_len: int, pad_id: int) -> PackedBatch:
+    """Build a :class:`PackedBatch` from rows of sample indices, padded to the longest row."""
+    L = min(max_len, max(sum(len(samples[i]) for i in row) for row in rows))
+    R = len(rows)
+    ids = torch.full((R, L), pad_id, dtype=torch.long)
+    pos = torch.zeros((R, L), dtype=torch.long)
+    seg = torch.full((R, L), -1, dtype=torch.long)
+    labels = torch.full((R, L), -100, dtype=torch.long)
+    for r, row in enumerate(rows):
+        t = 0
+        for s_idx, i in enumerate(row):
+            s = samples[i]
+            n = len(s)
+            ids[r, t : t + n] = torch.tensor(s.ids)
+            pos[r, t : t + n] = torch.arange(n)
+            seg[r, t : t + n] = s_idx
+            # token t+k predicts token t+k+1 when that token is trainable and in the same sample
+            m = torch.tensor(s.loss_mask[1:], dtype=torch.bool)
+            tgt = torch.tensor(s.ids[1:])
+            labels[r, t : t + n - 1] = torch.where(m, tgt, torch.full_like(tgt, -100))
+            t += n
+    causal = torch.tril(torch.ones(L, L, dtype=torch.bool))
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
+    attn = (same & causal)[:, None]
+    # padding rows attend to themselves only, so softmax never sees an all-masked row
+    attn = attn | torch.eye(L, dtype=torch.bool)[None, None]
+    return PackedBatch(ids, pos, attn, labels)
+
+
+def iter_microbatches(
+    samples: Sequence[Sample], *, max_len: int, rows_per_batch: int, seed: int, epoch: int
+) -> Iterator[list[list[int]]]:
+    """The packed micro-batches of one epoch, in a seeded order (a pure function of seed and epoch)."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    order = torch.randperm(len(samples), generator=g).tolist()
+    rows = pack_rows(samples, order, max_len)
+    for k in range(0, len(rows), rows_per_batch):
+        yield rows[k : k + rows_per_batch]

@@ -1,0 +1,168 @@
+"""`k3post demo`: the whole pipeline on a tiny MoE on CPU, into one run folder.
+
+    runs/<name>/
+      config.yaml            resolved config
+      data/                  sft_train.jsonl, eval_tasks.jsonl
+      tokenizer/             byte-level BPE with the XTML tokens
+      model_init/            the freshly built tiny Qwen3-MoE (safetensors)
+      sft/checkpoints/       step-N/ checkpoints + latest (exact resume)
+      sft/final/             the SFT policy
+      metrics.jsonl, tensorboard/
+      summary.json, report.html
+
+A killed demo resumes where it stopped when run again with the same name; a finished run folder is never
+overwritten (a new `-N` suffix is used instead unless `run.overwrite=true`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3post.config import K3Config, to_yaml
+from k3post.data import load_sft_jsonl, write_jsonl
+from k3post.evaluate import evaluate_tasks
+from k3post.metrics import MetricsLogger
+from k3post.models import build_tiny_moe, count_parameters, load_model, save_model
+from k3post.quant.qat import apply_qat
+from k3post.report import write_report
+from k3post.sft import train_sft
+from k3post.tasks import arithmetic
+from k3post.tokenizer import load_tokenizer, train_tokenizer
+from k3post.xtml import XTML, render_text
+
+log = logging.getLogger("k3post.demo")
+
+
+def _run_dir(cfg: K3Config) -> Path:
+    base = cfg.run.dir
+    if cfg.run.overwrite and base.exists():
+        shutil.rmtree(base)
+    d, k = base, 0
+    while (d / "summary.json").exists() and json.loads((d / "summary.json").read_text()).get("status") == "done":
+        k += 1
+        d = base.with_name(f"{base.name}-{k}")
+    return d
+
+
+class _Summary:
+    """summary.json, rewritten atomically after every phase so a partial run still has a report."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+        self.data["status"] = "running"
+
+    def update(self, **kw: Any) -> None:
+        self.data.update(kw)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, ensure_ascii=False))
+        tmp.replace(self.path)
+
+
+def run_demo(cfg: K3Config) -> Path:
+    """Run every stage the project has so far; return the run folder."""
+    t_start = time.perf_counter()
+    if cfg.run.threads > 0:
+        torch.set_num_threads(cfg.run.threads)
+    if cfg.data.family != "arithmetic":
+        raise ValueError(f"data.family: unknown family {cfg.data.family!r}; built in: 'arithmetic'")
+    run = _run_dir(cfg)
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    summary = _Summary(run / "summary.json")
+    timings: dict[str, float] = dict(summary.data.get("timings", {}))
+    metrics = MetricsLogger(run)
+    print(f"k3post demo → {run}")
+
+    def phase(name: str, t0: float) -> None:
+        timings[name] = round(time.perf_counter() - t0, 1)
+        summary.update(timings=timings)
+
+    # 1. data: training conversations at three efforts, disjoint held-out tasks
+    t0 = time.perf_counter()
+    d = cfg.data
+    train_tasks = arithmetic.generate(d.n_train, seed=cfg.run.seed, min_digits=d.min_digits, max_digits=d.max_digits)
+    eval_tasks = arithmetic.generate(
+        d.n_eval, seed=cfg.run.seed + 1, min_digits=d.min_digits, max_digits=d.max_digits, exclude={t.id for t in train_tasks}
+    )
+    records = arithmetic.sft_records(train_tasks, d.efforts, seed=cfg.run.seed)
+    train_file = Path(cfg.sft.train_file) if cfg.sft.train_file else run / "data" / "sft_train.jsonl"
+    if not cfg.sft.train_file:
+        write_jsonl(records, train_file)
+    write_jsonl([{"id": t.id, "a": t.a, "b": t.b} for t in eval_tasks], run / "data" / "eval_tasks.jsonl")
+    phase("data", t0)
+
+    # 2. tokenizer (BPE on the XTML-rendered training text) and the tiny MoE
+    t0 = time.perf_counter()
+    tok_dir = Path(cfg.tokenizer.path) if cfg.tokenizer.path else run / "tokenizer"
+    if (tok_dir / "tokenizer.json").exists():
+        tokenizer = load_tokenizer(tok_dir)
+    else:
+        corpus = (render_text(r["messages"], tools=r["tools"], effort=r["effort"]) for r in records[:3000])
+        tokenizer = train_tokenizer(corpus, vocab_size=cfg.tokenizer.vocab_size, out_dir=tok_dir)
+    xtml = XTML(tokenizer)
+    stop_id = tokenizer.convert_tokens_to_ids("<|end_of_msg|>")
+    pad_id = tokenizer.pad_token_id
+    init_dir = run / "model_init"
+    if cfg.model.path:
+        model = load_model(cfg.model.path, cfg.model.dtype)
+    elif (init_dir / "config.json").exists():
+        model = load_model(init_dir)
+    else:
+        model = build_tiny_moe(
+            len(tokenizer), cfg.model.preset, seed=cfg.run.seed, pad_token_id=pad_id, eos_token_id=stop_id,
+            max_position_embeddings=cfg.model.max_position_embeddings,
+        )
+        save_model(model, init_dir, tokenizer)
+    summary.update(model=f"Qwen3-MoE {cfg.model.preset}, {count_parameters(model) / 1e6:.2f} M params, vocab {len(tokenizer)}")
+    phase("tokenizer+model", t0)
+
+    # 3. held-out pass rate of the untrained model
+    t0 = time.perf_counter()
+    evals: dict[str, Any] = dict(summary.data.get("eval", {}))
+    def eval_all(tag: str) -> None:
+        evals[tag] = {
+            e: evaluate_tasks(model, xtml, eval_tasks, arithmetic.verify, effort=e, cfg=cfg.eval, pad_id=pad_id, stop_id=stop_id)
+            for e in cfg.eval.efforts
+        }
+        summary.update(eval=evals)
+        for e, r in evals[tag].items():
+            print(f"  {tag:>10} @ {e:<4}: pass {r['pass_rate']:.3f}  think tokens {r['mean_think_tokens']:.1f}")
+
+    if "base" not in evals:
+        eval_all("base")
+    phase("eval base", t0)
+
+    # 4. Stage 1 SFT with QAT from the first step
+    t0 = time.perf_counter()
+    samples, stats = load_sft_jsonl(train_file, xtml, max_len=cfg.sft.max_len, on_bad_sample=cfg.sft.on_bad_sample, mode=cfg.sft.mode)
+    quantized = apply_qat(model, cfg.qat) if cfg.qat.enabled else []
+    res = train_sft(model, tokenizer, samples, cfg.sft, run / "sft", seed=cfg.run.seed, metrics=metrics)
+    save_model(model, run / "sft" / "final", tokenizer)
+    summary.update(
+        sft={
+            "steps": res.steps, "final_loss": res.final_loss, "wall_s": round(res.wall_s, 1),
+            "tokens_per_s": res.tokens_per_s, "n_samples": stats.kept, "skipped": stats.skipped,
+            "resumed_from": res.resumed_from,
+            "qat": f"on ({len(quantized)} expert tensors)" if quantized else "off",
+        }
+    )
+    phase("sft", t0)
+
+    # 5. held-out pass rate after SFT
+    t0 = time.perf_counter()
+    eval_all("sft")
+    phase("eval sft", t0)
+
+    metrics.close()
+    summary.update(status="done", wall_s=round(time.perf_counter() - t_start + summary.data.get("wall_s_before_resume", 0), 1))
+    report = write_report(run)
+    print(f"report: {report}")
+    return run

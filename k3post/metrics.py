@@ -1,0 +1,60 @@
+"""Metrics sinks: one JSONL file per run (the source of truth for the report) plus TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+
+class MetricsLogger:
+    """Append `{"stage", "step", "time", **values}` rows to ``metrics.jsonl`` and mirror scalars to TensorBoard.
+
+    On resume, `truncate(stage, step)` drops rows of that stage logged after the checkpoint's step so the
+    file reads as one uninterrupted run.
+    """
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True) -> None:
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self._tb: Any = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
+
+    def log(self, stage: str, step: int, values: Mapping[str, Any]) -> None:
+        row = {"stage": stage, "step": step, "time": round(time.time(), 3), **values}
+        with self.path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+        if self._tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self._tb.add_scalar(f"{stage}/{k}", v, step)
+
+    def truncate(self, stage: str, after_step: int) -> None:
+        """Remove `stage` rows with step > `after_step` (rewritten atomically)."""
+        if not self.path.exists():
+            return
+        keep = [r for r in read_metrics(self.path) if not (r.get("stage") == stage and r.get("step", 0) > after_step)]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in keep), encoding="utf-8")
+        tmp.replace(self.path)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(path: str | Path, stage: str | None = None) -> list[dict[str, Any]]:
+    """Rows of a metrics.jsonl file, optionally of one stage."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    rows = [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [r for r in rows if stage is None or r.get("stage") == stage]

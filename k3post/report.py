@@ -1,0 +1,134 @@
+"""The run report: one self-contained ``report.html`` (plots embedded as PNG) from a run folder.
+
+Everything is read back from disk (``summary.json``, ``metrics.jsonl``, ``config.yaml``), so
+``k3post report RUN_DIR`` rebuilds the page of any run, finished or not. Each pipeline stage
+contributes a section; stages a run has not reached are simply absent.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from k3post.metrics import read_metrics
+
+
+def _plot_png(series: dict[str, tuple[list[float], list[float]]], *, title: str, xlabel: str, ylabel: str, logy: bool = False) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=110)
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, label=label, linewidth=1.4)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _img(b64: str, alt: str) -> str:
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{b64}">'
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    th = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
+
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:980px;margin:2em auto;padding:0 1em;color:#222}
+h1{margin-bottom:.2em} h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
+table{border-collapse:collapse;margin:.6em 0} th,td{border:1px solid #ccc;padding:.3em .7em;text-align:right}
+th{background:#f4f4f4} td:first-child,th:first-child{text-align:left}
+pre{background:#f7f7f7;padding:.6em;overflow-x:auto;font-size:12px;white-space:pre-wrap}
+.muted{color:#777}
+"""
+
+
+def _sft_section(run: Path, summary: dict[str, Any]) -> str:
+    sft = summary.get("sft")
+    if not sft:
+        return ""
+    parts = ["<h2>Stage 1: SFT</h2>"]
+    rows = read_metrics(run / "metrics.jsonl", "sft")
+    if rows:
+        series = {"train loss": ([r["step"] for r in rows], [r["loss"] for r in rows])}
+        parts.append(_img(_plot_png(series, title="SFT loss (masked CE, token mean)", xlabel="step", ylabel="loss", logy=True), "SFT loss curve"))
+    facts = [
+        ["steps", sft.get("steps")],
+        ["final loss", sft.get("final_loss")],
+        ["wall time (s)", sft.get("wall_s")],
+        ["tokens/s (packed, incl. padding)", sft.get("tokens_per_s")],
+        ["training samples", sft.get("n_samples")],
+        ["QAT (MXFP4 experts, MXFP8 expert inputs)", sft.get("qat", "off")],
+    ]
+    if sft.get("resumed_from") is not None:
+        facts.append(["resumed from step", sft["resumed_from"]])
+    parts.append(_table(["", "value"], facts))
+    return "\n".join(parts)
+
+
+def _eval_section(summary: dict[str, Any]) -> str:
+    ev = summary.get("eval")
+    if not ev:
+        return ""
+    parts = ["<h2>Held-out pass rate</h2>"]
+    header = ["model", "effort", "pass rate", "mean think tokens", "mean output tokens", "malformed", "n"]
+    rows = []
+    for model_name, by_effort in ev.items():
+        for effort, r in by_effort.items():
+            rows.append([model_name, effort, r["pass_rate"], r["mean_think_tokens"], r["mean_output_tokens"], r["malformed"], r["n"]])
+    parts.append(_table(header, rows))
+    for model_name, by_effort in ev.items():
+        for effort, r in by_effort.items():
+            for ex in r.get("examples", [])[:1]:
+                parts.append(f"<p class=muted>{html.escape(model_name)} @ {html.escape(str(effort))}, {html.escape(ex['task'])}, reward {ex['reward']}</p><pre>{html.escape(ex['completion'])}</pre>")
+    return "\n".join(parts)
+
+
+SECTIONS = [_sft_section]
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Render ``report.html`` for a run folder and return its path."""
+    run = Path(run_dir)
+    summary_path = run / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    cfg_text = (run / "config.yaml").read_text() if (run / "config.yaml").exists() else ""
+    head = [
+        f"<h1>k3post run: {html.escape(run.name)}</h1>",
+        f"<p class=muted>status: {html.escape(summary.get('status', 'unknown'))}; "
+        f"total wall time {summary.get('wall_s', 0):.0f} s; model {html.escape(str(summary.get('model', '?')))}</p>",
+    ]
+    if summary.get("timings"):
+        head.append(_table(["phase", "seconds"], [[k, v] for k, v in summary["timings"].items()]))
+    body = [_eval_section(summary)] + [s(run, summary) for s in SECTIONS]
+    cfg_html = f"<h2>Config</h2><pre>{html.escape(cfg_text)}</pre>" if cfg_text else ""
+    page = f"<!doctype html><html><head><meta charset=utf-8><title>k3post {html.escape(run.name)}</title><style>{CSS}</style></head><body>{''.join(head)}{''.join(body)}{cfg_html}</body></html>"
+    out = run / "report.html"
+    tmp = run / "report.html.tmp"
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(out)
+    return out

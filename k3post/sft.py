@@ -1,0 +1,216 @@
+"""Stage 1 SFT: next-token cross-entropy over loss-masked XTML tokens (SPEC §2).
+
+The loop, as the algorithm box reads::
+
+    for step in steps:
+        for micro-batch in grad_accum packed micro-batches:
+            loss += CE(model(packed rows), next tokens where loss_mask) / N_tokens(step)
+        clip grads; AdamW step; warmup+cosine LR
+        log; checkpoint every `save_every`
+
+The loss is a token mean over the whole optimizer step (all micro-batches), so gradient accumulation gives
+the same update as one big batch. QAT (MXFP4 expert weights, MXFP8 expert inputs) is on from the first
+step when the run's `qat.enabled` is true. Resume restores weights, AdamW moments, the LR schedule, RNG
+states and the data position, so the losses after a resume equal an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from k3post.checkpoint import latest_checkpoint, load_trainer_state, load_weights_into, save_checkpoint, set_rng_state
+from k3post.data import PackedBatch, Sample, collate, iter_microbatches
+from k3post.metrics import MetricsLogger
+
+log = logging.getLogger("k3post.sft")
+
+
+@dataclass
+class SFTConfig:
+    """Stage 1 trainer settings."""
+
+    train_file: str | None = None  # SFT JSONL; None in the demo (it writes its own)
+    max_len: int = 512  # packed row length; a longer sample is an error (or a counted skip)
+    rows_per_batch: int = 8  # packed rows per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    steps: int = 700  # optimizer steps
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0  # max global grad norm; <= 0 disables
+    precision: str = "fp32"  # fp32 | bf16 (bf16 autocast over fp32 master weights)
+    save_every: int = 200  # checkpoint every N steps (and at the end)
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    on_bad_sample: str = "error"  # error | skip (skips are counted and logged)
+    mode: str = "think"  # XTML mode: think | instruct
+    progress: bool = True  # tqdm progress bar
+
+
+@dataclass
+class SFTResult:
+    steps: int
+    final_loss: float
+    losses: list[float]
+    resumed_from: int | None
+    wall_s: float
+    tokens_per_s: float
+
+
+def lr_at(step: int, cfg: SFTConfig) -> float:
+    """Linear warmup to `lr` over `warmup_steps`, then cosine down to `lr * min_lr_ratio` at `steps`."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class _DataStream:
+    """Endless packed micro-batches over epochs; its position (epoch, index) is checkpointed."""
+
+    def __init__(self, samples: Sequence[Sample], cfg: SFTConfig, seed: int, epoch: int = 0, index: int = 0) -> None:
+        self.samples, self.cfg, self.seed = samples, cfg, seed
+        self.epoch, self.index = epoch, index
+        self._it = self._epoch_iter()
+
+    def _epoch_iter(self) -> Iterator[list[list[int]]]:
+        it = iter_microbatches(
+            self.samples, max_len=self.cfg.max_len, rows_per_batch=self.cfg.rows_per_batch, seed=self.seed, epoch=self.epoch
+        )
+        for _ in range(self.index):
+            next(it)
+        return it
+
+    def next(self) -> list[list[int]]:
+        try:
+            rows = next(self._it)
+        except StopIteration:
+            self.epoch, self.index = self.epoch + 1, 0
+            self._it = self._epoch_iter()
+            rows = next(self._it)
+        self.index += 1
+        return rows
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+
+def masked_ce_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """Σ over trainable positions of −log p(next token): packed rows, no attention across samples."""
+    out = model(
+        input_ids=batch.input_ids_RL,
+        position_ids=batch.position_ids_RL,
+        attention_mask=batch.attention_mask_R1LL,
+        use_cache=False,
+    )
+    logits_RLV = out.logits
+    return F.cross_entropy(logits_RLV.flatten(0, 1).float(), batch.labels_RL.flatten(), ignore_index=-100, reduction="sum")
+
+
+def train_sft(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    samples: Sequence[Sample],
+    cfg: SFTConfig,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    metrics: MetricsLogger | None = None,
+    stage: str = "sft",
+    resume: bool = True,
+) -> SFTResult:
+    """Train `model` in place on `samples`; checkpoints go to `out_dir/checkpoints`. See module docstring."""
+    if cfg.precision not in ("fp32", "bf16"):
+        raise ValueError(f"sft.precision must be fp32 or bf16, got {cfg.precision!r}")
+    if cfg.steps <= 0 or cfg.rows_per_batch <= 0 or cfg.grad_accum <= 0:
+        raise ValueError("sft.steps, sft.rows_per_batch and sft.grad_accum must be positive")
+    out = Path(out_dir)
+    ckpt_root = out / "checkpoints"
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), weight_decay=cfg.weight_decay, eps=1e-8
+    )
+    start, stream, losses = 0, _DataStream(samples, cfg, seed), []
+    resumed_from = None
+    ckpt = latest_checkpoint(ckpt_root) if resume else None
+    if ckpt is not None:
+        state = load_trainer_state(ckpt)
+        load_weights_into(model, ckpt)
+        opt.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
+        start = resumed_from = int(state["step"])
+        stream = _DataStream(samples, cfg, seed, **state["data"])
+        losses = list(state.get("losses", []))
+        if metrics is not None:
+            metrics.truncate(stage, start)
+        log.info("resumed %s from %s (step %d)", stage, ckpt, start)
+    model.train()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+    bar = tqdm(total=cfg.steps, initial=start, desc=stage, disable=not cfg.progress, dynamic_ncols=True)
+    t0, tokens_seen, loss_val = time.perf_counter(), 0, float("nan")
+    window_t, window_tok = time.perf_counter(), 0
+    for step in range(start, cfg.steps):
+        batches = [collate(samples, stream.next(), cfg.max_len, pad_id) for _ in range(cfg.grad_accum)]
+        n_tok = sum(b.n_target_tokens for b in batches)
+        lr = lr_at(step, cfg)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for b in batches:
+            with autocast:
+                loss_sum = masked_ce_sum(model, b)
+            (loss_sum / max(n_tok, 1)).backward()
+            total += loss_sum.item()
+        grad_norm = (
+            float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            if cfg.grad_clip > 0
+            else float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None)))
+        )
+        opt.step()
+        loss_val = total / max(n_tok, 1)
+        losses.append(loss_val)
+        step_tokens = sum(int(b.input_ids_RL.numel()) for b in batches)
+        tokens_seen += step_tokens
+        window_tok += step_tokens
+        done = step + 1
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            now = time.perf_counter()
+            tps = window_tok / max(now - window_t, 1e-9)
+            window_t, window_tok = now, 0
+            if metrics is not None:
+                metrics.log(stage, done, {"loss": loss_val, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "target_tokens": n_tok})
+            bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{tps:,.0f}")
+        bar.update(1)
+        if done % cfg.save_every == 0 or done == cfg.steps:
+            save_checkpoint(
+                ckpt_root,
+                done,
+                model,
+                tokenizer,
+                {"optimizer": opt.state_dict(), "data": stream.state(), "losses": losses, "config": vars(cfg)},
+                keep=cfg.keep_checkpoints,
+            )
+    bar.close()
+    wall = time.perf_counter() - t0
+    return SFTResult(
+        steps=cfg.steps,
+        final_loss=losses[-1] if losses else loss_val,
+        losses=losses,
+        resumed_from=resumed_from,
+        wall_s=wall,
+        tokens_per_s=tokens_seen / max(wall, 1e-9),
+    )

@@ -1,0 +1,1 @@
+"""Built-in task families (seeded generators, reference solvers, verifiers)."""

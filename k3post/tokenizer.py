@@ -1,0 +1,263 @@
+"""Byte-level BPE tokenizer with the XTML special tokens (SPEC §1).
+
+XTML needs four reserved tokens, each exactly one id (`<|open|>`, `<|close|>`,
+`<|sep|>`, `<|end_of_msg|>`), plus a pad token. This module
+
+- trains a small byte-level BPE for the tiny models (`train_tokenizer`), with
+  digits split one per token and the reserved tokens at ids 0..4;
+- loads one back (`load_tokenizer`) or patches a real model's tokenizer so it has
+  the reserved tokens (`ensure_xtml_tokens`);
+- encodes *text* so that it never yields a special id (`encode_text`): user text
+  that spells `<|end_of_msg|>` becomes ordinary byte-level tokens, which is what
+  keeps a conversation from forging message boundaries;
+- decodes ids back to text exactly (`decode`), with special tokens written
+  literally and no whitespace clean-up.
+
+For a byte-level tokenizer without a normalizer (the one trained here),
+``decode(tok, encode_text(tok, s)) == s`` for every unicode string ``s``.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+__all__ = [
+    "SPECIAL_TOKENS",
+    "PAD_TOKEN",
+    "ALL_SPECIAL_TOKENS",
+    "train_tokenizer",
+    "load_tokenizer",
+    "ensure_xtml_tokens",
+    "encode_text",
+    "decode",
+    "special_ids",
+]
+
+SPECIAL_TOKENS: tuple[str, str, str, str] = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+"""The four XTML reserved tokens, in SPEC order: open, close, sep, end of message."""
+
+PAD_TOKEN: str = "<|pad|>"
+"""Padding token; never appears inside a rendered context."""
+
+ALL_SPECIAL_TOKENS: tuple[str, ...] = (*SPECIAL_TOKENS, PAD_TOKEN)
+"""XTML tokens plus pad, in the id order `train_tokenizer` gives them (0..4)."""
+
+
+def _check_vocab_size(vocab_size: int) -> None:
+    """Raise ValueError unless vocab_size leaves room for the specials and all 256 bytes."""
+    minimum = len(ALL_SPECIAL_TOKENS) + 256
+    if not isinstance(vocab_size, int) or vocab_size < minimum:
+        raise ValueError(
+            f"vocab_size must be an int >= {minimum} (5 special tokens + 256 byte tokens), "
+            f"got {vocab_size!r}"
+        )
+
+
+def train_tokenizer(
+    corpus: Iterable[str],
+    vocab_size: int = 512,
+    out_dir: str | Path | None = None,
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer with the XTML special tokens.
+
+    Pre-tokenization splits every digit into its own piece, then applies GPT-2
+    style byte-level splitting (no prefix space); the decoder is byte-level, so
+    every byte sequence is representable and decoding is exact. The special
+    tokens get ids ``0..4`` in the order of `ALL_SPECIAL_TOKENS`; the 256 byte
+    symbols come next, merges fill the rest of ``vocab_size``.
+
+    Args:
+        corpus: training texts (iterated once).
+        vocab_size: target vocabulary size, at least 261. The trainer may stop
+            short of it on a small corpus (no more merges to learn).
+        out_dir: if given, the tokenizer is saved there so that
+            ``transformers.AutoTokenizer.from_pretrained(out_dir)`` loads it.
+
+    Returns:
+        A ``PreTrainedTokenizerFast`` with ``pad_token="<|pad|>"`` and
+        ``eos_token="<|end_of_msg|>"``; the other XTML tokens are additional
+        special tokens.
+    """
+    _check_vocab_size(vocab_size)
+    if isinstance(corpus, str):
+        raise ValueError("corpus must be an iterable of strings, not a single string")
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(ALL_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator((str(t) for t in corpus), trainer=trainer)
+    for i, tok in enumerate(ALL_SPECIAL_TOKENS):
+        assert backend.token_to_id(tok) == i, f"special token {tok} not at id {i}"
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD_TOKEN,
+        eos_token=SPECIAL_TOKENS[3],
+        additional_special_tokens=list(SPECIAL_TOKENS[:3]),
+        clean_up_tokenization_spaces=False,
+    )
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
+def load_tokenizer(path: str | Path, *, require_xtml: bool = False) -> PreTrainedTokenizerBase:
+    """Load a tokenizer saved by `train_tokenizer` (or any HF tokenizer directory / hub id).
+
+    A foreign tokenizer (a real model's) may lack the XTML tokens: pass it to
+    `ensure_xtml_tokens` together with the model. With ``require_xtml=True`` a
+    missing XTML token is a ValueError instead.
+    """
+    p = Path(path)
+    if not p.exists() and str(path).startswith((".", "/")):
+        raise ValueError(f"tokenizer path {str(path)!r} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if require_xtml:
+        missing = _missing_tokens(tokenizer)
+        if missing:
+            raise ValueError(
+                f"tokenizer at {str(path)!r} lacks the XTML tokens {missing} as single ids; "
+                "call k3post.tokenizer.ensure_xtml_tokens(tokenizer, model) to add them"
+            )
+    return tokenizer
+
+
+def _single_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int | None:
+    """The id of ``token`` if it is one whole vocabulary entry, else None."""
+    vocab = tokenizer.get_vocab()
+    tid = vocab.get(token)
+    if tid is None:
+        return None
+    return int(tid)
+
+
+def _missing_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """XTML tokens (and pad) that are not single ids of ``tokenizer``."""
+    return [t for t in ALL_SPECIAL_TOKENS if _single_id(tokenizer, t) is None]
+
+
+def special_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
+    """Map each XTML token (and pad) to its id; ValueError if one is missing."""
+    out: dict[str, int] = {}
+    for tok in ALL_SPECIAL_TOKENS:
+        tid = _single_id(tokenizer, tok)
+        if tid is None:
+            raise ValueError(
+                f"tokenizer has no single id for {tok!r}; call ensure_xtml_tokens(tokenizer, model)"
+            )
+        out[tok] = tid
+    return out
+
+
+def ensure_xtml_tokens(tokenizer: PreTrainedTokenizerBase, model: Any | None = None) -> list[str]:
+    """Make sure every XTML token and the pad token is one special id of ``tokenizer``.
+
+    Missing tokens are added as special tokens (so they are never split); if
+    any were added and a ``model`` is given, its embeddings are resized with
+    ``model.resize_token_embeddings(len(tokenizer))``. A ``warnings.warn`` names
+    the added tokens, since their embeddings start untrained. If the tokenizer
+    has no pad token, ``<|pad|>`` becomes it.
+
+    Returns:
+        The tokens that were added, in `ALL_SPECIAL_TOKENS` order (empty when
+        nothing was missing).
+    """
+    missing = _missing_tokens(tokenizer)
+    if missing:
+        tokenizer.add_tokens(missing, special_tokens=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = PAD_TOKEN
+    still = _missing_tokens(tokenizer)
+    assert not still, f"failed to add XTML tokens {still}"
+    if missing:
+        msg = f"added XTML special tokens {missing} to the tokenizer (new, untrained embeddings)"
+        if model is not None:
+            old = int(model.get_input_embeddings().weight.shape[0])
+            if len(tokenizer) > old:
+                model.resize_token_embeddings(len(tokenizer))
+                msg += f"; resized model embeddings {old} -> {len(tokenizer)}"
+        warnings.warn(msg, UserWarning, stacklevel=2)
+    try:
+        _TEXT_BACKENDS.pop(tokenizer, None)
+    except TypeError:
+        pass
+    return missing
+
+
+# Per-tokenizer clone of the backend with `encode_special_tokens=True`: added
+# special tokens are then matched as plain text. A clone (rather than toggling
+# the flag on the shared backend) keeps `encode_text` thread-safe and leaves
+# the tokenizer's own behaviour untouched.
+_TEXT_BACKENDS: "weakref.WeakKeyDictionary[Any, tuple[int, Tokenizer]]" = weakref.WeakKeyDictionary()
+
+
+def _text_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
+    """The never-special backend clone for ``tokenizer``, or None for slow tokenizers."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        return None
+    size = len(tokenizer)
+    try:
+        cached = _TEXT_BACKENDS.get(tokenizer)
+    except TypeError:  # not weak-referenceable / hashable
+        cached = None
+    if cached is not None and cached[0] == size:
+        return cached[1]
+    clone = Tokenizer.from_str(backend.to_str())
+    clone.encode_special_tokens = True
+    try:
+        _TEXT_BACKENDS[tokenizer] = (size, clone)
+    except TypeError:
+        pass
+    return clone
+
+
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Encode ``text`` as ordinary tokens: never a special id, no BOS/EOS added.
+
+    A string that spells ``<|end_of_msg|>`` (or any other special token) is
+    split into ordinary byte-level tokens, so text from users, tools or
+    documents cannot forge XTML structure.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"encode_text expects a str, got {type(text).__name__}")
+    if text == "":
+        return []
+    clone = _text_backend(tokenizer)
+    if clone is not None:
+        ids = list(clone.encode(text, add_special_tokens=False).ids)
+    else:
+        ids = list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    return ids
+
+
+def decode(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
+    """Decode ``ids`` exactly: special tokens written literally, no space clean-up.
+
+    Incomplete UTF-8 at the end of ``ids`` (a character split across tokens)
+    decodes to U+FFFD; decode whole segments when exactness matters.
+    """
+    ids = [int(i) for i in ids]
+    if not ids:
+        return ""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(backend, Tokenizer):
+        return backend.decode(ids, skip_special_tokens=False)
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)

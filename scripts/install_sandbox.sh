@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Set up the code sandbox (k3post/envs/sandbox.py): install bubblewrap (bwrap)
+# via apt-get when it is missing and we can, then report which isolation
+# backend really works here.
+#
+# Idempotent (does nothing when bwrap is already installed) and never fails
+# the install: where apt-get is unavailable, or we are not root, or the
+# package cannot be fetched, it prints a warning and exits 0; the sandbox then
+# falls back to `unshare` namespaces or, at worst, rlimits only (weak isolation).
+set -u
+
+warn() { echo "install_sandbox: warning: $*" >&2; }
+info() { echo "install_sandbox: $*"; }
+
+if [ "$(uname -s)" != "Linux" ]; then
+    warn "not Linux; the sandbox will use its rlimit fallback (weak isolation)"
+    exit 0
+fi
+
+if command -v bwrap >/dev/null 2>&1; then
+    info "bubblewrap already installed: $(command -v bwrap)"
+else
+    SUDO=""
+    if [ "$(id -u)" != "0" ]; then
+        if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+            SUDO="sudo -n"
+        fi
+    fi
+    if ! command -v apt-get >/dev/null 2>&1; then
+        warn "apt-get not found; install bubblewrap with your package manager for full isolation"
+    elif [ "$(id -u)" != "0" ] && [ -z "$SUDO" ]; then
+        warn "not root and no passwordless sudo; cannot apt-get install bubblewrap"
+    else
+        info "installing bubblewrap with apt-get"
+        export DEBIAN_FRONTEND=noninteractive
+        # A stale package index is the usual reason for a failed install: retry after an update.
+        if ! $SUDO apt-get install -y -q --no-install-recommends bubblewrap >/dev/null 2>&1; then
+            $SUDO apt-get update -q >/dev/null 2>&1 || warn "apt-get update failed"
+            $SUDO apt-get install -y -q --no-install-recommends bubblewrap >/dev/null 2>&1 \
+                || warn "apt-get install bubblewrap failed"
+        fi
+        command -v bwrap >/dev/null 2>&1 && info "installed $(command -v bwrap)"
+    fi
+fi
+
+# Report what really works (namespaces are often forbidden inside containers).
+PY=${PYTHON:-python3}
+if "$PY" -c "import k3post.envs.sandbox" >/dev/null 2>&1; then
+    "$PY" - <<'EOF' || warn "could not probe the sandbox backends"
+from k3post.envs.sandbox import BACKENDS, probe_backend
+works = {b: probe_backend(b) for b in BACKENDS}
+best = next(b for b in BACKENDS if works[b])
+print("install_sandbox: backends: " + ", ".join(f"{b}={'ok' if ok else 'unavailable'}" for b, ok in works.items()))
+if best == "rlimit":
+    print("install_sandbox: WARNING: only the rlimit backend works; sandbox isolation is weak")
+else:
+    print(f"install_sandbox: sandbox backend in use: {best}")
+EOF
+fi
+exit 0

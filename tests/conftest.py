@@ -1,0 +1,30 @@
+"""Shared pytest fixtures: a small XTML tokenizer trained once per session."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from k3post.tokenizer import train_tokenizer
+
+_CORPUS = [
+    "Hello! How are you today? I'm fine, thanks.",
+    "The quick brown fox jumps over the lazy dog 1234567890 times.",
+    'def add(a: int, b: int) -> int:\n    """Add two numbers."""\n    return a + b\n',
+    "for i in range(10):\n    print(i * 2)\n",
+    '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3, "metric": true}}',
+    '[{"type": "function", "function": {"name": "python", "parameters": {"type": "object"}}}]',
+    "Let me think step by step about the problem before answering.",
+    "The answer is 42. The tool returned an error; retrying with different arguments.",
+    "Grüße aus München — café, naïve, déjà vu.",
+    "日本語のテキストと中文文本。",
+    "Emoji: 🙂 👍 and math: ∑ x² ≤ ∞",
+    'message role="user" role="assistant" role="tool" tool="python" index="1"',
+    'argument key="code" type="string" think response tools call json',
+]
+
+
+@pytest.fixture(scope="session")
+def xtml_tokenizer() -> PreTrainedTokenizerFast:
+    """A ~400-token byte-level BPE with the XTML special tokens at ids 0..4."""
+    return train_tokenizer(_CORPUS * 3, vocab_size=400)

@@ -1,0 +1,169 @@
+"""SFT trainer: packing, loss masking, schedule, exact resume, bad input, learning."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from k3post.data import DataError, Sample, collate, load_sft_jsonl, pack_rows, write_jsonl
+from k3post.models import build_tiny_moe
+from k3post.sft import SFTConfig, lr_at, masked_ce_sum, train_sft
+from k3post.tasks import arithmetic
+from k3post.xtml import XTML
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from k3post.commands import default_corpus
+    from k3post.tokenizer import train_tokenizer
+
+    return train_tokenizer(default_corpus(n=300), vocab_size=384)
+
+
+@pytest.fixture(scope="module")
+def xtml(tok):
+    return XTML(tok)
+
+
+def _model(tok, seed=0):
+    return build_tiny_moe(len(tok), "tiny", seed=seed, num_hidden_layers=2, pad_token_id=tok.pad_token_id)
+
+
+def _records(n, seed=0):
+    return arithmetic.sft_records(arithmetic.generate(n, seed=seed), ["max", "high", "low"], seed=seed)
+
+
+def test_lr_schedule_golden():
+    cfg = SFTConfig(lr=1.0, warmup_steps=4, steps=14, min_lr_ratio=0.1)
+    # warmup: (s+1)/4
+    assert [lr_at(s, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    # cosine over 10 steps from 1.0 to 0.1: at progress 0.5 → 0.1 + 0.9 * 0.5 = 0.55
+    assert lr_at(9, cfg) == pytest.approx(0.55)
+    assert lr_at(14, cfg) == pytest.approx(0.1)
+
+
+def test_labels_follow_loss_mask_and_segments():
+    # two samples packed in one row; targets only where the *next* token is trainable and in the same sample
+    a = Sample(ids=[10, 11, 12, 13], loss_mask=[False, False, True, True], source="a")
+    b = Sample(ids=[20, 21, 22], loss_mask=[False, True, True], source="b")
+    batch = collate([a, b], [[0, 1]], max_len=16, pad_id=0)
+    assert batch.labels_RL.tolist() == [[-100, 12, 13, -100, 21, 22, -100]]
+    assert batch.position_ids_RL.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
+    m = batch.attention_mask_R1LL[0, 0]
+    assert not m[4, 3] and m[4, 4] and m[3, 0] and not m[0, 1]  # no attention across samples; causal
+
+
+def test_pack_rows_first_fit_in_order():
+    s = [Sample([1] * n, [True] * n, "") for n in (5, 4, 3, 6)]
+    assert pack_rows(s, [0, 1, 2, 3], max_len=9) == [[0, 1], [2, 3]]
+    assert pack_rows(s, [3, 2, 1, 0], max_len=9) == [[3, 2], [1, 0]]
+
+
+def test_packed_forward_equals_separate(tok, xtml):
+    model = _model(tok).eval()
+    recs = _records(3)
+    samples = [Sample(*_render(xtml, r), source=str(i)) for i, r in enumerate(recs)]
+    batch = collate(samples, [[0, 1, 2]], max_len=1024, pad_id=tok.pad_token_id)
+    with torch.no_grad():
+        packed = masked_ce_sum(model, batch)
+        separate = sum(masked_ce_sum(model, collate(samples, [[i]], 1024, tok.pad_token_id)) for i in range(3))
+    assert float(packed) == pytest.approx(float(separate), rel=1e-5)
+
+
+def _render(xtml, rec):
+    r = xtml.render(rec["messages"], effort=rec["effort"])
+    return list(r.ids), list(r.loss_mask)
+
+
+def test_grad_accum_equals_big_batch(tok, xtml):
+    samples = [Sample(*_render(xtml, r), source="") for r in _records(4)]
+    rows = [[0, 1], [2, 3]]
+    m1, m2 = _model(tok), _model(tok)
+    b_all = collate(samples, rows, 512, tok.pad_token_id)
+    n = b_all.n_target_tokens
+    (masked_ce_sum(m1, b_all) / n).backward()
+    for row in rows:  # two micro-batches, each divided by the step's total target count
+        (masked_ce_sum(m2, collate(samples, [row], 512, tok.pad_token_id)) / n).backward()
+    for (name, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
+        if p1.grad is not None:
+            torch.testing.assert_close(p1.grad, p2.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _write(tmp_path, recs, name="train.jsonl"):
+    return write_jsonl(recs, tmp_path / name)
+
+
+def test_resume_gives_identical_losses(tok, xtml, tmp_path):
+    path = _write(tmp_path, _records(120))
+    samples, _ = load_sft_jsonl(path, xtml, max_len=256)
+    cfg = SFTConfig(steps=6, rows_per_batch=2, max_len=256, save_every=3, warmup_steps=2, progress=False, lr=2e-3)
+    full = _model(tok)
+    r_full = train_sft(full, tok, samples, cfg, tmp_path / "full")
+    # interrupted run: stop after 3 steps (a checkpoint), then a fresh process-equivalent resumes
+    _train_until(_model(tok), tok, samples, cfg, tmp_path / "part", stop_after=3)
+    resumed = _model(tok, seed=123)  # different init: everything must come from the checkpoint
+    r_res = train_sft(resumed, tok, samples, cfg, tmp_path / "part")
+    assert r_res.resumed_from == 3
+    assert r_res.losses == r_full.losses  # bit-identical, steps 1-3 from the checkpoint, 4-6 recomputed
+    for p1, p2 in zip(full.parameters(), resumed.parameters()):
+        assert torch.equal(p1, p2)
+
+
+def _train_until(model, tok, samples, cfg, out, stop_after):
+    """Run the trainer and 'kill' it right after the checkpoint at `stop_after` by raising from the save hook."""
+    import k3post.sft as sft
+
+    real = sft.save_checkpoint
+
+    class Killed(Exception):
+        pass
+
+    def save_then_die(root, step, *a, **kw):
+        path = real(root, step, *a, **kw)
+        if step == stop_after:
+            raise Killed
+        return path
+
+    sft.save_checkpoint = save_then_die
+    try:
+        with pytest.raises(Killed):
+            train_sft(model, tok, samples, cfg, out)
+    finally:
+        sft.save_checkpoint = real
+
+
+def test_sft_learns(tok, xtml, tmp_path):
+    path = _write(tmp_path, _records(16))
+    samples, _ = load_sft_jsonl(path, xtml, max_len=512)
+    cfg = SFTConfig(steps=40, rows_per_batch=2, max_len=512, save_every=100, warmup_steps=5, lr=3e-3, progress=False)
+    res = train_sft(_model(tok), tok, samples, cfg, tmp_path / "out")
+    assert res.losses[0] > 3.0
+    assert res.losses[-1] < 0.3 * res.losses[0]  # memorising 16 samples: loss falls by > 3x in 40 steps
+
+
+@pytest.mark.parametrize(
+    "line,match",
+    [
+        ("{not json", r"train.jsonl:2: malformed JSON"),
+        (json.dumps({"messages": [{"role": "robot", "content": "hi"}]}), r"train.jsonl:2: .*unknown role 'robot'"),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
+                        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "rm", "arguments": "{}"}}]}],
+                        "tools": []}),
+            r"train.jsonl:2: .*undeclared tool 'rm'",
+        ),
+        (json.dumps({"messages": [{"role": "user", "content": "x " * 3000}, {"role": "assistant", "content": "y"}]}),
+         r"train.jsonl:2: sample is \d+ tokens, longer than max_len=400"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "effort": "huge"}), r"train.jsonl:2: .*effort"),
+    ],
+)
+def test_bad_input_names_file_and_line(tok, xtml, tmp_path, line, match):
+    good = json.dumps(_records(1)[0])
+    p = tmp_path / "train.jsonl"
+    p.write_text(good + "\n" + line + "\n" + good + "\n")
+    with pytest.raises(DataError, match=match):
+        load_sft_jsonl(p, xtml, max_len=400)
+    samples, stats = load_sft_jsonl(p, xtml, max_len=400, on_bad_sample="skip")
+    assert len(samples) == 2 and stats.read == 3 and sum(stats.skipped.values()) == 1
+    assert p.read_text().count("\n") == 3  # the input file is never touched
