@@ -3,6 +3,7 @@
     k3post demo [CONFIG] [key=value ...]        the whole pipeline on a tiny MoE (CPU)
     k3post sft CONFIG [key=value ...]           Stage 1 SFT on a JSONL file (sft.train_file)
     k3post init-model OUT_DIR [--preset tiny]   write a tiny Qwen3-MoE + BPE tokenizer that transformers loads
+    k3post export CKPT OUT [--format mxfp4|bf16] packed MXFP4 experts + bf16 rest, or all bf16
     k3post report RUN_DIR                       rebuild a run's report.html
 
 Overrides are dotted config keys (`sft.lr=3e-4`); an unknown key is an error naming the closest valid one.
@@ -56,6 +57,14 @@ def cmd_init_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(ns: argparse.Namespace) -> int:
+    from k3post.quant.export import export_model
+
+    out = export_model(ns.ckpt, ns.out, fmt=ns.format, rest_dtype=ns.rest_dtype)
+    print(f"wrote {ns.format} export → {out}")
+    return 0
+
+
 def cmd_report(ns: argparse.Namespace) -> int:
     from k3post.report import write_report
 
@@ -79,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--vocab-size", type=int, default=512)
     i.add_argument("--seed", type=int, default=0)
     i.set_defaults(fn=cmd_init_model)
+    e = sub.add_parser("export", help="export a checkpoint: MXFP4 experts (gpt-oss layout) + bf16, or bf16")
+    e.add_argument("ckpt")
+    e.add_argument("out")
+    e.add_argument("--format", choices=["mxfp4", "bf16"], default="mxfp4")
+    e.add_argument("--rest-dtype", default="bfloat16", help="dtype of non-expert weights in an mxfp4 export")
+    e.set_defaults(fn=cmd_export)
     r = sub.add_parser("report", help="rebuild report.html of a run folder")
     r.add_argument("run_dir")
     r.set_defaults(fn=cmd_report)

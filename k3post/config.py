@@ -48,6 +48,13 @@ class RunConfig:
 
 
 @dataclass
+class DemoConfig:
+    """What `k3post demo` runs besides the pipeline itself."""
+
+    compare_no_qat: bool = True  # also train the same SFT run without QAT and compare held-out pass rate
+
+
+@dataclass
 class K3Config:
     """The whole pipeline's config: one section per component."""
 
@@ -58,6 +65,7 @@ class K3Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     qat: QATConfig = field(default_factory=QATConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    demo: DemoConfig = field(default_factory=DemoConfig)
 
 
 def _valid_keys(cls: type, prefix: str = "") -> dict[str, type | None]:

@@ -6,7 +6,8 @@
       tokenizer/             byte-level BPE with the XTML tokens
       model_init/            the freshly built tiny Qwen3-MoE (safetensors)
       sft/checkpoints/       step-N/ checkpoints + latest (exact resume)
-      sft/final/             the SFT policy
+      sft/final/             the SFT policy (QAT)
+      sft_noqat/             the same SFT run without QAT, for comparison
       metrics.jsonl, tensorboard/
       summary.json, report.html
 
@@ -20,6 +21,7 @@ import json
 import logging
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ import torch
 
 from k3post.config import K3Config, to_yaml
 from k3post.data import load_sft_jsonl, write_jsonl
-from k3post.evaluate import evaluate_tasks
+from k3post.evaluate import evaluate_tasks, greedy_complete, train_inference_logprob_gap
 from k3post.metrics import MetricsLogger
 from k3post.models import build_tiny_moe, count_parameters, load_model, save_model
 from k3post.quant.qat import apply_qat
@@ -140,26 +142,46 @@ def run_demo(cfg: K3Config) -> Path:
         eval_all("base")
     phase("eval base", t0)
 
-    # 4. Stage 1 SFT with QAT from the first step
-    t0 = time.perf_counter()
+    # 4. Stage 1 SFT with QAT from the first step (and, for comparison, the same run without QAT)
     samples, stats = load_sft_jsonl(train_file, xtml, max_len=cfg.sft.max_len, on_bad_sample=cfg.sft.on_bad_sample, mode=cfg.sft.mode)
-    quantized = apply_qat(model, cfg.qat) if cfg.qat.enabled else []
-    res = train_sft(model, tokenizer, samples, cfg.sft, run / "sft", seed=cfg.run.seed, metrics=metrics)
-    save_model(model, run / "sft" / "final", tokenizer)
-    summary.update(
-        sft={
+
+    def sft_stage(tag: str, qat_on: bool) -> torch.nn.Module:
+        t0 = time.perf_counter()
+        m = model if tag == "sft" else load_model(init_dir)
+        quantized = apply_qat(m, replace(cfg.qat, enabled=True)) if qat_on else []
+        res = train_sft(m, tokenizer, samples, cfg.sft, run / tag, seed=cfg.run.seed, metrics=metrics, stage=tag)
+        if not (run / tag / "final" / "config.json").exists():
+            save_model(m, run / tag / "final", tokenizer)
+        summary.update(**{tag: {
             "steps": res.steps, "final_loss": res.final_loss, "wall_s": round(res.wall_s, 1),
             "tokens_per_s": res.tokens_per_s, "n_samples": stats.kept, "skipped": stats.skipped,
             "resumed_from": res.resumed_from,
             "qat": f"on ({len(quantized)} expert tensors)" if quantized else "off",
-        }
-    )
-    phase("sft", t0)
+        }})
+        phase(tag, t0)
+        return m
 
-    # 5. held-out pass rate after SFT
+    sft_stage("sft", cfg.qat.enabled)
+
+    # 5. held-out pass rate after SFT; train-vs-inference log-prob gap of the QAT policy
     t0 = time.perf_counter()
     eval_all("sft")
+    probe = [xtml.render(t.prompt(), effort="max", add_generation_prompt=True).ids for t in eval_tasks[:32]]
+    comps = greedy_complete(model, probe, max_new_tokens=cfg.eval.max_new_tokens, stop_id=stop_id, pad_id=pad_id)
+    gap = train_inference_logprob_gap(model, [p + c for p, c in zip(probe, comps)], pad_id=pad_id)
+    summary.update(logprob_gap=gap)
+    print(f"  train-vs-inference log-prob gap: max {gap['max_abs']:.3g} over {gap['tokens']} tokens")
     phase("eval sft", t0)
+
+    if cfg.qat.enabled and cfg.demo.compare_no_qat:
+        baseline = sft_stage("sft_noqat", False)
+        t0 = time.perf_counter()
+        evals["sft_noqat"] = {
+            "max": evaluate_tasks(baseline, xtml, eval_tasks, arithmetic.verify, effort="max", cfg=cfg.eval, pad_id=pad_id, stop_id=stop_id)
+        }
+        summary.update(eval=evals)
+        print(f"  sft_noqat @ max : pass {evals['sft_noqat']['max']['pass_rate']:.3f}")
+        phase("eval sft_noqat", t0)
 
     metrics.close()
     summary.update(status="done", wall_s=round(time.perf_counter() - t_start + summary.data.get("wall_s_before_resume", 0), 1))

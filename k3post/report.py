@@ -68,25 +68,30 @@ pre{background:#f7f7f7;padding:.6em;overflow-x:auto;font-size:12px;white-space:p
 
 
 def _sft_section(run: Path, summary: dict[str, Any]) -> str:
-    sft = summary.get("sft")
-    if not sft:
+    runs = [tag for tag in ("sft", "sft_noqat") if summary.get(tag)]
+    if not runs:
         return ""
     parts = ["<h2>Stage 1: SFT</h2>"]
-    rows = read_metrics(run / "metrics.jsonl", "sft")
-    if rows:
-        series = {"train loss": ([r["step"] for r in rows], [r["loss"] for r in rows])}
+    series = {}
+    for tag in runs:
+        rows = read_metrics(run / "metrics.jsonl", tag)
+        if rows:
+            label = "QAT (MXFP4/MXFP8)" if tag == "sft" else "no QAT"
+            series[label] = ([r["step"] for r in rows], [r["loss"] for r in rows])
+    if series:
         parts.append(_img(_plot_png(series, title="SFT loss (masked CE, token mean)", xlabel="step", ylabel="loss", logy=True), "SFT loss curve"))
-    facts = [
-        ["steps", sft.get("steps")],
-        ["final loss", sft.get("final_loss")],
-        ["wall time (s)", sft.get("wall_s")],
-        ["tokens/s (packed, incl. padding)", sft.get("tokens_per_s")],
-        ["training samples", sft.get("n_samples")],
-        ["QAT (MXFP4 experts, MXFP8 expert inputs)", sft.get("qat", "off")],
+    keys = [
+        ("steps", "steps"), ("final loss", "final_loss"), ("wall time (s)", "wall_s"),
+        ("tokens/s (packed, incl. padding)", "tokens_per_s"), ("training samples", "n_samples"),
+        ("QAT", "qat"), ("resumed from step", "resumed_from"),
     ]
-    if sft.get("resumed_from") is not None:
-        facts.append(["resumed from step", sft["resumed_from"]])
-    parts.append(_table(["", "value"], facts))
+    parts.append(_table([""] + runs, [[label] + [summary[t].get(k, "") for t in runs] for label, k in keys]))
+    gap = summary.get("logprob_gap")
+    if gap:
+        parts.append(
+            f"<p>Train–inference log-prob gap of the QAT policy (training forward vs inference forward, same tokens, "
+            f"same MX quantizer): max |Δ log p| = <b>{gap['max_abs']:.3g}</b>, mean {gap['mean_abs']:.3g}, over {gap['tokens']} tokens.</p>"
+        )
     return "\n".join(parts)
 
 

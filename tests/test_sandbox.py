@@ -63,7 +63,12 @@ def ns_sb(request: pytest.FixtureRequest) -> Iterator[Sandbox]:
 
 
 @pytest.fixture(
-    params=["ns", "rlimit", pytest.param("unshare", marks=pytest.mark.slow), pytest.param("bwrap", marks=pytest.mark.slow)]
+    params=[
+        "ns",
+        "rlimit",
+        pytest.param("unshare", marks=pytest.mark.slow),
+        pytest.param("bwrap", marks=pytest.mark.slow),
+    ]
 )
 def timed_sb(request: pytest.FixtureRequest) -> Iterator[Sandbox]:
     """For the timeout-bound cases: the best namespace backend and rlimit by default
@@ -253,7 +258,10 @@ def test_preexec_fallback_without_util_linux_wrappers(monkeypatch: pytest.Monkey
     assert res.ok, res
     assert res.stdout == f"({int(FAST.cpu_s)}, {int(FAST.cpu_s) + 1})\n"
     if os.geteuid() == 0:  # the dedicated uid is in force: the NPROC limit holds
-        res = _py(any_sb, "import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            import time; time.sleep(30)\n        n += 1\nexcept OSError:\n    print(n)\n")
+        res = _py(
+            any_sb,
+            "import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            import time; time.sleep(30)\n        n += 1\nexcept OSError:\n    print(n)\n",
+        )
         assert int(res.stdout.strip().splitlines()[-1]) < FAST.nproc, res
     res = any_sb.run(["python", "-c", "x = bytearray(4 * 1024**3)"])
     assert res.killed_reason == "memory", res
@@ -509,6 +517,42 @@ def test_write_to_usr_fails(any_sb: Sandbox) -> None:
     assert not Path(name).exists()
 
 
+def test_view_is_read_only_outside_workdir_and_tmp(ns_sb: Sandbox) -> None:
+    res = _py(
+        ns_sb,
+        """
+        for path in ("/evil", "/dev/evil", "/etc/evil", "/opt/evil", "/usr/bin/evil"):
+            try:
+                open(path, "w").write("x")
+                print("WROTE", path)
+            except OSError as e:
+                print("DENIED", path, type(e).__name__)
+        """,
+    )
+    assert res.returncode == 0, res
+    assert "WROTE" not in res.stdout
+    assert res.stdout.count("DENIED") == 5
+
+
+def test_private_tmp_is_size_capped(ns_sb: Sandbox) -> None:
+    with _make(ns_sb.backend, SandboxLimits(tmpfs_bytes=4 * 1024**2, fsize_bytes=64 * 1024**2)) as s:
+        res = _py(
+            s,
+            """
+            import errno
+            for path in ("/tmp/fill", "/dev/shm/fill"):
+                try:
+                    with open(path, "wb") as fh:
+                        fh.write(b"x" * (16 * 1024 * 1024))
+                    print("FILLED", path)
+                except OSError as e:
+                    print("FULL", path, e.errno == errno.ENOSPC)
+            """,
+        )
+    assert res.returncode == 0, res
+    assert res.stdout.split("\n")[:2] == ["FULL /tmp/fill True", "FULL /dev/shm/fill True"]
+
+
 def test_cannot_write_outside_workdir_via_dotdot(ns_sb: Sandbox) -> None:
     name = f"escape-{random.randrange(10**12)}"
     res = _py(ns_sb, f"open('../{name}', 'w').write('x')")
@@ -551,7 +595,9 @@ def test_classic_fork_bomb_is_killed(timed_sb: Sandbox) -> None:
     if os.geteuid() == 0 and timed_sb._drop_uid is None:
         pytest.skip("running as root without a dedicated uid: RLIMIT_NPROC is not enforced")
     mark = _marker()
-    timed_sb.write_file("bomb.py", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
+    timed_sb.write_file(
+        "bomb.py", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    )
     t0 = time.monotonic()
     res = timed_sb.run(["python", "bomb.py", mark], timeout=0.7)
     assert res.timed_out and res.killed_reason == "wall_timeout"

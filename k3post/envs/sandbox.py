@@ -409,9 +409,7 @@ def _etc_files(etc_dir: str, uid: int) -> None:
         os.chmod(path, 0o644)
 
 
-def _bwrap_argv(
-    workdir_fd: int, prefixes: list[str], etc_dir_fd: int, limits: SandboxLimits, python: str
-) -> list[str]:
+def _bwrap_argv(workdir_fd: int, prefixes: list[str], etc_dir_fd: int, limits: SandboxLimits, python: str) -> list[str]:
     """bubblewrap command line (without the user command) for one run."""
     bwrap = shutil.which("bwrap") or "/usr/bin/bwrap"
     argv = [
@@ -452,6 +450,10 @@ def _bwrap_argv(
         "--size",
         str(limits.tmpfs_bytes),
         "--tmpfs",
+        "/dev/shm",
+        "--size",
+        str(limits.tmpfs_bytes),
+        "--tmpfs",
         "/tmp",
         "--dir",
         _OPT_BIN,
@@ -470,6 +472,8 @@ def _bwrap_argv(
         SANDBOX_DIR,
         "--chdir",
         SANDBOX_DIR,
+        "--remount-ro",
+        "/dev",
         "--remount-ro",
         "/",
         "--",
@@ -498,6 +502,8 @@ done
 /usr/bin/ln -s /proc/self/fd/1 dev/stdout
 /usr/bin/ln -s /proc/self/fd/2 dev/stderr
 /usr/bin/mount -t tmpfs -o "size=$SBX_TMPFS,mode=1777" sandbox-tmp tmp
+/usr/bin/mkdir -p dev/shm
+/usr/bin/mount -t tmpfs -o "size=$SBX_TMPFS,mode=1777" sandbox-shm dev/shm
 /usr/bin/mount -t proc proc proc
 for p in $SBX_PREFIXES; do
     /usr/bin/mkdir -p ".$p"
@@ -682,8 +688,7 @@ class Sandbox:
             self.backend = _select_backend(backend)
             if self.backend != "rlimit" and not probe_backend(self.backend):
                 raise RuntimeError(
-                    f"sandbox backend {self.backend!r} does not work on this machine "
-                    f"(working: {available_backends()})"
+                    f"sandbox backend {self.backend!r} does not work on this machine (working: {available_backends()})"
                 )
             if self.backend == "rlimit":
                 why = (

@@ -1,0 +1,87 @@
+"""The registry of built-in task families, by domain.
+
+A family bundles a seeded generator, an environment factory, a reference solver that writes complete
+trajectories at every effort level, a verifier (registered in k3post.envs.task under the family's name)
+and a set of wrong or hacky policies that must all score 0.
+
+    fam = get_family("coding.write_function")
+    tasks = fam.generate(100, seed=0, difficulty=1)
+    env = fam.make_env(tasks[0])
+    ep = run_episode_sync(fam.reference_policy(tasks[0], "max"), env, tasks[0])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from k3post.envs.env import Environment
+from k3post.envs.task import DOMAINS, Task
+
+Policy = Callable[..., Any]  # messages, tools -> assistant message (sync or async)
+EFFORTS = ("low", "high", "max")
+
+
+@runtime_checkable
+class TaskFamily(Protocol):
+    """What every built-in family provides."""
+
+    name: str  # "<domain>.<family>", also the verifier name
+    domain: str  # one of DOMAINS
+    description: str
+    verifiable: bool  # False: rewarded by a judge (the GRM), not a rule
+
+    def generate(self, n: int, *, seed: int, difficulty: int = 1) -> list[Task]:
+        """`n` distinct tasks, a pure function of (seed, difficulty)."""
+        ...
+
+    def make_env(self, task: Task) -> Environment:
+        """A fresh environment for one episode of `task`."""
+        ...
+
+    def reference_policy(self, task: Task, effort: str) -> Policy:
+        """A scripted solver: thorough reasoning at `max`, terse at `low`, honest token counts."""
+        ...
+
+    def wrong_policies(self, task: Task) -> dict[str, Policy]:
+        """Named wrong / hacky policies (empty answer, copied prompt, claims without the work ...)."""
+        ...
+
+
+_FAMILIES: dict[str, TaskFamily] = {}
+
+
+def register_family(family: TaskFamily) -> TaskFamily:
+    """Add a family; its name must be `<domain>.<name>` with a known domain and unique."""
+    if not isinstance(family, TaskFamily):
+        raise ValueError(f"{family!r} does not implement the TaskFamily protocol")
+    domain = family.name.split(".", 1)[0]
+    if domain not in DOMAINS or family.domain != domain:
+        raise ValueError(f"family '{family.name}': name must start with its domain, one of {DOMAINS}")
+    if family.name in _FAMILIES and _FAMILIES[family.name] is not family:
+        raise ValueError(f"family '{family.name}' is already registered")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def _load_builtin() -> None:
+    # importing the modules registers their families
+    from k3post.envs.families import agents, coding, general  # noqa: F401
+
+
+def get_family(name: str) -> TaskFamily:
+    _load_builtin()
+    if name not in _FAMILIES:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(_FAMILIES), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ValueError(f"unknown task family '{name}'{hint}; known: {sorted(_FAMILIES)}")
+    return _FAMILIES[name]
+
+
+def families(domain: str | None = None) -> list[TaskFamily]:
+    """All registered families, optionally of one domain, sorted by name."""
+    _load_builtin()
+    if domain is not None and domain not in DOMAINS:
+        raise ValueError(f"unknown domain '{domain}'; expected one of {DOMAINS}")
+    return [f for n, f in sorted(_FAMILIES.items()) if domain is None or f.domain == domain]
