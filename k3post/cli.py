@@ -4,6 +4,10 @@
     k3post sft CONFIG [key=value ...]           Stage 1 SFT on a JSONL file (sft.train_file)
     k3post init-model OUT_DIR [--preset tiny]   write a tiny Qwen3-MoE + BPE tokenizer that transformers loads
     k3post export CKPT OUT [--format mxfp4|bf16] packed MXFP4 experts + bf16 rest, or all bf16
+    k3post tasks list | sample FAMILY            the built-in task families
+    k3post synth --family F --effort E --n N --out data.jsonl   SFT trajectories from a teacher, verified
+    k3post review list|show|accept|reject|edit   the human review queue of flagged samples
+    k3post mix ...                              mix datasets by domain / effort weights
     k3post report RUN_DIR                       rebuild a run's report.html
 
 Overrides are dotted config keys (`sft.lr=3e-4`); an unknown key is an error naming the closest valid one.
@@ -94,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--format", choices=["mxfp4", "bf16"], default="mxfp4")
     e.add_argument("--rest-dtype", default="bfloat16", help="dtype of non-expert weights in an mxfp4 export")
     e.set_defaults(fn=cmd_export)
+    from k3post.envs.families.cli import add_tasks_parser
+
+    add_tasks_parser(sub)
+    from k3post.synth.cli import add_mix_parser, add_review_parser, add_synth_parser
+
+    add_synth_parser(sub)
+    add_review_parser(sub)
+    add_mix_parser(sub)
     r = sub.add_parser("report", help="rebuild report.html of a run folder")
     r.add_argument("run_dir")
     r.set_defaults(fn=cmd_report)

@@ -108,7 +108,9 @@ def run_demo(cfg: K3Config) -> Path:
         tokenizer = load_tokenizer(tok_dir)
     else:
         corpus = (render_text(r["messages"], tools=r["tools"], effort=r["effort"]) for r in records[:3000])
-        tokenizer = train_tokenizer(corpus, vocab_size=cfg.tokenizer.vocab_size, out_dir=tok_dir)
+        tokenizer = train_tokenizer(
+            corpus, vocab_size=cfg.tokenizer.vocab_size, out_dir=tok_dir, word_boundaries=cfg.tokenizer.word_boundaries
+        )
     xtml = XTML(tokenizer)
     stop_id = tokenizer.convert_tokens_to_ids("<|end_of_msg|>")
     pad_id = tokenizer.pad_token_id

@@ -64,6 +64,8 @@ def train_tokenizer(
     corpus: Iterable[str],
     vocab_size: int = 512,
     out_dir: str | Path | None = None,
+    *,
+    word_boundaries: bool = True,
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer with the XTML special tokens.
 
@@ -79,6 +81,11 @@ def train_tokenizer(
             short of it on a small corpus (no more merges to learn).
         out_dir: if given, the tokenizer is saved there so that
             ``transformers.AutoTokenizer.from_pretrained(out_dir)`` loads it.
+        word_boundaries: True splits text at GPT-2 word boundaries before BPE (merges
+            never cross a space). False lets merges span words, so text that recurs
+            verbatim in every sample (XTML headers, the thinking-effort body) becomes a
+            few tokens; the tiny demo uses it to spend its compute on the answer.
+            Digits are split individually either way.
 
     Returns:
         A ``PreTrainedTokenizerFast`` with ``pad_token="<|pad|>"`` and
@@ -92,7 +99,7 @@ def train_tokenizer(
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=word_boundaries),
         ]
     )
     backend.decoder = decoders.ByteLevel()

@@ -9,6 +9,7 @@ a reason naming the missing backend otherwise.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import random
 import resource
@@ -318,7 +319,7 @@ def test_snapshot_modify_restore(any_sb: Sandbox) -> None:
 def test_snapshot_restore_into_fresh_sandbox(sb: Sandbox) -> None:
     sb.write_file("solution.py", "print('resumed')\n")
     sb.run(["python", "-c", "open('progress.txt','w').write('step 3')"])
-    state = sb.state_dict()
+    state = json.loads(json.dumps(sb.state_dict()))  # JSON-able: travels with a paused trajectory
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         with Sandbox(limits=FAST) as fresh:

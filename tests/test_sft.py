@@ -167,3 +167,32 @@ def test_bad_input_names_file_and_line(tok, xtml, tmp_path, line, match):
     samples, stats = load_sft_jsonl(p, xtml, max_len=400, on_bad_sample="skip")
     assert len(samples) == 2 and stats.read == 3 and sum(stats.skipped.values()) == 1
     assert p.read_text().count("\n") == 3  # the input file is never touched
+
+
+def test_bf16_autocast_trains(tok, xtml, tmp_path):
+    path = _write(tmp_path, _records(16))
+    samples, _ = load_sft_jsonl(path, xtml, max_len=512)
+    cfg = SFTConfig(steps=20, rows_per_batch=2, max_len=512, save_every=100, warmup_steps=2, precision="bf16", progress=False)
+    model = _model(tok)
+    res = train_sft(model, tok, samples, cfg, tmp_path / "out")
+    assert next(model.parameters()).dtype == torch.float32  # master weights stay fp32
+    assert res.losses[-1] < 0.5 * res.losses[0]
+    with pytest.raises(ValueError, match="precision"):
+        train_sft(model, tok, samples, SFTConfig(precision="fp8"), tmp_path / "o2")
+
+
+def test_sft_command_from_init_model(tmp_path):
+    from k3post.cli import main
+    from k3post.metrics import read_metrics
+
+    assert main(["init-model", str(tmp_path / "m"), "--vocab-size", "320"]) == 0
+    data = _write(tmp_path, _records(40))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run:\n  root: {tmp_path}\n  name: r\nmodel:\n  path: {tmp_path / 'm'}\nsft:\n  steps: 12\n  rows_per_batch: 2\n  log_every: 4\n  progress: false\n")
+    assert main(["sft", str(cfg), f"sft.train_file={data}", "sft.lr=2e-3"]) == 0
+    assert (tmp_path / "r" / "sft" / "final" / "model.safetensors").exists()
+    rows = read_metrics(tmp_path / "r" / "metrics.jsonl", "sft")
+    assert [r["step"] for r in rows] == [4, 8, 12] and rows[-1]["loss"] < rows[0]["loss"]
+    assert rows[0]["lr"] < 2e-3  # warmup
+    # a missing data file is a clear error, not a traceback
+    assert main(["sft", str(cfg), f"sft.train_file={tmp_path / 'nope.jsonl'}"]) == 2

@@ -50,6 +50,7 @@ interpreter's prefix read-only.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import io
 import itertools
@@ -851,10 +852,10 @@ class Sandbox:
         self._fix_ownership()
 
     def state_dict(self) -> dict[str, Any]:
-        """Serializable state: the working directory snapshot plus metadata."""
+        """JSON-serialisable state: the working directory snapshot (tar.gz, base64) plus metadata."""
         return {
             "version": 1,
-            "files": self.snapshot(),
+            "files": base64.b64encode(self.snapshot()).decode("ascii"),
             "limits": dataclasses.asdict(self.limits),
             "backend": self.backend,
         }
@@ -871,7 +872,8 @@ class Sandbox:
             raise ValueError("not a Sandbox state_dict (missing 'files')")
         if state.get("version", 1) != 1:
             raise ValueError(f"unsupported Sandbox state_dict version {state.get('version')!r}")
-        self.restore(state["files"])
+        files = state["files"]
+        self.restore(base64.b64decode(files) if isinstance(files, str) else files)
 
     # -------------------------------------------------------------------- run
 

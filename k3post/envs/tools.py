@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -84,13 +85,22 @@ def _check_schema(name: str, schema: Mapping[str, Any]) -> None:
     if schema.get("type", "object") != "object":
         raise ValueError(f"tool {name!r}: parameters schema must have type 'object', got {schema.get('type')!r}")
     try:
-        jsonschema.Draft202012Validator.check_schema(dict(schema))
-    except jsonschema.SchemaError as e:
-        raise ValueError(f"tool {name!r}: parameters is not a valid JSON Schema: {e.message}") from e
-    try:
-        json.dumps(schema)
+        canonical = json.dumps(schema, sort_keys=True)
     except (TypeError, ValueError) as e:
         raise ValueError(f"tool {name!r}: parameters schema is not JSON-serialisable: {e}") from e
+    error = _schema_error(canonical)
+    if error is not None:
+        raise ValueError(f"tool {name!r}: parameters is not a valid JSON Schema: {error}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _schema_error(canonical_schema: str) -> str | None:
+    """The meta-schema check of one schema (cached: envs rebuild the same ToolSpecs every episode)."""
+    try:
+        jsonschema.Draft202012Validator.check_schema(json.loads(canonical_schema))
+    except jsonschema.SchemaError as e:
+        return e.message
+    return None
 
 
 @dataclass(frozen=True, eq=False)

@@ -180,7 +180,7 @@ class FamilyBase:
             task = self._make(rng, difficulty, f"{self.id_prefix}-{seed}-d{difficulty}-{len(out):05d}")
             if task is None:
                 continue
-            key = canonical_json(list(task.messages))
+            key = canonical_json([list(task.messages), dict(task.metadata)])
             if key in seen:
                 continue
             seen.add(key)

@@ -1,0 +1,522 @@
+"""Agents-domain families: multi-hop search over a local corpus, and a personal assistant with mock apps.
+
+``agents.search`` (verifiable)
+    Each task carries a seeded knowledge graph of fictional people, companies, universities,
+    cities and countries (`k3post.envs.families.kg`) and its corpus, one document per entity.
+    The question follows a chain of 2 (difficulty 1) or 3 (difficulty 2-3) relations, e.g.
+    "In which country was the founder of Brightmoor Labs born?", so answering means opening one
+    document per hop. Tools: ``search(query)`` (BM25, top 3 ``id | title | first sentence``),
+    ``open(doc_id)`` and ``submit(answer)``; a plain-text final answer also counts as the
+    submission. The verifier compares the normalised answer with the graph's answer, and
+    nothing else: guesses, the intermediate entity, a list of every candidate name, the copied
+    question or a success claim all score 0. Difficulty also grows the graph (about 15 / 22 / 30
+    documents).
+
+``agents.assistant`` (verifiable, rewarded on the final app state)
+    Mock mail, calendar and docs apps (`k3post.envs.families.apps`) over a work week. A contact
+    emails a request: move a meeting to a proposed time (difficulty >= 2: "at T1, or T2 if T1 is
+    taken", and T1 clashes with another event), cancel a meeting, or answer a question from a
+    document. The verifier reads only the final state: the calendar must equal the expected
+    calendar exactly (the right event moved / cancelled, nothing else changed), there must be a
+    reply to the requester that mentions the outcome (new date or weekday and time; the cancelled
+    meeting's title; the document value) and not the rejected time, no email to anyone else, and
+    the docs must be unchanged. What the agent says it did is never read.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import json
+import random
+from typing import Any
+
+from k3post.envs.env import EpisodeLimits, ToolEnvironment
+from k3post.envs.families.apps import APP_TOOLS, hhmm, minutes, overlaps, weekday
+from k3post.envs.families.common import (
+    FamilyBase,
+    assistant,
+    normalize_answer,
+    prompt_text,
+    submission_text,
+    tool_call,
+)
+from k3post.envs.families.kg import CHAINS, KnowledgeGraph, bm25_search, build_graph, first_sentence, relation_phrase
+from k3post.envs.families.registry import register_family
+from k3post.envs.task import FinalState, Task, Verdict, register_verifier
+from k3post.envs.tools import ToolContext, ToolSpec
+
+__all__ = ["SearchFamily", "AssistantFamily", "SEARCH_TOOLS"]
+
+_CLAIM = "All tests passed. The task is complete."
+
+# =========================================================================== search
+
+
+def _search(ctx: ToolContext, query: str) -> str:
+    assert ctx.task is not None
+    docs = ctx.task.metadata["docs"]
+    hits = bm25_search(docs, query, k=3)
+    ctx.state["searches"].append(query)
+    if not hits:
+        return "No results."
+    return "\n".join(f"{d} | {docs[d]['title']} | {first_sentence(docs[d]['text'])}" for d, _ in hits)
+
+
+def _open(ctx: ToolContext, doc_id: str) -> str:
+    assert ctx.task is not None
+    docs = ctx.task.metadata["docs"]
+    if doc_id not in docs:
+        raise ValueError(f"no document {doc_id!r}; use an id from the search results, e.g. d01")
+    ctx.state["opened"].append(doc_id)
+    d = docs[doc_id]
+    return f"{d['title']}\n{d['text']}"
+
+
+SEARCH_TOOLS: tuple[ToolSpec, ...] = (
+    ToolSpec(
+        "search",
+        "Search the document collection; returns up to 3 hits as 'id | title | first sentence'.",
+        {"type": "object", "properties": {"query": {"type": "string", "minLength": 1}}, "required": ["query"], "additionalProperties": False},
+        True,
+        _search,
+    ),
+    ToolSpec(
+        "open",
+        "Open a document by id and return its full text.",
+        {"type": "object", "properties": {"doc_id": {"type": "string", "description": "e.g. d07"}}, "required": ["doc_id"], "additionalProperties": False},
+        True,
+        _open,
+    ),
+    ToolSpec(
+        "submit",
+        "Submit the final answer (a short name) and end the episode.",
+        {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"], "additionalProperties": False},
+        False,
+        None,
+    ),
+)
+
+_SEARCH_SYSTEM = (
+    "You answer questions about a private document collection. Use search and open to find the facts; "
+    "the answer needs facts from more than one document. Finish by calling submit with the answer only."
+)
+
+
+class SearchFamily(FamilyBase):
+    """``agents.search``: 2-3-hop questions over a corpus generated from a small knowledge graph."""
+
+    name = "agents.search"
+    domain = "agents"
+    description = "multi-hop (2-3) questions over a local corpus built from a knowledge graph; search/open/submit tools"
+    verifiable = True
+    max_difficulty = 3
+    id_prefix = "search"
+
+    def _make(self, rng: random.Random, difficulty: int, task_id: str) -> Task | None:
+        kg = build_graph(rng, size=difficulty)
+        hops = 2 if difficulty == 1 else 3
+        chain = rng.choice([c for c in CHAINS if len(c.relations) == hops])
+        starts = [e for e, v in kg.entities.items() if v["type"] == chain.start]
+        path = kg.follow(rng.choice(starts), chain.relations)
+        if len(set(path)) < len(path):
+            return None  # e.g. a person who works at the company they founded: a degenerate chain
+        docs_on_path = []
+        for eid in path[:-1]:  # the reference finds each hop's page among the top 3 hits
+            did = kg.doc_of(eid)
+            if did not in [d for d, _ in bm25_search(kg.docs, kg.name(eid), k=3)]:
+                return None
+            docs_on_path.append(did)
+        question = chain.question.format(x=kg.name(path[0]))
+        meta = {
+            "docs": kg.docs,
+            "entities": kg.entities,
+            "edges": kg.edges,
+            "relations": list(chain.relations),
+            "path": path,
+            "path_docs": docs_on_path,
+            "answer": kg.name(path[-1]),
+        }
+        msgs = [{"role": "system", "content": _SEARCH_SYSTEM}, {"role": "user", "content": question}]
+        return self._task(task_id, msgs, meta)  # tools: the env's own (Task.tools empty)
+
+    def make_env(self, task: Task) -> ToolEnvironment:
+        """Search / open / submit over the task's corpus; a plain answer also ends the episode."""
+        self._check_task(task)
+        return ToolEnvironment(
+            SEARCH_TOOLS,
+            initial_state=lambda t: {"searches": [], "opened": []},
+            submit_tool="submit",
+            end_on_text=True,
+            limits=EpisodeLimits(max_turns=16),
+        )
+
+    def _kg(self, task: Task) -> KnowledgeGraph:
+        m = task.metadata
+        return KnowledgeGraph(dict(m["entities"]), dict(m["edges"]), dict(m["docs"]))
+
+    def reference_turns(self, task: Task, effort: str) -> list[dict[str, Any]]:
+        """search → open for each hop, then submit; reasoning quotes the sentence each hop used."""
+        m = task.metadata
+        kg = self._kg(task)
+        rels, path, pdocs = m["relations"], m["path"], m["path_docs"]
+        names = [kg.name(e) for e in path]
+        turns: list[dict[str, Any]] = []
+        for i, rel in enumerate(rels):
+            n, did = names[i], pdocs[i]
+            if effort == "max":
+                if i == 0:
+                    plan = " -> ".join([n] + [relation_phrase(r) for r in rels])
+                    think = f"Chain: {plan}. Step 1: the {relation_phrase(rel)} of {n}. Search {n}."
+                else:
+                    prev = kg.sentence(path[i - 1], rels[i - 1])
+                    think = (f"{pdocs[i - 1]} says: {prev} So the {relation_phrase(rels[i - 1])} is {n}. "
+                             f"Step {i + 1}: the {relation_phrase(rel)} of {n}. Search {n}.")
+            elif effort == "high":
+                think = f"Find the {relation_phrase(rel)} of {n}." if i == 0 else f"{relation_phrase(rels[i - 1])}: {n}."
+            else:
+                think = ""
+            turns.append(assistant("", think, [tool_call(f"call_s{i}", "search", {"query": n})]))
+            think = {"max": f"{did} is the page of {n}. Open it.", "high": f"Open {did}.", "low": ""}[effort]
+            turns.append(assistant("", think, [tool_call(f"call_o{i}", "open", {"doc_id": did})]))
+        ans = names[-1]
+        last = kg.sentence(path[-2], rels[-1])
+        think = {"max": f"{pdocs[-1]} says: {last} So the answer is {ans}.", "high": f"{relation_phrase(rels[-1])}: {ans}.", "low": ""}[effort]
+        turns.append(assistant("", think, [tool_call("call_submit", "submit", {"answer": ans})]))
+        return turns
+
+    def wrong_turns(self, task: Task) -> dict[str, list[dict[str, Any]]]:
+        """Empty, copied question, success claim, a same-type guess, the first hop's entity, every candidate."""
+        m = task.metadata
+        kg = self._kg(task)
+        path = m["path"]
+        ans_type = kg.entities[path[-1]]["type"]
+        same_type = sorted(kg.name(e) for e, v in kg.entities.items() if v["type"] == ans_type)
+        guess = next(n for n in same_type if normalize_answer(n) != normalize_answer(m["answer"]))
+
+        def submit(answer: str, think: str = "") -> dict[str, Any]:
+            return assistant("", think, [tool_call("call_submit", "submit", {"answer": answer})])
+
+        ref = self.reference_turns(task, "low")
+        return {
+            "empty": [assistant("")],
+            "empty_submit": [submit("")],
+            "copied_prompt": [submit(prompt_text(task))],
+            "claims_success": [assistant(_CLAIM)],
+            "guess_without_search": [submit(guess)],
+            "first_hop_only": ref[:2] + [submit(kg.name(path[1]))],
+            "all_candidates": ref[:-1] + [submit(", ".join(same_type))],
+            "answer_sentence": ref[:-1] + [submit(kg.sentence(path[-2], m["relations"][-1]).replace(m["answer"], "it") + " " + _CLAIM)],
+        }
+
+
+@register_verifier("agents.search")
+def verify_search(task: Task, final: FinalState) -> Verdict:
+    """1.0 iff the submitted answer equals the knowledge-graph answer after normalisation."""
+    got = normalize_answer(submission_text(final.submission))
+    want = normalize_answer(task.metadata["answer"])
+    ok = bool(got) and got == want
+    state = final.state if isinstance(final.state, dict) else {}
+    opened = state.get("opened", [])
+    on_path = sum(1 for d in task.metadata["path_docs"] if d in opened) / len(task.metadata["path_docs"])
+    return Verdict(
+        float(ok),
+        {"exact": float(ok), "path_docs_opened": on_path},
+        f"expected {want!r}, got {got[:80]!r}; opened {opened}",
+    )
+
+
+# =========================================================================== personal assistant
+
+_USER = {"name": "Alex Kim", "email": "alex@example.com"}
+_CONTACTS = [("Bob Reyes", "bob@example.com"), ("Carol Diaz", "carol@example.com"), ("Dana Lee", "dana@example.com"),
+             ("Evan Moss", "evan@example.com"), ("Fay Ortiz", "fay@example.com"), ("Gil Park", "gil@example.com")]
+_TITLES = ["Design review", "Budget sync", "Roadmap planning", "Hiring debrief", "Vendor call", "Team lunch",
+           "Sprint demo", "Security audit", "Customer check-in", "Launch prep", "Data review", "Board prep"]
+_DOCS = ["Q2 budget", "Offsite plan", "Hiring plan", "Launch checklist", "Vendor contract"]
+_FIELDS = ["Owner", "Budget", "Deadline"]
+_MONDAY = dt.date(2026, 3, 2)
+_NOISE = [("Newsletter: March edition", "Hi all, here is the March newsletter. No action needed."),
+          ("Lunch on Friday?", "Anyone up for lunch on Friday? Just reply if you want to join."),
+          ("Parking update", "The east car park is closed next week for repairs.")]
+
+
+def _day(k: int) -> str:
+    return (_MONDAY + dt.timedelta(days=k)).isoformat()
+
+
+def _free(events: list[dict[str, Any]], date: str, start: int, end: int, skip: str = "") -> bool:
+    return start >= 9 * 60 and end <= 18 * 60 and not any(overlaps(e, date, start, end) for e in events if e["id"] != skip)
+
+
+class AssistantFamily(FamilyBase):
+    """``agents.assistant``: handle a contact's emailed request with mock mail / calendar / docs apps."""
+
+    name = "agents.assistant"
+    domain = "agents"
+    description = "personal assistant over mock mail, calendar and docs apps (move / cancel a meeting, answer from a doc); final app state checked"
+    verifiable = True
+    max_difficulty = 3
+    id_prefix = "assist"
+
+    # ------------------------------------------------------------------ generation
+
+    def _make(self, rng: random.Random, difficulty: int, task_id: str) -> Task | None:
+        contacts = rng.sample(_CONTACTS, 4)
+        req_name, req_email = contacts[0]
+        first = req_name.split()[0]
+        events: list[dict[str, Any]] = []
+        titles = rng.sample(_TITLES, 3 + 2 * difficulty)
+        for k, title in enumerate(titles):
+            for _ in range(50):
+                date, start = _day(rng.randrange(5)), rng.randrange(18, 34) * 30  # 09:00 .. 16:30
+                dur = rng.choice((30, 60))
+                if _free(events, date, start, start + dur):
+                    break
+            else:
+                return None
+            who = [_USER["email"]] + sorted(e for _, e in rng.sample(contacts[1:], rng.randint(1, 2)))
+            events.append({"id": f"e{k + 1}", "title": title, "date": date, "start": hhmm(start), "end": hhmm(start + dur), "attendees": who})
+        kind = rng.choices(["move", "cancel", "doc_reply"], weights=[2, 1, 1])[0]
+        target = events[0]
+        target["attendees"] = sorted(set(target["attendees"]) | {req_email})
+        rng.shuffle(events)  # the target is not always the first event listed
+        docs = []
+        for k, title in enumerate(rng.sample(_DOCS, 3)):
+            owner = rng.choice(_CONTACTS)[0]
+            fields = {"Owner": owner, "Budget": f"{rng.randint(10, 99)},{rng.randint(0, 9)}00 EUR", "Deadline": _day(rng.randint(7, 30))}
+            docs.append({"id": f"doc{k + 1}", "title": title, "body": "\n".join(f"{f}: {v}" for f, v in fields.items()), "fields": fields})
+        expected = [dict(e) for e in events]
+        reply_none: list[str] = []
+        info: dict[str, Any] = {"kind": kind, "event": target["id"], "title": target["title"]}
+        when = f"{weekday(target['date'])} {target['date']} {target['start']}"
+        if kind == "move":
+            dur = minutes(target["end"]) - minutes(target["start"])
+            date2 = _day(rng.randrange(5))
+            slots = [s * 30 for s in range(18, 34)]
+            free = [s for s in slots if _free(events, date2, s, s + dur, skip=target["id"]) and not (date2 == target["date"] and hhmm(s) == target["start"])]
+            if not free:
+                return None
+            t_final = rng.choice(free)
+            ask = f"to {weekday(date2)} {date2} at {hhmm(t_final)}"
+            if difficulty >= 2:
+                clash = [s for s in slots if not _free(events, date2, s, s + dur, skip=target["id"]) and s + dur <= 18 * 60]
+                if not clash:
+                    return None
+                t1 = rng.choice(clash)
+                ask = f"to {weekday(date2)} {date2} at {hhmm(t1)}, or {hhmm(t_final)} if {hhmm(t1)} is taken"
+                reply_none = [hhmm(t1)]
+                info["rejected"] = hhmm(t1)
+            subject = f"Moving {target['title']}"
+            body = f"Hi Alex, could we move {target['title']} ({when}) {ask}? Thanks, {first}"
+            for e in expected:
+                if e["id"] == target["id"]:
+                    e.update(date=date2, start=hhmm(t_final), end=hhmm(t_final + dur))
+            reply_any = [[date2, weekday(date2)], [hhmm(t_final)]]
+            info.update(date=date2, start=hhmm(t_final), end=hhmm(t_final + dur))
+            prompt = f"{req_name} asked by email to move a meeting. Move it to the time they proposed and reply to tell them the new time."
+        elif kind == "cancel":
+            subject = f"Cancel {target['title']}"
+            body = f"Hi Alex, {target['title']} on {weekday(target['date'])} {target['date']} is no longer needed. Could you cancel it? Thanks, {first}"
+            expected = [e for e in expected if e["id"] != target["id"]]
+            reply_any = [[target["title"]]]
+            prompt = f"{req_name} asked by email to cancel a meeting. Cancel it and reply to confirm."
+        else:
+            doc = rng.choice(docs)
+            field = rng.choice(_FIELDS)
+            value = doc["fields"][field]
+            subject = f"Question about {doc['title']}"
+            body = f"Hi Alex, what is the {field.lower()} in the {doc['title']} doc? Thanks, {first}"
+            reply_any = [[value, value.replace(",", "")]]
+            wrong = [d["fields"][field] for d in docs if d["fields"][field] != value]
+            info.update(doc=doc["id"], doc_title=doc["title"], field=field, value=value, wrong_value=wrong[0] if wrong else "")
+            prompt = f"{req_name} asked a question by email. Find the answer in the documents and reply to them with it."
+        inbox = [{"from": req_email, "from_name": req_name, "subject": subject, "body": body}]
+        for (name, email), (subj, text) in zip(contacts[1:], rng.sample(_NOISE, min(difficulty, len(_NOISE)))):
+            inbox.append({"from": email, "from_name": name, "subject": subj, "body": f"{text} {name.split()[0]}"})
+        if difficulty >= 3:  # another contact asks about a different meeting: must be left alone
+            other = next(e for e in events if e["id"] != target["id"])
+            name, email = contacts[1]
+            inbox.append({"from": email, "from_name": name, "subject": f"About {other['title']}",
+                          "body": f"Hi Alex, no need to change {other['title']} for now, I will write again. {name.split()[0]}"})
+        rng.shuffle(inbox)
+        for k, msg in enumerate(inbox):
+            msg["id"] = f"m{k + 1}"
+            msg["date"] = _day(0)
+        info["message"] = next(msg["id"] for msg in inbox if msg["from"] == req_email)
+        info.update(subject=subject, requester=req_name, requester_email=req_email, others=[e for _, e in contacts[1:]])
+        state = {"user": _USER, "mail": {"inbox": inbox, "sent": []}, "calendar": events,
+                 "docs": [{k: v for k, v in d.items() if k != "fields"} for d in docs]}
+        meta = {
+            "state": state,
+            "expected_calendar": sorted(expected, key=lambda e: e["id"]),
+            "reply_to": req_email,
+            "reply_any_of": reply_any,
+            "reply_none_of": reply_none,
+            "info": info,
+        }
+        msgs = [
+            {"role": "system", "content": "You are the assistant of Alex Kim (alex@example.com). Use the mail, calendar and docs tools. The week starts on Monday 2026-03-02."},
+            {"role": "user", "content": prompt},
+        ]
+        return self._task(task_id, msgs, meta)  # tools: the env's own (Task.tools empty)
+
+    def make_env(self, task: Task) -> ToolEnvironment:
+        """The mock apps over a copy of the task's initial state; the final plain answer ends the episode."""
+        self._check_task(task)
+        return ToolEnvironment(
+            APP_TOOLS,
+            initial_state=lambda t: copy.deepcopy(dict(t.metadata["state"])),
+            end_on_text=True,
+            limits=EpisodeLimits(max_turns=16),
+        )
+
+    # ------------------------------------------------------------------ scripts
+
+    def _steps(self, task: Task, effort: str) -> dict[str, dict[str, Any]]:
+        """The reference's turns by role: inbox, read, look, act, reply, final."""
+        m = task.metadata
+        info, state = m["info"], m["state"]
+        first = info["requester"].split()[0]
+        mid = info["message"]
+        ev = {e["id"]: e for e in state["calendar"]}
+
+        def T(mx: str, hi: str) -> str:  # the reasoning at this effort: thorough, terse or none
+            return {"max": mx, "high": hi, "low": ""}[effort]
+
+        steps: dict[str, dict[str, Any]] = {
+            "inbox": assistant("", T(f"Find the email from {info['requester']} first.", "Check inbox."), [tool_call("c1", "mail_inbox", {})]),
+            "read": assistant("", T(f"{mid} is from {info['requester']}: {info['subject']}. Read it.", f"Read {mid}."),
+                              [tool_call("c2", "mail_read", {"message_id": mid})]),
+        }
+        reply_subject = f"Re: {info['subject']}"
+        if info["kind"] in ("move", "cancel"):
+            e = ev[info["event"]]
+            dates = [e["date"]] + ([info["date"]] if info["kind"] == "move" and info["date"] != e["date"] else [])
+            calls = [tool_call(f"c3{k}", "calendar_list", {"date": d}) for k, d in enumerate(dates)]
+            if info["kind"] == "move":
+                alt = f", else {info['start']}" if "rejected" in info else ""
+                first_ask = info.get("rejected", info["start"])
+                look = T(f"Move {e['title']} ({e['date']} {e['start']}) to {info['date']} {first_ask}{alt}. Check the calendar.",
+                         f"Move {e['title']} to {info['date']} {first_ask}{alt}.")
+                day = sorted((x for x in state["calendar"] if x["date"] == info["date"] and x["id"] != e["id"]), key=lambda x: x["start"])
+                clash = ""
+                if "rejected" in info:
+                    r = minutes(info["rejected"])
+                    dur = minutes(e["end"]) - minutes(e["start"])
+                    hit = next(x for x in day if overlaps(x, info["date"], r, r + dur))
+                    clash = f"{info['rejected']} clashes with {hit['title']} ({hit['start']}-{hit['end']}); "
+                act = assistant(
+                    "",
+                    T(f"{e['title']} is {e['id']}, {e['start']}-{e['end']}. On {info['date']}: {clash}{info['start']}-{info['end']} is free. Move {e['id']}.",
+                      f"{e['id']} to {info['date']} {info['start']}."),
+                    [tool_call("c4", "calendar_move", {"event_id": e["id"], "date": info["date"], "start": info["start"]})],
+                )
+                body = f"Hi {first}, I moved {e['title']} to {weekday(info['date'])} {info['date']} at {info['start']}. Best, Alex"
+                final = f"Moved {e['title']} to {weekday(info['date'])} {info['date']} at {info['start']} and replied to {first}."
+            else:
+                look = T(f"Cancel {e['title']} on {e['date']}. Find its id.", f"Cancel {e['title']}.")
+                act = assistant("", T(f"{e['title']} is {e['id']} ({e['start']}-{e['end']}). Cancel it.", f"Cancel {e['id']}."),
+                                [tool_call("c4", "calendar_cancel", {"event_id": e["id"]})])
+                body = f"Hi {first}, I cancelled {e['title']} on {weekday(e['date'])} {e['date']}. Best, Alex"
+                final = f"Cancelled {e['title']} and told {first}."
+            steps["look"] = assistant("", look, calls)
+        else:
+            field, value, dtitle, did = info["field"], info["value"], info["doc_title"], info["doc"]
+            steps["look"] = assistant("", T(f"{first} asks for the {field.lower()} in {dtitle}. List the docs.", "List docs."),
+                                      [tool_call("c3", "docs_list", {})])
+            act = assistant("", T(f"{dtitle} is {did}. Open it.", f"Open {did}."), [tool_call("c4", "docs_read", {"doc_id": did})])
+            body = f"Hi {first}, the {field.lower()} in {dtitle} is {value}. Best, Alex"
+            final = f"Replied to {first}: {field.lower()} of {dtitle} is {value}."
+        steps["act"] = act
+        steps["reply"] = assistant(
+            "",
+            T(f"Done in the app. Reply to {first} with the outcome." if info["kind"] != "doc_reply" else f"{did} says {field}: {value}. Reply to {first}.",
+              "Reply."),
+            [tool_call("c5", "mail_send", {"to": m["reply_to"], "subject": reply_subject, "body": body})],
+        )
+        steps["final"] = assistant(final, T("Reply sent. Done.", ""))
+        return steps
+
+    def reference_turns(self, task: Task, effort: str) -> list[dict[str, Any]]:
+        """inbox → read → look (calendar days / docs list) → act (move / cancel / read doc) → reply → final note."""
+        s = self._steps(task, effort)
+        return [s[k] for k in ("inbox", "read", "look", "act", "reply", "final")]
+
+    def wrong_turns(self, task: Task) -> dict[str, list[dict[str, Any]]]:
+        """Empty, copied prompt, claims without the work, reply without acting, acting without replying,
+        the wrong meeting / value, the clashing slot, the wrong recipient, collateral damage."""
+        m = task.metadata
+        info = m["info"]
+        s = self._steps(task, "low")
+        head = [s["inbox"], s["read"], s["look"]]
+
+        def send(to: str, body: str) -> dict[str, Any]:
+            return assistant("", "", [tool_call("w5", "mail_send", {"to": to, "subject": f"Re: {info['subject']}", "body": body})])
+
+        reply_body = s["reply"]["tool_calls"][0]["function"]["arguments"]
+        body = json.loads(reply_body)["body"]
+        out: dict[str, list[dict[str, Any]]] = {
+            "empty": [assistant("")],
+            "copied_prompt": [assistant(prompt_text(task))],
+            "claims_success": [assistant(_CLAIM)],
+            "expected_words_only": [s["final"]],
+            "action_without_reply": head + [s["act"], s["final"]],
+            "wrong_recipient": head + [s["act"], send(info["others"][0], body), s["final"]],
+        }
+        if info["kind"] != "doc_reply":  # reading a doc changes nothing, so only calendar requests have this one
+            out["reply_without_action"] = head + [s["reply"], s["final"]]
+        others = sorted(e["id"] for e in m["state"]["calendar"] if e["id"] != info.get("event"))
+        if info["kind"] == "move":
+            out["wrong_meeting"] = head + [
+                assistant("", "", [tool_call("w4", "calendar_move", {"event_id": others[0], "date": info["date"], "start": info["start"]})]),
+                s["reply"], s["final"],
+            ]
+            if "rejected" in info:
+                out["clashing_slot"] = head + [
+                    assistant("", "", [tool_call("w4", "calendar_move", {"event_id": info["event"], "date": info["date"], "start": info["rejected"]})]),
+                    send(m["reply_to"], body.replace(info["start"], info["rejected"])), s["final"],
+                ]
+        elif info["kind"] == "cancel":
+            out["wrong_meeting"] = head + [assistant("", "", [tool_call("w4", "calendar_cancel", {"event_id": others[0]})]), s["reply"], s["final"]]
+        elif info["wrong_value"]:
+            out["wrong_value"] = head + [s["act"], send(m["reply_to"], body.replace(info["value"], info["wrong_value"])), s["final"]]
+        out["collateral_cancel"] = head + [s["act"], s["reply"],
+                                           assistant("", "", [tool_call("w6", "calendar_cancel", {"event_id": others[-1]})]), s["final"]]
+        return out
+
+
+def _mentions(text: str, phrase: str) -> bool:
+    return phrase.lower() in text.lower()
+
+
+@register_verifier("agents.assistant")
+def verify_assistant(task: Task, final: FinalState) -> Verdict:
+    """1.0 iff calendar == expected, a reply to the requester mentions the outcome, no stray mail, docs unchanged."""
+    m = task.metadata
+    state = final.state if isinstance(final.state, dict) else {}
+    cal = sorted(state.get("calendar", []), key=lambda e: e.get("id", ""))
+    calendar_ok = cal == m["expected_calendar"]
+    sent = state.get("mail", {}).get("sent", [])
+    to_req = [x for x in sent if x["to"].strip().lower() == m["reply_to"]]
+    stray = [x for x in sent if x["to"].strip().lower() != m["reply_to"]]
+
+    def good(x: dict[str, Any]) -> bool:
+        text = f"{x['subject']}\n{x['body']}"
+        return all(any(_mentions(text, alt) for alt in group) for group in m["reply_any_of"]) and not any(
+            _mentions(x["body"], bad) for bad in m["reply_none_of"]
+        )
+
+    reply_ok = any(good(x) for x in to_req)
+    docs_ok = state.get("docs") == m["state"]["docs"]
+    comps = {"calendar": float(calendar_ok), "reply": float(reply_ok), "no_stray_mail": float(not stray), "docs_unchanged": float(docs_ok)}
+    ok = all(v == 1.0 for v in comps.values())
+    diag = "" if ok else (
+        f"calendar {'ok' if calendar_ok else 'differs from expected'}; replies to requester: {len(to_req)} "
+        f"(good: {reply_ok}); stray mails: {[x['to'] for x in stray]}; docs {'unchanged' if docs_ok else 'changed'}"
+    )
+    return Verdict(float(ok), comps, diag)
+
+
+SEARCH = register_family(SearchFamily())
+ASSISTANT = register_family(AssistantFamily())

@@ -1,0 +1,99 @@
+"""The ``k3post tasks`` sub-command: list the built-in task families, print a sample task.
+
+    k3post tasks list [--domain D]
+    k3post tasks sample FAMILY [--seed N] [--effort low|high|max] [--difficulty D]
+
+``list`` prints the families grouped by domain with their descriptions (non-verifiable ones are
+marked ``[GRM]``). ``sample`` draws one task of FAMILY (``generate(1, seed=N, difficulty=D)``),
+runs the family's reference solver at the effort level and prints the task as the model sees it
+(XTML text with the tool declaration, the thinking-effort option and the generation prefix),
+then the whole reference trajectory in XTML and the verifier's verdict. An unknown family is a
+ValueError naming the closest known one.
+
+Wire it in with ``add_tasks_parser(subparsers)``; each leaf sets ``fn`` (``ns.fn(ns) -> int``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from k3post.envs.episode import run_episode_sync
+from k3post.envs.families.registry import EFFORTS, families, get_family
+from k3post.envs.task import DOMAINS
+from k3post.xtml import render_text
+
+__all__ = ["add_tasks_parser", "cmd_tasks_list", "cmd_tasks_sample", "list_text", "sample_text"]
+
+
+def list_text(domain: str | None = None) -> str:
+    """The registered families grouped by domain, one ``name  description`` line each."""
+    if domain is not None and domain not in DOMAINS:
+        raise ValueError(f"unknown domain {domain!r}; expected one of {DOMAINS}")
+    lines: list[str] = []
+    for d in DOMAINS if domain is None else (domain,):
+        fams = families(d)
+        lines.append(f"{d} ({len(fams)} families)")
+        width = max((len(f.name) for f in fams), default=0)
+        for f in fams:
+            tag = "" if f.verifiable else " [GRM]"
+            lines.append(f"  {f.name:<{width}}  {f.description}{tag}")
+        if not fams:
+            lines.append("  (none)")
+    return "\n".join(lines)
+
+
+def sample_text(family: str, *, seed: int = 0, effort: str = "max", difficulty: int = 1) -> str:
+    """One task of ``family`` and its reference trajectory at ``effort``, rendered as XTML text."""
+    if effort not in EFFORTS:
+        raise ValueError(f"unknown effort {effort!r}; expected one of {EFFORTS}")
+    fam = get_family(family)
+    task = fam.generate(1, seed=seed, difficulty=difficulty)[0]
+    ep = run_episode_sync(fam.reference_policy(task, effort), fam.make_env(task), task)
+    n_prompt = next((i for i, m in enumerate(ep.messages) if m.get("role") == "assistant"), len(ep.messages))
+    tools = ep.tools or None
+    prompt = render_text(ep.messages[:n_prompt], tools=tools, effort=effort, add_generation_prompt=True)
+    trajectory = render_text(ep.messages, tools=tools, effort=effort)
+    verdict = ep.verdict
+    reward = "n/a" if verdict is None else f"{verdict.reward:g}"
+    kind = "verifiable" if fam.verifiable else "non-verifiable: format gate only, quality judged by the GRM"
+    return "\n".join(
+        [
+            f"# {fam.name}  task {task.id}  seed={seed} difficulty={difficulty} effort={effort} ({kind})",
+            "",
+            "## task (XTML, as the model sees it)",
+            prompt,
+            "",
+            f"## reference trajectory ({ep.turns} assistant turns)",
+            trajectory,
+            "",
+            f"## verdict: reward {reward}" + (f"  {dict(verdict.components)}" if verdict is not None else ""),
+        ]
+    )
+
+
+def cmd_tasks_list(ns: argparse.Namespace) -> int:
+    """``k3post tasks list``."""
+    print(list_text(ns.domain))
+    return 0
+
+
+def cmd_tasks_sample(ns: argparse.Namespace) -> int:
+    """``k3post tasks sample FAMILY``."""
+    print(sample_text(ns.family, seed=ns.seed, effort=ns.effort, difficulty=ns.difficulty))
+    return 0
+
+
+def add_tasks_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``tasks list`` / ``tasks sample`` to ``subparsers``; returns the ``tasks`` parser."""
+    p = subparsers.add_parser("tasks", help="list the built-in task families or print a sample task")
+    sub = p.add_subparsers(dest="tasks_command", required=True)
+    ls = sub.add_parser("list", help="families per domain with descriptions")
+    ls.add_argument("--domain", choices=DOMAINS, default=None, help="only this domain")
+    ls.set_defaults(fn=cmd_tasks_list)
+    sm = sub.add_parser("sample", help="print one task (XTML) and its reference trajectory")
+    sm.add_argument("family", help="family name, e.g. agents.search (see `k3post tasks list`)")
+    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--effort", choices=EFFORTS, default="max")
+    sm.add_argument("--difficulty", type=int, default=1)
+    sm.set_defaults(fn=cmd_tasks_sample)
+    return p

@@ -1,0 +1,777 @@
+"""The embedded rollout engine: continuous-batching decoding in pure PyTorch over an HF model.
+
+``EmbeddedEngine`` runs a lean forward of its own that reuses the Hugging Face modules
+and weights of a Llama-style decoder (Qwen3-MoE here): ``embed_tokens``, per layer
+``input_layernorm``, ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``, ``q_norm`` /
+``k_norm`` (when present), the model's own rotary table, ``post_attention_layernorm`` and
+``layer.mlp`` called as a module (so the MoE routing is HF's, and the MXFP4 / MXFP8 fake
+quantization that ``k3post.quant.qat.apply_qat`` patches into the experts applies
+unchanged), the final ``norm`` and ``lm_head``. What it drops is the per-step Python
+machinery of ``generate()``: mask builders, ``DynamicCache`` objects, logits processors.
+
+One ``step()``:
+  1. admission: queued requests (resumed ones first) fill the free slots; their contexts
+     (prompt + given tokens) are prefilled in one padded batch; identical contexts (the K
+     samples of one prompt) are prefilled once and their KV rows copied (prefix sharing);
+     a request with an imported KV cache prefills only the uncached tail;
+  2. decode: one batched forward of one token for every request that was already running;
+  3. sampling: every row samples from its own logits with its own parameters and its
+     counter-based uniform (``k3post.rollout.engine.sample_from_logits``); the log-prob of
+     the raw distribution and the current policy version are recorded per token;
+  4. finished requests (stop id, max_tokens, max_model_len) leave, and the last running
+     slot moves into each hole, so running sequences always occupy slots 0..n-1 and the
+     next step's queue refill happens at once (continuous batching).
+
+Paused requests hand back their partial state (tokens, log-probs, versions) and keep their
+KV cache inside the engine until ``resume`` (reuses it), ``export_kv`` (moves it out to
+CPU and forgets the request) or ``abort``.
+
+Shape legend:
+    B   sequences in a batch
+    T   positions per sequence in a forward (1 when decoding)
+    L   attended key positions
+    V   vocabulary size
+    D   hidden size
+    H   attention heads,  G  kv heads,  E  head dim
+    P   positions of the rotary table (max_model_len)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3post.quant import qat as qat_module
+from k3post.quant.mx import fake_quant_mx
+from k3post.quant.qat import QATConfig, apply_qat
+from k3post.rollout.engine import (
+    GenerationRequest,
+    GenerationResult,
+    KVState,
+    NamedTensors,
+    request_seed,
+    sample_from_logits,
+    token_uniforms,
+)
+from k3post.rollout.kv_cache import SlotKVCache
+
+__all__ = ["EmbeddedEngine"]
+
+log = logging.getLogger("k3post.rollout")
+
+
+@dataclass
+class _Seq:
+    """Engine-side state of one request."""
+
+    request: GenerationRequest
+    seed: int
+    stop_ids: frozenset[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    n_cached: int = 0  # context positions whose K/V are in the slot cache (or in `kv`)
+    slot: int = -1
+    kv: KVState | None = None  # imported / retained KV while queued or paused
+    context: list[int] = field(default_factory=list)  # prompt + output_ids
+
+    @property
+    def rid(self) -> str:
+        return self.request.request_id
+
+    def result(self, finish_reason: str) -> GenerationResult:
+        return GenerationResult(
+            request_id=self.rid,
+            prompt_ids=list(self.request.prompt_ids),
+            output_ids=list(self.output_ids),
+            output_logprobs=list(self.logprobs),
+            output_versions=list(self.versions),
+            finish_reason=finish_reason,  # type: ignore[arg-type]
+        )
+
+
+def _gate(experts: nn.Module, gate_up_M2: torch.Tensor) -> torch.Tensor:
+    """HF's default expert gating: act(gate) * up over the two halves of the last dim."""
+    gate_MI, up_MI = gate_up_M2.chunk(2, dim=-1)
+    return experts.act_fn(gate_MI) * up_MI
+
+
+def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF RMSNorm, ``weight * x / sqrt(mean(x^2) + eps)``, as one ``F.rms_norm`` call when
+    ``norm`` is a plain RMSNorm (a ``weight`` and a ``variance_epsilon``), else the module."""
+    w = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", None)
+    if w is None or eps is None or type(norm).__name__[-7:] != "RMSNorm" or x.dtype != torch.float32:
+        return norm(x)
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+class EmbeddedEngine:
+    """Continuous-batching rollout engine over a Hugging Face causal LM (pure PyTorch).
+
+    Args:
+        model_or_dir: an HF Llama-style decoder-only ``PreTrainedModel`` (Qwen3-MoE,
+            Qwen3, Llama, ...) or a local model folder (loaded with
+            ``k3post.models.load_model``). A model object is used in place (weights
+            shared, e.g. with a co-located trainer).
+        tokenizer: used only for the default stop id ``<|end_of_msg|>``; when None and
+            ``model_or_dir`` is a folder holding a tokenizer, that one is loaded; else the
+            config's ``eos_token_id``.
+        max_batch_size: slots, i.e. most sequences decoded together.
+        max_model_len: most positions (prompt + output) of one sequence; defaults to
+            ``config.max_position_embeddings``.
+        qat: apply MX QAT (``apply_qat``) to the model before use. A model that already has
+            QAT applied uses it as is (the engine calls the patched expert modules).
+        seed: engine seed, used for requests whose ``SamplingParams.seed`` is None.
+        stop_ids: overrides the default stop ids.
+        prefix_sharing: prefill identical contexts admitted together once.
+        dense_moe_max_tokens: forwards of at most this many tokens (decode steps) run the
+            MoE experts as dense GEMMs over all experts with cached (QAT: MXFP4
+            fake-quantized once per weight version) expert weights; larger ones (prefill)
+            call ``layer.mlp`` itself. HF's router module picks the experts either way.
+            0 always calls ``layer.mlp``.
+    """
+
+    def __init__(
+        self,
+        model_or_dir: nn.Module | str | Path,
+        tokenizer: Any | None = None,
+        *,
+        max_batch_size: int = 32,
+        max_model_len: int | None = None,
+        qat: QATConfig | None = None,
+        seed: int = 0,
+        stop_ids: Sequence[int] | None = None,
+        prefix_sharing: bool = True,
+        dense_moe_max_tokens: int = 64,
+    ) -> None:
+        if isinstance(model_or_dir, (str, Path)):
+            from k3post.models import load_model
+
+            model = load_model(model_or_dir)
+            if tokenizer is None and any(
+                (Path(model_or_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
+            ):
+                from k3post.tokenizer import load_tokenizer
+
+                tokenizer = load_tokenizer(model_or_dir)
+        elif isinstance(model_or_dir, nn.Module):
+            model = model_or_dir
+        else:
+            raise ValueError(f"model_or_dir must be an nn.Module or a model folder, got {type(model_or_dir).__name__}")
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        self.model = model
+        self._check_architecture(model)
+        cfg = model.config
+        if qat is not None and qat.enabled and not self.qat_enabled:
+            apply_qat(model, qat)
+        self.max_model_len = int(max_model_len if max_model_len is not None else cfg.max_position_embeddings)
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        self.max_batch_size = max_batch_size
+        self.seed = int(seed)
+        self.prefix_sharing = bool(prefix_sharing)
+        if not isinstance(dense_moe_max_tokens, int) or dense_moe_max_tokens < 0:
+            raise ValueError(f"dense_moe_max_tokens must be an int >= 0, got {dense_moe_max_tokens!r}")
+        self.dense_moe_max_tokens = dense_moe_max_tokens
+        self.default_stop_ids: frozenset[int] = self._default_stop_ids(tokenizer, stop_ids)
+
+        inner = model.model
+        self._embed = inner.embed_tokens
+        self._layers = list(inner.layers)
+        self._norm = inner.norm
+        self._lm_head = model.lm_head
+        attn0 = self._layers[0].self_attn
+        self._head_dim = int(attn0.head_dim)
+        self._n_heads = int(cfg.num_attention_heads)
+        self._n_kv = int(cfg.num_key_value_heads)
+        self._scaling = float(attn0.scaling)
+        param = next(model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+        self.cache = SlotKVCache(
+            len(self._layers), max_batch_size, self._n_kv, self._head_dim,
+            max_len=self.max_model_len, dtype=self.dtype, device=self.device,
+        )
+        with torch.inference_mode():
+            pos_1P = torch.arange(self.max_model_len, device=self.device)[None]
+            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos_1PE, sin_1PE = inner.rotary_emb(probe, position_ids=pos_1P)
+        self._cos_PE = cos_1PE[0]
+        half = self._head_dim // 2
+        self._ssin_PE = torch.cat([-sin_1PE[0, :, :half], sin_1PE[0, :, half:]], dim=-1)  # for roll()
+        if any(getattr(layer.self_attn, "q_norm", None) is not None and not hasattr(layer.self_attn.q_norm, "variance_epsilon")
+               for layer in self._layers):
+            raise ValueError("EmbeddedEngine expects q_norm / k_norm to be RMSNorms with a variance_epsilon")
+        self._dense_moe_ok = [self._dense_moe_eligible(layer.mlp) for layer in self._layers]
+        self._experts_cache: dict[int, Any] = {}
+        self._fused: dict[int, tuple[tuple[tuple[int, int], ...], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]] = {}
+        self._version = 0
+        self._queue: deque[_Seq] = deque()
+        self._running: list[_Seq] = []  # index == slot
+        self._paused: dict[str, _Seq] = {}
+        self.stats: dict[str, int] = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "shared_prefills": 0}
+
+    # ------------------------------------------------------------------ setup helpers
+    @staticmethod
+    def _check_architecture(model: nn.Module) -> None:
+        inner = getattr(model, "model", None)
+        missing = [
+            a for a, owner in (("model", model), ("lm_head", model), ("config", model))
+            if not hasattr(owner, a)
+        ] + [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if inner is not None and not hasattr(inner, a)]
+        if missing:
+            raise ValueError(
+                f"EmbeddedEngine needs an HF Llama-style causal LM (model.model.embed_tokens/layers/norm/rotary_emb, "
+                f"model.lm_head); {type(model).__name__} lacks {missing}"
+            )
+        for i, layer in enumerate(model.model.layers):
+            attn = getattr(layer, "self_attn", None)
+            need = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+            if attn is None or any(not hasattr(attn, a) for a in need) or not hasattr(layer, "mlp"):
+                raise ValueError(f"layer {i} of {type(model).__name__} is not a Llama-style decoder layer")
+        cfg = model.config
+        if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+            raise ValueError("EmbeddedEngine does not implement sliding-window attention (config.use_sliding_window)")
+
+    def _default_stop_ids(self, tokenizer: Any | None, stop_ids: Sequence[int] | None) -> frozenset[int]:
+        if stop_ids is not None:
+            return frozenset(int(t) for t in stop_ids)
+        if tokenizer is not None:
+            from k3post.xtml import EOM
+
+            eom = tokenizer.convert_tokens_to_ids(EOM)
+            if eom is None or eom == getattr(tokenizer, "unk_token_id", None):
+                raise ValueError(f"the tokenizer has no {EOM} token; pass stop_ids explicitly")
+            return frozenset([int(eom)])
+        eos = getattr(self.model.config, "eos_token_id", None)
+        if eos is None:
+            return frozenset()
+        return frozenset([int(eos)] if isinstance(eos, int) else [int(t) for t in eos])
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def version(self) -> int:
+        """Policy version stamped on every sampled token."""
+        return self._version
+
+    @property
+    def qat_enabled(self) -> bool:
+        """True when the model's routed experts run the MX fake-quant (QAT) forward."""
+        return any(hasattr(m, qat_module._CFG_ATTR) for m in self.model.modules())
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a slot."""
+        return len(self._running)
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._queue)
+
+    @property
+    def num_paused(self) -> int:
+        """Paused requests still held by the engine."""
+        return len(self._paused)
+
+    def kv_utilization(self) -> float:
+        """Cached positions of running requests / (slots x max_model_len)."""
+        return sum(s.n_cached for s in self._running) / (self.max_batch_size * self.max_model_len)
+
+    def has_unfinished(self) -> bool:
+        """True while any request is queued or running (paused ones do not count)."""
+        return bool(self._queue or self._running)
+
+    def _live_ids(self) -> set[str]:
+        return {s.rid for s in self._queue} | {s.rid for s in self._running} | set(self._paused)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: GenerationRequest, kv: KVState | None = None) -> None:
+        """Queue ``request`` (FIFO). ``kv``: the KV cache of a prefix of its context
+        (``export_kv`` of its paused earlier self); without it the context is prefilled."""
+        if not isinstance(request, GenerationRequest):
+            raise ValueError(f"add_request takes a GenerationRequest, got {type(request).__name__}")
+        if request.request_id in self._live_ids():
+            raise ValueError(f"request id {request.request_id!r} is already queued, running or paused in this engine")
+        context = request.prompt_ids + request.given_ids
+        if len(context) >= self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt + given tokens = {len(context)} positions leave no room "
+                f"under max_model_len={self.max_model_len}"
+            )
+        vocab = self._embed.num_embeddings
+        if max(context) >= vocab:
+            raise ValueError(f"request {request.request_id!r}: token id {max(context)} >= vocabulary size {vocab}")
+        sp = request.sampling
+        seq = _Seq(
+            request=request,
+            seed=sp.seed if sp.seed is not None else request_seed(self.seed, request.request_id),
+            stop_ids=frozenset(sp.stop_ids) if sp.stop_ids is not None else self.default_stop_ids,
+            output_ids=list(request.given_ids),
+            logprobs=list(request.given_logprobs),
+            versions=list(request.given_versions),
+            context=context,
+        )
+        if kv is not None:
+            self._attach_kv(seq, kv)
+        self._queue.append(seq)
+
+    def _attach_kv(self, seq: _Seq, kv: KVState) -> None:
+        if not isinstance(kv, KVState):
+            raise ValueError(f"kv must be a KVState, got {type(kv).__name__}")
+        n = kv.num_tokens
+        if n > len(seq.context) - 1 or kv.context_ids != seq.context[:n]:
+            raise ValueError(
+                f"request {seq.rid!r}: the KV state covers {n} tokens that are not a proper prefix of its "
+                f"context ({len(seq.context)} tokens)"
+            )
+        if len(kv.keys) != len(self._layers) or kv.keys[0].shape[0] != self._n_kv or kv.keys[0].shape[2] != self._head_dim:
+            raise ValueError(
+                f"request {seq.rid!r}: KV state shaped {len(kv.keys)} x {tuple(kv.keys[0].shape)} does not fit this "
+                f"model ({len(self._layers)} layers x [{self._n_kv}, N, {self._head_dim}])"
+            )
+        seq.kv = kv
+
+    def import_kv(self, request_id: str, kv: KVState) -> None:
+        """Attach ``kv`` to a queued request so its admission skips the prefill."""
+        for seq in self._queue:
+            if seq.rid == request_id:
+                self._attach_kv(seq, kv)
+                return
+        raise ValueError(f"import_kv: request {request_id!r} is not queued in this engine")
+
+    def export_kv(self, request_id: str) -> KVState:
+        """Take a paused request out of the engine with its KV cache (CPU tensors).
+
+        The caller keeps the partial ``GenerationResult`` that ``pause`` returned and
+        re-submits ``GenerationRequest.continuation(result, sampling)`` with
+        ``add_request(..., kv=state)`` (or without ``kv``: re-prefill, same tokens)."""
+        seq = self._paused.get(request_id)
+        if seq is None:
+            raise ValueError(f"export_kv: request {request_id!r} is not paused in this engine")
+        if seq.kv is None:
+            raise ValueError(f"export_kv: paused request {request_id!r} holds no KV cache (it never reached a slot)")
+        del self._paused[request_id]
+        kv = seq.kv
+        return KVState(
+            keys=[k.to("cpu") for k in kv.keys], values=[v.to("cpu") for v in kv.values],
+            context_ids=list(kv.context_ids), weight_version=kv.weight_version,
+        )
+
+    def _take(self, request_ids: Sequence[str], what: str) -> list[tuple[_Seq, str]]:
+        """Remove the given requests from queue / slots / paused; (seq, where it was)."""
+        if isinstance(request_ids, str):
+            raise ValueError(f"{what} takes a sequence of request ids, not a single str")
+        wanted = list(dict.fromkeys(request_ids))
+        found: dict[str, tuple[_Seq, str]] = {}
+        for seq in self._queue:
+            if seq.rid in wanted:
+                found[seq.rid] = (seq, "queued")
+        for seq in self._running:
+            if seq.rid in wanted:
+                found[seq.rid] = (seq, "running")
+        for rid, seq in self._paused.items():
+            if rid in wanted:
+                found[rid] = (seq, "paused")
+        unknown = [r for r in wanted if r not in found]
+        if unknown:
+            raise ValueError(f"{what}: unknown request ids {unknown} (not queued, running or paused)")
+        self._queue = deque(s for s in self._queue if s.rid not in found)
+        running_hit = [s for s in self._running if s.rid in found]
+        for seq in running_hit:  # keep the KV cache of running ones before freeing slots
+            keys, values = self.cache.export(seq.slot, seq.n_cached)
+            seq.kv = KVState(keys, values, seq.context[: seq.n_cached], self._version)
+        self._free_slots({s.slot for s in running_hit})
+        for rid in found:
+            self._paused.pop(rid, None)
+        return [found[r] for r in wanted]
+
+    def pause(self, request_ids: Sequence[str]) -> list[GenerationResult]:
+        """Pause queued / running requests: their slots are freed, their KV caches kept in
+        the engine; returns partial results (finish_reason "paused")."""
+        if isinstance(request_ids, str):
+            raise ValueError("pause takes a sequence of request ids, not a single str")
+        already = [r for r in request_ids if r in self._paused]
+        if already:
+            raise ValueError(f"pause: requests {already} are already paused")
+        taken = self._take(request_ids, "pause")
+        out = []
+        for seq, _ in taken:
+            self._paused[seq.rid] = seq
+            out.append(seq.result("paused"))
+        return out
+
+    def resume(self, request_ids: Sequence[str]) -> None:
+        """Re-queue paused requests ahead of new ones, in the given order; they reuse the
+        KV cache kept at pause time (no prefill)."""
+        if isinstance(request_ids, str):
+            raise ValueError("resume takes a sequence of request ids, not a single str")
+        missing = [r for r in request_ids if r not in self._paused]
+        if missing:
+            raise ValueError(f"resume: requests {missing} are not paused in this engine")
+        for rid in reversed(list(dict.fromkeys(request_ids))):
+            self._queue.appendleft(self._paused.pop(rid))
+
+    def abort(self, request_ids: Sequence[str]) -> list[GenerationResult]:
+        """Drop queued, running or paused requests; partial results (finish_reason "abort")."""
+        taken = self._take(request_ids, "abort")
+        return [seq.result("abort") for seq, _ in taken]
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+        """Copy tensors into the model parameters / buffers by HF name and bump the version.
+
+        Tokens sampled after this call carry the new version. Running sequences keep the
+        KV cache computed with the earlier weights (as vLLM / SGLang do on an in-place
+        update). Args: ``version``: set this version (must exceed the current one)
+        instead of current + 1. Returns the new version."""
+        items = list(named_tensors.items()) if hasattr(named_tensors, "items") else list(named_tensors)  # type: ignore[union-attr]
+        targets: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
+        targets.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        unknown = [n for n, _ in items if n not in targets]
+        if unknown:
+            raise ValueError(f"update_weights: unknown parameter names {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
+        for name, t in items:
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(targets[name].shape):
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"update_weights: {name} has shape {got}, the model expects {tuple(targets[name].shape)}")
+        if version is not None and version <= self._version:
+            raise ValueError(f"update_weights: version {version} must exceed the current version {self._version}")
+        with torch.no_grad():
+            for name, t in items:
+                targets[name].copy_(t.to(targets[name].device, targets[name].dtype))
+        self._version = self._version + 1 if version is None else int(version)
+        return self._version
+
+    # ------------------------------------------------------------------ driving
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Run ``requests`` to completion; results in request order. The engine must be
+        idle (use ``add_request`` / ``step`` to mix with requests already in flight)."""
+        if self.has_unfinished():
+            raise ValueError("generate() needs an idle engine; drive in-flight requests with step()")
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("generate(): request ids must be unique")
+        for r in requests:
+            self.add_request(r)
+        done: dict[str, GenerationResult] = {}
+        while self.has_unfinished():
+            for res in self.step():
+                done[res.request_id] = res
+        return [done[i] for i in ids]
+
+    def step(self) -> list[GenerationResult]:
+        """Admit queued requests into free slots (prefill, first token), decode one token
+        for every request that was already running; return those that finished."""
+        was_training = self.model.training
+        if was_training:  # eval() walks every module: only when needed
+            self.model.eval()
+        try:
+            with torch.inference_mode():
+                finished: list[_Seq] = []
+                reasons: dict[str, str] = {}
+                if self._running:
+                    self._decode(list(self._running), finished, reasons)
+                    self._free_slots({s.slot for s in finished})  # refilled at once below
+                admitted = self._admit()
+                if admitted:
+                    first: list[_Seq] = []
+                    self._prefill(admitted, first, reasons)
+                    self._free_slots({s.slot for s in first})
+                    finished += first
+                self.stats["steps"] += 1
+        finally:
+            if was_training:
+                self.model.train()
+        return [s.result(reasons[s.rid]) for s in finished]
+
+    # ------------------------------------------------------------------ internals
+    def _free_slots(self, slots: set[int]) -> None:
+        """Remove the sequences in ``slots``, moving the last running ones into the holes."""
+        if not slots:
+            return
+        keep = [s for s in self._running if s.slot not in slots]
+        removed = [s for s in self._running if s.slot in slots]
+        for new_slot, seq in enumerate(keep):  # ascending: a destination is free or already moved
+            if seq.slot != new_slot:
+                self.cache.copy_slot(seq.slot, new_slot, seq.n_cached)
+                seq.slot = new_slot
+        for seq in removed:
+            seq.slot = -1
+        self._running = keep
+
+    def _admit(self) -> list[_Seq]:
+        free = self.max_batch_size - len(self._running)
+        admitted: list[_Seq] = []
+        while free > 0 and self._queue:
+            seq = self._queue.popleft()
+            seq.slot = len(self._running)
+            self._running.append(seq)
+            if seq.kv is not None:
+                self.cache.load(seq.slot, seq.kv.keys, seq.kv.values)
+                seq.n_cached = seq.kv.num_tokens
+                seq.kv = None
+            else:
+                seq.n_cached = 0
+            admitted.append(seq)
+            free -= 1
+        return admitted
+
+    def _record(self, seqs: list[_Seq], logits_BV: torch.Tensor, finished: list[_Seq], reasons: dict[str, str]) -> None:
+        """Sample one token per row, append token / log-prob / version, detect finishes."""
+        sps = [s.request.sampling for s in seqs]
+        dev = logits_BV.device
+        tok_B = sample_from_logits(
+            logits_BV,
+            torch.tensor([sp.temperature for sp in sps], dtype=torch.float32, device=dev),
+            torch.tensor([sp.top_k for sp in sps], dtype=torch.long, device=dev),
+            torch.tensor([sp.top_p for sp in sps], dtype=torch.float32, device=dev),
+            token_uniforms([s.seed for s in seqs], [len(s.output_ids) for s in seqs]).to(dev),
+        )
+        logp_B = torch.log_softmax(logits_BV.float(), dim=-1).gather(1, tok_B[:, None]).squeeze(1)
+        version = self._version
+        for seq, tok, lp in zip(seqs, tok_B.tolist(), logp_B.tolist()):
+            seq.output_ids.append(tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(version)
+            seq.context.append(tok)
+            sp = seq.request.sampling
+            reason = None
+            if tok in seq.stop_ids and not sp.ignore_eos:
+                reason = "stop"
+            elif len(seq.output_ids) >= sp.max_tokens or len(seq.context) >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                reasons[seq.rid] = reason
+                finished.append(seq)
+
+    def _fused_attn_weights(self, li: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Layer ``li``'s q/k/v projections as one [(H+2G)E, D] weight (+ bias) and the q/k
+        RMSNorm weights stacked per head, [H+G, E] (None without q/k norms). Rebuilt when any
+        source parameter changed in place (tensor version counter) or after update_weights."""
+        attn = self._layers[li].self_attn
+        srcs = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        has_qk_norm = q_norm is not None and k_norm is not None
+        if has_qk_norm:
+            srcs += [q_norm.weight, k_norm.weight]
+        key = tuple((id(t), t._version) for t in srcs)
+        cached = self._fused.get(li)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], dim=0)
+        b = None
+        if attn.q_proj.bias is not None:
+            b = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], dim=0)
+        norm_w = None
+        if has_qk_norm:
+            norm_w = torch.cat([q_norm.weight.expand(self._n_heads, -1), k_norm.weight.expand(self._n_kv, -1)], dim=0)
+        value = (w, b, norm_w)
+        self._fused[li] = (key, value)
+        return value
+
+    def refresh_weights(self) -> None:
+        """Drop the engine's fused copies of the attention weights (rebuilt on next use).
+        Needed only after changing parameters through ``.data`` (which bypasses the tensor
+        version counter the engine watches)."""
+        self._fused.clear()
+        self._experts_cache.clear()
+
+    def _qkv(self, li: int, x_BTD: torch.Tensor, cos_BT1E: torch.Tensor, sin_BT1E: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Normed, rotated q [B, H, T, E] and k, v [B, G, T, E] of layer ``li`` (HF's math:
+        RMSNorm -> projections -> per-head q/k RMSNorm -> rotary, with q and k handled as one
+        [B, T, H+G, E] block)."""
+        layer = self._layers[li]
+        B, T, _ = x_BTD.shape
+        H, G, E = self._n_heads, self._n_kv, self._head_dim
+        h_BTD = _rms_norm(layer.input_layernorm, x_BTD)
+        w, b, norm_w = self._fused_attn_weights(li)
+        qkv_BTNE = F.linear(h_BTD, w, b).view(B, T, H + 2 * G, E)
+        qk_BTNE, v_BTGE = qkv_BTNE[:, :, : H + G], qkv_BTNE[:, :, H + G :]
+        if norm_w is not None:
+            attn = layer.self_attn
+            qk_BTNE = F.rms_norm(qk_BTNE, (E,), None, attn.q_norm.variance_epsilon) * norm_w
+        # rotate_half(x) * sin == roll(x, E/2) * (sign * sin), sign = -1 on the first half (exact)
+        qk_BTNE = qk_BTNE * cos_BT1E + torch.roll(qk_BTNE, E // 2, dims=-1) * sin_BT1E
+        qk_BNTE = qk_BTNE.transpose(1, 2)
+        return qk_BNTE[:, :H], qk_BNTE[:, H:], v_BTGE.transpose(1, 2)
+
+    def _finish_layer(self, li: int, x_BTD: torch.Tensor, o_BHTE: torch.Tensor) -> torch.Tensor:
+        layer = self._layers[li]
+        B, _, T, _ = o_BHTE.shape
+        x_BTD = x_BTD + layer.self_attn.o_proj(o_BHTE.transpose(1, 2).reshape(B, T, -1))
+        h_BTD = _rms_norm(layer.post_attention_layernorm, x_BTD)
+        if B * T <= self.dense_moe_max_tokens and self._dense_moe_ok[li]:
+            return x_BTD + self._dense_moe(li, h_BTD.view(B * T, -1)).view(B, T, -1)
+        return x_BTD + layer.mlp(h_BTD)
+
+    @staticmethod
+    def _dense_moe_eligible(mlp: nn.Module) -> bool:
+        """A plain routed-experts block (router ``gate`` + fused ``experts``, no shared
+        experts, gated, no bias, [E, out, in] weights, no post-expert norm)."""
+        experts, router = getattr(mlp, "experts", None), getattr(mlp, "gate", None)
+        if experts is None or router is None or set(dict(mlp.named_children())) != {"experts", "gate"}:
+            return False
+        gu, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+        return (
+            isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3
+            and bool(getattr(experts, "has_gate", True)) and not getattr(experts, "has_bias", False)
+            and not getattr(experts, "is_transposed", False) and not getattr(experts, "has_post_expert_norm", False)
+            and not getattr(experts, "_is_expert_parallel", False) and hasattr(experts, "act_fn")
+            and getattr(experts, qat_module._KIND_ATTR, "fused") == "fused"
+        )
+
+    def _expert_weights(self, li: int) -> tuple[torch.Tensor, torch.Tensor, QATConfig | None]:
+        """Layer ``li``'s expert weights as the expert forward sees them: gate_up [E*2I, D]
+        and down [E, D, I], MXFP4 fake-quantized (``fake_quant_mx``, same format, block and
+        axis as the QAT forward and ``quantized_expert_weights``) when QAT is on. Cached
+        until a source parameter changes (tensor version counter) or ``refresh_weights``."""
+        experts = self._layers[li].mlp.experts
+        cfg: QATConfig | None = getattr(experts, qat_module._CFG_ATTR, None)
+        gu, down = experts.gate_up_proj, experts.down_proj
+        key = (id(gu), gu._version, id(down), down._version, id(cfg))
+        cached = self._experts_cache.get(li)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        if cfg is not None:
+            gu = fake_quant_mx(gu, cfg.weight_format, cfg.block_size, -1)
+            down = fake_quant_mx(down, cfg.weight_format, cfg.block_size, -1)
+        value = (gu.reshape(-1, gu.shape[-1]), down, cfg)
+        self._experts_cache[li] = (key, value)
+        return value
+
+    def _dense_moe(self, li: int, x_ND: torch.Tensor) -> torch.Tensor:
+        """The MoE block for a few tokens: HF's router module picks the experts; every expert
+        runs on every token as two dense GEMMs (cheaper than a grouped GEMM at decode batch
+        sizes); the top-k outputs are gathered and combined in HF's order.
+
+            (w_NK, e_NK) = router(x)                       HF ``mlp.gate``
+            x_q  = FQ8(x)                                  QAT only, blocks along D
+            h_nE = gate(x_q W_up[e]^T)                     act(g) * u, all experts e
+            y_ne = FQ8(h_ne) W_down[e]^T                   FQ8 on QAT only, blocks along I
+            out_n = sum_k w_nk * y_(n, e_nk)
+        """
+        mlp = self._layers[li].mlp
+        experts = mlp.experts
+        _, w_NK, e_NK = mlp.gate(x_ND)
+        w_up_FD, w_down_EDI, cfg = self._expert_weights(li)
+        if cfg is not None:
+            x_ND = fake_quant_mx(x_ND, cfg.activation_format, cfg.block_size, -1)
+        N, E = x_ND.shape[0], w_down_EDI.shape[0]
+        gu_NF = F.linear(x_ND, w_up_FD)
+        apply_gate = getattr(experts, "_apply_gate", None)
+        gu_ME2 = gu_NF.view(N * E, -1)
+        h_MI = apply_gate(gu_ME2) if apply_gate is not None else _gate(experts, gu_ME2)
+        if cfg is not None:
+            h_MI = fake_quant_mx(h_MI, cfg.activation_format, cfg.block_size, -1)
+        y_ENI = h_MI.view(N, E, -1).transpose(0, 1)
+        y_END = torch.bmm(y_ENI, w_down_EDI.transpose(1, 2))
+        y_NKD = y_END.transpose(0, 1).gather(1, e_NK[:, :, None].expand(-1, -1, y_END.shape[-1]))
+        return (y_NKD * w_NK[:, :, None].to(y_NKD.dtype)).sum(dim=1).to(x_ND.dtype)
+
+    def _attend(self, q_BHTE: torch.Tensor, k_BGLE: torch.Tensor, v_BGLE: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q_BHTE, k_BGLE, v_BGLE, attn_mask=mask, scale=self._scaling, enable_gqa=self._n_heads != self._n_kv
+        )
+
+    def _logits(self, x_BD: torch.Tensor) -> torch.Tensor:
+        return self._lm_head(_rms_norm(self._norm, x_BD))
+
+    def _rotary(self, pos_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin [B, T, 1, E] of the model's own rotary table."""
+        return self._cos_PE[pos_BT].unsqueeze(2), self._ssin_PE[pos_BT].unsqueeze(2)
+
+    def _decode(self, seqs: list[_Seq], finished: list[_Seq], reasons: dict[str, str]) -> None:
+        """One token for sequences in slots 0..B-1 (their pending token at position n_cached)."""
+        B = len(seqs)
+        dev = self.device
+        pos_list = [s.n_cached for s in seqs]
+        L = max(pos_list) + 1
+        self.cache.ensure_capacity(L)
+        pos_B = torch.tensor(pos_list, dtype=torch.long, device=dev)
+        ids_B1 = torch.tensor([[s.context[-1]] for s in seqs], dtype=torch.long, device=dev)
+        mask_B11L = (torch.arange(L, device=dev)[None, :] <= pos_B[:, None])[:, None, None, :]
+        x_BTD = self._embed(ids_B1)
+        cos_BT1E, sin_BT1E = self._rotary(pos_B[:, None])
+        index_BG = self.cache.step_index(pos_B)
+        for li, layer in enumerate(self._layers):
+            q_BHTE, k_BGTE, v_BGTE = self._qkv(li, x_BTD, cos_BT1E, sin_BT1E)
+            self.cache.write_step(li, index_BG, k_BGTE[:, :, 0], v_BGTE[:, :, 0])
+            k_BGLE, v_BGLE = self.cache.view(li, B, L)
+            x_BTD = self._finish_layer(li, x_BTD, self._attend(q_BHTE, k_BGLE, v_BGLE, mask_B11L))
+        for s in seqs:
+            s.n_cached += 1
+        self.stats["decode_tokens"] += B
+        self._record(seqs, self._logits(x_BTD[:, 0]), finished, reasons)
+
+    def _prefill(self, seqs: list[_Seq], finished: list[_Seq], reasons: dict[str, str]) -> None:
+        """Run the uncached tail of each admitted context (positions n_cached..end) and
+        sample the first new token from the last position."""
+        groups: dict[tuple[int, ...], list[_Seq]] = {}
+        rows: list[_Seq] = []
+        for s in seqs:
+            key = tuple(s.context) if (self.prefix_sharing and s.n_cached == 0) else (-1 - len(rows),)
+            if key in groups:
+                groups[key].append(s)
+                self.stats["shared_prefills"] += 1
+            else:
+                groups[key] = [s]
+                rows.append(s)
+        B = len(rows)
+        dev = self.device
+        starts = [s.n_cached for s in rows]
+        lens = [len(s.context) - s.n_cached for s in rows]
+        T = max(lens)
+        L = max(st + n for st, n in zip(starts, lens))
+        self.cache.ensure_capacity(L)
+        ids_BT = torch.zeros(B, T, dtype=torch.long, device=dev)
+        for b, s in enumerate(rows):
+            ids_BT[b, : lens[b]] = torch.tensor(s.context[starts[b]:], dtype=torch.long)
+        t_T = torch.arange(T, device=dev)
+        start_B = torch.tensor(starts, dtype=torch.long, device=dev)
+        qpos_BT = (start_B[:, None] + t_T[None, :]).clamp_(max=self.max_model_len - 1)
+        all_fresh = not any(starts)
+        if all_fresh:  # plain causal attention over the new positions only (HF's prefill math)
+            mask_B1TL = (t_T[None, :] <= t_T[:, None])[None, None]
+        else:
+            l_L = torch.arange(L, device=dev)
+            mask_B1TL = (l_L[None, None, :] <= qpos_BT[:, :, None])[:, None]
+        x_BTD = self._embed(ids_BT)
+        slots = [s.slot for s in rows]
+        cos_BT1E, sin_BT1E = self._rotary(qpos_BT)
+        for li, layer in enumerate(self._layers):
+            q_BHTE, k_BGTE, v_BGTE = self._qkv(li, x_BTD, cos_BT1E, sin_BT1E)
+            for b in range(B):
+                self.cache.write_block(li, slots[b], starts[b], k_BGTE[b, :, : lens[b]], v_BGTE[b, :, : lens[b]])
+            if all_fresh:
+                k_BGLE, v_BGLE = k_BGTE, v_BGTE
+            else:
+                k_BGLE, v_BGLE = self.cache.gather(li, slots, L)
+            x_BTD = self._finish_layer(li, x_BTD, self._attend(q_BHTE, k_BGLE, v_BGLE, mask_B1TL))
+        last_B = torch.tensor([n - 1 for n in lens], dtype=torch.long, device=dev)
+        logits_BV = self._logits(x_BTD[torch.arange(B, device=dev), last_B])
+        self.stats["prefill_tokens"] += sum(lens)
+        # expand shared rows: copy the KV of the prefilled slot to every member of its group
+        out_seqs: list[_Seq] = []
+        out_rows: list[int] = []
+        for b, s in enumerate(rows):
+            key = tuple(s.context) if (self.prefix_sharing and starts[b] == 0) else (-1 - b,)
+            members = groups[key]
+            for m in members:
+                if m is not s:
+                    self.cache.copy_slot(s.slot, m.slot, len(s.context))
+                m.n_cached = len(m.context)
+                out_seqs.append(m)
+                out_rows.append(b)
+        # the pending token of each sequence is the one sampled now: n_cached = len(context) - 1 after it
+        self._record(out_seqs, logits_BV[torch.tensor(out_rows, dtype=torch.long, device=dev)], finished, reasons)
