@@ -18,10 +18,12 @@ interleaved in one process so machine load hits both alike. ``speedup_vs_hf_gene
 engine tokens/s / HF tokens/s (target >= 3). Both QAT off and QAT on (``apply_qat``; the
 engine and ``generate`` then call the same MX fake-quant expert forward).
 
-Peak memory: a sampler thread reads the process RSS (/proc/self/statm) every 2 ms during
-each run; reported as the peak minus the RSS just before the run (MB), plus the KV-cache
-bytes each side holds at its largest (the engine's slot cache; HF's DynamicCache of
-32 x (padded prompt + max length) positions).
+Peak memory: one run of each side in a fresh subprocess, where a sampler thread reads the
+process RSS (/proc/self/statm) every 2 ms; reported as the peak minus the RSS just before
+the run (MB) (``*_peak_rss_mb``; a fresh process keeps allocator reuse between runs out of
+the number; the same sampler in the timing process gives ``*_inproc_peak_rss_mb``), plus
+the KV-cache bytes each side holds at its largest (the engine's slot cache; HF's
+DynamicCache of 32 x (padded prompt + max length) positions).
 
 Prints human-readable lines, then one final JSON line with ``speedup_vs_hf_generate``,
 ``engine_tokens_per_s``, ``hf_tokens_per_s``, ``engine_peak_rss_mb``, ``hf_peak_rss_mb``,
@@ -39,7 +41,9 @@ import json
 import math
 import os
 import random
+import tempfile
 import resource
+import shutil
 import statistics
 import threading
 import time
@@ -53,7 +57,7 @@ from k3post.models import build_tiny_moe
 from k3post.quant.qat import QATConfig, apply_qat, remove_qat
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.engine import GenerationRequest, SamplingParams
-from k3post.tasks import arithmetic
+from k3post.envs.families import EFFORTS, get_family
 from k3post.tokenizer import train_tokenizer
 from k3post.xtml import XTML
 
@@ -100,11 +104,11 @@ def draw_lengths(n: int, *, median: float, sigma: float, lo: int, hi: int, seed:
 
 
 def make_prompts(tok: Any, n: int, seed: int) -> list[list[int]]:
-    """n XTML-rendered arithmetic prompts (think mode, efforts cycling low/high/max)."""
+    """n XTML-rendered ``general.arithmetic`` prompts (think mode, efforts cycling)."""
     xtml = XTML(tok)
-    tasks = arithmetic.generate(n, seed=seed, min_digits=1, max_digits=4)
+    tasks = get_family("general.arithmetic").generate(n, seed=seed)
     return [
-        xtml.render(t.prompt(), effort=arithmetic.EFFORTS[i % 3], add_generation_prompt=True).ids
+        xtml.render(list(t.messages), effort=EFFORTS[i % len(EFFORTS)], add_generation_prompt=True).ids
         for i, t in enumerate(tasks)
     ]
 
@@ -180,13 +184,54 @@ def compare(model: torch.nn.Module, tok: Any, prompts: list[list[int]], lengths:
         "speedup_vs_hf_generate": eng_tps / hf_tps,
         "engine_tokens_per_s": eng_tps,
         "hf_tokens_per_s": hf_tps,
-        "engine_peak_rss_mb": max(eng_mem) / 2**20,
-        "hf_peak_rss_mb": max(hf_mem) / 2**20,
+        "engine_inproc_peak_rss_mb": max(eng_mem) / 2**20,
+        "hf_inproc_peak_rss_mb": max(hf_mem) / 2**20,
         "engine_kv_cache_mb": eng_kv / 2**20,
         "hf_kv_cache_mb": hf_kv / 2**20,
         "engine_seconds_median": statistics.median(eng_t),
         "hf_seconds_median": statistics.median(hf_t),
     }
+
+
+def _setup(args: argparse.Namespace, tok: Any) -> tuple[torch.nn.Module, list[list[int]], list[int]]:
+    eom = tok.convert_tokens_to_ids("<|end_of_msg|>")
+    model = build_tiny_moe(len(tok), seed=args.seed, pad_token_id=tok.pad_token_id, eos_token_id=eom).eval()
+    prompts = make_prompts(tok, args.prompts, seed=args.seed + 1)
+    lengths = draw_lengths(args.prompts, median=args.median_len, sigma=args.sigma, lo=4, hi=args.max_len, seed=args.seed + 2)
+    return model, prompts, lengths
+
+
+def memory_child(args: argparse.Namespace) -> None:
+    """One run of one side in a fresh process: print {"peak_rss_mb": peak RSS during the
+    run minus RSS before it}. A fresh process keeps allocator reuse across runs out of it."""
+    from k3post.tokenizer import load_tokenizer
+
+    torch.set_num_threads(args.threads)
+    tok = load_tokenizer(args.tokenizer_dir)
+    model, prompts, lengths = _setup(args, tok)
+    if args.qat:
+        apply_qat(model, QATConfig())
+    fn = run_engine if args.memory_child == "engine" else run_hf
+    with PeakRSS() as mem:
+        fn(model, tok, prompts, lengths, seed=0)
+    print(json.dumps({"peak_rss_mb": mem.peak_delta / 2**20}))
+
+
+def measure_memory(args: argparse.Namespace, tok_dir: str, qat: bool) -> dict[str, float]:
+    """Peak RSS growth of one engine run and one HF run, each in its own subprocess."""
+    import subprocess
+    import sys
+
+    out: dict[str, float] = {}
+    for side in ("engine", "hf"):
+        cmd = [sys.executable, __file__, "--memory-child", side, "--tokenizer-dir", tok_dir, "--threads", str(args.threads),
+               "--prompts", str(args.prompts), "--median-len", str(args.median_len), "--sigma", str(args.sigma),
+               "--max-len", str(args.max_len), "--seed", str(args.seed)] + (["--qat"] if qat else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        out[f"{side}_peak_rss_mb"] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+    print(f"peak RSS growth during one run ({'QAT on' if qat else 'QAT off'}, fresh process each): "
+          f"engine +{out['engine_peak_rss_mb']:.1f} MB, HF generate +{out['hf_peak_rss_mb']:.1f} MB", flush=True)
+    return out
 
 
 def main() -> None:
@@ -199,26 +244,39 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-qat", action="store_true", help="skip the QAT-on comparison")
+    ap.add_argument("--memory-child", choices=("engine", "hf"), help=argparse.SUPPRESS)
+    ap.add_argument("--tokenizer-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--qat", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.memory_child:
+        memory_child(args)
+        return
     if args.repeats < 1 or args.prompts < 1 or args.max_len < 4:
         raise ValueError("--repeats and --prompts must be >= 1 and --max-len >= 4")
     torch.set_num_threads(args.threads)
 
-    tok = train_tokenizer(default_corpus(), vocab_size=512)
-    eom = tok.convert_tokens_to_ids("<|end_of_msg|>")
-    model = build_tiny_moe(len(tok), seed=args.seed, pad_token_id=tok.pad_token_id, eos_token_id=eom).eval()
-    prompts = make_prompts(tok, args.prompts, seed=args.seed + 1)
-    lengths = draw_lengths(args.prompts, median=args.median_len, sigma=args.sigma, lo=4, hi=args.max_len, seed=args.seed + 2)
+    tok_dir = tempfile.mkdtemp(prefix="k3post-bench-tok-")
+    try:
+        _main(args, tok_dir)
+    finally:
+        shutil.rmtree(tok_dir, ignore_errors=True)
+
+
+def _main(args: argparse.Namespace, tok_dir: str) -> None:
+    tok = train_tokenizer(default_corpus(), vocab_size=512, out_dir=tok_dir)
+    model, prompts, lengths = _setup(args, tok)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
     print(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens; output lengths "
           f"sum {sum(lengths)}, median {statistics.median(lengths)}, max {max(lengths)}: {sorted(lengths)}")
 
     result: dict[str, float] = {}
     result.update(compare(model, tok, prompts, lengths, args.repeats, "QAT off"))
+    result.update(measure_memory(args, tok_dir, qat=False))
     if not args.no_qat:
         apply_qat(model, QATConfig())
         qat = compare(model, tok, prompts, lengths, args.repeats, "QAT on")
         remove_qat(model)
+        qat.update(measure_memory(args, tok_dir, qat=True))
         result.update({f"{k}_qat": v for k, v in qat.items()})
     result.update(
         useful_tokens=float(sum(lengths)),

@@ -11,16 +11,23 @@ from k3post.metrics import MetricsLogger
 from k3post.models import build_tiny_moe, load_model, save_model
 from k3post.quant.qat import apply_qat
 from k3post.sft import train_sft
-from k3post.tasks import arithmetic
 from k3post.tokenizer import ensure_xtml_tokens, load_tokenizer, train_tokenizer
 from k3post.xtml import XTML, render_text
 
 
-def default_corpus(n: int = 2000, seed: int = 0) -> list[str]:
-    """Tokenizer training text: XTML renderings of the built-in family at every effort."""
-    tasks = arithmetic.generate(n, seed=seed, min_digits=1, max_digits=4)
-    recs = arithmetic.sft_records(tasks, list(arithmetic.EFFORTS), seed=seed)
-    return [render_text(r["messages"], effort=r["effort"]) for r in recs]
+def default_corpus(n_per_family: int = 6, seed: int = 123, *, n_main: int = 60, main: str = "general.arithmetic") -> list[str]:
+    """Tokenizer training text: XTML renderings of reference trajectories of every built-in family at every
+    effort (`n_main` tasks of `main`, `n_per_family` of the others), tools and effort messages included."""
+    from k3post.envs.episode import run_episode_sync
+    from k3post.envs.families import EFFORTS, families
+
+    corpus = []
+    for fam in families():
+        for task in fam.generate(n_main if fam.name == main else n_per_family, seed=seed):
+            for effort in EFFORTS:
+                ep = run_episode_sync(fam.reference_policy(task, effort), fam.make_env(task), task)
+                corpus.append(render_text(ep.messages, tools=ep.tools or None, effort=effort))
+    return corpus
 
 
 def init_model(out_dir: str | Path, *, preset: str = "tiny", vocab_size: int = 512, seed: int = 0) -> Path:

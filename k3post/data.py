@@ -26,14 +26,15 @@ ROLES = ("system", "user", "assistant", "tool")
 
 @dataclass
 class DataConfig:
-    """The built-in data a demo run generates (until the synthesis pipeline replaces it)."""
+    """The demo's SFT data: reference-teacher trajectories through the synthesis + verification pipeline."""
 
-    family: str = "arithmetic"  # built-in task family
-    n_train: int = 6000  # training tasks (each rendered at one effort, round-robin over `efforts`)
-    n_eval: int = 200  # held-out tasks, disjoint from training
-    min_digits: int = 2
-    max_digits: int = 3
+    eval_family: str = "general.arithmetic"  # single-turn family the held-out pass rate is measured on
+    n_train: int = 1500  # training tasks of eval_family (each solved at every effort)
+    n_per_family: int = 4  # training tasks of every other built-in family (each at every effort)
+    n_eval: int = 200  # held-out eval_family tasks, disjoint from training
+    difficulty: int = 1
     efforts: list[str] = field(default_factory=lambda: ["max", "high", "low"])
+    corpus_per_family: int = 6  # tasks per family (x3 efforts) in the tokenizer's training corpus
 
 
 class DataError(ValueError):

@@ -2,7 +2,7 @@
 
     runs/<name>/
       config.yaml            resolved config
-      data/                  sft_train.jsonl, eval_tasks.jsonl
+      data/                  sft_train.jsonl (+ per-source raw / rejected / funnel files, review queue), eval_tasks.jsonl
       tokenizer/             byte-level BPE with the XTML tokens
       model_init/            the freshly built tiny Qwen3-MoE (safetensors)
       sft/checkpoints/       step-N/ checkpoints + latest (exact resume)
@@ -29,15 +29,18 @@ import torch
 
 from k3post.config import K3Config, to_yaml
 from k3post.data import load_sft_jsonl, write_jsonl
-from k3post.evaluate import evaluate_tasks, greedy_complete, train_inference_logprob_gap
+from k3post.evaluate import evaluate_family, greedy_complete, train_inference_logprob_gap
 from k3post.metrics import MetricsLogger
 from k3post.models import build_tiny_moe, count_parameters, load_model, save_model
 from k3post.quant.qat import apply_qat
 from k3post.report import write_report
 from k3post.sft import train_sft
-from k3post.tasks import arithmetic
+from k3post.commands import default_corpus
+from k3post.envs.families import families, get_family
+from k3post.envs.task import canonical_json
+from k3post.synth import VerifyConfig, build_sft_dataset
 from k3post.tokenizer import load_tokenizer, train_tokenizer
-from k3post.xtml import XTML, render_text
+from k3post.xtml import XTML
 
 log = logging.getLogger("k3post.demo")
 
@@ -73,8 +76,6 @@ def run_demo(cfg: K3Config) -> Path:
     t_start = time.perf_counter()
     if cfg.run.threads > 0:
         torch.set_num_threads(cfg.run.threads)
-    if cfg.data.family != "arithmetic":
-        raise ValueError(f"data.family: unknown family {cfg.data.family!r}; built in: 'arithmetic'")
     run = _run_dir(cfg)
     run.mkdir(parents=True, exist_ok=True)
     (run / "config.yaml").write_text(to_yaml(cfg))
@@ -87,33 +88,20 @@ def run_demo(cfg: K3Config) -> Path:
         timings[name] = round(time.perf_counter() - t0, 1)
         summary.update(timings=timings)
 
-    # 1. data: training conversations at three efforts, disjoint held-out tasks
+    # 1. tokenizer (BPE on XTML renderings of every family's reference trajectories) and the tiny MoE
     t0 = time.perf_counter()
     d = cfg.data
-    train_tasks = arithmetic.generate(d.n_train, seed=cfg.run.seed, min_digits=d.min_digits, max_digits=d.max_digits)
-    eval_tasks = arithmetic.generate(
-        d.n_eval, seed=cfg.run.seed + 1, min_digits=d.min_digits, max_digits=d.max_digits, exclude={t.id for t in train_tasks}
-    )
-    records = arithmetic.sft_records(train_tasks, d.efforts, seed=cfg.run.seed)
-    train_file = Path(cfg.sft.train_file) if cfg.sft.train_file else run / "data" / "sft_train.jsonl"
-    if not cfg.sft.train_file:
-        write_jsonl(records, train_file)
-    write_jsonl([{"id": t.id, "a": t.a, "b": t.b} for t in eval_tasks], run / "data" / "eval_tasks.jsonl")
-    phase("data", t0)
-
-    # 2. tokenizer (BPE on the XTML-rendered training text) and the tiny MoE
-    t0 = time.perf_counter()
+    eval_family = get_family(d.eval_family)
     tok_dir = Path(cfg.tokenizer.path) if cfg.tokenizer.path else run / "tokenizer"
     if (tok_dir / "tokenizer.json").exists():
         tokenizer = load_tokenizer(tok_dir)
     else:
-        corpus = (render_text(r["messages"], tools=r["tools"], effort=r["effort"]) for r in records[:3000])
+        corpus = default_corpus(d.corpus_per_family, seed=cfg.run.seed + 7, main=d.eval_family)
         tokenizer = train_tokenizer(
             corpus, vocab_size=cfg.tokenizer.vocab_size, out_dir=tok_dir, word_boundaries=cfg.tokenizer.word_boundaries
         )
     xtml = XTML(tokenizer)
-    stop_id = tokenizer.convert_tokens_to_ids("<|end_of_msg|>")
-    pad_id = tokenizer.pad_token_id
+    stop_id, pad_id = xtml.eom_id, xtml.pad_id
     init_dir = run / "model_init"
     if cfg.model.path:
         model = load_model(cfg.model.path, cfg.model.dtype)
@@ -128,12 +116,41 @@ def run_demo(cfg: K3Config) -> Path:
     summary.update(model=f"Qwen3-MoE {cfg.model.preset}, {count_parameters(model) / 1e6:.2f} M params, vocab {len(tokenizer)}")
     phase("tokenizer+model", t0)
 
+    # 2. SFT data from the synthesis pipeline: reference teachers over every built-in family x effort,
+    #    multi-stage verification (structure, outcome, quality, judge); held-out eval tasks disjoint from it
+    t0 = time.perf_counter()
+    train_file = Path(cfg.sft.train_file) if cfg.sft.train_file else run / "data" / "sft_train.jsonl"
+    if not cfg.sft.train_file:
+        verify = VerifyConfig(max_total_tokens=cfg.sft.max_len)  # too-long samples are rejected (and counted) here
+        main_path, funnel = build_sft_dataset(
+            [eval_family], d.efforts, d.n_train, cfg.run.seed, run / "data" / "main.jsonl", tokenizer,
+            difficulty=d.difficulty, config=verify,
+        )
+        others = [f for f in families() if f.name != eval_family.name]
+        rest_path, rest_funnel = build_sft_dataset(
+            others, d.efforts, d.n_per_family, cfg.run.seed, run / "data" / "families.jsonl", tokenizer,
+            difficulty=d.difficulty, config=verify,
+        )
+        funnel.merge(rest_funnel)
+        records = [json.loads(line) for p in (main_path, rest_path) for line in p.read_text(encoding="utf-8").splitlines()]
+        write_jsonl(records, train_file)
+        by_family: dict[str, int] = {}
+        for r in records:
+            by_family[r["family"]] = by_family.get(r["family"], 0) + 1
+        summary.update(synth={"funnel": funnel.to_dict(), "samples_by_family": by_family})
+        print(funnel.table())
+    seen = {canonical_json(list(t.messages)) for t in eval_family.generate(d.n_train, seed=cfg.run.seed, difficulty=d.difficulty)}
+    pool = eval_family.generate(2 * d.n_eval + 50, seed=cfg.run.seed + 1000, difficulty=d.difficulty)
+    eval_tasks = [t for t in pool if canonical_json(list(t.messages)) not in seen][: d.n_eval]
+    write_jsonl([t.to_dict() for t in eval_tasks], run / "data" / "eval_tasks.jsonl")
+    phase("data", t0)
+
     # 3. held-out pass rate of the untrained model
     t0 = time.perf_counter()
     evals: dict[str, Any] = dict(summary.data.get("eval", {}))
     def eval_all(tag: str) -> None:
         evals[tag] = {
-            e: evaluate_tasks(model, xtml, eval_tasks, arithmetic.verify, effort=e, cfg=cfg.eval, pad_id=pad_id, stop_id=stop_id)
+            e: evaluate_family(model, xtml, eval_family, eval_tasks, effort=e, cfg=cfg.eval)
             for e in cfg.eval.efforts
         }
         summary.update(eval=evals)
@@ -168,7 +185,7 @@ def run_demo(cfg: K3Config) -> Path:
     # 5. held-out pass rate after SFT; train-vs-inference log-prob gap of the QAT policy
     t0 = time.perf_counter()
     eval_all("sft")
-    probe = [xtml.render(t.prompt(), effort="max", add_generation_prompt=True).ids for t in eval_tasks[:32]]
+    probe = [xtml.render(list(t.messages), effort="max", add_generation_prompt=True).ids for t in eval_tasks[:32]]
     comps = greedy_complete(model, probe, max_new_tokens=cfg.eval.max_new_tokens, stop_id=stop_id, pad_id=pad_id)
     gap = train_inference_logprob_gap(model, [p + c for p, c in zip(probe, comps)], pad_id=pad_id)
     summary.update(logprob_gap=gap)
@@ -179,7 +196,7 @@ def run_demo(cfg: K3Config) -> Path:
         baseline = sft_stage("sft_noqat", False)
         t0 = time.perf_counter()
         evals["sft_noqat"] = {
-            "max": evaluate_tasks(baseline, xtml, eval_tasks, arithmetic.verify, effort="max", cfg=cfg.eval, pad_id=pad_id, stop_id=stop_id)
+            "max": evaluate_family(baseline, xtml, eval_family, eval_tasks, effort="max", cfg=cfg.eval)
         }
         summary.update(eval=evals)
         print(f"  sft_noqat @ max : pass {evals['sft_noqat']['max']['pass_rate']:.3f}")

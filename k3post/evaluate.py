@@ -7,7 +7,7 @@ Generation here is plain ``transformers`` ``generate`` (left-padded batches, gre
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -67,38 +67,48 @@ def greedy_complete(
     return outs
 
 
-def evaluate_tasks(
+def evaluate_family(
     model: torch.nn.Module,
     xtml: XTML,
+    family: Any,
     tasks: Sequence[Any],
-    verify: Callable[[Any, dict[str, Any]], float],
     *,
     effort: str | None,
     cfg: EvalConfig,
-    pad_id: int,
-    stop_id: int,
 ) -> dict[str, Any]:
-    """Pass rate, token counts and a few examples for `tasks` at one effort level."""
-    prompts = [xtml.render(t.prompt(), effort=effort, add_generation_prompt=True).ids for t in tasks]
+    """Pass rate, token counts and examples of greedy completions on single-turn `tasks` at one effort.
+
+    Each completion is parsed from XTML and handed to a fresh environment of the task's family, whose
+    verifier scores the final state (the same path as any episode). Multi-turn agentic families need the
+    rollout engine's agent loop and are evaluated there.
+    """
+    from k3post.envs.episode import run_episode_sync
+
+    prompts = [
+        xtml.render(list(t.messages), tools=[dict(x) for x in t.tools] or None, effort=effort, add_generation_prompt=True).ids
+        for t in tasks
+    ]
     completions = greedy_complete(
-        model, prompts, max_new_tokens=cfg.max_new_tokens, stop_id=stop_id, pad_id=pad_id, batch_size=cfg.batch_size
+        model, prompts, max_new_tokens=cfg.max_new_tokens, stop_id=xtml.eom_id, pad_id=xtml.pad_id, batch_size=cfg.batch_size
     )
     rewards, think_tokens, out_tokens, malformed, examples = [], [], [], 0, []
     for t, ids in zip(tasks, completions):
         try:
             msg = xtml.parse(ids)
         except ValueError:
-            msg, r = {"role": "assistant", "content": "", "reasoning_content": None}, 0.0
             malformed += 1
+            r = 0.0
         else:
-            r = verify(t, msg)
+            episode = run_episode_sync(lambda messages, tools, _m=msg: _m, family.make_env(t), t)
+            r = float(episode.reward)
         rewards.append(r)
         out_tokens.append(len(ids))
         think_tokens.append(count_think_tokens(xtml, ids))
         if len(examples) < cfg.n_examples:
-            examples.append({"task": t.id, "completion": xtml.tokenizer.decode(ids), "reward": r})
+            examples.append({"task": t.id, "completion": xtml.tokenizer.decode(ids)[:600], "reward": r})
     n = max(len(tasks), 1)
     return {
+        "family": family.name,
         "effort": effort,
         "n": len(tasks),
         "pass_rate": sum(rewards) / n,

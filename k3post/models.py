@@ -50,7 +50,7 @@ class TokenizerConfig:
     """How the run gets its tokenizer."""
 
     path: str | None = None  # a saved tokenizer folder; None trains a byte-level BPE on the task corpus
-    vocab_size: int = 512  # BPE vocabulary size when training one (special tokens included)
+    vocab_size: int = 1024  # BPE vocabulary size when training one (special tokens included)
     # False lets BPE merges span words, so the text every sample repeats (XTML headers, the
     # thinking-effort body) shrinks to a few tokens; measured on the demo data: 140 → 95 tokens per sample
     word_boundaries: bool = False

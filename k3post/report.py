@@ -113,7 +113,26 @@ def _eval_section(summary: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-SECTIONS = [_sft_section]
+def _synth_section(run: Path, summary: dict[str, Any]) -> str:
+    synth = summary.get("synth")
+    if not synth:
+        return ""
+    f = synth["funnel"]
+    parts = ["<h2>Stage 1 data: Synthesis funnel</h2>",
+             "<p class=muted>Reference teachers over every built-in family and effort; each sample passes "
+             "structure → outcome → quality → judge. Uncertain samples wait in the review queue "
+             "(<code>k3post review list</code>) and are not trained on until accepted.</p>"]
+    rows = []
+    for st in f["stages"]:
+        reasons = "; ".join(f"{k}: {v}" for k, v in {**st["reject_reasons"], **st["uncertain_reasons"]}.items())
+        rows.append([st["name"], st["seen"], st["kept"], st["rejected"], st["uncertain"], reasons])
+    rows.append(["final", f["total"], f["kept"], f["rejected"], f["uncertain"], ""])
+    parts.append(_table(["stage", "in", "kept", "rejected", "uncertain", "reasons"], rows))
+    parts.append(_table(["family", "training samples"], sorted(synth["samples_by_family"].items())))
+    return "\n".join(parts)
+
+
+SECTIONS = [_synth_section, _sft_section]
 
 
 def write_report(run_dir: str | Path) -> Path:

@@ -39,8 +39,8 @@ class SFTConfig:
     """Stage 1 trainer settings."""
 
     train_file: str | None = None  # SFT JSONL; None in the demo (it writes its own)
-    max_len: int = 512  # packed row length; a longer sample is an error (or a counted skip)
-    rows_per_batch: int = 8  # packed rows per micro-batch
+    max_len: int = 2048  # packed row length; a longer sample is an error (or a counted skip)
+    rows_per_batch: int = 2  # packed rows per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     steps: int = 700  # optimizer steps
     lr: float = 3e-3

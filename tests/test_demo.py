@@ -9,9 +9,9 @@ from k3post.cli import main
 
 def _small(tmp_path, name="d"):
     return [
-        f"run.root={tmp_path}", f"run.name={name}", "data.n_train=150", "data.n_eval=8", "sft.steps=6",
-        "sft.save_every=3", "sft.rows_per_batch=2", "sft.progress=false", "eval.max_new_tokens=24",
-        "eval.efforts=[max,low]", "tokenizer.vocab_size=320",
+        f"run.root={tmp_path}", f"run.name={name}", "data.n_train=60", "data.n_per_family=1", "data.n_eval=8",
+        "data.corpus_per_family=1", "sft.steps=6", "sft.save_every=3", "sft.rows_per_batch=1", "sft.max_len=4096", "sft.progress=false",
+        "eval.max_new_tokens=24", "eval.efforts=[max,low]", "tokenizer.vocab_size=400",
     ]
 
 
@@ -23,8 +23,18 @@ def test_demo_small_writes_run_folder(tmp_path):
     assert set(summary["eval"]) == {"base", "sft", "sft_noqat"}
     assert summary["sft"]["qat"].startswith("on") and summary["sft_noqat"]["qat"] == "off"
     assert summary["logprob_gap"]["max_abs"] == 0.0  # same MX quantizer in training and inference
+    funnel = summary["synth"]["funnel"]
+    assert set(summary["synth"]["samples_by_family"]) == {
+        "general.arithmetic", "general.faithfulness", "general.writing", "agents.search", "agents.assistant",
+        "coding.write_function", "coding.bugfix",
+    }
+    # every family x 3 efforts; all pass verification except trajectories longer than sft.max_len (counted)
+    assert funnel["total"] == 60 * 3 + 6 * 3
+    too_long = next(s["reject_reasons"].get("too_long", 0) for s in funnel["stages"] if s["name"] == "quality")
+    assert sum(summary["synth"]["samples_by_family"].values()) == funnel["total"] - too_long == funnel["kept"]
+    assert "Synthesis funnel" in (run / "report.html").read_text()
     for rel in ("report.html", "metrics.jsonl", "config.yaml", "sft/final/model.safetensors", "sft/checkpoints/latest",
-                "tokenizer/tokenizer.json", "data/sft_train.jsonl", "tensorboard"):
+                "tokenizer/tokenizer.json", "data/sft_train.jsonl", "data/eval_tasks.jsonl", "data/main.funnel.json", "tensorboard"):
         assert (run / rel).exists(), rel
     html = (run / "report.html").read_text()
     assert "data:image/png;base64," in html and "Held-out pass rate" in html

@@ -9,7 +9,8 @@ import torch
 from k3post.data import DataError, Sample, collate, load_sft_jsonl, pack_rows, write_jsonl
 from k3post.models import build_tiny_moe
 from k3post.sft import SFTConfig, lr_at, masked_ce_sum, train_sft
-from k3post.tasks import arithmetic
+from k3post.envs.episode import run_episode_sync
+from k3post.envs.families import EFFORTS, get_family
 from k3post.xtml import XTML
 
 
@@ -18,7 +19,7 @@ def tok():
     from k3post.commands import default_corpus
     from k3post.tokenizer import train_tokenizer
 
-    return train_tokenizer(default_corpus(n=300), vocab_size=384)
+    return train_tokenizer(default_corpus(2, n_main=30), vocab_size=384)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,14 @@ def _model(tok, seed=0):
 
 
 def _records(n, seed=0):
-    return arithmetic.sft_records(arithmetic.generate(n, seed=seed), ["max", "high", "low"], seed=seed)
+    """SFT records of the general.arithmetic reference solver, efforts round-robin."""
+    fam = get_family("general.arithmetic")
+    recs = []
+    for i, t in enumerate(fam.generate(n, seed=seed)):
+        effort = EFFORTS[i % 3]
+        ep = run_episode_sync(fam.reference_policy(t, effort), fam.make_env(t), t)
+        recs.append({"messages": ep.messages, "tools": None, "effort": effort})
+    return recs
 
 
 def test_lr_schedule_golden():

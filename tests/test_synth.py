@@ -261,6 +261,14 @@ def test_quality_budget_repetition_and_dedup(arith_samples: list[dict[str, Any]]
     assert quality_stage(dict(copy.deepcopy(s), effort="high"), ctx).status == "keep"
 
 
+def test_quality_rejects_samples_longer_than_the_trainer_accepts(arith_samples: list[dict[str, Any]]) -> None:
+    s = copy.deepcopy(arith_samples[2])
+    total = s["tokens"]["total"]
+    res = quality_stage(s, _ctx(max_total_tokens=total - 1))
+    assert res.reason == "too_long" and f"{total} tokens > max_total_tokens {total - 1}" in res.detail
+    assert quality_stage(copy.deepcopy(s), _ctx(max_total_tokens=total)).status == "keep"  # the cap is inclusive
+
+
 def test_near_duplicate_jaccard() -> None:
     d = Deduper(shingle_words=3, threshold=0.9, postings_cap=64)
     words = [f"w{i}" for i in range(40)]
@@ -453,7 +461,7 @@ def tiny_model() -> tuple[Any, Any]:
     from k3post.models import build_tiny_moe
     from k3post.tokenizer import train_tokenizer
 
-    tok = train_tokenizer(default_corpus(200), vocab_size=400)
+    tok = train_tokenizer(default_corpus(2), vocab_size=400)
     model = build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id, eos_token_id=tok.convert_tokens_to_ids("<|end_of_msg|>"))
     return model, tok
 

@@ -138,6 +138,8 @@ class EmbeddedEngine:
             fake-quantized once per weight version) expert weights; larger ones (prefill)
             call ``layer.mlp`` itself. HF's router module picks the experts either way.
             0 always calls ``layer.mlp``.
+        max_prefill_tokens: most context tokens prefilled in one step (bounds activation
+            memory); further queued requests are admitted in the next steps.
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class EmbeddedEngine:
         stop_ids: Sequence[int] | None = None,
         prefix_sharing: bool = True,
         dense_moe_max_tokens: int = 64,
+        max_prefill_tokens: int = 2048,
     ) -> None:
         if isinstance(model_or_dir, (str, Path)):
             from k3post.models import load_model
@@ -183,6 +186,9 @@ class EmbeddedEngine:
         if not isinstance(dense_moe_max_tokens, int) or dense_moe_max_tokens < 0:
             raise ValueError(f"dense_moe_max_tokens must be an int >= 0, got {dense_moe_max_tokens!r}")
         self.dense_moe_max_tokens = dense_moe_max_tokens
+        if not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be an int >= 1, got {max_prefill_tokens!r}")
+        self.max_prefill_tokens = max_prefill_tokens
         self.default_stop_ids: frozenset[int] = self._default_stop_ids(tokenizer, stop_ids)
 
         inner = model.model
@@ -511,9 +517,17 @@ class EmbeddedEngine:
         self._running = keep
 
     def _admit(self) -> list[_Seq]:
+        """Move queued requests into free slots, at most ``max_prefill_tokens`` uncached
+        context tokens per step (always at least one request)."""
         free = self.max_batch_size - len(self._running)
         admitted: list[_Seq] = []
+        budget = self.max_prefill_tokens
         while free > 0 and self._queue:
+            head = self._queue[0]
+            cost = len(head.context) - (head.kv.num_tokens if head.kv is not None else 0)
+            if admitted and cost > budget:
+                break
+            budget -= cost
             seq = self._queue.popleft()
             seq.slot = len(self._running)
             self._running.append(seq)
@@ -623,6 +637,13 @@ class EmbeddedEngine:
         if experts is None or router is None or set(dict(mlp.named_children())) != {"experts", "gate"}:
             return False
         gu, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+        if not (isinstance(gu, torch.Tensor) and gu.dim() == 3):
+            return False
+        with torch.inference_mode():  # the router must return (logits [N, E], weights [N, K], experts [N, K])
+            out = router(torch.zeros(1, gu.shape[-1], dtype=gu.dtype, device=gu.device))
+        if not (isinstance(out, tuple) and len(out) == 3 and out[1].shape == out[2].shape and out[2].dim() == 2
+                and not out[2].is_floating_point()):
+            return False
         return (
             isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3
             and bool(getattr(experts, "has_gate", True)) and not getattr(experts, "has_bias", False)

@@ -242,6 +242,7 @@ class VerifyConfig:
     postings_cap: int = 64  # shingles shared by more kept samples than this are boilerplate, not evidence
     judge_keep: float = 0.6  # judge: score >= this keeps (unless the judge says it is unsure)
     judge_verifiable: bool = False  # also judge verifiable families
+    max_total_tokens: int = 0  # quality: a rendered sample longer than this is rejected (the trainer's max_len); 0 = no cap
 
     def __post_init__(self) -> None:
         for k, v in self.budgets.items():
@@ -679,6 +680,9 @@ def quality_stage(sample: Mapping[str, Any], ctx: VerifyContext) -> StageResult:
     used = tokens.get(measure)
     if budget is not None and isinstance(used, int) and used > budget:
         return _reject("over_budget", f"{used} {measure} tokens > {sample.get('effort')} budget {budget} ({domain})")
+    total = tokens.get("total")
+    if cfg.max_total_tokens > 0 and isinstance(total, int) and total > cfg.max_total_tokens:
+        return _reject("too_long", f"{total} tokens > max_total_tokens {cfg.max_total_tokens} (the trainer's max_len)")
     for i, m in enumerate(sample.get("messages") or []):
         if m.get("role") != "assistant":
             continue

@@ -1,1 +1,0 @@
-"""Built-in task families (seeded generators, reference solvers, verifiers)."""

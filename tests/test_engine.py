@@ -1,0 +1,458 @@
+"""Tests of k3post.rollout: the sampler (golden), the embedded engine (parity with a plain HF
+forward, continuous batching, reproducibility, pause / resume / KV export, weight updates,
+stops, aborts, prefix sharing) and the vLLM / SGLang adapters' pure conversions.
+
+Shape legend: B batch rows, V vocabulary, T sequence length.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from k3post.models import build_tiny_moe, save_model
+from k3post.quant.qat import QATConfig, apply_qat
+from k3post.rollout import (
+    EmbeddedEngine,
+    GenerationRequest,
+    GenerationResult,
+    KVState,
+    RolloutEngine,
+    SamplingParams,
+    SteppableEngine,
+    sample_from_logits,
+    token_uniform,
+)
+from k3post.rollout.adapters import (
+    SGLangEngine,
+    VLLMEngine,
+    from_sglang_output,
+    from_vllm_output,
+    normalize_finish_reason,
+    to_sglang_sampling_params,
+    to_vllm_sampling_kwargs,
+)
+from k3post.rollout.engine import token_uniforms
+from k3post.xtml import EOM
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One torch thread: stable timings on a shared 2-core machine; restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(xtml_tokenizer):
+    """(model, tokenizer) with a fresh fp32 tiny Qwen3-MoE."""
+    tok = xtml_tokenizer
+    model = build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id, eos_token_id=tok.convert_tokens_to_ids(EOM))
+    return model.eval(), tok
+
+
+@pytest.fixture(scope="module")
+def tiny_qat(xtml_tokenizer):
+    tok = xtml_tokenizer
+    model = build_tiny_moe(len(tok), seed=1, pad_token_id=tok.pad_token_id, eos_token_id=tok.convert_tokens_to_ids(EOM))
+    apply_qat(model, QATConfig())
+    return model.eval(), tok
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, vocab, (n,), generator=g).tolist()
+
+
+def _requests(vocab: int, n: int, *, temperature: float = 1.0, seed0: int = 0, **kw) -> list[GenerationRequest]:
+    out = []
+    for i in range(n):
+        sp = SamplingParams(temperature=temperature, max_tokens=6 + (7 * i) % 19, stop_ids=(), seed=seed0 + i, **kw)
+        out.append(GenerationRequest(f"r{i}", _prompt(4 + (5 * i) % 13, 100 + i, vocab), sp))
+    return out
+
+
+def _hf_logprobs(model: torch.nn.Module, res: GenerationResult) -> torch.Tensor:
+    """log p(output_ids[i] | prefix) from one plain HF forward over prompt + output: [T_out]."""
+    full_T = torch.tensor(res.prompt_ids + res.output_ids)
+    with torch.no_grad():
+        logp_TV = torch.log_softmax(model(full_T[None]).logits[0].float(), dim=-1)
+    P = len(res.prompt_ids)
+    return logp_TV[P - 1 : -1].gather(1, full_T[P:, None])[:, 0]
+
+
+def _assert_parity(model: torch.nn.Module, results: list[GenerationResult]) -> None:
+    for r in results:
+        ref_T = _hf_logprobs(model, r)
+        got_T = torch.tensor(r.output_logprobs)
+        assert got_T.shape == ref_T.shape
+        assert (got_T - ref_T).abs().max().item() < TOL, r.request_id
+
+
+# --------------------------------------------------------------------------- sampler (golden)
+
+
+def test_sample_from_logits_golden():
+    # p = [0.1, 0.2, 0.3, 0.4]. Unfiltered rows invert the CDF in vocabulary order:
+    # c = [0.1, 0.3, 0.6, 1.0] -> u 0.05 -> 0, 0.25 -> 1, 0.59 -> 2, 0.61 -> 3.
+    # top_k=2 keeps ids (3, 2) with c = [0.4, 0.7]: u 0.5 -> 0.35 < 0.4 -> 3; u 0.6 -> 0.42 -> 2.
+    # top_p=0.5: mass before ranks = [0, 0.4, 0.7, 0.9] < 0.5 keeps ranks 0, 1: same as top_k=2.
+    # top_p=0.3 keeps rank 0 only -> 3 for any u. Temperature 0 -> argmax = 3.
+    # Temperature 0.5 squares p: [1, 4, 9, 16] / 30, c = [1, 5, 14, 30] / 30: u 0.2 -> 2.
+    logits_V = torch.tensor([0.1, 0.2, 0.3, 0.4]).log()
+    rows = [  # (temperature, top_k, top_p, u, expected)
+        (1.0, 0, 1.0, 0.05, 0), (1.0, 0, 1.0, 0.25, 1), (1.0, 0, 1.0, 0.59, 2), (1.0, 0, 1.0, 0.61, 3),
+        (1.0, 2, 1.0, 0.5, 3), (1.0, 2, 1.0, 0.6, 2), (1.0, 0, 0.5, 0.5, 3), (1.0, 0, 0.5, 0.6, 2),
+        (1.0, 0, 0.3, 0.99, 3), (0.0, 0, 1.0, 0.01, 3), (0.5, 0, 1.0, 0.2, 2),
+    ]
+    B = len(rows)
+    tok_B = sample_from_logits(
+        logits_V.expand(B, 4),
+        torch.tensor([r[0] for r in rows]),
+        torch.tensor([r[1] for r in rows]),
+        torch.tensor([r[2] for r in rows]),
+        torch.tensor([r[3] for r in rows], dtype=torch.float64),
+    )
+    assert tok_B.tolist() == [r[4] for r in rows]
+    # each row alone gives the same token as inside the batch (row independence)
+    for i, (t, k, p, u, want) in enumerate(rows):
+        one = sample_from_logits(logits_V[None], torch.tensor([t]), torch.tensor([k]), torch.tensor([p]),
+                                 torch.tensor([u], dtype=torch.float64))
+        assert one.item() == want
+
+
+def test_token_uniform_and_empirical_distribution():
+    assert token_uniform(7, 3) == token_uniform(7, 3)
+    us = [token_uniform(7, i) for i in range(4000)]
+    assert all(0.0 <= u < 1.0 for u in us) and len(set(us)) == 4000
+    assert token_uniform(8, 3) != token_uniform(7, 3)
+    # the counter-based draws reproduce the softmax distribution (4000 draws, 4 sigma bands)
+    p_V = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    u_B = token_uniforms([7] * 4000, list(range(4000)))
+    B = u_B.shape[0]
+    tok_B = sample_from_logits(p_V.log().expand(B, 4), torch.ones(B), torch.zeros(B, dtype=torch.long), torch.ones(B), u_B)
+    freq_V = torch.bincount(tok_B, minlength=4).double() / B
+    assert ((freq_V - p_V.double()).abs() < 4 * (p_V * (1 - p_V) / B).sqrt()).all()
+
+
+def test_sampling_params_and_request_validation():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="stop_ids"):
+        SamplingParams(stop_ids=("x",))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        GenerationRequest("a", [])
+    with pytest.raises(ValueError, match="same length"):
+        GenerationRequest("a", [1, 2], given_ids=[3], given_logprobs=[], given_versions=[0])
+    with pytest.raises(ValueError, match="max_tokens"):
+        GenerationRequest("a", [1], SamplingParams(max_tokens=1), given_ids=[3], given_logprobs=[-1.0], given_versions=[0])
+
+
+# --------------------------------------------------------------------------- embedded engine
+
+
+def test_protocol_conformance(tiny):
+    model, tok = tiny
+    engine = EmbeddedEngine(model, tok, max_batch_size=2)
+    assert isinstance(engine, RolloutEngine) and isinstance(engine, SteppableEngine)
+    assert engine.default_stop_ids == {tok.convert_tokens_to_ids(EOM)}
+    assert not engine.qat_enabled
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprob_parity_with_hf_forward_and_continuous_batching(tiny, temperature):
+    model, tok = tiny
+    engine = EmbeddedEngine(model, tok, max_batch_size=3)
+    reqs = _requests(len(tok), 7, temperature=temperature)
+    results = engine.generate(reqs)
+    assert [r.request_id for r in results] == [r.request_id for r in reqs]
+    for req, res in zip(reqs, results):
+        assert res.finish_reason == "length" and res.num_tokens == req.sampling.max_tokens
+        assert res.output_versions == [0] * res.num_tokens
+    _assert_parity(model, results)
+    # continuous batching: 3 slots, slots refilled as soon as one finishes, so the run takes
+    # fewer steps than batches of 3 run to their longest member would.
+    lengths = [r.sampling.max_tokens for r in reqs]
+    static_steps = sum(max(lengths[i : i + 3]) for i in range(0, 7, 3))
+    assert engine.stats["steps"] < static_steps
+    if temperature == 0.0:  # greedy == argmax of the HF logits at every position
+        for r in results:
+            full_T = torch.tensor(r.prompt_ids + r.output_ids)
+            with torch.no_grad():
+                logits_TV = model(full_T[None]).logits[0]
+            P = len(r.prompt_ids)
+            assert logits_TV[P - 1 : -1].argmax(-1).tolist() == r.output_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprob_parity_with_qat(tiny_qat, temperature):
+    model, tok = tiny_qat
+    engine = EmbeddedEngine(model, tok, max_batch_size=3)
+    assert engine.qat_enabled
+    results = engine.generate(_requests(len(tok), 5, temperature=temperature, top_k=50, top_p=0.9))
+    _assert_parity(model, results)  # the HF forward runs the QAT-patched experts
+
+
+def test_qat_argument_applies_qat(xtml_tokenizer):
+    model = build_tiny_moe(len(xtml_tokenizer), seed=2)
+    engine = EmbeddedEngine(model, xtml_tokenizer, qat=QATConfig(), max_batch_size=2)
+    assert engine.qat_enabled
+    _assert_parity(model, engine.generate(_requests(len(xtml_tokenizer), 2)))
+
+
+def test_seeded_sampling_independent_of_batch_composition(tiny):
+    model, tok = tiny
+    target = GenerationRequest("x", _prompt(9, 5, len(tok)), SamplingParams(max_tokens=20, stop_ids=(), seed=1234))
+    alone = EmbeddedEngine(model, tok, max_batch_size=1).generate([target])[0]
+    others = _requests(len(tok), 6, seed0=50)
+    crowd = EmbeddedEngine(model, tok, max_batch_size=4).generate(others[:4] + [target] + others[4:])[4]
+    late = EmbeddedEngine(model, tok, max_batch_size=7).generate(list(reversed(others)) + [target])[-1]
+    assert alone.output_ids == crowd.output_ids == late.output_ids
+    assert max(abs(a - b) for a, b in zip(alone.output_logprobs, crowd.output_logprobs)) < TOL
+    # seed=None derives the seed from (engine seed, request id): reproducible, engine seed matters
+    r = GenerationRequest("y", target.prompt_ids, SamplingParams(max_tokens=20, stop_ids=()))
+    a = EmbeddedEngine(model, tok, seed=3).generate([r])[0].output_ids
+    assert a == EmbeddedEngine(model, tok, seed=3).generate([r])[0].output_ids
+    assert a != EmbeddedEngine(model, tok, seed=4).generate([r])[0].output_ids
+
+
+def test_stop_id_ends_request(tiny):
+    model, tok = tiny
+    base = GenerationRequest("s", _prompt(6, 9, len(tok)), SamplingParams(max_tokens=30, stop_ids=(), seed=11))
+    full = EmbeddedEngine(model, tok).generate([base])[0]
+    stop = full.output_ids[5]
+    first = full.output_ids.index(stop)
+    sp = SamplingParams(max_tokens=30, stop_ids=(stop,), seed=11)
+    res = EmbeddedEngine(model, tok).generate([GenerationRequest("s", base.prompt_ids, sp)])[0]
+    assert res.finish_reason == "stop" and res.output_ids == full.output_ids[: first + 1]
+    sp_ignore = SamplingParams(max_tokens=30, stop_ids=(stop,), seed=11, ignore_eos=True)
+    res = EmbeddedEngine(model, tok).generate([GenerationRequest("s", base.prompt_ids, sp_ignore)])[0]
+    assert res.finish_reason == "length" and res.output_ids == full.output_ids
+    # default stop id is <|end_of_msg|>: stopping there when the engine is told eom is `stop`
+    engine = EmbeddedEngine(model, tok, stop_ids=[stop])
+    res = engine.generate([GenerationRequest("s", base.prompt_ids, SamplingParams(max_tokens=30, seed=11))])[0]
+    assert res.finish_reason == "stop" and res.output_ids[-1] == stop
+
+
+def test_max_model_len_caps_sequences(tiny):
+    model, tok = tiny
+    engine = EmbeddedEngine(model, tok, max_model_len=12)
+    res = engine.generate([GenerationRequest("m", _prompt(8, 1, len(tok)), SamplingParams(max_tokens=30, stop_ids=()))])[0]
+    assert res.finish_reason == "length" and len(res.prompt_ids) + res.num_tokens == 12
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request(GenerationRequest("n", _prompt(12, 1, len(tok))))
+
+
+def _run_until(engine: EmbeddedEngine, n_steps: int) -> dict[str, GenerationResult]:
+    done: dict[str, GenerationResult] = {}
+    for _ in range(n_steps):
+        for r in engine.step():
+            done[r.request_id] = r
+    return done
+
+
+def test_pause_resume_export_import_identical_tokens(tiny):
+    model, tok = tiny
+    reqs = _requests(len(tok), 4, seed0=70)
+    reqs[1] = GenerationRequest("r1", reqs[1].prompt_ids, SamplingParams(max_tokens=24, stop_ids=(), seed=71))
+    reference = {r.request_id: r for r in EmbeddedEngine(model, tok, max_batch_size=4).generate(reqs)}
+
+    for mode in ("resume", "export_kv", "reprefill"):
+        engine = EmbeddedEngine(model, tok, max_batch_size=2)
+        for r in reqs:
+            engine.add_request(r)
+        done = _run_until(engine, 5)
+        assert engine.num_running == 2 and "r1" not in done
+        (partial,) = engine.pause(["r1"])
+        assert partial.finish_reason == "paused" and partial.num_tokens == 5
+        ref = reference["r1"]
+        assert partial.output_ids == ref.output_ids[:5]
+        assert engine.num_paused == 1 and engine.num_running == 1
+        done.update(_run_until(engine, 3))
+        assert engine.num_running == 2  # the freed slot was refilled from the queue
+        if mode == "resume":
+            engine.resume(["r1"])
+        else:
+            kv = engine.export_kv("r1")
+            assert isinstance(kv, KVState) and kv.num_tokens == len(ref.prompt_ids) + 4 and kv.keys[0].device.type == "cpu"
+            assert engine.num_paused == 0
+            cont = GenerationRequest.continuation(partial, reqs[1].sampling)
+            engine.add_request(cont, kv=kv if mode == "export_kv" else None)
+        while engine.has_unfinished():
+            done.update({r.request_id: r for r in engine.step()})
+        got = done["r1"]
+        assert got.output_ids == ref.output_ids, mode
+        assert got.output_logprobs[:5] == partial.output_logprobs  # given tokens keep recorded values
+        assert max(abs(a - b) for a, b in zip(got.output_logprobs, ref.output_logprobs)) < TOL
+        for rid, r in reference.items():
+            assert done[rid].output_ids == r.output_ids, (mode, rid)
+
+
+def test_pause_queued_and_errors(tiny):
+    model, tok = tiny
+    engine = EmbeddedEngine(model, tok, max_batch_size=1)
+    for r in _requests(len(tok), 3):
+        engine.add_request(r)
+    engine.step()
+    (queued,) = engine.pause(["r2"])  # never reached a slot: no tokens, no KV
+    assert queued.num_tokens == 0 and queued.finish_reason == "paused"
+    with pytest.raises(ValueError, match="no KV cache"):
+        engine.export_kv("r2")
+    with pytest.raises(ValueError, match="already paused"):
+        engine.pause(["r2"])
+    with pytest.raises(ValueError, match="unknown request"):
+        engine.abort(["nope"])
+    with pytest.raises(ValueError, match="already queued"):
+        engine.add_request(_requests(len(tok), 1)[0])
+    with pytest.raises(ValueError, match="not paused"):
+        engine.resume(["r0"])
+    with pytest.raises(ValueError, match="idle engine"):
+        engine.generate([])
+    bad_kv = KVState([torch.zeros(2, 3, 32)] * 4, [torch.zeros(2, 3, 32)] * 4, [1, 2, 3], 0)
+    with pytest.raises(ValueError, match="proper prefix"):
+        engine.import_kv("r1", bad_kv)
+
+
+def test_abort_returns_partial_and_frees_slot(tiny):
+    model, tok = tiny
+    engine = EmbeddedEngine(model, tok, max_batch_size=2)
+    reqs = _requests(len(tok), 3, seed0=5)
+    for r in reqs:
+        engine.add_request(r)
+    _run_until(engine, 3)
+    (ab,) = engine.abort(["r0"])
+    assert ab.finish_reason == "abort" and ab.num_tokens == 3
+    done = {}
+    while engine.has_unfinished():
+        done.update({r.request_id: r for r in engine.step()})
+    assert set(done) == {"r1", "r2"}
+    _assert_parity(model, list(done.values()))
+
+
+def test_update_weights_bumps_version_mid_generation(xtml_tokenizer):
+    tok = xtml_tokenizer
+    model = build_tiny_moe(len(tok), seed=3).eval()
+    engine = EmbeddedEngine(model, tok, max_batch_size=2)
+    for r in _requests(len(tok), 2):
+        engine.add_request(r)
+    _run_until(engine, 4)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    new_w = model.get_parameter(name).detach() * 1.5
+    assert engine.update_weights({name: new_w}) == 1
+    assert torch.equal(model.get_parameter(name), new_w)
+    assert engine.update_weights([("lm_head.weight", model.lm_head.weight.detach().clone())], version=5) == 5
+    done = {}
+    while engine.has_unfinished():
+        done.update({r.request_id: r for r in engine.step()})
+    for r in done.values():
+        assert r.output_versions[:4] == [0] * 4 and set(r.output_versions[4:]) == {5}
+    with pytest.raises(ValueError, match="unknown parameter"):
+        engine.update_weights({"nope.weight": new_w})
+    with pytest.raises(ValueError, match="expects"):
+        engine.update_weights({name: new_w[:1]})
+    with pytest.raises(ValueError, match="must exceed"):
+        engine.update_weights({name: new_w}, version=5)
+    # fresh requests after the update see the new weights: parity with the updated model
+    _assert_parity(model, engine.generate(_requests(len(tok), 2, seed0=9)))
+
+
+def test_prefix_sharing_of_k_samples(tiny):
+    model, tok = tiny
+    prompt = _prompt(11, 4, len(tok))
+    reqs = [GenerationRequest(f"k{j}", prompt, SamplingParams(max_tokens=8, stop_ids=(), seed=j)) for j in range(4)]
+    shared = EmbeddedEngine(model, tok, max_batch_size=4)
+    res = shared.generate(reqs)
+    assert shared.stats["shared_prefills"] == 3 and shared.stats["prefill_tokens"] == len(prompt)
+    plain = EmbeddedEngine(model, tok, max_batch_size=4, prefix_sharing=False).generate(reqs)
+    assert [r.output_ids for r in res] == [r.output_ids for r in plain]
+    assert len({tuple(r.output_ids) for r in res}) > 1  # distinct seeds, distinct samples
+    _assert_parity(model, res)
+
+
+def test_engine_from_folder(tmp_path, tiny):
+    model, tok = tiny
+    save_model(model, tmp_path / "m", tok)
+    engine = EmbeddedEngine(tmp_path / "m", max_batch_size=2)
+    assert engine.default_stop_ids == {tok.convert_tokens_to_ids(EOM)}
+    reqs = _requests(len(tok), 2)
+    assert [r.output_ids for r in engine.generate(reqs)] == [r.output_ids for r in EmbeddedEngine(model, tok).generate(reqs)]
+    with pytest.raises(ValueError, match="not a model folder"):
+        EmbeddedEngine(tmp_path / "missing")
+
+
+def test_bad_model_rejected():
+    with pytest.raises(ValueError, match="Llama-style"):
+        EmbeddedEngine(torch.nn.Linear(2, 2))
+
+
+# --------------------------------------------------------------------------- adapters (pure conversions)
+
+
+def _req(**kw) -> GenerationRequest:
+    return GenerationRequest("a", [5, 6, 7], SamplingParams(max_tokens=10, seed=3, top_k=0, **kw),
+                             given_ids=[8, 9], given_logprobs=[-0.5, -0.25], given_versions=[1, 2])
+
+
+@pytest.mark.parametrize("module, cls", [("vllm", VLLMEngine), ("sglang", SGLangEngine)])
+def test_adapter_import_error_when_missing(module, cls, tmp_path):
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed")
+    with pytest.raises(ImportError, match=f"{module} is not installed"):
+        cls(tmp_path)
+
+
+def test_vllm_conversions():
+    kw = to_vllm_sampling_kwargs(_req(), default_stop_ids=[3])
+    assert kw["max_tokens"] == 8 and kw["stop_token_ids"] == [3] and kw["top_k"] == -1
+    assert kw["logprobs"] == 0 and kw["seed"] == 3 and kw["detokenize"] is False
+    assert to_vllm_sampling_kwargs(_req(ignore_eos=True), [3])["stop_token_ids"] == []
+    lp = lambda x: SimpleNamespace(logprob=x, rank=1, decoded_token=None)  # noqa: E731  vllm.Logprob
+    comp = SimpleNamespace(token_ids=[11, 3], logprobs=[{11: lp(-1.0), 4: lp(-2.0)}, {3: lp(-0.1)}], finish_reason="stop")
+    res = from_vllm_output(_req(), SimpleNamespace(outputs=[comp]), version=7)
+    assert res.output_ids == [8, 9, 11, 3] and res.output_logprobs == [-0.5, -0.25, -1.0, -0.1]
+    assert res.output_versions == [1, 2, 7, 7] and res.finish_reason == "stop"
+    with pytest.raises(ValueError, match="logprobs"):
+        from_vllm_output(_req(), SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1], logprobs=None, finish_reason="length")]), 0)
+
+
+def test_sglang_conversions():
+    sp = to_sglang_sampling_params(_req(), default_stop_ids=[3])
+    assert sp["max_new_tokens"] == 8 and sp["stop_token_ids"] == [3] and sp["sampling_seed"] == 3
+    out = {"output_ids": [11, 12], "meta_info": {"output_token_logprobs": [(-1.0, 11, None), (-2.0, 12, None)],
+                                                 "finish_reason": {"type": "length", "length": 8}}}
+    res = from_sglang_output(_req(), out, version=4)
+    assert res.output_ids == [8, 9, 11, 12] and res.output_logprobs == [-0.5, -0.25, -1.0, -2.0]
+    assert res.output_versions == [1, 2, 4, 4] and res.finish_reason == "length"
+    with pytest.raises(ValueError, match="return_logprob"):
+        from_sglang_output(_req(), {"meta_info": {}}, 0)
+    assert normalize_finish_reason(None) == "abort"
+    with pytest.raises(ValueError, match="unknown finish reason"):
+        normalize_finish_reason("weird")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("module, cls", [("vllm", VLLMEngine), ("sglang", SGLangEngine)])
+def test_adapter_on_gpu_matches_hf_logprobs(module, cls, tmp_path, tiny):
+    """Real engine on a CUDA machine: generate + logprob parity (bf16/fp32 kernels: 2e-2) + update_weights."""
+    if not torch.cuda.is_available() or importlib.util.find_spec(module) is None:
+        pytest.skip(f"needs CUDA and {module}")
+    model, tok = tiny
+    save_model(model, tmp_path / "m", tok)
+    engine = cls(tmp_path / "m", dtype="float32") if module == "vllm" else cls(tmp_path / "m", dtype="float32")
+    res = engine.generate(_requests(len(tok), 4))
+    for r in res:
+        assert max(abs(a - b) for a, b in zip(r.output_logprobs, _hf_logprobs(model, r).tolist())) < 2e-2
+    assert engine.update_weights({"lm_head.weight": model.lm_head.weight.detach()}) == 1
+    assert math.isfinite(sum(engine.generate(_requests(len(tok), 1))[0].output_logprobs))
