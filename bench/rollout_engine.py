@@ -76,6 +76,8 @@ class PeakRSS:
     def __init__(self, interval: float = 0.002) -> None:
         self.interval = interval
         self.peak_delta = 0
+        self._base = 0
+        self._peak = 0
         self._stop = threading.Event()
 
     def _run(self) -> None:
@@ -113,7 +115,7 @@ def make_prompts(tok: Any, n: int, seed: int) -> list[list[int]]:
     ]
 
 
-def run_engine(model: torch.nn.Module, tok: Any, prompts: list[list[int]], lengths: list[int], seed: int) -> tuple[float, int, int]:
+def run_engine(model: Any, tok: Any, prompts: list[list[int]], lengths: list[int], seed: int) -> tuple[float, int, int]:
     """(seconds, useful tokens, KV-cache bytes) of one EmbeddedEngine.generate over all prompts."""
     engine = EmbeddedEngine(model, tok, max_batch_size=len(prompts), max_model_len=max(map(len, prompts)) + max(lengths) + 1)
     reqs = [
@@ -128,7 +130,7 @@ def run_engine(model: torch.nn.Module, tok: Any, prompts: list[list[int]], lengt
     return dt, sum(got), engine.cache.nbytes
 
 
-def run_hf(model: torch.nn.Module, tok: Any, prompts: list[list[int]], lengths: list[int], seed: int) -> tuple[float, int, int]:
+def run_hf(model: Any, tok: Any, prompts: list[list[int]], lengths: list[int], seed: int) -> tuple[float, int, int]:
     """(seconds, useful tokens, KV-cache bytes) of one batched ``generate`` over all prompts."""
     pad = tok.pad_token_id
     P = max(map(len, prompts))
@@ -149,10 +151,10 @@ def run_hf(model: torch.nn.Module, tok: Any, prompts: list[list[int]], lengths: 
     assert out.shape[1] == P + max_new, out.shape
     cfg = model.config
     kv_bytes = 2 * cfg.num_hidden_layers * len(prompts) * cfg.num_key_value_heads * (P + max_new) * cfg.head_dim * 4
-    return dt, sum(lengths), kv_bytes
+    return dt, sum(lengths), int(kv_bytes)
 
 
-def compare(model: torch.nn.Module, tok: Any, prompts: list[list[int]], lengths: list[int], repeats: int, tag: str) -> dict[str, float]:
+def compare(model: Any, tok: Any, prompts: list[list[int]], lengths: list[int], repeats: int, tag: str) -> dict[str, float]:
     """Interleaved engine / HF runs (after one short warm-up each); medians."""
     run_engine(model, tok, prompts[:4], [8] * 4, seed=99)
     run_hf(model, tok, prompts[:4], [8] * 4, seed=99)
@@ -171,10 +173,12 @@ def compare(model: torch.nn.Module, tok: Any, prompts: list[list[int]], lengths:
                 dt, n, kv = fn(model, tok, prompts, lengths, seed=r)
             assert n == useful
             if name == "engine":
-                eng_t.append(dt), eng_mem.append(mem.peak_delta)
+                eng_t.append(dt)
+                eng_mem.append(mem.peak_delta)
                 eng_kv = kv
             else:
-                hf_t.append(dt), hf_mem.append(mem.peak_delta)
+                hf_t.append(dt)
+                hf_mem.append(mem.peak_delta)
                 hf_kv = kv
             print(f"[{tag}] run {r} {name:6s}: {dt:6.2f} s  {useful / dt:8.1f} useful tok/s  "
                   f"peak RSS +{mem.peak_delta / 2**20:.1f} MB", flush=True)
@@ -193,7 +197,7 @@ def compare(model: torch.nn.Module, tok: Any, prompts: list[list[int]], lengths:
     }
 
 
-def _setup(args: argparse.Namespace, tok: Any) -> tuple[torch.nn.Module, list[list[int]], list[int]]:
+def _setup(args: argparse.Namespace, tok: Any) -> tuple[Any, list[list[int]], list[int]]:
     eom = tok.convert_tokens_to_ids("<|end_of_msg|>")
     model = build_tiny_moe(len(tok), seed=args.seed, pad_token_id=tok.pad_token_id, eos_token_id=eom).eval()
     prompts = make_prompts(tok, args.prompts, seed=args.seed + 1)

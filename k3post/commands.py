@@ -43,9 +43,10 @@ def init_model(out_dir: str | Path, *, preset: str = "tiny", vocab_size: int = 5
 
 
 def run_sft(cfg: K3Config) -> Path:
-    """`k3post sft CONFIG`: train `model.path` (or a fresh preset) on `sft.train_file`; returns the final folder."""
-    if not cfg.sft.train_file:
-        raise ValueError("sft.train_file is not set: give the SFT JSONL path in the config or as sft.train_file=PATH")
+    """`k3post sft CONFIG`: train `model.path` (or a fresh `model.preset`) on `sft.train_file`; returns the
+    final folder. Without `sft.train_file` the built-in families' data is synthesized first, as in the demo."""
+    from k3post.demo import run_tokenizer, synthesize_sft_data
+
     run = cfg.run.dir
     run.mkdir(parents=True, exist_ok=True)
     (run / "config.yaml").write_text(to_yaml(cfg))
@@ -54,15 +55,14 @@ def run_sft(cfg: K3Config) -> Path:
         tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
         ensure_xtml_tokens(tokenizer, model)
     else:
-        if not cfg.tokenizer.path:
-            raise ValueError("set model.path (a model folder) or tokenizer.path (to build a fresh model.preset)")
-        tokenizer = load_tokenizer(cfg.tokenizer.path)
+        tokenizer = run_tokenizer(cfg, run)
         model = build_tiny_moe(
             len(tokenizer), cfg.model.preset, seed=cfg.run.seed, pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.convert_tokens_to_ids("<|end_of_msg|>"),
         )
     xtml = XTML(tokenizer)
-    samples, stats = load_sft_jsonl(cfg.sft.train_file, xtml, max_len=cfg.sft.max_len, on_bad_sample=cfg.sft.on_bad_sample, mode=cfg.sft.mode)
+    train_file = cfg.sft.train_file or synthesize_sft_data(cfg, run, tokenizer)
+    samples, stats = load_sft_jsonl(train_file, xtml, max_len=cfg.sft.max_len, on_bad_sample=cfg.sft.on_bad_sample, mode=cfg.sft.mode)
     if stats.skipped:
         print(f"skipped samples: {json.dumps(stats.skipped)} of {stats.read}")
     if cfg.qat.enabled:

@@ -71,6 +71,47 @@ class _Summary:
         tmp.replace(self.path)
 
 
+def run_tokenizer(cfg: K3Config, run: Path) -> Any:
+    """The run's tokenizer: `tokenizer.path`, or one already in the run folder, or a byte-level BPE trained on
+    XTML renderings of every built-in family's reference trajectories (saved to `run/tokenizer`)."""
+    tok_dir = Path(cfg.tokenizer.path) if cfg.tokenizer.path else run / "tokenizer"
+    if (tok_dir / "tokenizer.json").exists():
+        return load_tokenizer(tok_dir)
+    if cfg.tokenizer.path:
+        raise ValueError(f"tokenizer.path: {tok_dir} holds no tokenizer.json")
+    corpus = default_corpus(cfg.data.corpus_per_family, seed=cfg.run.seed + 7, main=cfg.data.eval_family)
+    return train_tokenizer(corpus, vocab_size=cfg.tokenizer.vocab_size, out_dir=tok_dir, word_boundaries=cfg.tokenizer.word_boundaries)
+
+
+def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = None) -> Path:
+    """SFT data from the synthesis pipeline: the reference teachers of every built-in family at every effort
+    (`data.n_train` tasks of `data.eval_family`, `data.n_per_family` of each other family), verified stage by
+    stage (structure, outcome, quality, judge); writes `run/data/sft_train.jsonl` and returns its path.
+    `record(synth=...)` receives the funnel and per-family counts for the report.
+    """
+    d = cfg.data
+    main = get_family(d.eval_family)
+    verify = VerifyConfig(max_total_tokens=cfg.sft.max_len)  # too-long samples are rejected (and counted) here
+    main_path, funnel = build_sft_dataset(
+        [main], d.efforts, d.n_train, cfg.run.seed, run / "data" / "main.jsonl", tokenizer, difficulty=d.difficulty, config=verify
+    )
+    others = [f for f in families() if f.name != main.name]
+    rest_path, rest_funnel = build_sft_dataset(
+        others, d.efforts, d.n_per_family, cfg.run.seed, run / "data" / "families.jsonl", tokenizer,
+        difficulty=d.difficulty, config=verify,
+    )
+    funnel.merge(rest_funnel)
+    records = [json.loads(line) for p in (main_path, rest_path) for line in p.read_text(encoding="utf-8").splitlines()]
+    train_file = write_jsonl(records, run / "data" / "sft_train.jsonl")
+    by_family: dict[str, int] = {}
+    for r in records:
+        by_family[r["family"]] = by_family.get(r["family"], 0) + 1
+    if record is not None:
+        record(synth={"funnel": funnel.to_dict(), "samples_by_family": by_family})
+    print(funnel.table())
+    return train_file
+
+
 def run_demo(cfg: K3Config) -> Path:
     """Run every stage the project has so far; return the run folder."""
     t_start = time.perf_counter()
@@ -92,14 +133,7 @@ def run_demo(cfg: K3Config) -> Path:
     t0 = time.perf_counter()
     d = cfg.data
     eval_family = get_family(d.eval_family)
-    tok_dir = Path(cfg.tokenizer.path) if cfg.tokenizer.path else run / "tokenizer"
-    if (tok_dir / "tokenizer.json").exists():
-        tokenizer = load_tokenizer(tok_dir)
-    else:
-        corpus = default_corpus(d.corpus_per_family, seed=cfg.run.seed + 7, main=d.eval_family)
-        tokenizer = train_tokenizer(
-            corpus, vocab_size=cfg.tokenizer.vocab_size, out_dir=tok_dir, word_boundaries=cfg.tokenizer.word_boundaries
-        )
+    tokenizer = run_tokenizer(cfg, run)
     xtml = XTML(tokenizer)
     stop_id, pad_id = xtml.eom_id, xtml.pad_id
     init_dir = run / "model_init"
@@ -119,26 +153,7 @@ def run_demo(cfg: K3Config) -> Path:
     # 2. SFT data from the synthesis pipeline: reference teachers over every built-in family x effort,
     #    multi-stage verification (structure, outcome, quality, judge); held-out eval tasks disjoint from it
     t0 = time.perf_counter()
-    train_file = Path(cfg.sft.train_file) if cfg.sft.train_file else run / "data" / "sft_train.jsonl"
-    if not cfg.sft.train_file:
-        verify = VerifyConfig(max_total_tokens=cfg.sft.max_len)  # too-long samples are rejected (and counted) here
-        main_path, funnel = build_sft_dataset(
-            [eval_family], d.efforts, d.n_train, cfg.run.seed, run / "data" / "main.jsonl", tokenizer,
-            difficulty=d.difficulty, config=verify,
-        )
-        others = [f for f in families() if f.name != eval_family.name]
-        rest_path, rest_funnel = build_sft_dataset(
-            others, d.efforts, d.n_per_family, cfg.run.seed, run / "data" / "families.jsonl", tokenizer,
-            difficulty=d.difficulty, config=verify,
-        )
-        funnel.merge(rest_funnel)
-        records = [json.loads(line) for p in (main_path, rest_path) for line in p.read_text(encoding="utf-8").splitlines()]
-        write_jsonl(records, train_file)
-        by_family: dict[str, int] = {}
-        for r in records:
-            by_family[r["family"]] = by_family.get(r["family"], 0) + 1
-        summary.update(synth={"funnel": funnel.to_dict(), "samples_by_family": by_family})
-        print(funnel.table())
+    train_file = Path(cfg.sft.train_file) if cfg.sft.train_file else synthesize_sft_data(cfg, run, tokenizer, summary.update)
     seen = {canonical_json(list(t.messages)) for t in eval_family.generate(d.n_train, seed=cfg.run.seed, difficulty=d.difficulty)}
     pool = eval_family.generate(2 * d.n_eval + 50, seed=cfg.run.seed + 1000, difficulty=d.difficulty)
     eval_tasks = [t for t in pool if canonical_json(list(t.messages)) not in seen][: d.n_eval]

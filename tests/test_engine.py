@@ -381,6 +381,35 @@ def test_prefix_sharing_of_k_samples(tiny):
     _assert_parity(model, res)
 
 
+def test_common_prefix_of_different_prompts_is_prefilled_once(tiny):
+    model, tok = tiny
+    header = _prompt(20, 8, len(tok))  # e.g. the system / effort messages every prompt starts with
+    reqs = [GenerationRequest(f"p{j}", header + _prompt(3 + j, 30 + j, len(tok)),
+                              SamplingParams(max_tokens=8, stop_ids=(), seed=j)) for j in range(4)]
+    shared = EmbeddedEngine(model, tok, max_batch_size=4)
+    res = shared.generate(reqs)
+    assert shared.stats["shared_prefix_tokens"] == 3 * 20
+    assert shared.stats["prefill_tokens"] == 20 + sum(len(r.prompt_ids) - 20 for r in reqs)
+    plain = EmbeddedEngine(model, tok, max_batch_size=4, prefix_sharing=False).generate(reqs)
+    assert [r.output_ids for r in res] == [r.output_ids for r in plain]
+    _assert_parity(model, res)
+
+
+def test_prefill_token_budget_spreads_admission(tiny):
+    model, tok = tiny
+    reqs = _requests(len(tok), 6, seed0=20)
+    ref = EmbeddedEngine(model, tok, max_batch_size=6).generate(reqs)
+    engine = EmbeddedEngine(model, tok, max_batch_size=6, max_prefill_tokens=10)
+    for r in reqs:
+        engine.add_request(r)
+    engine.step()
+    assert 1 <= engine.num_running < 6 and engine.num_queued > 0  # admitted over several steps
+    done = {}
+    while engine.has_unfinished():
+        done.update({r.request_id: r for r in engine.step()})
+    assert [done[r.request_id].output_ids for r in reqs] == [r.output_ids for r in ref]
+
+
 def test_engine_from_folder(tmp_path, tiny):
     model, tok = tiny
     save_model(model, tmp_path / "m", tok)

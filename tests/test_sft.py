@@ -204,3 +204,20 @@ def test_sft_command_from_init_model(tmp_path):
     assert rows[0]["lr"] < 2e-3  # warmup
     # a missing data file is a clear error, not a traceback
     assert main(["sft", str(cfg), f"sft.train_file={tmp_path / 'nope.jsonl'}"]) == 2
+
+
+def test_sft_command_without_data_file_synthesizes_the_builtin_set(tmp_path):
+    """The issue's example command: `k3post sft configs/demo.yaml sft.lr=3e-4` (shrunk to run fast)."""
+    from pathlib import Path
+
+    from k3post.cli import main
+
+    cfg = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    assert main([
+        "sft", str(cfg), "sft.lr=3e-4", f"run.root={tmp_path}", "run.name=s", "data.n_train=10", "data.n_per_family=1",
+        "data.corpus_per_family=1", "tokenizer.vocab_size=400", "sft.max_len=4096", "sft.rows_per_batch=1",
+        "sft.steps=2", "sft.progress=false",
+    ]) == 0
+    run = tmp_path / "s"
+    assert (run / "data" / "sft_train.jsonl").exists() and (run / "sft" / "final" / "model.safetensors").exists()
+    assert "lr: 0.0003" in (run / "config.yaml").read_text()

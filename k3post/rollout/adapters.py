@@ -282,6 +282,6 @@ def _eom_ids(model_dir: str | Path) -> list[int]:
 
     tok = load_tokenizer(model_dir)
     eom = tok.convert_tokens_to_ids(EOM)
-    if eom is None or eom == getattr(tok, "unk_token_id", None):
+    if not isinstance(eom, int) or eom == getattr(tok, "unk_token_id", None):
         raise ValueError(f"{model_dir}: the tokenizer has no {EOM} token; pass stop_ids explicitly")
     return [int(eom)]

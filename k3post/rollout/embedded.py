@@ -8,13 +8,21 @@ and weights of a Llama-style decoder (Qwen3-MoE here): ``embed_tokens``, per lay
 quantization that ``k3post.quant.qat.apply_qat`` patches into the experts applies
 unchanged), the final ``norm`` and ``lm_head``. What it drops is the per-step Python
 machinery of ``generate()``: mask builders, ``DynamicCache`` objects, logits processors.
+Decode steps (few tokens) run the MoE experts as two dense GEMMs over all experts with
+expert weights cached per weight version (MXFP4 fake-quantized once with the QAT
+quantizer when QAT is on, instead of once per call), experts chosen by HF's own router
+module; prefill calls ``layer.mlp``. Attention: q/k/v as one fused GEMM (weights cached
+per tensor version), ``scaled_dot_product_attention`` over the slot cache.
 
 One ``step()``:
-  1. admission: queued requests (resumed ones first) fill the free slots; their contexts
-     (prompt + given tokens) are prefilled in one padded batch; identical contexts (the K
-     samples of one prompt) are prefilled once and their KV rows copied (prefix sharing);
-     a request with an imported KV cache prefills only the uncached tail;
-  2. decode: one batched forward of one token for every request that was already running;
+  1. admission: queued requests (resumed ones first) fill the free slots, up to
+     ``max_prefill_tokens`` per step; their contexts (prompt + given tokens) are prefilled
+     in one padded batch; identical contexts (the K samples of one prompt) are prefilled
+     once and their KV rows copied, and a prefix common to all fresh contexts (the
+     system / effort header) is prefilled once (prefix sharing); a request with an
+     imported KV cache prefills only the uncached tail;
+  2. decode (runs first in a step): one batched forward of one token for every running
+     request; slots freed by finished ones are refilled in the same step's admission;
   3. sampling: every row samples from its own logits with its own parameters and its
      counter-based uniform (``k3post.rollout.engine.sample_from_logits``); the log-prob of
      the raw distribution and the current policy version are recorded per token;
@@ -34,6 +42,8 @@ Shape legend:
     D   hidden size
     H   attention heads,  G  kv heads,  E  head dim
     P   positions of the rotary table (max_model_len)
+    N   tokens in a forward (B * T);  X  routed experts;  K  experts per token
+    I   expert width;  F  X * 2I (all experts' fused gate/up rows);  M  N * X
 """
 
 from __future__ import annotations
@@ -98,7 +108,7 @@ class _Seq:
         )
 
 
-def _gate(experts: nn.Module, gate_up_M2: torch.Tensor) -> torch.Tensor:
+def _gate(experts: Any, gate_up_M2: torch.Tensor) -> torch.Tensor:
     """HF's default expert gating: act(gate) * up over the two halves of the last dim."""
     gate_MI, up_MI = gate_up_M2.chunk(2, dim=-1)
     return experts.act_fn(gate_MI) * up_MI
@@ -132,7 +142,10 @@ class EmbeddedEngine:
             QAT applied uses it as is (the engine calls the patched expert modules).
         seed: engine seed, used for requests whose ``SamplingParams.seed`` is None.
         stop_ids: overrides the default stop ids.
-        prefix_sharing: prefill identical contexts admitted together once.
+        prefix_sharing: prefill identical contexts admitted together once, and a prefix
+            common to all fresh contexts admitted together (at least ``min_shared_prefix``
+            tokens, e.g. the system / effort header) once.
+        min_shared_prefix: shortest common prefix worth sharing (0 disables that part).
         dense_moe_max_tokens: forwards of at most this many tokens (decode steps) run the
             MoE experts as dense GEMMs over all experts with cached (QAT: MXFP4
             fake-quantized once per weight version) expert weights; larger ones (prefill)
@@ -155,7 +168,9 @@ class EmbeddedEngine:
         prefix_sharing: bool = True,
         dense_moe_max_tokens: int = 64,
         max_prefill_tokens: int = 2048,
+        min_shared_prefix: int = 16,
     ) -> None:
+        model: Any
         if isinstance(model_or_dir, (str, Path)):
             from k3post.models import load_model
 
@@ -189,6 +204,9 @@ class EmbeddedEngine:
         if not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be an int >= 1, got {max_prefill_tokens!r}")
         self.max_prefill_tokens = max_prefill_tokens
+        if not isinstance(min_shared_prefix, int) or min_shared_prefix < 0:
+            raise ValueError(f"min_shared_prefix must be an int >= 0, got {min_shared_prefix!r}")
+        self.min_shared_prefix = min_shared_prefix
         self.default_stop_ids: frozenset[int] = self._default_stop_ids(tokenizer, stop_ids)
 
         inner = model.model
@@ -225,11 +243,13 @@ class EmbeddedEngine:
         self._queue: deque[_Seq] = deque()
         self._running: list[_Seq] = []  # index == slot
         self._paused: dict[str, _Seq] = {}
-        self.stats: dict[str, int] = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "shared_prefills": 0}
+        self.stats: dict[str, int] = {
+            "steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "shared_prefills": 0, "shared_prefix_tokens": 0,
+        }
 
     # ------------------------------------------------------------------ setup helpers
     @staticmethod
-    def _check_architecture(model: nn.Module) -> None:
+    def _check_architecture(model: Any) -> None:
         inner = getattr(model, "model", None)
         missing = [
             a for a, owner in (("model", model), ("lm_head", model), ("config", model))
@@ -246,6 +266,9 @@ class EmbeddedEngine:
             if attn is None or any(not hasattr(attn, a) for a in need) or not hasattr(layer, "mlp"):
                 raise ValueError(f"layer {i} of {type(model).__name__} is not a Llama-style decoder layer")
         cfg = model.config
+        rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+        if rope_type in ("dynamic", "longrope"):
+            raise ValueError(f"EmbeddedEngine precomputes one rotary table; rope_type={rope_type!r} depends on the sequence length")
         if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
             raise ValueError("EmbeddedEngine does not implement sliding-window attention (config.use_sliding_window)")
 
@@ -256,7 +279,7 @@ class EmbeddedEngine:
             from k3post.xtml import EOM
 
             eom = tokenizer.convert_tokens_to_ids(EOM)
-            if eom is None or eom == getattr(tokenizer, "unk_token_id", None):
+            if not isinstance(eom, int) or eom == getattr(tokenizer, "unk_token_id", None):
                 raise ValueError(f"the tokenizer has no {EOM} token; pass stop_ids explicitly")
             return frozenset([int(eom)])
         eos = getattr(self.model.config, "eos_token_id", None)
@@ -545,11 +568,15 @@ class EmbeddedEngine:
         """Sample one token per row, append token / log-prob / version, detect finishes."""
         sps = [s.request.sampling for s in seqs]
         dev = logits_BV.device
+        params_3B = torch.tensor(
+            [[sp.temperature for sp in sps], [float(sp.top_k) for sp in sps], [sp.top_p for sp in sps]],
+            dtype=torch.float64, device=dev,
+        )
         tok_B = sample_from_logits(
             logits_BV,
-            torch.tensor([sp.temperature for sp in sps], dtype=torch.float32, device=dev),
-            torch.tensor([sp.top_k for sp in sps], dtype=torch.long, device=dev),
-            torch.tensor([sp.top_p for sp in sps], dtype=torch.float32, device=dev),
+            params_3B[0].float(),
+            params_3B[1].long(),
+            params_3B[2].float(),
             token_uniforms([s.seed for s in seqs], [len(s.output_ids) for s in seqs]).to(dev),
         )
         logp_B = torch.log_softmax(logits_BV.float(), dim=-1).gather(1, tok_B[:, None]).squeeze(1)
@@ -573,9 +600,10 @@ class EmbeddedEngine:
         """Layer ``li``'s q/k/v projections as one [(H+2G)E, D] weight (+ bias) and the q/k
         RMSNorm weights stacked per head, [H+G, E] (None without q/k norms). Rebuilt when any
         source parameter changed in place (tensor version counter) or after update_weights."""
-        attn = self._layers[li].self_attn
+        attn: Any = self._layers[li].self_attn
         srcs = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        q_norm: Any = getattr(attn, "q_norm", None)
+        k_norm: Any = getattr(attn, "k_norm", None)
         has_qk_norm = q_norm is not None and k_norm is not None
         if has_qk_norm:
             srcs += [q_norm.weight, k_norm.weight]
@@ -653,8 +681,8 @@ class EmbeddedEngine:
         )
 
     def _expert_weights(self, li: int) -> tuple[torch.Tensor, torch.Tensor, QATConfig | None]:
-        """Layer ``li``'s expert weights as the expert forward sees them: gate_up [E*2I, D]
-        and down [E, D, I], MXFP4 fake-quantized (``fake_quant_mx``, same format, block and
+        """Layer ``li``'s expert weights as the expert forward sees them: gate_up [X*2I, D]
+        and down [X, D, I], MXFP4 fake-quantized (``fake_quant_mx``, same format, block and
         axis as the QAT forward and ``quantized_expert_weights``) when QAT is on. Cached
         until a source parameter changes (tensor version counter) or ``refresh_weights``."""
         experts = self._layers[li].mlp.experts
@@ -678,26 +706,26 @@ class EmbeddedEngine:
 
             (w_NK, e_NK) = router(x)                       HF ``mlp.gate``
             x_q  = FQ8(x)                                  QAT only, blocks along D
-            h_nE = gate(x_q W_up[e]^T)                     act(g) * u, all experts e
+            h_ne = gate(x_q W_up[e]^T)                     act(g) * u, all experts e
             y_ne = FQ8(h_ne) W_down[e]^T                   FQ8 on QAT only, blocks along I
             out_n = sum_k w_nk * y_(n, e_nk)
         """
         mlp = self._layers[li].mlp
         experts = mlp.experts
         _, w_NK, e_NK = mlp.gate(x_ND)
-        w_up_FD, w_down_EDI, cfg = self._expert_weights(li)
+        w_up_FD, w_down_XDI, cfg = self._expert_weights(li)
         if cfg is not None:
             x_ND = fake_quant_mx(x_ND, cfg.activation_format, cfg.block_size, -1)
-        N, E = x_ND.shape[0], w_down_EDI.shape[0]
+        N, X = x_ND.shape[0], w_down_XDI.shape[0]
         gu_NF = F.linear(x_ND, w_up_FD)
         apply_gate = getattr(experts, "_apply_gate", None)
-        gu_ME2 = gu_NF.view(N * E, -1)
-        h_MI = apply_gate(gu_ME2) if apply_gate is not None else _gate(experts, gu_ME2)
+        gu_M2 = gu_NF.view(N * X, -1)
+        h_MI = apply_gate(gu_M2) if apply_gate is not None else _gate(experts, gu_M2)
         if cfg is not None:
             h_MI = fake_quant_mx(h_MI, cfg.activation_format, cfg.block_size, -1)
-        y_ENI = h_MI.view(N, E, -1).transpose(0, 1)
-        y_END = torch.bmm(y_ENI, w_down_EDI.transpose(1, 2))
-        y_NKD = y_END.transpose(0, 1).gather(1, e_NK[:, :, None].expand(-1, -1, y_END.shape[-1]))
+        h_XNI = h_MI.view(N, X, -1).transpose(0, 1)
+        y_XND = torch.bmm(h_XNI, w_down_XDI.transpose(1, 2))
+        y_NKD = y_XND.transpose(0, 1).gather(1, e_NK[:, :, None].expand(-1, -1, y_XND.shape[-1]))
         return (y_NKD * w_NK[:, :, None].to(y_NKD.dtype)).sum(dim=1).to(x_ND.dtype)
 
     def _attend(self, q_BHTE: torch.Tensor, k_BGLE: torch.Tensor, v_BGLE: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -724,7 +752,7 @@ class EmbeddedEngine:
         mask_B11L = (torch.arange(L, device=dev)[None, :] <= pos_B[:, None])[:, None, None, :]
         x_BTD = self._embed(ids_B1)
         cos_BT1E, sin_BT1E = self._rotary(pos_B[:, None])
-        index_BG = self.cache.step_index(pos_B)
+        index_BG = self.cache.step_index(pos_list)
         for li, layer in enumerate(self._layers):
             q_BHTE, k_BGTE, v_BGTE = self._qkv(li, x_BTD, cos_BT1E, sin_BT1E)
             self.cache.write_step(li, index_BG, k_BGTE[:, :, 0], v_BGTE[:, :, 0])
@@ -735,29 +763,22 @@ class EmbeddedEngine:
         self.stats["decode_tokens"] += B
         self._record(seqs, self._logits(x_BTD[:, 0]), finished, reasons)
 
-    def _prefill(self, seqs: list[_Seq], finished: list[_Seq], reasons: dict[str, str]) -> None:
-        """Run the uncached tail of each admitted context (positions n_cached..end) and
-        sample the first new token from the last position."""
-        groups: dict[tuple[int, ...], list[_Seq]] = {}
-        rows: list[_Seq] = []
-        for s in seqs:
-            key = tuple(s.context) if (self.prefix_sharing and s.n_cached == 0) else (-1 - len(rows),)
-            if key in groups:
-                groups[key].append(s)
-                self.stats["shared_prefills"] += 1
-            else:
-                groups[key] = [s]
-                rows.append(s)
-        B = len(rows)
+    def _forward_chunks(
+        self, chunks: list[list[int]], starts: list[int], slots: list[int], *, logits: bool = True
+    ) -> torch.Tensor | None:
+        """Forward token chunks of B sequences: row b holds positions starts[b].. of the
+        sequence in slot slots[b], whose positions < starts[b] are already cached. Writes
+        every chunk's K/V into its slot; returns the logits [B, V] of each chunk's last
+        token (None when ``logits`` is False). Rows are right-padded to the longest chunk."""
+        B = len(chunks)
         dev = self.device
-        starts = [s.n_cached for s in rows]
-        lens = [len(s.context) - s.n_cached for s in rows]
+        lens = [len(c) for c in chunks]
         T = max(lens)
         L = max(st + n for st, n in zip(starts, lens))
         self.cache.ensure_capacity(L)
         ids_BT = torch.zeros(B, T, dtype=torch.long, device=dev)
-        for b, s in enumerate(rows):
-            ids_BT[b, : lens[b]] = torch.tensor(s.context[starts[b]:], dtype=torch.long)
+        for b, c in enumerate(chunks):
+            ids_BT[b, : lens[b]] = torch.tensor(c, dtype=torch.long)
         t_T = torch.arange(T, device=dev)
         start_B = torch.tensor(starts, dtype=torch.long, device=dev)
         qpos_BT = (start_B[:, None] + t_T[None, :]).clamp_(max=self.max_model_len - 1)
@@ -768,9 +789,8 @@ class EmbeddedEngine:
             l_L = torch.arange(L, device=dev)
             mask_B1TL = (l_L[None, None, :] <= qpos_BT[:, :, None])[:, None]
         x_BTD = self._embed(ids_BT)
-        slots = [s.slot for s in rows]
         cos_BT1E, sin_BT1E = self._rotary(qpos_BT)
-        for li, layer in enumerate(self._layers):
+        for li in range(len(self._layers)):
             q_BHTE, k_BGTE, v_BGTE = self._qkv(li, x_BTD, cos_BT1E, sin_BT1E)
             for b in range(B):
                 self.cache.write_block(li, slots[b], starts[b], k_BGTE[b, :, : lens[b]], v_BGTE[b, :, : lens[b]])
@@ -779,15 +799,62 @@ class EmbeddedEngine:
             else:
                 k_BGLE, v_BGLE = self.cache.gather(li, slots, L)
             x_BTD = self._finish_layer(li, x_BTD, self._attend(q_BHTE, k_BGLE, v_BGLE, mask_B1TL))
-        last_B = torch.tensor([n - 1 for n in lens], dtype=torch.long, device=dev)
-        logits_BV = self._logits(x_BTD[torch.arange(B, device=dev), last_B])
         self.stats["prefill_tokens"] += sum(lens)
+        if not logits:
+            return None
+        last_B = torch.tensor([n - 1 for n in lens], dtype=torch.long, device=dev)
+        return self._logits(x_BTD[torch.arange(B, device=dev), last_B])
+
+    def _share_common_prefix(self, rows: list[_Seq]) -> None:
+        """Prefix sharing across different prompts admitted together: when fresh rows share
+        a common prefix of at least ``min_shared_prefix`` tokens (e.g. the system / effort
+        header), prefill it once, copy its K/V into the other rows' slots and mark it cached."""
+        fresh = [s for s in rows if s.n_cached == 0]
+        if len(fresh) < 2 or self.min_shared_prefix <= 0:
+            return
+        first = fresh[0].context
+        n = min(len(s.context) for s in fresh) - 1  # leave one token per row to produce logits
+        for s in fresh[1:]:
+            ctx = s.context
+            i = 0
+            while i < n and ctx[i] == first[i]:
+                i += 1
+            n = i
+            if n < self.min_shared_prefix:
+                return
+        self._forward_chunks([first[:n]], [0], [fresh[0].slot], logits=False)
+        for s in fresh:
+            if s is not fresh[0]:
+                self.cache.copy_slot(fresh[0].slot, s.slot, n)
+            s.n_cached = n
+        self.stats["shared_prefix_tokens"] += n * (len(fresh) - 1)
+
+    def _prefill(self, seqs: list[_Seq], finished: list[_Seq], reasons: dict[str, str]) -> None:
+        """Run the uncached tail of each admitted context (positions n_cached..end) and
+        sample the first new token from the last position. Identical contexts (the K
+        samples of one prompt) are run once; a prefix common to all fresh contexts is run
+        once (``_share_common_prefix``)."""
+        groups: dict[tuple[int, ...], list[_Seq]] = {}
+        rows: list[_Seq] = []
+        for s in seqs:
+            key = tuple(s.context) if (self.prefix_sharing and s.n_cached == 0) else (-1 - len(rows),)
+            if key in groups:
+                groups[key].append(s)
+                self.stats["shared_prefills"] += 1
+            else:
+                groups[key] = [s]
+                rows.append(s)
+        if self.prefix_sharing:
+            self._share_common_prefix(rows)
+        starts = [s.n_cached for s in rows]
+        logits_BV = self._forward_chunks([s.context[s.n_cached :] for s in rows], starts, [s.slot for s in rows])
+        assert logits_BV is not None
         # expand shared rows: copy the KV of the prefilled slot to every member of its group
         out_seqs: list[_Seq] = []
         out_rows: list[int] = []
-        for b, s in enumerate(rows):
-            key = tuple(s.context) if (self.prefix_sharing and starts[b] == 0) else (-1 - b,)
-            members = groups[key]
+        for b, (key, members) in enumerate(groups.items()):
+            s = members[0]
+            assert s is rows[b]
             for m in members:
                 if m is not s:
                     self.cache.copy_slot(s.slot, m.slot, len(s.context))
@@ -795,4 +862,4 @@ class EmbeddedEngine:
                 out_seqs.append(m)
                 out_rows.append(b)
         # the pending token of each sequence is the one sampled now: n_cached = len(context) - 1 after it
-        self._record(out_seqs, logits_BV[torch.tensor(out_rows, dtype=torch.long, device=dev)], finished, reasons)
+        self._record(out_seqs, logits_BV[torch.tensor(out_rows, dtype=torch.long, device=self.device)], finished, reasons)

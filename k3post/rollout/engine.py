@@ -360,17 +360,20 @@ def sample_from_logits(
             raise ValueError(f"{name} must have shape [{B}], got {tuple(t.shape)}")
     logits_BV = logits_BV.float()
     greedy_B = temperature_B <= 0
-    out_B = logits_BV.argmax(dim=-1)
-    if bool(greedy_B.all()):
+    any_greedy = bool(greedy_B.any())
+    out_B = logits_BV.argmax(dim=-1) if any_greedy else None
+    if out_B is not None and bool(greedy_B.all()):
         return out_B
-    temp_B = torch.where(greedy_B, torch.ones_like(temperature_B), temperature_B).to(torch.float32)
+    temp_B = temperature_B.to(torch.float32)
+    if any_greedy:
+        temp_B = torch.where(greedy_B, torch.ones_like(temp_B), temp_B)
     probs_BV = torch.softmax(logits_BV / temp_B[:, None], dim=-1)
     # Rows without top-k / top-p invert the CDF in vocabulary order (no sort needed); rows
     # with a filter invert it in descending-probability order. Which order a row uses
     # depends only on its own parameters, so rows stay independent of each other.
     filt_B = ((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1.0)
-    order_BV = torch.arange(V, device=logits_BV.device).expand(B, V)
     cdf_BV = torch.cumsum(probs_BV.double(), dim=-1)
+    order_BV: torch.Tensor | None = None
     if bool(filt_B.any()):
         rows_F = filt_B.nonzero().squeeze(-1)
         sorted_p_FV, sorted_id_FV = torch.sort(probs_BV[rows_F], dim=-1, descending=True, stable=True)
@@ -381,7 +384,7 @@ def sample_from_logits(
         mass_before_FV = torch.cumsum(sorted_p_FV, dim=-1) - sorted_p_FV
         keep_FV &= (mass_before_FV < top_p_B[rows_F].to(sorted_p_FV.dtype)[:, None]) | (rank_V[None, :] == 0)
         kept_FV = torch.where(keep_FV, sorted_p_FV, torch.zeros_like(sorted_p_FV)).double()
-        order_BV = order_BV.clone()
+        order_BV = torch.arange(V, device=logits_BV.device).expand(B, V).clone()
         order_BV[rows_F] = sorted_id_FV
         cdf_BV[rows_F] = torch.cumsum(kept_FV, dim=-1)
     target_B1 = (u_B.to(cdf_BV.dtype) * cdf_BV[:, -1]).unsqueeze(-1)
@@ -389,5 +392,7 @@ def sample_from_logits(
     # u < 1 so target < c_last and rank <= V-1 (clamp guards rounding); the first c_r > target
     # never lands on a zero-probability (filtered) entry, since c is flat across those.
     rank_B = rank_B.clamp_(max=V - 1)
-    sampled_B = order_BV.gather(1, rank_B.unsqueeze(-1)).squeeze(-1)
+    sampled_B = rank_B if order_BV is None else order_BV.gather(1, rank_B.unsqueeze(-1)).squeeze(-1)
+    if out_B is None:
+        return sampled_B
     return torch.where(greedy_B, out_B, sampled_B)

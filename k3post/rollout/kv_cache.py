@@ -78,13 +78,13 @@ class SlotKVCache:
                 store[i] = new_SHCD
         self.capacity = new_cap
 
-    def step_index(self, pos_B: torch.Tensor) -> torch.Tensor:
-        """Row indices into the flattened [S*H*C, D] cache for writing position ``pos_B[b]``
-        of slot b (b = 0..B-1), for every kv head: [B*H], ordered (b, h). Valid until the
-        capacity changes; compute once per decode step and reuse for every layer."""
-        B = pos_B.shape[0]
-        slot_h_BH = torch.arange(B * self.num_kv_heads, device=pos_B.device).view(B, self.num_kv_heads)
-        return (slot_h_BH * self.capacity + pos_B[:, None]).reshape(-1)
+    def step_index(self, positions: list[int]) -> torch.Tensor:
+        """Row indices into the flattened [S*H*C, D] cache for writing position
+        ``positions[b]`` of slot b (b = 0..B-1), for every kv head: [B*H], ordered (b, h).
+        Valid until the capacity changes; compute once per decode step, reuse per layer."""
+        H, C = self.num_kv_heads, self.capacity
+        idx = [(b * H + h) * C + p for b, p in enumerate(positions) for h in range(H)]
+        return torch.tensor(idx, dtype=torch.long, device=self.device)
 
     def write_step(self, layer: int, index_BH: torch.Tensor, k_BHD: torch.Tensor, v_BHD: torch.Tensor) -> None:
         """Write one position per slot 0..B-1 (``index_BH`` from ``step_index``)."""
@@ -106,8 +106,8 @@ class SlotKVCache:
         """Keys and values of arbitrary slots (a copy): [B, H, L, D]."""
         idx_B = torch.tensor(slots, dtype=torch.long, device=self.device)
         return (
-            self.keys[layer].index_select(0, idx_B)[:, :, :length],
-            self.values[layer].index_select(0, idx_B)[:, :, :length],
+            self.keys[layer][:, :, :length].index_select(0, idx_B),
+            self.values[layer][:, :, :length].index_select(0, idx_B),
         )
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
