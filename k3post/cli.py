@@ -8,6 +8,7 @@
     k3post synth --family F --effort E --n N --out data.jsonl   SFT trajectories from a teacher, verified
     k3post review list|show|accept|reject|edit   the human review queue of flagged samples
     k3post mix ...                              mix datasets by domain / effort weights
+    k3post serve MODEL_DIR [--port 8000]         OpenAI-compatible server (chat, completions, models)
     k3post report RUN_DIR                       rebuild a run's report.html
 
 Overrides are dotted config keys (`sft.lr=3e-4`); an unknown key is an error naming the closest valid one.
@@ -106,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_synth_parser(sub)
     add_review_parser(sub)
     add_mix_parser(sub)
+    from k3post.serve.cli import add_serve_parser
+
+    add_serve_parser(sub)
     r = sub.add_parser("report", help="rebuild report.html of a run folder")
     r.add_argument("run_dir")
     r.set_defaults(fn=cmd_report)

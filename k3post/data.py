@@ -34,6 +34,9 @@ class DataConfig:
     n_eval: int = 200  # held-out eval_family tasks, disjoint from training
     difficulty: int = 1
     efforts: list[str] = field(default_factory=lambda: ["max", "high", "low"])
+    # share of each effort among eval_family's training samples (k3post.synth.mix; `*/max` style keys);
+    # empty keeps one sample per task and effort
+    effort_mix: dict[str, float] = field(default_factory=lambda: {"*/max": 0.6, "*/high": 0.25, "*/low": 0.15})
     corpus_per_family: int = 6  # tasks per family (x3 efforts) in the tokenizer's training corpus
 
 
@@ -223,11 +226,30 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]], max_len: i
 
 
 def iter_microbatches(
-    samples: Sequence[Sample], *, max_len: int, rows_per_batch: int, seed: int, epoch: int
+    samples: Sequence[Sample], *, pack_len: int, rows_per_batch: int, seed: int, epoch: int
 ) -> Iterator[list[list[int]]]:
-    """The packed micro-batches of one epoch, in a seeded order (a pure function of seed and epoch)."""
+    """The packed micro-batches of one epoch, in a seeded order (a pure function of seed and epoch).
+
+    Samples up to `pack_len` tokens are packed into rows of `pack_len`; a longer sample gets a row of its
+    own. A micro-batch holds at most `rows_per_batch * pack_len` tokens: `rows_per_batch` packed rows, or
+    fewer long rows (grouped by length, so padding stays small). Attention cost grows with the square of the
+    row length, so short samples never pay for the long ones' rows.
+    """
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     order = torch.randperm(len(samples), generator=g).tolist()
-    rows = pack_rows(samples, order, max_len)
-    for k in range(0, len(rows), rows_per_batch):
-        yield rows[k : k + rows_per_batch]
+    short = [i for i in order if len(samples[i]) <= pack_len]
+    long_ = sorted((i for i in order if len(samples[i]) > pack_len), key=lambda i: len(samples[i]))
+    budget = rows_per_batch * pack_len
+    batches: list[list[list[int]]] = []
+    rows = pack_rows(samples, short, pack_len)
+    batches += [rows[k : k + rows_per_batch] for k in range(0, len(rows), rows_per_batch)]
+    cur: list[list[int]] = []
+    for i in long_:  # ascending length: the longest row of a batch is the last one added
+        if cur and (len(cur) + 1) * len(samples[i]) > budget:
+            batches.append(cur)
+            cur = []
+        cur.append([i])
+    if cur:
+        batches.append(cur)
+    for k in torch.randperm(len(batches), generator=g).tolist():
+        yield batches[k]

@@ -38,7 +38,7 @@ from k3post.sft import train_sft
 from k3post.commands import default_corpus
 from k3post.envs.families import families, get_family
 from k3post.envs.task import canonical_json
-from k3post.synth import VerifyConfig, build_sft_dataset
+from k3post.synth import VerifyConfig, build_sft_dataset, mix
 from k3post.tokenizer import load_tokenizer, train_tokenizer
 from k3post.xtml import XTML
 
@@ -101,7 +101,10 @@ def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = 
         difficulty=d.difficulty, config=verify,
     )
     funnel.merge(rest_funnel)
-    records = [json.loads(line) for p in (main_path, rest_path) for line in p.read_text(encoding="utf-8").splitlines()]
+    main_records = [json.loads(line) for line in main_path.read_text(encoding="utf-8").splitlines()]
+    if d.effort_mix:  # same number of samples, reweighted by effort (a scarce effort is repeated)
+        main_records = mix(main_records, d.effort_mix, len(main_records), seed=cfg.run.seed)
+    records = main_records + [json.loads(line) for line in rest_path.read_text(encoding="utf-8").splitlines()]
     train_file = write_jsonl(records, run / "data" / "sft_train.jsonl")
     by_family: dict[str, int] = {}
     for r in records:

@@ -39,8 +39,9 @@ class SFTConfig:
     """Stage 1 trainer settings."""
 
     train_file: str | None = None  # SFT JSONL; None in the demo (it writes its own)
-    max_len: int = 2048  # packed row length; a longer sample is an error (or a counted skip)
-    rows_per_batch: int = 2  # packed rows per micro-batch
+    max_len: int = 2048  # longest sample; a longer one is an error (or a counted skip)
+    pack_len: int = 512  # packed row length; a sample longer than this gets a row of its own
+    rows_per_batch: int = 8  # packed rows per micro-batch (a micro-batch holds <= rows_per_batch * pack_len tokens)
     grad_accum: int = 1  # micro-batches per optimizer step
     steps: int = 700  # optimizer steps
     lr: float = 3e-3
@@ -88,7 +89,8 @@ class _DataStream:
 
     def _epoch_iter(self) -> Iterator[list[list[int]]]:
         it = iter_microbatches(
-            self.samples, max_len=self.cfg.max_len, rows_per_batch=self.cfg.rows_per_batch, seed=self.seed, epoch=self.epoch
+            self.samples, pack_len=min(self.cfg.pack_len, self.cfg.max_len), rows_per_batch=self.cfg.rows_per_batch,
+            seed=self.seed, epoch=self.epoch,
         )
         for _ in range(self.index):
             next(it)
@@ -135,8 +137,8 @@ def train_sft(
     """Train `model` in place on `samples`; checkpoints go to `out_dir/checkpoints`. See module docstring."""
     if cfg.precision not in ("fp32", "bf16"):
         raise ValueError(f"sft.precision must be fp32 or bf16, got {cfg.precision!r}")
-    if cfg.steps <= 0 or cfg.rows_per_batch <= 0 or cfg.grad_accum <= 0:
-        raise ValueError("sft.steps, sft.rows_per_batch and sft.grad_accum must be positive")
+    if min(cfg.steps, cfg.rows_per_batch, cfg.grad_accum, cfg.pack_len, cfg.max_len) <= 0:
+        raise ValueError("sft.steps, sft.rows_per_batch, sft.grad_accum, sft.pack_len and sft.max_len must be positive")
     out = Path(out_dir)
     ckpt_root = out / "checkpoints"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -161,7 +163,7 @@ def train_sft(
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
     bar = tqdm(total=cfg.steps, initial=start, desc=stage, disable=not cfg.progress, dynamic_ncols=True)
     t0, tokens_seen, loss_val = time.perf_counter(), 0, float("nan")
-    window_t, window_tok = time.perf_counter(), 0
+    window_t, window_tok, window_loss, window_n = time.perf_counter(), 0, 0.0, 0
     for step in range(start, cfg.steps):
         batches = [collate(samples, stream.next(), cfg.max_len, pad_id) for _ in range(cfg.grad_accum)]
         n_tok = sum(b.n_target_tokens for b in batches)
@@ -186,14 +188,19 @@ def train_sft(
         step_tokens = sum(int(b.input_ids_RL.numel()) for b in batches)
         tokens_seen += step_tokens
         window_tok += step_tokens
+        window_loss, window_n = window_loss + loss_val * n_tok, window_n + n_tok
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.steps:
             now = time.perf_counter()
             tps = window_tok / max(now - window_t, 1e-9)
-            window_t, window_tok = now, 0
+            mean_loss = window_loss / max(window_n, 1)  # token-weighted mean over the steps since the last log
+            window_t, window_tok, window_loss, window_n = now, 0, 0.0, 0
             if metrics is not None:
-                metrics.log(stage, done, {"loss": loss_val, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "target_tokens": n_tok})
-            bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{tps:,.0f}")
+                metrics.log(
+                    stage, done,
+                    {"loss": mean_loss, "step_loss": loss_val, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "target_tokens": n_tok},
+                )
+            bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tps:,.0f}")
         bar.update(1)
         if done % cfg.save_every == 0 or done == cfg.steps:
             save_checkpoint(

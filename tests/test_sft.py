@@ -68,6 +68,25 @@ def test_pack_rows_first_fit_in_order():
     assert pack_rows(s, [3, 2, 1, 0], max_len=9) == [[3, 2], [1, 0]]
 
 
+def test_microbatches_cover_each_sample_once_within_the_token_budget():
+    from k3post.data import iter_microbatches
+
+    lengths = [30, 500, 700, 90, 1900, 64, 1200, 511, 512, 513, 40] * 3
+    s = [Sample([1] * n, [True] * n, str(k)) for k, n in enumerate(lengths)]
+    batches = list(iter_microbatches(s, pack_len=512, rows_per_batch=4, seed=3, epoch=0))
+    seen = sorted(i for b in batches for row in b for i in row)
+    assert seen == list(range(len(s)))  # every sample exactly once per epoch
+    for b in batches:
+        widest = max(sum(len(s[i]) for i in row) for row in b)
+        if widest <= 512:
+            assert len(b) <= 4  # packed rows of <= 512 tokens
+        else:  # long samples sit alone in their row, and the padded micro-batch stays within 4 x 512 tokens
+            assert all(len(row) == 1 for row in b) and len(b) * widest <= 4 * 512 or len(b) == 1
+    again = list(iter_microbatches(s, pack_len=512, rows_per_batch=4, seed=3, epoch=0))
+    assert again == batches
+    assert list(iter_microbatches(s, pack_len=512, rows_per_batch=4, seed=3, epoch=1)) != batches
+
+
 def test_packed_forward_equals_separate(tok, xtml):
     model = _model(tok).eval()
     recs = _records(3)
@@ -104,8 +123,8 @@ def _write(tmp_path, recs, name="train.jsonl"):
 
 def test_resume_gives_identical_losses(tok, xtml, tmp_path):
     path = _write(tmp_path, _records(120))
-    samples, _ = load_sft_jsonl(path, xtml, max_len=256)
-    cfg = SFTConfig(steps=6, rows_per_batch=2, max_len=256, save_every=3, warmup_steps=2, progress=False, lr=2e-3)
+    samples, _ = load_sft_jsonl(path, xtml, max_len=512)
+    cfg = SFTConfig(steps=6, rows_per_batch=2, max_len=512, save_every=3, warmup_steps=2, progress=False, lr=2e-3)
     full = _model(tok)
     r_full = train_sft(full, tok, samples, cfg, tmp_path / "full")
     # interrupted run: stop after 3 steps (a checkpoint), then a fresh process-equivalent resumes

@@ -6,7 +6,9 @@ The reasoning, in the ``think`` channel, is never read by a verifier.
 
 ``general.arithmetic`` (verifiable)
     "Evaluate 3 + 4 * 5 - 2 (usual precedence; ...)". Difficulty d (1..4) gives d+1 operations over
-    operands up to 9 / 12 / 20 / 30; from d=3 one adjacent pair may be parenthesised. The answer is
+    operands up to 9 / 12 / 20 / 30; d=1 is the first rung, + and - only (no products to memorise, the
+    rung a tiny model climbs in the CPU demo); from d=2 at least one ``*``; from d=3 one adjacent pair
+    may be parenthesised. The answer is
     checked exactly: the response must be the integer and nothing else.
     Reference traces: ``max`` one line per reduction step with the expression left after it, then
     ``so N``; ``high`` the priority steps (brackets, ``*``) one per line and the remaining ``+``/``-``
@@ -145,8 +147,8 @@ class ArithmeticFamily(FamilyBase):
         n_ops = difficulty + 1
         hi = self._MAX_OPERAND[difficulty]
         nums = [rng.randint(1, hi) for _ in range(n_ops + 1)]
-        ops = [rng.choice("+-*") for _ in range(n_ops)]
-        if all(o != "*" for o in ops):
+        ops = [rng.choice("+-" if difficulty == 1 else "+-*") for _ in range(n_ops)]
+        if difficulty > 1 and all(o != "*" for o in ops):
             ops[rng.randrange(n_ops)] = "*"
         for k, o in enumerate(ops):  # keep products small enough for a tiny model
             if o == "*":

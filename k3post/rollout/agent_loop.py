@@ -1,0 +1,298 @@
+"""The agent loop: multi-turn episodes on a steppable rollout engine, one resumable state
+machine per trajectory (issue 6 part 2).
+
+One turn of a trajectory:
+
+    request  = token_ids[:segment_start]  (+ the turn's tokens sampled before a pause, as
+               the engine's ``given`` continuation)
+    engine   -> sampled ids, their log-probs and versions, ending in <|end_of_msg|>
+    parse    the sampled ids with the streaming XTML parser -> assistant message
+    env.step(message) -> StepResult(messages, done, truncated, info)
+    done     -> env.verify() -> reward
+    not done -> XTML.extend(token_ids, result.messages, add_generation_prompt=True): the tool
+                results / user turns and the next generation prefix are appended as env
+                tokens after the sampled ones, which are kept exactly as sampled (never
+                re-rendered); the next turn is a new request whose prompt is the whole context.
+
+Every context token records whether the model sampled it, its behaviour log-prob and the
+policy version (`k3post.rollout.trajectory.Trajectory`).
+
+Design decisions:
+
+* **Re-prefill per turn.** A finished engine request releases its KV cache (the engine
+  protocol has no prefix cache), so each new turn prefills the whole context. Within one
+  turn, pause / resume keeps the KV (engine-resident or the CPU pool, see
+  `k3post.rollout.scheduler`). An engine that kept the KV of finished requests (or a
+  radix prefix cache, as SGLang has) would make later turns prefill only the env tail.
+* **Seeds.** Turn t of a trajectory samples with ``request_seed(traj.seed, str(t))``; with
+  counter-based sampling a trajectory's tokens depend only on its seed, its context and the
+  weights, never on batching, scheduling, pausing or KV hit / miss.
+* **Failures are outcomes, never crashes.** A turn that stops at max_tokens without
+  ``<|end_of_msg|>`` ends the episode with finish "length"; a context that reaches the
+  engine's ``max_model_len`` ends it with "context"; sampled ids that are not a valid XTML
+  assistant message (or a message the env rejects with ValueError) end it with
+  "malformed". All three get reward 0.0 and no verdict (the env is not asked to verify an
+  unfinished episode). Tool calls with bad names or arguments are the env's business: it
+  answers with error observations and the episode goes on.
+* **Env state.** Environments live in this loop keyed by trajectory id; on pause the env's
+  ``state_dict`` (which includes any sandbox snapshot) is stored in the trajectory, so a
+  restored run rebuilds the env with ``env_factory(task)`` + ``load_state_dict``.
+* Early abort on malformed XTML mid-turn is not possible: the engine reports requests only
+  when they finish, so the streaming parser runs over the finished turn.
+
+Shape legend: none (token lists only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+from k3post.envs.env import Environment
+from k3post.envs.task import Task
+from k3post.envs.tools import openai_tools
+from k3post.rollout.engine import GenerationRequest, GenerationResult, SamplingParams, SteppableEngine, request_seed
+from k3post.rollout.trajectory import Trajectory
+from k3post.xtml import XTML, XTMLParseError
+
+__all__ = ["AgentLoop", "EnvFactory", "SamplingFn", "trajectory_seed"]
+
+EnvFactory = Callable[[Task], Environment]
+"""Builds a fresh environment for one episode of a task (e.g. ``get_family(name).make_env``)."""
+
+SamplingFn = Callable[[Trajectory, int], SamplingParams]
+"""Per-trajectory, per-turn sampling parameters (the seed is overridden by the loop)."""
+
+_T = TypeVar("_T")
+
+
+def trajectory_seed(base_seed: int, group_id: int, sample_index: int) -> int:
+    """The sampling seed of sample ``sample_index`` of group ``group_id`` in a run seeded
+    ``base_seed``; independent of scheduling, so synchronous and partial rollout agree."""
+    return request_seed(base_seed, f"{group_id}/{sample_index}")
+
+
+class AgentLoop:
+    """Runs multi-turn episodes for many trajectories over one shared steppable engine.
+
+    Args:
+        engine: a `SteppableEngine` (``add_request`` / ``step`` / ``pause`` ...).
+        xtml: the `XTML` renderer / parser of the engine's tokenizer.
+        env_factory: task -> fresh `Environment`.
+        sampling: default sampling of every turn (its seed is replaced per turn).
+        sampling_fn: optional per-(trajectory, turn) sampling, e.g. drawn lengths.
+        effort: thinking effort rendered into the prompt (think mode), or None.
+        mode: XTML mode, "think" or "instruct".
+    """
+
+    def __init__(
+        self,
+        engine: SteppableEngine,
+        xtml: XTML,
+        env_factory: EnvFactory,
+        *,
+        sampling: SamplingParams | None = None,
+        sampling_fn: SamplingFn | None = None,
+        effort: str | None = None,
+        mode: str = "think",
+    ) -> None:
+        if not isinstance(engine, SteppableEngine):
+            raise ValueError(f"engine must implement SteppableEngine, got {type(engine).__name__}")
+        if not isinstance(xtml, XTML):
+            raise ValueError(f"xtml must be an XTML, got {type(xtml).__name__}")
+        if not callable(env_factory):
+            raise ValueError("env_factory must be callable: task -> Environment")
+        if mode not in ("think", "instruct"):
+            raise ValueError(f"mode must be 'think' or 'instruct', got {mode!r}")
+        self.engine = engine
+        self.xtml = xtml
+        self.env_factory = env_factory
+        self.sampling = sampling if sampling is not None else SamplingParams()
+        self.sampling_fn = sampling_fn
+        self.effort = effort
+        self.mode = mode
+        self.max_model_len: int | None = getattr(engine, "max_model_len", None)
+        self._envs: dict[str, Environment] = {}
+        self._aio = asyncio.new_event_loop()
+
+    # ------------------------------------------------------------------ helpers
+    def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        return self._aio.run_until_complete(coro)
+
+    def close(self) -> None:
+        """Release every live environment and the event loop."""
+        for tid in list(self._envs):
+            self.release(tid)
+        self._aio.close()
+
+    def release(self, traj_id: str) -> None:
+        """Drop (and close, when it can) the live environment of a trajectory."""
+        env = self._envs.pop(traj_id, None)
+        close = getattr(env, "close", None)
+        if callable(close):
+            close()
+
+    def env(self, traj: Trajectory) -> Environment:
+        """The live environment of ``traj``, rebuilt from its saved state when needed."""
+        env = self._envs.get(traj.traj_id)
+        if env is None:
+            if traj.env_state is None:
+                raise ValueError(f"trajectory {traj.traj_id!r} has no live environment and no saved env_state")
+            env = self.env_factory(traj.task_obj)
+            env.load_state_dict(traj.env_state)
+            self._envs[traj.traj_id] = env
+        return env
+
+    @staticmethod
+    def request_id(traj: Trajectory) -> str:
+        """Engine request id of the trajectory's current turn."""
+        return f"{traj.traj_id}#t{traj.turns}"
+
+    # ------------------------------------------------------------------ the state machine
+    def start(self, traj: Trajectory) -> None:
+        """Reset a fresh environment for the trajectory's task and render the prompt."""
+        if traj.token_ids:
+            raise ValueError(f"trajectory {traj.traj_id!r} already started")
+        task = traj.task_obj
+        env = self.env_factory(task)
+        messages = self._run(env.reset(task))
+        tools = openai_tools(env.tool_specs())
+        prompt = self.xtml.render(
+            messages, tools=tools or None, effort=self.effort, mode=self.mode, add_generation_prompt=True
+        ).ids
+        self._envs[traj.traj_id] = env
+        traj.tools = tools
+        traj.domain = task.domain
+        traj.append(prompt)
+        traj.prompt_len = traj.segment_start = len(prompt)
+        traj.status = "running"
+
+    def turn_sampling(self, traj: Trajectory) -> SamplingParams | None:
+        """The sampling of the current turn (seeded per turn, capped by the room left under
+        max_model_len); None when no room is left."""
+        base = self.sampling_fn(traj, traj.turns) if self.sampling_fn is not None else self.sampling
+        max_tokens = base.max_tokens
+        if self.max_model_len is not None:
+            max_tokens = min(max_tokens, self.max_model_len - traj.segment_start)
+        if max_tokens < 1 or max_tokens <= len(traj.segment_ids):
+            return None
+        return dataclasses.replace(base, seed=request_seed(traj.seed, str(traj.turns)), max_tokens=max_tokens)
+
+    def make_request(self, traj: Trajectory) -> GenerationRequest | None:
+        """The engine request continuing the current turn (None when the context is full:
+        the trajectory is then finished with "context")."""
+        sp = self.turn_sampling(traj)
+        if sp is None:
+            self._end(traj, "context")
+            return None
+        k = traj.segment_start
+        return GenerationRequest(
+            self.request_id(traj), traj.token_ids[:k], sp,
+            given_ids=traj.token_ids[k:], given_logprobs=traj.logprobs[k:], given_versions=traj.versions[k:],
+        )
+
+    def absorb_partial(self, traj: Trajectory, partial: GenerationResult) -> None:
+        """Record a paused turn: its tokens so far replace the segment; the env state is saved."""
+        self._check_result(traj, partial)
+        traj.truncate_segment()
+        traj.append(partial.output_ids, logprobs=partial.output_logprobs, versions=partial.output_versions)
+        self.save_env(traj)
+        traj.status = "paused"
+        traj.pauses += 1
+
+    def save_env(self, traj: Trajectory) -> None:
+        """Store the live env's ``state_dict`` (sandbox snapshot included) in the trajectory."""
+        env = self._envs.get(traj.traj_id)
+        if env is not None:
+            traj.env_state = env.state_dict()
+
+    def _check_result(self, traj: Trajectory, res: GenerationResult) -> None:
+        if res.request_id != self.request_id(traj):
+            raise ValueError(f"result {res.request_id!r} does not belong to the current turn of {traj.traj_id!r}")
+        if res.prompt_ids != traj.token_ids[: traj.segment_start]:
+            raise ValueError(f"result {res.request_id!r}: prompt differs from the trajectory's context")
+
+    def _end(self, traj: Trajectory, finish: str, reward: float = 0.0, verdict: dict[str, Any] | None = None) -> None:
+        traj.status = "done"
+        traj.finish = finish
+        traj.reward = reward
+        traj.verdict = verdict
+        traj.env_state = None
+        self.release(traj.traj_id)
+
+    def finish_turn(self, traj: Trajectory, res: GenerationResult) -> bool:
+        """Apply a finished engine result to ``traj``: record the sampled tokens, parse the
+        message, step the env, append its reply. Returns True when the episode is over;
+        otherwise the trajectory is ready for its next turn (`make_request`)."""
+        self._check_result(traj, res)
+        if res.finish_reason not in ("stop", "length"):
+            raise ValueError(f"finish_turn needs a finished result, got finish_reason {res.finish_reason!r}")
+        traj.truncate_segment()
+        seg = list(res.output_ids)
+        traj.append(seg, logprobs=res.output_logprobs, versions=res.output_versions)
+        traj.output_tokens += len(seg)
+        if self.mode == "think":
+            close = self.xtml.close_id
+            traj.thinking_tokens += seg.index(close) if close in seg else len(seg)
+        if res.finish_reason == "length":
+            full = self.max_model_len is not None and len(traj.token_ids) >= self.max_model_len
+            self._end(traj, "context" if full else "length")
+            return True
+        parser = self.xtml.stream(self.mode)
+        try:
+            for t in seg:
+                parser.feed(t)
+            message = parser.finish()
+        except XTMLParseError as e:
+            traj.info.append({"turn": traj.turns, "error": f"malformed XTML: {e}"})
+            self._end(traj, "malformed")
+            return True
+        message["num_tokens"] = len(seg)
+        env = self.env(traj)
+        try:
+            result = self._run(env.step(message))
+        except ValueError as e:  # the env refused the message itself (not a tool error)
+            traj.info.append({"turn": traj.turns, "error": f"env rejected the message: {e}"})
+            self._end(traj, "malformed")
+            return True
+        traj.turns += 1
+        traj.info.append(dict(result.info))
+        if result.done:
+            verdict = env.verify()
+            finish = "truncated" if result.truncated else str(result.info.get("end", "answer"))
+            self._end(traj, finish, float(verdict.reward), verdict.to_dict())
+            return True
+        ext = self.xtml.extend(traj.token_ids, result.messages, add_generation_prompt=True, mode=self.mode)
+        traj.append(ext.ids[len(traj.token_ids) :])
+        traj.segment_start = len(traj.token_ids)
+        if self.max_model_len is not None and traj.segment_start >= self.max_model_len:
+            self._end(traj, "context")
+            return True
+        return False
+
+    # ------------------------------------------------------------------ a synchronous driver
+    def run(self, trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+        """Run every trajectory to the end (the synchronous rollout): start them, submit
+        all turns, step the engine until all are done. The engine must be idle."""
+        if self.engine.has_unfinished():
+            raise ValueError("AgentLoop.run needs an idle engine")
+        live: dict[str, Trajectory] = {}
+        for traj in trajectories:
+            if not traj.token_ids:
+                self.start(traj)
+            self._submit(traj, live)
+        while self.engine.has_unfinished():
+            for res in self.engine.step():
+                traj = live.pop(res.request_id)
+                if not self.finish_turn(traj, res):
+                    self._submit(traj, live)
+        return list(trajectories)
+
+    def _submit(self, traj: Trajectory, live: dict[str, Trajectory]) -> None:
+        req = self.make_request(traj)
+        if req is not None:
+            traj.status = "running"
+            self.engine.add_request(req)
+            live[req.request_id] = traj

@@ -1,0 +1,218 @@
+"""Data types of agentic rollouts: `Trajectory` (one sample of one prompt) and `Group` (the K
+samples of one prompt, dispatched to training together).
+
+A trajectory holds the whole token context of a multi-turn episode, token by token:
+
+    token_ids[i]   the context token (prompt, sampled assistant tokens, tool results, ...)
+    trainable[i]   True iff the model sampled it (env / template tokens are False)
+    logprobs[i]    behaviour log-prob log pi_old of a sampled token (0.0 for env tokens)
+    versions[i]    policy version that sampled it (-1 for env tokens)
+
+so the trainer gets its loss mask, pi_old and staleness per token (STYLE.md point 5). The
+current turn's request is ``token_ids[:segment_start]``; tokens after ``segment_start`` are
+the part of the current turn sampled so far (non-empty only while paused mid-turn; they are
+re-submitted as the engine's ``given`` continuation tokens).
+
+Token accounting (SPEC §3.3): ``thinking_tokens`` counts sampled tokens inside the think
+channel (from the start of a turn, which the generation prefix opens inside ``think``, up to
+and excluding the first ``<|close|>``); ``output_tokens`` counts every sampled token across
+turns (reasoning, response and tool-call arguments; tool results are env tokens and do not
+count). `Trajectory.effort_tokens` picks the one SPEC §3.3 uses for a domain.
+
+Everything here is JSON-serialisable (`to_dict` / `from_dict`), so paused and
+finished-but-untrained trajectories are saved with the run.
+
+Shape legend: T context tokens of one trajectory.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from k3post.envs.task import Task
+
+__all__ = ["TrajectoryStatus", "TRAJECTORY_STATUSES", "Trajectory", "Group"]
+
+TrajectoryStatus = Literal["running", "paused", "done"]
+TRAJECTORY_STATUSES: tuple[str, ...] = ("running", "paused", "done")
+
+
+@dataclass
+class Trajectory:
+    """One sample of one prompt: tokens, per-token provenance, env state, outcome.
+
+    Attributes:
+        traj_id: ``"g<group>/s<sample>"``, unique within a run.
+        group_id: id of its group (one prompt).
+        sample_index: 0..K-1 inside the group.
+        seed: sampling seed; turn t samples with ``request_seed(seed, str(t))``.
+        task: the task (`Task.to_dict`).
+        tools: the OpenAI tool specs declared in the prompt.
+        prompt_len: tokens of the initial rendered prompt.
+        token_ids / trainable / logprobs / versions: per context token, see the module doc.
+        segment_start: where the current turn's sampled tokens start.
+        turns: finished assistant turns.
+        status: "running" (in the engine or about to be), "paused", "done".
+        finish: why it ended: "answer" / "submit" (the env ended it), "truncated" (an env
+            limit), "length" (a turn hit its max_tokens without ``<|end_of_msg|>``),
+            "context" (the engine's max_model_len), "malformed" (unparsable XTML); None while
+            running.
+        reward: the verifier's reward when done (0.0 for length / context / malformed).
+        verdict: `Verdict.to_dict` when the env was verified, else None.
+        env_state: `Environment.state_dict` captured at the last pause (sandbox snapshot
+            included by the env), None otherwise.
+        thinking_tokens / output_tokens: SPEC §3.3 accounting, see the module doc.
+        domain: the task's domain (for `effort_tokens`).
+        admitted_version: engine version when the trajectory was admitted.
+        pauses: how many times it was paused.
+        info: per-turn env step info (JSON-able).
+    """
+
+    traj_id: str
+    group_id: int
+    sample_index: int
+    seed: int
+    task: dict[str, Any]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    prompt_len: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    trainable: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    segment_start: int = 0
+    turns: int = 0
+    status: TrajectoryStatus = "running"
+    finish: str | None = None
+    reward: float | None = None
+    verdict: dict[str, Any] | None = None
+    env_state: dict[str, Any] | None = None
+    thinking_tokens: int = 0
+    output_tokens: int = 0
+    domain: str = ""
+    admitted_version: int = 0
+    pauses: int = 0
+    info: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.status not in TRAJECTORY_STATUSES:
+            raise ValueError(f"trajectory {self.traj_id!r}: status must be one of {TRAJECTORY_STATUSES}, got {self.status!r}")
+        n = len(self.token_ids)
+        if not (len(self.trainable) == len(self.logprobs) == len(self.versions) == n):
+            raise ValueError(f"trajectory {self.traj_id!r}: token_ids, trainable, logprobs and versions differ in length")
+
+    # ------------------------------------------------------------------ views
+    @property
+    def task_obj(self) -> Task:
+        """The task as a `Task`."""
+        return Task.from_dict(self.task)
+
+    @property
+    def done(self) -> bool:
+        """True once the episode ended."""
+        return self.status == "done"
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens the model sampled (trainable)."""
+        return sum(self.trainable)
+
+    @property
+    def segment_ids(self) -> list[int]:
+        """Sampled tokens of the unfinished current turn."""
+        return self.token_ids[self.segment_start :]
+
+    def oldest_version(self) -> int | None:
+        """Smallest policy version among sampled tokens, None when nothing was sampled."""
+        vs = [v for v, t in zip(self.versions, self.trainable) if t]
+        return min(vs) if vs else None
+
+    def effort_tokens(self) -> int:
+        """T(y) of SPEC §3.3: all output tokens for agentic tasks (domain "agents" or
+        "coding"), thinking tokens otherwise."""
+        return self.output_tokens if self.domain in ("agents", "coding") else self.thinking_tokens
+
+    # ------------------------------------------------------------------ mutation
+    def append(self, ids: list[int], *, logprobs: list[float] | None = None, versions: list[int] | None = None) -> None:
+        """Append context tokens: sampled ones when ``logprobs`` / ``versions`` are given
+        (trainable), else env tokens (log-prob 0, version -1)."""
+        if (logprobs is None) != (versions is None):
+            raise ValueError("give both logprobs and versions (sampled tokens) or neither (env tokens)")
+        self.token_ids.extend(int(t) for t in ids)
+        if logprobs is None or versions is None:
+            self.trainable.extend([False] * len(ids))
+            self.logprobs.extend([0.0] * len(ids))
+            self.versions.extend([-1] * len(ids))
+            return
+        if not (len(logprobs) == len(versions) == len(ids)):
+            raise ValueError("ids, logprobs and versions must have the same length")
+        self.trainable.extend([True] * len(ids))
+        self.logprobs.extend(float(x) for x in logprobs)
+        self.versions.extend(int(v) for v in versions)
+
+    def truncate_segment(self) -> None:
+        """Drop the current turn's sampled tokens (they come back from the engine's result)."""
+        k = self.segment_start
+        del self.token_ids[k:], self.trainable[k:], self.logprobs[k:], self.versions[k:]
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able copy."""
+        return copy.deepcopy(asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Trajectory":
+        """Inverse of `to_dict`."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a trajectory must be a mapping, got {type(data).__name__}")
+        try:
+            return cls(**copy.deepcopy(dict(data)))
+        except TypeError as e:
+            raise ValueError(f"not a trajectory dict: {e}") from e
+
+
+@dataclass
+class Group:
+    """The K trajectories of one prompt, all finished: what training consumes.
+
+    Attributes:
+        group_id: the prompt's group id.
+        task: the task (`Task.to_dict`).
+        trajectories: the K samples, by sample index.
+        dispatched_version: engine version when the group was dispatched.
+    """
+
+    group_id: int
+    task: dict[str, Any]
+    trajectories: list[Trajectory]
+    dispatched_version: int = 0
+
+    @property
+    def rewards(self) -> list[float]:
+        """Reward of each sample (None counts as 0.0)."""
+        return [float(t.reward or 0.0) for t in self.trajectories]
+
+    def staleness(self) -> list[int]:
+        """Per sampled token of every trajectory: dispatched_version - token version."""
+        return [self.dispatched_version - v for t in self.trajectories for v, m in zip(t.versions, t.trainable) if m]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able copy."""
+        return {
+            "group_id": self.group_id,
+            "task": copy.deepcopy(self.task),
+            "trajectories": [t.to_dict() for t in self.trajectories],
+            "dispatched_version": self.dispatched_version,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Group":
+        """Inverse of `to_dict`."""
+        return cls(
+            group_id=int(data["group_id"]),
+            task=copy.deepcopy(dict(data["task"])),
+            trajectories=[Trajectory.from_dict(t) for t in data["trajectories"]],
+            dispatched_version=int(data.get("dispatched_version", 0)),
+        )

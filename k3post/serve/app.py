@@ -1,0 +1,876 @@
+"""The OpenAI-compatible HTTP API (FastAPI): chat completions over XTML, completions, models.
+
+Endpoints:
+
+* ``POST /v1/chat/completions``: OpenAI chat messages (system / developer / user / assistant
+  with ``tool_calls`` and ``reasoning_content`` / tool results) rendered with XTML (SPEC §1):
+  ``tools`` become the global ``tool-declare`` message, ``tool_choice`` and
+  ``response_format`` the one-shot option messages, ``thinking_effort`` the
+  ``thinking-effort`` message. The sampled completion is parsed back (``XTML.parse`` /
+  ``XTML.stream``) into ``reasoning_content``, ``content`` and ``tool_calls``.
+  Streaming (``stream: true``) sends server-sent events, ``chat.completion.chunk`` objects
+  with ``delta.reasoning_content``, ``delta.content`` and ``delta.tool_calls`` (OpenAI's
+  streaming form: the first delta of a call carries ``index``, ``id``, ``type`` and
+  ``function.name``, the next one ``function.arguments``), a last chunk per choice with
+  its ``finish_reason``, a usage chunk when ``stream_options.include_usage``, then
+  ``data: [DONE]``.
+* ``POST /v1/completions``: raw continuation of a prompt string (encoded with the
+  tokenizer, no chat template; special-token strings such as ``<|open|>`` become their
+  special ids, so an XTML context from ``render_text`` can be continued), a list of token
+  ids, or a batch of either. Optional ``logprobs`` and ``stop`` strings; streaming as above
+  (``text_completion`` chunks).
+* ``GET /v1/models``, ``GET /v1/models/{id}``: the served model.
+* ``GET /health``: liveness plus the engine runner's counters (``peak_running`` etc.).
+
+Decisions (ours):
+
+* **Thinking effort.** ``thinking_effort`` (alias ``reasoning_effort``; both given must
+  agree) is ``low`` | ``high`` | ``max``: thinking mode with that effort message, or
+  ``none``: instruct mode (no ``think`` channel, the generation prefix opens ``response``,
+  ``reasoning_content`` is null). Absent: the server default (``ServeConfig.default_effort``,
+  ``high``). Any other value (including ``medium``, which the template reserves but the
+  policy is not trained on) is a 400 naming the field.
+* **Sampling.** ``temperature`` (default 1), ``top_p``, ``top_k`` (extension, 0 disables),
+  ``seed``, ``max_tokens`` / ``max_completion_tokens`` (the latter wins), ``n``. Choice i of
+  a seeded request samples with seed ``seed`` (i = 0) or ``request_seed(seed, "choice-i")``,
+  so n > 1 gives n distinct, reproducible samples; without a seed every request gets a
+  fresh one. The engine's counter-based sampler makes a seeded request's tokens
+  independent of what else is in the batch. ``stop_token_ids`` (extension, as in vLLM) add
+  stop ids to ``<|end_of_msg|>``; ``ignore_eos`` (extension) is passed through.
+* **Stop strings.** Supported on ``/v1/completions`` (text is cut before the first match,
+  generation is aborted there, ``finish_reason`` "stop"). On chat completions a non-empty
+  ``stop`` is a 400: a chat turn ends at ``<|end_of_msg|>`` and cutting inside XTML
+  structure would break the parse.
+* **Log-probs.** The engine records the log-prob of the sampled token under the raw model
+  distribution (temperature 1, no top-k / top-p), so chat ``logprobs: true`` returns that
+  per token (``top_logprobs`` is ``[]``; asking for ``top_logprobs`` > 0 is a 400) and
+  completions ``logprobs`` accepts 0 or 1 (``token_logprobs``; ``top_logprobs`` null).
+* **Malformed output.** When the model's completion is not valid XTML the message holds
+  what parsed before the first bad token (complete tool calls included), and the choice
+  carries a non-standard ``xtml_error`` string (streaming: on its final chunk).
+* **Context length.** A prompt that leaves no room under ``max_model_len``, or
+  ``max_tokens`` beyond the room left, is a 400 with code ``context_length_exceeded``.
+  Without ``max_tokens`` a request may use the whole room (capped by
+  ``ServeConfig.default_max_tokens`` when set).
+* Unsupported options with a non-default value (``presence_penalty``,
+  ``frequency_penalty``, ``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1, the legacy
+  ``functions``) are a 400 naming the field; options without effect here
+  (``parallel_tool_calls``, ``user``, ``metadata``, ...) are ignored.
+* ``system_fingerprint`` is ``k3post-v<policy version>`` of the engine.
+
+Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with HTTP 400
+for invalid requests, 401 for a wrong API key, 404 for an unknown model, 500 when the
+engine fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from k3post.rollout.engine import GenerationRequest, GenerationResult, SamplingParams, request_seed
+from k3post.serve.runner import EngineRunner, ErrorEvent, FinishEvent, RunnerEvent, TokenEvent
+from k3post.tokenizer import decode
+from k3post.xtml import EFFORTS, XTML, TextDelta, ToolCall, ToolCallStart, XTMLParseError
+
+__all__ = ["ServeConfig", "APIError", "create_app", "EFFORT_CHOICES", "INSTRUCT_EFFORT"]
+
+INSTRUCT_EFFORT = "none"
+"""The ``thinking_effort`` value that selects instruct mode."""
+
+EFFORT_CHOICES: tuple[str, ...] = EFFORTS + (INSTRUCT_EFFORT,)
+"""Accepted ``thinking_effort`` values: ``low``, ``high``, ``max`` (think mode) and ``none`` (instruct)."""
+
+MAX_N = 64
+"""Most choices (``n``) in one request."""
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Server settings.
+
+    Fields:
+        model_name: the id served by ``/v1/models`` and expected in requests' ``model``.
+        default_effort: ``thinking_effort`` for requests that give none (``low`` | ``high`` |
+            ``max`` | ``none`` for instruct mode).
+        default_max_tokens: cap on output tokens for requests without ``max_tokens``
+            (None: the room left under ``max_model_len``).
+        api_key: when set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>``.
+    """
+
+    model_name: str
+    default_effort: str = "high"
+    default_max_tokens: int | None = None
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ValueError("ServeConfig.model_name must be a non-empty string")
+        if self.default_effort not in EFFORT_CHOICES:
+            raise ValueError(f"ServeConfig.default_effort must be one of {EFFORT_CHOICES}, got {self.default_effort!r}")
+        if self.default_max_tokens is not None and (
+            not isinstance(self.default_max_tokens, int) or self.default_max_tokens < 1
+        ):
+            raise ValueError(f"ServeConfig.default_max_tokens must be an int >= 1 or None, got {self.default_max_tokens!r}")
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's ``{"error": {...}}`` JSON with an HTTP status."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+        self.type = type_
+
+    def payload(self) -> dict[str, Any]:
+        """The JSON body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# --------------------------------------------------------------------------- request validation
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _number(body: Mapping[str, Any], key: str, default: float, *, lo: float, hi: float | None = None,
+            lo_open: bool = False) -> float:
+    """``body[key]`` as a float in [lo, hi] ((lo, hi] when lo_open); ``default`` if absent/null."""
+    v = body.get(key)
+    if v is None:
+        return default
+    ok = _is_num(v) and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
+    if not ok:
+        rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
+        raise APIError(f"'{key}' must be a number in {rng}, got {v!r}", param=key)
+    return float(v)
+
+
+def _integer(body: Mapping[str, Any], key: str, *, lo: int, hi: int | None = None) -> int | None:
+    """``body[key]`` as an int in [lo, hi]; None if absent/null."""
+    v = body.get(key)
+    if v is None:
+        return None
+    if not _is_int(v) or v < lo or (hi is not None and v > hi):
+        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise APIError(f"'{key}' must be an integer {rng}, got {v!r}", param=key)
+    return int(v)
+
+
+def _boolean(body: Mapping[str, Any], key: str) -> bool:
+    v = body.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise APIError(f"'{key}' must be a boolean, got {v!r}", param=key)
+    return v
+
+
+def _reject_unsupported(body: Mapping[str, Any]) -> None:
+    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        v = body.get(key)
+        if v is not None and v != 0 and not (key == "repetition_penalty" and v == 1):
+            raise APIError(f"'{key}' is not supported by this server", param=key, code="unsupported_parameter")
+    if body.get("logit_bias"):
+        raise APIError("'logit_bias' is not supported by this server", param="logit_bias", code="unsupported_parameter")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of not in (1, body.get("n") or 1):
+        raise APIError("'best_of' is not supported by this server", param="best_of", code="unsupported_parameter")
+
+
+def _choice_seed(seed: int | None, i: int) -> int | None:
+    """Seed of choice ``i`` of a request seeded ``seed`` (see the module docstring)."""
+    if seed is None:
+        return None
+    return seed if i == 0 else request_seed(seed, f"choice-{i}")
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    """Validated sampling fields of one request."""
+
+    n: int
+    params: list[SamplingParams]  # one per choice
+    stop_ids: frozenset[int]
+
+
+def _sampling(body: Mapping[str, Any], *, prompt_len: int, max_model_len: int, vocab: int,
+              default_stop_ids: frozenset[int], default_max_tokens: int | None, prompt_param: str) -> _Sampling:
+    """The SamplingParams of each choice; 400s name the offending field."""
+    _reject_unsupported(body)
+    temperature = _number(body, "temperature", 1.0, lo=0.0)
+    top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)
+    top_k = _integer(body, "top_k", lo=-1) or 0
+    n = _integer(body, "n", lo=1, hi=MAX_N) or 1
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise APIError(f"'seed' must be an integer, got {seed!r}", param="seed")
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise APIError(
+            f"the prompt is {prompt_len} tokens, which leaves no room under this model's maximum context length "
+            f"of {max_model_len} tokens",
+            param=prompt_param, code="context_length_exceeded",
+        )
+    max_tokens = _integer(body, "max_completion_tokens", lo=1)
+    key = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, key = _integer(body, "max_tokens", lo=1), "max_tokens"
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(room, default_max_tokens)
+    elif max_tokens > room:
+        raise APIError(
+            f"'{key}'={max_tokens} plus the {prompt_len}-token prompt exceeds this model's maximum context length "
+            f"of {max_model_len} tokens (at most {room} new tokens fit)",
+            param=key, code="context_length_exceeded",
+        )
+    extra = body.get("stop_token_ids")
+    stop_ids = set(default_stop_ids)
+    if extra is not None:
+        if not isinstance(extra, list) or not all(_is_int(t) and 0 <= t < vocab for t in extra):
+            raise APIError(f"'stop_token_ids' must be a list of token ids in [0, {vocab}), got {extra!r}",
+                           param="stop_token_ids")
+        stop_ids |= set(extra)
+    ignore_eos = _boolean(body, "ignore_eos")
+    params = [
+        SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                       stop_ids=tuple(sorted(stop_ids)), seed=_choice_seed(seed, i), ignore_eos=ignore_eos)
+        for i in range(n)
+    ]
+    return _Sampling(n, params, frozenset(stop_ids))
+
+
+def _effort(body: Mapping[str, Any], default: str) -> tuple[str, str | None]:
+    """(XTML mode, effort) from ``thinking_effort`` / ``reasoning_effort``."""
+    te, re_ = body.get("thinking_effort"), body.get("reasoning_effort")
+    if te is not None and re_ is not None and te != re_:
+        raise APIError(f"'thinking_effort'={te!r} and its alias 'reasoning_effort'={re_!r} disagree",
+                       param="thinking_effort")
+    value, param = (te, "thinking_effort") if te is not None else (re_, "reasoning_effort")
+    if value is None:
+        value = default
+    if value not in EFFORT_CHOICES:
+        raise APIError(f"'{param}' must be one of {list(EFFORT_CHOICES)} ('none' = instruct mode, no thinking), "
+                       f"got {value!r}", param=param)
+    if value == INSTRUCT_EFFORT:
+        return "instruct", None
+    return "think", value
+
+
+def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The request's messages, checked for shape; ``developer`` becomes ``system``."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError("'messages' must be a non-empty list of chat messages", param="messages")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise APIError(f"messages[{i}] must be an object, got {type(m).__name__}", param=f"messages[{i}]")
+        role = m.get("role")
+        if role == "developer":
+            m = {**m, "role": "system"}
+        elif role not in ("system", "user", "assistant", "tool"):
+            raise APIError(f"messages[{i}].role must be one of system, developer, user, assistant, tool; got {role!r}",
+                           param=f"messages[{i}].role")
+        content = m.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise APIError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}",
+                                   param=f"messages[{i}].content")
+        if m.get("function_call") is not None:
+            raise APIError(f"messages[{i}].function_call (legacy) is not supported; use tool_calls",
+                           param=f"messages[{i}].function_call")
+        out.append(m)
+    return out
+
+
+def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    if body.get("functions") is not None:
+        raise APIError("'functions' (legacy) is not supported; use 'tools'", param="functions")
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise APIError("'tools' must be a list of {'type': 'function', 'function': {...}}", param="tools")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not (isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(fn, dict)
+                and isinstance(fn.get("name"), str) and fn["name"]):
+            raise APIError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}, got {t!r}",
+                           param=f"tools[{i}]")
+    return tools or None
+
+
+def _render_param(message: str) -> str:
+    """The request field an XTML render error is about."""
+    for key in ("tool_choice", "response_format", "tools"):
+        if message.startswith(key):
+            return key
+    return "messages"
+
+
+# --------------------------------------------------------------------------- in-flight requests
+
+
+class _Inflight:
+    """The engine requests of one HTTP request (its n choices) and their event stream."""
+
+    def __init__(self, runner: EngineRunner, requests: list[GenerationRequest], *, stream: bool) -> None:
+        self.runner = runner
+        self.requests = requests
+        self.sink: asyncio.Queue[RunnerEvent] = asyncio.Queue()
+        self.pending = set(range(len(requests)))
+        for i, r in enumerate(requests):
+            runner.submit(r, self.sink, i, stream=stream)
+
+    async def events(self) -> AsyncIterator[RunnerEvent]:
+        """Events until every choice has finished, failed or been dropped."""
+        while self.pending:
+            ev = await self.sink.get()
+            if ev.tag not in self.pending:  # dropped earlier
+                continue
+            if isinstance(ev, (FinishEvent, ErrorEvent)):
+                self.pending.discard(ev.tag)
+            yield ev
+
+    def drop(self, i: int) -> None:
+        """Stop choice ``i`` early (a stop string matched)."""
+        if i in self.pending:
+            self.pending.discard(i)
+            self.runner.abort([self.requests[i].request_id])
+
+    def close(self) -> None:
+        """Abort whatever is still running (client gone, error)."""
+        if self.pending:
+            self.runner.abort([self.requests[i].request_id for i in self.pending])
+            self.pending.clear()
+
+
+def _raise_error_event(ev: ErrorEvent) -> None:
+    err = ev.error
+    if isinstance(err, ValueError):
+        raise APIError(str(err))
+    raise APIError(str(err), status=500, type_="server_error")
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# --------------------------------------------------------------------------- the app
+
+
+class _Server:
+    """The state behind the routes."""
+
+    def __init__(self, runner: EngineRunner, tokenizer: Any, config: ServeConfig) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.xtml = XTML(tokenizer)
+        self.config = config
+        engine = runner.engine
+        self.max_model_len = int(engine.max_model_len)
+        embed = getattr(getattr(getattr(engine, "model", None), "model", None), "embed_tokens", None)
+        self.vocab = int(embed.num_embeddings) if embed is not None else len(tokenizer)
+        self.default_stop_ids: frozenset[int] = frozenset(getattr(engine, "default_stop_ids", frozenset([self.xtml.eom_id])))
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ helpers
+    def check_model(self, body: Mapping[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.config.model_name:
+            raise APIError(f"the model '{model}' does not exist; this server serves '{self.config.model_name}'",
+                           param="model", status=404, code="model_not_found")
+
+    def fingerprint(self) -> str:
+        return f"k3post-v{getattr(self.runner.engine, 'version', 0)}"
+
+    def token_str(self, tid: int) -> str:
+        return decode(self.tokenizer, [tid])
+
+    def logprob_entries(self, ids: Sequence[int], logprobs: Sequence[float]) -> list[dict[str, Any]]:
+        out = []
+        for t, lp in zip(ids, logprobs):
+            s = self.token_str(t)
+            out.append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []})
+        return out
+
+    def parse(self, ids: list[int], mode: str) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of a completion; on malformed XTML the valid prefix and the error."""
+        partial = not ids or ids[-1] != self.xtml.eom_id
+        try:
+            return self.xtml.parse(ids, mode=mode, partial=partial), None
+        except XTMLParseError as e:
+            try:
+                msg = self.xtml.parse(ids[: e.position], mode=mode, partial=True)
+            except XTMLParseError:
+                msg = {"role": "assistant", "reasoning_content": None, "content": "", "tool_calls": []}
+            if mode == "think" and msg["reasoning_content"] is None:  # the generation prefix opened `think`
+                msg["reasoning_content"] = ""
+            return msg, str(e)
+
+
+def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, manage_runner: bool = True) -> FastAPI:
+    """The FastAPI app serving ``runner``'s engine.
+
+    Args:
+        runner: the engine runner (started on app startup when ``manage_runner``).
+        tokenizer: the model's tokenizer (with the XTML special tokens).
+        config: server settings.
+        manage_runner: start the runner on startup and stop it on shutdown.
+    """
+    srv = _Server(runner, tokenizer, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if manage_runner:
+            runner.start()
+        try:
+            yield
+        finally:
+            if manage_runner:
+                runner.stop()
+
+    app = FastAPI(title="k3post", description="OpenAI-compatible server over the k3post embedded engine",
+                  lifespan=lifespan)
+    app.state.server = srv
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.payload(), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        err = APIError(f"internal error: {type(exc).__name__}: {exc}", status=500, type_="server_error")
+        return JSONResponse(err.payload(), status_code=500)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Any:
+        key = config.api_key
+        if key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {key}":
+                err = APIError("invalid or missing API key", status=401, type_="authentication_error",
+                               code="invalid_api_key")
+                return JSONResponse(err.payload(), status_code=401)
+        return await call_next(request)
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError("the request body must be a JSON object")
+        return body
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = runner.running
+        return JSONResponse({"status": "ok" if ok else "stopped", "model": config.model_name,
+                             "max_model_len": srv.max_model_len, "engine": runner.stats()},
+                            status_code=200 if ok else 503)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": config.model_name, "object": "model", "created": srv.created, "owned_by": "k3post",
+                "max_model_len": srv.max_model_len}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        srv.check_model({"model": model_id})
+        return model_card()
+
+    # ------------------------------------------------------------------ chat
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        body = await json_body(request)
+        srv.check_model(body)
+        messages = _messages(body)
+        tools = _tools(body)
+        mode, effort = _effort(body, config.default_effort)
+        stop = body.get("stop")
+        if stop:
+            raise APIError("'stop' strings are not supported on chat completions (a turn ends at <|end_of_msg|>); "
+                           "use /v1/completions or 'stop_token_ids'", param="stop", code="unsupported_parameter")
+        want_logprobs = _boolean(body, "logprobs")
+        top_lp = _integer(body, "top_logprobs", lo=0, hi=20)
+        if top_lp:
+            raise APIError("'top_logprobs' > 0 is not supported: only the sampled token's log-prob is recorded",
+                           param="top_logprobs", code="unsupported_parameter")
+        stream = _boolean(body, "stream")
+        include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
+        try:
+            rendered = srv.xtml.render(messages, tools=tools, effort=effort, mode=mode, add_generation_prompt=True,
+                                       tool_choice=body.get("tool_choice"), response_format=body.get("response_format"))
+        except ValueError as e:
+            raise APIError(str(e), param=_render_param(str(e))) from None
+        prompt = rendered.ids
+        samp = _sampling(body, prompt_len=len(prompt), max_model_len=srv.max_model_len, vocab=srv.vocab,
+                         default_stop_ids=srv.default_stop_ids, default_max_tokens=config.default_max_tokens,
+                         prompt_param="messages")
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        reqs = [GenerationRequest(f"{cid}-{i}", prompt, sampling=sp) for i, sp in enumerate(samp.params)]
+        base = {"id": cid, "created": created, "model": config.model_name}
+
+        def finish_reason(res: GenerationResult, msg: Mapping[str, Any]) -> str:
+            if res.finish_reason == "length":
+                return "length"
+            return "tool_calls" if msg.get("tool_calls") else "stop"
+
+        def usage(results: Sequence[GenerationResult]) -> dict[str, int]:
+            c = sum(r.num_tokens for r in results)
+            return {"prompt_tokens": len(prompt), "completion_tokens": c, "total_tokens": len(prompt) + c}
+
+        if stream:
+            inflight = _Inflight(runner, reqs, stream=True)
+            return StreamingResponse(
+                _chat_stream(srv, inflight, mode, base, want_logprobs, include_usage, finish_reason, usage),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+            )
+        inflight = _Inflight(runner, reqs, stream=False)
+        results: dict[int, GenerationResult] = {}
+        try:
+            async for ev in inflight.events():
+                if isinstance(ev, ErrorEvent):
+                    _raise_error_event(ev)
+                if isinstance(ev, FinishEvent):
+                    results[ev.tag] = ev.result
+        finally:
+            inflight.close()
+        choices = []
+        for i in range(samp.n):
+            res = results[i]
+            msg, err = srv.parse(res.output_ids, mode)
+            calls = [
+                {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": dict(c["function"])}
+                for c in msg["tool_calls"]
+            ]
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": msg["content"] if (msg["content"] or not calls) else None,
+                "reasoning_content": msg["reasoning_content"],
+            }
+            if calls:
+                message["tool_calls"] = calls
+            choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish_reason(res, msg),
+                                      "logprobs": None}
+            if want_logprobs:
+                choice["logprobs"] = {"content": srv.logprob_entries(res.output_ids, res.output_logprobs)}
+            if err is not None:
+                choice["xtml_error"] = err
+            choices.append(choice)
+        ordered = [results[i] for i in range(samp.n)]
+        return {**base, "object": "chat.completion", "system_fingerprint": srv.fingerprint(), "choices": choices,
+                "usage": usage(ordered)}
+
+    # ------------------------------------------------------------------ completions
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await json_body(request)
+        srv.check_model(body)
+        prompts = _prompts(body, srv)
+        if _boolean(body, "echo"):
+            raise APIError("'echo' is not supported by this server", param="echo", code="unsupported_parameter")
+        if body.get("suffix"):
+            raise APIError("'suffix' is not supported by this server", param="suffix", code="unsupported_parameter")
+        lp = _integer(body, "logprobs", lo=0, hi=20)
+        if lp is not None and lp > 1:
+            raise APIError("'logprobs' > 1 is not supported: only the sampled token's log-prob is recorded",
+                           param="logprobs", code="unsupported_parameter")
+        stops = body.get("stop")
+        if stops is None:
+            stops = []
+        elif isinstance(stops, str):
+            stops = [stops]
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise APIError("'stop' must be a non-empty string or a list of them", param="stop")
+        stream = _boolean(body, "stream")
+        include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        reqs: list[GenerationRequest] = []
+        stop_ids: frozenset[int] = srv.default_stop_ids
+        for p, ids in enumerate(prompts):
+            samp = _sampling(body, prompt_len=len(ids), max_model_len=srv.max_model_len, vocab=srv.vocab,
+                             default_stop_ids=srv.default_stop_ids, default_max_tokens=config.default_max_tokens,
+                             prompt_param="prompt")
+            stop_ids = samp.stop_ids
+            for j, sp in enumerate(samp.params):
+                reqs.append(GenerationRequest(f"{cid}-{p}-{j}", ids, sampling=sp))
+        base = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": config.model_name}
+        n_prompt = sum(len(ids) for ids in prompts)
+        # stop strings need the tokens as they come, so choices stream internally when there are any
+        inflight = _Inflight(runner, reqs, stream=stream or bool(stops))
+        texts = [_CompletionText(srv, stops, stop_ids) for _ in reqs]
+        gen = _completion_events(srv, inflight, texts, lp is not None)
+        if stream:
+            async def sse() -> AsyncIterator[str]:
+                total = 0
+                try:
+                    async for i, text, finish, logprobs, n_tokens in gen:
+                        total += n_tokens
+                        yield _sse({**base, "choices": [{"index": i, "text": text, "logprobs": logprobs,
+                                                          "finish_reason": finish}]})
+                    if include_usage:
+                        yield _sse({**base, "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": total,
+                                                                     "total_tokens": n_prompt + total}})
+                except APIError as e:
+                    yield _sse(e.payload())
+                finally:
+                    inflight.close()
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        parts: dict[int, list[str]] = {i: [] for i in range(len(reqs))}
+        lps: dict[int, dict[str, Any]] = {}
+        finishes: dict[int, str] = {}
+        total = 0
+        try:
+            async for i, text, finish, logprobs, n_tokens in gen:
+                parts[i].append(text)
+                total += n_tokens
+                if logprobs is not None:
+                    acc = lps.setdefault(i, {"tokens": [], "token_logprobs": [], "top_logprobs": None, "text_offset": []})
+                    for key in ("tokens", "token_logprobs", "text_offset"):
+                        acc[key] += logprobs[key]
+                if finish is not None:
+                    finishes[i] = finish
+        finally:
+            inflight.close()
+        choices = [
+            {"index": i, "text": "".join(parts[i]), "logprobs": lps.get(i) if lp is not None else None,
+             "finish_reason": finishes.get(i, "stop")}
+            for i in range(len(reqs))
+        ]
+        return {**base, "system_fingerprint": srv.fingerprint(), "choices": choices,
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": total, "total_tokens": n_prompt + total}}
+
+    return app
+
+
+# --------------------------------------------------------------------------- chat streaming
+
+
+async def _chat_stream(
+    srv: _Server,
+    inflight: _Inflight,
+    mode: str,
+    base: dict[str, Any],
+    want_logprobs: bool,
+    include_usage: bool,
+    finish_reason: Callable[[GenerationResult, Mapping[str, Any]], str],
+    usage: Callable[[Sequence[GenerationResult]], dict[str, int]],
+) -> AsyncIterator[str]:
+    """SSE body of a streaming chat completion (see the module docstring)."""
+    n = len(inflight.requests)
+    parsers = [srv.xtml.stream(mode) for _ in range(n)]
+    errors: list[str | None] = [None] * n
+    call_ids: dict[tuple[int, int], str] = {}
+    results: list[GenerationResult] = []
+    head = {**base, "object": "chat.completion.chunk", "system_fingerprint": srv.fingerprint()}
+
+    def chunk(i: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
+              **extra: Any) -> str:
+        return _sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                                          **extra}]})
+
+    try:
+        for i in range(n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for ev in inflight.events():
+            i = ev.tag
+            if isinstance(ev, ErrorEvent):
+                _raise_error_event(ev)
+            if isinstance(ev, TokenEvent):
+                delta: dict[str, Any] = {}
+                for tid in ev.ids:
+                    if errors[i] is not None:
+                        break
+                    try:
+                        events = parsers[i].feed(tid)
+                    except XTMLParseError as e:
+                        errors[i] = str(e)
+                        break
+                    for pe in events:
+                        _merge_event(delta, pe, i, call_ids)
+                lp = {"content": srv.logprob_entries(ev.ids, ev.logprobs)} if want_logprobs else None
+                if delta or lp is not None:
+                    yield chunk(i, delta, logprobs=lp)
+            elif isinstance(ev, FinishEvent):
+                results.append(ev.result)
+                msg = parsers[i].message
+                extra = {"xtml_error": errors[i]} if errors[i] is not None else {}
+                yield chunk(i, {}, finish=finish_reason(ev.result, msg), **extra)
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": usage(results)})
+    except APIError as e:
+        yield _sse(e.payload())
+    finally:
+        inflight.close()
+    yield "data: [DONE]\n\n"
+
+
+def _merge_event(delta: dict[str, Any], ev: Any, choice: int, call_ids: dict[tuple[int, int], str]) -> None:
+    """Fold one XTML stream event into a chunk's delta."""
+    if isinstance(ev, TextDelta):
+        key = "reasoning_content" if ev.channel == "think" else "content"
+        delta[key] = delta.get(key, "") + ev.text
+    elif isinstance(ev, ToolCallStart):
+        cid = call_ids.setdefault((choice, ev.index), f"call_{uuid.uuid4().hex[:24]}")
+        delta.setdefault("tool_calls", []).append(
+            {"index": ev.index - 1, "id": cid, "type": "function", "function": {"name": ev.name, "arguments": ""}}
+        )
+    elif isinstance(ev, ToolCall):
+        delta.setdefault("tool_calls", []).append(
+            {"index": ev.index - 1, "function": {"arguments": ev.call["function"]["arguments"]}}
+        )
+
+
+# --------------------------------------------------------------------------- completions helpers
+
+
+def _prompts(body: Mapping[str, Any], srv: _Server) -> list[list[int]]:
+    """``prompt`` as token-id lists: a string, a list of ids, or a batch of either."""
+    p = body.get("prompt")
+
+    def encode(s: str) -> list[int]:
+        ids = list(srv.tokenizer.encode(s, add_special_tokens=False))
+        if not ids:
+            raise APIError("'prompt' encodes to no tokens", param="prompt")
+        return ids
+
+    def check(ids: list[Any]) -> list[int]:
+        if not ids or not all(_is_int(t) and 0 <= t < srv.vocab for t in ids):
+            raise APIError(f"'prompt' token ids must be a non-empty list of ints in [0, {srv.vocab})", param="prompt")
+        return [int(t) for t in ids]
+
+    if isinstance(p, str):
+        return [encode(p)]
+    if isinstance(p, list) and p:
+        if all(_is_int(t) for t in p):
+            return [check(p)]
+        if all(isinstance(s, str) for s in p):
+            return [encode(s) for s in p]
+        if all(isinstance(x, list) for x in p):
+            return [check(x) for x in p]
+    raise APIError("'prompt' must be a string, a list of token ids, or a non-empty list of either", param="prompt")
+
+
+class _CompletionText:
+    """Incremental text of one completion choice with stop strings.
+
+    Text is emitted only up to a point that cannot still become part of a stop string
+    (the last ``max(len(stop)) - 1`` characters are held back) and never ends in a
+    partially decoded character."""
+
+    def __init__(self, srv: _Server, stops: list[str], stop_ids: frozenset[int]) -> None:
+        self.srv = srv
+        self.stops = stops
+        self.stop_ids = stop_ids
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.emitted_chars = 0
+        self.emitted_tokens = 0
+        self.stopped = False
+
+    def _cut(self, text: str) -> str:
+        hits = [k for k in (text.find(s) for s in self.stops) if k >= 0]
+        if hits:
+            self.stopped = True
+            return text[: min(hits)]
+        return text
+
+    def push(self, ids: Sequence[int], logprobs: Sequence[float]) -> str:
+        """New emittable text after these tokens (sets ``stopped`` on a stop-string match)."""
+        self.ids += ids
+        self.logprobs += logprobs
+        text = self._cut(decode(self.srv.tokenizer, self.ids))
+        end = len(text) if self.stopped else max(len(text.rstrip("\ufffd")) - self.hold, 0)
+        if end <= self.emitted_chars:
+            return ""
+        out = text[self.emitted_chars : end]
+        self.emitted_chars = end
+        return out
+
+    def finish(self, res: GenerationResult) -> str:
+        """The remaining text once the request finished (its stop id is not part of the text)."""
+        ids = list(res.output_ids)
+        if res.finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]
+        self.ids, self.logprobs = ids, list(res.output_logprobs[: len(ids)])
+        text = self._cut(decode(self.srv.tokenizer, ids))
+        out = text[self.emitted_chars :]
+        self.emitted_chars = len(text)
+        return out
+
+    def token_logprobs(self) -> dict[str, Any]:
+        """Legacy logprobs of the tokens not reported yet that start within the emitted text
+        (``text_offset``: character offset of each token in the whole completion text)."""
+        tok = self.srv.tokenizer
+        tokens, lps, offs = [], [], []
+        k = self.emitted_tokens
+        while k < len(self.ids):
+            start = len(decode(tok, self.ids[:k]))
+            if start >= self.emitted_chars:
+                break
+            tokens.append(self.srv.token_str(self.ids[k]))
+            lps.append(self.logprobs[k])
+            offs.append(start)
+            k += 1
+        self.emitted_tokens = k
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offs}
+
+
+async def _completion_events(
+    srv: _Server, inflight: _Inflight, texts: list[_CompletionText], want_logprobs: bool,
+) -> AsyncIterator[tuple[int, str, str | None, dict[str, Any] | None, int]]:
+    """(choice, new text, finish_reason or None, logprobs or None, tokens counted) per step."""
+    async for ev in inflight.events():
+        i = ev.tag
+        t = texts[i]
+        if isinstance(ev, ErrorEvent):
+            _raise_error_event(ev)
+        elif isinstance(ev, TokenEvent):
+            text = t.push(ev.ids, ev.logprobs)
+            if t.stopped:  # a stop string matched: end this choice here
+                n_tok = len(t.ids)
+                inflight.drop(i)
+                yield i, text, "stop", t.token_logprobs() if want_logprobs else None, n_tok
+            elif text:
+                yield i, text, None, t.token_logprobs() if want_logprobs else None, 0
+        elif isinstance(ev, FinishEvent):
+            text = t.finish(ev.result)
+            finish = "stop" if (t.stopped or ev.result.finish_reason == "stop") else "length"
+            yield i, text, finish, t.token_logprobs() if want_logprobs else None, ev.result.num_tokens

@@ -1,0 +1,131 @@
+"""``k3post serve MODEL_DIR``: the OpenAI-compatible server on uvicorn.
+
+`k3post.cli` wires it in with::
+
+    from k3post.serve.cli import add_serve_parser
+    add_serve_parser(sub)
+
+    k3post serve runs/demo/sft/final                       # http://127.0.0.1:8000/v1
+    k3post serve runs/demo/sft/final --port 8001 --model-name k3-tiny --max-batch-size 64 --no-qat
+
+FastAPI and uvicorn are imported when the command runs, so building the CLI parser stays
+light. User errors are ValueErrors (printed as one line by `k3post.cli.main`).
+
+Shape legend: none (no tensors here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+__all__ = ["add_serve_parser", "build_server", "serve", "cmd_serve"]
+
+_EFFORT_CHOICES = ("low", "high", "max", "none")  # k3post.serve.app.EFFORT_CHOICES, without importing FastAPI
+
+
+def build_server(
+    model_dir: str | Path,
+    *,
+    model_name: str | None = None,
+    max_batch_size: int = 32,
+    max_model_len: int | None = None,
+    qat: bool = True,
+    seed: int = 0,
+    default_effort: str = "high",
+    default_max_tokens: int | None = None,
+    api_key: str | None = None,
+    torch_threads: int | None = None,
+) -> "FastAPI":
+    """Load ``model_dir`` (model + tokenizer) into an `EmbeddedEngine` and return the app.
+
+    Args:
+        model_dir: a folder written by ``save_model`` / ``k3post init-model`` (config,
+            safetensors and the XTML tokenizer).
+        model_name: id served by ``/v1/models`` (default: the folder name).
+        max_batch_size: engine slots, i.e. most requests decoded together.
+        max_model_len: most positions per sequence (default: the model config's).
+        qat: run the routed experts with MX fake quantization (MXFP4 weights, MXFP8
+            activations), as in QAT training and RL rollouts (SPEC §5, §6.1).
+        seed: engine seed (requests without ``seed``).
+        default_effort: ``thinking_effort`` of requests that give none.
+        default_max_tokens: output cap of requests without ``max_tokens``.
+        api_key: require ``Authorization: Bearer <api_key>`` on ``/v1/*``.
+        torch_threads: torch CPU threads of the engine thread (None: torch's default).
+    """
+    from k3post.quant.qat import QATConfig
+    from k3post.rollout.embedded import EmbeddedEngine
+    from k3post.serve.app import ServeConfig, create_app
+    from k3post.serve.runner import EngineRunner
+    from k3post.tokenizer import load_tokenizer
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: not a model folder (no config.json)")
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(f"{path}: no tokenizer in the model folder")
+    config = ServeConfig(
+        model_name=model_name or path.resolve().name, default_effort=default_effort,
+        default_max_tokens=default_max_tokens, api_key=api_key,
+    )
+    tokenizer = load_tokenizer(path, require_xtml=True)
+    engine = EmbeddedEngine(
+        path, tokenizer, max_batch_size=max_batch_size, max_model_len=max_model_len,
+        qat=QATConfig() if qat else None, seed=seed,
+    )
+    return create_app(EngineRunner(engine, torch_threads=torch_threads), tokenizer, config)
+
+
+def serve(app: "FastAPI", *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Run ``app`` on uvicorn until interrupted (one worker: the engine lives in this process)."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=log_level, workers=1)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    """Body of ``k3post serve``."""
+    if not (0 <= ns.port <= 65535):
+        raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
+    if ns.threads is not None and ns.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {ns.threads}")
+    app = build_server(
+        ns.model_dir, model_name=ns.model_name, max_batch_size=ns.max_batch_size, max_model_len=ns.max_model_len,
+        qat=ns.qat, seed=ns.seed, default_effort=ns.thinking_effort, default_max_tokens=ns.default_max_tokens,
+        api_key=ns.api_key or os.environ.get("K3POST_API_KEY") or None, torch_threads=ns.threads,
+    )
+    print(f"serving {app.state.server.config.model_name} on http://{ns.host}:{ns.port}/v1")
+    serve(app, host=ns.host, port=ns.port, log_level=ns.log_level)
+    return 0
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``k3post serve MODEL_DIR``: an OpenAI-compatible server (chat, completions, models)."""
+    p = subparsers.add_parser(
+        "serve", help="serve a model folder over an OpenAI-compatible HTTP API (continuous batching)",
+        description="OpenAI-compatible server: /v1/chat/completions (XTML tools, tool_calls, reasoning_content, "
+                    "thinking_effort, streaming), /v1/completions, /v1/models, /health.",
+    )
+    p.add_argument("model_dir", help="model folder (config + safetensors + XTML tokenizer)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default=None, help="model id served and expected in requests (default: folder name)")
+    p.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together")
+    p.add_argument("--max-model-len", type=int, default=None, help="most positions per sequence (default: model config)")
+    p.add_argument("--qat", action=argparse.BooleanOptionalAction, default=True,
+                   help="MX fake-quantized experts as in QAT training / rollouts (default on)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed for requests without a seed")
+    p.add_argument("--thinking-effort", choices=_EFFORT_CHOICES, default="high",
+                   help="effort of requests that give none ('none' = instruct mode)")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="output cap for requests without max_tokens (default: the room left in the context)")
+    p.add_argument("--api-key", default=None, help="require this Bearer key on /v1/* (or set K3POST_API_KEY)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the engine thread")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(fn=cmd_serve)
+    return p
