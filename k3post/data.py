@@ -30,7 +30,7 @@ class DataConfig:
 
     eval_family: str = "general.arithmetic"  # single-turn family the held-out pass rate is measured on
     n_train: int = 1500  # training tasks of eval_family (each solved at every effort)
-    n_per_family: int = 4  # training tasks of every other built-in family (each at every effort)
+    n_per_family: int = 2  # training tasks of every other built-in family (each at every effort)
     n_eval: int = 200  # held-out eval_family tasks, disjoint from training
     difficulty: int = 1
     efforts: list[str] = field(default_factory=lambda: ["max", "high", "low"])

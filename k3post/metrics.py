@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from filelock import FileLock
+
 
 class MetricsLogger:
     """Append `{"stage", "step", "time", **values}` rows to ``metrics.jsonl`` and mirror scalars to TensorBoard.
@@ -20,6 +22,7 @@ class MetricsLogger:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
+        self._lock = FileLock(str(self.dir / ".metrics.lock"))  # several processes may log into one run
         self._tb: Any = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -28,7 +31,7 @@ class MetricsLogger:
 
     def log(self, stage: str, step: int, values: Mapping[str, Any]) -> None:
         row = {"stage": stage, "step": step, "time": round(time.time(), 3), **values}
-        with self.path.open("a", encoding="utf-8") as fh:
+        with self._lock, self.path.open("a", encoding="utf-8") as fh:
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
         if self._tb is not None:
             for k, v in values.items():
@@ -37,12 +40,13 @@ class MetricsLogger:
 
     def truncate(self, stage: str, after_step: int) -> None:
         """Remove `stage` rows with step > `after_step` (rewritten atomically)."""
-        if not self.path.exists():
-            return
-        keep = [r for r in read_metrics(self.path) if not (r.get("stage") == stage and r.get("step", 0) > after_step)]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in keep), encoding="utf-8")
-        tmp.replace(self.path)
+        with self._lock:
+            if not self.path.exists():
+                return
+            keep = [r for r in read_metrics(self.path) if not (r.get("stage") == stage and r.get("step", 0) > after_step)]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in keep), encoding="utf-8")
+            tmp.replace(self.path)
 
     def close(self) -> None:
         if self._tb is not None:

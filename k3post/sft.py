@@ -40,11 +40,11 @@ class SFTConfig:
 
     train_file: str | None = None  # SFT JSONL; None in the demo (it writes its own)
     max_len: int = 2048  # longest sample; a longer one is an error (or a counted skip)
-    pack_len: int = 512  # packed row length; a sample longer than this gets a row of its own
+    pack_len: int = 256  # packed row length; a sample longer than this gets a row of its own
     rows_per_batch: int = 8  # packed rows per micro-batch (a micro-batch holds <= rows_per_batch * pack_len tokens)
     grad_accum: int = 1  # micro-batches per optimizer step
-    steps: int = 700  # optimizer steps
-    lr: float = 3e-3
+    steps: int = 1000  # optimizer steps
+    lr: float = 5e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 30
     weight_decay: float = 0.0

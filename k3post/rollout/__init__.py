@@ -5,11 +5,16 @@
 * ``embedded``: ``EmbeddedEngine``, continuous batching in pure PyTorch over an HF model.
 * ``kv_cache``: the engine's static slot KV cache.
 * ``adapters``: ``VLLMEngine`` and ``SGLangEngine`` (optional, GPU, lazy imports).
+* ``trajectory``: ``Trajectory`` (per-token trainable mask, behaviour log-probs, policy versions) and ``Group``.
+* ``agent_loop``: ``AgentLoop``, multi-turn episodes over the engine with the XTML multi-turn extension.
+* ``kv_pool``: ``KVPool``, the byte-budgeted LRU CPU pool of paused trajectories' KV caches.
+* ``scheduler``: ``PartialRolloutScheduler`` (SPEC §3.2).
 
 Shape legend: none here (see each module).
 """
 
 from k3post.rollout.adapters import SGLangEngine, VLLMEngine
+from k3post.rollout.agent_loop import AgentLoop
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.engine import (
     FinishReason,
@@ -23,8 +28,16 @@ from k3post.rollout.engine import (
     token_uniform,
 )
 from k3post.rollout.kv_cache import SlotKVCache
+from k3post.rollout.kv_pool import KVPool
+from k3post.rollout.scheduler import PartialRolloutScheduler
+from k3post.rollout.trajectory import Group, Trajectory
 
 __all__ = [
+    "AgentLoop",
+    "Group",
+    "KVPool",
+    "PartialRolloutScheduler",
+    "Trajectory",
     "EmbeddedEngine",
     "VLLMEngine",
     "SGLangEngine",
