@@ -99,7 +99,9 @@ def _eval_section(summary: dict[str, Any]) -> str:
     ev = summary.get("eval")
     if not ev:
         return ""
-    parts = ["<h2>Held-out pass rate</h2>"]
+    fam = next((r.get("family") for by in ev.values() for r in by.values() if r.get("family")), None)
+    n = next((r["n"] for by in ev.values() for r in by.values()), 0)
+    parts = [f"<h2>Held-out pass rate{f' ({html.escape(fam)}, {n} tasks, greedy)' if fam else ''}</h2>"]
     header = ["model", "effort", "pass rate", "mean think tokens", "mean output tokens", "malformed", "n"]
     rows = []
     for model_name, by_effort in ev.items():

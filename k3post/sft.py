@@ -161,7 +161,7 @@ def train_sft(
         log.info("resumed %s from %s (step %d)", stage, ckpt, start)
     model.train()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
-    bar = tqdm(total=cfg.steps, initial=start, desc=stage, disable=not cfg.progress, dynamic_ncols=True)
+    bar = tqdm(total=cfg.steps, initial=start, desc=stage, disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0)
     t0, tokens_seen, loss_val = time.perf_counter(), 0, float("nan")
     window_t, window_tok, window_loss, window_n = time.perf_counter(), 0, 0.0, 0
     for step in range(start, cfg.steps):
