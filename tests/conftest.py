@@ -28,3 +28,15 @@ _CORPUS = [
 def xtml_tokenizer() -> PreTrainedTokenizerFast:
     """A ~400-token byte-level BPE with the XTML special tokens at ids 0..4."""
     return train_tokenizer(_CORPUS * 3, vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module's tests (engine and server tests: stable on a shared 2-core machine);
+    the previous thread count is restored afterwards."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

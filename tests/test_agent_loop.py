@@ -34,13 +34,7 @@ from k3post.xtml import EOM, XTML
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One torch thread (shared 2-core machine); restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _env_factory(task):

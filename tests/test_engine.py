@@ -42,13 +42,7 @@ from k3post.xtml import EOM
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One torch thread: stable timings on a shared 2-core machine; restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

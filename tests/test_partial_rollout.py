@@ -34,13 +34,7 @@ TOL = 1e-5
 FAM = get_family("general.arithmetic")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One torch thread (shared 2-core machine); restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

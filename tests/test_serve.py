@@ -47,9 +47,7 @@ REPLY = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _memorised_model(tok: Any) -> Qwen3ForCausalLM:
