@@ -160,11 +160,17 @@ def _train_until(model, tok, samples, cfg, out, stop_after):
         sft.save_checkpoint = real
 
 
-def test_sft_learns(tok, xtml, tmp_path):
+@pytest.mark.parametrize("qat", [False, True], ids=["fp32", "mxfp4-qat"])
+def test_sft_learns(tok, xtml, tmp_path, qat):
+    from k3post.quant.qat import QATConfig, apply_qat
+
     path = _write(tmp_path, _records(16))
     samples, _ = load_sft_jsonl(path, xtml, max_len=512)
     cfg = SFTConfig(steps=40, rows_per_batch=2, max_len=512, pack_len=512, save_every=100, warmup_steps=5, lr=3e-3, progress=False)
-    res = train_sft(_model(tok), tok, samples, cfg, tmp_path / "out")
+    model = _model(tok)
+    if qat:
+        assert len(apply_qat(model, QATConfig())) == 4  # 2 layers x (gate_up_proj, down_proj)
+    res = train_sft(model, tok, samples, cfg, tmp_path / "out")
     assert res.losses[0] > 3.0
     assert res.losses[-1] < 0.3 * res.losses[0]  # memorising 16 samples: loss falls by > 3x in 40 steps
 
