@@ -217,6 +217,7 @@ def test_lambda_one_multi_turn_equals_synchronous(memorised):
     loop = AgentLoop(EmbeddedEngine(model, tok, max_batch_size=2), xtml, _env_factory, sampling=sampling)
     sch = PartialRolloutScheduler(loop, n_prompts=1, k=3, lambda_=1.0, seed=7)
     (g,) = sch.run_iteration([task])
+    assert sch.stats["kv_turn_hits"] > 0  # later turns started from the previous turn's KV
     for a, b in zip(g.trajectories, ref):
         assert a.token_ids == b.token_ids and a.trainable == b.trainable and a.reward == b.reward
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < TOL
@@ -237,3 +238,30 @@ def test_agent_loop_validation(memorised):
     lost = Trajectory.from_dict({**t.to_dict(), "traj_id": "g9/s0"})
     with pytest.raises(ValueError, match="no live environment"):
         loop.env(lost)
+
+
+def test_multi_turn_kv_reuse_prefills_only_tails_same_trajectories(memorised):
+    """Each later turn starts from the KV its previous turn left in the engine: far fewer
+    prefilled tokens, and the same trajectories (tokens, masks, rewards, log-probs) as
+    re-prefilling the whole context every turn."""
+    model, tok, xtml, task, _, _ = memorised
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=96)
+    trajs = {}
+    engines = {}
+    for reuse in (False, True):
+        engine = EmbeddedEngine(model, tok, max_batch_size=4)
+        loop = AgentLoop(engine, xtml, _env_factory, sampling=sampling, reuse_kv=reuse)
+        assert loop.reuse_kv is reuse
+        trajs[reuse] = loop.run([_traj(task, 0, j, seed=11) for j in range(3)])
+        engines[reuse] = engine
+        assert engine.num_kept_kv == 0 and loop._turn_kv == {}  # nothing leaks
+    for a, b in zip(trajs[True], trajs[False]):
+        assert a.token_ids == b.token_ids and a.trainable == b.trainable and a.reward == b.reward
+        assert a.turns == b.turns and a.finish == b.finish
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < TOL
+    multi_turn = sum(t.turns for t in trajs[True] if t.turns > 1)
+    assert multi_turn > 0
+    fresh, reused = engines[False].stats, engines[True].stats
+    assert reused["kv_reused_tokens"] > 0 and reused["kv_kept"] >= multi_turn
+    assert reused["prefill_tokens"] < fresh["prefill_tokens"] / 2
+    assert reused["decode_tokens"] == fresh["decode_tokens"]

@@ -294,6 +294,98 @@ def test_pause_resume_export_import_identical_tokens(tiny):
             assert done[rid].output_ids == r.output_ids, (mode, rid)
 
 
+def test_kept_kv_tail_only_prefill_matches_full_reprefill(tiny):
+    """A finished keep_kv request leaves its KV; the next turn (its context + a new tail) added
+    with that KV prefills only the tail, samples the same tokens as a full re-prefill under
+    the same seed, and its log-probs match a plain HF forward."""
+    model, tok = tiny
+    V = len(tok)
+    prompt = _prompt(9, 5, V)
+    probe = EmbeddedEngine(model, tok).generate(
+        [GenerationRequest("p", prompt, SamplingParams(max_tokens=12, stop_ids=(), seed=3))]
+    )[0]
+    stop = probe.output_ids[6]
+    sp1 = SamplingParams(max_tokens=12, stop_ids=(stop,), seed=3)
+    engine = EmbeddedEngine(model, tok, max_batch_size=2)
+    engine.add_request(GenerationRequest("t0", prompt, sp1, keep_kv=True))
+    engine.add_request(GenerationRequest("other", prompt, sp1))  # keep_kv off: nothing kept
+    done: dict[str, GenerationResult] = {}
+    while engine.has_unfinished():
+        done.update({r.request_id: r for r in engine.step()})
+    first = done["t0"]
+    assert first.finish_reason == "stop" and first.output_ids[-1] == stop
+    assert engine.num_kept_kv == 1 and engine.take_kv("other") is None
+    kv = engine.take_kv("t0")
+    assert kv is not None and engine.num_kept_kv == 0 and engine.take_kv("t0") is None
+    context = prompt + first.output_ids
+    assert kv.context_ids == context[:-1] and kv.keys[0].device.type == "cpu" and kv.weight_version == 0
+
+    tail = _prompt(7, 6, V)
+    sp2 = SamplingParams(temperature=0.9, max_tokens=10, stop_ids=(), seed=44)
+    second = GenerationRequest("t1", context + tail, sp2)
+    before = engine.stats["prefill_tokens"]
+    engine.add_request(second, kv=kv)
+    while engine.has_unfinished():
+        done.update({r.request_id: r for r in engine.step()})
+    got = done["t1"]
+    assert engine.stats["prefill_tokens"] - before == len(tail) + 1  # last sampled token + tail only
+    assert engine.stats["kv_reused_tokens"] == kv.num_tokens
+
+    full_engine = EmbeddedEngine(model, tok, max_batch_size=2)
+    ref = full_engine.generate([second])[0]
+    assert full_engine.stats["prefill_tokens"] == len(context) + len(tail)
+    assert got.output_ids == ref.output_ids
+    assert max(abs(a - b) for a, b in zip(got.output_logprobs, ref.output_logprobs)) < TOL
+    _assert_parity(model, [got])
+
+    # export_kv also hands out a kept KV; drop_kv discards them
+    engine.add_request(GenerationRequest("t2", prompt, sp1, keep_kv=True))
+    engine.add_request(GenerationRequest("t3", prompt, sp1, keep_kv=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.export_kv("t2").context_ids == kv.context_ids
+    assert engine.drop_kv(["t3", "nope"]) == 1 and engine.num_kept_kv == 0
+    with pytest.raises(ValueError, match="not paused"):
+        engine.export_kv("t3")
+
+
+def test_kv_state_not_a_prefix_is_rejected(tiny):
+    model, tok = tiny
+    V = len(tok)
+    prompt = _prompt(8, 7, V)
+    engine = EmbeddedEngine(model, tok)
+    probe = engine.generate([GenerationRequest("p", prompt, SamplingParams(max_tokens=8, stop_ids=(), seed=1))])[0]
+    stop = probe.output_ids[3]
+    engine.generate([GenerationRequest("a", prompt, SamplingParams(max_tokens=8, stop_ids=(stop,), seed=1), keep_kv=True)])
+    kv = engine.take_kv("a")
+    assert kv is not None
+    context = list(kv.context_ids)
+    changed = context[:2] + [(context[2] + 1) % V or 5] + context[3:] + [5, 6]
+    with pytest.raises(ValueError, match="not a proper prefix"):
+        engine.add_request(GenerationRequest("b", changed, SamplingParams(max_tokens=4)), kv=kv)
+    with pytest.raises(ValueError, match="not a proper prefix"):  # no token left to prefill
+        engine.add_request(GenerationRequest("c", context, SamplingParams(max_tokens=4)), kv=kv)
+    with pytest.raises(ValueError, match="not a proper prefix"):  # shorter than the KV
+        engine.add_request(GenerationRequest("d", context[:-2], SamplingParams(max_tokens=4)), kv=kv)
+    assert not engine.has_unfinished()
+    with pytest.raises(ValueError, match="keep_kv"):
+        GenerationRequest("e", context, keep_kv=1)  # type: ignore[arg-type]
+
+
+def test_partial_outputs_of_running_requests(tiny):
+    model, tok = tiny
+    engine = EmbeddedEngine(model, tok, max_batch_size=2)
+    for r in _requests(len(tok), 3, seed0=5):
+        engine.add_request(r)
+    assert engine.partial_outputs() == {}
+    engine.step()
+    engine.step()
+    out = engine.partial_outputs()
+    assert set(out) == {"r0", "r1"}
+    for ids, lps in out.values():
+        assert len(ids) == len(lps) == 2
+
+
 def test_pause_queued_and_errors(tiny):
     model, tok = tiny
     engine = EmbeddedEngine(model, tok, max_batch_size=1)

@@ -19,11 +19,16 @@ policy version (`k3post.rollout.trajectory.Trajectory`).
 
 Design decisions:
 
-* **Re-prefill per turn.** A finished engine request releases its KV cache (the engine
-  protocol has no prefix cache), so each new turn prefills the whole context. Within one
-  turn, pause / resume keeps the KV (engine-resident or the CPU pool, see
-  `k3post.rollout.scheduler`). An engine that kept the KV of finished requests (or a
-  radix prefix cache, as SGLang has) would make later turns prefill only the env tail.
+* **Tail-only prefill per turn.** With ``reuse_kv`` (default) and an engine that keeps the
+  KV of finished requests (``take_kv``, e.g. `EmbeddedEngine`), every turn is requested
+  with ``keep_kv=True``; when it stops, its KV (the context up to its last sampled token)
+  is taken from the engine and handed to the next turn's ``add_request(..., kv=)``, so
+  the engine prefills only the tail: the last sampled token, the env's tool results and
+  the next generation prefix. The KV is reused only when it covers a prefix of the next
+  context and was computed under the engine's current weight version (else the turn
+  re-prefills: same tokens, counter-based sampling). Without it each new turn prefills the
+  whole context. Within one turn, pause / resume keeps the KV (engine-resident or the CPU
+  pool, see `k3post.rollout.scheduler`).
 * **Seeds.** Turn t of a trajectory samples with ``request_seed(traj.seed, str(t))``; with
   counter-based sampling a trajectory's tokens depend only on its seed, its context and the
   weights, never on batching, scheduling, pausing or KV hit / miss.
@@ -53,7 +58,14 @@ from typing import Any, TypeVar
 from k3post.envs.env import Environment
 from k3post.envs.task import Task
 from k3post.envs.tools import openai_tools
-from k3post.rollout.engine import GenerationRequest, GenerationResult, SamplingParams, SteppableEngine, request_seed
+from k3post.rollout.engine import (
+    GenerationRequest,
+    GenerationResult,
+    KVState,
+    SamplingParams,
+    SteppableEngine,
+    request_seed,
+)
 from k3post.rollout.trajectory import Trajectory
 from k3post.xtml import XTML, XTMLParseError
 
@@ -85,6 +97,8 @@ class AgentLoop:
         sampling_fn: optional per-(trajectory, turn) sampling, e.g. drawn lengths.
         effort: thinking effort rendered into the prompt (think mode), or None.
         mode: XTML mode, "think" or "instruct".
+        reuse_kv: carry the KV cache of a finished turn into the next turn of the same
+            trajectory (tail-only prefill) when the engine supports it (``take_kv``).
     """
 
     def __init__(
@@ -97,6 +111,7 @@ class AgentLoop:
         sampling_fn: SamplingFn | None = None,
         effort: str | None = None,
         mode: str = "think",
+        reuse_kv: bool = True,
     ) -> None:
         if not isinstance(engine, SteppableEngine):
             raise ValueError(f"engine must implement SteppableEngine, got {type(engine).__name__}")
@@ -115,6 +130,9 @@ class AgentLoop:
         self.mode = mode
         self.max_model_len: int | None = getattr(engine, "max_model_len", None)
         self._envs: dict[str, Environment] = {}
+        take = getattr(engine, "take_kv", None)
+        self._take_kv: Callable[[str], KVState | None] | None = take if (reuse_kv and callable(take)) else None
+        self._turn_kv: dict[str, KVState] = {}  # trajectory id -> KV of its last finished turn
         self._aio = asyncio.new_event_loop()
 
     # ------------------------------------------------------------------ helpers
@@ -127,8 +145,35 @@ class AgentLoop:
             self.release(tid)
         self._aio.close()
 
+    @property
+    def reuse_kv(self) -> bool:
+        """True when finished turns hand their KV cache to the next turn (tail-only prefill)."""
+        return self._take_kv is not None
+
+    def turn_kv(self, traj: Trajectory, request: GenerationRequest) -> KVState | None:
+        """Take the KV cache kept from ``traj``'s previous turn for ``request`` (its next
+        turn): returned only when its ``context_ids`` are a proper prefix of the request's
+        context and it was computed under the engine's current weight version (so the turn
+        samples exactly what a full re-prefill would); otherwise it is dropped and None
+        returned (the engine then prefills the whole context)."""
+        kv = self._turn_kv.pop(traj.traj_id, None)
+        if kv is None:
+            return None
+        context = request.prompt_ids + request.given_ids
+        n = kv.num_tokens
+        if n >= len(context) or kv.context_ids != context[:n] or kv.weight_version != self.engine.version:
+            return None
+        return kv
+
+    def drop_turn_kv(self, traj_id: str) -> None:
+        """Forget the KV cache kept from a trajectory's previous turn (e.g. when it is
+        paused before its next turn was submitted)."""
+        self._turn_kv.pop(traj_id, None)
+
     def release(self, traj_id: str) -> None:
-        """Drop (and close, when it can) the live environment of a trajectory."""
+        """Drop (and close, when it can) the live environment of a trajectory, and any KV
+        cache kept from its previous turn."""
+        self._turn_kv.pop(traj_id, None)
         env = self._envs.pop(traj_id, None)
         close = getattr(env, "close", None)
         if callable(close):
@@ -191,6 +236,7 @@ class AgentLoop:
         return GenerationRequest(
             self.request_id(traj), traj.token_ids[:k], sp,
             given_ids=traj.token_ids[k:], given_logprobs=traj.logprobs[k:], given_versions=traj.versions[k:],
+            keep_kv=self.reuse_kv,
         )
 
     def absorb_partial(self, traj: Trajectory, partial: GenerationResult) -> None:
@@ -225,10 +271,12 @@ class AgentLoop:
     def finish_turn(self, traj: Trajectory, res: GenerationResult) -> bool:
         """Apply a finished engine result to ``traj``: record the sampled tokens, parse the
         message, step the env, append its reply. Returns True when the episode is over;
-        otherwise the trajectory is ready for its next turn (`make_request`)."""
+        otherwise the trajectory is ready for its next turn (`make_request`; its KV cache,
+        when the engine kept it, waits in `turn_kv`)."""
         self._check_result(traj, res)
         if res.finish_reason not in ("stop", "length"):
             raise ValueError(f"finish_turn needs a finished result, got finish_reason {res.finish_reason!r}")
+        kv = self._take_kv(res.request_id) if self._take_kv is not None else None  # always taken: no leak
         traj.truncate_segment()
         seg = list(res.output_ids)
         traj.append(seg, logprobs=res.output_logprobs, versions=res.output_versions)
@@ -270,6 +318,8 @@ class AgentLoop:
         if self.max_model_len is not None and traj.segment_start >= self.max_model_len:
             self._end(traj, "context")
             return True
+        if kv is not None:
+            self._turn_kv[traj.traj_id] = kv
         return False
 
     # ------------------------------------------------------------------ a synchronous driver
@@ -294,5 +344,5 @@ class AgentLoop:
         req = self.make_request(traj)
         if req is not None:
             traj.status = "running"
-            self.engine.add_request(req)
+            self.engine.add_request(req, kv=self.turn_kv(traj, req))
             live[req.request_id] = traj

@@ -34,6 +34,13 @@ Paused requests hand back their partial state (tokens, log-probs, versions) and 
 KV cache inside the engine until ``resume`` (reuses it), ``export_kv`` (moves it out to
 CPU and forgets the request) or ``abort``.
 
+Multi-turn KV reuse: a request added with ``keep_kv=True`` that finishes with reason
+"stop" leaves its KV cache (CPU ``KVState`` over prompt + output tokens except the last,
+which was sampled but never fed) in the engine; ``take_kv`` (or ``export_kv``) hands it
+out, and the next turn, whose context extends it, is added with ``kv=`` that state: only
+the new tail (the last sampled token, the tool results, the generation prefix) is
+prefilled. ``drop_kv`` discards kept states that will not be used.
+
 Shape legend:
     B   sequences in a batch
     T   positions per sequence in a forward (1 when decoding)
@@ -243,8 +250,10 @@ class EmbeddedEngine:
         self._queue: deque[_Seq] = deque()
         self._running: list[_Seq] = []  # index == slot
         self._paused: dict[str, _Seq] = {}
+        self._kept: dict[str, KVState] = {}  # KV of finished keep_kv requests, until taken
         self.stats: dict[str, int] = {
             "steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "shared_prefills": 0, "shared_prefix_tokens": 0,
+            "kv_kept": 0, "kv_reused_tokens": 0,
         }
 
     # ------------------------------------------------------------------ setup helpers
@@ -317,6 +326,17 @@ class EmbeddedEngine:
         """Cached positions of running requests / (slots x max_model_len)."""
         return sum(s.n_cached for s in self._running) / (self.max_batch_size * self.max_model_len)
 
+    @property
+    def num_kept_kv(self) -> int:
+        """KV states of finished ``keep_kv`` requests not yet taken (``take_kv`` / ``drop_kv``)."""
+        return len(self._kept)
+
+    def partial_outputs(self) -> dict[str, tuple[list[int], list[float]]]:
+        """Output ids and log-probs sampled so far (given continuation tokens first) of every
+        request holding a slot, by request id. The lists are the engine's own (no copies,
+        for a streaming reader between steps): read them, do not modify them."""
+        return {s.rid: (s.output_ids, s.logprobs) for s in self._running}
+
     def has_unfinished(self) -> bool:
         """True while any request is queued or running (paused ones do not count)."""
         return bool(self._queue or self._running)
@@ -326,8 +346,12 @@ class EmbeddedEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: GenerationRequest, kv: KVState | None = None) -> None:
-        """Queue ``request`` (FIFO). ``kv``: the KV cache of a prefix of its context
-        (``export_kv`` of its paused earlier self); without it the context is prefilled."""
+        """Queue ``request`` (FIFO). ``kv``: the KV cache of a proper prefix of its context
+        (prompt + given ids): ``export_kv`` of its paused earlier self, or ``take_kv`` of the
+        previous turn of the same conversation (a finished ``keep_kv`` request); only the
+        remaining suffix is prefilled. Without it the whole context is prefilled. Raises
+        ValueError when ``kv.context_ids`` is not a proper prefix of the context (or the KV
+        does not fit the model)."""
         if not isinstance(request, GenerationRequest):
             raise ValueError(f"add_request takes a GenerationRequest, got {type(request).__name__}")
         if request.request_id in self._live_ids():
@@ -379,12 +403,33 @@ class EmbeddedEngine:
                 return
         raise ValueError(f"import_kv: request {request_id!r} is not queued in this engine")
 
+    def take_kv(self, request_id: str) -> KVState | None:
+        """The KV cache kept for a finished ``keep_kv`` request (CPU tensors), removed from
+        the engine; None when none is kept (not finished with "stop", already taken or
+        dropped). Its ``context_ids`` are the request's prompt + output ids but the last."""
+        return self._kept.pop(request_id, None)
+
+    def drop_kv(self, request_ids: Sequence[str] | None = None) -> int:
+        """Discard kept KV states of finished requests (all when ``request_ids`` is None);
+        unknown ids are ignored. Returns how many were dropped."""
+        if isinstance(request_ids, str):
+            raise ValueError("drop_kv takes a sequence of request ids, not a single str")
+        if request_ids is None:
+            n = len(self._kept)
+            self._kept.clear()
+            return n
+        return sum(self._kept.pop(r, None) is not None for r in request_ids)
+
     def export_kv(self, request_id: str) -> KVState:
-        """Take a paused request out of the engine with its KV cache (CPU tensors).
+        """Take a paused request out of the engine with its KV cache (CPU tensors), or the
+        kept KV of a finished ``keep_kv`` request (as ``take_kv``, but raising when none).
 
         The caller keeps the partial ``GenerationResult`` that ``pause`` returned and
         re-submits ``GenerationRequest.continuation(result, sampling)`` with
         ``add_request(..., kv=state)`` (or without ``kv``: re-prefill, same tokens)."""
+        kept = self._kept.pop(request_id, None)
+        if kept is not None:
+            return kept
         seq = self._paused.get(request_id)
         if seq is None:
             raise ValueError(f"export_kv: request {request_id!r} is not paused in this engine")
@@ -511,11 +556,13 @@ class EmbeddedEngine:
                 reasons: dict[str, str] = {}
                 if self._running:
                     self._decode(list(self._running), finished, reasons)
+                    self._keep_finished_kv(finished, reasons)
                     self._free_slots({s.slot for s in finished})  # refilled at once below
                 admitted = self._admit()
                 if admitted:
                     first: list[_Seq] = []
                     self._prefill(admitted, first, reasons)
+                    self._keep_finished_kv(first, reasons)
                     self._free_slots({s.slot for s in first})
                     finished += first
                 self.stats["steps"] += 1
@@ -525,6 +572,16 @@ class EmbeddedEngine:
         return [s.result(reasons[s.rid]) for s in finished]
 
     # ------------------------------------------------------------------ internals
+    def _keep_finished_kv(self, finished: list[_Seq], reasons: dict[str, str]) -> None:
+        """Copy the slot KV of finished ``keep_kv`` requests that stopped ("stop") to CPU
+        before their slots are freed: positions 0..n_cached-1, i.e. the context but the
+        last sampled token."""
+        for seq in finished:
+            if seq.request.keep_kv and reasons.get(seq.rid) == "stop" and seq.slot >= 0:
+                keys, values = self.cache.export(seq.slot, seq.n_cached)
+                self._kept[seq.rid] = KVState(keys, values, seq.context[: seq.n_cached], self._version)
+                self.stats["kv_kept"] += 1
+
     def _free_slots(self, slots: set[int]) -> None:
         """Remove the sequences in ``slots``, moving the last running ones into the holes."""
         if not slots:
@@ -557,6 +614,7 @@ class EmbeddedEngine:
             if seq.kv is not None:
                 self.cache.load(seq.slot, seq.kv.keys, seq.kv.values)
                 seq.n_cached = seq.kv.num_tokens
+                self.stats["kv_reused_tokens"] += seq.n_cached
                 seq.kv = None
             else:
                 seq.n_cached = 0

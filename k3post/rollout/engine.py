@@ -123,6 +123,13 @@ class GenerationRequest:
     as already generated (they appear first in the result, with their recorded values)
     and samples only the rest. Counter-based sampling makes the continuation draw
     exactly the tokens the uninterrupted run would have drawn.
+
+    ``keep_kv``: when the request finishes with reason "stop", an engine that supports it
+    (``EmbeddedEngine``) keeps its KV cache (a CPU `KVState` over the prompt and every
+    output token but the last) until ``take_kv`` / ``export_kv`` takes it, so the next
+    turn of the same conversation, whose context extends this one, is added with
+    ``add_request(next, kv=state)`` and prefills only its new tail. Engines without the
+    feature ignore the flag.
     """
 
     request_id: str
@@ -131,6 +138,7 @@ class GenerationRequest:
     given_ids: list[int] = field(default_factory=list)
     given_logprobs: list[float] = field(default_factory=list)
     given_versions: list[int] = field(default_factory=list)
+    keep_kv: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -143,6 +151,8 @@ class GenerationRequest:
         self.given_ids = _check_ids(f"request {self.request_id!r}: given_ids", self.given_ids)
         self.given_logprobs = [float(x) for x in self.given_logprobs]
         self.given_versions = [int(v) for v in self.given_versions]
+        if not isinstance(self.keep_kv, bool):
+            raise ValueError(f"request {self.request_id!r}: keep_kv must be a bool, got {self.keep_kv!r}")
         n = len(self.given_ids)
         if len(self.given_logprobs) != n or len(self.given_versions) != n:
             raise ValueError(
@@ -155,7 +165,9 @@ class GenerationRequest:
             )
 
     @classmethod
-    def continuation(cls, partial: "GenerationResult", sampling: SamplingParams) -> "GenerationRequest":
+    def continuation(
+        cls, partial: "GenerationResult", sampling: SamplingParams, *, keep_kv: bool = False
+    ) -> "GenerationRequest":
         """Re-submit a paused result: same id and prompt, its tokens recorded as given."""
         return cls(
             request_id=partial.request_id,
@@ -164,6 +176,7 @@ class GenerationRequest:
             given_ids=list(partial.output_ids),
             given_logprobs=list(partial.output_logprobs),
             given_versions=list(partial.output_versions),
+            keep_kv=keep_kv,
         )
 
 

@@ -33,6 +33,9 @@ When the weights changed while a trajectory was paused, a KV hit continues from 
 computed with the old weights (as a running request does in vLLM / SGLang and in
 ``EmbeddedEngine`` across ``update_weights``) and a miss re-prefills with the new weights;
 ``reuse_stale_kv=False`` discards stale KV so that both paths give the same tokens.
+A new turn of a multi-turn episode starts from the KV the engine kept when the previous
+turn stopped (`AgentLoop.turn_kv`, counted in ``kv_turn_hits``), prefilling only the env
+tail; that KV is dropped when the trajectory is paused before its next turn is submitted.
 
 **Auto-throttling.** The number of trajectories handed to the engine at once (running +
 queued there), C, adapts before every engine step:
@@ -179,7 +182,7 @@ class PartialRolloutScheduler:
         self.stats: dict[str, int] = {
             "admitted_groups": 0, "dispatched_groups": 0, "completed": 0, "pauses": 0,
             "kv_resumes": 0, "kv_resident_hits": 0, "kv_pool_hits": 0, "kv_misses": 0, "kv_stale_dropped": 0,
-            "kv_writebacks": 0, "admission_blocked": 0, "throttle_down": 0, "throttle_up": 0,
+            "kv_writebacks": 0, "kv_turn_hits": 0, "admission_blocked": 0, "throttle_down": 0, "throttle_up": 0,
         }
 
     # ------------------------------------------------------------------ prompts and views
@@ -342,6 +345,10 @@ class PartialRolloutScheduler:
                 kv = None
                 self.stats["kv_stale_dropped"] += 1
             self.stats["kv_pool_hits" if kv is not None else "kv_misses"] += 1
+        else:  # a new turn: the KV of the trajectory's previous turn, when the engine kept it
+            kv = self.loop.turn_kv(traj, req)
+            if kv is not None:
+                self.stats["kv_turn_hits"] += 1
         self.engine.add_request(req, kv=kv)
         self._submitted[req.request_id] = (len(req.given_ids), kv is not None)
         live[req.request_id] = traj
@@ -361,6 +368,7 @@ class PartialRolloutScheduler:
                     self._kv_expected.add(traj.traj_id)
                 self.stats["pauses"] += 1
         for traj in ready:
+            self.loop.drop_turn_kv(traj.traj_id)  # its next turn was not submitted: re-prefill on resume
             if traj.status != "paused":
                 self.loop.save_env(traj)
                 traj.status = "paused"
@@ -385,6 +393,7 @@ class PartialRolloutScheduler:
                 self.engine.abort([self._resident.pop(tid).request_id])
 
     def _forget_kv(self, tid: str) -> None:
+        self.loop.drop_turn_kv(tid)
         res = self._resident.pop(tid, None)
         if res is not None:
             self.engine.abort([res.request_id])
