@@ -95,19 +95,12 @@ class _Handle:
 def partial_outputs(engine: Any) -> dict[str, tuple[list[int], list[float]]]:
     """Output ids and log-probs so far of every request holding a slot in ``engine``.
 
-    Uses the engine's public ``partial_outputs()`` when it has one; otherwise reads the
-    running sequences of an ``EmbeddedEngine`` (its ``_running`` list of sequences with
-    ``request.request_id``, ``output_ids`` and ``logprobs``), which the step protocol does
-    not expose. Only the runner thread calls this, between steps. The returned lists are
-    the engine's own: read them, do not modify them.
+    The engine's ``partial_outputs()``; an engine without it (the step protocol does not require
+    it) streams nothing until a request finishes. Only the runner thread calls this, between
+    steps. The returned lists are the engine's own: read them, do not modify them.
     """
     public = getattr(engine, "partial_outputs", None)
-    if callable(public):
-        return public()
-    running = getattr(engine, "_running", None)
-    if running is None:
-        return {}
-    return {s.request.request_id: (s.output_ids, s.logprobs) for s in running}
+    return public() if callable(public) else {}
 
 
 @dataclass
