@@ -26,6 +26,7 @@ from k3post.models import ModelConfig, TokenizerConfig
 
 from k3post.quant.qat import QATConfig
 from k3post.sft import SFTConfig
+from k3post.yamlio import read_yaml_mapping
 
 
 class ConfigError(ValueError):
@@ -132,16 +133,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     merged = OmegaConf.structured(K3Config)
     layers: list[tuple[str, Any]] = []
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: invalid YAML: {e}") from e
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(tree).__name__}")
-        layers.append((str(p), tree))
+        layers.append((str(path), read_yaml_mapping(path, "config file", ConfigError)))
     layers.extend((f"override '{item}'", tree) for item, tree in _dotlist_tree(overrides))
     for source, tree in layers:
         _check_keys(tree, valid, source)

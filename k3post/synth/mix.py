@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
+from k3post.yamlio import read_yaml_mapping
 
 __all__ = ["MixConfig", "group_key", "group_weight", "allocate", "mix", "mix_files", "load_mix_config"]
 
@@ -131,14 +131,7 @@ def mix_files(
 def load_mix_config(path: str | Path) -> MixConfig:
     """Read a YAML mix config; an unknown key or a wrong type is a ValueError naming the file and key."""
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"mix config not found: {p}")
-    try:
-        tree = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"{p}: invalid YAML: {e}") from e
-    if not isinstance(tree, dict):
-        raise ValueError(f"{p}: top level must be a mapping, got {type(tree).__name__}")
+    tree = read_yaml_mapping(p, "mix config")
     known = {f.name for f in fields(MixConfig)}
     for k in tree:
         if k not in known:
