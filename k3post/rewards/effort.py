@@ -1,0 +1,561 @@
+"""Reasoning-effort control (SPEC §3.3, issue 7 part 2): per-problem budgets b0(x), the −1
+reward override, and the max → high → low curriculum.
+
+The override of a sample y of problem x trained at effort e in domain d:
+
+    r'(x, y) = −1           if T(y) > s_(d,e) · b0(x)
+               r(x, y)      otherwise
+
+    s_(d,e) = τ_(d,e)                  for e = high, low
+    s_(d,max) = min(τ_(d,max), cap)    (the absolute cap of max: T(y) ≤ cap · b0(x))
+
+with τ from `EffortConfig` (defaults **(ours)**: τ_max = 2.0, cap = 4, τ_high = 1.0,
+τ_low = 0.4; per-domain overrides in ``domain_tau``). Since b0 ≥ 0,
+min(τ·b0, cap·b0) = min(τ, cap)·b0, so one scale per (domain, effort) covers both.
+
+T(y) is `Trajectory.effort_tokens`: thinking tokens for general tasks, every sampled output
+token across turns (reasoning, responses, tool-call arguments; tool results are env tokens)
+for the agentic domains "agents" and "coding".
+
+b0(x) is estimated once from the cold-start model (`estimate_budgets`): K samples of x at
+temperature 1 with the effort message of the estimated effort (``max``) rendered exactly as
+the rollout renders it (`AgentLoop(effort=...)` → the XTML ``thinking-effort`` option
+message), then
+
+    b0(x) = max(min_b0, Q_q({T(y) : y correct}))                when x has a correct sample
+          = max(min_b0, median{T(y) : y correct, y of family F(x)})  when none is correct
+          = max(min_b0, median{T(y) : y of family F(x)})      when no sample of F(x) is correct
+
+Q_q is the q-quantile with linear interpolation (torch.quantile / numpy "linear": with the
+n values sorted, h = (n−1)·q, Q = x_⌊h⌋ + (h − ⌊h⌋)(x_⌊h⌋+1 − x_⌊h⌋)), q = 0.9 **(ours)**;
+the median is Q_0.5. Departures **(ours)**, beyond SPEC:
+
+* the third line: a family none of whose samples is correct (an untrained cold-start
+  model) falls back to the median over all its samples, so every task gets a budget;
+* ``min_b0`` (default 1 token): a problem whose correct samples did not think at all would
+  get b0 = 0, a limit of 0 and an undefined T/b0; the floor keeps b0 > 0;
+* a sample is correct when the env verified it (a verdict exists: the episode ended, not
+  cut by length / context / malformed output) and its reward is ≥ ``correct_reward`` (1.0).
+
+`BudgetTable` caches the estimate per task (key: `Task.content_hash`, the SHA-256 of the
+task's canonical JSON) with every sample's T(y) and correctness, as JSON written atomically
+(temporary file + ``os.replace``). A b0, once estimated, is frozen: estimating new tasks
+later recomputes the family medians over all stored samples for the new tasks only.
+
+Shape legend: N samples (trajectories) scored together.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3post.envs.env import Environment
+from k3post.envs.families.common import check_effort
+from k3post.envs.families.registry import get_family
+from k3post.envs.task import DOMAINS, Task
+from k3post.rollout.agent_loop import AgentLoop, trajectory_seed
+from k3post.rollout.engine import SamplingParams, SteppableEngine
+from k3post.rollout.trajectory import Group, Trajectory
+from k3post.synth.pipeline import write_jsonl_atomic
+from k3post.xtml import EFFORTS, XTML
+
+__all__ = [
+    "EffortConfig",
+    "effort_scale",
+    "budget_limit",
+    "override_rewards",
+    "effort_override",
+    "group_override",
+    "quantile",
+    "estimate_b0",
+    "family_medians",
+    "is_correct",
+    "task_key",
+    "TaskSamples",
+    "BudgetEntry",
+    "BudgetTable",
+    "BUDGET_TABLE_VERSION",
+    "estimate_budgets",
+    "CurriculumStage",
+    "Curriculum",
+]
+
+BUDGET_TABLE_VERSION = 1
+
+
+# =========================================================================== config
+
+
+@dataclass
+class EffortConfig:
+    """Reasoning-effort control (SPEC §3.3).
+
+    Fields:
+        tau_max / tau_high / tau_low: budget multiplier τ_e of each effort: a sample whose
+            T(y) exceeds τ_e · b0(x) gets reward −1.
+        max_cap: absolute cap of ``max``: its limit is min(τ_max, max_cap) · b0.
+        domain_tau: per-domain overrides, domain -> effort -> τ (e.g.
+            ``{"coding": {"max": 3.0}}``); efforts not named keep the global τ.
+        b0_samples: K cold-start samples per task for the b0 estimate.
+        b0_quantile: q of the estimate (quantile of T over a task's correct samples).
+        min_b0: floor of every b0, in tokens (keeps limits and T/b0 defined).
+        curriculum: the order in which each domain's effort experts are trained; each stage
+            continues from the previous one's expert, the first from the SFT checkpoint.
+    """
+
+    tau_max: float = 2.0
+    tau_high: float = 1.0
+    tau_low: float = 0.4
+    max_cap: float = 4.0
+    domain_tau: dict[str, dict[str, float]] = field(default_factory=dict)
+    b0_samples: int = 4
+    b0_quantile: float = 0.9
+    min_b0: float = 1.0
+    curriculum: list[str] = field(default_factory=lambda: ["max", "high", "low"])
+
+    def __post_init__(self) -> None:
+        for name in ("tau_max", "tau_high", "tau_low", "max_cap", "min_b0"):
+            _check_positive(f"EffortConfig.{name}", getattr(self, name))
+        for domain, taus in dict(self.domain_tau).items():
+            if domain not in DOMAINS:
+                raise ValueError(f"EffortConfig.domain_tau: unknown domain {domain!r}; expected one of {DOMAINS}")
+            for effort, tau in dict(taus).items():
+                if effort not in EFFORTS:
+                    raise ValueError(f"EffortConfig.domain_tau.{domain}: unknown effort {effort!r}; expected one of {EFFORTS}")
+                _check_positive(f"EffortConfig.domain_tau.{domain}.{effort}", tau)
+        if isinstance(self.b0_samples, bool) or not isinstance(self.b0_samples, int) or self.b0_samples < 1:
+            raise ValueError(f"EffortConfig.b0_samples must be a positive int, got {self.b0_samples!r}")
+        if not (isinstance(self.b0_quantile, (int, float)) and 0.0 <= self.b0_quantile <= 1.0):
+            raise ValueError(f"EffortConfig.b0_quantile must be in [0, 1], got {self.b0_quantile!r}")
+        order = list(self.curriculum)
+        if not order or len(set(order)) != len(order) or any(e not in EFFORTS for e in order):
+            raise ValueError(f"EffortConfig.curriculum must list distinct efforts of {EFFORTS}, got {order!r}")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def effort_scale(effort: str, domain: str, cfg: EffortConfig) -> float:
+    """s_(d,e): τ of ``effort`` in ``domain`` (the domain override, else the global τ), and
+    for ``max`` min(τ, max_cap). The limit of a problem is s · b0."""
+    check_effort(effort)
+    if domain not in DOMAINS:
+        raise ValueError(f"unknown domain {domain!r}; expected one of {DOMAINS}")
+    tau = float(dict(cfg.domain_tau).get(domain, {}).get(effort, getattr(cfg, f"tau_{effort}")))
+    return min(tau, float(cfg.max_cap)) if effort == "max" else tau
+
+
+def budget_limit(b0: float, effort: str, domain: str, cfg: EffortConfig) -> float:
+    """The token limit of a problem with budget ``b0``: τ_e · b0, and min(τ_max · b0,
+    max_cap · b0) for ``max``. A sample is over budget when T(y) > limit."""
+    if isinstance(b0, bool) or not isinstance(b0, (int, float)) or not math.isfinite(b0) or b0 < 0:
+        raise ValueError(f"b0 must be a finite number >= 0, got {b0!r}")
+    return effort_scale(effort, domain, cfg) * float(b0)
+
+
+# =========================================================================== the override (pure)
+
+
+def override_rewards(
+    rewards_N: torch.Tensor, tokens_N: torch.Tensor, b0_N: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """r'_i = −1 if T_i > scale · b0_i else r_i (SPEC §3.3).
+
+    Args:
+        rewards_N: rewards r(x_i, y_i).
+        tokens_N: T(y_i) (`Trajectory.effort_tokens`).
+        b0_N: b0(x_i) of each sample's problem, > 0.
+        scale: s_(d,e) (`effort_scale`).
+
+    Returns:
+        (rewards'_N in the dtype of ``rewards_N``, metrics): ``violation_rate`` (fraction of
+        the N samples over their limit), ``mean_tokens`` (mean T), ``mean_ratio`` (mean of
+        T_i / b0_i), all means over the N samples. Comparisons run in float64.
+    """
+    if not (rewards_N.dim() == tokens_N.dim() == b0_N.dim() == 1) or not (
+        rewards_N.shape == tokens_N.shape == b0_N.shape
+    ):
+        raise ValueError(
+            f"rewards, tokens and b0 must be 1-D of one length, got {tuple(rewards_N.shape)}, "
+            f"{tuple(tokens_N.shape)}, {tuple(b0_N.shape)}"
+        )
+    if rewards_N.numel() == 0:
+        raise ValueError("no samples to score")
+    t_N = tokens_N.to(torch.float64)
+    b_N = b0_N.to(torch.float64)
+    if bool((b_N <= 0).any()) or not bool(torch.isfinite(b_N).all()):
+        raise ValueError(f"every b0 must be finite and > 0, got {b0_N.tolist()}")
+    if bool((t_N < 0).any()):
+        raise ValueError(f"token counts must be >= 0, got {tokens_N.tolist()}")
+    over_N = t_N > float(scale) * b_N
+    out_N = torch.where(over_N, torch.full_like(rewards_N, -1.0), rewards_N)
+    metrics = {
+        "violation_rate": float(over_N.to(torch.float64).mean()),
+        "mean_tokens": float(t_N.mean()),
+        "mean_ratio": float((t_N / b_N).mean()),
+    }
+    return out_N, metrics
+
+
+def effort_override(
+    rewards: torch.Tensor | Sequence[float],
+    tokens: torch.Tensor | Sequence[int],
+    b0s: torch.Tensor | Sequence[float],
+    effort: str,
+    domain: str,
+    cfg: EffortConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`override_rewards` at the limit of (``domain``, ``effort``) under ``cfg``: rewards
+    of samples with T(y) > s_(d,e) · b0(x) become −1. Returns (rewards'_N, metrics)."""
+    rewards_N = torch.as_tensor(rewards, dtype=torch.float32) if not isinstance(rewards, torch.Tensor) else rewards
+    return override_rewards(
+        rewards_N,
+        torch.as_tensor(tokens, dtype=torch.float64),
+        torch.as_tensor(b0s, dtype=torch.float64),
+        effort_scale(effort, domain, cfg),
+    )
+
+
+def group_override(
+    group: Group, table: "BudgetTable", effort: str, cfg: EffortConfig
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`effort_override` of the K samples of one finished group: r from the trajectories,
+    T = `Trajectory.effort_tokens`, b0 of the group's task from ``table``, the task's domain."""
+    task = Task.from_dict(group.task)
+    b0 = table.b0(task)
+    tokens = [t.effort_tokens() for t in group.trajectories]
+    return effort_override(group.rewards, tokens, [b0] * len(tokens), effort, task.domain, cfg)
+
+
+# =========================================================================== the b0 estimator (pure)
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The q-quantile with linear interpolation (torch.quantile / numpy "linear"): sorted
+    x_0..x_(n−1), h = (n−1)·q, Q = x_⌊h⌋ + (h − ⌊h⌋)·(x_(⌊h⌋+1) − x_⌊h⌋)."""
+    if not (isinstance(q, (int, float)) and 0.0 <= q <= 1.0):
+        raise ValueError(f"quantile q must be in [0, 1], got {q!r}")
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        raise ValueError("quantile of no values")
+    h = (len(xs) - 1) * float(q)
+    lo = math.floor(h)
+    if lo + 1 >= len(xs):
+        return xs[-1]
+    return xs[lo] + (h - lo) * (xs[lo + 1] - xs[lo])
+
+
+def estimate_b0(
+    token_counts_correct: Sequence[int], family_median: float | None, *, q: float = 0.9, min_b0: float = 1.0
+) -> float:
+    """b0(x) = max(min_b0, Q_q(T of x's correct samples)), or max(min_b0, family_median)
+    when x has no correct sample (see the module doc)."""
+    if token_counts_correct:
+        value = quantile(token_counts_correct, q)
+    elif family_median is None:
+        raise ValueError("no correct sample and no family median: b0 cannot be estimated")
+    else:
+        value = float(family_median)
+    return max(float(min_b0), value)
+
+
+@dataclass
+class TaskSamples:
+    """The cold-start samples of one task: its family, T(y) of each sample and whether each
+    was correct."""
+
+    family: str
+    tokens: list[int]
+    correct: list[bool]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.correct) or not self.tokens:
+            raise ValueError(f"TaskSamples: need as many correctness flags as token counts (>= 1), got {self.tokens}, {self.correct}")
+        self.tokens = [int(t) for t in self.tokens]
+        self.correct = [bool(c) for c in self.correct]
+
+    @property
+    def correct_tokens(self) -> list[int]:
+        """T(y) of the correct samples."""
+        return [t for t, c in zip(self.tokens, self.correct) if c]
+
+
+def family_medians(samples: Iterable[TaskSamples]) -> dict[str, tuple[float, str]]:
+    """family -> (median, source): the median T over the family's correct samples (source
+    ``"family_correct"``), or over all its samples when none is correct (``"family_all"``)."""
+    correct: dict[str, list[int]] = {}
+    every: dict[str, list[int]] = {}
+    for s in samples:
+        correct.setdefault(s.family, []).extend(s.correct_tokens)
+        every.setdefault(s.family, []).extend(s.tokens)
+    return {
+        f: (quantile(correct[f], 0.5), "family_correct") if correct[f] else (quantile(every[f], 0.5), "family_all")
+        for f in every
+    }
+
+
+def is_correct(traj: Trajectory, correct_reward: float = 1.0) -> bool:
+    """A finished trajectory the env verified (it has a verdict) with reward ≥ ``correct_reward``."""
+    return traj.done and traj.verdict is not None and float(traj.reward or 0.0) >= correct_reward
+
+
+def task_key(task: Task) -> str:
+    """The cache key of a task: `Task.content_hash` (SHA-256 of its canonical JSON)."""
+    return task.content_hash()
+
+
+# =========================================================================== the cached table
+
+
+@dataclass
+class BudgetEntry:
+    """One task's budget: b0, where it came from (``"correct"``, ``"family_correct"`` or
+    ``"family_all"``) and the samples it was estimated from."""
+
+    b0: float
+    source: str
+    samples: TaskSamples
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        s = self.samples
+        return {"b0": self.b0, "source": self.source, "family": s.family, "tokens": list(s.tokens), "correct": list(s.correct)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "BudgetEntry":
+        """Inverse of `to_dict`."""
+        b0 = float(data["b0"])
+        if not (math.isfinite(b0) and b0 > 0) or data["source"] not in ("correct", "family_correct", "family_all"):
+            raise ValueError(f"bad budget entry {dict(data)!r}")
+        return cls(b0, str(data["source"]), TaskSamples(str(data["family"]), list(data["tokens"]), list(data["correct"])))
+
+
+class BudgetTable:
+    """task key -> b0, with the samples behind each estimate and the family medians.
+
+    Args:
+        settings: how the budgets were estimated (effort, K, seed, max_tokens, q, ...);
+            `estimate_budgets` refuses a cached table estimated under other settings.
+    """
+
+    def __init__(self, settings: Mapping[str, Any] | None = None) -> None:
+        self.settings: dict[str, Any] = json.loads(json.dumps(dict(settings or {})))
+        self.entries: dict[str, BudgetEntry] = {}
+        self.medians: dict[str, tuple[float, str]] = {}
+
+    # ------------------------------------------------------------------ lookup
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, task_or_key: object) -> bool:
+        key = task_key(task_or_key) if isinstance(task_or_key, Task) else task_or_key
+        return key in self.entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def b0(self, task_or_key: Task | str) -> float:
+        """b0 of a task (or its key); ValueError when it was never estimated."""
+        key = task_key(task_or_key) if isinstance(task_or_key, Task) else task_or_key
+        entry = self.entries.get(key)
+        if entry is None:
+            what = f"task {task_or_key.id!r} ({task_or_key.family})" if isinstance(task_or_key, Task) else f"task key {key!r}"
+            raise ValueError(f"{what} has no b0 in the budget table; estimate it first (estimate_budgets)")
+        return entry.b0
+
+    def b0s(self, tasks: Sequence[Task]) -> torch.Tensor:
+        """b0 of each task, [N] float64."""
+        return torch.tensor([self.b0(t) for t in tasks], dtype=torch.float64)
+
+    # ------------------------------------------------------------------ estimation
+    def add_samples(self, samples: Mapping[str, TaskSamples], *, q: float, min_b0: float) -> None:
+        """Estimate b0 of new tasks (keys not yet in the table) from their samples.
+
+        The family medians are recomputed over every stored sample plus the new ones; the b0
+        of tasks already in the table stay as they were (estimated once)."""
+        new = {k: s for k, s in samples.items() if k not in self.entries}
+        self.medians = family_medians([e.samples for e in self.entries.values()] + list(new.values()))
+        for key, s in new.items():
+            median, fallback = self.medians[s.family]
+            correct = s.correct_tokens
+            self.entries[key] = BudgetEntry(
+                estimate_b0(correct, median, q=q, min_b0=min_b0), "correct" if correct else fallback, s
+            )
+
+    # ------------------------------------------------------------------ persistence
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {
+            "version": BUDGET_TABLE_VERSION,
+            "settings": json.loads(json.dumps(self.settings)),
+            "family_medians": {f: {"median": m, "source": s} for f, (m, s) in sorted(self.medians.items())},
+            "entries": {k: e.to_dict() for k, e in sorted(self.entries.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "BudgetTable":
+        """Inverse of `to_dict`."""
+        if not isinstance(data, Mapping) or data.get("version") != BUDGET_TABLE_VERSION:
+            raise ValueError(f"not a budget table of version {BUDGET_TABLE_VERSION}")
+        table = cls(data["settings"])
+        table.medians = {f: (float(m["median"]), str(m["source"])) for f, m in data["family_medians"].items()}
+        table.entries = {str(k): BudgetEntry.from_dict(e) for k, e in data["entries"].items()}
+        return table
+
+    def save(self, path: str | Path) -> Path:
+        """Write the table as one JSON document, atomically (temporary file, fsync, rename)."""
+        return write_jsonl_atomic([self.to_dict()], path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "BudgetTable":
+        """Read a table written by `save`; ValueError naming the file when it is corrupt."""
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"{p}: no budget table file")
+        try:
+            return cls.from_dict(json.loads(p.read_text(encoding="utf-8")))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{p}: corrupt budget table ({type(e).__name__}: {e}); delete it to re-estimate") from e
+
+
+# =========================================================================== estimation with the cold-start model
+
+
+def _family_env(task: Task) -> Environment:
+    return get_family(task.family).make_env(task)
+
+
+def estimate_budgets(
+    engine: SteppableEngine,
+    tasks: Sequence[Task],
+    *,
+    xtml: XTML,
+    samples_per_task: int,
+    seed: int,
+    max_tokens: int,
+    effort: str = "max",
+    q: float = 0.9,
+    min_b0: float = 1.0,
+    correct_reward: float = 1.0,
+    env_factory: Callable[[Task], Environment] | None = None,
+    path: str | Path | None = None,
+) -> BudgetTable:
+    """b0 of every task from the cold-start model behind ``engine`` (SPEC §3.3).
+
+    Runs ``samples_per_task`` episodes per task through `AgentLoop` at temperature 1 with
+    ``max_tokens`` per turn and the ``thinking-effort`` message of ``effort``; records
+    T(y) = `Trajectory.effort_tokens` and `is_correct` of each; estimates b0 as in the
+    module doc. Sample j of a task samples with ``trajectory_seed(seed, g, j)``, g from the
+    task key, so a task's samples do not depend on which other tasks are estimated with it.
+
+    A sample cut at ``max_tokens`` counts T(y) up to the cut (a lower bound; such samples
+    are never correct), so give ``max_tokens`` room above the model's usual length.
+
+    With ``path``: a table already there is loaded and only tasks it lacks are run (none:
+    nothing runs); the table is then saved back. A table estimated under other settings is
+    a ValueError naming the file.
+    """
+    check_effort(effort)
+    if isinstance(samples_per_task, bool) or not isinstance(samples_per_task, int) or samples_per_task < 1:
+        raise ValueError(f"samples_per_task must be a positive int, got {samples_per_task!r}")
+    settings = {
+        "effort": effort, "samples_per_task": samples_per_task, "seed": int(seed), "max_tokens": int(max_tokens),
+        "quantile": float(q), "min_b0": float(min_b0), "correct_reward": float(correct_reward),
+    }
+    table = BudgetTable(settings)
+    if path is not None and Path(path).exists():
+        table = BudgetTable.load(path)
+        if table.settings != settings:
+            raise ValueError(
+                f"{path}: budget table estimated with {table.settings}, asked for {settings}; "
+                "delete it or give another path"
+            )
+    todo: dict[str, Task] = {}
+    for task in tasks:
+        key = task_key(task)
+        if key not in table and key not in todo:
+            todo[key] = task
+    if not todo:
+        return table
+    loop = AgentLoop(
+        engine, xtml, env_factory or _family_env,
+        sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens), effort=effort,
+    )
+    trajs: dict[str, list[Trajectory]] = {}
+    for key, task in todo.items():
+        g = int(key[:12], 16)
+        trajs[key] = [
+            Trajectory(traj_id=f"g{g}/s{j}", group_id=g, sample_index=j, seed=trajectory_seed(seed, g, j), task=task.to_dict())
+            for j in range(samples_per_task)
+        ]
+    try:
+        loop.run([t for ts in trajs.values() for t in ts])
+    finally:
+        loop.close()
+    table.add_samples(
+        {
+            key: TaskSamples(todo[key].family, [t.effort_tokens() for t in ts], [is_correct(t, correct_reward) for t in ts])
+            for key, ts in trajs.items()
+        },
+        q=q,
+        min_b0=min_b0,
+    )
+    if path is not None:
+        table.save(path)
+    return table
+
+
+# =========================================================================== the curriculum
+
+
+@dataclass(frozen=True)
+class CurriculumStage:
+    """One RL stage: train ``expert`` (domain d at effort e) starting from ``init_from``
+    (the SFT checkpoint for the first stage of a domain, else the previous stage's expert),
+    with the override scale s_(d,e) = ``scale``."""
+
+    domain: str
+    effort: str
+    init_from: str
+    expert: str
+    scale: float
+
+
+class Curriculum:
+    """The per-domain effort curriculum (SPEC §3.3): for each domain, the efforts of
+    ``cfg.curriculum`` (default max → high → low), each continuing from the previous expert.
+
+    Args:
+        domains: the domains to train, in order.
+        cfg: the effort config (order and τ).
+        init: what the first stage of each domain starts from (the SFT checkpoint).
+
+    Iterating yields `CurriculumStage`; experts are named ``"<domain>.<effort>"``.
+    """
+
+    def __init__(self, domains: Sequence[str], cfg: EffortConfig, *, init: str = "sft") -> None:
+        domains = list(domains)
+        if not domains or len(set(domains)) != len(domains) or any(d not in DOMAINS for d in domains):
+            raise ValueError(f"domains must be distinct domains of {DOMAINS}, got {domains!r}")
+        self.stages: list[CurriculumStage] = []
+        for d in domains:
+            prev = init
+            for e in cfg.curriculum:
+                stage = CurriculumStage(d, e, prev, f"{d}.{e}", effort_scale(e, d, cfg))
+                self.stages.append(stage)
+                prev = stage.expert
+
+    def __iter__(self) -> Iterator[CurriculumStage]:
+        return iter(self.stages)
+
+    def __len__(self) -> int:
+        return len(self.stages)
