@@ -96,6 +96,11 @@ class KVPool:
         self.stats["hits"] += 1
         return kv
 
+    def entries(self) -> list[tuple[str, KVState]]:
+        """(key, entry) pairs from least to most recently used, without touching the LRU order
+        or the counters (e.g. to save the pool with a checkpoint; `put` them back in order)."""
+        return list(self._entries.items())
+
     def peek_version(self, key: str) -> int | None:
         """The weight version of the entry for ``key`` (None when absent); no LRU update."""
         kv = self._entries.get(key)

@@ -1,0 +1,166 @@
+"""The trainer side of RL and on-policy distillation: one optimizer step of the policy loss over
+token sequences (STYLE.md 4: "one trainer, many signals").
+
+The trainer does not know which algorithm produced its input. It receives, per sequence, the
+context tokens, which of them the model sampled (the loss mask), the behaviour log-prob the rollout
+engine recorded for each sampled token, and a per-token advantage: the group advantage broadcast
+over a response for RL (SPEC §3.1), the clipped teacher − student log-ratio for MOPD (SPEC §4).
+
+    logp_BT[b, t] = log π_θ(ids[b, t] | ids[b, <t])           one forward per micro-batch (t ≥ 1)
+    loss          = policy_loss(logp, behaviour, A, mask, token_normalizer=N)
+    N             = sampled tokens of the whole step, so micro-batches sum to the token mean
+
+Micro-batches are formed by length (longest first) under ``micro_batch_tokens`` padded tokens, so
+gradient accumulation equals one large batch (tested).
+
+Shape legend: B sequences, T positions (right-padded), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from k3post.algos.policy_loss import policy_loss
+
+__all__ = ["TokenSequence", "token_logprobs", "micro_batches", "policy_step"]
+
+
+@dataclass
+class TokenSequence:
+    """One training sequence: context tokens with per-token provenance.
+
+    Fields (all of length T):
+        token_ids: the whole context (prompt, sampled tokens, environment tokens).
+        mask: True for tokens the model sampled (the only ones with a loss).
+        behavior_logp: log π_old of each sampled token as the rollout engine recorded it (0 elsewhere).
+        advantages: per-token advantage (0 where mask is False).
+    """
+
+    token_ids: list[int]
+    mask: list[bool]
+    behavior_logp: list[float]
+    advantages: list[float]
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if not (len(self.mask) == len(self.behavior_logp) == len(self.advantages) == n):
+            raise ValueError(
+                f"TokenSequence fields differ in length: token_ids {n}, mask {len(self.mask)}, "
+                f"behavior_logp {len(self.behavior_logp)}, advantages {len(self.advantages)}"
+            )
+        if n and self.mask[0]:
+            raise ValueError("TokenSequence: the first token cannot be trainable (nothing predicts it)")
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(self.mask)
+
+
+def token_logprobs(
+    model: torch.nn.Module, ids_BT: torch.Tensor, attn_BT: torch.Tensor, *, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``logp_BT[:, t] = log p(ids[:, t] | ids[:, <t])`` for t ≥ 1 and 0 at t = 0 (float32, with
+    autograd when enabled), and the entropy of the predictive distribution at each position (detached)."""
+    logits_BTV = model(input_ids=ids_BT, attention_mask=attn_BT, use_cache=False).logits.float()
+    logsm_BTV = torch.log_softmax(logits_BTV[:, :-1], dim=-1)
+    lp_BT = logsm_BTV.gather(-1, ids_BT[:, 1:, None]).squeeze(-1)
+    zero_B1 = lp_BT.new_zeros(ids_BT.shape[0], 1)
+    logp_BT = torch.cat([zero_B1, lp_BT], dim=1)
+    entropy_BT = None
+    if with_entropy:
+        with torch.no_grad():
+            ent_BT = -(logsm_BTV.exp() * logsm_BTV).sum(-1)
+            entropy_BT = torch.cat([zero_B1, ent_BT], dim=1)
+    return logp_BT, entropy_BT
+
+
+def micro_batches(lengths: Sequence[int], micro_batch_tokens: int) -> list[list[int]]:
+    """Indices grouped longest first so that (rows × longest row) ≤ ``micro_batch_tokens``; a
+    sequence longer than the budget gets a micro-batch of its own."""
+    if micro_batch_tokens < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    out: list[list[int]] = []
+    for i in order:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= micro_batch_tokens:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def _collate(seqs: Sequence[TokenSequence], pad_id: int) -> dict[str, torch.Tensor]:
+    T = max(len(s.token_ids) for s in seqs)
+    B = len(seqs)
+    ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
+    attn_BT = torch.zeros((B, T), dtype=torch.long)
+    mask_BT = torch.zeros((B, T), dtype=torch.bool)
+    beh_BT = torch.zeros((B, T), dtype=torch.float32)
+    adv_BT = torch.zeros((B, T), dtype=torch.float32)
+    for b, s in enumerate(seqs):
+        n = len(s.token_ids)
+        ids_BT[b, :n] = torch.tensor(s.token_ids, dtype=torch.long)
+        attn_BT[b, :n] = 1
+        mask_BT[b, :n] = torch.tensor(s.mask, dtype=torch.bool)
+        beh_BT[b, :n] = torch.tensor(s.behavior_logp, dtype=torch.float32)
+        adv_BT[b, :n] = torch.tensor(s.advantages, dtype=torch.float32)
+    return {"ids": ids_BT, "attn": attn_BT, "mask": mask_BT, "behavior": beh_BT, "adv": adv_BT}
+
+
+def policy_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    seqs: Sequence[TokenSequence],
+    *,
+    pad_id: int,
+    loss_kwargs: Mapping[str, Any] | None = None,
+    micro_batch_tokens: int = 8192,
+    grad_clip: float = 1.0,
+) -> dict[str, float]:
+    """One optimizer step of `policy_loss` over ``seqs`` (module doc). Returns metrics: loss,
+    grad_norm, the token-weighted means of policy_loss's metrics, max_abs_log_ratio (max),
+    entropy, train_rollout_logp_gap (mean |logp − behaviour| over sampled tokens, measured by
+    the same forward that trains), num_tokens, num_sequences, micro_batches."""
+    seqs = [s for s in seqs if s.num_trainable > 0]
+    if not seqs:
+        return {"num_tokens": 0.0, "num_sequences": 0.0}
+    n_total = sum(s.num_trainable for s in seqs)
+    kwargs = dict(loss_kwargs or {})
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    sums: dict[str, float] = {}
+    max_abs = 0.0
+    loss_total = 0.0
+    groups = micro_batches([len(s.token_ids) for s in seqs], micro_batch_tokens)
+    for idx in groups:
+        batch = _collate([seqs[i] for i in idx], pad_id)
+        logp_BT, ent_BT = token_logprobs(model, batch["ids"], batch["attn"], with_entropy=True)
+        loss, m = policy_loss(
+            logp_BT, batch["behavior"], batch["adv"], batch["mask"], token_normalizer=float(n_total),
+            entropy_BT=ent_BT, **kwargs,
+        )
+        loss.backward()
+        loss_total += float(loss.detach())
+        n = m["num_tokens"]
+        for k, v in m.items():
+            if k == "max_abs_log_ratio":
+                max_abs = max(max_abs, v)
+            elif k != "num_tokens":
+                sums[k] = sums.get(k, 0.0) + v * n
+    params = [p for p in model.parameters() if p.requires_grad]
+    if grad_clip > 0:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    else:
+        grad_norm = math.sqrt(sum(float((p.grad.float() ** 2).sum()) for p in params if p.grad is not None))
+    optimizer.step()
+    out = {k: v / n_total for k, v in sums.items()}
+    out.update(
+        loss=loss_total, grad_norm=grad_norm, max_abs_log_ratio=max_abs, num_tokens=float(n_total),
+        num_sequences=float(len(seqs)), micro_batches=float(len(groups)),
+    )
+    return out

@@ -1,0 +1,322 @@
+"""Stage 2 RL (SPEC §3): one readable loop, from an SFT checkpoint to one (domain, effort) expert.
+
+    for step in 1..steps:
+        groups  = scheduler.run_iteration()               partial rollout: λ, resume-first, staleness (§3.2)
+        r       = verifier reward, or the GRM tournament  non-verifiable families (§3.4)
+        r'      = effort override: −1 if T(y) > τ_e·b0(x) (§3.3)
+        A       = r' − mean_group(r')                     zero-variance groups are counted and skipped
+        loss    = policy_loss over every sampled token     behaviour log-probs from the engine (§3.1)
+        optimizer step; engine.update_weights()           co-located: same tensors, version bump
+        metrics; checkpoint (weights, optimizer, scheduler with paused trajectories, KV pool)
+
+The engine shares the trainer's model (co-located, one process): the optimizer updates the
+parameters in place and ``update_weights({})`` bumps the policy version, so tokens sampled after
+the step carry the new version. With QAT applied to the model, the engine and the trainer run the
+same MX fake-quantized expert forward (§5): the train/rollout log-prob gap is logged every step.
+
+Exact resume: a checkpoint holds the weights, the optimizer, the scheduler state (paused and
+finished-but-undispatched trajectories with their env / sandbox state, the prompt queue), the KV
+pool's tensors (paused KV is moved to the pool first) and the engine version; the sampling is
+counter-based, so a resumed run reproduces the uninterrupted one (tested by killing a run).
+
+Shape legend: none here (the math lives in k3post/algos and k3post/policy_step.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from k3post.algos.advantages import group_advantages_from_groups
+from k3post.checkpoint import latest_checkpoint, load_trainer_state, load_weights_into, save_checkpoint
+from k3post.envs.families.registry import families, get_family
+from k3post.envs.task import Task
+from k3post.metrics import MetricsLogger
+from k3post.policy_step import TokenSequence, policy_step
+from k3post.rewards.effort import BudgetTable, EffortConfig, group_override
+from k3post.rollout.agent_loop import AgentLoop
+from k3post.rollout.embedded import EmbeddedEngine
+from k3post.rollout.engine import KVState, SamplingParams
+from k3post.rollout.evaluation import evaluate_episodes, make_env
+from k3post.rollout.kv_pool import KVPool
+from k3post.rollout.scheduler import PartialRolloutScheduler
+from k3post.rollout.trajectory import Group
+from k3post.xtml import XTML
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RLConfig", "RLResult", "GroupScorer", "domain_families", "train_tasks", "eval_tasks", "loss_kwargs", "train_rl"]
+
+# seeds of the task streams: training prompts and held-out evaluation never share a seed
+_TRAIN_SEED, _EVAL_SEED = 7_000, 9_000
+
+
+@dataclass
+class RLConfig:
+    """Settings of one RL run (one domain at one effort) and of `k3post experts`.
+
+    Rollout: ``n_prompts`` × ``k`` per iteration, ``lambda_`` and ``max_staleness`` (SPEC §3.2),
+    ``temperature``, ``max_tokens`` per assistant turn, ``slots`` (engine batch), ``kv_pool_mb``.
+    Loss (SPEC §3.1): ``log_ratio_min`` / ``log_ratio_max`` (the K2.5 band α, β), ``tau`` (the quadratic
+    regulariser), ``clip_eps_low`` / ``clip_eps_high`` (PPO/DAPO clipping; inf = off).
+    Tasks: ``families`` (empty: every verifiable family of the domain, plus the non-verifiable ones when
+    a ``judge`` is set), ``difficulty``, ``n_tasks`` training prompts per family (cycled), ``eval_n``
+    held-out tasks per family.
+    Judge (SPEC §3.4): ``judge`` = "" (none), "policy" (the cold-start checkpoint through the embedded
+    engine) or an OpenAI-compatible base URL; ``grm_sigma`` the length guard σ.
+    Effort control (SPEC §3.3): ``effort`` and ``effort_control`` (τ per effort and domain, the b0
+    estimate's samples and quantile, the curriculum order).
+    Experts: ``domains``, each trained through ``effort_control.curriculum`` for ``steps`` per effort.
+    """
+
+    domain: str = "general"
+    effort: str = "max"
+    families: list[str] = field(default_factory=list)
+    steps: int = 30
+    n_prompts: int = 8
+    k: int = 4
+    lambda_: float = 0.7
+    max_staleness: int = 4
+    temperature: float = 1.0
+    max_tokens: int = 128
+    max_model_len: int = 2048
+    slots: int = 32
+    kv_pool_mb: int = 64
+    difficulty: int = 1
+    n_tasks: int = 256
+    eval_n: int = 100
+    eval_max_tokens: int = 128
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 8192
+    log_ratio_min: float = -math.log(2.0)
+    log_ratio_max: float = math.log(2.0)
+    tau: float = 0.01
+    clip_eps_low: float = math.inf
+    clip_eps_high: float = math.inf
+    normalize_std: bool = False
+    judge: str = ""
+    grm_sigma: float = 1.5
+    effort_control: EffortConfig = field(default_factory=EffortConfig)
+    domains: list[str] = field(default_factory=lambda: ["general", "agents", "coding"])
+    save_every: int = 10
+    seed: int = 0
+    progress: bool = True
+
+
+@dataclass
+class RLResult:
+    """What one RL run returns: the final step, per-step history and the held-out evaluation."""
+
+    steps: int
+    history: list[dict[str, float]]
+    eval: dict[str, Any]
+    resumed_from: int | None
+    seconds: float
+
+
+GroupScorer = Callable[[Group], list[float]]
+"""Rewards of the K samples of a finished group for a non-verifiable family (the GRM)."""
+
+
+def domain_families(domain: str, names: Sequence[str] = (), *, with_judge: bool = False) -> list[str]:
+    """The families one RL run trains on: ``names`` if given (each must exist and belong to the
+    domain), else every verifiable family of ``domain`` (plus its non-verifiable ones ``with_judge``)."""
+    if names:
+        out = []
+        for n in names:
+            fam = get_family(n)
+            if fam.domain != domain:
+                raise ValueError(f"rl.families: {n!r} belongs to domain {fam.domain!r}, not {domain!r}")
+            out.append(fam.name)
+        return out
+    fams = [f.name for f in families(domain) if f.verifiable or with_judge]
+    if not fams:
+        raise ValueError(f"domain {domain!r} has no {'families' if with_judge else 'verifiable families'}")
+    return fams
+
+
+def _interleave(per_family: list[list[Task]]) -> list[Task]:
+    out = []
+    for row in zip(*per_family):
+        out.extend(row)
+    return out
+
+
+def train_tasks(family_names: Sequence[str], n: int, *, difficulty: int, seed: int = 0) -> list[Task]:
+    """``n`` training tasks per family, interleaved (family 1, family 2, ..., family 1, ...)."""
+    return _interleave([get_family(f).generate(n, seed=_TRAIN_SEED + seed, difficulty=difficulty) for f in family_names])
+
+
+def eval_tasks(family_names: Sequence[str], n: int, *, difficulty: int) -> list[Task]:
+    """``n`` held-out tasks per family (a seed the training stream never uses)."""
+    return _interleave([get_family(f).generate(n, seed=_EVAL_SEED, difficulty=difficulty) for f in family_names])
+
+
+def loss_kwargs(cfg: RLConfig) -> dict[str, float]:
+    """The `policy_loss` parameters of ``cfg``."""
+    return {"log_ratio_min": cfg.log_ratio_min, "log_ratio_max": cfg.log_ratio_max, "tau": cfg.tau,
+            "clip_eps_low": cfg.clip_eps_low, "clip_eps_high": cfg.clip_eps_high}
+
+
+def group_rewards(group: Group, scorer: GroupScorer | None) -> list[float]:
+    """r(x, y_j) of a finished group: the verifier's reward, or the GRM's for a non-verifiable family."""
+    fam = get_family(group.task["family"])
+    if fam.verifiable:
+        return group.rewards
+    if scorer is None:
+        raise ValueError(f"family {fam.name} is non-verifiable: set rl.judge to reward it with the GRM")
+    return [float(r) for r in scorer(group)]
+
+
+def _kv_save(pool: KVPool) -> list[dict[str, Any]]:
+    return [{"key": k, "keys": kv.keys, "values": kv.values, "context_ids": kv.context_ids, "version": kv.weight_version}
+            for k, kv in pool.entries()]
+
+
+def _kv_load(pool: KVPool, saved: list[dict[str, Any]]) -> None:
+    stats = dict(pool.stats)
+    pool.clear()
+    for e in saved:
+        pool.put(e["key"], KVState(e["keys"], e["values"], list(e["context_ids"]), int(e["version"])))
+    stats["bytes"], stats["peak_bytes"] = pool.nbytes, max(stats["peak_bytes"], pool.nbytes)
+    pool.stats.update(stats)
+
+
+def train_rl(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    cfg: RLConfig,
+    out_dir: str | Path,
+    *,
+    budgets: BudgetTable,
+    scorer: GroupScorer | None = None,
+    metrics: MetricsLogger | None = None,
+    stage: str = "rl",
+    resume: bool = True,
+    stop_after: int | None = None,
+    evaluate: bool = True,
+) -> RLResult:
+    """Train ``model`` in place with RL on ``cfg.domain`` at ``cfg.effort`` (module doc).
+
+    ``budgets`` must hold b0 of every training task (`estimate_budgets`). ``stop_after`` ends the
+    run after that many steps in this call (for tests that kill and resume)."""
+    t_start = time.perf_counter()
+    out = Path(out_dir)
+    xtml = XTML(tokenizer)
+    fams = domain_families(cfg.domain, cfg.families, with_judge=bool(cfg.judge) or scorer is not None)
+    tasks = train_tasks(fams, cfg.n_tasks, difficulty=cfg.difficulty, seed=cfg.seed)
+    missing = [t.id for t in tasks if t not in budgets]
+    if missing:
+        raise ValueError(f"the budget table lacks b0 for {len(missing)} training tasks (e.g. {missing[:3]}); run estimate_budgets")
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.slots, max_model_len=cfg.max_model_len, seed=cfg.seed)
+    loop = AgentLoop(engine, xtml, make_env, sampling=SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens),
+                     effort=cfg.effort)
+    pool = KVPool(cfg.kv_pool_mb << 20)
+    sched = PartialRolloutScheduler(loop, n_prompts=cfg.n_prompts, k=cfg.k, lambda_=cfg.lambda_,
+                                    max_staleness=cfg.max_staleness, seed=cfg.seed, kv_pool=pool)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, eps=1e-8)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    step, cursor, history, resumed_from = 0, 0, [], None
+    ckpt = latest_checkpoint(out / "checkpoints") if resume else None
+    if ckpt is not None:
+        state = load_trainer_state(ckpt)
+        load_weights_into(model, ckpt)
+        engine.refresh_weights()
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        _kv_load(pool, state["kv_pool"])
+        if state["engine_version"] > engine.version:
+            engine.update_weights({}, version=state["engine_version"])
+        step = resumed_from = int(state["step"])
+        cursor, history = int(state["cursor"]), list(state["history"])
+        if metrics is not None:
+            metrics.truncate(stage, step)
+        log.info("resumed %s from %s (step %d)", stage, ckpt, step)
+
+    lkw = loss_kwargs(cfg)
+    bar = tqdm(total=cfg.steps, initial=step, desc=stage, disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0)
+    end = cfg.steps if stop_after is None else min(cfg.steps, step + stop_after)
+    while step < end:
+        t0 = time.perf_counter()
+        while sched.num_pending_prompts < cfg.n_prompts:  # the prompt stream cycles over the training tasks
+            sched.add_prompts([tasks[cursor % len(tasks)]])
+            cursor += 1
+        groups = sched.run_iteration()
+        t_roll = time.perf_counter() - t0
+        seqs, rows, adv_stats = _score(groups, scorer, budgets, cfg)
+        train_m = policy_step(model, opt, seqs, pad_id=pad_id, loss_kwargs=lkw,
+                              micro_batch_tokens=cfg.micro_batch_tokens, grad_clip=cfg.grad_clip)
+        version = engine.update_weights({})
+        step += 1
+        rec = {**rows, **adv_stats, **{f"train/{k}": v for k, v in train_m.items()},
+               "version": float(version), "groups": float(len(groups)), "rollout_s": t_roll,
+               "step_s": time.perf_counter() - t0, "kv_hit_rate": sched.kv_hit_rate(),
+               "paused": float(len(sched.paused()))}
+        history.append(rec)
+        if metrics is not None:
+            metrics.log(stage, step, rec)
+        bar.update(1)
+        bar.set_postfix(reward=f"{rec.get('reward', float('nan')):.2f}", T=f"{rec.get('effort_tokens', 0):.0f}")
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            sched.offload_kv()
+            save_checkpoint(out / "checkpoints", step, model, tokenizer, {
+                "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "kv_pool": _kv_save(pool),
+                "engine_version": engine.version, "cursor": cursor, "history": history, "config": asdict(cfg),
+            })
+    bar.close()
+    result_eval: dict[str, Any] = {}
+    if evaluate and step >= cfg.steps:
+        result_eval = evaluate_episodes(engine, xtml, eval_tasks(fams, cfg.eval_n, difficulty=cfg.difficulty),
+                                        effort=cfg.effort, max_tokens=cfg.eval_max_tokens)
+    loop.close()
+    return RLResult(step, history, result_eval, resumed_from, time.perf_counter() - t_start)
+
+
+def _score(
+    groups: Sequence[Group], scorer: GroupScorer | None, budgets: BudgetTable, cfg: RLConfig
+) -> tuple[list[TokenSequence], dict[str, float], dict[str, float]]:
+    """Rewards → effort override → group advantages → training sequences, with step metrics."""
+    rewards_in, rewards_out, tokens, b0s, violations = [], [], [], [], 0
+    for g in groups:
+        r = group_rewards(g, scorer)
+        for t, rv in zip(g.trajectories, r):  # the GRM's reward replaces the format gate's
+            t.reward = rv
+        r2, _ = group_override(g, budgets, cfg.effort, cfg.effort_control)
+        rewards_in.append(r)
+        rewards_out.append([float(x) for x in r2])
+        b0 = budgets.b0(Task.from_dict(g.task))
+        for t, a, b in zip(g.trajectories, r, r2.tolist()):
+            tokens.append(t.effort_tokens())
+            b0s.append(b0)
+            violations += int(b == -1.0 and a != -1.0)
+    adv = group_advantages_from_groups(rewards_out, normalize_std=cfg.normalize_std)
+    seqs: list[TokenSequence] = []
+    for g, a_g, skip in zip(groups, adv.advantages, adv.skip):
+        if skip:
+            continue
+        for t, a in zip(g.trajectories, a_g):
+            seqs.append(TokenSequence(list(t.token_ids), list(t.trainable), list(t.logprobs),
+                                      [a if m else 0.0 for m in t.trainable]))
+    n = max(1, len(tokens))
+    flat_in = [x for r in rewards_in for x in r]
+    rows = {
+        "reward": statistics.fmean(flat_in) if flat_in else float("nan"),
+        "pass_rate": sum(x >= 1.0 for x in flat_in) / n if flat_in else float("nan"),
+        "reward_after_override": statistics.fmean(x for r in rewards_out for x in r) if rewards_out else float("nan"),
+        "effort_tokens": statistics.fmean(tokens) if tokens else float("nan"),
+        "budget_violation_rate": violations / n,
+        "effort_ratio": statistics.fmean(t / b for t, b in zip(tokens, b0s)) if tokens else float("nan"),
+    }
+    adv_stats = {"zero_variance_groups": float(adv.num_zero_variance), "trained_groups": float(len(groups) - adv.num_zero_variance)}
+    return seqs, rows, adv_stats

@@ -1,0 +1,93 @@
+"""Held-out evaluation of a policy on any task family through the rollout engine: whole episodes
+(multi-turn, tool calls, the family's verifier), not single completions.
+
+`evaluate_episodes` runs each task once with greedy decoding (or K samples at a temperature) through
+the `AgentLoop` over an `EmbeddedEngine` and reports, per family: pass rate (reward ≥
+``pass_threshold``), mean reward, mean T(y) (SPEC §3.3: thinking tokens for general tasks, all output
+tokens for agentic ones), mean output tokens and how episodes ended (answer / length / malformed ...).
+
+Shape legend: none (token lists only).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from k3post.envs.families.registry import get_family
+from k3post.envs.task import Task
+from k3post.rollout.agent_loop import AgentLoop, trajectory_seed
+from k3post.rollout.engine import SamplingParams
+from k3post.rollout.trajectory import Trajectory
+from k3post.xtml import XTML
+
+__all__ = ["evaluate_episodes", "summarize_trajectories", "make_env"]
+
+
+def make_env(task: Task) -> Any:
+    """A fresh environment for ``task`` from its registered family."""
+    return get_family(task.family).make_env(task)
+
+
+def summarize_trajectories(trajs: Sequence[Trajectory], *, pass_threshold: float = 1.0) -> dict[str, Any]:
+    """Pass rate, mean reward, mean T(y) and output tokens, and finish reasons of finished trajectories."""
+    if not trajs:
+        return {"n": 0, "pass_rate": 0.0, "mean_reward": 0.0, "mean_effort_tokens": 0.0, "mean_output_tokens": 0.0,
+                "finish": {}}
+    rewards = [float(t.reward or 0.0) for t in trajs]
+    return {
+        "n": len(trajs),
+        "pass_rate": sum(r >= pass_threshold for r in rewards) / len(trajs),
+        "mean_reward": statistics.fmean(rewards),
+        "mean_effort_tokens": statistics.fmean(t.effort_tokens() for t in trajs),
+        "mean_output_tokens": statistics.fmean(t.output_tokens for t in trajs),
+        "finish": dict(Counter(t.finish or "none" for t in trajs)),
+    }
+
+
+def evaluate_episodes(
+    engine: Any,
+    xtml: XTML,
+    tasks: Sequence[Task],
+    *,
+    effort: str | None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    samples: int = 1,
+    seed: int = 0,
+    pass_threshold: float = 1.0,
+    keep_examples: int = 2,
+) -> dict[str, Any]:
+    """Run every task ``samples`` times (greedy by default) and summarise per family and overall.
+
+    Returns ``{"overall": summary, "families": {family: summary}, "examples": [...]}`` where a
+    summary is `summarize_trajectories`' dict and an example holds a task id, the decoded
+    sampled text of its first ``keep_examples`` trajectories and their reward."""
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    loop = AgentLoop(engine, xtml, make_env, sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens),
+                     effort=effort, mode="think" if effort is not None else "instruct")
+    trajs = [
+        Trajectory(traj_id=f"eval{i}/s{j}", group_id=i, sample_index=j, seed=trajectory_seed(seed, i, j),
+                   task=t.to_dict(), admitted_version=engine.version)
+        for i, t in enumerate(tasks) for j in range(samples)
+    ]
+    try:
+        loop.run(trajs)
+    finally:
+        loop.close()
+    by_family: dict[str, list[Trajectory]] = {}
+    for t in trajs:
+        by_family.setdefault(t.task["family"], []).append(t)
+    examples = []
+    for t in trajs[:keep_examples]:
+        sampled = [tok for tok, m in zip(t.token_ids, t.trainable) if m]
+        examples.append({"task": t.task.get("task_id", t.traj_id), "text": xtml.tokenizer.decode(sampled),
+                         "reward": t.reward, "effort_tokens": t.effort_tokens()})
+    return {
+        "overall": summarize_trajectories(trajs, pass_threshold=pass_threshold),
+        "families": {f: summarize_trajectories(ts, pass_threshold=pass_threshold) for f, ts in sorted(by_family.items())},
+        "examples": examples,
+    }
