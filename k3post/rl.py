@@ -54,7 +54,8 @@ from k3post.xtml import XTML
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RLConfig", "RLResult", "GroupScorer", "domain_families", "train_tasks", "eval_tasks", "loss_kwargs", "train_rl"]
+__all__ = ["RLConfig", "RLResult", "GroupScorer", "Signal", "domain_families", "train_tasks", "eval_tasks", "loss_kwargs",
+           "rl_signal", "train_policy", "train_rl"]
 
 # seeds of the task streams: training prompts and held-out evaluation never share a seed
 _TRAIN_SEED, _EVAL_SEED = 7_000, 9_000
@@ -193,35 +194,44 @@ def _kv_load(pool: KVPool, saved: list[dict[str, Any]]) -> None:
     pool.stats.update(stats)
 
 
-def train_rl(
+Signal = Callable[[Sequence[Group]], tuple[list[TokenSequence], dict[str, float]]]
+"""Dispatched groups → training sequences (per-token advantages) and step metrics: the only part
+of the loop that differs between RL (`rl_signal`) and MOPD (k3post/mopd.py)."""
+
+
+def rl_signal(budgets: BudgetTable, cfg: RLConfig, scorer: GroupScorer | None = None) -> Signal:
+    """The RL signal (SPEC §3): verifier or GRM reward → effort override → group advantage."""
+    def signal(groups: Sequence[Group]) -> tuple[list[TokenSequence], dict[str, float]]:
+        seqs, rows, adv = _score(groups, scorer, budgets, cfg)
+        return seqs, {**rows, **adv}
+    return signal
+
+
+def train_policy(
     model: torch.nn.Module,
     tokenizer: Any,
     cfg: RLConfig,
     out_dir: str | Path,
     *,
-    budgets: BudgetTable,
-    scorer: GroupScorer | None = None,
+    tasks: Sequence[Task],
+    signal: Signal,
+    effort_fn: Callable[[Task], str | None] | None = None,
     metrics: MetricsLogger | None = None,
     stage: str = "rl",
     resume: bool = True,
     stop_after: int | None = None,
-    evaluate: bool = True,
-) -> RLResult:
-    """Train ``model`` in place with RL on ``cfg.domain`` at ``cfg.effort`` (module doc).
-
-    ``budgets`` must hold b0 of every training task (`estimate_budgets`). ``stop_after`` ends the
-    run after that many steps in this call (for tests that kill and resume)."""
-    t_start = time.perf_counter()
+) -> tuple[int, list[dict[str, float]], int | None, EmbeddedEngine, AgentLoop]:
+    """The loop of the module doc over a prompt stream cycling through ``tasks``, trained with
+    ``signal``; each prompt is rendered at ``effort_fn(task)`` (default: ``cfg.effort``). Returns
+    (final step, per-step history, the step resumed from, the engine, its agent loop); the caller
+    closes the loop. ``stop_after`` ends this call after that many steps (tests kill and resume)."""
+    if not tasks:
+        raise ValueError("train_policy needs at least one training task")
     out = Path(out_dir)
     xtml = XTML(tokenizer)
-    fams = domain_families(cfg.domain, cfg.families, with_judge=bool(cfg.judge) or scorer is not None)
-    tasks = train_tasks(fams, cfg.n_tasks, difficulty=cfg.difficulty, seed=cfg.seed)
-    missing = [t.id for t in tasks if t not in budgets]
-    if missing:
-        raise ValueError(f"the budget table lacks b0 for {len(missing)} training tasks (e.g. {missing[:3]}); run estimate_budgets")
     engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.slots, max_model_len=cfg.max_model_len, seed=cfg.seed)
     loop = AgentLoop(engine, xtml, make_env, sampling=SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens),
-                     effort=cfg.effort)
+                     effort=cfg.effort, effort_fn=effort_fn)
     pool = KVPool(cfg.kv_pool_mb << 20)
     sched = PartialRolloutScheduler(loop, n_prompts=cfg.n_prompts, k=cfg.k, lambda_=cfg.lambda_,
                                     max_staleness=cfg.max_staleness, seed=cfg.seed, kv_pool=pool)
@@ -254,20 +264,21 @@ def train_rl(
             cursor += 1
         groups = sched.run_iteration()
         t_roll = time.perf_counter() - t0
-        seqs, rows, adv_stats = _score(groups, scorer, budgets, cfg)
+        seqs, sig = signal(groups)
         train_m = policy_step(model, opt, seqs, pad_id=pad_id, loss_kwargs=lkw,
                               micro_batch_tokens=cfg.micro_batch_tokens, grad_clip=cfg.grad_clip)
         version = engine.update_weights({})
         step += 1
-        rec = {**rows, **adv_stats, **{f"train/{k}": v for k, v in train_m.items()},
+        stale = [s for g in groups for s in g.staleness()]
+        rec = {**sig, **{f"train/{k}": v for k, v in train_m.items()},
                "version": float(version), "groups": float(len(groups)), "rollout_s": t_roll,
                "step_s": time.perf_counter() - t0, "kv_hit_rate": sched.kv_hit_rate(),
-               "paused": float(len(sched.paused()))}
+               "paused": float(len(sched.paused())), "mean_staleness": statistics.fmean(stale) if stale else 0.0}
         history.append(rec)
         if metrics is not None:
             metrics.log(stage, step, rec)
         bar.update(1)
-        bar.set_postfix(reward=f"{rec.get('reward', float('nan')):.2f}", T=f"{rec.get('effort_tokens', 0):.0f}")
+        bar.set_postfix({k: f"{rec[k]:.2f}" for k in ("reward", "effort_tokens", "opd_reward") if k in rec})
         if step % cfg.save_every == 0 or step == cfg.steps:
             sched.offload_kv()
             save_checkpoint(out / "checkpoints", step, model, tokenizer, {
@@ -275,11 +286,45 @@ def train_rl(
                 "engine_version": engine.version, "cursor": cursor, "history": history, "config": asdict(cfg),
             })
     bar.close()
+    return step, history, resumed_from, engine, loop
+
+
+def train_rl(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    cfg: RLConfig,
+    out_dir: str | Path,
+    *,
+    budgets: BudgetTable,
+    scorer: GroupScorer | None = None,
+    metrics: MetricsLogger | None = None,
+    stage: str = "rl",
+    resume: bool = True,
+    stop_after: int | None = None,
+    evaluate: bool = True,
+) -> RLResult:
+    """Train ``model`` in place with RL on ``cfg.domain`` at ``cfg.effort`` (module doc), then
+    evaluate it on held-out tasks of the same families at the same effort.
+
+    ``budgets`` must hold b0 of every training task (`estimate_budgets`); ``scorer`` rewards the
+    non-verifiable families (the GRM)."""
+    t_start = time.perf_counter()
+    fams = domain_families(cfg.domain, cfg.families, with_judge=scorer is not None)
+    tasks = train_tasks(fams, cfg.n_tasks, difficulty=cfg.difficulty, seed=cfg.seed)
+    missing = [t.id for t in tasks if t not in budgets]
+    if missing:
+        raise ValueError(f"the budget table lacks b0 for {len(missing)} training tasks (e.g. {missing[:3]}); run estimate_budgets")
+    step, history, resumed_from, engine, loop = train_policy(
+        model, tokenizer, cfg, out_dir, tasks=tasks, signal=rl_signal(budgets, cfg, scorer), metrics=metrics,
+        stage=stage, resume=resume, stop_after=stop_after,
+    )
     result_eval: dict[str, Any] = {}
-    if evaluate and step >= cfg.steps:
-        result_eval = evaluate_episodes(engine, xtml, eval_tasks(fams, cfg.eval_n, difficulty=cfg.difficulty),
-                                        effort=cfg.effort, max_tokens=cfg.eval_max_tokens)
-    loop.close()
+    try:
+        if evaluate and step >= cfg.steps:
+            result_eval = evaluate_episodes(engine, XTML(tokenizer), eval_tasks(fams, cfg.eval_n, difficulty=cfg.difficulty),
+                                            effort=cfg.effort, max_tokens=cfg.eval_max_tokens)
+    finally:
+        loop.close()
     return RLResult(step, history, result_eval, resumed_from, time.perf_counter() - t_start)
 
 

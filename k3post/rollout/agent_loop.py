@@ -96,6 +96,8 @@ class AgentLoop:
         sampling: default sampling of every turn (its seed is replaced per turn).
         sampling_fn: optional per-(trajectory, turn) sampling, e.g. drawn lengths.
         effort: thinking effort rendered into the prompt (think mode), or None.
+        effort_fn: optional per-task effort (e.g. MOPD samples an effort per prompt); when
+            given it replaces ``effort``. It must be a pure function of the task (resume).
         mode: XTML mode, "think" or "instruct".
         reuse_kv: carry the KV cache of a finished turn into the next turn of the same
             trajectory (tail-only prefill) when the engine supports it (``take_kv``).
@@ -110,6 +112,7 @@ class AgentLoop:
         sampling: SamplingParams | None = None,
         sampling_fn: SamplingFn | None = None,
         effort: str | None = None,
+        effort_fn: Callable[[Task], str | None] | None = None,
         mode: str = "think",
         reuse_kv: bool = True,
     ) -> None:
@@ -127,6 +130,7 @@ class AgentLoop:
         self.sampling = sampling if sampling is not None else SamplingParams()
         self.sampling_fn = sampling_fn
         self.effort = effort
+        self.effort_fn = effort_fn
         self.mode = mode
         self.max_model_len: int | None = getattr(engine, "max_model_len", None)
         self._envs: dict[str, Environment] = {}
@@ -205,7 +209,8 @@ class AgentLoop:
         messages = self._run(env.reset(task))
         tools = openai_tools(env.tool_specs())
         prompt = self.xtml.render(
-            messages, tools=tools or None, effort=self.effort, mode=self.mode, add_generation_prompt=True
+            messages, tools=tools or None, effort=self.effort_fn(task) if self.effort_fn is not None else self.effort,
+            mode=self.mode, add_generation_prompt=True
         ).ids
         self._envs[traj.traj_id] = env
         traj.tools = tools
