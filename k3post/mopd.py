@@ -1,0 +1,534 @@
+"""Stage 3 MOPD (SPEC §4): one student distilled on-policy from the 9 experts π^(d,e), one readable loop.
+
+    for step in 1..steps:
+        groups = scheduler.run_iteration()                 partial rollout, unchanged (§3.2); each prompt of
+                                                           domain d is rendered at an effort e drawn per task
+                                                           from the configured mixture (`effort_sampler`)
+        for each trajectory y of a task of domain d at effort e:
+            ctx   = the conversation WITHOUT the thinking-effort message + y's tokens    (`teacher_context`)
+            t_i   = log π^(d,e)(y_i | ctx_<i)                one prefill of the teacher, no sampling
+            s_i   = the behaviour log-prob the engine recorded for y_i
+            r_i   = clip(t_i − s_i, −R_max, R_max) (+ w_orm · (r(y) − mean_group r))      (`opd_reward`)
+        loss = policy_loss with r_i as the per-token advantage  (K2.5 mask + quadratic regulariser, §3.1)
+        optimizer step; engine.update_weights(); metrics; checkpoint (exact resume)
+
+Everything but the signal is `k3post.rl.train_policy`, the RL loop itself (STYLE.md 4: "on-policy
+distillation is RL with a per-token advantage from the teacher").
+
+Decisions:
+
+* **Student log-probs are the behaviour log-probs** (π_old, recorded by the rollout engine), not a fresh
+  forward of the current π_θ as SPEC §4's r_t writes. This saves a second student forward per step; under
+  partial rollout a token may be a few versions old, but `policy_loss`'s K2.5 band masks the gradient of
+  every token with |log π_θ − log π_old| > log 2, so the reward of a token that still trains is within
+  log 2 of SPEC's. With λ = 1 and one optimizer step per batch the two are identical. The engine records
+  the untempered log π_old, so the reward compares model distributions at any sampling temperature (the
+  mean of −r is the reverse-KL estimate only at temperature 1).
+* **The teacher does not see the effort** (SPEC §4): its context is the task's prompt re-rendered with
+  ``effort=None`` in the same think mode, followed by the trajectory's tokens after the student's prompt,
+  unchanged (sampled tokens and tool results). XTML encodes every message on its own, so the two contexts
+  differ only by the thinking-effort message; the teacher log-prob of student position i is at i + offset,
+  offset = teacher prompt length − student prompt length (< 0). ``teacher_sees_effort=True`` keeps the
+  message (for effort-conditioned teachers, e.g. experts trained by `k3post.rl` with the message in their
+  prompts, or a previous student).
+* **Teachers** (`TeacherPool`): a local checkpoint folder, loaded on demand into CPU memory (at most
+  ``max_resident`` at once, least recently used evicted), or an OpenAI-compatible server that returns prompt
+  log-probs from ``/v1/completions`` with ``echo=True, logprobs=0, max_tokens=0`` (the vLLM convention;
+  `k3post serve` does not offer ``echo``).
+* **Effort per prompt** is a pure function of the task's content hash and the run seed, so a resumed run
+  renders every prompt exactly as the uninterrupted one.
+
+Shape legend: B trajectories, T sampled-token positions (right-padded), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import statistics
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3post.algos.advantages import group_advantages_from_groups
+from k3post.algos.opd import opd_reward
+from k3post.envs.task import Task
+from k3post.metrics import MetricsLogger
+from k3post.models import load_model
+from k3post.policy_step import TokenSequence, micro_batches, token_logprobs
+from k3post.quant.qat import QATConfig, apply_qat
+from k3post.rl import RLConfig, Signal, domain_families, eval_tasks, train_policy, train_tasks
+from k3post.rollout.agent_loop import AgentLoop, trajectory_seed
+from k3post.rollout.embedded import EmbeddedEngine
+from k3post.rollout.engine import SamplingParams, request_seed, token_uniform
+from k3post.rollout.evaluation import make_env, summarize_trajectories
+from k3post.rollout.trajectory import Group, Trajectory
+from k3post.xtml import EFFORTS, XTML
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MOPDConfig", "MOPDResult", "TeacherPool", "expert_name", "effort_sampler", "initial_messages",
+           "teacher_context", "opd_signal", "mopd_families", "mopd_eval_tasks", "train_mopd", "mopd_checks", "evaluate_mopd"]
+
+
+def _default_mix() -> dict[str, float]:
+    return {"max": 1 / 3, "high": 1 / 3, "low": 1 / 3}
+
+
+@dataclass
+class MOPDConfig:
+    """Settings of one MOPD run (SPEC §4).
+
+    ``experts``: expert name ``"domain.effort"`` → a local model folder, or an OpenAI-compatible base URL
+    (``http://host:port`` or ``.../v1``; the request's ``model`` is the URL's ``#fragment`` if it has one,
+    else the expert name). ``effort_mix``: effort → weight of the per-prompt effort draw (normalised).
+    ``domains``: the domains prompts come from; ``families``: domain → its families (a domain left out:
+    every verifiable family of it). ``r_max``: R_max of the per-token reward; ``w_orm``: weight of the
+    optional outcome advantage (group reward − group mean). ``max_resident``: local teachers held in CPU
+    memory at once; ``teacher_dtype``: their dtype; ``teacher_batch_tokens``: padded tokens per teacher
+    forward. ``teacher_sees_effort``: keep the thinking-effort message in the teacher's context (SPEC: no).
+    ``rl``: the loop's settings (rollout, loss, steps, tasks per family, seed); its ``effort``, ``domain``
+    and ``families`` are not used here.
+    """
+
+    experts: dict[str, str] = field(default_factory=dict)
+    effort_mix: dict[str, float] = field(default_factory=_default_mix)
+    domains: list[str] = field(default_factory=lambda: ["general", "agents", "coding"])
+    families: dict[str, list[str]] = field(default_factory=dict)
+    r_max: float = 5.0
+    w_orm: float = 0.0
+    max_resident: int = 3
+    teacher_dtype: str = "float32"
+    teacher_batch_tokens: int = 8192
+    teacher_sees_effort: bool = False
+    rl: RLConfig = field(default_factory=RLConfig)
+
+
+@dataclass
+class MOPDResult:
+    """What one MOPD run returns: the final step, per-step history, the teacher pool's counters."""
+
+    steps: int
+    history: list[dict[str, float]]
+    teacher_stats: dict[str, int]
+    resumed_from: int | None
+    seconds: float
+
+
+def expert_name(domain: str, effort: str) -> str:
+    """The name of expert π^(d,e): ``"domain.effort"``."""
+    return f"{domain}.{effort}"
+
+
+def _is_url(spec: str) -> bool:
+    return spec.startswith(("http://", "https://"))
+
+
+def effort_sampler(mix: Mapping[str, float], seed: int) -> Callable[[Task], str]:
+    """Task → effort drawn from ``mix``, a pure function of the task (exact resume):
+
+        u = token_uniform(request_seed(seed, task.content_hash()), 0)         in [0, 1)
+        e = the first effort, in the order low, high, max, with  Σ_{e' ≤ e} w_e' / Σ w  > u
+    """
+    bad = [e for e in mix if e not in EFFORTS]
+    if bad:
+        raise ValueError(f"effort_mix: unknown efforts {bad}; expected some of {EFFORTS}")
+    weights = [(e, float(mix.get(e, 0.0))) for e in EFFORTS]
+    if any(not math.isfinite(w) or w < 0 for _, w in weights) or sum(w for _, w in weights) <= 0:
+        raise ValueError(f"effort_mix needs finite weights >= 0 with a positive sum, got {dict(mix)}")
+    total = sum(w for _, w in weights)
+    bounds, acc = [], 0.0
+    for e, w in weights:
+        if w > 0:
+            acc += w / total
+            bounds.append((acc, e))
+
+    def effort(task: Task) -> str:
+        u = token_uniform(request_seed(seed, task.content_hash()), 0)
+        return next((e for c, e in bounds if c > u), bounds[-1][1])
+    return effort
+
+
+# --------------------------------------------------------------------------- teachers
+
+
+class TeacherPool:
+    """Teachers for log-prob scoring only (prefill, no sampling), by expert name.
+
+    A local teacher (a model folder) is loaded on first use into CPU memory; at most ``max_resident`` stay
+    loaded, the least recently used is dropped first. An endpoint teacher (an ``http(s)://`` base URL) is
+    asked for prompt log-probs (module doc). ``stats`` counts loads, hits, evictions, endpoint requests,
+    scored sequences and tokens.
+    """
+
+    def __init__(
+        self,
+        experts: Mapping[str, str],
+        *,
+        max_resident: int = 3,
+        dtype: str = "float32",
+        qat: QATConfig | None = None,
+        batch_tokens: int = 8192,
+        timeout_s: float = 120.0,
+    ) -> None:
+        if not experts:
+            raise ValueError("TeacherPool needs at least one expert (name -> model folder or URL)")
+        if not isinstance(max_resident, int) or max_resident < 1:
+            raise ValueError(f"max_resident must be an int >= 1, got {max_resident!r}")
+        for name, spec in experts.items():
+            if not isinstance(spec, str) or not spec:
+                raise ValueError(f"expert {name!r}: expected a model folder or an http(s) URL, got {spec!r}")
+            if not _is_url(spec) and not (Path(spec) / "config.json").is_file():
+                raise ValueError(f"expert {name!r}: {spec} is neither a model folder (no config.json) nor an http(s) URL")
+        self.experts = dict(experts)
+        self.max_resident = max_resident
+        self.dtype = dtype
+        self.qat = qat
+        self.batch_tokens = batch_tokens
+        self.timeout_s = timeout_s
+        self._resident: OrderedDict[str, torch.nn.Module] = OrderedDict()
+        self._client: Any = None
+        self.stats = {"loads": 0, "hits": 0, "evictions": 0, "endpoint_requests": 0, "sequences": 0, "tokens": 0}
+
+    @property
+    def names(self) -> list[str]:
+        """Every expert name, sorted."""
+        return sorted(self.experts)
+
+    @property
+    def resident(self) -> list[str]:
+        """Local teachers in memory, least recently used first."""
+        return list(self._resident)
+
+    def _spec(self, expert: str) -> str:
+        if expert not in self.experts:
+            raise ValueError(f"no teacher for expert {expert!r}; configured: {self.names}")
+        return self.experts[expert]
+
+    def model(self, expert: str) -> torch.nn.Module:
+        """The local teacher ``expert`` (eval mode, no gradients), loaded when not resident."""
+        spec = self._spec(expert)
+        if _is_url(spec):
+            raise ValueError(f"expert {expert!r} is an endpoint ({spec}), not a local model")
+        if expert in self._resident:
+            self.stats["hits"] += 1
+            self._resident.move_to_end(expert)
+            return self._resident[expert]
+        while len(self._resident) >= self.max_resident:
+            old, _ = self._resident.popitem(last=False)
+            self.stats["evictions"] += 1
+            log.info("teacher %s evicted", old)
+        model = load_model(spec, self.dtype)
+        if self.qat is not None and self.qat.enabled:
+            apply_qat(model, self.qat)
+        model.eval().requires_grad_(False)
+        self.stats["loads"] += 1
+        self._resident[expert] = model
+        return model
+
+    def score(self, expert: str, ids: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]) -> list[list[float]]:
+        """``out[b][j] = log π_expert(ids[b][p] | ids[b][:p])`` for p = positions[b][j] (1 ≤ p < len(ids[b])):
+        one prefill per batch of sequences (``batch_tokens`` padded tokens), float32, no sampling."""
+        spec = self._spec(expert)
+        if len(ids) != len(positions):
+            raise ValueError(f"ids and positions differ in length: {len(ids)} vs {len(positions)}")
+        for b, (seq, pos) in enumerate(zip(ids, positions)):
+            if any(not 1 <= p < len(seq) for p in pos):
+                raise ValueError(f"sequence {b}: positions must lie in [1, {len(seq)}), got {list(pos)[:8]}...")
+        self.stats["sequences"] += len(ids)
+        self.stats["tokens"] += sum(len(p) for p in positions)
+        if _is_url(spec):
+            return self._score_endpoint(expert, spec, ids, positions)
+        model = self.model(expert)
+        out: list[list[float]] = [[] for _ in ids]
+        for idx in micro_batches([len(s) for s in ids], self.batch_tokens):
+            T = max(len(ids[i]) for i in idx)
+            ids_BT = torch.zeros(len(idx), T, dtype=torch.long)
+            attn_BT = torch.zeros(len(idx), T, dtype=torch.long)
+            for row, i in enumerate(idx):
+                ids_BT[row, : len(ids[i])] = torch.tensor(list(ids[i]), dtype=torch.long)
+                attn_BT[row, : len(ids[i])] = 1
+            with torch.inference_mode():
+                logp_BT, _ = token_logprobs(model, ids_BT, attn_BT)
+            for row, i in enumerate(idx):
+                out[i] = logp_BT[row, list(positions[i])].tolist()
+        return out
+
+    def _score_endpoint(self, expert: str, spec: str, ids: Sequence[Sequence[int]],
+                        positions: Sequence[Sequence[int]]) -> list[list[float]]:
+        import httpx  # imported on use: local teachers need no HTTP client
+
+        base, _, fragment = spec.partition("#")
+        root = base.rstrip("/")
+        url = root + ("/completions" if root.endswith("/v1") else "/v1/completions")
+        if self._client is None:
+            self._client = httpx.Client(timeout=self.timeout_s)
+        body = {"model": fragment or expert, "prompt": [list(map(int, s)) for s in ids], "echo": True, "logprobs": 0,
+                "max_tokens": 0, "temperature": 0.0}
+        resp = self._client.post(url, json=body)
+        self.stats["endpoint_requests"] += 1
+        if resp.status_code != 200:
+            raise RuntimeError(f"teacher {expert!r}: {url} answered HTTP {resp.status_code}: {resp.text[:500]}")
+        try:
+            choices = sorted(resp.json()["choices"], key=lambda c: int(c["index"]))
+            token_lps = [c["logprobs"]["token_logprobs"] for c in choices]
+        except (ValueError, KeyError, TypeError) as e:
+            raise RuntimeError(f"teacher {expert!r}: {url} returned no prompt log-probs: {resp.text[:500]}") from e
+        if len(token_lps) != len(ids) or any(len(lp) < len(s) for lp, s in zip(token_lps, ids)):
+            raise RuntimeError(f"teacher {expert!r}: {url} echoed {[len(lp) for lp in token_lps]} log-probs for "
+                               f"prompts of {[len(s) for s in ids]} tokens")
+        return [[float(lp[p]) for p in pos] for lp, pos in zip(token_lps, positions)]
+
+    def close(self) -> None:
+        """Drop every resident teacher and the HTTP client."""
+        self._resident.clear()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+# --------------------------------------------------------------------------- the teacher's context
+
+
+def initial_messages(task: Task) -> list[dict[str, Any]]:
+    """The task's prompt messages, as `AgentLoop.start` gets them: ``reset`` of a fresh environment."""
+    env = make_env(task)
+    try:
+        return asyncio.run(env.reset(task))
+    finally:
+        close = getattr(env, "close", None)
+        if callable(close):
+            close()
+
+
+def teacher_context(
+    xtml: XTML,
+    traj: Trajectory,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    effort: str | None,
+    teacher_effort: str | None = None,
+    mode: str = "think",
+) -> tuple[list[int], int]:
+    """(teacher ids, offset): ``messages`` with ``traj.tools`` rendered at ``teacher_effort`` (None: no
+    thinking-effort message) in ``mode`` with the generation prefix, then ``traj``'s tokens after its prompt,
+    unchanged. Student position i ≥ prompt_len is teacher position i + offset.
+
+    ValueError unless rendering ``messages`` at the student's ``effort`` reproduces the trajectory's prompt
+    exactly (as `AgentLoop.start` rendered it), so the alignment is checked, never assumed."""
+    def render(e: str | None) -> list[int]:
+        return xtml.render(messages, tools=traj.tools or None, effort=e, mode=mode, add_generation_prompt=True).ids
+
+    prompt = traj.token_ids[: traj.prompt_len]
+    if render(effort) != prompt:
+        raise ValueError(f"trajectory {traj.traj_id!r}: its prompt is not the task's messages rendered at effort "
+                         f"{effort!r} in {mode!r} mode; cannot align the teacher's context")
+    teacher = prompt if teacher_effort == effort else render(teacher_effort)
+    return teacher + traj.token_ids[traj.prompt_len :], len(teacher) - traj.prompt_len
+
+
+# --------------------------------------------------------------------------- the signal
+
+
+def opd_signal(pool: TeacherPool, cfg: MOPDConfig, xtml: XTML) -> Signal:
+    """The MOPD signal (module doc): per-token ``opd_reward`` of every trajectory against its expert
+    ``expert_name(task.domain, effort)``, the effort being the one the student was prompted with.
+
+    Step metrics: ``opd_reward`` (mean per-token reward, outcome term included), ``opd_clip_frac``,
+    ``reverse_kl`` (mean behaviour − teacher log-prob, the k1 estimate of KL(π_student ‖ π_teacher)),
+    ``opd_tokens``, the outcome ``reward`` / ``pass_rate``, ``effort_tokens`` (mean T(y)) overall and per
+    effort, and ``expert/NAME`` (trajectories scored by each expert)."""
+    effort_fn = effort_sampler(cfg.effort_mix, cfg.rl.seed)
+    if cfg.r_max <= 0:
+        raise ValueError(f"r_max must be > 0, got {cfg.r_max}")
+
+    def signal(groups: Sequence[Group]) -> tuple[list[TokenSequence], dict[str, float]]:
+        trajs: list[Trajectory] = []
+        efforts: list[str] = []
+        ctx: list[tuple[list[int], list[int]]] = []
+        by_expert: dict[str, list[int]] = {}
+        for g in groups:
+            task = Task.from_dict(g.task)
+            effort = effort_fn(task)
+            expert = expert_name(task.domain, effort)
+            messages = initial_messages(task)
+            for t in g.trajectories:
+                ids, off = teacher_context(xtml, t, messages, effort=effort,
+                                           teacher_effort=effort if cfg.teacher_sees_effort else None)
+                by_expert.setdefault(expert, []).append(len(trajs))
+                ctx.append((ids, [i + off for i, m in enumerate(t.trainable) if m]))
+                trajs.append(t)
+                efforts.append(effort)
+        teacher_lp: list[list[float]] = [[] for _ in trajs]
+        for expert in sorted(by_expert):  # a fixed order: the same loads and evictions on a resumed run
+            idx = [i for i in by_expert[expert] if ctx[i][1]]
+            for i, lp in zip(idx, pool.score(expert, [ctx[i][0] for i in idx], [ctx[i][1] for i in idx])):
+                teacher_lp[i] = lp
+        B, T = len(trajs), max((len(lp) for lp in teacher_lp), default=0)
+        teacher_BT = torch.zeros(B, T)
+        student_BT = torch.zeros(B, T)
+        mask_BT = torch.zeros(B, T, dtype=torch.bool)
+        for b, (t, lp) in enumerate(zip(trajs, teacher_lp)):
+            n = len(lp)
+            teacher_BT[b, :n] = torch.tensor(lp)
+            student_BT[b, :n] = torch.tensor([x for x, m in zip(t.logprobs, t.trainable) if m])
+            mask_BT[b, :n] = True
+        outcome_B = None
+        if cfg.w_orm != 0:
+            adv = group_advantages_from_groups([g.rewards for g in groups]).advantages
+            outcome_B = torch.tensor([a for a_g in adv for a in a_g], dtype=torch.float32)
+        reward_BT, m = opd_reward(teacher_BT, student_BT, mask_BT, r_max=cfg.r_max,
+                                  outcome_advantages_B=outcome_B, w_orm=cfg.w_orm)
+        seqs = []
+        for t, r_T in zip(trajs, reward_BT.tolist()):
+            it = iter(r_T)
+            seqs.append(TokenSequence(list(t.token_ids), list(t.trainable), list(t.logprobs),
+                                      [next(it) if mk else 0.0 for mk in t.trainable]))
+        rewards = [float(t.reward or 0.0) for t in trajs]
+        rows = {"opd_reward": m["mean_reward"], "opd_clip_frac": m["clip_frac"], "reverse_kl": m["reverse_kl"],
+                "opd_tokens": m["num_tokens"],
+                "reward": statistics.fmean(rewards) if rewards else float("nan"),
+                "pass_rate": statistics.fmean(r >= 1.0 for r in rewards) if rewards else float("nan"),
+                "effort_tokens": statistics.fmean(t.effort_tokens() for t in trajs) if trajs else float("nan")}
+        for e in EFFORTS:
+            toks = [t.effort_tokens() for t, te in zip(trajs, efforts) if te == e]
+            if toks:
+                rows[f"effort_tokens/{e}"] = statistics.fmean(toks)
+        for name in pool.names:
+            rows[f"expert/{name}"] = float(len(by_expert.get(name, ())))
+        return seqs, rows
+    return signal
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def mopd_families(cfg: MOPDConfig) -> dict[str, list[str]]:
+    """Domain → the families its prompts come from (``cfg.families[d]``, else every verifiable family of d).
+    ValueError when ``families`` names a domain that is not in ``domains``."""
+    extra = sorted(set(cfg.families) - set(cfg.domains))
+    if extra:
+        raise ValueError(f"mopd.families names domains {extra} that are not in mopd.domains {cfg.domains}")
+    return {d: domain_families(d, cfg.families.get(d, ())) for d in cfg.domains}
+
+
+def mopd_eval_tasks(cfg: MOPDConfig) -> dict[str, list[Task]]:
+    """Domain → ``rl.eval_n`` held-out tasks per family of it (the input of `evaluate_mopd`)."""
+    return {d: eval_tasks(fams, cfg.rl.eval_n, difficulty=cfg.rl.difficulty) for d, fams in mopd_families(cfg).items()}
+
+
+def _check_experts(cfg: MOPDConfig) -> None:
+    efforts = [e for e in EFFORTS if cfg.effort_mix.get(e, 0.0) > 0]
+    missing = [expert_name(d, e) for d in cfg.domains for e in efforts if expert_name(d, e) not in cfg.experts]
+    if missing:
+        raise ValueError(f"mopd.experts lacks a teacher for {missing} (domains {cfg.domains} x efforts {efforts})")
+
+
+def train_mopd(
+    student: torch.nn.Module,
+    tokenizer: Any,
+    cfg: MOPDConfig,
+    out_dir: str | Path,
+    *,
+    metrics: MetricsLogger | None = None,
+    resume: bool = True,
+    stop_after: int | None = None,
+    teacher_qat: QATConfig | None = None,
+) -> MOPDResult:
+    """Distil the experts into ``student`` (in place; start it from the SFT checkpoint) with the loop of the
+    module doc over prompts of every domain, interleaved by family. ``teacher_qat`` applies the experts'
+    QAT to the local teachers. ``stop_after`` ends this call after that many steps (tests kill and resume)."""
+    t_start = time.perf_counter()
+    _check_experts(cfg)
+    fams = [f for fs in mopd_families(cfg).values() for f in fs]
+    tasks = train_tasks(fams, cfg.rl.n_tasks, difficulty=cfg.rl.difficulty, seed=cfg.rl.seed)  # interleaved by family
+    pool = TeacherPool(cfg.experts, max_resident=cfg.max_resident, dtype=cfg.teacher_dtype, qat=teacher_qat,
+                       batch_tokens=cfg.teacher_batch_tokens)
+    try:
+        step, history, resumed_from, _, loop = train_policy(
+            student, tokenizer, cfg.rl, out_dir, tasks=tasks, signal=opd_signal(pool, cfg, XTML(tokenizer)),
+            effort_fn=effort_sampler(cfg.effort_mix, cfg.rl.seed), metrics=metrics, stage="mopd", resume=resume,
+            stop_after=stop_after,
+        )
+        loop.close()
+    finally:
+        pool.close()
+    return MOPDResult(step, history, dict(pool.stats), resumed_from, time.perf_counter() - t_start)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def mopd_checks(
+    rows: Sequence[Mapping[str, Any]], *, pass_ratio_min: float = 0.95, token_tolerance: float = 0.2
+) -> dict[str, Any]:
+    """The MOPD targets on a table of (domain, effort) rows holding student_pass, teacher_pass,
+    student_tokens, teacher_tokens (mean T(y)):
+
+        pass_ok   = student_pass ≥ pass_ratio_min · teacher_pass           (pass_ratio = s / t, nan if t = 0)
+        tokens_ok = |student_tokens − teacher_tokens| ≤ token_tolerance · teacher_tokens   (token_ratio = s / t)
+        order_ok  = per domain, the student's mean T(y) strictly increases low < high < max over its efforts
+
+    Returns {"rows": rows with the ratios and checks, "order": {domain: {"tokens": {effort: T}, "ok"}},
+    "ok": every check}."""
+    out_rows: list[dict[str, Any]] = []
+    order: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        s_p, t_p, s_t, t_t = (float(r[k]) for k in ("student_pass", "teacher_pass", "student_tokens", "teacher_tokens"))
+        out_rows.append({**r, "pass_ratio": s_p / t_p if t_p > 0 else float("nan"),
+                         "token_ratio": s_t / t_t if t_t > 0 else float("nan"),
+                         "pass_ok": s_p >= pass_ratio_min * t_p, "tokens_ok": abs(s_t - t_t) <= token_tolerance * t_t})
+        order.setdefault(r["domain"], {"tokens": {}})["tokens"][r["effort"]] = s_t
+    for d, o in order.items():
+        seq = [o["tokens"][e] for e in EFFORTS if e in o["tokens"]]
+        o["ok"] = all(a < b for a, b in zip(seq, seq[1:]))
+    ok = all(r["pass_ok"] and r["tokens_ok"] for r in out_rows) and all(o["ok"] for o in order.values())
+    return {"rows": out_rows, "order": order, "ok": ok}
+
+
+def _episodes(engine: Any, xtml: XTML, tasks: Sequence[Task], effort: str | None, max_tokens: int) -> dict[str, Any]:
+    """Greedy think-mode episodes of ``tasks`` at ``effort`` (None: no thinking-effort message), summarised."""
+    loop = AgentLoop(engine, xtml, make_env, sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                     effort=effort, mode="think")
+    trajs = [Trajectory(traj_id=f"eval{i}", group_id=i, sample_index=0, seed=trajectory_seed(0, i, 0),
+                        task=t.to_dict(), admitted_version=engine.version) for i, t in enumerate(tasks)]
+    try:
+        loop.run(trajs)
+    finally:
+        loop.close()
+    return summarize_trajectories(trajs)
+
+
+def evaluate_mopd(
+    student: EmbeddedEngine,
+    xtml: XTML,
+    pool: TeacherPool,
+    tasks: Mapping[str, Sequence[Task]],
+    *,
+    efforts: Sequence[str] = EFFORTS,
+    max_tokens: int = 128,
+    teacher_sees_effort: bool = False,
+    pass_ratio_min: float = 0.95,
+    token_tolerance: float = 0.2,
+) -> dict[str, Any]:
+    """The student vs each teacher on held-out ``tasks`` (domain → tasks, e.g. `mopd_eval_tasks`): greedy episodes of the student at each effort and of expert (d, e) as it scores in
+    MOPD (no effort message unless ``teacher_sees_effort``); pass rate and mean T(y) per (domain, effort),
+    then `mopd_checks`. Teachers must be local (an endpoint scores, it is not sampled here)."""
+    rows = []
+    for d, ts in tasks.items():
+        for e in efforts:
+            expert = expert_name(d, e)
+            teacher = EmbeddedEngine(pool.model(expert), xtml.tokenizer, max_batch_size=student.max_batch_size,
+                                     max_model_len=student.max_model_len)
+            s = _episodes(student, xtml, ts, e, max_tokens)
+            t = _episodes(teacher, xtml, ts, e if teacher_sees_effort else None, max_tokens)
+            rows.append({"domain": d, "effort": e, "expert": expert, "n": s["n"],
+                         "student_pass": s["pass_rate"], "teacher_pass": t["pass_rate"],
+                         "student_tokens": s["mean_effort_tokens"], "teacher_tokens": t["mean_effort_tokens"]})
+    return mopd_checks(rows, pass_ratio_min=pass_ratio_min, token_tolerance=token_tolerance)
