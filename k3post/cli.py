@@ -2,6 +2,8 @@
 
     k3post demo [CONFIG] [key=value ...]        the whole pipeline on a tiny MoE (CPU)
     k3post sft CONFIG [key=value ...]           Stage 1 SFT on a JSONL file (sft.train_file)
+    k3post rl CONFIG [key=value ...]            Stage 2 RL: one expert (rl.domain at rl.effort) from rl.init
+    k3post experts CONFIG [key=value ...]       Stage 2 RL: the nine domain x effort experts (max -> high -> low)
     k3post init-model OUT_DIR [--preset tiny]   write a tiny Qwen3-MoE + BPE tokenizer that transformers loads
     k3post export CKPT OUT [--format mxfp4|bf16] packed MXFP4 experts + bf16 rest, or all bf16
     k3post tasks list | sample FAMILY            the built-in task families
@@ -54,6 +56,16 @@ def cmd_sft(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rl(ns: argparse.Namespace) -> int:
+    from k3post.commands import run_experts, run_rl
+
+    config, overrides = _split_config(ns.args)
+    if config is None:
+        raise ValueError(f"usage: k3post {ns.command} CONFIG [key=value ...]")
+    (run_experts if ns.command == "experts" else run_rl)(_load(config, overrides))
+    return 0
+
+
 def cmd_init_model(ns: argparse.Namespace) -> int:
     from k3post.commands import init_model
 
@@ -87,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sft", help="Stage 1 SFT on XTML conversations (JSONL)")
     s.add_argument("args", nargs="*", help="CONFIG [key=value ...]")
     s.set_defaults(fn=cmd_sft)
+    for name, help_ in (("rl", "Stage 2 RL: one expert (rl.domain at rl.effort) from rl.init"),
+                        ("experts", "Stage 2 RL: the nine domain x effort experts, max -> high -> low")):
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("args", nargs="*", help="CONFIG [key=value ...]")
+        c.set_defaults(fn=cmd_rl)
     i = sub.add_parser("init-model", help="write a tiny Qwen3-MoE + tokenizer folder")
     i.add_argument("out_dir")
     i.add_argument("--preset", default="tiny")

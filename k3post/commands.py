@@ -73,3 +73,61 @@ def run_sft(cfg: K3Config) -> Path:
     final = save_model(model, run / "sft" / "final", tokenizer)
     print(f"SFT done: {res.steps} steps, final loss {res.final_loss:.4f}, {res.wall_s:.0f} s → {final}")
     return final
+
+
+def _rl_init(cfg: K3Config) -> Path:
+    init = Path(cfg.rl.init) if cfg.rl.init else cfg.run.dir / "sft" / "final"
+    if not (init / "config.json").is_file():
+        raise ValueError(f"rl.init: {init} is not a model folder (config.json missing); train SFT first or set rl.init")
+    return init
+
+
+def run_rl(cfg: K3Config) -> Path:
+    """`k3post rl CONFIG`: one RL expert (rl.domain at rl.effort) from rl.init; returns its folder."""
+    from k3post.experts import load_policy
+    from k3post.rewards.effort import estimate_budgets
+    from k3post.rl import domain_families, train_rl, train_tasks
+    from k3post.rollout.embedded import EmbeddedEngine
+
+    run = cfg.run.dir
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    init = _rl_init(cfg)
+    tokenizer = load_tokenizer(init)
+    model = load_policy(init, cfg.qat)
+    rl = cfg.rl
+    fams = domain_families(rl.domain, rl.families)
+    budgets = estimate_budgets(
+        EmbeddedEngine(model, tokenizer, max_batch_size=rl.slots, seed=rl.seed),
+        train_tasks(fams, rl.n_tasks, difficulty=rl.difficulty, seed=rl.seed), xtml=XTML(tokenizer),
+        samples_per_task=rl.effort_control.b0_samples, seed=rl.seed, max_tokens=rl.max_tokens,
+        q=rl.effort_control.b0_quantile, min_b0=rl.effort_control.min_b0, path=run / f"budgets.{rl.domain}.json",
+    )
+    metrics = MetricsLogger(run)
+    name = f"{rl.domain}.{rl.effort}"
+    res = train_rl(model, tokenizer, rl, run / "rl" / name, budgets=budgets, metrics=metrics, stage=f"rl/{name}")
+    metrics.close()
+    final = save_model(model, run / "rl" / name / "final", tokenizer)
+    ov = res.eval.get("overall", {})
+    print(f"RL {name}: {res.steps} steps in {res.seconds:.0f} s; held-out pass rate {ov.get('pass_rate', float('nan')):.3f}, "
+          f"mean T(y) {ov.get('mean_effort_tokens', float('nan')):.1f} → {final}")
+    return final
+
+
+def run_experts(cfg: K3Config) -> Path:
+    """`k3post experts CONFIG`: the nine (domain, effort) experts from rl.init; returns the experts folder."""
+    from k3post.experts import train_experts
+
+    run = cfg.run.dir
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    metrics = MetricsLogger(run)
+    out = run / "experts"
+    table = train_experts(_rl_init(cfg), cfg.rl, out, qat=cfg.qat, metrics=metrics)
+    metrics.close()
+    print(f"{'expert':16} {'pass (SFT)':>14} {'T(y) (SFT)':>16} {'viol.':>6}")
+    for name, e in table["experts"].items():
+        print(f"{name:16} {e['pass_rate']:6.3f} ({e['sft_pass_rate']:.3f}) {e['mean_effort_tokens']:7.1f} "
+              f"({e['sft_mean_effort_tokens']:6.1f}) {e['final_violation_rate']:6.3f}")
+    print(f"experts → {out} (table.json)")
+    return out

@@ -25,6 +25,7 @@ from k3post.evaluate import EvalConfig
 from k3post.models import ModelConfig, TokenizerConfig
 
 from k3post.quant.qat import QATConfig
+from k3post.rl import RLConfig
 from k3post.sft import SFTConfig
 from k3post.yamlio import read_yaml_mapping
 
@@ -66,6 +67,7 @@ class K3Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     qat: QATConfig = field(default_factory=QATConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
 
 

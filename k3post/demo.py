@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import time
 from dataclasses import replace
@@ -30,6 +31,7 @@ import torch
 from k3post.config import K3Config, to_yaml
 from k3post.data import load_sft_jsonl, write_jsonl
 from k3post.evaluate import evaluate_family, greedy_complete, train_inference_logprob_gap
+from k3post.experts import train_experts
 from k3post.metrics import MetricsLogger
 from k3post.models import build_tiny_moe, count_parameters, load_model, save_model
 from k3post.quant.qat import apply_qat
@@ -260,6 +262,17 @@ def run_demo(cfg: K3Config) -> Path:
         summary.update(eval=evals)
         print(f"  sft_noqat @ max : pass {evals['sft_noqat']['max']['pass_rate']:.3f}")
         phase("eval sft_noqat", t0)
+
+    # 6. Stage 2 RL: the nine experts, domain x (max -> high -> low), the domains in parallel processes
+    t0 = time.perf_counter()
+    if cfg.rl.steps > 0 and cfg.rl.domains:
+        table = train_experts(run / "sft" / "final", cfg.rl, run / "experts", qat=cfg.qat, metrics=metrics,
+                              processes=min(len(cfg.rl.domains), max(1, os.cpu_count() or 1)), metrics_dir=run)
+        summary.update(experts={k: {kk: v for kk, v in e.items() if kk != "eval"} for k, e in table["experts"].items()})
+        for name, e in table["experts"].items():
+            print(f"  expert {name:14}: pass {e['sft_pass_rate']:.3f} → {e['pass_rate']:.3f}   "
+                  f"T(y) {e['sft_mean_effort_tokens']:.1f} → {e['mean_effort_tokens']:.1f}")
+        phase("rl experts", t0)
 
     metrics.close()
     summary.update(status="done", wall_s=round(time.perf_counter() - t_start + summary.data.get("wall_s_before_resume", 0), 1))

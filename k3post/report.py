@@ -41,6 +41,28 @@ def _plot_png(series: dict[str, tuple[list[float], list[float]]], *, title: str,
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def _hist_png(series: dict[str, list[float]], *, title: str, xlabel: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.0), dpi=110)
+    hi = max((max(v) for v in series.values() if v), default=1.0)
+    bins = [hi * i / 30 for i in range(31)] if hi > 0 else 10
+    for label, vals in series.items():
+        ax.hist(vals, bins=bins, alpha=0.5, label=label)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("episodes")
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 def _img(b64: str, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{b64}">'
 
@@ -134,7 +156,54 @@ def _synth_section(run: Path, summary: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-SECTIONS = [_synth_section, _sft_section]
+def _rl_section(run: Path, summary: dict[str, Any]) -> str:
+    """Stage 2: the 3×3 expert table, targets, reward curves and T(y) histograms per effort."""
+    path = run / "experts" / "table.json"
+    table = json.loads(path.read_text()) if path.is_file() else summary.get("experts")
+    if not table or not table.get("experts"):
+        return ""
+    ex = table["experts"]
+    domains = list(dict.fromkeys(e["domain"] for e in ex.values()))
+    efforts = list(dict.fromkeys(e["effort"] for e in ex.values()))
+    parts = ["<h2>Stage 2: RL experts (domain × effort)</h2>",
+             "<p class=muted>Each domain trains max → high → low, each from the previous expert (SPEC §3.3), with the "
+             "K2.5 loss under partial rollout; b0 per task from the SFT model. Held-out pass rate and mean T(y) "
+             "(thinking tokens for general, all output tokens for agents / coding), greedy, SFT → expert.</p>"]
+    rows = []
+    for d in domains:
+        for e in efforts:
+            r = ex.get(f"{d}.{e}")
+            if r is None:
+                continue
+            rows.append([d, e, f"{r['sft_pass_rate']:.3f} → {r['pass_rate']:.3f}",
+                         f"{r['sft_mean_effort_tokens']:.1f} → {r['mean_effort_tokens']:.1f}",
+                         r["final_violation_rate"], r["steps"], r["seconds"]])
+    parts.append(_table(["domain", "effort", "pass rate (SFT → RL)", "mean T(y) (SFT → RL)",
+                         "budget violations (last steps)", "steps", "seconds"], rows))
+    checks = []
+    for d in domains:
+        m, lo = ex.get(f"{d}.max"), ex.get(f"{d}.low")
+        raised = [e for e in efforts if f"{d}.{e}" in ex and ex[f"{d}.{e}"]["pass_rate"] > ex[f"{d}.{e}"]["sft_pass_rate"]]
+        ratio = lo["mean_effort_tokens"] / m["mean_effort_tokens"] if m and lo and m["mean_effort_tokens"] > 0 else float("nan")
+        viol = max(ex[f"{d}.{e}"]["final_violation_rate"] for e in efforts if f"{d}.{e}" in ex)
+        checks.append([d, f"{len(raised)}/{len(efforts)} ({', '.join(raised) or 'none'})", ratio,
+                       "yes" if ratio <= 0.4 else "no", viol, "yes" if viol <= 0.03 else "no"])
+    parts.append("<p>Targets: RL raises held-out pass rate over SFT; <code>low</code> uses ≤ 40% of <code>max</code>'s "
+                 "tokens; budget violations ≤ 3% at the end of each effort's training.</p>")
+    parts.append(_table(["domain", "efforts where RL > SFT", "T(low) / T(max)", "≤ 0.4", "max violation rate", "≤ 3%"], checks))
+    for d in domains:
+        series = {e: (list(range(1, len(ex[f"{d}.{e}"]["reward_curve"]) + 1)), ex[f"{d}.{e}"]["reward_curve"])
+                  for e in efforts if f"{d}.{e}" in ex}
+        parts.append(_img(_plot_png(series, title=f"{d}: mean reward per RL step (before the effort override)",
+                                    xlabel="step", ylabel="reward"), f"{d} reward curves"))
+        hist = {e: ex[f"{d}.{e}"]["eval"]["overall"].get("effort_tokens", []) for e in efforts if f"{d}.{e}" in ex}
+        if any(hist.values()):
+            parts.append(_img(_hist_png(hist, title=f"{d}: T(y) of held-out episodes per effort expert", xlabel="T(y) tokens"),
+                              f"{d} T(y) histograms"))
+    return "\n".join(parts)
+
+
+SECTIONS = [_synth_section, _sft_section, _rl_section]
 
 
 def write_report(run_dir: str | Path) -> Path:

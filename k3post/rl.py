@@ -29,7 +29,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +41,17 @@ from k3post.checkpoint import latest_checkpoint, load_trainer_state, load_weight
 from k3post.envs.families.registry import families, get_family
 from k3post.envs.task import Task
 from k3post.metrics import MetricsLogger
+from k3post.models import load_model
 from k3post.policy_step import TokenSequence, policy_step
 from k3post.rewards.effort import BudgetTable, EffortConfig, group_override
-from k3post.rollout.agent_loop import AgentLoop
+from k3post.rewards.grm import EngineJudge, GroupGRM, PolicyJudge, estimate_l0, trajectory_candidate
+from k3post.rollout.agent_loop import AgentLoop, trajectory_seed
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.engine import KVState, SamplingParams
 from k3post.rollout.evaluation import evaluate_episodes, make_env
 from k3post.rollout.kv_pool import KVPool
 from k3post.rollout.scheduler import PartialRolloutScheduler
-from k3post.rollout.trajectory import Group
+from k3post.rollout.trajectory import Group, Trajectory
 from k3post.xtml import XTML
 
 log = logging.getLogger(__name__)
@@ -69,22 +71,27 @@ class RLConfig:
     ``temperature``, ``max_tokens`` per assistant turn, ``slots`` (engine batch), ``kv_pool_mb``.
     Loss (SPEC §3.1): ``log_ratio_min`` / ``log_ratio_max`` (the K2.5 band α, β), ``tau`` (the quadratic
     regulariser), ``clip_eps_low`` / ``clip_eps_high`` (PPO/DAPO clipping; inf = off).
-    Tasks: ``families`` (empty: every verifiable family of the domain, plus the non-verifiable ones when
-    a ``judge`` is set), ``difficulty``, ``n_tasks`` training prompts per family (cycled), ``eval_n``
+    Tasks: ``families``, the families trained in each domain (a domain with none listed trains all its
+    verifiable families, plus the non-verifiable ones when a ``judge`` is set), ``difficulty``, ``n_tasks`` training prompts per family (cycled), ``eval_n``
     held-out tasks per family.
     Judge (SPEC §3.4): ``judge`` = "" (none), "policy" (the cold-start checkpoint through the embedded
-    engine) or an OpenAI-compatible base URL; ``grm_sigma`` the length guard σ.
+    engine), a local checkpoint folder, or an OpenAI-compatible base URL (``judge_model`` names the
+    served model); ``grm_sigma`` the length guard σ (ℓ0 measured on the cold-start model).
     Effort control (SPEC §3.3): ``effort`` and ``effort_control`` (τ per effort and domain, the b0
     estimate's samples and quantile, the curriculum order).
-    Experts: ``domains``, each trained through ``effort_control.curriculum`` for ``steps`` per effort.
+    Experts: ``domains``, each trained through ``effort_control.curriculum`` for ``steps`` per effort;
+    ``domain_overrides`` sets numeric fields per domain (e.g. ``{agents: {steps: 4, eval_n: 24}}``:
+    agentic episodes cost far more than arithmetic ones), see `for_domain`.
+    ``init``: the checkpoint RL starts from (empty: the run folder's ``sft/final``).
     """
 
+    init: str = ""
     domain: str = "general"
     effort: str = "max"
-    families: list[str] = field(default_factory=list)
-    steps: int = 30
+    families: list[str] = field(default_factory=lambda: ["general.arithmetic", "agents.search", "coding.write_function"])
+    steps: int = 40
     n_prompts: int = 8
-    k: int = 4
+    k: int = 8
     lambda_: float = 0.7
     max_staleness: int = 4
     temperature: float = 1.0
@@ -93,10 +100,10 @@ class RLConfig:
     slots: int = 32
     kv_pool_mb: int = 64
     difficulty: int = 1
-    n_tasks: int = 256
+    n_tasks: int = 64
     eval_n: int = 100
     eval_max_tokens: int = 128
-    lr: float = 2e-4
+    lr: float = 1e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     micro_batch_tokens: int = 8192
@@ -107,12 +114,31 @@ class RLConfig:
     clip_eps_high: float = math.inf
     normalize_std: bool = False
     judge: str = ""
+    judge_model: str = ""
     grm_sigma: float = 1.5
     effort_control: EffortConfig = field(default_factory=EffortConfig)
     domains: list[str] = field(default_factory=lambda: ["general", "agents", "coding"])
+    domain_overrides: dict[str, dict[str, float]] = field(default_factory=lambda: {
+        "agents": {"steps": 4, "n_prompts": 2, "n_tasks": 8, "eval_n": 16},
+        "coding": {"steps": 4, "n_prompts": 2, "n_tasks": 8, "eval_n": 16},
+    })
     save_every: int = 10
     seed: int = 0
     progress: bool = True
+
+
+    def for_domain(self, domain: str) -> "RLConfig":
+        """This config with ``domain`` set and its ``domain_overrides`` applied (each value cast to
+        the field's type; an unknown or non-numeric field is a ValueError naming it)."""
+        over = dict(self.domain_overrides.get(domain, {}))
+        types = {f.name: type(getattr(self, f.name)) for f in fields(self)}
+        for key, value in over.items():
+            if types.get(key) not in (int, float) or key == "seed":
+                raise ValueError(f"rl.domain_overrides.{domain}.{key}: not a numeric RL setting")
+            if types[key] is int and float(value) != int(value):
+                raise ValueError(f"rl.domain_overrides.{domain}.{key}: must be an integer, got {value}")
+            over[key] = types[key](value)
+        return replace(self, domain=domain, **over)
 
 
 @dataclass
@@ -131,16 +157,13 @@ GroupScorer = Callable[[Group], list[float]]
 
 
 def domain_families(domain: str, names: Sequence[str] = (), *, with_judge: bool = False) -> list[str]:
-    """The families one RL run trains on: ``names`` if given (each must exist and belong to the
-    domain), else every verifiable family of ``domain`` (plus its non-verifiable ones ``with_judge``)."""
-    if names:
-        out = []
-        for n in names:
-            fam = get_family(n)
-            if fam.domain != domain:
-                raise ValueError(f"rl.families: {n!r} belongs to domain {fam.domain!r}, not {domain!r}")
-            out.append(fam.name)
-        return out
+    """The families one RL run of ``domain`` trains on: those of ``names`` that belong to the domain
+    (every name must be a registered family), else every verifiable family of ``domain`` (plus its
+    non-verifiable ones ``with_judge``)."""
+    named = [get_family(n) for n in names]  # an unknown name is a ValueError listing the families
+    mine = [f.name for f in named if f.domain == domain and (f.verifiable or with_judge)]
+    if mine:
+        return mine
     fams = [f.name for f in families(domain) if f.verifiable or with_judge]
     if not fams:
         raise ValueError(f"domain {domain!r} has no {'families' if with_judge else 'verifiable families'}")
@@ -168,6 +191,40 @@ def loss_kwargs(cfg: RLConfig) -> dict[str, float]:
     """The `policy_loss` parameters of ``cfg``."""
     return {"log_ratio_min": cfg.log_ratio_min, "log_ratio_max": cfg.log_ratio_max, "tau": cfg.tau,
             "clip_eps_low": cfg.clip_eps_low, "clip_eps_high": cfg.clip_eps_high}
+
+
+def build_group_scorer(
+    cfg: RLConfig, cold_start: str | Path, tokenizer: Any, family_names: Sequence[str], *, qat: bool = False
+) -> GroupScorer | None:
+    """The GRM scorer of ``cfg.judge`` for the non-verifiable families among ``family_names`` (None
+    when there are none or no judge is set). ℓ0 of each such family is the median response length
+    (`trajectory_candidate`) of the cold-start model on 16 of its training tasks at ``cfg.effort``."""
+    judged = [f for f in family_names if not get_family(f).verifiable]
+    if not judged or not cfg.judge:
+        return None
+    if cfg.judge.startswith(("http://", "https://")):
+        if not cfg.judge_model:
+            raise ValueError("rl.judge is a URL: set rl.judge_model to the served model's name")
+        judge: Any = PolicyJudge.from_url(cfg.judge, cfg.judge_model)
+    else:
+        path = Path(cold_start) if cfg.judge == "policy" else Path(cfg.judge)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"rl.judge: {path} is not a model folder (config.json missing)")
+        judge = EngineJudge.from_checkpoint(path, qat=qat, max_batch_size=cfg.slots, seed=cfg.seed)
+    xtml = XTML(tokenizer)
+    engine = EmbeddedEngine(load_model(cold_start), tokenizer, max_batch_size=cfg.slots, seed=cfg.seed)
+    l0 = {}
+    for fam in judged:
+        res_tasks = train_tasks([fam], 16, difficulty=cfg.difficulty, seed=cfg.seed)
+        loop = AgentLoop(engine, xtml, make_env, sampling=SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens),
+                         effort=cfg.effort)
+        trajs = [Trajectory(traj_id=f"l0/{i}", group_id=i, sample_index=0, seed=trajectory_seed(cfg.seed, i, 0),
+                            task=t.to_dict()) for i, t in enumerate(res_tasks)]
+        loop.run(trajs)
+        loop.close()
+        l0[fam] = estimate_l0([trajectory_candidate(t, xtml).length or 0 for t in trajs])
+    log.info("GRM judge %s, l0 %s", cfg.judge, l0)
+    return GroupGRM(judge, xtml, l0=l0, sigma=cfg.grm_sigma, seed=cfg.seed)
 
 
 def group_rewards(group: Group, scorer: GroupScorer | None) -> list[float]:

@@ -187,3 +187,53 @@ def test_policy_step_accumulation_equals_one_batch(warm_policy):
         lp, _ = token_logprobs(model, ids, att)
         ref, _ = policy_loss(lp, beh, adv, mask)
     assert ma["loss"] == pytest.approx(float(ref), rel=1e-5)
+
+
+def _save(model, tok, path):
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_cli_rl_trains_one_expert(warm_policy, tmp_path):
+    """`k3post rl` end to end: budgets cached in the run, metrics logged per step, a loadable expert."""
+    from k3post.cli import main
+    from k3post.metrics import read_metrics
+    from k3post.models import load_model
+
+    model, tok = warm_policy
+    init = _save(model, tok, tmp_path / "init")
+    args = [f"run.root={tmp_path}", "run.name=r", f"rl.init={init}", "rl.steps=2", "rl.n_tasks=4", "rl.n_prompts=2",
+            "rl.k=4", "rl.eval_n=4", "rl.max_tokens=32", "rl.eval_max_tokens=32", "rl.families=[general.arithmetic]",
+            "rl.progress=false", "qat.enabled=false"]
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("run: {name: r}\n")
+    assert main(["rl", str(cfg), *args]) == 0
+    run = tmp_path / "r"
+    assert (run / "budgets.general.json").is_file()
+    rows = read_metrics(run / "metrics.jsonl", "rl/general.max")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("train/train_rollout_logp_gap" in r or r["train/num_tokens"] == 0 for r in rows)
+    final = load_model(run / "rl" / "general.max" / "final")
+    assert sum(p.numel() for p in final.parameters()) == sum(p.numel() for p in model.parameters())
+
+
+def test_experts_curriculum_chains_and_resumes(warm_policy, tmp_path):
+    """max → low of one domain: low starts from max's expert; the table has SFT-before and after rows;
+    running again trains nothing (finished experts are kept)."""
+    from k3post.experts import train_experts
+
+    model, tok = warm_policy
+    init = _save(model, tok, tmp_path / "init")
+    cfg = _cfg(domains=["general"], steps=2, effort_control=EffortConfig(curriculum=["max", "low"]), n_tasks=4)
+    table = train_experts(init, cfg, tmp_path / "experts")
+    assert list(table["experts"]) == ["general.max", "general.low"]
+    assert table["experts"]["general.low"]["init_from"] == "general.max"
+    assert set(table["before"]["general"]) == {"max", "low"}
+    for name in ("general.max", "general.low"):
+        e = table["experts"][name]
+        assert e["steps"] == 2 and len(e["reward_curve"]) == 2
+        assert (tmp_path / "experts" / name / "model.safetensors").is_file()
+        assert 0.0 <= e["pass_rate"] <= 1.0 and e["eval"]["overall"]["n"] == 4
+    again = train_experts(init, cfg, tmp_path / "experts")
+    assert again["experts"]["general.low"]["seconds"] == table["experts"]["general.low"]["seconds"]

@@ -32,10 +32,11 @@ def make_env(task: Task) -> Any:
 
 
 def summarize_trajectories(trajs: Sequence[Trajectory], *, pass_threshold: float = 1.0) -> dict[str, Any]:
-    """Pass rate, mean reward, mean T(y) and output tokens, and finish reasons of finished trajectories."""
+    """Pass rate, mean reward, mean T(y) and output tokens, finish reasons, and every T(y) (for
+    histograms) of finished trajectories."""
     if not trajs:
         return {"n": 0, "pass_rate": 0.0, "mean_reward": 0.0, "mean_effort_tokens": 0.0, "mean_output_tokens": 0.0,
-                "finish": {}}
+                "finish": {}, "effort_tokens": []}
     rewards = [float(t.reward or 0.0) for t in trajs]
     return {
         "n": len(trajs),
@@ -44,6 +45,7 @@ def summarize_trajectories(trajs: Sequence[Trajectory], *, pass_threshold: float
         "mean_effort_tokens": statistics.fmean(t.effort_tokens() for t in trajs),
         "mean_output_tokens": statistics.fmean(t.output_tokens for t in trajs),
         "finish": dict(Counter(t.finish or "none" for t in trajs)),
+        "effort_tokens": [t.effort_tokens() for t in trajs],
     }
 
 

@@ -1,0 +1,216 @@
+"""`k3post experts`: the nine RL experts, general / agents / coding × max → high → low (SPEC §3.3).
+
+For each domain:
+
+    b0(x)   = estimate_budgets(SFT model, the domain's training tasks, effort max)   once, cached
+    max     = train_rl(SFT checkpoint,  effort max,  τ_max with the cap)
+    high    = train_rl(max expert,      effort high, τ_high)
+    low     = train_rl(high expert,     effort low,  τ_low)
+
+Each expert is saved as a Hugging Face folder ``experts/<domain>.<effort>/`` (safetensors + tokenizer),
+its run (checkpoints, exact resume) under ``experts/<domain>.<effort>.run/``; a finished expert is
+not retrained when the command runs again. The SFT model is evaluated once per domain at every
+effort (the "before" row). ``experts/table.json`` holds, per expert: held-out pass rate and mean
+T(y) before (SFT at that effort) and after, the budget-violation rate and the token ratio of the
+last steps, the reward curve.
+
+Shape legend: none.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3post.metrics import MetricsLogger
+from k3post.models import load_model
+from k3post.quant.qat import QATConfig, apply_qat
+from k3post.rewards.effort import BudgetTable, Curriculum, estimate_budgets
+from k3post.rl import GroupScorer, RLConfig, build_group_scorer, domain_families, eval_tasks, train_rl, train_tasks
+from k3post.rollout.embedded import EmbeddedEngine
+from k3post.rollout.evaluation import evaluate_episodes
+from k3post.tokenizer import load_tokenizer
+from k3post.xtml import XTML
+
+log = logging.getLogger(__name__)
+
+__all__ = ["train_experts", "train_domain_experts", "expert_dir", "load_policy"]
+
+
+def expert_dir(root: str | Path, name: str) -> Path:
+    """Folder of expert ``name`` ("<domain>.<effort>") under ``root``."""
+    return Path(root) / name
+
+
+def load_policy(path: str | Path, qat: QATConfig | None) -> torch.nn.Module:
+    """A checkpoint as a trainable policy, with MX QAT applied when ``qat`` is enabled."""
+    model = load_model(path)
+    if qat is not None and qat.enabled:
+        apply_qat(model, qat)
+    return model
+
+
+def _families(domain: str, cfg: RLConfig, with_judge: bool) -> list[str]:
+    return domain_families(domain, cfg.families, with_judge=with_judge)
+
+
+def _tail(history: list[dict[str, float]], key: str, n: int = 3) -> float:
+    vals = [h[key] for h in history[-n:] if key in h and h[key] == h[key]]
+    return statistics.fmean(vals) if vals else float("nan")
+
+
+def _domain_worker(args: tuple[str, str, RLConfig, str, QATConfig | None, str | None]) -> dict[str, Any]:
+    domain, sft_dir, cfg, out_dir, qat, metrics_dir = args
+    torch.set_num_threads(1)
+    metrics = MetricsLogger(metrics_dir) if metrics_dir else None
+    try:
+        return train_domain_experts(domain, sft_dir, cfg, out_dir, qat=qat, metrics=metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+def train_experts(
+    sft_dir: str | Path,
+    cfg: RLConfig,
+    out_dir: str | Path,
+    *,
+    qat: QATConfig | None = None,
+    metrics: MetricsLogger | None = None,
+    scorer: GroupScorer | None = None,
+    processes: int = 1,
+    metrics_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """Every (domain, effort) expert of ``cfg.domains`` × ``cfg.effort_control.curriculum``; returns
+    the merged table (also written to ``table.json``).
+
+    The domains' chains are independent, so with ``processes`` > 1 they train in that many spawned
+    processes (one torch thread each; metrics to ``metrics_dir`` through their own loggers, the
+    JSONL file is shared under a file lock). A judge given as a live ``scorer`` object forces one
+    process; ``cfg.judge`` is built inside each worker instead."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    domains = list(cfg.domains)
+    if processes > 1 and len(domains) > 1 and scorer is None:
+        import multiprocessing as mp
+
+        jobs = [  # scorers (judges) are built inside each worker from cfg.judge
+(d, str(sft_dir), cfg, str(out), qat, str(metrics_dir) if metrics_dir else None) for d in domains]
+        with mp.get_context("spawn").Pool(min(processes, len(domains)), maxtasksperchild=1) as pool:
+            tables = dict(zip(domains, pool.map(_domain_worker, jobs, chunksize=1)))
+    else:
+        tables = {d: train_domain_experts(d, sft_dir, cfg, out, qat=qat, metrics=metrics, scorer=scorer) for d in domains}
+    merged: dict[str, Any] = {"experts": {}, "before": {}, "budgets": {}}
+    for d in domains:
+        for key in merged:
+            merged[key].update(tables[d][key])
+    _write_json(out / "table.json", merged)
+    return merged
+
+
+def train_domain_experts(
+    domain: str,
+    sft_dir: str | Path,
+    cfg: RLConfig,
+    out_dir: str | Path,
+    *,
+    qat: QATConfig | None = None,
+    metrics: MetricsLogger | None = None,
+    scorer: GroupScorer | None = None,
+) -> dict[str, Any]:
+    """Train the effort experts of one domain, ``cfg.effort_control.curriculum`` in order, from the
+    SFT checkpoint ``sft_dir`` (module doc); returns and writes ``table.<domain>.json``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(sft_dir)
+    xtml = XTML(tok)
+    table: dict[str, Any] = {"experts": {}, "before": {}, "budgets": {}}
+    table_path = out / f"table.{domain}.json"
+    if table_path.is_file():
+        table = json.loads(table_path.read_text())
+    efforts = list(cfg.effort_control.curriculum)
+    if scorer is None:
+        scorer = build_group_scorer(cfg, sft_dir, tok, _families(domain, cfg, True),
+                                    qat=bool(qat is not None and qat.enabled))
+    for stage in Curriculum([domain], cfg.effort_control):
+        t0 = time.perf_counter()
+        fams = _families(stage.domain, cfg, scorer is not None)
+        rcfg = replace(cfg.for_domain(stage.domain), effort=stage.effort, families=fams)
+        dest = expert_dir(out, stage.expert)
+        if stage.expert in table["experts"] and (dest / "config.json").is_file():
+            log.info("expert %s already trained: %s", stage.expert, dest)
+            continue
+        budget_path = out / f"budgets.{stage.domain}.json"
+        if stage.domain not in table["before"] or not budget_path.is_file():
+            # once per domain, from the cold-start (SFT) model: b0 at max effort, and the "before" row
+            sft_model = load_policy(sft_dir, qat)
+            engine = EmbeddedEngine(sft_model, tok, max_batch_size=rcfg.slots, seed=rcfg.seed)
+            t_b = time.perf_counter()
+            budgets = estimate_budgets(
+                engine, train_tasks(fams, rcfg.n_tasks, difficulty=rcfg.difficulty, seed=rcfg.seed), xtml=xtml,
+                samples_per_task=rcfg.effort_control.b0_samples, seed=rcfg.seed, max_tokens=rcfg.max_tokens,
+                q=rcfg.effort_control.b0_quantile, min_b0=rcfg.effort_control.min_b0, path=budget_path,
+            )
+            b0s = [budgets.b0(k) for k in budgets]
+            table["budgets"][stage.domain] = {"tasks": len(b0s), "median_b0": statistics.median(b0s),
+                                              "seconds": time.perf_counter() - t_b,
+                                              "sources": dict(_count(e.source for e in budgets.entries.values()))}
+            held_out = eval_tasks(fams, rcfg.eval_n, difficulty=rcfg.difficulty)
+            table["before"][stage.domain] = {
+                e: evaluate_episodes(engine, xtml, held_out, effort=e, max_tokens=rcfg.eval_max_tokens) for e in efforts
+            }
+            del sft_model, engine
+        else:
+            budgets = BudgetTable.load(budget_path)
+        src = sft_dir if stage.init_from == "sft" else expert_dir(out, stage.init_from)
+        model = load_policy(src, qat)
+        run_dir = out / f"{stage.expert}.run"
+        res = train_rl(model, tok, rcfg, run_dir, budgets=budgets, scorer=scorer, metrics=metrics,
+                       stage=f"rl/{stage.expert}")
+        tmp = out / f".{stage.expert}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+        before = table["before"][stage.domain][stage.effort]
+        table["experts"][stage.expert] = {
+            "domain": stage.domain, "effort": stage.effort, "init_from": stage.init_from, "steps": res.steps,
+            "families": fams, "scale": stage.scale,
+            "pass_rate": res.eval["overall"]["pass_rate"], "mean_effort_tokens": res.eval["overall"]["mean_effort_tokens"],
+            "sft_pass_rate": before["overall"]["pass_rate"], "sft_mean_effort_tokens": before["overall"]["mean_effort_tokens"],
+            "eval": res.eval,
+            "final_violation_rate": _tail(res.history, "budget_violation_rate"),
+            "final_effort_ratio": _tail(res.history, "effort_ratio"),
+            "reward_curve": [h.get("reward", float("nan")) for h in res.history],
+            "effort_tokens_curve": [h.get("effort_tokens", float("nan")) for h in res.history],
+            "seconds": time.perf_counter() - t0,
+        }
+        _write_json(table_path, table)
+        log.info("expert %s: pass %.3f (SFT %.3f), T %.1f", stage.expert, table["experts"][stage.expert]["pass_rate"],
+                 before["overall"]["pass_rate"], table["experts"][stage.expert]["mean_effort_tokens"])
+    _write_json(table_path, table)
+    return table
+
+
+def _count(items: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=float))
+    tmp.replace(path)
