@@ -75,37 +75,37 @@ def run_sft(cfg: K3Config) -> Path:
     return final
 
 
-def _rl_init(cfg: K3Config) -> Path:
-    init = Path(cfg.rl.init) if cfg.rl.init else cfg.run.dir / "sft" / "final"
+def _start_rl_run(cfg: K3Config) -> tuple[Path, Path]:
+    """Create the run folder (with its resolved config); return it and the checkpoint RL starts from."""
+    run = cfg.run.dir
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    init = Path(cfg.rl.init) if cfg.rl.init else run / "sft" / "final"
     if not (init / "config.json").is_file():
         raise ValueError(f"rl.init: {init} is not a model folder (config.json missing); train SFT first or set rl.init")
-    return init
+    return run, init
 
 
 def run_rl(cfg: K3Config) -> Path:
     """`k3post rl CONFIG`: one RL expert (rl.domain at rl.effort) from rl.init; returns its folder."""
-    from k3post.experts import load_policy
-    from k3post.rewards.effort import estimate_budgets
-    from k3post.rl import domain_families, train_rl, train_tasks
+    from dataclasses import replace
+
+    from k3post.experts import domain_budgets, load_policy
+    from k3post.rl import build_group_scorer, domain_families, train_rl
     from k3post.rollout.embedded import EmbeddedEngine
 
-    run = cfg.run.dir
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "config.yaml").write_text(to_yaml(cfg))
-    init = _rl_init(cfg)
+    run, init = _start_rl_run(cfg)
     tokenizer = load_tokenizer(init)
     model = load_policy(init, cfg.qat)
-    rl = cfg.rl
-    fams = domain_families(rl.domain, rl.families)
-    budgets = estimate_budgets(
-        EmbeddedEngine(model, tokenizer, max_batch_size=rl.slots, seed=rl.seed),
-        train_tasks(fams, rl.n_tasks, difficulty=rl.difficulty, seed=rl.seed), xtml=XTML(tokenizer),
-        samples_per_task=rl.effort_control.b0_samples, seed=rl.seed, max_tokens=rl.max_tokens,
-        q=rl.effort_control.b0_quantile, min_b0=rl.effort_control.min_b0, path=run / f"budgets.{rl.domain}.json",
-    )
+    fams = domain_families(cfg.rl.domain, cfg.rl.families, with_judge=bool(cfg.rl.judge))
+    rl = replace(cfg.rl.for_domain(cfg.rl.domain), families=fams)
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=rl.slots, seed=rl.seed)
+    budgets = domain_budgets(engine, XTML(tokenizer), rl, run / f"budgets.{rl.domain}.json")
+    scorer = build_group_scorer(rl, init, tokenizer, fams, qat=cfg.qat.enabled)
     metrics = MetricsLogger(run)
     name = f"{rl.domain}.{rl.effort}"
-    res = train_rl(model, tokenizer, rl, run / "rl" / name, budgets=budgets, metrics=metrics, stage=f"rl/{name}")
+    res = train_rl(model, tokenizer, rl, run / "rl" / name, budgets=budgets, scorer=scorer, metrics=metrics,
+                   stage=f"rl/{name}")
     metrics.close()
     final = save_model(model, run / "rl" / name / "final", tokenizer)
     ov = res.eval.get("overall", {})
@@ -118,12 +118,10 @@ def run_experts(cfg: K3Config) -> Path:
     """`k3post experts CONFIG`: the nine (domain, effort) experts from rl.init; returns the experts folder."""
     from k3post.experts import train_experts
 
-    run = cfg.run.dir
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "config.yaml").write_text(to_yaml(cfg))
+    run, init = _start_rl_run(cfg)
     metrics = MetricsLogger(run)
     out = run / "experts"
-    table = train_experts(_rl_init(cfg), cfg.rl, out, qat=cfg.qat, metrics=metrics)
+    table = train_experts(init, cfg.rl, out, qat=cfg.qat, metrics=metrics)
     metrics.close()
     print(f"{'expert':16} {'pass (SFT)':>14} {'T(y) (SFT)':>16} {'viol.':>6}")
     for name, e in table["experts"].items():

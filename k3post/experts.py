@@ -42,7 +42,7 @@ from k3post.xtml import XTML
 
 log = logging.getLogger(__name__)
 
-__all__ = ["train_experts", "train_domain_experts", "expert_dir", "load_policy"]
+__all__ = ["train_experts", "train_domain_experts", "domain_budgets", "expert_dir", "load_policy"]
 
 
 def expert_dir(root: str | Path, name: str) -> Path:
@@ -60,6 +60,17 @@ def load_policy(path: str | Path, qat: QATConfig | None) -> torch.nn.Module:
 
 def _families(domain: str, cfg: RLConfig, with_judge: bool) -> list[str]:
     return domain_families(domain, cfg.families, with_judge=with_judge)
+
+
+def domain_budgets(engine: Any, xtml: XTML, cfg: RLConfig, path: str | Path) -> BudgetTable:
+    """b0 of every training task of ``cfg`` (its domain and families) from the cold-start model
+    behind ``engine``, at max effort, cached in ``path`` (`estimate_budgets`)."""
+    ec = cfg.effort_control
+    return estimate_budgets(
+        engine, train_tasks(cfg.families, cfg.n_tasks, difficulty=cfg.difficulty, seed=cfg.seed), xtml=xtml,
+        samples_per_task=ec.b0_samples, seed=cfg.seed, max_tokens=cfg.max_tokens, q=ec.b0_quantile,
+        min_b0=ec.min_b0, path=path,
+    )
 
 
 def _tail(history: list[dict[str, float]], key: str, n: int = 3) -> float:
@@ -154,11 +165,7 @@ def train_domain_experts(
             sft_model = load_policy(sft_dir, qat)
             engine = EmbeddedEngine(sft_model, tok, max_batch_size=rcfg.slots, seed=rcfg.seed)
             t_b = time.perf_counter()
-            budgets = estimate_budgets(
-                engine, train_tasks(fams, rcfg.n_tasks, difficulty=rcfg.difficulty, seed=rcfg.seed), xtml=xtml,
-                samples_per_task=rcfg.effort_control.b0_samples, seed=rcfg.seed, max_tokens=rcfg.max_tokens,
-                q=rcfg.effort_control.b0_quantile, min_b0=rcfg.effort_control.min_b0, path=budget_path,
-            )
+            budgets = domain_budgets(engine, xtml, rcfg, budget_path)
             b0s = [budgets.b0(k) for k in budgets]
             table["budgets"][stage.domain] = {"tasks": len(b0s), "median_b0": statistics.median(b0s),
                                               "seconds": time.perf_counter() - t_b,

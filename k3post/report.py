@@ -34,6 +34,12 @@ def _plot_png(series: dict[str, tuple[list[float], list[float]]], *, title: str,
     ax.grid(alpha=0.3)
     if len(series) > 1:
         ax.legend()
+    return _png_b64(fig)
+
+
+def _png_b64(fig: Any) -> str:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
@@ -56,11 +62,7 @@ def _hist_png(series: dict[str, list[float]], *, title: str, xlabel: str) -> str
     ax.set_xlabel(xlabel)
     ax.set_ylabel("episodes")
     ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
+    return _png_b64(fig)
 
 
 def _img(b64: str, alt: str) -> str:
