@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from k3post.config import K3Config, to_yaml
 from k3post.data import load_sft_jsonl
@@ -13,6 +14,9 @@ from k3post.quant.qat import apply_qat
 from k3post.sft import train_sft
 from k3post.tokenizer import ensure_xtml_tokens, load_tokenizer, train_tokenizer
 from k3post.xtml import XTML, render_text
+
+if TYPE_CHECKING:
+    from k3post.mopd import MOPDConfig
 
 
 def default_corpus(n_per_family: int = 6, seed: int = 123, *, n_main: int = 60, main: str = "general.arithmetic") -> list[str]:
@@ -129,3 +133,57 @@ def run_experts(cfg: K3Config) -> Path:
               f"({e['sft_mean_effort_tokens']:6.1f}) {e['final_violation_rate']:6.3f}")
     print(f"experts → {out} (table.json)")
     return out
+
+
+def mopd_config_for_run(cfg: K3Config, experts_dir: Path) -> "MOPDConfig":
+    """``cfg.mopd`` with every missing teacher taken from ``experts_dir/<domain>.<effort>``."""
+    from dataclasses import replace
+
+    from k3post.mopd import expert_name
+
+    m = cfg.mopd
+    experts = dict(m.experts)
+    for d in m.domains:
+        for e in (e for e, w in m.effort_mix.items() if w > 0):
+            name = expert_name(d, e)
+            if name not in experts and (experts_dir / name / "config.json").is_file():
+                experts[name] = str(experts_dir / name)
+    return replace(m, experts=experts)
+
+
+def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None = None) -> dict:
+    """MOPD from ``init`` (the SFT checkpoint) into ``run/mopd``, then the student-vs-teacher table;
+    returns the summary written to ``run/mopd/summary.json``."""
+    from k3post.experts import load_policy
+    from k3post.mopd import TeacherPool, evaluate_mopd, mopd_eval_tasks, train_mopd
+    from k3post.rollout.embedded import EmbeddedEngine
+
+    m = mopd_config_for_run(cfg, run / "experts")
+    tokenizer = load_tokenizer(init)
+    student = load_policy(init, cfg.qat)
+    res = train_mopd(student, tokenizer, m, run / "mopd", metrics=metrics, teacher_qat=cfg.qat)
+    save_model(student, run / "mopd" / "final", tokenizer)
+    pool = TeacherPool(m.experts, max_resident=m.max_resident, dtype=m.teacher_dtype, qat=cfg.qat)
+    engine = EmbeddedEngine(student, tokenizer, max_batch_size=m.rl.slots, seed=m.rl.seed)
+    table = evaluate_mopd(engine, XTML(tokenizer), pool, mopd_eval_tasks(m), efforts=[e for e, w in m.effort_mix.items() if w > 0],
+                          max_tokens=m.rl.eval_max_tokens, teacher_sees_effort=m.teacher_sees_effort)
+    pool.close()
+    out = {"steps": res.steps, "seconds": res.seconds, "teacher_stats": res.teacher_stats,
+           "opd_reward_curve": [h.get("opd_reward", float("nan")) for h in res.history],
+           "reverse_kl_curve": [h.get("reverse_kl", float("nan")) for h in res.history], "table": table}
+    (run / "mopd" / "summary.json").write_text(json.dumps(out, indent=1, default=float))
+    return out
+
+
+def run_mopd(cfg: K3Config) -> Path:
+    """`k3post mopd CONFIG`: distil the run's experts (or ``mopd.experts``) into one student from rl.init."""
+    run, init = _start_rl_run(cfg)
+    metrics = MetricsLogger(run)
+    out = distill(cfg, init, run, metrics)
+    metrics.close()
+    print(f"{'domain':8} {'effort':6} {'student pass':>12} {'teacher pass':>12} {'student T':>9} {'teacher T':>9}")
+    for r in out["table"]["rows"]:
+        print(f"{r['domain']:8} {r['effort']:6} {r['student_pass']:12.3f} {r['teacher_pass']:12.3f} "
+              f"{r['student_tokens']:9.1f} {r['teacher_tokens']:9.1f}")
+    print(f"targets met: {out['table']['ok']} → {run / 'mopd'}")
+    return run / "mopd" / "final"

@@ -25,6 +25,7 @@ from k3post.evaluate import EvalConfig
 from k3post.models import ModelConfig, TokenizerConfig
 
 from k3post.quant.qat import QATConfig
+from k3post.mopd import MOPDConfig
 from k3post.rl import RLConfig
 from k3post.sft import SFTConfig
 from k3post.yamlio import read_yaml_mapping
@@ -68,6 +69,7 @@ class K3Config:
     qat: QATConfig = field(default_factory=QATConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    mopd: MOPDConfig = field(default_factory=MOPDConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
 
 

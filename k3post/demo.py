@@ -37,7 +37,7 @@ from k3post.models import build_tiny_moe, count_parameters, load_model, save_mod
 from k3post.quant.qat import apply_qat
 from k3post.report import write_report
 from k3post.sft import train_sft
-from k3post.commands import default_corpus
+from k3post.commands import default_corpus, distill
 from k3post.envs.families import families, get_family
 from k3post.envs.task import canonical_json
 from k3post.synth import VerifyConfig, build_sft_dataset, mix
@@ -273,6 +273,16 @@ def run_demo(cfg: K3Config) -> Path:
             print(f"  expert {name:14}: pass {e['sft_pass_rate']:.3f} → {e['pass_rate']:.3f}   "
                   f"T(y) {e['sft_mean_effort_tokens']:.1f} → {e['mean_effort_tokens']:.1f}")
         phase("rl experts", t0)
+
+    # 7. Stage 3 MOPD: the nine experts distilled into one student (from the SFT checkpoint)
+    t0 = time.perf_counter()
+    if cfg.mopd.rl.steps > 0 and (run / "experts" / "table.json").is_file():
+        out = distill(cfg, run / "sft" / "final", run, metrics)
+        summary.update(mopd={k: v for k, v in out.items()})
+        for r in out["table"]["rows"]:
+            print(f"  MOPD {r['domain']:8} @ {r['effort']:<4}: student {r['student_pass']:.3f} vs teacher {r['teacher_pass']:.3f}, "
+                  f"T(y) {r['student_tokens']:.1f} vs {r['teacher_tokens']:.1f}")
+        phase("mopd", t0)
 
     metrics.close()
     summary.update(status="done", wall_s=round(time.perf_counter() - t_start + summary.data.get("wall_s_before_resume", 0), 1))

@@ -107,7 +107,7 @@ class MOPDConfig:
     teacher_dtype: str = "float32"
     teacher_batch_tokens: int = 8192
     teacher_sees_effort: bool = False
-    rl: RLConfig = field(default_factory=RLConfig)
+    rl: RLConfig = field(default_factory=lambda: RLConfig(steps=24, n_prompts=6, k=4))
 
 
 @dataclass
@@ -410,17 +410,20 @@ def opd_signal(pool: TeacherPool, cfg: MOPDConfig, xtml: XTML) -> Signal:
 
 
 def mopd_families(cfg: MOPDConfig) -> dict[str, list[str]]:
-    """Domain → the families its prompts come from (``cfg.families[d]``, else every verifiable family of d).
+    """Domain → the families its prompts come from (``cfg.families[d]``, else those of ``cfg.rl.families`` in
+    d, else every verifiable family of d).
     ValueError when ``families`` names a domain that is not in ``domains``."""
     extra = sorted(set(cfg.families) - set(cfg.domains))
     if extra:
         raise ValueError(f"mopd.families names domains {extra} that are not in mopd.domains {cfg.domains}")
-    return {d: domain_families(d, cfg.families.get(d, ())) for d in cfg.domains}
+    return {d: domain_families(d, cfg.families.get(d) or cfg.rl.families) for d in cfg.domains}
 
 
 def mopd_eval_tasks(cfg: MOPDConfig) -> dict[str, list[Task]]:
-    """Domain → ``rl.eval_n`` held-out tasks per family of it (the input of `evaluate_mopd`)."""
-    return {d: eval_tasks(fams, cfg.rl.eval_n, difficulty=cfg.rl.difficulty) for d, fams in mopd_families(cfg).items()}
+    """Domain → ``eval_n`` held-out tasks per family of it (``rl.domain_overrides`` apply; the input of
+    `evaluate_mopd`)."""
+    return {d: eval_tasks(fams, cfg.rl.for_domain(d).eval_n, difficulty=cfg.rl.difficulty)
+            for d, fams in mopd_families(cfg).items()}
 
 
 def _check_experts(cfg: MOPDConfig) -> None:

@@ -205,7 +205,35 @@ def _rl_section(run: Path, summary: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-SECTIONS = [_synth_section, _sft_section, _rl_section]
+def _mopd_section(run: Path, summary: dict[str, Any]) -> str:
+    """Stage 3: student vs teacher per (domain, effort), the targets, the per-token OPD reward curve."""
+    path = run / "mopd" / "summary.json"
+    m = json.loads(path.read_text()) if path.is_file() else summary.get("mopd")
+    if not m:
+        return ""
+    t = m["table"]
+    parts = ["<h2>Stage 3: MOPD (nine experts → one student)</h2>",
+             "<p class=muted>The student (from the SFT checkpoint, prompted with the effort message) is trained on "
+             "r_t = clip(log π_teacher − log π_student, ±R_max) of its own tokens, teacher = expert (domain, effort) "
+             "scoring the conversation without the effort message (SPEC §4). Held-out, greedy.</p>"]
+    rows = [[r["domain"], r["effort"], r["student_pass"], r["teacher_pass"], r["pass_ratio"], "yes" if r["pass_ok"] else "no",
+             r["student_tokens"], r["teacher_tokens"], r["token_ratio"], "yes" if r["tokens_ok"] else "no"] for r in t["rows"]]
+    parts.append(_table(["domain", "effort", "student pass", "teacher pass", "ratio", "≥ 0.95", "student T(y)",
+                         "teacher T(y)", "ratio", "±20%"], rows))
+    parts.append(_table(["domain", "student mean T(y) by effort", "low < high < max"],
+                        [[d, ", ".join(f"{e} {v:.1f}" for e, v in o["tokens"].items()), "yes" if o["ok"] else "no"]
+                         for d, o in t["order"].items()]))
+    curve = m.get("opd_reward_curve") or []
+    if curve:
+        xs = list(range(1, len(curve) + 1))
+        parts.append(_img(_plot_png({"mean per-token OPD reward": (xs, curve),
+                                     "reverse KL (student − teacher log-prob)": (xs, m.get("reverse_kl_curve") or [])},
+                                    title="MOPD per-token signal", xlabel="step", ylabel="nats / token"), "MOPD reward curve"))
+    parts.append(f"<p class=muted>{m['steps']} steps in {m['seconds']:.0f} s; teacher pool {html.escape(json.dumps(m.get('teacher_stats', {})))}</p>")
+    return "\n".join(parts)
+
+
+SECTIONS = [_synth_section, _sft_section, _rl_section, _mopd_section]
 
 
 def write_report(run_dir: str | Path) -> Path:

@@ -237,3 +237,19 @@ def test_experts_curriculum_chains_and_resumes(warm_policy, tmp_path):
         assert 0.0 <= e["pass_rate"] <= 1.0 and e["eval"]["overall"]["n"] == 4
     again = train_experts(init, cfg, tmp_path / "experts")
     assert again["experts"]["general.low"]["seconds"] == table["experts"]["general.low"]["seconds"]
+
+    # Stage 3 on top: the two experts distilled into one student, then the report shows both stages
+    from k3post.commands import distill
+    from k3post.config import load_config
+    from k3post.mopd import MOPDConfig
+    from k3post.report import write_report
+
+    k3 = load_config(None, ["qat.enabled=false"])
+    k3.mopd = MOPDConfig(effort_mix={"max": 0.5, "low": 0.5}, domains=["general"], rl=_cfg(steps=2, n_tasks=4))
+    out = distill(k3, init, tmp_path)
+    assert out["steps"] == 2 and len(out["opd_reward_curve"]) == 2
+    assert [(r["domain"], r["effort"]) for r in out["table"]["rows"]] == [("general", "max"), ("general", "low")]
+    assert (tmp_path / "mopd" / "final" / "model.safetensors").is_file()
+    html = write_report(tmp_path).read_text()
+    assert "Stage 2: RL experts" in html and "T(low) / T(max)" in html and 'alt="general reward curves"' in html
+    assert "Stage 3: MOPD" in html and 'alt="MOPD reward curve"' in html
