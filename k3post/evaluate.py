@@ -1,18 +1,26 @@
-"""Held-out evaluation: greedy completions at each effort level, parsed from XTML and verified.
+"""Held-out evaluation: completions at each effort level, parsed from XTML and verified.
 
-Generation here is plain ``transformers`` ``generate`` (left-padded batches, greedy, stop on
-``<|end_of_msg|>``); the rollout engine replaces it for RL.
+Generation goes through the rollout engine (`k3post.rollout.EmbeddedEngine`): every prompt is one
+request, continuously batched (a slot freed by a finished completion is refilled in the next
+step, no padding), stopping on ``<|end_of_msg|>``. Greedy (temperature 0) is the default; a
+temperature > 0 gives one sample per prompt (pass@1 at that temperature), prompt i seeded
+``request_seed(seed, str(i))`` so its tokens depend only on (seed, i, prompt, weights), never on
+batching. A QAT model (``k3post.quant.qat.apply_qat``) is evaluated with its MX fake-quant
+forward, as the engine runs the patched experts. The RL loop passes the engine it already holds.
+
+Shape legend: B sequences in a batch, T positions (``train_inference_logprob_gap``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from typing import TYPE_CHECKING
+from k3post.rollout.embedded import EmbeddedEngine
+from k3post.rollout.engine import GenerationRequest, SamplingParams, request_seed
 
 if TYPE_CHECKING:
     from k3post.xtml import XTML
@@ -24,47 +32,99 @@ class EvalConfig:
 
     efforts: list[str] = field(default_factory=lambda: ["max", "high", "low"])
     max_new_tokens: int = 96
-    batch_size: int = 100
+    batch_size: int = 256  # engine slots: sequences decoded together (fewer, longer steps are cheaper)
     n_examples: int = 3  # completions kept per effort for the report
+    temperature: float = 0.0  # 0: greedy; > 0: one sample per task, i.e. pass@1 at this temperature
+    seed: int = 0  # sampling seed when temperature > 0 (task i uses request_seed(seed, str(i)))
 
 
-@torch.no_grad()
+def _engine_for(model: torch.nn.Module, engine: EmbeddedEngine | None, batch_size: int) -> EmbeddedEngine:
+    """``engine`` (checked to run ``model`` and to be idle), or a fresh one over ``model``.
+
+    A fresh engine costs ~10 ms on the tiny model (rotary table, slot KV cache of ``batch_size``
+    slots, fused weight copies on first use), so one is built per call instead of cached.
+    """
+    if engine is None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        return EmbeddedEngine(model, max_batch_size=batch_size)
+    if engine.model is not model:
+        raise ValueError("engine runs a different model than the one to evaluate; pass engine.model")
+    if engine.has_unfinished():
+        raise ValueError("evaluation needs an idle engine (it has queued or running requests)")
+    return engine
+
+
+def complete(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop_id: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch_size: int = 64,
+    engine: EmbeddedEngine | None = None,
+    progress: bool = False,
+) -> list[list[int]]:
+    """Completions (without the prompt) of ``model``, each ending at its first ``stop_id``
+    (kept) or after ``max_new_tokens`` tokens; in prompt order.
+
+    Args:
+        temperature: 0 is greedy (argmax); > 0 samples softmax(logits / temperature), prompt i
+            with seed ``request_seed(seed, str(i))`` (counter-based, batch-independent).
+        batch_size: slots of the engine built here (ignored when ``engine`` is given).
+        engine: an idle `EmbeddedEngine` over ``model`` to use instead of building one (its
+            paused requests stay; this call's request ids are ``eval-<i>``).
+    A prompt + completion never exceeds the engine's ``max_model_len`` (config
+    ``max_position_embeddings``): a completion reaching it ends there.
+    """
+    eng = _engine_for(model, engine, batch_size)
+    requests = [
+        GenerationRequest(
+            f"eval-{i}", list(p),
+            SamplingParams(temperature=temperature, max_tokens=max_new_tokens, stop_ids=(stop_id,), seed=request_seed(seed, str(i))),
+        )
+        for i, p in enumerate(prompts)
+    ]
+    was_training = model.training
+    model.eval()  # once here, not per engine step
+    live: list[str] = []
+    done: dict[str, list[int]] = {}
+    try:
+        for r in requests:
+            eng.add_request(r)
+            live.append(r.request_id)
+        with tqdm(total=len(requests), desc="generate", disable=not progress, leave=False) as bar:
+            while eng.has_unfinished():
+                for res in eng.step():
+                    done[res.request_id] = res.output_ids
+                    bar.update(1)
+    except BaseException:  # leave a caller's engine idle: drop what this call still has in it
+        eng.abort([rid for rid in live if rid not in done])
+        raise
+    finally:
+        model.train(was_training)
+    return [done[r.request_id] for r in requests]
+
+
 def greedy_complete(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
     stop_id: int,
-    pad_id: int,
+    pad_id: int | None = None,
     batch_size: int = 64,
     progress: bool = False,
+    engine: EmbeddedEngine | None = None,
 ) -> list[list[int]]:
-    """Greedy completions (without the prompt), each cut after its first `stop_id`."""
-    was_training = model.training
-    model.eval()
-    outs: list[list[int]] = []
-    for k in tqdm(range(0, len(prompts), batch_size), desc="generate", disable=not progress, leave=False):
-        chunk = prompts[k : k + batch_size]
-        L = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
-        att = torch.zeros((len(chunk), L), dtype=torch.long)
-        for i, p in enumerate(chunk):
-            ids[i, L - len(p) :] = torch.tensor(list(p))
-            att[i, L - len(p) :] = 1
-        gen = model.generate(
-            input_ids=ids,
-            attention_mask=att,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=stop_id,
-            pad_token_id=pad_id,
-        )
-        for row in gen[:, L:].tolist():
-            cut = row.index(stop_id) + 1 if stop_id in row else len(row)
-            outs.append(row[:cut])
-    if was_training:
-        model.train()
-    return outs
+    """Greedy completions (without the prompt), each cut after its first ``stop_id``: `complete`
+    at temperature 0. ``pad_id`` is not used (the engine never pads); it is accepted so callers
+    written for the padded ``generate`` path keep working."""
+    return complete(
+        model, prompts, max_new_tokens=max_new_tokens, stop_id=stop_id, batch_size=batch_size, engine=engine, progress=progress
+    )
 
 
 def evaluate_family(
@@ -75,8 +135,11 @@ def evaluate_family(
     *,
     effort: str | None,
     cfg: EvalConfig,
+    engine: EmbeddedEngine | None = None,
 ) -> dict[str, Any]:
-    """Pass rate, token counts and examples of greedy completions on single-turn `tasks` at one effort.
+    """Pass rate, token counts and examples of completions on single-turn `tasks` at one effort:
+    greedy, or one sample per task at ``cfg.temperature`` > 0 (pass@1), through ``engine`` (an
+    idle `EmbeddedEngine` over ``model``) or one built with ``cfg.batch_size`` slots.
 
     Each completion is parsed from XTML and handed to a fresh environment of the task's family, whose
     verifier scores the final state (the same path as any episode). Multi-turn agentic families need the
@@ -88,8 +151,9 @@ def evaluate_family(
         xtml.render(list(t.messages), tools=[dict(x) for x in t.tools] or None, effort=effort, add_generation_prompt=True).ids
         for t in tasks
     ]
-    completions = greedy_complete(
-        model, prompts, max_new_tokens=cfg.max_new_tokens, stop_id=xtml.eom_id, pad_id=xtml.pad_id, batch_size=cfg.batch_size
+    completions = complete(
+        model, prompts, max_new_tokens=cfg.max_new_tokens, stop_id=xtml.eom_id, temperature=cfg.temperature, seed=cfg.seed,
+        batch_size=cfg.batch_size, engine=engine,
     )
     rewards, think_tokens, out_tokens, malformed, examples = [], [], [], 0, []
     for t, ids in zip(tasks, completions):
@@ -110,6 +174,7 @@ def evaluate_family(
     return {
         "family": family.name,
         "effort": effort,
+        "temperature": cfg.temperature,
         "n": len(tasks),
         "pass_rate": sum(rewards) / n,
         "mean_think_tokens": sum(think_tokens) / n,

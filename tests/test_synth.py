@@ -466,15 +466,19 @@ def tiny_model() -> tuple[Any, Any]:
     return model, tok
 
 
+def _short_tasks(*operands: int) -> list[Task]:
+    """Real general.arithmetic tasks with short prompts (cheap CPU forward passes)."""
+    return [
+        Task(f"short-{a}", "general", ARITH.name, ({"role": "user", "content": f"{a} + 2 = ?"},), ARITH.name,
+             metadata={"tokens": [a, "+", 2], "expression": f"{a} + 2", "answer": a + 2})
+        for a in operands
+    ]
+
+
 def test_local_model_teacher_garbage_is_recorded_and_rejected(tiny_model: tuple[Any, Any], tmp_path: Path) -> None:
     model, tok = tiny_model
     teacher = LocalModelTeacher(model=model, tokenizer=tok, sampling=SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))
-    # short prompts keep the CPU forward passes cheap; the tasks are real general.arithmetic tasks
-    tasks = [
-        Task(f"short-{a}", "general", ARITH.name, ({"role": "user", "content": f"{a} + 2 = ?"},), ARITH.name,
-             metadata={"tokens": [a, "+", 2], "expression": f"{a} + 2", "answer": a + 2})
-        for a in (3, 4)
-    ]
+    tasks = _short_tasks(3, 4)
     samples = synthesize(ARITH, teacher, effort="low", n=2, seed=0, out=tmp_path / "local.jsonl", tokenizer=tok, tasks=tasks)
     assert len(read_jsonl(tmp_path / "local.jsonl")) == 2
     for s in samples:
@@ -487,6 +491,96 @@ def test_local_model_teacher_garbage_is_recorded_and_rejected(tiny_model: tuple[
     assert rep.funnel.stages["structure"].seen == 2
 
 
+def test_local_model_teacher_greedy_matches_hf_generate(tiny_model: tuple[Any, Any]) -> None:
+    """Concurrent turns decode together in the teacher's engine, and greedy completions equal HF
+    ``generate`` greedy (one unpadded prompt at a time, stop on <|end_of_msg|>) token for token."""
+    import asyncio
+
+    import torch
+
+    model, tok = tiny_model
+    x = XTML(tok)
+    teacher = LocalModelTeacher(model=model, tokenizer=tok, sampling=SamplingParams(max_new_tokens=10, temperature=0.0), concurrency=4)
+    prompts = [x.render(list(t.messages), effort=e, add_generation_prompt=True).ids
+               for t, e in zip(_short_tasks(3, 41, 5, 777), ("low", "max", "high", "low"))]
+
+    async def all_at_once() -> list[list[int]]:
+        return list(await asyncio.gather(*(teacher.generate(p, seed=i) for i, p in enumerate(prompts))))
+
+    got = asyncio.run(all_at_once())
+    ref = []
+    for p in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=10,
+                                 do_sample=False, eos_token_id=x.eom_id, pad_token_id=x.pad_id)
+        row = out[0, len(p):].tolist()
+        ref.append(row[: row.index(x.eom_id) + 1] if x.eom_id in row else row)
+    assert got == ref
+    # one prefill step gave every prompt its first token, then each step decoded all the live ones
+    assert teacher.engine.stats["steps"] == max(map(len, got)) and not teacher.engine.has_unfinished()
+
+
+def test_local_model_teacher_samples_do_not_depend_on_concurrency(tiny_model: tuple[Any, Any]) -> None:
+    """Turn t of a task at an effort is seeded from (sampling seed, task id, effort, t): the same
+    trajectories whether episodes run one at a time or together; another seed gives others."""
+    model, tok = tiny_model
+    tasks = _short_tasks(3, 4, 5)
+
+    def run(concurrency: int, seed: int = 0, order: list[Task] = tasks) -> dict[str, Any]:
+        sp = SamplingParams(max_new_tokens=6, temperature=1.0, seed=seed)
+        teacher = LocalModelTeacher(model=model, tokenizer=tok, sampling=sp, concurrency=concurrency)
+        samples = synthesize(ARITH, teacher, effort="high", n=3, seed=0, tokenizer=tok, tasks=order)
+        return {s["task_id"]: s["messages"] for s in samples}
+
+    one = run(1)
+    assert run(3) == one
+    assert run(1, order=tasks[::-1]) == one  # not the order of requests either
+    assert run(3, seed=1) != one
+    with pytest.raises(ValueError, match="concurrency"):
+        LocalModelTeacher(model=model, tokenizer=tok, concurrency=0)
+
+
+def test_engine_batcher_cancelled_and_abandoned_requests_leave_the_engine(tiny_model: tuple[Any, Any]) -> None:
+    """A waiter cancelled mid-run has its request aborted (the other finishes); requests left by
+    an event loop closed mid-run are aborted when a new loop uses the batcher."""
+    import asyncio
+
+    from k3post.rollout import EmbeddedEngine, GenerationRequest
+    from k3post.rollout import SamplingParams as EngineSampling
+    from k3post.synth.teachers import EngineBatcher
+
+    model, tok = tiny_model
+    engine = EmbeddedEngine(model, tok, max_batch_size=2)
+    batcher = EngineBatcher(engine)
+
+    def req(rid: str, n: int) -> GenerationRequest:
+        return GenerationRequest(rid, [7, 8, 9], EngineSampling(temperature=0.0, max_tokens=n, stop_ids=()))
+
+    async def cancel_one() -> int:
+        long = asyncio.create_task(batcher.generate(req("long", 50)))
+        short = asyncio.create_task(batcher.generate(req("short", 3)))
+        for _ in range(4):
+            await asyncio.sleep(0)
+        long.cancel()
+        res = await short
+        with pytest.raises(asyncio.CancelledError):
+            await long
+        return res.num_tokens
+
+    assert asyncio.run(cancel_one()) == 3
+    assert not engine.has_unfinished() and engine.stats["decode_tokens"] < 50
+
+    loop = asyncio.new_event_loop()
+    orphan = loop.create_task(batcher.generate(req("orphan", 50)))
+    for _ in range(3):
+        loop.run_until_complete(asyncio.sleep(0))
+    loop.close()  # mid-run, without cancelling its tasks
+    orphan._log_destroy_pending = False  # type: ignore[attr-defined]  # abandoned on purpose
+    assert engine.has_unfinished()
+    assert asyncio.run(batcher.generate(req("next", 2))).num_tokens == 2
+    assert not engine.has_unfinished() and engine.num_paused == 0
+
+
 def test_local_model_teacher_parses_a_wellformed_completion(tiny_model: tuple[Any, Any]) -> None:
     """The generate → parse path with a generator that writes the right answer in XTML (the
     rollout engine's interface: prompt ids in, completion ids out)."""
@@ -494,7 +588,7 @@ def test_local_model_teacher_parses_a_wellformed_completion(tiny_model: tuple[An
     x = XTML(tok)
 
     class Answering(LocalModelTeacher):
-        def generate(self, prompt_ids: list[int]) -> list[int]:
+        async def generate(self, prompt_ids: list[int], seed: int) -> list[int]:
             text = x.tokenizer.decode(prompt_ids)
             expr = re.search(r"Evaluate (.*) \(brackets first", text).group(1)
             full = x.render([{"role": "assistant", "reasoning_content": "r", "content": str(eval(expr))}]).ids  # noqa: S307

@@ -9,10 +9,10 @@ the real environment, never from the teacher.
 * `EndpointTeacher`   - any OpenAI-compatible ``/v1/chat/completions`` server (vLLM, SGLang,
                         k3post's own server), with a concurrency limit and retries with
                         exponential backoff on HTTP 429 / 5xx and connection errors.
-* `LocalModelTeacher` - a local Hugging Face checkpoint: XTML render → ``model.generate`` (stop
-                        on ``<|end_of_msg|>``) → `XTML.parse`. This is the stand-in for the rollout
-                        engine: when `k3post.rollout` exists it replaces `LocalModelTeacher.generate`
-                        (same inputs: token ids + sampling; same output: completion ids).
+* `LocalModelTeacher` - a local Hugging Face checkpoint: XTML render → the rollout engine
+                        (`k3post.rollout.EmbeddedEngine`, stop on ``<|end_of_msg|>``) →
+                        `XTML.parse`; the turns of the episodes running at once are batched
+                        in one engine (continuous batching).
 
 Every teacher has a ``name`` (recorded in each sample) and ``concurrency`` (how many episodes
 `synthesize` may run at once with it).
@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     import httpx
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from k3post.rollout.embedded import EmbeddedEngine
+    from k3post.rollout.engine import GenerationRequest, GenerationResult
+
 __all__ = [
     "Teacher",
     "ReferenceTeacher",
@@ -43,6 +46,7 @@ __all__ = [
     "RetryTransport",
     "RetryStats",
     "LocalModelTeacher",
+    "EngineBatcher",
     "SamplingParams",
 ]
 
@@ -314,18 +318,83 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
 
 
+class EngineBatcher:
+    """Lets many coroutines of one event loop share a steppable rollout engine: each awaits its
+    own request while a driver task steps the engine, so requests submitted while others run
+    join the running batch (continuous batching across episodes).
+
+    Between two engine steps the driver yields to the event loop once, so an episode whose turn
+    just ended can parse, step its environment and submit its next turn before the next step.
+    An engine error fails every waiting request; a request whose waiter is cancelled (or whose
+    event loop closed mid-run) is aborted, so the engine is left idle for the next event loop.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        """Args: engine: a `k3post.rollout.engine.SteppableEngine` (``add_request`` / ``step`` / ``abort``)."""
+        self.engine = engine
+        self._waiting: dict[str, asyncio.Future[Any]] = {}
+        self._driver: asyncio.Task[None] | None = None
+
+    async def generate(self, request: "GenerationRequest") -> "GenerationResult":
+        """Run ``request`` to its end in the shared engine; its finished result."""
+        loop = asyncio.get_running_loop()
+        if self._driver is not None and not self._driver.done() and self._driver.get_loop() is not loop:
+            if not self._driver.get_loop().is_closed():
+                raise ValueError("EngineBatcher is driving the engine from another running event loop")
+            self.engine.abort(list(self._waiting))  # left by a loop closed mid-run
+            self._waiting.clear()
+            self._driver = None
+        fut: asyncio.Future[Any] = loop.create_future()
+        self.engine.add_request(request)
+        self._waiting[request.request_id] = fut
+        if self._driver is None or self._driver.done():
+            self._driver = loop.create_task(self._drive())
+        try:
+            return await fut
+        finally:
+            if self._waiting.get(request.request_id) is fut:  # cancelled while running: free its slot
+                del self._waiting[request.request_id]
+                self.engine.abort([request.request_id])
+
+    async def _drive(self) -> None:
+        try:
+            while self.engine.has_unfinished():
+                await asyncio.sleep(0)
+                for res in self.engine.step():
+                    fut = self._waiting.pop(res.request_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(res)
+        except BaseException as e:  # noqa: BLE001 - handed to every waiter, the engine is emptied
+            live = list(self._waiting)
+            for fut in self._waiting.values():
+                if not fut.done():
+                    fut.set_exception(e if isinstance(e, Exception) else RuntimeError(f"engine driver stopped: {e!r}"))
+            self._waiting.clear()
+            if live:
+                self.engine.abort(live)
+
+
 class LocalModelTeacher:
-    """A local Hugging Face checkpoint, sampled with ``transformers.generate`` on XTML.
+    """A local Hugging Face checkpoint, sampled with the rollout engine on XTML.
 
     Per turn: render the conversation with the effort option and the generation prefix
     (`XTML.render(..., add_generation_prompt=True)`), sample until ``<|end_of_msg|>`` or
-    ``max_new_tokens``, and parse the completion with `XTML.parse`. A completion that does not
-    parse (or never ends) still becomes an assistant message, so the episode goes on and the
-    sample is recorded: its ``content`` is the decoded text and ``xtml_error`` says what was
-    wrong, which the structure stage rejects. ``num_tokens`` is the exact completion length.
+    ``max_new_tokens`` with `k3post.rollout.EmbeddedEngine`, and parse the completion with
+    `XTML.parse`. A completion that does not parse (or never ends) still becomes an assistant
+    message, so the episode goes on and the sample is recorded: its ``content`` is the decoded
+    text and ``xtml_error`` says what was wrong, which the structure stage rejects.
+    ``num_tokens`` is the exact completion length.
 
-    This is the path the rollout engine will replace: `generate` has the engine's shape
-    (prompt ids + sampling in, completion ids out).
+    Up to ``concurrency`` episodes run at once on one event loop; their turns are requests of one
+    shared engine (`EngineBatcher`), batched together. Turn t of the episode of ``task`` at
+    ``effort`` samples with seed ``request_seed(sampling.seed, f"{task.id}/{effort}/{t}")``: with the
+    engine's counter-based sampling a trajectory depends only on (seed, task, effort, weights),
+    never on the concurrency or the order in which episodes run.
+
+    The environment, harness and the recorded sample stay the pipeline's (`synthesize` runs the
+    policy through ``run_episode``), so multi-turn episodes go turn by turn through this policy
+    rather than through `k3post.rollout.AgentLoop` (which owns its environments and records token
+    trajectories, not messages); each turn re-prefills its rendered conversation.
     """
 
     def __init__(
@@ -336,15 +405,26 @@ class LocalModelTeacher:
         tokenizer: "PreTrainedTokenizerBase | None" = None,
         sampling: SamplingParams | None = None,
         mode: str = "think",
+        concurrency: int = 8,
+        engine: "EmbeddedEngine | None" = None,
     ) -> None:
         """Args:
             model_dir: a folder holding the model and its tokenizer (``k3post init-model``, an SFT
                 ``final/``); or pass ``model`` and ``tokenizer`` directly.
             sampling: sampling parameters (default `SamplingParams()`).
             mode: XTML mode, ``think`` or ``instruct``.
+            concurrency: episodes run at once (their turns decode together in the engine).
+            engine: an `EmbeddedEngine` over ``model`` to sample with (default: one built here
+                with ``concurrency`` slots). A QAT model (``apply_qat``) samples with its MX
+                fake-quant forward either way.
         """
+        from k3post.rollout.embedded import EmbeddedEngine
         from k3post.xtml import XTML
 
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"concurrency must be a positive int, got {concurrency!r}")
+        if model is None and engine is not None:
+            model = engine.model
         if model is None or tokenizer is None:
             if model_dir is None:
                 raise ValueError("LocalModelTeacher needs model_dir, or both model= and tokenizer=")
@@ -356,48 +436,50 @@ class LocalModelTeacher:
                 raise ValueError(f"{p}: not a model folder (no config.json)")
             model = model if model is not None else load_model(p)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(p, require_xtml=True)
+        if engine is not None and engine.model is not model:
+            raise ValueError("engine runs a different model than model=; pass engine.model (or no model)")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.xtml = XTML(tokenizer)
         self.sampling = sampling or SamplingParams()
         self.mode = mode
         self.name = f"local:{model_dir}" if model_dir is not None else f"local:{type(model).__name__}"
-        self.concurrency = 1
-        self._calls = 0
+        self.concurrency = concurrency
+        self.engine = engine if engine is not None else EmbeddedEngine(model, tokenizer, max_batch_size=concurrency)
+        self._batcher = EngineBatcher(self.engine)
+        self._requests = 0
 
-    def generate(self, prompt_ids: list[int]) -> list[int]:
-        """Completion ids for ``prompt_ids`` (ends with ``<|end_of_msg|>`` unless cut at max_new_tokens)."""
-        import torch
+    async def generate(self, prompt_ids: list[int], seed: int) -> list[int]:
+        """Completion ids for ``prompt_ids`` sampled with ``seed`` (ends with ``<|end_of_msg|>``
+        unless cut at max_new_tokens); batched with the other running episodes' turns."""
+        from k3post.rollout.engine import GenerationRequest
+        from k3post.rollout.engine import SamplingParams as EngineSampling
 
         sp = self.sampling
-        gen = torch.Generator().manual_seed(sp.seed * 1_000_003 + self._calls)
-        self._calls += 1
-        ids = torch.tensor([prompt_ids], dtype=torch.long)
-        kwargs: dict[str, Any] = dict(
-            max_new_tokens=sp.max_new_tokens,
-            eos_token_id=self.xtml.eom_id,
-            pad_token_id=self.xtml.pad_id,
-            attention_mask=torch.ones_like(ids),
+        self._requests += 1
+        request = GenerationRequest(
+            f"teacher-{self._requests}", list(prompt_ids),
+            EngineSampling(
+                temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_new_tokens,
+                stop_ids=(self.xtml.eom_id,), seed=seed,
+            ),
         )
-        if sp.temperature == 0:
-            kwargs.update(do_sample=False)
-        else:
-            kwargs.update(do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k)
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-            out = self.model.generate(ids, **kwargs)
-        return [int(t) for t in out[0, len(prompt_ids) :]]
+        return (await self._batcher.generate(request)).output_ids
 
     def policy(self, task: Task, effort: str) -> Policy:
-        """A sync policy: render → generate → parse (see the class docstring)."""
+        """An async policy: render → generate → parse (see the class docstring)."""
+        from k3post.rollout.engine import request_seed
         from k3post.tokenizer import decode
         from k3post.xtml import XTMLParseError
 
         eff = _check_effort(effort) if self.mode == "think" else None
+        turn = 0
 
-        def run(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
+        async def run(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
+            nonlocal turn
             prompt = self.xtml.render(messages, tools=tools or None, effort=eff, mode=self.mode, add_generation_prompt=True)
-            completion = self.generate(prompt.ids)
+            completion = await self.generate(prompt.ids, request_seed(self.sampling.seed, f"{task.id}/{effort}/{turn}"))
+            turn += 1
             n = len(completion)
             if self.xtml.eom_id in completion:
                 completion = completion[: completion.index(self.xtml.eom_id) + 1]
