@@ -324,6 +324,7 @@ def train_policy(
         seqs, sig = signal(groups)
         train_m = policy_step(model, opt, seqs, pad_id=pad_id, loss_kwargs=lkw,
                               micro_batch_tokens=cfg.micro_batch_tokens, grad_clip=cfg.grad_clip)
+        model.eval()  # once here, not a train/eval switch inside every engine step (~13% of generation time)
         version = engine.update_weights({})
         step += 1
         stale = [s for g in groups for s in g.staleness()]

@@ -12,6 +12,13 @@ def _small(tmp_path, name="d"):
         f"run.root={tmp_path}", f"run.name={name}", "data.n_train=60", "data.n_per_family=1", "data.n_eval=8",
         "data.corpus_per_family=1", "sft.steps=6", "sft.save_every=3", "sft.rows_per_batch=1", "sft.max_len=4096", "sft.progress=false",
         "eval.max_new_tokens=24", "eval.efforts=[max,low]", "tokenizer.vocab_size=400",
+        # Stage 2 / 3 at toy size: 2 efforts per domain, a step or two each
+        "rl.steps=2", "rl.n_prompts=2", "rl.k=4", "rl.n_tasks=4", "rl.eval_n=4", "rl.max_tokens=24", "rl.eval_max_tokens=24",
+        "rl.effort_control.curriculum=[max,low]", "rl.effort_control.b0_samples=2", "rl.progress=false",
+        *(f"rl.domain_overrides.{d}.{k}={v}" for d in ("agents", "coding")
+          for k, v in (("steps", 1), ("n_prompts", 1), ("n_tasks", 2), ("eval_n", 2))),
+        "mopd.rl.steps=2", "mopd.rl.n_prompts=3", "mopd.rl.k=2", "mopd.rl.n_tasks=2", "mopd.rl.eval_n=2",
+        "mopd.rl.max_tokens=24", "mopd.rl.eval_max_tokens=24", "mopd.rl.progress=false", "mopd.effort_mix.high=0",
     ]
 
 
@@ -40,6 +47,19 @@ def test_demo_small_writes_run_folder(tmp_path):
     assert "data:image/png;base64," in html and "Held-out pass rate" in html
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["stage"] == "sft"] == [6]
+    # Stage 2: 3 domains x (max, low) experts, each a loadable folder, with per-step RL metrics
+    experts = [f"{d}.{e}" for d in ("general", "agents", "coding") for e in ("max", "low")]
+    assert sorted(summary["experts"]) == sorted(experts)
+    for name in experts:
+        assert (run / "experts" / name / "model.safetensors").is_file(), name
+        steps = 2 if name.startswith("general") else 1
+        assert [r["step"] for r in rows if r["stage"] == f"rl/{name}"] == list(range(1, steps + 1)), name
+    # Stage 3: the student and its table of (domain, effort) rows
+    assert [(r["domain"], r["effort"]) for r in summary["mopd"]["table"]["rows"]] == [
+        (d, e) for d in ("general", "agents", "coding") for e in ("max", "low")]
+    assert [r["step"] for r in rows if r["stage"] == "mopd"] == [1, 2]
+    assert (run / "mopd" / "final" / "model.safetensors").is_file()
+    assert "Stage 2: RL experts" in html and "Stage 3: MOPD" in html
     # a finished run is never overwritten: the same command writes d-1
     assert main(["demo", *_small(tmp_path)]) == 0
     assert (tmp_path / "d-1" / "summary.json").exists()
