@@ -92,7 +92,7 @@ class MOPDConfig:
     every verifiable family of it). ``r_max``: R_max of the per-token reward; ``w_orm``: weight of the
     optional outcome advantage (group reward − group mean). ``max_resident``: local teachers held in CPU
     memory at once; ``teacher_dtype``: their dtype; ``teacher_batch_tokens``: padded tokens per teacher
-    forward. ``teacher_sees_effort``: keep the thinking-effort message in the teacher's context (SPEC: no).
+    forward. ``teacher_sees_effort``: keep the thinking-effort message in the teacher's context (SPEC §4: no; default yes, because k3post's experts are trained with it, docs/decisions.md).
     ``rl``: the loop's settings (rollout, loss, steps, tasks per family, seed); its ``effort``, ``domain``
     and ``families`` are not used here.
     """
@@ -106,7 +106,7 @@ class MOPDConfig:
     max_resident: int = 3
     teacher_dtype: str = "float32"
     teacher_batch_tokens: int = 8192
-    teacher_sees_effort: bool = False
+    teacher_sees_effort: bool = True  # departure from SPEC §4, see docs/decisions.md
     rl: RLConfig = field(default_factory=lambda: RLConfig(steps=24, n_prompts=6, k=4))
 
 

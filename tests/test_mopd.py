@@ -271,7 +271,7 @@ def test_endpoint_teacher_scores_through_prompt_logprobs(xtml_tokenizer, folders
 
 def _signal_cfg(folder: str, **kw) -> MOPDConfig:
     base = dict(experts={"general.high": folder, "agents.high": folder}, effort_mix={"high": 1.0},
-                domains=["general", "agents"], rl=RLConfig(seed=0))
+                domains=["general", "agents"], rl=RLConfig(seed=0), teacher_sees_effort=False)  # SPEC §4's teacher view
     base.update(kw)
     return MOPDConfig(**base)
 
@@ -352,7 +352,7 @@ def _run_cfg(folders, **kw) -> MOPDConfig:
     rl.update(kw.pop("rl", {}))
     base = dict(experts={"general.high": folders["t1"], "general.max": folders["t1"]},
                 effort_mix={"high": 0.5, "max": 0.5}, domains=["general"], families={"general": ["general.arithmetic"]},
-                max_resident=1, rl=RLConfig(**rl))
+                max_resident=1, rl=RLConfig(**rl), teacher_sees_effort=False)
     base.update(kw)
     return MOPDConfig(**base)
 
