@@ -76,7 +76,8 @@ def test_demo_bad_override_is_clear(tmp_path, capsys):
 def test_full_demo_learns(tmp_path):
     """The README demo: SFT must lift the held-out pass rate at max effort well above the base model.
 
-    Measured (docs/decisions.md): base 0.0, SFT with QAT 0.33, without QAT 0.805 at max effort.
+    Measured (docs/decisions.md): base 0.0, SFT with QAT 0.33, without QAT 0.805 at max effort; then RL
+    and MOPD (the asserted numbers are below, each with its measurement).
     """
     assert main(["demo", f"run.root={tmp_path}", "run.name=full", "sft.progress=false"]) == 0
     s = json.loads((tmp_path / "full" / "summary.json").read_text())
@@ -85,3 +86,13 @@ def test_full_demo_learns(tmp_path):
     assert s["eval"]["sft_noqat"]["max"]["pass_rate"] >= 0.5
     # effort control starts here: max effort beats low effort after SFT
     assert s["eval"]["sft"]["max"]["pass_rate"] > s["eval"]["sft"]["low"]["pass_rate"]
+    # Stage 2 (measured: general.max 0.38 -> 0.46 on 100 held-out tasks; T(y) max 19.5, high 7.6, low 0)
+    ex = s["experts"]
+    assert len(ex) == 9
+    assert ex["general.max"]["pass_rate"] >= ex["general.max"]["sft_pass_rate"]
+    assert ex["general.low"]["mean_effort_tokens"] <= 0.4 * ex["general.max"]["mean_effort_tokens"]
+    assert all(ex[f"general.{e}"]["final_violation_rate"] <= 0.03 for e in ("max", "high", "low"))
+    # Stage 3 (measured: student 0.40 vs teacher 0.46 at general/max; T(y) ordered low < high < max)
+    rows = {(r["domain"], r["effort"]): r for r in s["mopd"]["table"]["rows"]}
+    assert rows["general", "max"]["student_pass"] >= 0.7 * rows["general", "max"]["teacher_pass"]
+    assert s["mopd"]["table"]["order"]["general"]["ok"]
