@@ -3,8 +3,9 @@
 One step = generation + scoring + one optimizer update, for both:
 
 * k3post: the body of `k3post.rl.train_rl`'s loop, on the same objects ``train_rl`` builds
-  (`EmbeddedEngine` sharing the model, `AgentLoop`, `PartialRolloutScheduler` with λ = 1 so the
-  step is synchronous like TRL's, `KVPool`, AdamW): ``run_iteration`` → ``_score`` (verifier
+  (`k3post.rl.PolicyLoop`, the loop `train_rl` runs: `EmbeddedEngine` sharing the model, `AgentLoop`,
+  `PartialRolloutScheduler` with λ = 1 so the step is synchronous like TRL's, `KVPool`, AdamW):
+  ``run_iteration`` → ``rl_signal`` (verifier
   rewards, effort override, group advantages; zero-variance groups skipped) → `policy_step` →
   ``engine.update_weights({})``.
 * TRL: ``GRPOTrainer.train()`` as a user runs it on CPU without vLLM (its ``generate()`` path),
@@ -81,13 +82,7 @@ from k3post.envs.task import Task
 from k3post.models import build_tiny_moe
 from k3post.policy_step import TokenSequence, policy_step
 from k3post.rewards.effort import BudgetTable, TaskSamples, task_key
-from k3post.rl import RLConfig, _score, loss_kwargs, train_rl, train_tasks
-from k3post.rollout.agent_loop import AgentLoop
-from k3post.rollout.embedded import EmbeddedEngine
-from k3post.rollout.engine import SamplingParams
-from k3post.rollout.evaluation import make_env
-from k3post.rollout.kv_pool import KVPool
-from k3post.rollout.scheduler import PartialRolloutScheduler
+from k3post.rl import PolicyLoop, RLConfig, rl_signal, train_rl, train_tasks
 from k3post.rollout.trajectory import Group
 from k3post.sft import SFTConfig, train_sft
 from k3post.tokenizer import train_tokenizer
@@ -130,41 +125,27 @@ def rl_config(args: argparse.Namespace) -> RLConfig:
 
 # ---------------------------------------------------------------------- k3post
 class K3PostStep:
-    """The objects `train_rl` builds, and its loop body for exactly one step."""
+    """`train_rl`'s own loop (`PolicyLoop` with the RL signal), one step at a time."""
 
     def __init__(self, model: Any, tok: Any, cfg: RLConfig, budgets: BudgetTable) -> None:
-        self.model, self.cfg, self.budgets = model, cfg, budgets
-        self.engine = EmbeddedEngine(model, tok, max_batch_size=cfg.slots, max_model_len=cfg.max_model_len, seed=cfg.seed)
-        self.loop = AgentLoop(self.engine, XTML(tok), make_env,
-                              sampling=SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens),
-                              effort=cfg.effort)
-        self.sched = PartialRolloutScheduler(self.loop, n_prompts=cfg.n_prompts, k=cfg.k, lambda_=cfg.lambda_,
-                                             max_staleness=cfg.max_staleness, seed=cfg.seed,
-                                             kv_pool=KVPool(cfg.kv_pool_mb << 20))
-        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, eps=1e-8)
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-        self.lkw = loss_kwargs(cfg)
+        self.model, self.cfg = model, cfg
+        self.signal = rl_signal(budgets, cfg)
+        self.pl = PolicyLoop(model, tok, cfg, signal=self.signal)
+        self.pad_id, self.lkw = self.pl.pad_id, self.pl.loss_kwargs
 
     def step(self, tasks: Sequence[Task]) -> dict[str, float]:
         """One RL step on ``tasks`` (N prompts): times of its parts and what it did."""
-        t0 = time.perf_counter()
-        self.sched.add_prompts(tasks)
-        groups = self.sched.run_iteration()
-        t1 = time.perf_counter()
-        seqs, rows, adv_stats = _score(groups, None, self.budgets, self.cfg)
-        t2 = time.perf_counter()
-        train_m = policy_step(self.model, self.opt, seqs, pad_id=self.pad_id, loss_kwargs=self.lkw,
-                              micro_batch_tokens=self.cfg.micro_batch_tokens, grad_clip=self.cfg.grad_clip)
-        self.engine.update_weights({})
-        t3 = time.perf_counter()
+        rec = self.pl.step(tasks)
+        groups = self.pl.last_groups
+        seqs, _ = self.signal(groups)  # the same sequences the step trained on (deterministic)
         trajs = [t for g in groups for t in g.trajectories]
         return {
-            "step_s": t3 - t0, "generate_s": t1 - t0, "score_s": t2 - t1, "update_s": t3 - t2,
+            "step_s": rec["step_s"], "generate_s": rec["rollout_s"], "score_s": rec["score_s"], "update_s": rec["update_s"],
             "update_all_s": self._update_all_s(groups, seqs),
             "completions": float(len(trajs)), "tokens": float(sum(t.output_tokens for t in trajs)),
-            "capped": float(sum(t.finish == "length" for t in trajs)), "reward": rows["reward"],
-            "trained_seqs": train_m["num_sequences"], "trained_tokens": train_m["num_tokens"],
-            "zero_variance_groups": adv_stats["zero_variance_groups"],
+            "capped": float(sum(t.finish == "length" for t in trajs)), "reward": rec["reward"],
+            "trained_seqs": rec["train/num_sequences"], "trained_tokens": rec["train/num_tokens"],
+            "zero_variance_groups": rec["zero_variance_groups"],
         }
 
     def _update_all_s(self, groups: Sequence[Group], seqs: list[TokenSequence]) -> float:

@@ -56,7 +56,7 @@ from k3post.xtml import XTML
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RLConfig", "RLResult", "GroupScorer", "Signal", "domain_families", "train_tasks", "eval_tasks", "loss_kwargs",
+__all__ = ["RLConfig", "RLResult", "GroupScorer", "Signal", "PolicyLoop", "domain_families", "train_tasks", "eval_tasks", "loss_kwargs",
            "rl_signal", "train_policy", "train_rl"]
 
 # seeds of the task streams: training prompts and held-out evaluation never share a seed
@@ -264,6 +264,87 @@ def rl_signal(budgets: BudgetTable, cfg: RLConfig, scorer: GroupScorer | None = 
     return signal
 
 
+class PolicyLoop:
+    """The objects of the loop (engine, agent loop, KV pool, scheduler, optimizer) and its body:
+    `step` is one iteration of the module doc, `save` / `load` a checkpoint with exact resume.
+    `train_policy` drives it; benchmarks time `step` on their own prompts."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        cfg: RLConfig,
+        *,
+        signal: Signal,
+        effort_fn: Callable[[Task], str | None] | None = None,
+    ) -> None:
+        self.model, self.tokenizer, self.cfg, self.signal = model, tokenizer, cfg, signal
+        self.engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.slots, max_model_len=cfg.max_model_len,
+                                     seed=cfg.seed)
+        self.loop = AgentLoop(self.engine, XTML(tokenizer), make_env,
+                              sampling=SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens),
+                              effort=cfg.effort, effort_fn=effort_fn)
+        self.pool = KVPool(cfg.kv_pool_mb << 20)
+        self.sched = PartialRolloutScheduler(self.loop, n_prompts=cfg.n_prompts, k=cfg.k, lambda_=cfg.lambda_,
+                                             max_staleness=cfg.max_staleness, seed=cfg.seed, kv_pool=self.pool)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                                     eps=1e-8)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.loss_kwargs = loss_kwargs(cfg)
+        self.step_no, self.cursor, self.history = 0, 0, []  # type: tuple[int, int, list[dict[str, float]]]
+
+    def step(self, tasks: Sequence[Task]) -> dict[str, float]:
+        """One iteration: top the prompt queue up to N from the stream cycling over ``tasks``, run
+        partial rollout, the signal, one policy step, the version bump. Returns (and records) the
+        step's metrics, with the time of each part."""
+        t0 = time.perf_counter()
+        while self.sched.num_pending_prompts < self.cfg.n_prompts:
+            self.sched.add_prompts([tasks[self.cursor % len(tasks)]])
+            self.cursor += 1
+        groups = self.sched.run_iteration()
+        t1 = time.perf_counter()
+        seqs, sig = self.signal(groups)
+        t2 = time.perf_counter()
+        train_m = policy_step(self.model, self.opt, seqs, pad_id=self.pad_id, loss_kwargs=self.loss_kwargs,
+                              micro_batch_tokens=self.cfg.micro_batch_tokens, grad_clip=self.cfg.grad_clip)
+        self.model.eval()  # once here, not a train/eval switch inside every engine step (~13% of generation time)
+        version = self.engine.update_weights({})
+        t3 = time.perf_counter()
+        self.step_no += 1
+        stale = [x for g in groups for x in g.staleness()]
+        rec = {**sig, **{f"train/{k}": v for k, v in train_m.items()},
+               "version": float(version), "groups": float(len(groups)), "rollout_s": t1 - t0, "score_s": t2 - t1,
+               "update_s": t3 - t2, "step_s": t3 - t0, "kv_hit_rate": self.sched.kv_hit_rate(),
+               "paused": float(len(self.sched.paused())), "mean_staleness": statistics.fmean(stale) if stale else 0.0}
+        self.history.append(rec)
+        self.last_groups = groups
+        return rec
+
+    def save(self, ckpt_root: Path) -> Path:
+        """Checkpoint: weights, optimizer, scheduler (paused trajectories), KV pool tensors, version."""
+        self.sched.offload_kv()
+        return save_checkpoint(ckpt_root, self.step_no, self.model, self.tokenizer, {
+            "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "kv_pool": _kv_save(self.pool),
+            "engine_version": self.engine.version, "cursor": self.cursor, "history": self.history,
+            "config": asdict(self.cfg),
+        })
+
+    def load(self, ckpt: Path) -> None:
+        """Restore a checkpoint written by `save` (into a loop built with the same config)."""
+        state = load_trainer_state(ckpt)
+        load_weights_into(self.model, ckpt)
+        self.engine.refresh_weights()
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        _kv_load(self.pool, state["kv_pool"])
+        if state["engine_version"] > self.engine.version:
+            self.engine.update_weights({}, version=state["engine_version"])
+        self.step_no, self.cursor, self.history = int(state["step"]), int(state["cursor"]), list(state["history"])
+
+    def close(self) -> None:
+        self.loop.close()
+
+
 def train_policy(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -284,67 +365,29 @@ def train_policy(
     closes the loop. ``stop_after`` ends this call after that many steps (tests kill and resume)."""
     if not tasks:
         raise ValueError("train_policy needs at least one training task")
-    out = Path(out_dir)
-    xtml = XTML(tokenizer)
-    engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.slots, max_model_len=cfg.max_model_len, seed=cfg.seed)
-    loop = AgentLoop(engine, xtml, make_env, sampling=SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens),
-                     effort=cfg.effort, effort_fn=effort_fn)
-    pool = KVPool(cfg.kv_pool_mb << 20)
-    sched = PartialRolloutScheduler(loop, n_prompts=cfg.n_prompts, k=cfg.k, lambda_=cfg.lambda_,
-                                    max_staleness=cfg.max_staleness, seed=cfg.seed, kv_pool=pool)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, eps=1e-8)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    step, cursor, history, resumed_from = 0, 0, [], None
-    ckpt = latest_checkpoint(out / "checkpoints") if resume else None
+    ckpt_root = Path(out_dir) / "checkpoints"
+    pl = PolicyLoop(model, tokenizer, cfg, signal=signal, effort_fn=effort_fn)
+    resumed_from = None
+    ckpt = latest_checkpoint(ckpt_root) if resume else None
     if ckpt is not None:
-        state = load_trainer_state(ckpt)
-        load_weights_into(model, ckpt)
-        engine.refresh_weights()
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        _kv_load(pool, state["kv_pool"])
-        if state["engine_version"] > engine.version:
-            engine.update_weights({}, version=state["engine_version"])
-        step = resumed_from = int(state["step"])
-        cursor, history = int(state["cursor"]), list(state["history"])
+        pl.load(ckpt)
+        resumed_from = pl.step_no
         if metrics is not None:
-            metrics.truncate(stage, step)
-        log.info("resumed %s from %s (step %d)", stage, ckpt, step)
-
-    lkw = loss_kwargs(cfg)
-    bar = tqdm(total=cfg.steps, initial=step, desc=stage, disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0)
-    end = cfg.steps if stop_after is None else min(cfg.steps, step + stop_after)
-    while step < end:
-        t0 = time.perf_counter()
-        while sched.num_pending_prompts < cfg.n_prompts:  # the prompt stream cycles over the training tasks
-            sched.add_prompts([tasks[cursor % len(tasks)]])
-            cursor += 1
-        groups = sched.run_iteration()
-        t_roll = time.perf_counter() - t0
-        seqs, sig = signal(groups)
-        train_m = policy_step(model, opt, seqs, pad_id=pad_id, loss_kwargs=lkw,
-                              micro_batch_tokens=cfg.micro_batch_tokens, grad_clip=cfg.grad_clip)
-        model.eval()  # once here, not a train/eval switch inside every engine step (~13% of generation time)
-        version = engine.update_weights({})
-        step += 1
-        stale = [s for g in groups for s in g.staleness()]
-        rec = {**sig, **{f"train/{k}": v for k, v in train_m.items()},
-               "version": float(version), "groups": float(len(groups)), "rollout_s": t_roll,
-               "step_s": time.perf_counter() - t0, "kv_hit_rate": sched.kv_hit_rate(),
-               "paused": float(len(sched.paused())), "mean_staleness": statistics.fmean(stale) if stale else 0.0}
-        history.append(rec)
+            metrics.truncate(stage, pl.step_no)
+        log.info("resumed %s from %s (step %d)", stage, ckpt, pl.step_no)
+    bar = tqdm(total=cfg.steps, initial=pl.step_no, desc=stage, disable=not cfg.progress, dynamic_ncols=True,
+               mininterval=1.0)
+    end = cfg.steps if stop_after is None else min(cfg.steps, pl.step_no + stop_after)
+    while pl.step_no < end:
+        rec = pl.step(tasks)
         if metrics is not None:
-            metrics.log(stage, step, rec)
+            metrics.log(stage, pl.step_no, rec)
         bar.update(1)
         bar.set_postfix({k: f"{rec[k]:.2f}" for k in ("reward", "effort_tokens", "opd_reward") if k in rec})
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            sched.offload_kv()
-            save_checkpoint(out / "checkpoints", step, model, tokenizer, {
-                "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "kv_pool": _kv_save(pool),
-                "engine_version": engine.version, "cursor": cursor, "history": history, "config": asdict(cfg),
-            })
+        if pl.step_no % cfg.save_every == 0 or pl.step_no == cfg.steps:
+            pl.save(ckpt_root)
     bar.close()
-    return step, history, resumed_from, engine, loop
+    return pl.step_no, pl.history, resumed_from, pl.engine, pl.loop
 
 
 def train_rl(
