@@ -253,3 +253,34 @@ def test_experts_curriculum_chains_and_resumes(warm_policy, tmp_path):
     html = write_report(tmp_path).read_text()
     assert "Stage 2: RL experts" in html and "T(low) / T(max)" in html and 'alt="general reward curves"' in html
     assert "Stage 3: MOPD" in html and 'alt="MOPD reward curve"' in html
+
+
+def test_judged_family_is_rewarded_by_the_grm_through_rl_judge(warm_policy, tmp_path):
+    """rl.judge = a local checkpoint: `build_group_scorer` measures ℓ0 on the cold-start model and runs the real
+    judge protocol. This judge (a policy never trained to judge) never completes a valid judgement, so every
+    comparison is retried and then a tie: rewards are all 0.5, the group has no variance and is skipped."""
+    from k3post.rl import build_group_scorer
+
+    model, tok = warm_policy
+    init = _save(model, tok, tmp_path / "init")
+    cfg = _cfg(judge="policy", max_tokens=16, slots=8)
+    scorer = build_group_scorer(cfg, init, tok, ["general.arithmetic", "general.writing"])
+    assert scorer is not None and set(scorer.l0) == {"general.writing"} and scorer.l0["general.writing"] >= 0
+    assert build_group_scorer(_cfg(judge=""), init, tok, ["general.writing"]) is None
+    assert build_group_scorer(cfg, init, tok, ["general.arithmetic"]) is None  # nothing to judge
+    task = get_family("general.writing").generate(1, seed=0)[0]
+    trajs = []
+    for j, text in enumerate(["A lamp. It glows.", "The Nimbus lamp dims itself at dusk.", "lamp"]):
+        t = Trajectory(traj_id=f"g0/s{j}", group_id=0, sample_index=j, seed=j, task=task.to_dict(), status="done", reward=1.0)
+        ids = XTML(tok).render([{"role": "assistant", "content": text}]).ids
+        t.append(ids[:1])
+        t.append(ids[1:], logprobs=[-1.0] * (len(ids) - 1), versions=[0] * (len(ids) - 1))
+        trajs.append(t)
+    table = BudgetTable()
+    table.add_samples({task.content_hash(): TaskSamples(task.family, [50, 50], [True, True])}, q=0.9, min_b0=1.0)
+    scorer.l0 = {}  # no length guard: every comparison reaches the judge
+    seqs, rows, adv = _score([Group(0, task.to_dict(), trajs)], scorer, table, _cfg(effort_control=EffortConfig()))
+    assert [t.reward for t in trajs] == [0.5, 0.5, 0.5]
+    assert adv["zero_variance_groups"] == 1.0 and seqs == []
+    st = scorer.stats
+    assert st.comparisons == 3 and st.ties == 3 and st.guard_ties == 0 and st.invalid >= 3 and st.retried >= 3
