@@ -1,12 +1,16 @@
-"""Tests of k3post.rollout: the sampler (golden), the embedded engine (parity with a plain HF
+"""Tests of k3post.rollout: the samplers (golden), the embedded engine (parity with a plain HF
 forward, continuous batching, reproducibility, pause / resume / KV export, weight updates,
-stops, aborts, prefix sharing) and the vLLM / SGLang adapters' pure conversions.
+stops, aborts, prefix sharing), the pieces of its decode forward (RMSNorm, rotary, MXFP8
+fake quant, dense MoE, decode attention: golden and against HF / the reference), its
+per-version weight plan, and the vLLM / SGLang adapters' pure conversions.
 
-Shape legend: B batch rows, V vocabulary, T sequence length.
+Shape legend: B batch rows, V vocabulary, T sequence length, N tokens, D hidden size,
+H heads, G kv heads, L attended positions, E head dim.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from types import SimpleNamespace
@@ -15,7 +19,8 @@ import pytest
 import torch
 
 from k3post.models import build_tiny_moe, save_model
-from k3post.quant.qat import QATConfig, apply_qat
+from k3post.quant.mx import fake_quant_mx
+from k3post.quant.qat import QATConfig, apply_qat, remove_qat
 from k3post.rollout import (
     EmbeddedEngine,
     GenerationRequest,
@@ -36,7 +41,8 @@ from k3post.rollout.adapters import (
     to_sglang_sampling_params,
     to_vllm_sampling_kwargs,
 )
-from k3post.rollout.engine import token_uniforms
+from k3post.rollout.embedded import _fake_quant_act, _norm_of, _rms, _rotate
+from k3post.rollout.engine import sample_unfiltered, token_uniforms
 from k3post.xtml import EOM
 
 TOL = 1e-5
@@ -121,6 +127,25 @@ def test_sample_from_logits_golden():
         one = sample_from_logits(logits_V[None], torch.tensor([t]), torch.tensor([k]), torch.tensor([p]),
                                  torch.tensor([u], dtype=torch.float64))
         assert one.item() == want
+
+
+def test_sample_unfiltered_golden_and_same_tokens_as_sample_from_logits():
+    # logits (0, ln 3): p = [0.25, 0.75], c = [0.25, 1.0]: u 0.24 -> 0, u 0.26 -> 1.
+    # temperature 2 on logits (0, ln 9) divides them into (0, ln 3): the same p.
+    ln3, ln9 = math.log(3.0), math.log(9.0)
+    u_B = torch.tensor([0.24, 0.26], dtype=torch.float64)
+    assert sample_unfiltered(torch.tensor([[0.0, ln3]] * 2), None, u_B).tolist() == [0, 1]
+    assert sample_unfiltered(torch.tensor([[0.0, ln9]] * 2), torch.tensor([2.0, 2.0]), u_B).tolist() == [0, 1]
+    # parity: the same tokens as sample_from_logits on unfiltered rows, bit for bit
+    g = torch.Generator().manual_seed(0)
+    B, V = 512, 97
+    logits_BV = torch.randn(B, V, generator=g) * 3
+    temp_B = torch.where(torch.rand(B, generator=g) < 0.5, torch.ones(B), 0.3 + 2 * torch.rand(B, generator=g))
+    u_B = torch.rand(B, generator=g, dtype=torch.float64)
+    ref_B = sample_from_logits(logits_BV, temp_B, torch.zeros(B, dtype=torch.long), torch.ones(B), u_B)
+    assert torch.equal(sample_unfiltered(logits_BV, temp_B, u_B), ref_B)
+    ones_B = temp_B == 1.0
+    assert torch.equal(sample_unfiltered(logits_BV[ones_B], None, u_B[ones_B]), ref_B[ones_B])
 
 
 def test_token_uniform_and_empirical_distribution():
@@ -510,6 +535,184 @@ def test_engine_from_folder(tmp_path, tiny):
 def test_bad_model_rejected():
     with pytest.raises(ValueError, match="Llama-style"):
         EmbeddedEngine(torch.nn.Linear(2, 2))
+
+
+# --------------------------------------------------------------------------- decode forward pieces and the weight plan
+
+
+def test_rms_golden_exact_is_hf_and_fast_agrees():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    # x = [3, 4], w = [1, 2], eps = 0: mean(x^2) = 12.5, x / sqrt(12.5) = [0.848528, 1.131371], * w
+    norm = Qwen3MoeRMSNorm(2, eps=0.0)
+    with torch.no_grad():
+        norm.weight.copy_(torch.tensor([1.0, 2.0]))
+        x = torch.tensor([[3.0, 4.0]])
+        for exact in (True, False):
+            assert torch.allclose(_rms(x, _norm_of(norm), exact), torch.tensor([[0.848528, 2.262742]]), atol=1e-6)
+        norm = Qwen3MoeRMSNorm(128, eps=1e-6)
+        norm.weight.copy_(torch.randn(128))
+        x_ND = torch.randn(37, 128) * torch.rand(37, 1) * 4
+        ref_ND = norm(x_ND)
+        assert torch.equal(_rms(x_ND, _norm_of(norm), True), ref_ND)  # F.rms_norm: HF's bits
+        assert ((_rms(x_ND, _norm_of(norm), False) - ref_ND).abs() <= 1e-6 * ref_ND.abs().max()).all()
+        # stacked per-head weights [N, E] (q heads, then k heads)
+        q_norm, k_norm = Qwen3MoeRMSNorm(8, eps=1e-6), Qwen3MoeRMSNorm(8, eps=1e-6)
+        q_norm.weight.copy_(torch.randn(8))
+        k_norm.weight.copy_(torch.randn(8))
+        qk_BNE = torch.randn(5, 3, 8)
+        stacked = _norm_of(q_norm, torch.stack([q_norm.weight, q_norm.weight, k_norm.weight]))
+        ref_BNE = torch.cat([q_norm(qk_BNE[:, :2]), k_norm(qk_BNE[:, 2:])], dim=1)
+        assert torch.equal(_rms(qk_BNE, stacked, True), ref_BNE)
+        assert torch.allclose(_rms(qk_BNE, stacked, False), ref_BNE, atol=1e-6)
+
+
+def test_rotate_golden_and_hf_bits():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
+
+    # E = 2, x = (1, 2), angle with cos 0.6, sin 0.8: (x1 c - x2 s, x2 c + x1 s) = (-1, 2);
+    # the sign-folded sin is (-0.8, 0.8)
+    x = torch.tensor([[[1.0, 2.0]]])
+    cos, ssin = torch.tensor([[[0.6, 0.6]]]), torch.tensor([[[-0.8, 0.8]]])
+    for exact in (True, False):
+        assert torch.allclose(_rotate(x, cos, ssin, exact), torch.tensor([[[-1.0, 2.0]]]), atol=1e-7)
+    # exact: HF's apply_rotary_pos_emb bit for bit (q [B, H, T, E], cos / sin [B, T, E])
+    g = torch.Generator().manual_seed(1)
+    q_BHTE, k_BHTE = torch.randn(2, 4, 5, 32, generator=g), torch.randn(2, 2, 5, 32, generator=g)
+    ang_BTE = torch.rand(2, 5, 16, generator=g).repeat(1, 1, 2) * 6
+    cos_BTE, sin_BTE = ang_BTE.cos(), ang_BTE.sin()
+    ref_q, ref_k = apply_rotary_pos_emb(q_BHTE, k_BHTE, cos_BTE, sin_BTE)
+    ssin_BTE = torch.cat([-sin_BTE[..., :16], sin_BTE[..., 16:]], dim=-1)
+    assert torch.equal(_rotate(q_BHTE, cos_BTE[:, None], ssin_BTE[:, None], True), ref_q)
+    assert torch.equal(_rotate(k_BHTE, cos_BTE[:, None], ssin_BTE[:, None], True), ref_k)
+    assert torch.allclose(_rotate(q_BHTE, cos_BTE[:, None], ssin_BTE[:, None], False), ref_q, atol=1e-6)
+
+
+def test_fake_quant_act_golden_and_bits_of_fake_quant_mx():
+    # MXFP8 E4M3 (emax 8, emin -6, 3 mantissa bits, max 448), one block of 32 with amax 7.5:
+    # shared = floor(log2 7.5) - 8 = -6, so a = |x| * 64 is rounded to the E4M3 grid (step
+    # 2^(max(e, -6) - 3) at a in [2^e, 2^(e+1))) and scaled back by 2^-6:
+    #   7.5   -> a 480 (step 32) -> saturates to 448      -> 7.0
+    #   -5    -> a 320 = 10 * 32                          -> -5.0
+    #   0.3   -> a 19.2 (step 2) -> 20                    -> 0.3125
+    #   19/64 -> a 19 = 9.5 steps, ties to even -> 20     -> 0.3125
+    #   17/64 -> a 17 = 8.5 steps, ties to even -> 16     -> 0.25
+    #   0.001 -> a 0.064 (e -4, step 2^-7) -> 8 * 2^-7    -> 2^-10
+    #   1e-4  -> a 0.0064 (below emin: step 2^-9) -> 3 steps -> 3 * 2^-15
+    vals = [7.5, -5.0, 0.3, 19 / 64, 17 / 64, 0.001, 1e-4]
+    want = [7.0, -5.0, 0.3125, 0.3125, 0.25, 2.0**-10, 3 * 2.0**-15]
+    x_B = torch.zeros(2, 32)
+    x_B[0, : len(vals)] = torch.tensor(vals)
+    out = _fake_quant_act(x_B, "fp8_e4m3", 32)
+    assert out[0, : len(vals)].tolist() == want and out[0, len(vals):].abs().sum() == 0 and out[1].abs().sum() == 0
+    # bit-identical to fake_quant_mx across magnitudes, zero blocks, fp32 subnormals, saturation, NaN / Inf
+    g = torch.Generator().manual_seed(2)
+    for fmt in ("fp8_e4m3", "fp8_e5m2"):
+        x = torch.randn(64, 256, generator=g) * torch.exp(torch.randn(64, 1, generator=g) * 12)
+        x[0] = 0.0
+        x[1, :32] = 1e-40
+        x[2] = torch.randn(256, generator=g) * 1e-38
+        x[3] = 448.0 * 2.0 ** torch.randint(-30, 30, (256,), generator=g).float()
+        x[4, 7] = float("nan")
+        x[5, 40] = float("inf")
+        got, ref = _fake_quant_act(x, fmt, 32), fake_quant_mx(x, fmt, 32, -1)
+        assert torch.equal(got.isnan(), ref.isnan())
+        assert torch.equal(got.nan_to_num().view(torch.int32), ref.nan_to_num().view(torch.int32)), fmt
+    y = torch.randn(3, 64, generator=g)
+    assert torch.equal(_fake_quant_act(y, "fp4_e2m1", 32), fake_quant_mx(y, "fp4_e2m1", 32, -1))  # falls back
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_dense_moe_matches_hf_block(tiny, exact):
+    model, _ = tiny
+    engine = EmbeddedEngine(model, max_batch_size=2)
+    g = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        w = engine._weights()
+        assert not w.exact
+        m = engine._moe_weights(model.model.layers[1].mlp, exact)
+        for N in (1, 5, 32):
+            h_ND, x_ND = torch.randn(N, 128, generator=g), torch.randn(N, 128, generator=g)
+            ref_ND = x_ND + model.model.layers[1].mlp(h_ND[:, None]).view(N, -1)
+            got_ND = engine._dense_moe(m, model.model.layers[1].mlp, h_ND, x_ND, exact)
+            assert torch.allclose(got_ND, ref_ND, atol=2e-6), (N, (got_ND - ref_ND).abs().max())
+
+
+def test_attend_step_matches_sdpa_and_ignores_masked_positions(tiny):
+    model, _ = tiny
+    engine = EmbeddedEngine(model, max_batch_size=2)
+    g = torch.Generator().manual_seed(4)
+    B, H, G, L, E = 3, 4, 2, 9, 32
+    q_BHE = torch.randn(B, H, E, generator=g)
+    k_BGLE, v_BGLE = torch.randn(B, G, L, E, generator=g), torch.randn(B, G, L, E, generator=g)
+    pos_B = torch.tensor([8, 4, 6])  # row b attends to positions 0..pos_b
+    keep_BL = torch.arange(L) <= pos_B[:, None]
+    with torch.inference_mode():
+        fast = engine._weights()  # the model has no QAT: batched GEMMs
+        exact = dataclasses.replace(fast, exact=True)  # SDPA
+        assert not fast.exact
+        add_X1L = torch.zeros(B, L).masked_fill(~keep_BL, float("-inf")).repeat_interleave(G, dim=0)[:, None]
+        ref_BF = torch.nn.functional.scaled_dot_product_attention(
+            q_BHE[:, :, None], k_BGLE, v_BGLE, attn_mask=keep_BL[:, None, None], scale=engine._scaling, enable_gqa=True
+        ).view(B, H * E)
+        got_BF = engine._attend_step(fast, q_BHE, k_BGLE, v_BGLE, add_X1L)
+        assert torch.allclose(got_BF, ref_BF, atol=1e-6)
+        k_BGLE[~keep_BL[:, None].expand(B, G, L)] = 1e4  # masked positions play no part
+        v_BGLE[~keep_BL[:, None].expand(B, G, L)] = 1e4
+        assert torch.allclose(engine._attend_step(fast, q_BHE, k_BGLE, v_BGLE, add_X1L), ref_BF, atol=1e-6)
+        assert torch.equal(engine._attend_step(exact, q_BHE, k_BGLE, v_BGLE, keep_BL[:, None, None]), ref_BF)
+        # no mask: every position attended, as SDPA without a mask
+        ref_BF = torch.nn.functional.scaled_dot_product_attention(
+            q_BHE[:, :, None], k_BGLE, v_BGLE, scale=engine._scaling, enable_gqa=True
+        ).view(B, H * E)
+        assert torch.allclose(engine._attend_step(fast, q_BHE, k_BGLE, v_BGLE, None), ref_BF, atol=1e-6)
+
+
+def test_weight_plan_follows_inplace_updates_and_qat(xtml_tokenizer):
+    tok = xtml_tokenizer
+    model = build_tiny_moe(len(tok), seed=5).eval()
+    engine = EmbeddedEngine(model, tok, max_batch_size=3)
+    reqs = _requests(len(tok), 3)
+    _assert_parity(model, engine.generate(reqs))
+    assert not engine._weights().exact
+    # in-place updates, as an optimizer step does: attention, norms, router, experts, lm_head
+    with torch.no_grad():
+        layer = model.model.layers[2]
+        for p in (layer.self_attn.q_proj.weight, layer.self_attn.k_norm.weight, layer.post_attention_layernorm.weight,
+                  layer.mlp.gate.weight, layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj, model.lm_head.weight):
+            p.mul_(1.25)
+    _assert_parity(model, engine.generate(reqs))
+    # QAT applied / removed after the engine was built: the forward follows (exact mode on / off)
+    apply_qat(model, QATConfig())
+    assert engine._weights().exact
+    _assert_parity(model, engine.generate(reqs))
+    remove_qat(model)
+    assert not engine._weights().exact
+    _assert_parity(model, engine.generate(reqs))
+    # a parameter replaced outright (new tensor identity) is picked up too
+    model.model.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(model.model.layers[0].self_attn.o_proj.weight.detach() * 0.5)
+    _assert_parity(model, engine.generate(reqs))
+
+
+def test_finished_slot_refilled_by_the_last_running(tiny):
+    model, tok = tiny
+    engine = EmbeddedEngine(model, tok, max_batch_size=4)
+    lengths = [9, 2, 9, 9]  # r1 finishes first; r3 (slot 3) moves into slot 1, r2 stays in slot 2
+    reqs = [GenerationRequest(f"r{i}", _prompt(6 + i, 50 + i, len(tok)), SamplingParams(max_tokens=n, stop_ids=(), seed=i))
+            for i, n in enumerate(lengths)]
+    for r in reqs:
+        engine.add_request(r)
+    engine.step()
+    assert [s.rid for s in engine._running] == ["r0", "r1", "r2", "r3"]
+    k3 = engine.cache.keys[1][3, :, :7].clone()
+    done = {r.request_id: r for r in engine.step()}
+    assert set(done) == {"r1"} and [(s.rid, s.slot) for s in engine._running] == [("r0", 0), ("r3", 1), ("r2", 2)]
+    assert torch.equal(engine.cache.keys[1][1, :, :7], k3)  # r3's cache moved with it
+    while engine.has_unfinished():
+        done.update({r.request_id: r for r in engine.step()})
+    alone = [EmbeddedEngine(model, tok, max_batch_size=1).generate([r])[0] for r in reqs]
+    assert [done[r.request_id].output_ids for r in reqs] == [a.output_ids for a in alone]
+    _assert_parity(model, list(done.values()))
 
 
 # --------------------------------------------------------------------------- adapters (pure conversions)

@@ -3,16 +3,33 @@
 ``EmbeddedEngine`` runs a lean forward of its own that reuses the Hugging Face modules
 and weights of a Llama-style decoder (Qwen3-MoE here): ``embed_tokens``, per layer
 ``input_layernorm``, ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``, ``q_norm`` /
-``k_norm`` (when present), the model's own rotary table, ``post_attention_layernorm`` and
-``layer.mlp`` called as a module (so the MoE routing is HF's, and the MXFP4 / MXFP8 fake
-quantization that ``k3post.quant.qat.apply_qat`` patches into the experts applies
-unchanged), the final ``norm`` and ``lm_head``. What it drops is the per-step Python
-machinery of ``generate()``: mask builders, ``DynamicCache`` objects, logits processors.
-Decode steps (few tokens) run the MoE experts as two dense GEMMs over all experts with
-expert weights cached per weight version (MXFP4 fake-quantized once with the QAT
-quantizer when QAT is on, instead of once per call), experts chosen by HF's own router
-module; prefill calls ``layer.mlp``. Attention: q/k/v as one fused GEMM (weights cached
-per tensor version), ``scaled_dot_product_attention`` over the slot cache.
+``k_norm`` (when present), the model's own rotary table, ``post_attention_layernorm``, the
+routed experts (with the MXFP4 / MXFP8 fake quantization that ``k3post.quant.qat.apply_qat``
+patches in), the final ``norm`` and ``lm_head``. What it drops is the per-step Python
+machinery of ``generate()``: mask builders, ``DynamicCache`` objects, logits processors,
+module calls. Forwards of few tokens (decode steps) run the MoE dense over all experts,
+routed with HF's top-k rule (``_dense_moe``); prefills of many tokens call ``layer.mlp``.
+Attention: q/k/v as one fused GEMM; prefill runs ``scaled_dot_product_attention``, decode
+steps attend over the slot cache (``_attend_step``; no mask when all rows sit at the same
+position).
+
+Everything the forward derives from the weights (fused q/k/v, stacked q/k norm weights,
+pre-transposed projections, the stacked expert weights, MXFP4 fake-quantized once when
+QAT is on) lives in one plan per weight version (``_weights``), checked once per forward
+against every parameter's identity and tensor version counter (so ``update_weights``,
+in-place optimizer steps, parameter replacement and ``apply_qat`` / ``remove_qat`` all
+rebuild it; ``refresh_weights`` covers writes through ``.data``).
+
+Numerics. With QAT on the forward follows HF's op sequence bit for bit where it can
+(``F.rms_norm``, rotary as mul-mul-add, the router's softmax / top-k / renormalise,
+per-expert down products summed in expert order, residuals added after each
+projection), because the MXFP8 rounding of activations turns a last-bit difference into
+a ~1e-4 log-prob difference. With QAT off it uses cheaper forms that agree with HF to
+~1e-7: RMSNorm from ``vector_norm``, ``addcmul`` rotary, router and expert-up rows in
+one GEMM, the routing weights folded into one down GEMM, ``addmm`` residuals,
+pre-transposed weights, decode attention as two batched GEMMs instead of SDPA. The
+choice depends on QAT only, never on the batch size (which, as before, can still move the
+last bits through the BLAS kernels' row-count paths and the attended length).
 
 One ``step()``:
   1. admission: queued requests (resumed ones first) fill the free slots, up to
@@ -47,10 +64,14 @@ Shape legend:
     L   attended key positions
     V   vocabulary size
     D   hidden size
-    H   attention heads,  G  kv heads,  E  head dim
+    H   attention heads,  G  kv heads,  E  head dim,  R  query heads per kv head (H / G)
     P   positions of the rotary table (max_model_len)
-    N   tokens in a forward (B * T);  X  routed experts;  K  experts per token
-    I   expert width;  F  X * 2I (all experts' fused gate/up rows);  M  N * X
+    N   tokens in a forward (B * T);  X  routed experts (in attention: B * G row / kv-head
+        pairs);  K  experts per token;  I  expert width
+    F   a fused output width: (H+2G)E for q/k/v, HE for the attention output, X*2I (+ X
+        router rows) for the experts' gate/up
+    J, O  a projection's input / output width;  S  any leading shape (helpers)
+    B1, 1L, ...  a 1 marks a broadcast / size-one dim
 """
 
 from __future__ import annotations
@@ -67,7 +88,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3post.quant import qat as qat_module
-from k3post.quant.mx import fake_quant_mx
+from k3post.quant.mx import MX_FORMATS, fake_quant_mx
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rollout.engine import (
     GenerationRequest,
@@ -76,6 +97,7 @@ from k3post.rollout.engine import (
     NamedTensors,
     request_seed,
     sample_from_logits,
+    sample_unfiltered,
     token_uniforms,
 )
 from k3post.rollout.kv_cache import SlotKVCache
@@ -115,20 +137,172 @@ class _Seq:
         )
 
 
-def _gate(experts: Any, gate_up_M2: torch.Tensor) -> torch.Tensor:
-    """HF's default expert gating: act(gate) * up over the two halves of the last dim."""
-    gate_MI, up_MI = gate_up_M2.chunk(2, dim=-1)
-    return experts.act_fn(gate_MI) * up_MI
+@dataclass(frozen=True)
+class _RMSNorm:
+    """A plain RMSNorm's parameters: ``weight`` broadcasts against x (the stacked per-head
+    q/k norm weights are [H+G, E]); ``eps`` also as a 0-dim tensor for ``_rms``."""
+
+    weight: torch.Tensor
+    eps: float
+    eps_t: torch.Tensor
 
 
-def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """HF RMSNorm, ``weight * x / sqrt(mean(x^2) + eps)``, as one ``F.rms_norm`` call when
-    ``norm`` is a plain RMSNorm (a ``weight`` and a ``variance_epsilon``), else the module."""
+_Norm = _RMSNorm | nn.Module
+"""An RMSNorm as the engine applies it; anything but a plain fp32 RMSNorm is called as a module."""
+
+
+def _norm_of(norm: nn.Module, weight: torch.Tensor | None = None) -> _Norm:
+    """``norm`` as a ``_Norm``: an ``_RMSNorm`` when it is a plain RMSNorm (a ``weight`` and
+    a ``variance_epsilon``, class name ending in RMSNorm, fp32), else the module. ``weight``
+    overrides the module's weight (the per-head q/k norm weights stacked as [H+G, E])."""
     w = getattr(norm, "weight", None)
     eps = getattr(norm, "variance_epsilon", None)
-    if w is None or eps is None or type(norm).__name__[-7:] != "RMSNorm" or x.dtype != torch.float32:
-        return norm(x)
-    return F.rms_norm(x, (x.shape[-1],), w, eps)
+    if w is None or eps is None or type(norm).__name__[-7:] != "RMSNorm" or w.dtype != torch.float32:
+        return norm
+    return _RMSNorm(w if weight is None else weight, float(eps), torch.tensor(float(eps), dtype=w.dtype, device=w.device))
+
+
+def _rms(x_SD: torch.Tensor, norm: _Norm, exact: bool) -> torch.Tensor:
+    """HF RMSNorm over the last dim, ``w * x / sqrt(mean(x^2) + eps)``.
+
+    exact: ``F.rms_norm`` (bit-identical to HF's module). Otherwise five small ops with
+    mean(x^2) read off ``vector_norm`` as ``||x||^2 / D`` (equal to HF's up to fp32
+    rounding, ~1e-7 relative), cheaper per call on CPU."""
+    if not isinstance(norm, _RMSNorm):
+        return norm(x_SD)
+    D = x_SD.shape[-1]
+    if exact:
+        if norm.weight.dim() == 1:
+            return F.rms_norm(x_SD, (D,), norm.weight, norm.eps)
+        return F.rms_norm(x_SD, (D,), None, norm.eps) * norm.weight
+    n_S1 = torch.linalg.vector_norm(x_SD, 2, -1, True)
+    return x_SD * torch.addcmul(norm.eps_t, n_S1, n_S1, value=1.0 / D).rsqrt_() * norm.weight
+
+
+def _rotate(qk_SNE: torch.Tensor, cos_S1E: torch.Tensor, ssin_S1E: torch.Tensor, exact: bool) -> torch.Tensor:
+    """Rotary embedding, ``x cos + rotate_half(x) sin``, as ``x cos + roll(x, E/2) * (sign *
+    sin)`` (sign = -1 on the first half; exact). exact: HF's mul, mul, add; otherwise the
+    second product and the sum fused into one ``addcmul`` (may round differently)."""
+    rolled_SNE = torch.roll(qk_SNE, qk_SNE.shape[-1] // 2, dims=-1)
+    if exact:
+        return qk_SNE * cos_S1E + rolled_SNE * ssin_S1E
+    return torch.addcmul(qk_SNE * cos_S1E, rolled_SNE, ssin_S1E)
+
+
+_EXP_MASK = 0x7F800000  # fp32 exponent bits
+
+
+def _fake_quant_act(x_S: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
+    """``fake_quant_mx(x, fmt, block_size, -1)`` for the MXFP8 activation formats in fewer
+    ops (bit-identical, tested), since decode steps quantize tiny tensors where per-op
+    overhead dominates; other formats and dtypes call ``fake_quant_mx``. Blocks of
+    ``block_size`` along the last dim; with amax the block's largest |x| and emax, emin,
+    mbits, max of the element format (OCP MX v1.0):
+
+        2^shared = 2^(floor(log2 amax) - emax), at least 2^-127
+        a        = |x| / 2^shared                                         (exact)
+        c        = 2^(max(floor(log2 a), emin) - mbits + 23)
+        q        = min((a + c) - c, max) * sign(x) * 2^shared
+
+    (a + c) - c rounds a to the element grid with the FPU's ties-to-even (c's ulp is the
+    grid step at a), as ``k3post.quant.mx`` does; floor(log2) is read from the fp32
+    exponent bits. An all-zero block gives zeros; a block holding NaN / Inf gives NaNs
+    (the reference's NaN scale)."""
+    spec = MX_FORMATS[fmt]
+    if spec.name == "fp4_e2m1" or x_S.dtype != torch.float32:
+        return fake_quant_mx(x_S, fmt, block_size, -1)
+    x_NB = x_S.reshape(-1, block_size)
+    a_NB = x_NB.abs()
+    pow2_N1 = a_NB.amax(1, keepdim=True).view(torch.int32).bitwise_and_(_EXP_MASK).view(torch.float32)
+    scale_N1 = pow2_N1.clamp_(min=2.0 ** (spec.emax - 127)).mul_(2.0 ** -spec.emax)
+    a_NB.div_(scale_N1)
+    c_NB = a_NB.view(torch.int32).bitwise_and(_EXP_MASK).clamp_(min=(127 + spec.emin) << 23)
+    c_NB = c_NB.add_((23 - spec.mbits) << 23).view(torch.float32)
+    a_NB.add_(c_NB).sub_(c_NB).clamp_(max=spec.max_value).copysign_(x_NB).mul_(scale_N1)
+    return a_NB.view(x_S.shape)
+
+
+def _plain_silu(act: Any) -> bool:
+    """True for ``nn.SiLU`` and transformers' ``SiLUActivation`` (``F.silu``) with its own forward."""
+    return type(act) is nn.SiLU or (
+        type(act).__name__ == "SiLUActivation" and getattr(type(act).forward, "__module__", "") == "transformers.activations"
+        and "forward" not in vars(act)
+    )
+
+
+def _is_default_gate(fn: Any) -> bool:
+    """True when an experts class's ``_apply_gate`` is absent or transformers' default,
+    ``act(gate) * up`` over the two halves (which the dense MoE inlines)."""
+    return fn is None or (
+        getattr(fn, "__qualname__", "") == "_default_apply_gate" and getattr(fn, "__module__", "") == "transformers.integrations.moe"
+    )
+
+
+@dataclass(frozen=True)
+class _Proj:
+    """A projection ``y = x W^T + b`` on rows x [N, J]. ``w`` is W [O, J] as the model holds
+    it (``F.linear``, HF's op: exact mode) or, when ``transposed``, W^T [J, O] contiguous
+    (``mm`` / ``addmm`` on the pre-transposed weight: 5-10% faster at decode sizes on CPU)."""
+
+    w: torch.Tensor
+    b: torch.Tensor | None
+    transposed: bool
+
+    @staticmethod
+    def of(w_OJ: torch.Tensor, b_O: torch.Tensor | None, exact: bool) -> _Proj:
+        return _Proj(w_OJ, b_O, False) if exact else _Proj(w_OJ.t().contiguous(), b_O, True)
+
+    def __call__(self, x_NJ: torch.Tensor, res_NO: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T + b, plus the residual ``res`` when given (fused into ``addmm`` when W^T
+        is held and there is no bias; exact mode adds it after the projection, as HF does)."""
+        if not self.transposed:
+            y_NO = F.linear(x_NJ, self.w, self.b)
+        elif self.b is None:
+            return torch.mm(x_NJ, self.w) if res_NO is None else torch.addmm(res_NO, x_NJ, self.w)
+        else:
+            y_NO = torch.addmm(self.b, x_NJ, self.w)
+        return y_NO if res_NO is None else res_NO + y_NO
+
+
+@dataclass(frozen=True)
+class _MoEWeights:
+    """One routed-experts block as the dense MoE uses it (see ``_dense_moe``)."""
+
+    n_experts: int  # X
+    width: int  # I
+    top_k: int  # K (0 when the router module is called)
+    router: _Proj | None  # W [X, D] of a plain top-k router (routed by the engine), else None
+    norm_topk: bool
+    up: _Proj | None  # W [X*2I, D] (MXFP4 fake-quantized under QAT); None when ``router_up`` holds it
+    router_up: _Proj | None  # router rows on top of the up rows, [X + X*2I, D] (plain router, not exact)
+    down_w: torch.Tensor  # [X*I, D]: down^T of every expert stacked (MXFP4 fake-quantized under QAT)
+    act: Any  # the expert activation (F.silu for a plain SiLU module)
+    apply_gate: Any  # the experts module's own ``_apply_gate``, or None for act(gate) * up
+    qat: QATConfig | None
+
+
+@dataclass(frozen=True)
+class _LayerWeights:
+    """One decoder layer's weights as the engine's forward uses them."""
+
+    in_norm: _Norm
+    qkv: _Proj  # W [(H+2G)E, D]: q, k, v rows
+    qk_norm: _Norm | None  # per-head q/k RMSNorm, weight [H+G, E]
+    o_proj: _Proj | None  # W [D, HE] of a plain nn.Linear o_proj (None: call the module)
+    post_norm: _Norm
+    moe: _MoEWeights | None  # None: the MLP runs as ``layer.mlp``
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """Everything the forward reads from the model, for one weight version."""
+
+    key: tuple[tuple[int, int], ...]  # (id, version) of every model parameter, then QAT config ids
+    exact: bool  # reproduce HF's op sequence bit for bit where the engine can (QAT on)
+    embed: torch.Tensor | None  # weight of a plain nn.Embedding (None: call the module)
+    layers: list[_LayerWeights]
+    final_norm: _Norm
+    lm_head: _Proj | None  # W [V, D] of a plain nn.Linear lm_head (None: call the module)
 
 
 class EmbeddedEngine:
@@ -243,9 +417,18 @@ class EmbeddedEngine:
         if any(getattr(layer.self_attn, "q_norm", None) is not None and not hasattr(layer.self_attn.q_norm, "variance_epsilon")
                for layer in self._layers):
             raise ValueError("EmbeddedEngine expects q_norm / k_norm to be RMSNorms with a variance_epsilon")
+        if any(getattr(layer.self_attn, "q_norm", None) is not None and getattr(layer.self_attn, "k_norm", None) is not None
+               and layer.self_attn.q_norm.variance_epsilon != layer.self_attn.k_norm.variance_epsilon for layer in self._layers):
+            raise ValueError("EmbeddedEngine normalises q and k in one op: q_norm and k_norm must share variance_epsilon")
         self._dense_moe_ok = [self._dense_moe_eligible(layer.mlp) for layer in self._layers]
-        self._experts_cache: dict[int, Any] = {}
-        self._fused: dict[int, tuple[tuple[tuple[int, int], ...], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]] = {}
+        # modules QAT patches (apply_qat / remove_qat flip the forward's exact mode and the dense-MoE weights)
+        self._qat_targets = [m for _, m, _ in qat_module._find_expert_modules(model)]
+        # where every parameter lives (module._parameters, name): _weights() checks their identity and version per forward
+        self._param_slots = [(m._parameters, n) for m in model.modules() for n, p in m._parameters.items() if p is not None]
+        self._plan: _Weights | None = None
+        self._pos_P = torch.arange(self.max_model_len, device=self.device)
+        self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        self._neg_inf = torch.full((), float("-inf"), dtype=self.dtype, device=self.device)
         self._version = 0
         self._queue: deque[_Seq] = deque()
         self._running: list[_Seq] = []  # index == slot
@@ -583,18 +766,22 @@ class EmbeddedEngine:
                 self.stats["kv_kept"] += 1
 
     def _free_slots(self, slots: set[int]) -> None:
-        """Remove the sequences in ``slots``, moving the last running ones into the holes."""
+        """Remove the sequences in ``slots``; the last running ones move into the holes left
+        below the new count, so the running sequences stay in slots 0..n-1 (one KV copy per
+        hole, not one per sequence behind it)."""
         if not slots:
             return
-        keep = [s for s in self._running if s.slot not in slots]
-        removed = [s for s in self._running if s.slot in slots]
-        for new_slot, seq in enumerate(keep):  # ascending: a destination is free or already moved
-            if seq.slot != new_slot:
-                self.cache.copy_slot(seq.slot, new_slot, seq.n_cached)
-                seq.slot = new_slot
-        for seq in removed:
-            seq.slot = -1
-        self._running = keep
+        n_keep = len(self._running) - len(slots)
+        holes = sorted(i for i in slots if i < n_keep)
+        movers = [seq for seq in self._running[n_keep:] if seq.slot not in slots]
+        for hole, seq in zip(holes, movers):
+            self.cache.copy_slot(seq.slot, hole, seq.n_cached)
+            seq.slot = hole
+        for i in slots:
+            self._running[i].slot = -1
+        running: list[_Seq] = [seq for seq in self._running if seq.slot >= 0]
+        running.sort(key=lambda seq: seq.slot)
+        self._running = running
 
     def _admit(self) -> list[_Seq]:
         """Move queued requests into free slots, at most ``max_prefill_tokens`` uncached
@@ -626,17 +813,18 @@ class EmbeddedEngine:
         """Sample one token per row, append token / log-prob / version, detect finishes."""
         sps = [s.request.sampling for s in seqs]
         dev = logits_BV.device
-        params_3B = torch.tensor(
-            [[sp.temperature for sp in sps], [float(sp.top_k) for sp in sps], [sp.top_p for sp in sps]],
-            dtype=torch.float64, device=dev,
-        )
-        tok_B = sample_from_logits(
-            logits_BV,
-            params_3B[0].float(),
-            params_3B[1].long(),
-            params_3B[2].float(),
-            token_uniforms([s.seed for s in seqs], [len(s.output_ids) for s in seqs]).to(dev),
-        )
+        V = logits_BV.shape[-1]
+        u_B = token_uniforms([s.seed for s in seqs], [len(s.output_ids) for s in seqs]).to(dev)
+        if all(sp.temperature > 0 and sp.top_p >= 1.0 and not 0 < sp.top_k < V for sp in sps):
+            temps = [float(sp.temperature) for sp in sps]  # plain sampling: no sort, no filter
+            temp_B = None if all(t == 1.0 for t in temps) else torch.tensor(temps, dtype=torch.float32, device=dev)
+            tok_B = sample_unfiltered(logits_BV, temp_B, u_B)
+        else:
+            params_3B = torch.tensor(
+                [[sp.temperature for sp in sps], [float(sp.top_k) for sp in sps], [sp.top_p for sp in sps]],
+                dtype=torch.float64, device=dev,
+            )
+            tok_B = sample_from_logits(logits_BV, params_3B[0].float(), params_3B[1].long(), params_3B[2].float(), u_B)
         logp_B = torch.log_softmax(logits_BV.float(), dim=-1).gather(1, tok_B[:, None]).squeeze(1)
         version = self._version
         for seq, tok, lp in zip(seqs, tok_B.tolist(), logp_B.tolist()):
@@ -654,66 +842,128 @@ class EmbeddedEngine:
                 reasons[seq.rid] = reason
                 finished.append(seq)
 
-    def _fused_attn_weights(self, li: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Layer ``li``'s q/k/v projections as one [(H+2G)E, D] weight (+ bias) and the q/k
-        RMSNorm weights stacked per head, [H+G, E] (None without q/k norms). Rebuilt when any
-        source parameter changed in place (tensor version counter) or after update_weights."""
-        attn: Any = self._layers[li].self_attn
-        srcs = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-        q_norm: Any = getattr(attn, "q_norm", None)
-        k_norm: Any = getattr(attn, "k_norm", None)
-        has_qk_norm = q_norm is not None and k_norm is not None
-        if has_qk_norm:
-            srcs += [q_norm.weight, k_norm.weight]
-        key = tuple((id(t), t._version) for t in srcs)
-        cached = self._fused.get(li)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], dim=0)
-        b = None
-        if attn.q_proj.bias is not None:
-            b = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], dim=0)
-        norm_w = None
-        if has_qk_norm:
-            norm_w = torch.cat([q_norm.weight.expand(self._n_heads, -1), k_norm.weight.expand(self._n_kv, -1)], dim=0)
-        value = (w, b, norm_w)
-        self._fused[li] = (key, value)
-        return value
+    # ------------------------------------------------------------------ weights as the forward sees them
+    def _weights(self) -> _Weights:
+        """The forward's view of the model weights (fused q/k/v, stacked q/k norm weights,
+        dense-MoE expert weights, MXFP4 fake-quantized once under QAT), rebuilt when any
+        parameter changed in place (tensor version counter) or was replaced, QAT was
+        applied / removed, or after ``refresh_weights``. One check per forward."""
+        key = tuple((id(p), p._version) for p in (d[n] for d, n in self._param_slots)) + tuple(
+            (id(m.__dict__.get(qat_module._CFG_ATTR)), 0) for m in self._qat_targets
+        )
+        w = self._plan
+        if w is None or w.key != key:
+            self._plan = w = self._build_weights(key)
+        return w
+
+    def _build_weights(self, key: tuple[tuple[int, int], ...]) -> _Weights:
+        H, G = self._n_heads, self._n_kv
+        exact = any(k != id(None) for k, _ in key[len(self._param_slots):])  # QAT on
+        layers = []
+        for li, layer in enumerate(self._layers):
+            attn: Any = layer.self_attn
+            qkv_b = None
+            if attn.q_proj.bias is not None:
+                qkv_b = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], dim=0)
+            q_norm: Any = getattr(attn, "q_norm", None)
+            k_norm: Any = getattr(attn, "k_norm", None)
+            qk_norm = None
+            if q_norm is not None and k_norm is not None:
+                qk_norm = _norm_of(q_norm, torch.cat([q_norm.weight.expand(H, -1), k_norm.weight.expand(G, -1)]))
+            o = attn.o_proj
+            layers.append(_LayerWeights(
+                in_norm=_norm_of(layer.input_layernorm),
+                qkv=_Proj.of(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], dim=0), qkv_b, exact),
+                qk_norm=qk_norm,
+                o_proj=_Proj.of(o.weight, o.bias, exact) if type(o) is nn.Linear else None,
+                post_norm=_norm_of(layer.post_attention_layernorm),
+                moe=self._moe_weights(layer.mlp, exact) if self._dense_moe_ok[li] else None,
+            ))
+        emb, head = self._embed, self._lm_head
+        return _Weights(
+            key=key,
+            exact=exact,
+            embed=emb.weight if type(emb) is nn.Embedding and emb.max_norm is None else None,
+            layers=layers,
+            final_norm=_norm_of(self._norm),
+            lm_head=_Proj.of(head.weight, head.bias, exact) if type(head) is nn.Linear else None,
+        )
+
+    @staticmethod
+    def _moe_weights(mlp: Any, exact: bool) -> _MoEWeights:
+        """A routed-experts block's dense-MoE weights (see ``_dense_moe``)."""
+        experts, router = mlp.experts, mlp.gate
+        cfg: QATConfig | None = getattr(experts, qat_module._CFG_ATTR, None)
+        gu_X2ID, down_XDI = experts.gate_up_proj, experts.down_proj
+        if cfg is not None:  # same format, block and axis as the QAT forward and quantized_expert_weights
+            gu_X2ID = fake_quant_mx(gu_X2ID, cfg.weight_format, cfg.block_size, -1)
+            down_XDI = fake_quant_mx(down_XDI, cfg.weight_format, cfg.block_size, -1)
+        X, D, I = down_XDI.shape
+        up_FD = gu_X2ID.reshape(X * 2 * I, D)
+        # HF's top-k router (linear -> softmax -> top-k -> renormalise) is run by the engine;
+        # other routers are called as modules
+        plain_router = (
+            type(router).__name__.endswith("TopKRouter") and set(dict(router.named_parameters())) == {"weight"}
+            and tuple(router.weight.shape) == (X, D) and isinstance(getattr(router, "top_k", None), int)
+        )
+        fuse = plain_router and not exact
+        return _MoEWeights(
+            n_experts=X, width=I, top_k=int(router.top_k) if plain_router else 0,
+            router=_Proj.of(router.weight, None, exact) if plain_router else None,
+            norm_topk=bool(getattr(router, "norm_topk_prob", False)),
+            up=None if fuse else _Proj.of(up_FD, None, exact),
+            router_up=_Proj.of(torch.cat([router.weight, up_FD]), None, exact) if fuse else None,
+            down_w=down_XDI.transpose(1, 2).reshape(X * I, D),
+            act=F.silu if _plain_silu(experts.act_fn) else experts.act_fn,
+            apply_gate=None if _is_default_gate(getattr(type(experts), "_apply_gate", None)) else experts._apply_gate,
+            qat=cfg,
+        )
 
     def refresh_weights(self) -> None:
-        """Drop the engine's fused copies of the attention weights (rebuilt on next use).
-        Needed only after changing parameters through ``.data`` (which bypasses the tensor
-        version counter the engine watches)."""
-        self._fused.clear()
-        self._experts_cache.clear()
+        """Drop the engine's derived copies of the weights (rebuilt on next use). Needed
+        only after changing parameters through ``.data`` (which bypasses the tensor version
+        counter the engine watches)."""
+        self._plan = None
 
-    def _qkv(self, li: int, x_BTD: torch.Tensor, cos_BT1E: torch.Tensor, sin_BT1E: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Normed, rotated q [B, H, T, E] and k, v [B, G, T, E] of layer ``li`` (HF's math:
+    # ------------------------------------------------------------------ forward pieces
+    def _qkv(self, w: _Weights, lw: _LayerWeights, x_BTD: torch.Tensor, cos_BT1E: torch.Tensor, sin_BT1E: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Normed, rotated q [B, H, T, E] and k, v [B, G, T, E] of one layer (HF's math:
         RMSNorm -> projections -> per-head q/k RMSNorm -> rotary, with q and k handled as one
         [B, T, H+G, E] block)."""
-        layer = self._layers[li]
         B, T, _ = x_BTD.shape
         H, G, E = self._n_heads, self._n_kv, self._head_dim
-        h_BTD = _rms_norm(layer.input_layernorm, x_BTD)
-        w, b, norm_w = self._fused_attn_weights(li)
-        qkv_BTNE = F.linear(h_BTD, w, b).view(B, T, H + 2 * G, E)
-        qk_BTNE, v_BTGE = qkv_BTNE[:, :, : H + G], qkv_BTNE[:, :, H + G :]
-        if norm_w is not None:
-            attn = layer.self_attn
-            qk_BTNE = F.rms_norm(qk_BTNE, (E,), None, attn.q_norm.variance_epsilon) * norm_w
-        # rotate_half(x) * sin == roll(x, E/2) * (sign * sin), sign = -1 on the first half (exact)
-        qk_BTNE = qk_BTNE * cos_BT1E + torch.roll(qk_BTNE, E // 2, dims=-1) * sin_BT1E
+        qkv_BTNE = lw.qkv(_rms(x_BTD, lw.in_norm, w.exact).view(B * T, -1)).view(B, T, H + 2 * G, E)
+        qk_BTNE = self._qk_rotary(w, lw, qkv_BTNE[:, :, : H + G], cos_BT1E, sin_BT1E)
         qk_BNTE = qk_BTNE.transpose(1, 2)
-        return qk_BNTE[:, :H], qk_BNTE[:, H:], v_BTGE.transpose(1, 2)
+        return qk_BNTE[:, :H], qk_BNTE[:, H:], qkv_BTNE[:, :, H + G :].transpose(1, 2)
 
-    def _finish_layer(self, li: int, x_BTD: torch.Tensor, o_BHTE: torch.Tensor) -> torch.Tensor:
-        layer = self._layers[li]
+    @staticmethod
+    def _qk_rotary(w: _Weights, lw: _LayerWeights, qk_SNE: torch.Tensor, cos_S1E: torch.Tensor, sin_S1E: torch.Tensor) -> torch.Tensor:
+        """Per-head q/k RMSNorm (when the model has one), then the rotary embedding."""
+        if lw.qk_norm is not None:
+            qk_SNE = _rms(qk_SNE, lw.qk_norm, w.exact)
+        return _rotate(qk_SNE, cos_S1E, sin_S1E, w.exact)
+
+    def _o_proj(self, w: _Weights, lw: _LayerWeights, li: int, x_ND: torch.Tensor, o_NF: torch.Tensor) -> torch.Tensor:
+        """x + o_proj(o)."""
+        if lw.o_proj is None:
+            return x_ND + self._layers[li].self_attn.o_proj(o_NF)
+        return lw.o_proj(o_NF, x_ND)
+
+    def _finish_layer(self, w: _Weights, li: int, x_BTD: torch.Tensor, o_BHTE: torch.Tensor) -> torch.Tensor:
+        """Attention output projection + residual, post-attention norm, MLP + residual."""
         B, _, T, _ = o_BHTE.shape
-        x_BTD = x_BTD + layer.self_attn.o_proj(o_BHTE.transpose(1, 2).reshape(B, T, -1))
-        h_BTD = _rms_norm(layer.post_attention_layernorm, x_BTD)
-        if B * T <= self.dense_moe_max_tokens and self._dense_moe_ok[li]:
-            return x_BTD + self._dense_moe(li, h_BTD.view(B * T, -1)).view(B, T, -1)
-        return x_BTD + layer.mlp(h_BTD)
+        x_ND = self._o_proj(w, w.layers[li], li, x_BTD.reshape(B * T, -1), o_BHTE.transpose(1, 2).reshape(B * T, -1))
+        return self._mlp(w, li, x_ND).view(B, T, -1)
+
+    def _mlp(self, w: _Weights, li: int, x_ND: torch.Tensor) -> torch.Tensor:
+        """x + MLP(post_norm(x)) for N tokens: the dense MoE for few tokens, else ``layer.mlp``."""
+        lw = w.layers[li]
+        h_ND = _rms(x_ND, lw.post_norm, w.exact)
+        N = h_ND.shape[0]
+        if lw.moe is not None and N <= self.dense_moe_max_tokens:
+            return self._dense_moe(lw.moe, self._layers[li].mlp, h_ND, x_ND, w.exact)
+        return x_ND + self._layers[li].mlp(h_ND[:, None]).view(N, -1)
 
     @staticmethod
     def _dense_moe_eligible(mlp: nn.Module) -> bool:
@@ -738,88 +988,136 @@ class EmbeddedEngine:
             and getattr(experts, qat_module._KIND_ATTR, "fused") == "fused"
         )
 
-    def _expert_weights(self, li: int) -> tuple[torch.Tensor, torch.Tensor, QATConfig | None]:
-        """Layer ``li``'s expert weights as the expert forward sees them: gate_up [X*2I, D]
-        and down [X, D, I], MXFP4 fake-quantized (``fake_quant_mx``, same format, block and
-        axis as the QAT forward and ``quantized_expert_weights``) when QAT is on. Cached
-        until a source parameter changes (tensor version counter) or ``refresh_weights``."""
-        experts = self._layers[li].mlp.experts
-        cfg: QATConfig | None = getattr(experts, qat_module._CFG_ATTR, None)
-        gu, down = experts.gate_up_proj, experts.down_proj
-        key = (id(gu), gu._version, id(down), down._version, id(cfg))
-        cached = self._experts_cache.get(li)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        if cfg is not None:
-            gu = fake_quant_mx(gu, cfg.weight_format, cfg.block_size, -1)
-            down = fake_quant_mx(down, cfg.weight_format, cfg.block_size, -1)
-        value = (gu.reshape(-1, gu.shape[-1]), down, cfg)
-        self._experts_cache[li] = (key, value)
-        return value
+    @staticmethod
+    def _dense_moe(m: _MoEWeights, mlp: Any, h_ND: torch.Tensor, x_ND: torch.Tensor, exact: bool) -> torch.Tensor:
+        """x + MoE(h) for a few tokens: every expert runs on every token as dense GEMMs
+        (cheaper than a grouped GEMM at decode batch sizes), with routing weights that are
+        zero outside each token's top-k:
 
-    def _dense_moe(self, li: int, x_ND: torch.Tensor) -> torch.Tensor:
-        """The MoE block for a few tokens: HF's router module picks the experts; every expert
-        runs on every token as two dense GEMMs (cheaper than a grouped GEMM at decode batch
-        sizes); the top-k outputs are gathered and combined in HF's order.
+            logits = h W_router^T;  (p_NK, e_NK) = top-k(softmax(logits))
+            w_nk = p_nk / sum_k p_nk                       (HF's router module when the
+                                                           router is not a plain top-k one)
+            w_nx = w_nk if x = e_nk else 0
+            h_q  = FQ8(h)                                  QAT only, blocks along D
+            a_nx = gate(h_q W_up[x]^T)                     act(g) * u, all experts x
+            out_n = x_n + sum_x w_nx (FQ8(a_nx) W_down[x]^T)  FQ8 on QAT only, blocks along I
 
-            (w_NK, e_NK) = router(x)                       HF ``mlp.gate``
-            x_q  = FQ8(x)                                  QAT only, blocks along D
-            h_ne = gate(x_q W_up[e]^T)                     act(g) * u, all experts e
-            y_ne = FQ8(h_ne) W_down[e]^T                   FQ8 on QAT only, blocks along I
-            out_n = sum_k w_nk * y_(n, e_nk)
+        Fast form (``exact`` False): the renormalised top-k softmax as a softmax over the
+        top-k logits, the router rows on top of the up rows in one GEMM (no QAT), and the
+        weighted sum folded into the down GEMM, ``sum_x w_nx a_nx W_down[x]^T = [w_n1 a_n1
+        ... w_nX a_nX] W_down_stacked^T``, with the residual added by ``addmm``. ``exact``:
+        HF's op order (softmax, top-k, divide by the sum; per-expert down products, then the
+        weighted sum over experts in expert order, then the residual), which reproduces
+        HF's QAT rounding of the activations (an FQ8 flip shifts log-probs by ~1e-4).
         """
-        mlp = self._layers[li].mlp
-        experts = mlp.experts
-        _, w_NK, e_NK = mlp.gate(x_ND)
-        w_up_FD, w_down_XDI, cfg = self._expert_weights(li)
-        if cfg is not None:
-            x_ND = fake_quant_mx(x_ND, cfg.activation_format, cfg.block_size, -1)
-        N, X = x_ND.shape[0], w_down_XDI.shape[0]
-        gu_NF = F.linear(x_ND, w_up_FD)
-        apply_gate = getattr(experts, "_apply_gate", None)
-        gu_M2 = gu_NF.view(N * X, -1)
-        h_MI = apply_gate(gu_M2) if apply_gate is not None else _gate(experts, gu_M2)
-        if cfg is not None:
-            h_MI = fake_quant_mx(h_MI, cfg.activation_format, cfg.block_size, -1)
-        h_XNI = h_MI.view(N, X, -1).transpose(0, 1)
-        y_XND = torch.bmm(h_XNI, w_down_XDI.transpose(1, 2))
-        y_NKD = y_XND.transpose(0, 1).gather(1, e_NK[:, :, None].expand(-1, -1, y_XND.shape[-1]))
-        return (y_NKD * w_NK[:, :, None].to(y_NKD.dtype)).sum(dim=1).to(x_ND.dtype)
+        N, X, I = h_ND.shape[0], m.n_experts, m.width
+        logits_NX: torch.Tensor | None = None
+        if m.router_up is not None:
+            ru_NF = m.router_up(h_ND)
+            logits_NX, gu_NF = ru_NF[:, :X], ru_NF[:, X:]
+        else:
+            if m.router is not None:
+                logits_NX = m.router(h_ND)
+            assert m.up is not None
+            gu_NF = m.up(h_ND if m.qat is None else _fake_quant_act(h_ND, m.qat.activation_format, m.qat.block_size))
+        if logits_NX is None:
+            _, w_NK, e_NK = mlp.gate(h_ND)
+        elif exact or not m.norm_topk:
+            w_NK, e_NK = torch.topk(torch.softmax(logits_NX, dim=-1), m.top_k, dim=-1)
+            if m.norm_topk:
+                w_NK /= w_NK.sum(dim=-1, keepdim=True)
+        else:
+            top_NK, e_NK = torch.topk(logits_NX, m.top_k, dim=-1)
+            w_NK = torch.softmax(top_NK, dim=-1)
+        if w_NK.dtype != h_ND.dtype:
+            w_NK = w_NK.to(h_ND.dtype)
+        w_NX = h_ND.new_zeros(N, X).scatter_(1, e_NK, w_NK)
+        if m.apply_gate is not None:
+            a_NXI = m.apply_gate(gu_NF.reshape(N * X, 2 * I)).view(N, X, I)
+        else:
+            gu_NX2 = gu_NF.view(N, X, 2 * I)
+            a_NXI = m.act(gu_NX2[..., :I]) * gu_NX2[..., I:]
+        if m.qat is not None:
+            a_NXI = _fake_quant_act(a_NXI, m.qat.activation_format, m.qat.block_size)
+        if exact:
+            y_XND = torch.bmm(a_NXI.transpose(0, 1), m.down_w.view(X, I, -1))
+            return x_ND + (y_XND * w_NX.t()[:, :, None]).sum(dim=0)
+        return torch.addmm(x_ND, (a_NXI * w_NX[:, :, None]).view(N, X * I), m.down_w)
 
-    def _attend(self, q_BHTE: torch.Tensor, k_BGLE: torch.Tensor, v_BGLE: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q_BHTE: torch.Tensor, k_BGLE: torch.Tensor, v_BGLE: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return F.scaled_dot_product_attention(
             q_BHTE, k_BGLE, v_BGLE, attn_mask=mask, scale=self._scaling, enable_gqa=self._n_heads != self._n_kv
         )
 
-    def _logits(self, x_BD: torch.Tensor) -> torch.Tensor:
-        return self._lm_head(_rms_norm(self._norm, x_BD))
+    def _attend_step(
+        self, w: _Weights, q_BHE: torch.Tensor, k_BGLE: torch.Tensor, v_BGLE: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Attention of one query per row over the slot cache, o [B, H*E]:
+        softmax(q K^T * scale + mask) V per head, query head h on kv head h // (H/G).
 
-    def _rotary(self, pos_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin [B, T, 1, E] of the model's own rotary table."""
-        return self._cos_PE[pos_BT].unsqueeze(2), self._ssin_PE[pos_BT].unsqueeze(2)
+        exact: SDPA, HF's kernel (``mask`` boolean [B, 1, 1, L]). Otherwise the two products
+        as batched GEMMs over (row, kv head) with the H/G query heads of a kv head as the
+        rows of one GEMM, ``mask`` additive [B*G, 1, L] (0 / -inf): each kv head's K and V
+        are read once, ~10% faster per step than SDPA from 8 rows up on CPU."""
+        B, H, E = q_BHE.shape
+        if w.exact:
+            return self._attend(q_BHE[:, :, None], k_BGLE, v_BGLE, mask).view(B, H * E)
+        G, L = k_BGLE.shape[1], k_BGLE.shape[2]
+        kT_XEL = k_BGLE.reshape(B * G, L, E).transpose(1, 2)  # X = B*G (row, kv head) pairs
+        q_XRE = q_BHE.reshape(B * G, H // G, E)
+        s_XRL = torch.baddbmm(self._zero if mask is None else mask, q_XRE, kT_XEL, beta=0.0 if mask is None else 1.0,
+                              alpha=self._scaling)
+        return torch.bmm(torch.softmax(s_XRL, dim=-1), v_BGLE.reshape(B * G, L, E)).view(B, H * E)
+
+    def _embed_ids(self, w: _Weights, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, w.embed) if w.embed is not None else self._embed(ids)
+
+    def _logits(self, w: _Weights, x_BD: torch.Tensor) -> torch.Tensor:
+        h_BD = _rms(x_BD, w.final_norm, w.exact)
+        return w.lm_head(h_BD) if w.lm_head is not None else self._lm_head(h_BD)
+
+    def _rotary(self, pos_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin [*S, 1, E] of the model's own rotary table at positions pos_S."""
+        return self._cos_PE[pos_S].unsqueeze(-2), self._ssin_PE[pos_S].unsqueeze(-2)
 
     def _decode(self, seqs: list[_Seq], finished: list[_Seq], reasons: dict[str, str]) -> None:
-        """One token for sequences in slots 0..B-1 (their pending token at position n_cached)."""
+        """One token for sequences in slots 0..B-1 (their pending token at position n_cached).
+
+        The decode forward works on [B, D] rows (T = 1 squeezed out) with few ops per layer:
+        one q/k/v GEMM, q/k norm + rotary on one [B, H+G, E] block, one indexed write per K
+        and V, attention over the slot cache (``_attend_step``; no mask when every row sits
+        at the same position), o_proj + residual, the dense MoE."""
         B = len(seqs)
         dev = self.device
         pos_list = [s.n_cached for s in seqs]
         L = max(pos_list) + 1
         self.cache.ensure_capacity(L)
+        w = self._weights()
         pos_B = torch.tensor(pos_list, dtype=torch.long, device=dev)
-        ids_B1 = torch.tensor([[s.context[-1]] for s in seqs], dtype=torch.long, device=dev)
-        mask_B11L = (torch.arange(L, device=dev)[None, :] <= pos_B[:, None])[:, None, None, :]
-        x_BTD = self._embed(ids_B1)
-        cos_BT1E, sin_BT1E = self._rotary(pos_B[:, None])
-        index_BG = self.cache.step_index(pos_list)
-        for li, layer in enumerate(self._layers):
-            q_BHTE, k_BGTE, v_BGTE = self._qkv(li, x_BTD, cos_BT1E, sin_BT1E)
-            self.cache.write_step(li, index_BG, k_BGTE[:, :, 0], v_BGTE[:, :, 0])
+        ids_B = torch.tensor([s.context[-1] for s in seqs], dtype=torch.long, device=dev)
+        H, G, E = self._n_heads, self._n_kv, self._head_dim
+        NE = (H + G) * E
+        mask = None  # every row attends to its positions 0..pos_b: no mask when all sit at L - 1
+        if min(pos_list) < L - 1:
+            keep_BL = self._pos_P[:L] <= pos_B[:, None]
+            if w.exact:
+                mask = keep_BL.view(B, 1, 1, L)
+            else:
+                mask = torch.where(keep_BL, self._zero, self._neg_inf).repeat_interleave(G, dim=0).view(B * G, 1, L)
+        cos_B1E, sin_B1E = self._rotary(pos_B)
+        index_BG = self.cache.step_index(pos_B)
+        x_BD = self._embed_ids(w, ids_B)
+        for li, lw in enumerate(w.layers):
+            qkv_BF = lw.qkv(_rms(x_BD, lw.in_norm, w.exact))
+            qk_BNE = self._qk_rotary(w, lw, qkv_BF[:, :NE].view(B, H + G, E), cos_B1E, sin_B1E)
+            self.cache.write_step(li, index_BG, qk_BNE[:, H:], qkv_BF[:, NE:].view(B, G, E))
             k_BGLE, v_BGLE = self.cache.view(li, B, L)
-            x_BTD = self._finish_layer(li, x_BTD, self._attend(q_BHTE, k_BGLE, v_BGLE, mask_B11L))
+            o_BF = self._attend_step(w, qk_BNE[:, :H], k_BGLE, v_BGLE, mask)
+            x_BD = self._mlp(w, li, self._o_proj(w, lw, li, x_BD, o_BF))
         for s in seqs:
             s.n_cached += 1
         self.stats["decode_tokens"] += B
-        self._record(seqs, self._logits(x_BTD[:, 0]), finished, reasons)
+        self._record(seqs, self._logits(w, x_BD), finished, reasons)
 
     def _forward_chunks(
         self, chunks: list[list[int]], starts: list[int], slots: list[int], *, logits: bool = True
@@ -846,22 +1144,23 @@ class EmbeddedEngine:
         else:
             l_L = torch.arange(L, device=dev)
             mask_B1TL = (l_L[None, None, :] <= qpos_BT[:, :, None])[:, None]
-        x_BTD = self._embed(ids_BT)
+        w = self._weights()
+        x_BTD = self._embed_ids(w, ids_BT)
         cos_BT1E, sin_BT1E = self._rotary(qpos_BT)
-        for li in range(len(self._layers)):
-            q_BHTE, k_BGTE, v_BGTE = self._qkv(li, x_BTD, cos_BT1E, sin_BT1E)
+        for li, lw in enumerate(w.layers):
+            q_BHTE, k_BGTE, v_BGTE = self._qkv(w, lw, x_BTD, cos_BT1E, sin_BT1E)
             for b in range(B):
                 self.cache.write_block(li, slots[b], starts[b], k_BGTE[b, :, : lens[b]], v_BGTE[b, :, : lens[b]])
             if all_fresh:
                 k_BGLE, v_BGLE = k_BGTE, v_BGTE
             else:
                 k_BGLE, v_BGLE = self.cache.gather(li, slots, L)
-            x_BTD = self._finish_layer(li, x_BTD, self._attend(q_BHTE, k_BGLE, v_BGLE, mask_B1TL))
+            x_BTD = self._finish_layer(w, li, x_BTD, self._attend(q_BHTE, k_BGLE, v_BGLE, mask_B1TL))
         self.stats["prefill_tokens"] += sum(lens)
         if not logits:
             return None
         last_B = torch.tensor([n - 1 for n in lens], dtype=torch.long, device=dev)
-        return self._logits(x_BTD[torch.arange(B, device=dev), last_B])
+        return self._logits(w, x_BTD[torch.arange(B, device=dev), last_B])
 
     def _share_common_prefix(self, rows: list[_Seq]) -> None:
         """Prefix sharing across different prompts admitted together: when fresh rows share

@@ -45,6 +45,7 @@ __all__ = [
     "token_uniform",
     "token_uniforms",
     "sample_from_logits",
+    "sample_unfiltered",
 ]
 
 FinishReason = Literal["stop", "length", "abort", "paused"]
@@ -400,12 +401,41 @@ def sample_from_logits(
         order_BV = torch.arange(V, device=logits_BV.device).expand(B, V).clone()
         order_BV[rows_F] = sorted_id_FV
         cdf_BV[rows_F] = torch.cumsum(kept_FV, dim=-1)
-    target_B1 = (u_B.to(cdf_BV.dtype) * cdf_BV[:, -1]).unsqueeze(-1)
-    rank_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(-1)
-    # u < 1 so target < c_last and rank <= V-1 (clamp guards rounding); the first c_r > target
-    # never lands on a zero-probability (filtered) entry, since c is flat across those.
-    rank_B = rank_B.clamp_(max=V - 1)
+    rank_B = _inverse_cdf(cdf_BV, u_B)
     sampled_B = rank_B if order_BV is None else order_BV.gather(1, rank_B.unsqueeze(-1)).squeeze(-1)
     if out_B is None:
         return sampled_B
     return torch.where(greedy_B, out_B, sampled_B)
+
+
+def _inverse_cdf(cdf_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index r with c_r > u * c_last (c = cdf_BV, non-decreasing): [B]."""
+    target_B1 = (u_B.to(cdf_BV.dtype) * cdf_BV[:, -1]).unsqueeze(-1)
+    rank_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(-1)
+    # u < 1 so target < c_last and rank <= V-1 (clamp guards rounding); the first c_r > target
+    # never lands on a zero-probability (filtered) entry, since c is flat across those.
+    return rank_B.clamp_(max=cdf_BV.shape[-1] - 1)
+
+
+def sample_unfiltered(logits_BV: torch.Tensor, temperature_B: torch.Tensor | None, u_B: torch.Tensor) -> torch.Tensor:
+    """``sample_from_logits`` for a batch whose rows all sample plainly (temperature > 0,
+    no top-k, top-p 1), without its per-row branching; the same ops on those rows, hence
+    the same tokens bit for bit (tested):
+
+        p = softmax(logits / T);  c = cumsum(p) in vocabulary order;
+        token = first v with c_v > u * c_last
+
+    Args:
+        logits_BV: [B, V] raw logits (computed in float32).
+        temperature_B: [B] float32, > 0; None means temperature 1 for every row (the
+            division by 1 is skipped: it is exact).
+        u_B: [B] float64 uniforms in [0, 1) (``token_uniforms``).
+    Returns:
+        [B] int64 token ids.
+    """
+    if logits_BV.dim() != 2:
+        raise ValueError(f"logits_BV must be [B, V], got {tuple(logits_BV.shape)}")
+    logits_BV = logits_BV.float()
+    if temperature_B is not None:
+        logits_BV = logits_BV / temperature_B.to(torch.float32)[:, None]
+    return _inverse_cdf(torch.cumsum(torch.softmax(logits_BV, dim=-1).double(), dim=-1), u_B)

@@ -3,8 +3,9 @@
 One preallocated key and one value tensor per layer, ``[S, Hkv, C, Dh]``: S slots (the
 engine's max batch size), C positions of capacity. Running sequences are kept compacted
 in slots 0..n-1, so a decode step attends over the plain views ``keys[l][:n, :, :L]``
-(no gather). Capacity grows in steps of ``growth`` positions (up to ``max_len``) when a sequence needs more, so
-memory follows the longest live sequence instead of ``max_len``.
+(no gather). When a sequence needs more positions, the capacity at least doubles (rounded up to a multiple of
+``growth``, capped at ``max_len``), so memory follows the longest live sequence (within 2x) instead of ``max_len``
+and a run re-allocates only a few times.
 
 Shape legend:
     S   slots (max concurrent sequences)
@@ -55,6 +56,7 @@ class SlotKVCache:
         shape = (num_slots, num_kv_heads, self.capacity, head_dim)
         self.keys: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._row_base_SH: torch.Tensor | None = None  # (s*H + h) * C, for step_index
 
     @property
     def nbytes(self) -> int:
@@ -62,13 +64,14 @@ class SlotKVCache:
         return 2 * sum(k.numel() * k.element_size() for k in self.keys)
 
     def ensure_capacity(self, needed: int) -> None:
-        """Grow C to the next multiple of ``growth`` (capped at max_len) so that ``needed`` positions fit."""
+        """Grow C so that ``needed`` positions fit: C' = max(needed, 2C) rounded up to a multiple of
+        ``growth``, capped at max_len; the cached positions are copied over."""
         if needed > self.max_len:
             raise ValueError(f"a sequence needs {needed} cached positions but max_model_len is {self.max_len}")
         if needed <= self.capacity:
             return
-        new_cap = min(max(needed, self.capacity) + self.growth - 1, self.max_len + self.growth - 1)
-        new_cap = min(new_cap // self.growth * self.growth, self.max_len)
+        new_cap = -(-max(needed, 2 * self.capacity) // self.growth) * self.growth  # at least double: few re-allocations
+        new_cap = min(new_cap, self.max_len)
         for store in (self.keys, self.values):
             for i, old_SHCD in enumerate(store):
                 new_SHCD = torch.zeros(
@@ -77,14 +80,19 @@ class SlotKVCache:
                 new_SHCD[:, :, : self.capacity] = old_SHCD
                 store[i] = new_SHCD
         self.capacity = new_cap
+        self._row_base_SH = None
 
-    def step_index(self, positions: list[int]) -> torch.Tensor:
-        """Row indices into the flattened [S*H*C, D] cache for writing position
-        ``positions[b]`` of slot b (b = 0..B-1), for every kv head: [B*H], ordered (b, h).
-        Valid until the capacity changes; compute once per decode step, reuse per layer."""
-        H, C = self.num_kv_heads, self.capacity
-        idx = [(b * H + h) * C + p for b, p in enumerate(positions) for h in range(H)]
-        return torch.tensor(idx, dtype=torch.long, device=self.device)
+    def step_index(self, pos_B: torch.Tensor) -> torch.Tensor:
+        """Row indices into the flattened [S*H*C, D] cache for writing position ``pos_B[b]``
+        of slot b (b = 0..B-1), for every kv head: [B*H], ordered (b, h), i.e.
+        ``(b*H + h)*C + pos_B[b]``. Valid until the capacity changes; compute once per
+        decode step, reuse per layer."""
+        B = pos_B.shape[0]
+        if self._row_base_SH is None:
+            self._row_base_SH = (
+                torch.arange(self.num_slots * self.num_kv_heads, device=self.device) * self.capacity
+            ).view(self.num_slots, self.num_kv_heads)
+        return (self._row_base_SH[:B] + pos_B[:, None]).view(-1)
 
     def write_step(self, layer: int, index_BH: torch.Tensor, k_BHD: torch.Tensor, v_BHD: torch.Tensor) -> None:
         """Write one position per slot 0..B-1 (``index_BH`` from ``step_index``)."""
@@ -103,7 +111,11 @@ class SlotKVCache:
         return self.keys[layer][:n_slots, :, :length], self.values[layer][:n_slots, :, :length]
 
     def gather(self, layer: int, slots: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of arbitrary slots (a copy): [B, H, L, D]."""
+        """Keys and values of the given slots, positions 0..length-1: [B, H, L, D] (views when
+        the slots are consecutive and ascending, else copies)."""
+        s0 = slots[0]
+        if slots == list(range(s0, s0 + len(slots))):
+            return self.keys[layer][s0 : s0 + len(slots), :, :length], self.values[layer][s0 : s0 + len(slots), :, :length]
         idx_B = torch.tensor(slots, dtype=torch.long, device=self.device)
         return (
             self.keys[layer][:, :, :length].index_select(0, idx_B),
