@@ -101,6 +101,7 @@ from k3post.rollout.engine import (
     token_uniforms,
 )
 from k3post.rollout.kv_cache import SlotKVCache
+from k3post.rollout.segments import attention_segments
 
 __all__ = ["EmbeddedEngine"]
 
@@ -1086,7 +1087,8 @@ class EmbeddedEngine:
         The decode forward works on [B, D] rows (T = 1 squeezed out) with few ops per layer:
         one q/k/v GEMM, q/k norm + rotary on one [B, H+G, E] block, one indexed write per K
         and V, attention over the slot cache (``_attend_step``; no mask when every row sits
-        at the same position), o_proj + residual, the dense MoE."""
+        at the same position; rows of ragged lengths in contiguous ranges, each over its own
+        longest context, `k3post.rollout.segments`), o_proj + residual, the dense MoE."""
         B = len(seqs)
         dev = self.device
         pos_list = [s.n_cached for s in seqs]
@@ -1098,7 +1100,9 @@ class EmbeddedEngine:
         H, G, E = self._n_heads, self._n_kv, self._head_dim
         NE = (H + G) * E
         mask = None  # every row attends to its positions 0..pos_b: no mask when all sit at L - 1
+        segs = [(0, B, L)]
         if min(pos_list) < L - 1:
+            segs = attention_segments([p + 1 for p in pos_list])
             keep_BL = self._pos_P[:L] <= pos_B[:, None]
             if w.exact:
                 mask = keep_BL.view(B, 1, 1, L)
@@ -1112,7 +1116,15 @@ class EmbeddedEngine:
             qk_BNE = self._qk_rotary(w, lw, qkv_BF[:, :NE].view(B, H + G, E), cos_B1E, sin_B1E)
             self.cache.write_step(li, index_BG, qk_BNE[:, H:], qkv_BF[:, NE:].view(B, G, E))
             k_BGLE, v_BGLE = self.cache.view(li, B, L)
-            o_BF = self._attend_step(w, qk_BNE[:, :H], k_BGLE, v_BGLE, mask)
+            if len(segs) == 1:
+                o_BF = self._attend_step(w, qk_BNE[:, :H], k_BGLE, v_BGLE, mask)
+            else:  # no row padded to a much longer one: one call per range a..b-1 over n positions
+                assert mask is not None
+                o_BF = torch.cat([
+                    self._attend_step(w, qk_BNE[a:b, :H], k_BGLE[a:b, :, :n], v_BGLE[a:b, :, :n],
+                                      mask[a:b, ..., :n] if w.exact else mask[a * G : b * G, :, :n])
+                    for a, b, n in segs
+                ])
             x_BD = self._mlp(w, li, self._o_proj(w, lw, li, x_BD, o_BF))
         for s in seqs:
             s.n_cached += 1
