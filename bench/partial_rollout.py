@@ -59,7 +59,7 @@ Prints human-readable lines, then one final JSON line with ``speedup_vs_sync``,
 ``speedup_vs_sync_steady``, ``partial_groups_per_s``, ``sync_groups_per_s``, ...
 
 Usage: OMP_NUM_THREADS=1 python bench/partial_rollout.py [--iters 16] [--n 8] [--k 4] [--regimes ...]
-(about 4-6 minutes on 2 shared cores: ~1.5 min policy training, the rest rollout).
+(about 2 minutes on an idle core, ~45 s of it policy training; up to ~6 under heavy load from other processes).
 
 Shape legend: T tokens of one training sequence, V vocabulary, R length regimes.
 """
