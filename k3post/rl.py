@@ -119,8 +119,8 @@ class RLConfig:
     effort_control: EffortConfig = field(default_factory=EffortConfig)
     domains: list[str] = field(default_factory=lambda: ["general", "agents", "coding"])
     domain_overrides: dict[str, dict[str, float]] = field(default_factory=lambda: {
-        "agents": {"steps": 4, "n_prompts": 2, "n_tasks": 8, "eval_n": 16},
-        "coding": {"steps": 4, "n_prompts": 2, "n_tasks": 8, "eval_n": 16},
+        "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16},
+        "coding": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16},
     })
     save_every: int = 10
     seed: int = 0
