@@ -265,3 +265,30 @@ def test_multi_turn_kv_reuse_prefills_only_tails_same_trajectories(memorised):
     assert reused["kv_reused_tokens"] > 0 and reused["kv_kept"] >= multi_turn
     assert reused["prefill_tokens"] < fresh["prefill_tokens"] / 2
     assert reused["decode_tokens"] == fresh["decode_tokens"]
+
+
+def test_paused_between_turns_keeps_turn_kv_in_the_pool(memorised):
+    """A trajectory paused after a finished turn, before its next turn was submitted, moves that
+    turn's KV into the CPU pool; its resume prefetches it (a pool hit, tail-only prefill) and the
+    episodes equal the uninterrupted synchronous ones."""
+    model, tok, xtml, task, _, _ = memorised
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=96)
+    ref = AgentLoop(EmbeddedEngine(model, tok, max_batch_size=4), xtml, _env_factory, sampling=sampling).run(
+        [_traj(task, g, j, seed=3) for g in range(2) for j in range(3)])
+    pool = KVPool(1 << 30)
+    loop = AgentLoop(EmbeddedEngine(model, tok, max_batch_size=6), xtml, _env_factory, sampling=sampling)
+    sch = PartialRolloutScheduler(loop, n_prompts=2, k=3, lambda_=0.2, seed=3, kv_pool=pool)
+    sch.add_prompts([task, task])
+    groups = []
+    for _ in range(40):
+        if not sch.trajectories() and not sch.num_pending_prompts:
+            break
+        groups += sch.run_iteration()
+    s = sch.stats
+    assert s["kv_turn_pooled"] > 0 and s["kv_pool_hits"] >= s["kv_turn_pooled"] and s["kv_misses"] == 0
+    got = {t.traj_id: t for g in groups for t in g.trajectories}
+    assert sorted(got) == sorted(t.traj_id for t in ref)
+    for b in ref:
+        a = got[b.traj_id]
+        assert a.token_ids == b.token_ids and a.trainable == b.trainable and a.reward == b.reward
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < TOL

@@ -169,6 +169,12 @@ class AgentLoop:
             return None
         return kv
 
+    def take_turn_kv(self, traj_id: str) -> KVState | None:
+        """Remove and return the KV cache kept from a trajectory's previous turn (None when
+        there is none), e.g. to move it into the CPU pool when the trajectory is paused before
+        its next turn was submitted."""
+        return self._turn_kv.pop(traj_id, None)
+
     def drop_turn_kv(self, traj_id: str) -> None:
         """Forget the KV cache kept from a trajectory's previous turn (e.g. when it is
         paused before its next turn was submitted)."""

@@ -35,7 +35,8 @@ computed with the old weights (as a running request does in vLLM / SGLang and in
 ``reuse_stale_kv=False`` discards stale KV so that both paths give the same tokens.
 A new turn of a multi-turn episode starts from the KV the engine kept when the previous
 turn stopped (`AgentLoop.turn_kv`, counted in ``kv_turn_hits``), prefilling only the env
-tail; that KV is dropped when the trajectory is paused before its next turn is submitted.
+tail; when the trajectory is paused before its next turn is submitted, that KV (already on CPU)
+moves into the `KVPool` (``kv_turn_pooled``) and the resume prefetches it like any paused KV.
 
 **Auto-throttling.** The number of trajectories handed to the engine at once (running +
 queued there), C, adapts before every engine step:
@@ -182,7 +183,7 @@ class PartialRolloutScheduler:
         self.stats: dict[str, int] = {
             "admitted_groups": 0, "dispatched_groups": 0, "completed": 0, "pauses": 0,
             "kv_resumes": 0, "kv_resident_hits": 0, "kv_pool_hits": 0, "kv_misses": 0, "kv_stale_dropped": 0,
-            "kv_writebacks": 0, "kv_turn_hits": 0, "admission_blocked": 0, "throttle_down": 0, "throttle_up": 0,
+            "kv_writebacks": 0, "kv_turn_hits": 0, "kv_turn_pooled": 0, "admission_blocked": 0, "throttle_down": 0, "throttle_up": 0,
         }
 
     # ------------------------------------------------------------------ prompts and views
@@ -368,7 +369,11 @@ class PartialRolloutScheduler:
                     self._kv_expected.add(traj.traj_id)
                 self.stats["pauses"] += 1
         for traj in ready:
-            self.loop.drop_turn_kv(traj.traj_id)  # its next turn was not submitted: re-prefill on resume
+            # its next turn was not submitted: the previous turn's KV (already on CPU) goes to the pool
+            kv = self.loop.take_turn_kv(traj.traj_id)
+            if kv is not None and self.kv_pool is not None and self.kv_pool.put(traj.traj_id, kv):
+                self._kv_expected.add(traj.traj_id)
+                self.stats["kv_turn_pooled"] += 1
             if traj.status != "paused":
                 self.loop.save_env(traj)
                 traj.status = "paused"
