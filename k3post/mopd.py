@@ -64,10 +64,9 @@ from k3post.models import load_model
 from k3post.policy_step import TokenSequence, micro_batches, token_logprobs
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rl import RLConfig, Signal, domain_families, eval_tasks, train_policy, train_tasks
-from k3post.rollout.agent_loop import AgentLoop, trajectory_seed
 from k3post.rollout.embedded import EmbeddedEngine
-from k3post.rollout.engine import SamplingParams, request_seed, token_uniform
-from k3post.rollout.evaluation import make_env, summarize_trajectories
+from k3post.rollout.engine import request_seed, token_uniform
+from k3post.rollout.evaluation import evaluate_episodes, make_env
 from k3post.rollout.trajectory import Group, Trajectory
 from k3post.xtml import EFFORTS, XTML
 
@@ -497,15 +496,7 @@ def mopd_checks(
 
 def _episodes(engine: Any, xtml: XTML, tasks: Sequence[Task], effort: str | None, max_tokens: int) -> dict[str, Any]:
     """Greedy think-mode episodes of ``tasks`` at ``effort`` (None: no thinking-effort message), summarised."""
-    loop = AgentLoop(engine, xtml, make_env, sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                     effort=effort, mode="think")
-    trajs = [Trajectory(traj_id=f"eval{i}", group_id=i, sample_index=0, seed=trajectory_seed(0, i, 0),
-                        task=t.to_dict(), admitted_version=engine.version) for i, t in enumerate(tasks)]
-    try:
-        loop.run(trajs)
-    finally:
-        loop.close()
-    return summarize_trajectories(trajs)
+    return evaluate_episodes(engine, xtml, tasks, effort=effort, max_tokens=max_tokens, mode="think")["overall"]
 
 
 def evaluate_mopd(

@@ -61,16 +61,19 @@ def evaluate_episodes(
     seed: int = 0,
     pass_threshold: float = 1.0,
     keep_examples: int = 2,
+    mode: str | None = None,
 ) -> dict[str, Any]:
     """Run every task ``samples`` times (greedy by default) and summarise per family and overall.
 
     Returns ``{"overall": summary, "families": {family: summary}, "examples": [...]}`` where a
     summary is `summarize_trajectories`' dict and an example holds a task id, the decoded
-    sampled text of its first ``keep_examples`` trajectories and their reward."""
+    sampled text of its first ``keep_examples`` trajectories and their reward. ``mode``: the XTML
+    mode (default: "think" with an effort, "instruct" without; "think" with ``effort=None`` renders
+    think mode without the thinking-effort message)."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     loop = AgentLoop(engine, xtml, make_env, sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens),
-                     effort=effort, mode="think" if effort is not None else "instruct")
+                     effort=effort, mode=mode or ("think" if effort is not None else "instruct"))
     trajs = [
         Trajectory(traj_id=f"eval{i}/s{j}", group_id=i, sample_index=j, seed=trajectory_seed(seed, i, j),
                    task=t.to_dict(), admitted_version=engine.version)
