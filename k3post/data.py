@@ -31,9 +31,6 @@ class DataConfig:
     eval_family: str = "general.arithmetic"  # single-turn family the held-out pass rate is measured on
     n_train: int = 1500  # training tasks of eval_family (each solved at every effort)
     n_per_family: int = 2  # training tasks of every other built-in family (each at every effort)
-    # per-family task counts overriding n_per_family: enough coding.write_function for the RL stage to start
-    # above a zero pass rate (60 tasks x 3 efforts: held-out pass 0.09 vs 0.00 with 2, docs/decisions.md)
-    family_tasks: dict[str, int] = field(default_factory=lambda: {"coding.write_function": 60})
     n_eval: int = 200  # held-out eval_family tasks, disjoint from training
     difficulty: int = 1
     efforts: list[str] = field(default_factory=lambda: ["max", "high", "low"])

@@ -130,8 +130,7 @@ def run_tokenizer(cfg: K3Config, run: Path) -> Any:
 
 def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = None) -> Path:
     """SFT data from the synthesis pipeline: the reference teachers of every built-in family at every effort
-    (`data.n_train` tasks of `data.eval_family`, `data.n_per_family` of each other family or its
-    `data.family_tasks` count), verified stage by
+    (`data.n_train` tasks of `data.eval_family`, `data.n_per_family` of each other family), verified stage by
     stage (structure, outcome, quality, judge); writes `run/data/sft_train.jsonl` and returns its path.
     `record(synth=...)` receives the funnel and per-family counts for the report.
     """
@@ -141,25 +140,16 @@ def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = 
     main_path, funnel = build_sft_dataset(
         [main], d.efforts, d.n_train, cfg.run.seed, run / "data" / "main.jsonl", tokenizer, difficulty=d.difficulty, config=verify
     )
-    unknown = sorted(set(d.family_tasks) - {f.name for f in families()})
-    if unknown:
-        raise ValueError(f"data.family_tasks names unknown families {unknown}")
     others = [f for f in families() if f.name != main.name]
-    by_count: dict[int, list[Any]] = {}
-    for f in others:
-        by_count.setdefault(int(d.family_tasks.get(f.name, d.n_per_family)), []).append(f)
-    rest_paths = []
-    for n, fams in sorted(by_count.items()):
-        name = "families.jsonl" if n == d.n_per_family else f"families.n{n}.jsonl"
-        rest_path, rest_funnel = build_sft_dataset(
-            fams, d.efforts, n, cfg.run.seed, run / "data" / name, tokenizer, difficulty=d.difficulty, config=verify,
-        )
-        funnel.merge(rest_funnel)
-        rest_paths.append(rest_path)
+    rest_path, rest_funnel = build_sft_dataset(
+        others, d.efforts, d.n_per_family, cfg.run.seed, run / "data" / "families.jsonl", tokenizer,
+        difficulty=d.difficulty, config=verify,
+    )
+    funnel.merge(rest_funnel)
     main_records = [json.loads(line) for line in main_path.read_text(encoding="utf-8").splitlines()]
     if d.effort_mix:  # same number of samples, reweighted by effort (a scarce effort is repeated)
         main_records = mix(main_records, d.effort_mix, len(main_records), seed=cfg.run.seed)
-    records = main_records + [json.loads(line) for p in rest_paths for line in p.read_text(encoding="utf-8").splitlines()]
+    records = main_records + [json.loads(line) for line in rest_path.read_text(encoding="utf-8").splitlines()]
     train_file = write_jsonl(records, run / "data" / "sft_train.jsonl")
     by_family: dict[str, int] = {}
     for r in records:
