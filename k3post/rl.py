@@ -70,7 +70,9 @@ class RLConfig:
     Rollout: ``n_prompts`` × ``k`` per iteration, ``lambda_`` and ``max_staleness`` (SPEC §3.2),
     ``temperature``, ``max_tokens`` per assistant turn, ``slots`` (engine batch), ``kv_pool_mb``.
     Loss (SPEC §3.1): ``log_ratio_min`` / ``log_ratio_max`` (the K2.5 band α, β), ``tau`` (the quadratic
-    regulariser), ``clip_eps_low`` / ``clip_eps_high`` (PPO/DAPO clipping; inf = off).
+    regulariser), ``clip_eps_low`` / ``clip_eps_high`` (PPO/DAPO clipping; inf = off),
+    ``stop_gradient_ratio`` (CISPO), ``sequence_ratio`` (GSPO), ``seq_mean`` (sequence-mean aggregation);
+    e.g. DAPO: ``log_ratio_min=-.inf log_ratio_max=.inf tau=0 clip_eps_low=0.2 clip_eps_high=0.28``.
     Tasks: ``families``, the families trained in each domain (a domain with none listed trains all its
     verifiable families, plus the non-verifiable ones when a ``judge`` is set), ``difficulty``, ``n_tasks`` training prompts per family (cycled), ``eval_n``
     held-out tasks per family.
@@ -112,6 +114,9 @@ class RLConfig:
     tau: float = 0.01
     clip_eps_low: float = math.inf
     clip_eps_high: float = math.inf
+    stop_gradient_ratio: bool = False
+    sequence_ratio: bool = False
+    seq_mean: bool = False
     normalize_std: bool = False
     judge: str = ""
     judge_model: str = ""
@@ -187,10 +192,11 @@ def eval_tasks(family_names: Sequence[str], n: int, *, difficulty: int) -> list[
     return _interleave([get_family(f).generate(n, seed=_EVAL_SEED, difficulty=difficulty) for f in family_names])
 
 
-def loss_kwargs(cfg: RLConfig) -> dict[str, float]:
-    """The `policy_loss` parameters of ``cfg``."""
+def loss_kwargs(cfg: RLConfig) -> dict[str, Any]:
+    """The `policy_loss` parameters of ``cfg`` (see `k3post.algos.policy_loss` for each variant's setting)."""
     return {"log_ratio_min": cfg.log_ratio_min, "log_ratio_max": cfg.log_ratio_max, "tau": cfg.tau,
-            "clip_eps_low": cfg.clip_eps_low, "clip_eps_high": cfg.clip_eps_high}
+            "clip_eps_low": cfg.clip_eps_low, "clip_eps_high": cfg.clip_eps_high,
+            "stop_gradient_ratio": cfg.stop_gradient_ratio, "sequence_ratio": cfg.sequence_ratio, "seq_mean": cfg.seq_mean}
 
 
 def build_group_scorer(

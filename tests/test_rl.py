@@ -284,3 +284,19 @@ def test_judged_family_is_rewarded_by_the_grm_through_rl_judge(warm_policy, tmp_
     assert adv["zero_variance_groups"] == 1.0 and seqs == []
     st = scorer.stats
     assert st.comparisons == 3 and st.ties == 3 and st.guard_ties == 0 and st.invalid >= 3 and st.retried >= 3
+
+
+def test_loss_variants_from_config_reach_policy_loss():
+    """Every loss knob of RLConfig is passed to policy_loss: a DAPO config gives the DAPO loss."""
+    from k3post.rl import loss_kwargs
+
+    cfg = RLConfig(log_ratio_min=-math.inf, log_ratio_max=math.inf, tau=0.0, clip_eps_low=0.2, clip_eps_high=0.28,
+                   seq_mean=True)
+    kw = loss_kwargs(cfg)
+    assert kw == {"log_ratio_min": -math.inf, "log_ratio_max": math.inf, "tau": 0.0, "clip_eps_low": 0.2,
+                  "clip_eps_high": 0.28, "stop_gradient_ratio": False, "sequence_ratio": False, "seq_mean": True}
+    # ratio 1.5 with A = 1 is clipped to 1.28; seq-mean over one sequence of two tokens (ratios 1.5 and 1.0):
+    # loss = -(1.28 + 1.0) / 2 = -1.14
+    logp = torch.tensor([[0.0, math.log(1.5), 0.0]])
+    loss, _ = policy_loss(logp, torch.zeros(1, 3), torch.ones(1, 3), torch.tensor([[False, True, True]]), **kw)
+    assert float(loss) == pytest.approx(-1.14)
