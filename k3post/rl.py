@@ -45,13 +45,13 @@ from k3post.models import load_model
 from k3post.policy_step import TokenSequence, policy_step
 from k3post.rewards.effort import BudgetTable, EffortConfig, group_override
 from k3post.rewards.grm import EngineJudge, GroupGRM, PolicyJudge, estimate_l0, trajectory_candidate
-from k3post.rollout.agent_loop import AgentLoop, trajectory_seed
+from k3post.rollout.agent_loop import AgentLoop
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.engine import KVState, SamplingParams
-from k3post.rollout.evaluation import evaluate_episodes, make_env
+from k3post.rollout.evaluation import evaluate_episodes, make_env, run_episodes
 from k3post.rollout.kv_pool import KVPool
 from k3post.rollout.scheduler import PartialRolloutScheduler
-from k3post.rollout.trajectory import Group, Trajectory
+from k3post.rollout.trajectory import Group
 from k3post.xtml import XTML
 
 log = logging.getLogger(__name__)
@@ -221,14 +221,9 @@ def build_group_scorer(
     engine = EmbeddedEngine(load_model(cold_start), tokenizer, max_batch_size=cfg.slots, seed=cfg.seed)
     l0 = {}
     for fam in judged:
-        res_tasks = train_tasks([fam], 16, difficulty=cfg.difficulty, seed=cfg.seed)
-        loop = AgentLoop(engine, xtml, make_env, sampling=SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens),
-                         effort=cfg.effort)
-        trajs = [Trajectory(traj_id=f"l0/{i}", group_id=i, sample_index=0, seed=trajectory_seed(cfg.seed, i, 0),
-                            task=t.to_dict()) for i, t in enumerate(res_tasks)]
-        loop.run(trajs)
-        loop.close()
-        l0[fam] = estimate_l0([trajectory_candidate(t, xtml).length or 0 for t in trajs])
+        per_task = run_episodes(engine, xtml, train_tasks([fam], 16, difficulty=cfg.difficulty, seed=cfg.seed),
+                                effort=cfg.effort, max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=cfg.seed)
+        l0[fam] = estimate_l0([trajectory_candidate(ts[0], xtml).length or 0 for ts in per_task])
     log.info("GRM judge %s, l0 %s", cfg.judge, l0)
     return GroupGRM(judge, xtml, l0=l0, sigma=cfg.grm_sigma, seed=cfg.seed)
 

@@ -58,10 +58,9 @@ import torch
 
 from k3post.envs.env import Environment
 from k3post.envs.families.common import check_effort
-from k3post.envs.families.registry import get_family
 from k3post.envs.task import DOMAINS, Task
-from k3post.rollout.agent_loop import AgentLoop, trajectory_seed
-from k3post.rollout.engine import SamplingParams, SteppableEngine
+from k3post.rollout.engine import SteppableEngine
+from k3post.rollout.evaluation import make_env, run_episodes
 from k3post.rollout.trajectory import Group, Trajectory
 from k3post.synth.pipeline import write_jsonl_atomic
 from k3post.xtml import EFFORTS, XTML
@@ -430,10 +429,6 @@ class BudgetTable:
 # =========================================================================== estimation with the cold-start model
 
 
-def _family_env(task: Task) -> Environment:
-    return get_family(task.family).make_env(task)
-
-
 def estimate_budgets(
     engine: SteppableEngine,
     tasks: Sequence[Task],
@@ -486,21 +481,13 @@ def estimate_budgets(
             todo[key] = task
     if not todo:
         return table
-    loop = AgentLoop(
-        engine, xtml, env_factory or _family_env,
-        sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens), effort=effort,
+    keys = list(todo)
+    per_task = run_episodes(
+        engine, xtml, [todo[k] for k in keys], effort=effort, max_tokens=max_tokens, temperature=1.0,
+        samples=samples_per_task, seed=seed, env_factory=env_factory or make_env,
+        group_ids=[int(k[:12], 16) for k in keys],
     )
-    trajs: dict[str, list[Trajectory]] = {}
-    for key, task in todo.items():
-        g = int(key[:12], 16)
-        trajs[key] = [
-            Trajectory(traj_id=f"g{g}/s{j}", group_id=g, sample_index=j, seed=trajectory_seed(seed, g, j), task=task.to_dict())
-            for j in range(samples_per_task)
-        ]
-    try:
-        loop.run([t for ts in trajs.values() for t in ts])
-    finally:
-        loop.close()
+    trajs: dict[str, list[Trajectory]] = dict(zip(keys, per_task))
     table.add_samples(
         {
             key: TaskSamples(todo[key].family, [t.effort_tokens() for t in ts], [is_correct(t, correct_reward) for t in ts])

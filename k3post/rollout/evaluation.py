@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from k3post.envs.families.registry import get_family
@@ -23,7 +23,7 @@ from k3post.rollout.engine import SamplingParams
 from k3post.rollout.trajectory import Trajectory
 from k3post.xtml import XTML
 
-__all__ = ["evaluate_episodes", "summarize_trajectories", "make_env"]
+__all__ = ["run_episodes", "evaluate_episodes", "summarize_trajectories", "make_env"]
 
 
 def make_env(task: Task) -> Any:
@@ -49,6 +49,45 @@ def summarize_trajectories(trajs: Sequence[Trajectory], *, pass_threshold: float
     }
 
 
+def run_episodes(
+    engine: Any,
+    xtml: XTML,
+    tasks: Sequence[Task],
+    *,
+    effort: str | None,
+    max_tokens: int,
+    temperature: float = 0.0,
+    samples: int = 1,
+    seed: int = 0,
+    mode: str | None = None,
+    env_factory: Callable[[Task], Any] = make_env,
+    group_ids: Sequence[int] | None = None,
+) -> list[list[Trajectory]]:
+    """Run every task ``samples`` times to the end through one `AgentLoop` (synchronous) and return
+    the trajectories, one list per task. Sample j of task i is ``g<g>/s<j>`` with seed
+    ``trajectory_seed(seed, g, j)``, g = ``group_ids[i]`` (default i): pass ids derived from the
+    tasks themselves to make a task's samples independent of which other tasks run with it.
+    ``mode``: the XTML mode (default "think" with an effort, "instruct" without; "think" with
+    ``effort=None`` renders think mode without the thinking-effort message)."""
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    gids = list(range(len(tasks))) if group_ids is None else [int(g) for g in group_ids]
+    if len(gids) != len(tasks):
+        raise ValueError(f"group_ids has {len(gids)} ids for {len(tasks)} tasks")
+    loop = AgentLoop(engine, xtml, env_factory, sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens),
+                     effort=effort, mode=mode or ("think" if effort is not None else "instruct"))
+    per_task = [
+        [Trajectory(traj_id=f"g{g}/s{j}", group_id=g, sample_index=j, seed=trajectory_seed(seed, g, j),
+                    task=t.to_dict(), admitted_version=engine.version) for j in range(samples)]
+        for g, t in zip(gids, tasks)
+    ]
+    try:
+        loop.run([t for ts in per_task for t in ts])
+    finally:
+        loop.close()
+    return per_task
+
+
 def evaluate_episodes(
     engine: Any,
     xtml: XTML,
@@ -63,33 +102,21 @@ def evaluate_episodes(
     keep_examples: int = 2,
     mode: str | None = None,
 ) -> dict[str, Any]:
-    """Run every task ``samples`` times (greedy by default) and summarise per family and overall.
+    """Run every task ``samples`` times (greedy by default, `run_episodes`) and summarise per family
+    and overall.
 
     Returns ``{"overall": summary, "families": {family: summary}, "examples": [...]}`` where a
     summary is `summarize_trajectories`' dict and an example holds a task id, the decoded
-    sampled text of its first ``keep_examples`` trajectories and their reward. ``mode``: the XTML
-    mode (default: "think" with an effort, "instruct" without; "think" with ``effort=None`` renders
-    think mode without the thinking-effort message)."""
-    if samples < 1:
-        raise ValueError(f"samples must be >= 1, got {samples}")
-    loop = AgentLoop(engine, xtml, make_env, sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens),
-                     effort=effort, mode=mode or ("think" if effort is not None else "instruct"))
-    trajs = [
-        Trajectory(traj_id=f"eval{i}/s{j}", group_id=i, sample_index=j, seed=trajectory_seed(seed, i, j),
-                   task=t.to_dict(), admitted_version=engine.version)
-        for i, t in enumerate(tasks) for j in range(samples)
-    ]
-    try:
-        loop.run(trajs)
-    finally:
-        loop.close()
+    sampled text of its first ``keep_examples`` trajectories and their reward."""
+    trajs = [t for ts in run_episodes(engine, xtml, tasks, effort=effort, max_tokens=max_tokens, temperature=temperature,
+                                      samples=samples, seed=seed, mode=mode) for t in ts]
     by_family: dict[str, list[Trajectory]] = {}
     for t in trajs:
         by_family.setdefault(t.task["family"], []).append(t)
     examples = []
     for t in trajs[:keep_examples]:
         sampled = [tok for tok, m in zip(t.token_ids, t.trainable) if m]
-        examples.append({"task": t.task.get("task_id", t.traj_id), "text": xtml.tokenizer.decode(sampled),
+        examples.append({"task": t.task.get("id", t.traj_id), "text": xtml.tokenizer.decode(sampled),
                          "reward": t.reward, "effort_tokens": t.effort_tokens()})
     return {
         "overall": summarize_trajectories(trajs, pass_threshold=pass_threshold),
