@@ -62,19 +62,31 @@ class TokenSequence:
 
 
 def token_logprobs(
-    model: torch.nn.Module, ids_BT: torch.Tensor, attn_BT: torch.Tensor, *, with_entropy: bool = False
+    model: torch.nn.Module,
+    ids_BT: torch.Tensor,
+    attn_BT: torch.Tensor,
+    *,
+    with_entropy: bool = False,
+    entropy_mask_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logp_BT[:, t] = log p(ids[:, t] | ids[:, <t])`` for t ≥ 1 and 0 at t = 0 (float32, with
-    autograd when enabled), and the entropy of the predictive distribution at each position (detached)."""
+    autograd when enabled), and the entropy of the predictive distribution at each position (detached;
+    with ``entropy_mask_BT`` only at its positions, 0 elsewhere: the trainer needs it at sampled tokens
+    only, and the full [B, T, V] softmax is the largest piece of work after the forward)."""
     logits_BTV = model(input_ids=ids_BT, attention_mask=attn_BT, use_cache=False).logits.float()
     logsm_BTV = torch.log_softmax(logits_BTV[:, :-1], dim=-1)
     lp_BT = logsm_BTV.gather(-1, ids_BT[:, 1:, None]).squeeze(-1)
     zero_B1 = lp_BT.new_zeros(ids_BT.shape[0], 1)
     logp_BT = torch.cat([zero_B1, lp_BT], dim=1)
     entropy_BT = None
-    if with_entropy:
+    if with_entropy or entropy_mask_BT is not None:
         with torch.no_grad():
-            ent_BT = -(logsm_BTV.exp() * logsm_BTV).sum(-1)
+            if entropy_mask_BT is None:
+                ent_BT = -(logsm_BTV.exp() * logsm_BTV).sum(-1)
+            else:
+                m_BT = entropy_mask_BT[:, 1:].bool()
+                sel_NV = logsm_BTV[m_BT]
+                ent_BT = lp_BT.new_zeros(lp_BT.shape).masked_scatter_(m_BT, -(sel_NV.exp() * sel_NV).sum(-1))
             entropy_BT = torch.cat([zero_B1, ent_BT], dim=1)
     return logp_BT, entropy_BT
 
@@ -139,7 +151,7 @@ def policy_step(
     groups = micro_batches([len(s.token_ids) for s in seqs], micro_batch_tokens)
     for idx in groups:
         batch = _collate([seqs[i] for i in idx], pad_id)
-        logp_BT, ent_BT = token_logprobs(model, batch["ids"], batch["attn"], with_entropy=True)
+        logp_BT, ent_BT = token_logprobs(model, batch["ids"], batch["attn"], entropy_mask_BT=batch["mask"])
         loss, m = policy_loss(
             logp_BT, batch["behavior"], batch["adv"], batch["mask"], token_normalizer=float(n_total),
             entropy_BT=ent_BT, **kwargs,

@@ -300,3 +300,15 @@ def test_loss_variants_from_config_reach_policy_loss():
     logp = torch.tensor([[0.0, math.log(1.5), 0.0]])
     loss, _ = policy_loss(logp, torch.zeros(1, 3), torch.ones(1, 3), torch.tensor([[False, True, True]]), **kw)
     assert float(loss) == pytest.approx(-1.14)
+
+
+def test_masked_entropy_equals_full_entropy_at_the_mask(warm_policy):
+    model, _ = warm_policy
+    ids = torch.tensor([[3, 17, 40, 9, 12], [7, 8, 9, 10, 11]])
+    att = torch.ones_like(ids)
+    mask = torch.tensor([[False, True, False, True, True], [False, False, True, True, False]])
+    with torch.no_grad():
+        lp_full, ent_full = token_logprobs(model, ids, att, with_entropy=True)
+        lp_m, ent_m = token_logprobs(model, ids, att, entropy_mask_BT=mask)
+    assert torch.equal(lp_full, lp_m)
+    assert torch.equal(ent_m, torch.where(mask, ent_full, 0.0))
