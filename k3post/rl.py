@@ -292,7 +292,9 @@ class PolicyLoop:
                                      eps=1e-8)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.loss_kwargs = loss_kwargs(cfg)
-        self.step_no, self.cursor, self.history = 0, 0, []  # type: tuple[int, int, list[dict[str, float]]]
+        self.step_no, self.cursor = 0, 0
+        self.history: list[dict[str, float]] = []
+        self.last_groups: list[Group] = []  # the groups the last step trained on
 
     def step(self, tasks: Sequence[Task]) -> dict[str, float]:
         """One iteration: top the prompt queue up to N from the stream cycling over ``tasks``, run
@@ -434,19 +436,17 @@ def _score(
     groups: Sequence[Group], scorer: GroupScorer | None, budgets: BudgetTable, cfg: RLConfig
 ) -> tuple[list[TokenSequence], dict[str, float], dict[str, float]]:
     """Rewards → effort override → group advantages → training sequences, with step metrics."""
-    rewards_in, rewards_out, tokens, b0s, violations = [], [], [], [], 0
+    rewards_in, rewards_out = [], []
+    sums = {"violation_rate": 0.0, "mean_tokens": 0.0, "mean_ratio": 0.0}  # group_override's metrics x group size
     for g in groups:
         r = group_rewards(g, scorer)
         for t, rv in zip(g.trajectories, r):  # the GRM's reward replaces the format gate's
             t.reward = rv
-        r2, _ = group_override(g, budgets, cfg.effort, cfg.effort_control)
+        r2, m = group_override(g, budgets, cfg.effort, cfg.effort_control)
         rewards_in.append(r)
         rewards_out.append([float(x) for x in r2])
-        b0 = budgets.b0(Task.from_dict(g.task))
-        for t, a, b in zip(g.trajectories, r, r2.tolist()):
-            tokens.append(t.effort_tokens())
-            b0s.append(b0)
-            violations += int(b == -1.0 and a != -1.0)
+        for k in sums:
+            sums[k] += m[k] * len(r)
     adv = group_advantages_from_groups(rewards_out, normalize_std=cfg.normalize_std)
     seqs: list[TokenSequence] = []
     for g, a_g, skip in zip(groups, adv.advantages, adv.skip):
@@ -455,15 +455,16 @@ def _score(
         for t, a in zip(g.trajectories, a_g):
             seqs.append(TokenSequence(list(t.token_ids), list(t.trainable), list(t.logprobs),
                                       [a if m else 0.0 for m in t.trainable]))
-    n = max(1, len(tokens))
     flat_in = [x for r in rewards_in for x in r]
+    n = len(flat_in)
+    nan = float("nan")
     rows = {
-        "reward": statistics.fmean(flat_in) if flat_in else float("nan"),
-        "pass_rate": sum(x >= 1.0 for x in flat_in) / n if flat_in else float("nan"),
-        "reward_after_override": statistics.fmean(x for r in rewards_out for x in r) if rewards_out else float("nan"),
-        "effort_tokens": statistics.fmean(tokens) if tokens else float("nan"),
-        "budget_violation_rate": violations / n,
-        "effort_ratio": statistics.fmean(t / b for t, b in zip(tokens, b0s)) if tokens else float("nan"),
+        "reward": statistics.fmean(flat_in) if n else nan,
+        "pass_rate": sum(x >= 1.0 for x in flat_in) / n if n else nan,
+        "reward_after_override": statistics.fmean(x for r in rewards_out for x in r) if n else nan,
+        "effort_tokens": sums["mean_tokens"] / n if n else nan,
+        "budget_violation_rate": sums["violation_rate"] / n if n else 0.0,
+        "effort_ratio": sums["mean_ratio"] / n if n else nan,
     }
     adv_stats = {"zero_variance_groups": float(adv.num_zero_variance), "trained_groups": float(len(groups) - adv.num_zero_variance)}
     return seqs, rows, adv_stats
