@@ -47,7 +47,7 @@ from k3post.rewards.effort import BudgetTable, EffortConfig, group_override
 from k3post.rewards.grm import EngineJudge, GroupGRM, PolicyJudge, estimate_l0, trajectory_candidate
 from k3post.rollout.agent_loop import AgentLoop
 from k3post.rollout.embedded import EmbeddedEngine
-from k3post.rollout.engine import KVState, SamplingParams
+from k3post.rollout.engine import SamplingParams
 from k3post.rollout.evaluation import evaluate_episodes, make_env, run_episodes
 from k3post.rollout.kv_pool import KVPool
 from k3post.rollout.scheduler import PartialRolloutScheduler
@@ -238,20 +238,6 @@ def group_rewards(group: Group, scorer: GroupScorer | None) -> list[float]:
     return [float(r) for r in scorer(group)]
 
 
-def _kv_save(pool: KVPool) -> list[dict[str, Any]]:
-    return [{"key": k, "keys": kv.keys, "values": kv.values, "context_ids": kv.context_ids, "version": kv.weight_version}
-            for k, kv in pool.entries()]
-
-
-def _kv_load(pool: KVPool, saved: list[dict[str, Any]]) -> None:
-    stats = dict(pool.stats)
-    pool.clear()
-    for e in saved:
-        pool.put(e["key"], KVState(e["keys"], e["values"], list(e["context_ids"]), int(e["version"])))
-    stats["bytes"], stats["peak_bytes"] = pool.nbytes, max(stats["peak_bytes"], pool.nbytes)
-    pool.stats.update(stats)
-
-
 Signal = Callable[[Sequence[Group]], tuple[list[TokenSequence], dict[str, float]]]
 """Dispatched groups → training sequences (per-token advantages) and step metrics: the only part
 of the loop that differs between RL (`rl_signal`) and MOPD (k3post/mopd.py)."""
@@ -327,7 +313,7 @@ class PolicyLoop:
         """Checkpoint: weights, optimizer, scheduler (paused trajectories), KV pool tensors, version."""
         self.sched.offload_kv()
         return save_checkpoint(ckpt_root, self.step_no, self.model, self.tokenizer, {
-            "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "kv_pool": _kv_save(self.pool),
+            "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "kv_pool": self.pool.tensor_state(),
             "engine_version": self.engine.version, "cursor": self.cursor, "history": self.history,
             "config": asdict(self.cfg),
         })
@@ -339,7 +325,7 @@ class PolicyLoop:
         self.engine.refresh_weights()
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
-        _kv_load(self.pool, state["kv_pool"])
+        self.pool.load_tensor_state(state["kv_pool"])
         if state["engine_version"] > self.engine.version:
             self.engine.update_weights({}, version=state["engine_version"])
         self.step_no, self.cursor, self.history = int(state["step"]), int(state["cursor"]), list(state["history"])

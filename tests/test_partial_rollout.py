@@ -306,3 +306,20 @@ def test_trajectory_and_group_round_trip(tiny):
         assert back.trajectories == g.trajectories and back.rewards == g.rewards
     with pytest.raises(ValueError, match="status"):
         Trajectory(traj_id="x", group_id=0, sample_index=0, seed=0, task={}, status="lost")  # type: ignore[arg-type]
+
+
+def test_kv_pool_tensor_state_round_trip():
+    """A checkpoint keeps the pool's entries (tensors) in LRU order; loading them back counts no puts."""
+    pool = KVPool(10_000)
+    pool.put("a", _kv(3, version=1))
+    pool.put("b", _kv(5, version=2))
+    pool.take("a")
+    pool.put("a", _kv(3, version=4))  # now LRU order b, a
+    saved = pool.tensor_state()
+    fresh = KVPool(10_000)
+    fresh.load_state_dict(pool.state_dict())
+    fresh.load_tensor_state(saved)
+    assert fresh.keys() == ["b", "a"] and fresh.nbytes == pool.nbytes
+    assert fresh.stats == pool.stats
+    kv = fresh.take("a")
+    assert kv is not None and kv.weight_version == 4 and torch.equal(kv.keys[0], saved[1]["keys"][0])

@@ -96,11 +96,6 @@ class KVPool:
         self.stats["hits"] += 1
         return kv
 
-    def entries(self) -> list[tuple[str, KVState]]:
-        """(key, entry) pairs from least to most recently used, without touching the LRU order
-        or the counters (e.g. to save the pool with a checkpoint; `put` them back in order)."""
-        return list(self._entries.items())
-
     def peek_version(self, key: str) -> int | None:
         """The weight version of the entry for ``key`` (None when absent); no LRU update."""
         kv = self._entries.get(key)
@@ -128,6 +123,23 @@ class KVPool:
         """Pool metadata (keys in LRU order, counters); the tensors are not saved: after a
         restart every resume is a miss and re-prefills, with identical tokens."""
         return {"budget_bytes": self.budget_bytes, "keys": self.keys(), "stats": dict(self.stats)}
+
+    def tensor_state(self) -> list[dict[str, Any]]:
+        """The entries themselves (tensors included), least recently used first, for a checkpoint
+        that must resume exactly: a resumed paused trajectory then continues from the same KV
+        (computed with older weights) instead of re-prefilling with the new ones. torch.save-able."""
+        return [{"key": k, "keys": kv.keys, "values": kv.values, "context_ids": kv.context_ids,
+                 "version": kv.weight_version} for k, kv in self._entries.items()]
+
+    def load_tensor_state(self, saved: list[dict[str, Any]]) -> None:
+        """Put back the entries of `tensor_state` in LRU order, without counting them as puts
+        (call after `load_state_dict`, which restores the counters)."""
+        self.clear()
+        for e in saved:
+            kv = KVState(list(e["keys"]), list(e["values"]), list(e["context_ids"]), int(e["version"]))
+            self._entries[str(e["key"])] = kv
+            self.stats["bytes"] += kv.nbytes
+        self.stats["peak_bytes"] = max(self.stats["peak_bytes"], self.stats["bytes"])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the counters of `state_dict` (the pool starts empty: no tensors saved)."""
