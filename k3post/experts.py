@@ -58,10 +58,6 @@ def load_policy(path: str | Path, qat: QATConfig | None) -> torch.nn.Module:
     return model
 
 
-def _families(domain: str, cfg: RLConfig, with_judge: bool) -> list[str]:
-    return domain_families(domain, cfg.families, with_judge=with_judge)
-
-
 def domain_budgets(engine: Any, xtml: XTML, cfg: RLConfig, path: str | Path) -> BudgetTable:
     """b0 of every training task of ``cfg`` (its domain and families) from the cold-start model
     behind ``engine``, at max effort, cached in ``path`` (`estimate_budgets`)."""
@@ -149,11 +145,11 @@ def train_domain_experts(
         table = json.loads(table_path.read_text())
     efforts = list(cfg.effort_control.curriculum)
     if scorer is None:
-        scorer = build_group_scorer(cfg, sft_dir, tok, _families(domain, cfg, True),
+        scorer = build_group_scorer(cfg, sft_dir, tok, domain_families(domain, cfg.families, with_judge=True),
                                     qat=bool(qat is not None and qat.enabled))
+    fams = domain_families(domain, cfg.families, with_judge=scorer is not None)
     for stage in Curriculum([domain], cfg.effort_control):
         t0 = time.perf_counter()
-        fams = _families(stage.domain, cfg, scorer is not None)
         rcfg = replace(cfg.for_domain(stage.domain), effort=stage.effort, families=fams)
         dest = expert_dir(out, stage.expert)
         if stage.expert in table["experts"] and (dest / "config.json").is_file():
