@@ -278,7 +278,7 @@ def run_demo(cfg: K3Config) -> Path:
     t0 = time.perf_counter()
     if cfg.mopd.rl.steps > 0 and (run / "experts" / "table.json").is_file():
         out = distill(cfg, run / "sft" / "final", run, metrics)
-        summary.update(mopd={k: v for k, v in out.items()})
+        summary.update(mopd=out)
         for r in out["table"]["rows"]:
             print(f"  MOPD {r['domain']:8} @ {r['effort']:<4}: student {r['student_pass']:.3f} vs teacher {r['teacher_pass']:.3f}, "
                   f"T(y) {r['student_tokens']:.1f} vs {r['teacher_tokens']:.1f}")
