@@ -39,7 +39,7 @@ from tqdm import tqdm
 from k3post.algos.advantages import group_advantages_from_groups
 from k3post.checkpoint import latest_checkpoint, load_trainer_state, load_weights_into, save_checkpoint
 from k3post.envs.families.registry import families, get_family
-from k3post.envs.task import Task
+from k3post.envs.task import DOMAINS, Task
 from k3post.metrics import MetricsLogger
 from k3post.models import load_model
 from k3post.policy_step import TokenSequence, policy_step
@@ -52,7 +52,7 @@ from k3post.rollout.evaluation import evaluate_episodes, make_env, run_episodes
 from k3post.rollout.kv_pool import KVPool
 from k3post.rollout.scheduler import PartialRolloutScheduler
 from k3post.rollout.trajectory import Group
-from k3post.xtml import XTML
+from k3post.xtml import EFFORTS, XTML
 
 log = logging.getLogger(__name__)
 
@@ -132,18 +132,34 @@ class RLConfig:
     progress: bool = True
 
 
-    def for_domain(self, domain: str) -> "RLConfig":
-        """This config with ``domain`` set and its ``domain_overrides`` applied (each value cast to
-        the field's type; an unknown or non-numeric field is a ValueError naming it)."""
-        over = dict(self.domain_overrides.get(domain, {}))
+    def __post_init__(self) -> None:
+        if self.effort not in EFFORTS:
+            raise ValueError(f"rl.effort must be one of {EFFORTS}, got {self.effort!r}")
+        for key, ds in (("rl.domain", [self.domain]), ("rl.domains", list(self.domains)),
+                        ("rl.domain_overrides", list(self.domain_overrides))):
+            bad = [d for d in ds if d not in DOMAINS]
+            if bad:
+                raise ValueError(f"{key}: unknown domain(s) {bad}; expected {DOMAINS}")
+        for d in self.domain_overrides:
+            self._overrides(d)
+
+    def _overrides(self, domain: str) -> dict[str, int | float]:
+        """``domain_overrides[domain]`` cast to the fields' types (ValueError naming a non-numeric or
+        non-integer setting)."""
         types = {f.name: type(getattr(self, f.name)) for f in fields(self)}
-        for key, value in over.items():
+        over: dict[str, int | float] = {}
+        for key, value in dict(self.domain_overrides.get(domain, {})).items():
             if types.get(key) not in (int, float) or key == "seed":
                 raise ValueError(f"rl.domain_overrides.{domain}.{key}: not a numeric RL setting")
             if types[key] is int and float(value) != int(value):
                 raise ValueError(f"rl.domain_overrides.{domain}.{key}: must be an integer, got {value}")
             over[key] = types[key](value)
-        return replace(self, domain=domain, **over)
+        return over
+
+    def for_domain(self, domain: str) -> "RLConfig":
+        """This config with ``domain`` set and its ``domain_overrides`` applied (each value cast to
+        the field's type)."""
+        return replace(self, domain=domain, **self._overrides(domain))
 
 
 @dataclass

@@ -312,3 +312,22 @@ def test_masked_entropy_equals_full_entropy_at_the_mask(warm_policy):
         lp_m, ent_m = token_logprobs(model, ids, att, entropy_mask_BT=mask)
     assert torch.equal(lp_full, lp_m)
     assert torch.equal(ent_m, torch.where(mask, ent_full, 0.0))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rl.effort=medium", "rl.effort must be one of"),
+    ("rl.domains=[general,web]", r"rl.domains: unknown domain\(s\) \['web'\]"),
+    ("rl.domain_overrides.agents.foo=1", "rl.domain_overrides.agents.foo: not a numeric RL setting"),
+    ("rl.domain_overrides.agents.steps=1.5", "rl.domain_overrides.agents.steps: must be an integer"),
+])
+def test_bad_rl_config_fails_at_load_naming_the_key(override, message, tmp_path):
+    """Caught when the config loads, before any run folder, budget estimate or training exists."""
+    from k3post.cli import main
+    from k3post.config import load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [override])
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("run: {name: r}\n")
+    assert main(["rl", str(cfg), f"run.root={tmp_path}", override]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
