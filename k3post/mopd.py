@@ -58,7 +58,7 @@ import torch
 
 from k3post.algos.advantages import group_advantages_from_groups
 from k3post.algos.opd import opd_reward
-from k3post.envs.task import Task
+from k3post.envs.task import DOMAINS, Task
 from k3post.metrics import MetricsLogger
 from k3post.models import load_model
 from k3post.policy_step import TokenSequence, micro_batches, token_logprobs
@@ -107,6 +107,19 @@ class MOPDConfig:
     teacher_batch_tokens: int = 8192
     teacher_sees_effort: bool = True  # departure from SPEC §4, see docs/decisions.md
     rl: RLConfig = field(default_factory=lambda: RLConfig(steps=24, n_prompts=6, k=4))
+
+    def __post_init__(self) -> None:
+        """Reject a bad config when it loads (before any teacher is loaded or step run)."""
+        try:
+            effort_sampler(self.effort_mix, 0)
+        except ValueError as e:
+            raise ValueError(f"mopd.{e}") from None
+        bad = [d for d in list(self.domains) + list(self.families) if d not in DOMAINS]
+        if bad:
+            raise ValueError(f"mopd.domains / mopd.families: unknown domain(s) {bad}; expected {DOMAINS}")
+        if not (math.isfinite(self.r_max) and self.r_max > 0) or not self.w_orm >= 0 or self.max_resident < 1:
+            raise ValueError(f"need mopd.r_max > 0, mopd.w_orm >= 0 and mopd.max_resident >= 1, got "
+                             f"{self.r_max}, {self.w_orm}, {self.max_resident}")
 
 
 @dataclass

@@ -470,3 +470,15 @@ def test_evaluate_mopd_student_equal_to_its_teacher_meets_every_row_target(xtml_
         assert (r["student_pass"], r["student_tokens"]) == (r["teacher_pass"], r["teacher_tokens"])
         assert r["pass_ok"] and r["tokens_ok"] and r["student_tokens"] > 0
     assert set(out["order"]["general"]["tokens"]) == {"low", "max"}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("mopd.effort_mix.medium=1", "mopd.effort_mix: unknown efforts"),
+    ("mopd.domains=[web]", r"unknown domain\(s\) \['web'\]"),
+    ("mopd.r_max=-1", "mopd.r_max > 0"),
+])
+def test_bad_mopd_config_fails_at_load(override, message):
+    from k3post.config import load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [override])
