@@ -155,7 +155,7 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
     """MOPD from ``init`` (the SFT checkpoint) into ``run/mopd``, then the student-vs-teacher table;
     returns the summary written to ``run/mopd/summary.json``."""
     from k3post.experts import load_policy
-    from k3post.mopd import TeacherPool, evaluate_mopd, mopd_eval_tasks, train_mopd
+    from k3post.mopd import TeacherPool, eval_caps, evaluate_mopd, mopd_eval_tasks, train_mopd
     from k3post.rollout.embedded import EmbeddedEngine
 
     m = mopd_config_for_run(cfg, run / "experts")
@@ -166,7 +166,7 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
     pool = TeacherPool(m.experts, max_resident=m.max_resident, dtype=m.teacher_dtype, qat=cfg.qat)
     engine = EmbeddedEngine(student, tokenizer, max_batch_size=m.rl.slots, seed=m.rl.seed)
     table = evaluate_mopd(engine, XTML(tokenizer), pool, mopd_eval_tasks(m), efforts=[e for e, w in m.effort_mix.items() if w > 0],
-                          max_tokens=m.rl.eval_max_tokens, teacher_sees_effort=m.teacher_sees_effort)
+                          max_tokens=eval_caps(m), teacher_sees_effort=m.teacher_sees_effort)
     pool.close()
     out = {"steps": res.steps, "seconds": res.seconds, "teacher_stats": res.teacher_stats,
            "opd_reward_curve": [h.get("opd_reward", float("nan")) for h in res.history],

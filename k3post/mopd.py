@@ -50,7 +50,7 @@ import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,7 @@ from k3post.xtml import EFFORTS, XTML
 log = logging.getLogger(__name__)
 
 __all__ = ["MOPDConfig", "MOPDResult", "TeacherPool", "expert_name", "effort_sampler", "initial_messages",
-           "teacher_context", "opd_signal", "mopd_families", "mopd_eval_tasks", "train_mopd", "mopd_checks", "evaluate_mopd"]
+           "teacher_context", "opd_signal", "mopd_families", "mopd_eval_tasks", "train_mopd", "mopd_checks", "evaluate_mopd", "eval_caps"]
 
 
 def _default_mix() -> dict[str, float]:
@@ -438,6 +438,11 @@ def mopd_eval_tasks(cfg: MOPDConfig) -> dict[str, list[Task]]:
             for d, fams in mopd_families(cfg).items()}
 
 
+def eval_caps(cfg: MOPDConfig) -> dict[str, int]:
+    """Domain → the per-turn cap of its held-out episodes (``rl.eval_max_tokens`` after ``rl.domain_overrides``)."""
+    return {d: cfg.rl.for_domain(d).eval_max_tokens for d in cfg.domains}
+
+
 def _check_experts(cfg: MOPDConfig) -> None:
     efforts = [e for e in EFFORTS if cfg.effort_mix.get(e, 0.0) > 0]
     missing = [expert_name(d, e) for d in cfg.domains for e in efforts if expert_name(d, e) not in cfg.experts]
@@ -458,7 +463,9 @@ def train_mopd(
 ) -> MOPDResult:
     """Distil the experts into ``student`` (in place; start it from the SFT checkpoint) with the loop of the
     module doc over prompts of every domain, interleaved by family. ``teacher_qat`` applies the experts'
-    QAT to the local teachers. ``stop_after`` ends this call after that many steps (tests kill and resume)."""
+    QAT to the local teachers. ``stop_after`` ends this call after that many steps (tests kill and resume).
+    One generation cap serves the mixed prompts: the largest ``max_tokens`` of the domains (after
+    ``rl.domain_overrides``)."""
     t_start = time.perf_counter()
     _check_experts(cfg)
     fams = [f for fs in mopd_families(cfg).values() for f in fs]
@@ -467,7 +474,8 @@ def train_mopd(
                        batch_tokens=cfg.teacher_batch_tokens)
     try:
         step, history, resumed_from, _, loop = train_policy(
-            student, tokenizer, cfg.rl, out_dir, tasks=tasks, signal=opd_signal(pool, cfg, XTML(tokenizer)),
+            student, tokenizer, replace(cfg.rl, max_tokens=max(cfg.rl.for_domain(d).max_tokens for d in cfg.domains)),
+            out_dir, tasks=tasks, signal=opd_signal(pool, cfg, XTML(tokenizer)),
             effort_fn=effort_sampler(cfg.effort_mix, cfg.rl.seed), metrics=metrics, stage="mopd", resume=resume,
             stop_after=stop_after,
         )
@@ -519,22 +527,24 @@ def evaluate_mopd(
     tasks: Mapping[str, Sequence[Task]],
     *,
     efforts: Sequence[str] = EFFORTS,
-    max_tokens: int = 128,
+    max_tokens: int | Mapping[str, int] = 128,
     teacher_sees_effort: bool = False,
     pass_ratio_min: float = 0.95,
     token_tolerance: float = 0.2,
 ) -> dict[str, Any]:
     """The student vs each teacher on held-out ``tasks`` (domain → tasks, e.g. `mopd_eval_tasks`): greedy episodes of the student at each effort and of expert (d, e) as it scores in
     MOPD (no effort message unless ``teacher_sees_effort``); pass rate and mean T(y) per (domain, effort),
-    then `mopd_checks`. Teachers must be local (an endpoint scores, it is not sampled here)."""
+    then `mopd_checks`. Teachers must be local (an endpoint scores, it is not sampled here).
+    ``max_tokens``: the per-turn cap, one for all or domain → cap (e.g. `eval_caps`)."""
     rows = []
     for d, ts in tasks.items():
+        cap = max_tokens if isinstance(max_tokens, int) else max_tokens[d]
         for e in efforts:
             expert = expert_name(d, e)
             teacher = EmbeddedEngine(pool.model(expert), xtml.tokenizer, max_batch_size=student.max_batch_size,
                                      max_model_len=student.max_model_len)
-            s = _episodes(student, xtml, ts, e, max_tokens)
-            t = _episodes(teacher, xtml, ts, e if teacher_sees_effort else None, max_tokens)
+            s = _episodes(student, xtml, ts, e, cap)
+            t = _episodes(teacher, xtml, ts, e if teacher_sees_effort else None, cap)
             rows.append({"domain": d, "effort": e, "expert": expert, "n": s["n"],
                          "student_pass": s["pass_rate"], "teacher_pass": t["pass_rate"],
                          "student_tokens": s["mean_effort_tokens"], "teacher_tokens": t["mean_effort_tokens"]})

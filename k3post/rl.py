@@ -48,7 +48,7 @@ from k3post.rewards.grm import EngineJudge, GroupGRM, PolicyJudge, estimate_l0, 
 from k3post.rollout.agent_loop import AgentLoop
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.engine import SamplingParams
-from k3post.rollout.evaluation import evaluate_episodes, make_env, run_episodes
+from k3post.rollout.evaluation import evaluate_episodes, make_env, reference_turn_tokens, run_episodes
 from k3post.rollout.kv_pool import KVPool
 from k3post.rollout.scheduler import PartialRolloutScheduler
 from k3post.rollout.trajectory import Group
@@ -57,7 +57,7 @@ from k3post.xtml import EFFORTS, XTML
 log = logging.getLogger(__name__)
 
 __all__ = ["RLConfig", "RLResult", "GroupScorer", "Signal", "PolicyLoop", "domain_families", "train_tasks", "eval_tasks", "loss_kwargs",
-           "rl_signal", "train_policy", "train_rl"]
+           "rl_signal", "train_policy", "train_rl", "check_turn_caps"]
 
 # seeds of the task streams: training prompts and held-out evaluation never share a seed
 _TRAIN_SEED, _EVAL_SEED = 7_000, 9_000
@@ -124,8 +124,8 @@ class RLConfig:
     effort_control: EffortConfig = field(default_factory=EffortConfig)
     domains: list[str] = field(default_factory=lambda: ["general", "agents", "coding"])
     domain_overrides: dict[str, dict[str, float]] = field(default_factory=lambda: {
-        "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16},
-        "coding": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16},
+        "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16, "max_tokens": 192, "eval_max_tokens": 192},
+        "coding": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16, "max_tokens": 384, "eval_max_tokens": 384},
     })
     save_every: int = 10
     seed: int = 0
@@ -395,6 +395,21 @@ def train_policy(
     return pl.step_no, pl.history, resumed_from, pl.engine, pl.loop
 
 
+def check_turn_caps(cfg: RLConfig, tokenizer: Any, family_names: Sequence[str], *, n: int = 8) -> int:
+    """Warn when ``cfg.max_tokens`` or ``cfg.eval_max_tokens`` (tokens per assistant turn) is below the
+    longest turn of the families' reference solutions at ``cfg.effort`` (measured on ``n`` tasks per
+    family): such a cap truncates a correct episode, so those tasks cannot pass at that effort. Returns
+    that longest turn."""
+    longest = reference_turn_tokens(XTML(tokenizer), train_tasks(family_names, n, difficulty=cfg.difficulty, seed=cfg.seed),
+                                    cfg.effort)
+    for key in ("max_tokens", "eval_max_tokens"):
+        if getattr(cfg, key) < longest:
+            log.warning("rl.%s = %d (%s @ %s) is below the longest reference assistant turn, %d tokens: a correct "
+                        "episode would be cut off; raise it (e.g. rl.domain_overrides.%s.%s)",
+                        key, getattr(cfg, key), cfg.domain, cfg.effort, longest, cfg.domain, key)
+    return longest
+
+
 def train_rl(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -420,6 +435,7 @@ def train_rl(
     missing = [t.id for t in tasks if t not in budgets]
     if missing:
         raise ValueError(f"the budget table lacks b0 for {len(missing)} training tasks (e.g. {missing[:3]}); run estimate_budgets")
+    check_turn_caps(cfg, tokenizer, fams)
     step, history, resumed_from, engine, loop = train_policy(
         model, tokenizer, cfg, out_dir, tasks=tasks, signal=rl_signal(budgets, cfg, scorer), metrics=metrics,
         stage=stage, resume=resume, stop_after=stop_after,

@@ -7,6 +7,7 @@ differ (some right, some wrong, thinking of different lengths): RL then has grou
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 import math
 
 import pytest
@@ -331,3 +332,58 @@ def test_bad_rl_config_fails_at_load_naming_the_key(override, message, tmp_path)
     cfg.write_text("run: {name: r}\n")
     assert main(["rl", str(cfg), f"run.root={tmp_path}", override]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
+def test_reference_turn_tokens_is_the_longest_assistant_turn(xtml_tokenizer):
+    """Single-turn arithmetic: the whole assistant message; multi-turn coding: one turn, not their sum."""
+    from k3post.envs.episode import run_episode_sync
+    from k3post.rollout.evaluation import make_env, reference_turn_tokens
+
+    x = XTML(xtml_tokenizer)
+    fam = get_family("general.arithmetic")
+    tasks = fam.generate(5, seed=3)
+    by_hand = []
+    for t in tasks:
+        ep = run_episode_sync(fam.reference_policy(t, "max"), make_env(t), t, verify=False)
+        full = x.render(ep.messages, effort="max")
+        prompt = x.render(ep.messages[:-1], effort="max", add_generation_prompt=True)
+        by_hand.append(len(full) - len(prompt))  # the generated tokens: the loss-masked turn
+    assert reference_turn_tokens(x, tasks, "max") == max(by_hand)
+    assert reference_turn_tokens(x, tasks, "low") < reference_turn_tokens(x, tasks, "max")
+
+    coding = get_family("coding.write_function")
+    ct = coding.generate(2, seed=3)
+    longest = reference_turn_tokens(x, ct, "max")
+    total = max(sum(x.render(run_episode_sync(coding.reference_policy(t, "max"), make_env(t), t, verify=False).messages,
+                             effort="max").loss_mask) for t in ct)
+    assert 0 < longest < total
+
+
+def test_default_turn_caps_fit_every_reference_turn(tmp_path):
+    """The shipped per-domain caps (rl.max_tokens / rl.eval_max_tokens after rl.domain_overrides) leave room
+    for the reference solution's longest turn of each demo family at every effort, with the demo's tokenizer:
+    a cap below it makes the tasks unsolvable at that effort (agents / coding at max used to be cut at 128)."""
+    from k3post.config import K3Config
+    from k3post.demo import run_tokenizer
+    from k3post.rl import check_turn_caps
+
+    cfg = K3Config()
+    tok = run_tokenizer(cfg, tmp_path)
+    for d in cfg.rl.domains:
+        fams = domain_families(d, cfg.rl.families)
+        for e in ("max", "high", "low"):
+            rc = replace(cfg.rl.for_domain(d), effort=e)
+            longest = check_turn_caps(rc, tok, fams, n=16)
+            assert longest <= min(rc.max_tokens, rc.eval_max_tokens), (d, e, longest)
+
+
+def test_turn_cap_below_the_reference_warns_naming_the_key(xtml_tokenizer, caplog):
+    from k3post.rl import check_turn_caps
+
+    cfg = _cfg(domain="coding", families=["coding.write_function"], max_tokens=32, eval_max_tokens=4096)
+    with caplog.at_level("WARNING", logger="k3post.rl"):
+        longest = check_turn_caps(cfg, xtml_tokenizer, ["coding.write_function"], n=2)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert longest > 32
+    assert any("rl.max_tokens = 32" in m and "rl.domain_overrides.coding.max_tokens" in m for m in msgs), msgs
+    assert not any("eval_max_tokens" in m for m in msgs)

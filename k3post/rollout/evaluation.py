@@ -23,12 +23,32 @@ from k3post.rollout.engine import SamplingParams
 from k3post.rollout.trajectory import Trajectory
 from k3post.xtml import XTML
 
-__all__ = ["run_episodes", "evaluate_episodes", "summarize_trajectories", "make_env"]
+__all__ = ["run_episodes", "evaluate_episodes", "summarize_trajectories", "make_env", "reference_turn_tokens"]
 
 
 def make_env(task: Task) -> Any:
     """A fresh environment for ``task`` from its registered family."""
     return get_family(task.family).make_env(task)
+
+
+def reference_turn_tokens(xtml: XTML, tasks: Sequence[Task], effort: str, *, mode: str = "think") -> int:
+    """The longest assistant turn, in tokens, of the families' scripted reference solutions of ``tasks``
+    at ``effort`` (each run through its environment). A per-turn generation cap below it truncates the
+    reference solution itself, so a policy cannot pass those tasks at that effort."""
+    from k3post.envs.episode import run_episode_sync
+
+    longest = 0
+    for task in tasks:
+        family = get_family(task.family)
+        ep = run_episode_sync(family.reference_policy(task, effort), make_env(task), task, verify=False)
+        r = xtml.render(ep.messages, tools=ep.tools or None, effort=effort, mode=mode)
+        run = 0
+        for m in [*r.loss_mask, False]:  # the loss mask's runs are the assistant turns
+            if m:
+                run += 1
+            else:
+                longest, run = max(longest, run), 0
+    return longest
 
 
 def summarize_trajectories(trajs: Sequence[Trajectory], *, pass_threshold: float = 1.0) -> dict[str, Any]:
