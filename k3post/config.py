@@ -111,7 +111,27 @@ def _check_keys(tree: Any, valid: dict[str, type | None], source: str, prefix: s
             _check_keys(value, valid, source, dotted + ".")
 
 
+def _flat_mappings(cls: type, prefix: str = "") -> set[str]:
+    """Dotted keys of the dict fields whose values are not mappings (``data.family_tasks``,
+    ``mopd.experts``): their own keys may contain dots (family and expert names)."""
+    import typing
+
+    out: set[str] = set()
+    for f in dataclasses.fields(cls):
+        ftype = _resolve(cls, f.name) if isinstance(f.type, str) else f.type
+        if dataclasses.is_dataclass(ftype):
+            out |= _flat_mappings(ftype, f"{prefix}{f.name}.")
+        elif typing.get_origin(ftype) is dict:
+            value = typing.get_args(ftype)[1] if typing.get_args(ftype) else Any
+            if typing.get_origin(value) is not dict and value is not dict:
+                out.add(f"{prefix}{f.name}")
+    return out
+
+
 def _dotlist_tree(overrides: Sequence[str]) -> list[tuple[str, dict]]:
+    """``KEY=VALUE`` overrides → nested mappings. Under a flat mapping field the rest of the key is one
+    entry: ``data.family_tasks.coding.write_function=100`` sets the entry ``coding.write_function``."""
+    flat = _flat_mappings(K3Config)
     trees = []
     for item in overrides:
         if "=" not in item:
@@ -121,6 +141,10 @@ def _dotlist_tree(overrides: Sequence[str]) -> list[tuple[str, dict]]:
         node: dict = {}
         cur = node
         parts = key.strip().split(".")
+        for i in range(1, len(parts)):
+            if ".".join(parts[:i]) in flat:
+                parts = [*parts[:i], ".".join(parts[i:])]
+                break
         for p in parts[:-1]:
             cur = cur.setdefault(p, {})
         cur[parts[-1]] = value

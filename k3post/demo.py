@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 from dataclasses import replace
@@ -130,7 +129,7 @@ def run_tokenizer(cfg: K3Config, run: Path) -> Any:
 
 def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = None) -> Path:
     """SFT data from the synthesis pipeline: the reference teachers of every built-in family at every effort
-    (`data.n_train` tasks of `data.eval_family`, `data.n_per_family` of each other family), verified stage by
+    (`data.n_train` tasks of `data.eval_family`, `data.family_tasks` or `data.n_per_family` of each other family), verified stage by
     stage (structure, outcome, quality, judge); writes `run/data/sft_train.jsonl` and returns its path.
     `record(synth=...)` receives the funnel and per-family counts for the report.
     """
@@ -140,16 +139,21 @@ def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = 
     main_path, funnel = build_sft_dataset(
         [main], d.efforts, d.n_train, cfg.run.seed, run / "data" / "main.jsonl", tokenizer, difficulty=d.difficulty, config=verify
     )
-    others = [f for f in families() if f.name != main.name]
-    rest_path, rest_funnel = build_sft_dataset(
-        others, d.efforts, d.n_per_family, cfg.run.seed, run / "data" / "families.jsonl", tokenizer,
-        difficulty=d.difficulty, config=verify,
-    )
-    funnel.merge(rest_funnel)
+    by_count: dict[int, list[Any]] = {}  # the other families, grouped by their number of tasks
+    for f in families():
+        if f.name != main.name and d.tasks_of(f.name) > 0:
+            by_count.setdefault(d.tasks_of(f.name), []).append(f)
+    rest_paths = []
+    for n, fams in sorted(by_count.items()):
+        name = "families.jsonl" if n == d.n_per_family else f"families.n{n}.jsonl"
+        path, rest_funnel = build_sft_dataset(fams, d.efforts, n, cfg.run.seed, run / "data" / name, tokenizer,
+                                              difficulty=d.difficulty, config=verify)
+        funnel.merge(rest_funnel)
+        rest_paths.append(path)
     main_records = [json.loads(line) for line in main_path.read_text(encoding="utf-8").splitlines()]
     if d.effort_mix:  # same number of samples, reweighted by effort (a scarce effort is repeated)
         main_records = mix(main_records, d.effort_mix, len(main_records), seed=cfg.run.seed)
-    records = main_records + [json.loads(line) for line in rest_path.read_text(encoding="utf-8").splitlines()]
+    records = main_records + [json.loads(line) for p in rest_paths for line in p.read_text(encoding="utf-8").splitlines()]
     train_file = write_jsonl(records, run / "data" / "sft_train.jsonl")
     by_family: dict[str, int] = {}
     for r in records:
@@ -267,7 +271,7 @@ def run_demo(cfg: K3Config) -> Path:
     t0 = time.perf_counter()
     if cfg.rl.steps > 0 and cfg.rl.domains:
         table = train_experts(run / "sft" / "final", cfg.rl, run / "experts", qat=cfg.qat, metrics=metrics,
-                              processes=min(len(cfg.rl.domains), max(1, os.cpu_count() or 1)), metrics_dir=run)
+                              processes=len(cfg.rl.domains), metrics_dir=run)
         summary.update(experts={k: {kk: v for kk, v in e.items() if kk != "eval"} for k, e in table["experts"].items()})
         for name, e in table["experts"].items():
             print(f"  expert {name:14}: pass {e['sft_pass_rate']:.3f} → {e['pass_rate']:.3f}   "

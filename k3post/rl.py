@@ -61,6 +61,8 @@ __all__ = ["RLConfig", "RLResult", "GroupScorer", "Signal", "PolicyLoop", "domai
 
 # seeds of the task streams: training prompts and held-out evaluation never share a seed
 _TRAIN_SEED, _EVAL_SEED = 7_000, 9_000
+# a step runs at most this many partial-rollout iterations to complete a group (each completes >= λ·N·K samples)
+_MAX_EMPTY_ITERATIONS = 64
 
 
 @dataclass
@@ -102,7 +104,7 @@ class RLConfig:
     slots: int = 32
     kv_pool_mb: int = 64
     difficulty: int = 1
-    n_tasks: int = 64
+    n_tasks: int = 320
     eval_n: int = 100
     eval_max_tokens: int = 128
     lr: float = 1e-4
@@ -125,7 +127,7 @@ class RLConfig:
     domains: list[str] = field(default_factory=lambda: ["general", "agents", "coding"])
     domain_overrides: dict[str, dict[str, float]] = field(default_factory=lambda: {
         "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16, "max_tokens": 192, "eval_max_tokens": 192},
-        "coding": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16, "max_tokens": 384, "eval_max_tokens": 384},
+        "coding": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 32, "max_tokens": 384, "eval_max_tokens": 384},
     })
     save_every: int = 10
     seed: int = 0
@@ -299,14 +301,23 @@ class PolicyLoop:
         self.last_groups: list[Group] = []  # the groups the last step trained on
 
     def step(self, tasks: Sequence[Task]) -> dict[str, float]:
-        """One iteration: top the prompt queue up to N from the stream cycling over ``tasks``, run
-        partial rollout, the signal, one policy step, the version bump. Returns (and records) the
-        step's metrics, with the time of each part."""
+        """One step: top the prompt queue up to N from the stream cycling over ``tasks``, run
+        partial-rollout iterations until at least one group has completed (with few prompts and λ < 1
+        an iteration can end before any group has all K samples; the weights do not change in between),
+        the signal, one policy step, the version bump. Returns (and records) the step's metrics, with
+        the time of each part."""
         t0 = time.perf_counter()
-        while self.sched.num_pending_prompts < self.cfg.n_prompts:
-            self.sched.add_prompts([tasks[self.cursor % len(tasks)]])
-            self.cursor += 1
-        groups = self.sched.run_iteration()
+        groups: list[Group] = []
+        iterations = 0
+        while not groups:  # an iteration that completes no whole group leaves nothing to train on: run another
+            if iterations == _MAX_EMPTY_ITERATIONS:
+                raise RuntimeError(f"{iterations} partial-rollout iterations completed no group of {self.cfg.k} samples "
+                                   f"(rl.n_prompts={self.cfg.n_prompts}, rl.lambda_={self.cfg.lambda_})")
+            while self.sched.num_pending_prompts < self.cfg.n_prompts:
+                self.sched.add_prompts([tasks[self.cursor % len(tasks)]])
+                self.cursor += 1
+            groups = self.sched.run_iteration()
+            iterations += 1
         t1 = time.perf_counter()
         seqs, sig = self.signal(groups)
         t2 = time.perf_counter()
@@ -318,7 +329,7 @@ class PolicyLoop:
         self.step_no += 1
         stale = [x for g in groups for x in g.staleness()]
         rec = {**sig, **{f"train/{k}": v for k, v in train_m.items()},
-               "version": float(version), "groups": float(len(groups)), "rollout_s": t1 - t0, "score_s": t2 - t1,
+               "version": float(version), "groups": float(len(groups)), "iterations": float(iterations), "rollout_s": t1 - t0, "score_s": t2 - t1,
                "update_s": t3 - t2, "step_s": t3 - t0, "kv_hit_rate": self.sched.kv_hit_rate(),
                "paused": float(len(self.sched.paused())), "mean_staleness": statistics.fmean(stale) if stale else 0.0}
         self.history.append(rec)

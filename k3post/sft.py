@@ -43,7 +43,7 @@ class SFTConfig:
     pack_len: int = 256  # packed row length; a sample longer than this gets a row of its own
     rows_per_batch: int = 8  # packed rows per micro-batch (a micro-batch holds <= rows_per_batch * pack_len tokens)
     grad_accum: int = 1  # micro-batches per optimizer step
-    steps: int = 1000  # optimizer steps
+    steps: int = 1500  # optimizer steps
     lr: float = 5e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 30

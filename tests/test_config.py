@@ -64,3 +64,26 @@ def test_bad_yaml_and_missing_file(tmp_path):
 def test_override_without_equals():
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         load_config(None, ["sft.lr"])
+
+
+def test_dotted_override_reaches_mapping_entries_whose_names_contain_dots():
+    """Family and expert names hold a dot; under a flat mapping field the rest of the key is one entry,
+    while nested mappings (rl.domain_overrides.<domain>.<key>) still split."""
+    cfg = load_config(None, ["data.family_tasks.coding.bugfix=3", "mopd.experts.general.max=/ckpt/g",
+                             "rl.domain_overrides.agents.steps=5", "data.effort_mix.*/low=0.5"])
+    assert cfg.data.family_tasks == {"coding.write_function": 100, "coding.bugfix": 3}
+    assert cfg.mopd.experts == {"general.max": "/ckpt/g"}
+    assert cfg.rl.domain_overrides["agents"]["steps"] == 5
+    assert cfg.data.effort_mix["*/low"] == 0.5
+    assert cfg.data.tasks_of("coding.bugfix") == 3 and cfg.data.tasks_of("agents.search") == cfg.data.n_per_family
+    assert cfg.data.tasks_of("general.arithmetic") == cfg.data.n_train
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.family_tasks.coding.nope=3", r"data.family_tasks.coding.nope: unknown task family 'coding.nope'"),
+    ("data.family_tasks.coding.bugfix=-1", r"data.family_tasks.coding.bugfix: must be a non-negative integer"),
+    ("data.family_tasks.general.arithmetic=5", r"data.family_tasks.general.arithmetic: the eval family's task count is data.n_train"),
+])
+def test_bad_family_tasks_names_the_entry(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [override])

@@ -387,3 +387,16 @@ def test_turn_cap_below_the_reference_warns_naming_the_key(xtml_tokenizer, caplo
     assert longest > 32
     assert any("rl.max_tokens = 32" in m and "rl.domain_overrides.coding.max_tokens" in m for m in msgs), msgs
     assert not any("eval_max_tokens" in m for m in msgs)
+
+
+def test_every_step_trains_on_at_least_one_group(warm_policy, tmp_path):
+    """2 prompts x 4 samples at λ = 0.125: an iteration ends after the first completion, usually before any group
+    has all 4, so a step runs iterations until one has; each step then has groups and bumps the version
+    once (it used to count an empty iteration as a step: no data, a wasted optimizer step)."""
+    model0, tok = warm_policy
+    cfg = _cfg(n_prompts=2, k=4, lambda_=0.125, steps=3, max_tokens=96)
+    budgets = _budgets(model0, tok, cfg)
+    res = train_rl(copy.deepcopy(model0), tok, cfg, tmp_path / "r", budgets=budgets, evaluate=False)
+    assert [h["version"] for h in res.history] == [1.0, 2.0, 3.0]
+    assert all(h["groups"] >= 1 for h in res.history)
+    assert sum(h["iterations"] for h in res.history) > len(res.history), "no step needed a second iteration"
