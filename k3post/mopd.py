@@ -34,7 +34,7 @@ Decisions:
 * **Teachers** (`TeacherPool`): a local checkpoint folder, loaded on demand into CPU memory (at most
   ``max_resident`` at once, least recently used evicted), or an OpenAI-compatible server that returns prompt
   log-probs from ``/v1/completions`` with ``echo=True, logprobs=0, max_tokens=0`` (the vLLM convention;
-  `k3post serve` does not offer ``echo``).
+  `k3post serve EXPERT_DIR` offers it too).
 * **Effort per prompt** is a pure function of the task's content hash and the run seed, so a resumed run
   renders every prompt exactly as the uninterrupted one.
 
@@ -61,7 +61,7 @@ from k3post.algos.opd import opd_reward
 from k3post.envs.task import DOMAINS, Task
 from k3post.metrics import MetricsLogger
 from k3post.models import load_model
-from k3post.policy_step import TokenSequence, micro_batches, token_logprobs
+from k3post.policy_step import TokenSequence, sequence_logprobs
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rl import RLConfig, Signal, domain_families, eval_tasks, train_policy, train_tasks
 from k3post.rollout.embedded import EmbeddedEngine
@@ -257,20 +257,8 @@ class TeacherPool:
         self.stats["tokens"] += sum(len(p) for p in positions)
         if _is_url(spec):
             return self._score_endpoint(expert, spec, ids, positions)
-        model = self.model(expert)
-        out: list[list[float]] = [[] for _ in ids]
-        for idx in micro_batches([len(s) for s in ids], self.batch_tokens):
-            T = max(len(ids[i]) for i in idx)
-            ids_BT = torch.zeros(len(idx), T, dtype=torch.long)
-            attn_BT = torch.zeros(len(idx), T, dtype=torch.long)
-            for row, i in enumerate(idx):
-                ids_BT[row, : len(ids[i])] = torch.tensor(list(ids[i]), dtype=torch.long)
-                attn_BT[row, : len(ids[i])] = 1
-            with torch.inference_mode():
-                logp_BT, _ = token_logprobs(model, ids_BT, attn_BT)
-            for row, i in enumerate(idx):
-                out[i] = logp_BT[row, list(positions[i])].tolist()
-        return out
+        full = sequence_logprobs(self.model(expert), ids, self.batch_tokens)
+        return [[lp[p] for p in pos] for lp, pos in zip(full, positions)]
 
     def _score_endpoint(self, expert: str, spec: str, ids: Sequence[Sequence[int]],
                         positions: Sequence[Sequence[int]]) -> list[list[float]]:

@@ -27,7 +27,7 @@ import torch
 
 from k3post.algos.policy_loss import policy_loss
 
-__all__ = ["TokenSequence", "token_logprobs", "micro_batches", "policy_step"]
+__all__ = ["TokenSequence", "token_logprobs", "sequence_logprobs", "micro_batches", "policy_step"]
 
 
 @dataclass
@@ -89,6 +89,25 @@ def token_logprobs(
                 ent_BT = lp_BT.new_zeros(lp_BT.shape).masked_scatter_(m_BT, -(sel_NV.exp() * sel_NV).sum(-1))
             entropy_BT = torch.cat([zero_B1, ent_BT], dim=1)
     return logp_BT, entropy_BT
+
+
+def sequence_logprobs(model: torch.nn.Module, ids: Sequence[Sequence[int]], batch_tokens: int) -> list[list[float]]:
+    """Per sequence, ``out[b][t] = log p(ids[b][t] | ids[b][:t])`` for t ≥ 1 (``out[b][0] = 0``): prefill
+    only, under ``torch.inference_mode``, sequences batched by `micro_batches` (``batch_tokens`` padded
+    tokens, right padding), float32. The scorer of MOPD teachers and of the server's ``echo``."""
+    out: list[list[float]] = [[] for _ in ids]
+    for idx in micro_batches([len(s) for s in ids], batch_tokens):
+        T = max(len(ids[i]) for i in idx)
+        ids_BT = torch.zeros(len(idx), T, dtype=torch.long)
+        attn_BT = torch.zeros(len(idx), T, dtype=torch.long)
+        for row, i in enumerate(idx):
+            ids_BT[row, : len(ids[i])] = torch.tensor(list(ids[i]), dtype=torch.long)
+            attn_BT[row, : len(ids[i])] = 1
+        with torch.inference_mode():
+            logp_BT, _ = token_logprobs(model, ids_BT, attn_BT)
+        for row, i in enumerate(idx):
+            out[i] = logp_BT[row, : len(ids[i])].tolist()
+    return out
 
 
 def micro_batches(lengths: Sequence[int], micro_batch_tokens: int) -> list[list[int]]:

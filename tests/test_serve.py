@@ -312,6 +312,12 @@ def test_completions_prompt_forms_logprobs_and_stop(served: Served) -> None:
         ("/v1/chat/completions", {"model": "gpt-4", "messages": MESSAGES}, 404, "model", "model_not_found"),
         ("/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt", None),
         ("/v1/completions", {"prompt": "hi", "logprobs": 5}, 400, "logprobs", "unsupported_parameter"),
+        ("/v1/completions", {"prompt": "hi", "echo": True, "max_tokens": 4}, 400, "echo", "unsupported_parameter"),
+        ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "unsupported_parameter"),
+        ("/v1/completions", {"prompt": "hi", "echo": True, "max_tokens": 0, "stream": True}, 400, "stream",
+         "unsupported_parameter"),
+        ("/v1/completions", {"prompt": "hi", "echo": True, "max_tokens": 0, "n": 2}, 400, "n", "unsupported_parameter"),
+        ("/v1/completions", {"prompt": [5] * 1100, "echo": True, "max_tokens": 0}, 400, "prompt", None),
     ],
 )
 def test_errors_are_openai_shaped(served: Served, path: str, body: dict[str, Any], status: int, param: str,
@@ -329,6 +335,57 @@ def test_errors_through_openai_client(served: Served) -> None:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"thinking_effort": "huge"})
     bad = httpx.post(f"{served.url}/v1/chat/completions", content=b"{not json", timeout=10)
     assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------- prompt scoring (echo)
+
+
+def test_echo_scores_prompts_and_serves_an_mopd_teacher(served: Served) -> None:
+    """``echo: true, max_tokens: 0`` returns each prompt's per-token log-probs under the served model (the
+    same numbers as a local forward); `TeacherPool` uses this server as an endpoint teacher."""
+    from k3post.mopd import TeacherPool
+    from k3post.policy_step import sequence_logprobs
+
+    model = served.app.state.server.runner.engine.model
+    x = XTML(served.tok)
+    ids = [x.render(MESSAGES + [REPLY], tools=TOOLS, effort="high").ids, served.tok.encode("Hello there", add_special_tokens=False)]
+    local = sequence_logprobs(model, ids, 4096)
+    r = _post(served, "/v1/completions", {"model": MODEL, "prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"] == {"prompt_tokens": sum(map(len, ids)), "completion_tokens": 0, "total_tokens": sum(map(len, ids))}
+    for c, seq, lp in zip(body["choices"], ids, local):
+        got = c["logprobs"]["token_logprobs"]
+        assert got[0] is None and got[1:] == pytest.approx(lp[1:], abs=1e-5)
+        assert c["text"] == decode(served.tok, seq) and c["finish_reason"] == "length"
+        assert len(c["logprobs"]["tokens"]) == len(seq)
+        offs = c["logprobs"]["text_offset"]
+        assert offs[0] == 0 and offs == sorted(offs) and offs[-1] < len(c["text"])
+    # the memorised reply is near-certain under the model, the rest of the prompt is not
+    r_ids = x.render(MESSAGES + [REPLY], tools=TOOLS, effort="high")
+    reply_lp = [lp for lp, m in zip(local[0], r_ids.loss_mask) if m]
+    assert min(reply_lp) > -0.5
+
+    pool = TeacherPool({"served": f"{served.url}/v1#{MODEL}"})
+    pos = [list(range(1, len(ids[0]))), [1, len(ids[1]) - 1]]
+    for got, lp, p in zip(pool.score("served", ids, pos), local, pos):
+        assert got == pytest.approx([lp[k] for k in p], abs=1e-5)
+    pool.close()
+
+
+def test_runner_call_runs_on_the_engine_thread_and_raises_its_error(served: Served) -> None:
+    runner = served.app.state.server.runner
+
+    async def go() -> tuple[str, BaseException | None]:
+        name = await runner.call(lambda engine: threading.current_thread().name)
+        try:
+            await runner.call(lambda engine: 1 // 0)
+        except ZeroDivisionError as e:
+            return name, e
+        return name, None
+
+    name, err = asyncio.run(go())
+    assert name == "k3post-engine" and isinstance(err, ZeroDivisionError)
 
 
 # --------------------------------------------------------------------------- policy, MoE, CLI

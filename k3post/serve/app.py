@@ -52,8 +52,13 @@ Decisions (ours):
   ``max_tokens`` beyond the room left, is a 400 with code ``context_length_exceeded``.
   Without ``max_tokens`` a request may use the whole room (capped by
   ``ServeConfig.default_max_tokens`` when set).
+* **Prompt scoring.** ``/v1/completions`` with ``echo: true, max_tokens: 0`` scores each prompt
+  in one prefill and returns it as ``text`` with ``logprobs.token_logprobs[t] = log p(prompt[t] |
+  prompt[:t])`` (None first), the vLLM convention: MOPD teachers (``mopd.experts`` given as this
+  server's URL) and log-likelihood evaluations use it. ``echo`` with generation, streaming or
+  ``n`` > 1 is a 400.
 * Unsupported options with a non-default value (``presence_penalty``,
-  ``frequency_penalty``, ``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1, the legacy
+  ``frequency_penalty``, ``logit_bias``, ``suffix``, ``best_of`` > 1, the legacy
   ``functions``) are a 400 naming the field; options without effect here
   (``parallel_tool_calls``, ``user``, ``metadata``, ...) are ignored.
 * ``system_fingerprint`` is ``k3post-v<policy version>`` of the engine.
@@ -78,6 +83,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from k3post.policy_step import sequence_logprobs
 from k3post.rollout.engine import GenerationRequest, GenerationResult, SamplingParams, request_seed
 from k3post.serve.runner import EngineRunner, ErrorEvent, FinishEvent, RunnerEvent, TokenEvent
 from k3post.tokenizer import decode
@@ -601,14 +607,14 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
         body = await json_body(request)
         srv.check_model(body)
         prompts = _prompts(body, srv)
-        if _boolean(body, "echo"):
-            raise APIError("'echo' is not supported by this server", param="echo", code="unsupported_parameter")
         if body.get("suffix"):
             raise APIError("'suffix' is not supported by this server", param="suffix", code="unsupported_parameter")
         lp = _integer(body, "logprobs", lo=0, hi=20)
         if lp is not None and lp > 1:
             raise APIError("'logprobs' > 1 is not supported: only the sampled token's log-prob is recorded",
                            param="logprobs", code="unsupported_parameter")
+        if _boolean(body, "echo"):
+            return await _echo(srv, body, prompts, lp is not None)
         stops = body.get("stop")
         if stops is None:
             stops = []
@@ -677,6 +683,41 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": total, "total_tokens": n_prompt + total}}
 
     return app
+
+
+# --------------------------------------------------------------------------- prompt scoring (echo)
+
+
+#: padded tokens per scoring forward of ``echo`` requests
+ECHO_BATCH_TOKENS = 8192
+
+
+async def _echo(srv: _Server, body: Mapping[str, Any], prompts: list[list[int]], want_logprobs: bool) -> dict[str, Any]:
+    """``echo`` with ``max_tokens: 0``: each prompt scored by the served model in one prefill (the vLLM
+    convention MOPD teachers and log-likelihood evaluations use): ``text`` is the prompt, ``logprobs``
+    its tokens with ``token_logprobs[t] = log p(prompt[t] | prompt[:t])`` (None for the first token)."""
+    if _integer(body, "max_tokens", lo=0) != 0:
+        raise APIError("'echo' is supported for prompt scoring only: set 'max_tokens' to 0", param="echo",
+                       code="unsupported_parameter")
+    if _boolean(body, "stream"):
+        raise APIError("'echo' cannot be streamed", param="stream", code="unsupported_parameter")
+    if (_integer(body, "n", lo=1) or 1) != 1:
+        raise APIError("'echo' scores each prompt once: 'n' must be 1", param="n", code="unsupported_parameter")
+    for i, ids in enumerate(prompts):
+        if len(ids) > srv.max_model_len:
+            raise APIError(f"prompt {i} has {len(ids)} tokens, more than the model's {srv.max_model_len}", param="prompt")
+    scores = await srv.runner.call(lambda engine: sequence_logprobs(engine.model, prompts, ECHO_BATCH_TOKENS))
+    choices = []
+    for i, (ids, lps) in enumerate(zip(prompts, scores)):
+        logprobs = None
+        if want_logprobs:
+            logprobs = {"tokens": [srv.token_str(t) for t in ids], "token_logprobs": [None, *lps[1:]],
+                        "top_logprobs": None, "text_offset": [len(decode(srv.tokenizer, ids[:k])) for k in range(len(ids))]}
+        choices.append({"index": i, "text": decode(srv.tokenizer, ids), "logprobs": logprobs, "finish_reason": "length"})
+    n_prompt = sum(len(ids) for ids in prompts)
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": srv.config.model_name, "system_fingerprint": srv.fingerprint(), "choices": choices,
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}}
 
 
 # --------------------------------------------------------------------------- chat streaming

@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +90,15 @@ class _Handle:
         except RuntimeError:  # event loop closed: the client is gone
             return False
         return True
+
+
+def _settle(fut: "asyncio.Future[Any]", result: Any, error: BaseException | None) -> None:
+    if fut.cancelled():  # the caller went away
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
 
 
 def partial_outputs(engine: Any) -> dict[str, tuple[list[int], list[float]]]:
@@ -218,6 +227,17 @@ class EngineRunner:
         assert isinstance(event, FinishEvent)
         return event.result
 
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(engine)`` run on the engine thread between two steps (the only thread that touches the
+        engine and its model), e.g. a prefill-only scoring pass; returns its result or raises its error."""
+        if not self.running:
+            raise RuntimeError("the engine runner is not started (call start())")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._inbox.put(("call", (fn, loop, fut)))
+        self._wake.set()
+        return await fut
+
     def stats(self) -> dict[str, Any]:
         """Counters: requests submitted / finished / aborted / failed, engine steps, generated
         tokens, ``peak_running`` (most requests decoded in one step), and the engine's current
@@ -256,6 +276,13 @@ class EngineRunner:
                 self._handles[rid] = h
                 with self._lock:
                     self._stats.requests += 1
+            elif kind == "call":
+                fn, loop, fut = item
+                try:
+                    result, error = fn(self.engine), None
+                except Exception as e:  # handed to the awaiting caller
+                    result, error = None, e
+                loop.call_soon_threadsafe(_settle, fut, result, error)
             else:
                 rid = item
                 if self._handles.pop(rid, None) is not None:
