@@ -161,14 +161,18 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
     m = mopd_config_for_run(cfg, run / "experts")
     tokenizer = load_tokenizer(init)
     student = load_policy(init, cfg.qat)
-    res = train_mopd(student, tokenizer, m, run / "mopd", metrics=metrics, teacher_qat=cfg.qat)
-    save_model(student, run / "mopd" / "final", tokenizer)
-    pool = TeacherPool(m.experts, max_resident=m.max_resident, dtype=m.teacher_dtype, qat=cfg.qat)
-    engine = EmbeddedEngine(student, tokenizer, max_batch_size=m.rl.slots, seed=m.rl.seed)
-    table = evaluate_mopd(engine, XTML(tokenizer), pool, mopd_eval_tasks(m), efforts=[e for e, w in m.effort_mix.items() if w > 0],
-                          max_tokens=eval_caps(m), teacher_sees_effort=m.teacher_sees_effort)
-    pool.close()
-    out = {"steps": res.steps, "seconds": res.seconds, "teacher_stats": res.teacher_stats,
+    pool = TeacherPool(m.experts, max_resident=m.max_resident, dtype=m.teacher_dtype, qat=cfg.qat,
+                       batch_tokens=m.teacher_batch_tokens)  # one pool: the teachers stay resident for the evaluation
+    try:
+        res = train_mopd(student, tokenizer, m, run / "mopd", metrics=metrics, teacher_qat=cfg.qat, pool=pool)
+        save_model(student, run / "mopd" / "final", tokenizer)
+        engine = EmbeddedEngine(student, tokenizer, max_batch_size=m.rl.slots, seed=m.rl.seed)
+        table = evaluate_mopd(engine, XTML(tokenizer), pool, mopd_eval_tasks(m), max_tokens=eval_caps(m),
+                              efforts=[e for e, w in m.effort_mix.items() if w > 0], teacher_sees_effort=m.teacher_sees_effort)
+        teacher_stats = dict(pool.stats)  # training and evaluation together
+    finally:
+        pool.close()
+    out = {"steps": res.steps, "seconds": res.seconds, "teacher_stats": teacher_stats,
            "opd_reward_curve": [h.get("opd_reward", float("nan")) for h in res.history],
            "reverse_kl_curve": [h.get("reverse_kl", float("nan")) for h in res.history], "table": table}
     (run / "mopd" / "summary.json").write_text(json.dumps(out, indent=1, default=float))

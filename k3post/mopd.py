@@ -448,18 +448,23 @@ def train_mopd(
     resume: bool = True,
     stop_after: int | None = None,
     teacher_qat: QATConfig | None = None,
+    pool: TeacherPool | None = None,
 ) -> MOPDResult:
     """Distil the experts into ``student`` (in place; start it from the SFT checkpoint) with the loop of the
     module doc over prompts of every domain, interleaved by family. ``teacher_qat`` applies the experts'
-    QAT to the local teachers. ``stop_after`` ends this call after that many steps (tests kill and resume).
+    QAT to the local teachers. ``pool``: a caller's `TeacherPool` (left open, e.g. for `evaluate_mopd`
+    with the teachers still resident); by default one is built from ``cfg`` and closed at the end.
+    ``stop_after`` ends this call after that many steps (tests kill and resume).
     One generation cap serves the mixed prompts: the largest ``max_tokens`` of the domains (after
     ``rl.domain_overrides``)."""
     t_start = time.perf_counter()
     _check_experts(cfg)
     fams = [f for fs in mopd_families(cfg).values() for f in fs]
     tasks = train_tasks(fams, cfg.rl.n_tasks, difficulty=cfg.rl.difficulty, seed=cfg.rl.seed)  # interleaved by family
-    pool = TeacherPool(cfg.experts, max_resident=cfg.max_resident, dtype=cfg.teacher_dtype, qat=teacher_qat,
-                       batch_tokens=cfg.teacher_batch_tokens)
+    own = pool is None
+    if pool is None:
+        pool = TeacherPool(cfg.experts, max_resident=cfg.max_resident, dtype=cfg.teacher_dtype, qat=teacher_qat,
+                           batch_tokens=cfg.teacher_batch_tokens)
     try:
         step, history, resumed_from, _, loop = train_policy(
             student, tokenizer, replace(cfg.rl, max_tokens=max(cfg.rl.for_domain(d).max_tokens for d in cfg.domains)),
@@ -469,7 +474,8 @@ def train_mopd(
         )
         loop.close()
     finally:
-        pool.close()
+        if own:
+            pool.close()
     return MOPDResult(step, history, dict(pool.stats), resumed_from, time.perf_counter() - t_start)
 
 

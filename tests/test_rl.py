@@ -249,6 +249,7 @@ def test_experts_curriculum_chains_and_resumes(warm_policy, tmp_path):
     k3.mopd = MOPDConfig(effort_mix={"max": 0.5, "low": 0.5}, domains=["general"], rl=_cfg(steps=2, n_tasks=4))
     out = distill(k3, init, tmp_path)
     assert out["steps"] == 2 and len(out["opd_reward_curve"]) == 2
+    assert out["teacher_stats"]["loads"] == 2  # each teacher loaded once: evaluation reuses training's pool
     assert [(r["domain"], r["effort"]) for r in out["table"]["rows"]] == [("general", "max"), ("general", "low")]
     assert (tmp_path / "mopd" / "final" / "model.safetensors").is_file()
     html = write_report(tmp_path).read_text()
