@@ -260,6 +260,14 @@ class TeacherPool:
         full = sequence_logprobs(self.model(expert), ids, self.batch_tokens)
         return [[lp[p] for p in pos] for lp, pos in zip(full, positions)]
 
+    def score_all(self, jobs: Mapping[str, tuple[Sequence[Sequence[int]], Sequence[Sequence[int]]]]) -> dict[str, list[list[float]]]:
+        """`score` for several experts: ``jobs[expert] = (ids, positions)``. Resident teachers go first, then
+        the others by name, so a teacher loaded here never evicts one this call still needs (with an LRU of
+        ``max_resident``, sorted order alone reloads teachers it just evicted). The scores do not depend on
+        the order."""
+        resident = [e for e in self.resident if e in jobs]
+        return {e: self.score(e, *jobs[e]) for e in resident + sorted(set(jobs) - set(resident))}
+
     def _score_endpoint(self, expert: str, spec: str, ids: Sequence[Sequence[int]],
                         positions: Sequence[Sequence[int]]) -> list[list[float]]:
         import httpx  # imported on use: local teachers need no HTTP client
@@ -366,9 +374,10 @@ def opd_signal(pool: TeacherPool, cfg: MOPDConfig, xtml: XTML) -> Signal:
                 trajs.append(t)
                 efforts.append(effort)
         teacher_lp: list[list[float]] = [[] for _ in trajs]
-        for expert in sorted(by_expert):  # a fixed order: the same loads and evictions on a resumed run
-            idx = [i for i in by_expert[expert] if ctx[i][1]]
-            for i, lp in zip(idx, pool.score(expert, [ctx[i][0] for i in idx], [ctx[i][1] for i in idx])):
+        idx = {e: [i for i in rows if ctx[i][1]] for e, rows in by_expert.items()}
+        scores = pool.score_all({e: ([ctx[i][0] for i in ix], [ctx[i][1] for i in ix]) for e, ix in idx.items()})
+        for expert, ix in idx.items():
+            for i, lp in zip(ix, scores[expert]):
                 teacher_lp[i] = lp
         B, T = len(trajs), max((len(lp) for lp in teacher_lp), default=0)
         teacher_BT = torch.zeros(B, T)

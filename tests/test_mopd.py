@@ -266,6 +266,22 @@ def test_endpoint_teacher_scores_through_prompt_logprobs(xtml_tokenizer, folders
         server.close()
 
 
+def test_score_all_scores_resident_teachers_first(xtml_tokenizer, folders):
+    """Resident [c, b] (c least recent), jobs for a and c: sorted order would load a (evicting c) and then
+    reload c; resident-first scores c (a hit), then loads a (evicting b): 1 load instead of 2, same scores."""
+    pool = TeacherPool({"a": folders["t1"], "b": folders["t2"], "c": folders["student"]}, max_resident=2)
+    for name in ("c", "b"):
+        pool.model(name)
+    assert pool.resident == ["c", "b"]
+    ids, pos = [[3, 17, 40, 9, 12]], [[1, 3, 4]]
+    before = dict(pool.stats)
+    got = pool.score_all({"a": (ids, pos), "c": (ids, pos)})
+    assert pool.stats["loads"] - before["loads"] == 1 and pool.stats["hits"] - before["hits"] == 1
+    assert pool.resident == ["c", "a"]
+    ref = TeacherPool({"a": folders["t1"], "c": folders["student"]}, max_resident=2)
+    assert got == {"a": ref.score("a", ids, pos), "c": ref.score("c", ids, pos)}
+
+
 # --------------------------------------------------------------------------- the signal
 
 
