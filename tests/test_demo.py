@@ -15,8 +15,9 @@ def _small(tmp_path, name="d"):
         # Stage 2 / 3 at toy size: 2 efforts per domain, a step or two each
         "rl.steps=2", "rl.n_prompts=2", "rl.k=4", "rl.n_tasks=4", "rl.eval_n=4", "rl.max_tokens=24", "rl.eval_max_tokens=24",
         "rl.effort_control.curriculum=[max,low]", "rl.effort_control.b0_samples=2", "rl.progress=false",
-        *(f"rl.domain_overrides.{d}.{k}={v}" for d in ("agents", "coding")
-          for k, v in (("steps", 1), ("n_prompts", 1), ("n_tasks", 2), ("eval_n", 2))),
+        *(f"{sec}.domain_overrides.{d}.{k}={v}" for sec in ("rl", "mopd.rl") for d in ("agents", "coding")
+          for k, v in (("steps", 1), ("n_prompts", 1), ("n_tasks", 2), ("eval_n", 2), ("max_tokens", 24),
+                       ("eval_max_tokens", 24))),
         "mopd.rl.steps=2", "mopd.rl.n_prompts=3", "mopd.rl.k=2", "mopd.rl.n_tasks=2", "mopd.rl.eval_n=2",
         "mopd.rl.max_tokens=24", "mopd.rl.eval_max_tokens=24", "mopd.rl.progress=false", "mopd.effort_mix.high=0",
     ]
