@@ -1,7 +1,8 @@
 """Stage 2 RL (SPEC §3): one readable loop, from an SFT checkpoint to one (domain, effort) expert.
 
     for step in 1..steps:
-        groups  = scheduler.run_iteration()               partial rollout: λ, resume-first, staleness (§3.2)
+        groups  = scheduler.run_iteration()               partial rollout: λ, resume-first, staleness (§3.2);
+                                                          repeated until at least one group has all K samples
         r       = verifier reward, or the GRM tournament  non-verifiable families (§3.4)
         r'      = effort override: −1 if T(y) > τ_e·b0(x) (§3.3)
         A       = r' − mean_group(r')                     zero-variance groups are counted and skipped
