@@ -37,6 +37,7 @@ __all__ = [
     "ensure_xtml_tokens",
     "encode_text",
     "decode",
+    "text_offsets",
     "special_ids",
 ]
 
@@ -253,6 +254,21 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     else:
         ids = list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
     return ids
+
+
+def text_offsets(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> list[int]:
+    """``out[k] = len(decode(tokenizer, ids[:k]))``: where each token starts in the decoded text (the
+    legacy completions ``text_offset``). Linear when every token decodes alone to whole characters whose
+    lengths add up to the whole text's (byte-level BPE, ASCII or whole UTF-8 tokens); otherwise (a
+    character split across tokens) each prefix is decoded, as the definition says."""
+    pieces = [decode(tokenizer, [t]) for t in ids]
+    if not any("\ufffd" in p for p in pieces) and sum(map(len, pieces)) == len(decode(tokenizer, ids)):
+        out, pos = [], 0
+        for p in pieces:
+            out.append(pos)
+            pos += len(p)
+        return out
+    return [len(decode(tokenizer, ids[:k])) for k in range(len(ids))]
 
 
 def decode(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:

@@ -145,3 +145,13 @@ def test_load_tokenizer_rejects_foreign(tmp_path: Path) -> None:
     assert "<|open|>" not in load_tokenizer(tmp_path / "f").get_vocab()  # loads; patch it later
     with pytest.raises(ValueError, match="ensure_xtml_tokens"):
         load_tokenizer(tmp_path / "f", require_xtml=True)
+
+
+@pytest.mark.parametrize("s", ["Hello there, tool call 42!", "naïve café: 日本語 ✓ — ünïcödé", ""])
+def test_text_offsets_match_prefix_decodes(xtml_tokenizer: PreTrainedTokenizerFast, s: str) -> None:
+    """The linear path (tokens that decode to whole characters) and the fallback (a character split across
+    byte tokens) both equal the definition, len(decode(ids[:k]))."""
+    from k3post.tokenizer import decode, text_offsets
+
+    ids = xtml_tokenizer.encode(s, add_special_tokens=False) + [0, 2]  # XTML special tokens too
+    assert text_offsets(xtml_tokenizer, ids) == [len(decode(xtml_tokenizer, ids[:k])) for k in range(len(ids))]

@@ -86,7 +86,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from k3post.policy_step import sequence_logprobs
 from k3post.rollout.engine import GenerationRequest, GenerationResult, SamplingParams, request_seed
 from k3post.serve.runner import EngineRunner, ErrorEvent, FinishEvent, RunnerEvent, TokenEvent
-from k3post.tokenizer import decode
+from k3post.tokenizer import decode, text_offsets
 from k3post.xtml import EFFORTS, XTML, TextDelta, ToolCall, ToolCallStart, XTMLParseError
 
 __all__ = ["ServeConfig", "APIError", "create_app", "EFFORT_CHOICES", "INSTRUCT_EFFORT"]
@@ -712,7 +712,7 @@ async def _echo(srv: _Server, body: Mapping[str, Any], prompts: list[list[int]],
         logprobs = None
         if want_logprobs:
             logprobs = {"tokens": [srv.token_str(t) for t in ids], "token_logprobs": [None, *lps[1:]],
-                        "top_logprobs": None, "text_offset": [len(decode(srv.tokenizer, ids[:k])) for k in range(len(ids))]}
+                        "top_logprobs": None, "text_offset": text_offsets(srv.tokenizer, ids)}
         choices.append({"index": i, "text": decode(srv.tokenizer, ids), "logprobs": logprobs, "finish_reason": "length"})
     n_prompt = sum(len(ids) for ids in prompts)
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
