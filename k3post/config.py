@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Sequence
 
 import yaml
@@ -73,18 +74,19 @@ class K3Config:
     demo: DemoConfig = field(default_factory=DemoConfig)
 
 
-def _valid_keys(cls: type, prefix: str = "") -> dict[str, type | None]:
-    """All dotted keys of a dataclass tree → the dataclass type of a section (None for leaves)."""
-    keys: dict[str, type | None] = {}
+def _field_types(cls: type, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, resolved type) of every field of a dataclass tree, sections before their fields."""
     for f in dataclasses.fields(cls):
         dotted = f"{prefix}{f.name}"
         ftype = f.type if not isinstance(f.type, str) else _resolve(cls, f.name)
+        yield dotted, ftype
         if dataclasses.is_dataclass(ftype):
-            keys[dotted] = ftype
-            keys.update(_valid_keys(ftype, dotted + "."))
-        else:
-            keys[dotted] = None
-    return keys
+            yield from _field_types(ftype, dotted + ".")
+
+
+def _valid_keys(cls: type) -> dict[str, type | None]:
+    """All dotted keys of a dataclass tree → the dataclass type of a section (None for leaves)."""
+    return {k: (t if dataclasses.is_dataclass(t) else None) for k, t in _field_types(cls)}
 
 
 def _resolve(cls: type, name: str) -> Any:
@@ -111,20 +113,17 @@ def _check_keys(tree: Any, valid: dict[str, type | None], source: str, prefix: s
             _check_keys(value, valid, source, dotted + ".")
 
 
-def _flat_mappings(cls: type, prefix: str = "") -> set[str]:
+def _flat_mappings(cls: type) -> set[str]:
     """Dotted keys of the dict fields whose values are not mappings (``data.family_tasks``,
     ``mopd.experts``): their own keys may contain dots (family and expert names)."""
     import typing
 
     out: set[str] = set()
-    for f in dataclasses.fields(cls):
-        ftype = _resolve(cls, f.name) if isinstance(f.type, str) else f.type
-        if dataclasses.is_dataclass(ftype):
-            out |= _flat_mappings(ftype, f"{prefix}{f.name}.")
-        elif typing.get_origin(ftype) is dict:
+    for dotted, ftype in _field_types(cls):
+        if typing.get_origin(ftype) is dict:
             value = typing.get_args(ftype)[1] if typing.get_args(ftype) else Any
             if typing.get_origin(value) is not dict and value is not dict:
-                out.add(f"{prefix}{f.name}")
+                out.add(dotted)
     return out
 
 
