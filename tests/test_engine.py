@@ -215,20 +215,167 @@ def test_logprob_parity_with_hf_forward_and_continuous_batching(tiny, temperatur
             assert logits_TV[P - 1 : -1].argmax(-1).tolist() == r.output_ids
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_logprob_parity_with_qat(tiny_qat, temperature):
-    model, tok = tiny_qat
-    engine = EmbeddedEngine(model, tok, max_batch_size=3)
+class _ActRecorder:
+    """Records every MXFP8 activation fake-quant (the expert-GEMM inputs) as rows (x before, q after,
+    tag). The engine's dense MoE calls ``embedded._fake_quant_act``; the HF experts forward (and the
+    engine's prefill of many tokens, which runs ``layer.mlp``) calls ``qat.qat_fake_quant``. During an HF
+    forward of one request the rows are tagged with their context position: the token states ``x_TH``
+    row by row, the routed intermediates ``h_SI`` through the expert sort of the forward's top-k
+    (a pre-hook on every experts module records ``top_k_index``)."""
+
+    def __init__(self, model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, act_fmt: str) -> None:
+        from k3post.quant import qat as qat_mod
+        from k3post.rollout import embedded as emb_mod
+
+        self.rows: dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}  # phase -> (x_W, q_W, position)
+        self.phase: str | None = None
+        self._topk: torch.Tensor | None = None
+        self._pending_hidden = False
+        act, fq = emb_mod._fake_quant_act, qat_mod.qat_fake_quant
+
+        def engine_act(x, fmt, block_size):
+            q = act(x, fmt, block_size)
+            self._add(x, q, None)
+            return q
+
+        def hf_fq(x, fmt, block_size=32, axis=-1):
+            q = fq(x, fmt, block_size, axis)
+            if fmt == act_fmt:
+                self._add(x, q, self._positions(x))
+            return q
+
+        monkeypatch.setattr(emb_mod, "_fake_quant_act", engine_act)
+        monkeypatch.setattr(qat_mod, "qat_fake_quant", hf_fq)
+        self._hooks = [m.register_forward_pre_hook(self._pre_hook) for _, m, _ in qat_mod._find_expert_modules(model)]
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def _pre_hook(self, module, args) -> None:
+        self._topk, self._pending_hidden = args[1], True  # (hidden_states [T, H], top_k_index [T, K], weights)
+
+    def _positions(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Context position of each row of an HF-forward activation (batch of one request)."""
+        if self._topk is None:
+            return None
+        T, K = self._topk.shape
+        if self._pending_hidden:  # the first activation of the experts forward: x_TH
+            self._pending_hidden = False
+            return torch.arange(T)
+        perm_S = torch.sort(self._topk.reshape(-1), stable=True)[1]  # then h_SI, rows in expert order
+        return perm_S // K
+
+    def _add(self, x: torch.Tensor, q: torch.Tensor, pos: torch.Tensor | None) -> None:
+        if self.phase is None:
+            return
+        w = x.shape[-1]
+        x_NW, q_NW = x.detach().reshape(-1, w).float().clone(), q.detach().reshape(-1, w).float().clone()
+        pos_N = pos if pos is not None and self.phase != "engine" else torch.full((x_NW.shape[0],), -1)
+        self.rows.setdefault(self.phase, []).extend(zip(x_NW, q_NW, pos_N.tolist()))
+
+
+def _first_flips(rec: _ActRecorder, results: list[GenerationResult], noise: float = 1e-4) -> tuple[list[float], dict[str, float]]:
+    """Per request, the first context position whose expert-GEMM input the engine rounded to another MXFP8
+    value than the HF forward did, from inputs equal within fp32 noise (a rounding flip): each engine row
+    is matched to its nearest HF row of the same width. Returns (first flip position per request, inf if
+    none) and counts: flipped elements, elements of noise-equal pairs, and the HF token-state rows before
+    the request's first flip (at positions the engine runs: not the last sampled token) with how many of
+    them the engine reproduced within noise."""
+    hf = [(x, q, p, r) for r in range(len(results)) for x, q, p in rec.rows[f"hf{r}"]]
+    first = [math.inf] * len(results)
+    counts = {"flipped": 0.0, "elements": 0.0, "hf_rows_before_flip": 0.0, "matched_before_flip": 0.0}
+    widths = {x.shape[0] for x, _, _, _ in hf}
+    dist: dict[int, torch.Tensor] = {}  # width -> [engine rows, HF rows] max-abs distances
+    pairs = []  # (request, position, flipped elements, elements) of noise-equal (engine, HF) rows
+    for w in widths:
+        H = [h for h in hf if h[0].shape[0] == w]
+        E = [e for e in rec.rows["engine"] if e[0].shape[0] == w]
+        dist[w] = torch.cdist(torch.stack([e[0] for e in E]).double(), torch.stack([h[0] for h in H]).double(), p=float("inf"))
+        best_E = dist[w].argmin(1)
+        for k, (_, q, _) in enumerate(E):
+            hx, hq, p, r = H[int(best_E[k])]
+            if float(dist[w][k, best_E[k]]) <= noise * max(1.0, float(hx.abs().max())):
+                pairs.append((r, p, int((q != hq).sum()), q.numel()))
+    for r, p, diff, _ in pairs:
+        if diff:
+            first[r] = min(first[r], p)
+    for r, p, diff, n in pairs:  # the rate over rows no earlier flip reached (later ones see its effect)
+        if p <= first[r]:
+            counts["flipped"] += diff
+            counts["elements"] += n
+    hidden = max(widths)  # token states (hidden size): one row per position and layer on both sides
+    H = [h for h in hf if h[0].shape[0] == hidden]
+    d_H = dist[hidden].amin(0)
+    for j, (hx, _, p, r) in enumerate(H):
+        ran = p < len(results[r].prompt_ids) + len(results[r].output_ids) - 1  # the engine never feeds the last token
+        if ran and p < first[r]:
+            counts["hf_rows_before_flip"] += 1
+            counts["matched_before_flip"] += float(d_H[j]) <= noise * max(1.0, float(hx.abs().max()))
+    return first, counts
+
+
+def _assert_qat_parity(model: torch.nn.Module, engine: EmbeddedEngine, reqs: list[GenerationRequest],
+                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine vs HF log-probs under QAT, compared where they are exactly comparable.
+
+    The engine (one decode row per request, batched) and the HF forward (the whole sequence at once)
+    run GEMMs of different shapes, so the expert-GEMM inputs can differ in their last bits, and the
+    MXFP8 rounding then turns a last-bit difference at a rounding boundary into a whole E4M3 step (~6%
+    of the element): a *flip*. How often that happens depends on the CPU's kernels (AVX2 vs AVX-512),
+    so the check measures it instead of hoping it does not occur:
+
+    * every expert-GEMM input is recorded on both sides; an engine row is matched to the HF row (same
+      width) nearest to it; pairs equal within fp32 noise (1e-4 relative) must round to the same MXFP8
+      values except at a rate of flipped elements <= 1e-3, counted over the rows no earlier flip of the
+      request reached (measured: 1-2 elements in 7e4-1e5, AVX-512 and AVX2 alike);
+    * before a request's first flipped position, the engine reproduces every HF token state within that
+      noise, and every log-prob agrees within 1e-5 (the non-QAT bound; measured 4.8e-7);
+    * at and after it, log-probs agree within 5e-3 (an empirical bound, 8x the largest effect measured:
+      6.3e-4, docs/decisions.md);
+    * at least a third of the positions are checked at 1e-5, so the strict part cannot pass vacuously
+      (measured 36-56 of 62).
+    """
     assert engine.qat_enabled
-    results = engine.generate(_requests(len(tok), 5, temperature=temperature, top_k=50, top_p=0.9))
-    _assert_parity(model, results)  # the HF forward runs the QAT-patched experts
+    rec = _ActRecorder(model, monkeypatch, QATConfig().activation_format)
+    try:
+        rec.phase = "engine"
+        results = engine.generate(reqs)
+        refs = []
+        for r, res in enumerate(results):
+            rec.phase = f"hf{r}"
+            refs.append(_hf_logprobs(model, res))  # the HF forward runs the QAT-patched experts
+    finally:
+        rec.close()
+        monkeypatch.undo()
+    first, counts = _first_flips(rec, results)
+    assert counts["elements"] > 0 and counts["flipped"] / counts["elements"] <= 1e-3, counts
+    assert counts["matched_before_flip"] == counts["hf_rows_before_flip"] > 0, counts
+    strict = total = 0
+    for r, (res, ref_T) in enumerate(zip(results, refs)):
+        P = len(res.prompt_ids)
+        diff_T = (torch.tensor(res.output_logprobs) - ref_T).abs()
+        for i, d in enumerate(diff_T.tolist()):
+            total += 1
+            if P + i - 1 < first[r]:  # output token i is predicted at context position P + i - 1
+                strict += 1
+                assert d < TOL, (res.request_id, i, d, first[r])
+            else:
+                assert d < 5e-3, (res.request_id, i, d, first[r])
+    assert strict >= total / 3, (strict, total, first)
 
 
-def test_qat_argument_applies_qat(xtml_tokenizer):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprob_parity_with_qat(tiny_qat, temperature, monkeypatch):
+    model, tok = tiny_qat
+    reqs = _requests(len(tok), 5, temperature=temperature, top_k=50, top_p=0.9)
+    _assert_qat_parity(model, EmbeddedEngine(model, tok, max_batch_size=3), reqs, monkeypatch)
+
+
+def test_qat_argument_applies_qat(xtml_tokenizer, monkeypatch):
     model = build_tiny_moe(len(xtml_tokenizer), seed=2)
     engine = EmbeddedEngine(model, xtml_tokenizer, qat=QATConfig(), max_batch_size=2)
-    assert engine.qat_enabled
-    _assert_parity(model, engine.generate(_requests(len(xtml_tokenizer), 2)))
+    _assert_qat_parity(model, engine, _requests(len(xtml_tokenizer), 2), monkeypatch)
 
 
 def test_seeded_sampling_independent_of_batch_composition(tiny):
@@ -668,7 +815,7 @@ def test_attend_step_matches_sdpa_and_ignores_masked_positions(tiny):
         assert torch.allclose(engine._attend_step(fast, q_BHE, k_BGLE, v_BGLE, None), ref_BF, atol=1e-6)
 
 
-def test_weight_plan_follows_inplace_updates_and_qat(xtml_tokenizer):
+def test_weight_plan_follows_inplace_updates_and_qat(xtml_tokenizer, monkeypatch):
     tok = xtml_tokenizer
     model = build_tiny_moe(len(tok), seed=5).eval()
     engine = EmbeddedEngine(model, tok, max_batch_size=3)
@@ -685,7 +832,7 @@ def test_weight_plan_follows_inplace_updates_and_qat(xtml_tokenizer):
     # QAT applied / removed after the engine was built: the forward follows (exact mode on / off)
     apply_qat(model, QATConfig())
     assert engine._weights().exact
-    _assert_parity(model, engine.generate(reqs))
+    _assert_qat_parity(model, engine, reqs, monkeypatch)
     remove_qat(model)
     assert not engine._weights().exact
     _assert_parity(model, engine.generate(reqs))
