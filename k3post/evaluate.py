@@ -158,7 +158,7 @@ def evaluate_family(
     rewards, think_tokens, out_tokens, malformed, examples = [], [], [], 0, []
     for t, ids in zip(tasks, completions):
         try:
-            msg = xtml.parse(ids)
+            msg = xtml.parse(ids, after_prefix=True)
         except ValueError:
             malformed += 1
             r = 0.0

@@ -52,7 +52,7 @@ from k3post.rollout.engine import SamplingParams
 from k3post.rollout.evaluation import evaluate_episodes, make_env, reference_turn_tokens, run_episodes
 from k3post.rollout.kv_pool import KVPool
 from k3post.rollout.scheduler import PartialRolloutScheduler
-from k3post.rollout.trajectory import Group
+from k3post.rollout.trajectory import Group, outcome_metrics
 from k3post.xtml import EFFORTS, XTML
 
 log = logging.getLogger(__name__)
@@ -332,7 +332,8 @@ class PolicyLoop:
         rec = {**sig, **{f"train/{k}": v for k, v in train_m.items()},
                "version": float(version), "groups": float(len(groups)), "iterations": float(iterations), "rollout_s": t1 - t0, "score_s": t2 - t1,
                "update_s": t3 - t2, "step_s": t3 - t0, "kv_hit_rate": self.sched.kv_hit_rate(),
-               "paused": float(len(self.sched.paused())), "mean_staleness": statistics.fmean(stale) if stale else 0.0}
+               "paused": float(len(self.sched.paused())), "mean_staleness": statistics.fmean(stale) if stale else 0.0,
+               **outcome_metrics([t for g in groups for t in g.trajectories])}
         self.history.append(rec)
         self.last_groups = groups
         return rec

@@ -795,12 +795,13 @@ class _Machine:
     channel of ``mode``) or at channel level.
     """
 
-    def __init__(self, x: "XTML", *, context: bool, mode: str, stream: bool) -> None:
+    def __init__(self, x: "XTML", *, context: bool, mode: str, stream: bool, after_prefix: bool = False) -> None:
         _check_mode(mode)
         self.x = x
         self.context = context
         self.mode = mode
         self.streaming = stream
+        self.after_prefix = after_prefix  # a completion sampled after the generation prefix: its channel is open
         self.pos = 0
         self.state = "body" if context else "start"
         self.stack: list[_Frame] = [_Frame("#root", {}, -1)]
@@ -869,7 +870,7 @@ class _Machine:
         st = self.state
         if st == "start":
             self.state = "body"
-            if kind == OPEN:
+            if kind == OPEN and not self.after_prefix:
                 self.start_header = True
             else:
                 self._push_implicit(events, pos, channel=True)
@@ -1148,7 +1149,7 @@ class StreamParser:
     """Incremental parser of one sampled assistant message (see `XTML.stream`)."""
 
     def __init__(self, x: "XTML", mode: str = "think") -> None:
-        self._m = _Machine(x, context=False, mode=mode, stream=True)
+        self._m = _Machine(x, context=False, mode=mode, stream=True, after_prefix=True)
 
     def feed(self, token_id: int) -> list[Event]:
         """Consume one token; return the events it completes. XTMLParseError if malformed."""
@@ -1262,14 +1263,20 @@ class XTML:
         return self._encode(b).ids
 
     # ------------------------------------------------------------------ parsing
-    def parse(self, ids: Sequence[int], *, mode: str = "think", partial: bool = False) -> dict[str, Any]:
+    def parse(
+        self, ids: Sequence[int], *, mode: str = "think", partial: bool = False, after_prefix: bool = False
+    ) -> dict[str, Any]:
         """Parse one assistant message from ids.
 
         Accepts a full message (with its header), a message body starting at a
         channel header, or a completion sampled after the generation prefix
-        (starting inside ``think``, or ``response`` in instruct mode). The
-        trailing ``<|end_of_msg|>`` is optional. With ``partial=True`` an
-        unfinished message returns what has been parsed.
+        (starting inside ``think``, or ``response`` in instruct mode). With
+        ``after_prefix=True`` the ids are taken as such a completion only: the
+        channel the prefix opened is open, so a first ``<|open|>`` is a nested
+        element (an error), exactly as the same tokens parse inside the rendered
+        context (`extend`, `annotate`). The trailing ``<|end_of_msg|>`` is
+        optional. With ``partial=True`` an unfinished message returns what has
+        been parsed.
 
         Returns:
             ``{"role": "assistant", "reasoning_content": str | None, "content": str,
@@ -1280,14 +1287,15 @@ class XTML:
         Raises:
             XTMLParseError: naming the first malformed token position.
         """
-        m = _Machine(self, context=False, mode=mode, stream=False)
+        m = _Machine(self, context=False, mode=mode, stream=False, after_prefix=after_prefix)
         for t in ids:
             m.feed(int(t))
         m.finish(partial)
         return m.message()
 
     def stream(self, mode: str = "think") -> StreamParser:
-        """A `StreamParser` for a completion sampled after the generation prefix."""
+        """A `StreamParser` for a completion sampled after the generation prefix (as
+        ``parse(..., after_prefix=True)``: the tokens parse as they will inside the context)."""
         return StreamParser(self, mode)
 
     def validate(self, ids: Sequence[int], *, mode: str = "think", partial: bool = False) -> ValidationResult:

@@ -182,12 +182,16 @@ def test_malformed_output_ends_episode_with_zero_reward(memorised):
     assert {t.finish for t in trajs} <= {"malformed", "length", "answer", "submit", "truncated"}
     assert any(t.finish == "malformed" for t in trajs)
     for t in trajs:
+        assert t.verdict is not None and t.verdict["reward"] == 0.0
         if t.finish == "malformed":
-            assert t.verdict is None and "malformed XTML" in t.info[-1]["error"]
-    # a turn cut by max_tokens without <|end_of_msg|> ends the episode as "length"
+            assert t.malformed == "xtml" and t.info[-1]["error"].startswith("xtml: turn ")
+            assert t.verdict["diagnostics"].startswith("malformed: xtml: turn ")
+    # a turn cut by max_tokens without <|end_of_msg|> ends the episode as "length", with a verdict
     loop = AgentLoop(engine, xtml, _env_factory, sampling=SamplingParams(max_tokens=5, stop_ids=()))
     (t,) = loop.run([_traj(task, 1, 0)])
-    assert t.finish == "length" and t.reward == 0.0 and t.output_tokens == 5
+    assert t.finish == "length" and t.reward == 0.0 and t.output_tokens == 5 and t.malformed is None
+    assert t.verdict == {"reward": 0.0, "components": {"length": 1.0},
+                         "diagnostics": "length: turn 0 reached max_tokens (5 tokens) without <|end_of_msg|>"}
 
 
 def test_paused_multi_turn_episode_resumes_after_restart(memorised, tmp_path):

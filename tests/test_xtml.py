@@ -590,6 +590,34 @@ def test_stream_matches_parse_with_split_multibyte(x: XTML) -> None:
         sp2.feed(comp[0])
 
 
+def test_completion_parses_as_it_reads_inside_the_context(x: XTML) -> None:
+    """A completion sampled after the generation prefix starts inside the open channel: a first
+    ``<|open|>`` is a nested element there. `stream` and ``parse(after_prefix=True)`` reject it at the
+    token where the context parser (`extend`, `annotate`) does, instead of reading it as a message of
+    its own whose tool calls the context would not have (issue 13)."""
+    call = {"role": "assistant", "reasoning_content": "r", "content": "",
+            "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": {"k": 1}}}]}
+    r = x.render([{"role": "user", "content": "u"}, call])
+    whole = [t for t, i in zip(r.ids, r.message_index) if i == 1]  # header included
+    body = whole[whole.index(x.open_id, 1) :]  # starts at <|open|>think<|sep|>: a channel header
+    for comp in (whole, body):
+        assert x.parse(comp)["tool_calls"]  # lenient: a whole message or a body at channel level
+        with pytest.raises(XTMLParseError, match="not allowed inside <think>") as e:
+            x.parse(comp, after_prefix=True)
+        assert e.value.position == 0
+        sp = x.stream()
+        with pytest.raises(XTMLParseError, match="not allowed inside <think>"):
+            for t in comp:
+                sp.feed(t)
+        prompt = x.render([{"role": "user", "content": "u"}], add_generation_prompt=True).ids
+        assert not x.validate(prompt + comp).ok  # the context parser agrees
+    comp = whole[len(x.generation_prefix()) :]
+    sp = x.stream()
+    for t in comp:
+        sp.feed(t)
+    assert sp.finish() == x.parse(comp, after_prefix=True) == x.parse(whole)
+
+
 # --------------------------------------------------------------------------- multi-turn extension
 
 

@@ -623,12 +623,12 @@ class EngineJudge:
                        task=t.to_dict())
             for k, t in enumerate(tasks)
         ]
+        # an episode that ended before its env could verify it carries a reward-0 verdict whose diagnostics
+        # start with its finish ("malformed: ...", "length: ..."): no "valid" component, so it is retried
         out = []
         for t in self.loop.run(trajs):
-            if t.verdict is not None:
-                out.append(Verdict.from_dict(t.verdict))
-            else:
-                out.append(Verdict(0.0, {"valid": 0.0}, f"{t.finish}: the judge's episode ended without a verdict ({t.finish})"))
+            assert t.verdict is not None, f"{t.traj_id} finished without a verdict"
+            out.append(Verdict.from_dict(t.verdict))
         return out
 
     def close(self) -> None:
@@ -881,7 +881,7 @@ def trajectory_candidate(traj: "Trajectory", xtml: "XTML", mode: str = "think") 
         start -= 1
     turn = traj.token_ids[start:end]
     try:
-        text = xtml.parse(turn, mode=mode, partial=not turn or turn[-1] != xtml.eom_id)["content"]
+        text = xtml.parse(turn, mode=mode, partial=not turn or turn[-1] != xtml.eom_id, after_prefix=True)["content"]
     except XTMLParseError:
         text = ""
     response = turn[turn.index(xtml.close_id) + 1 :] if mode == "think" and xtml.close_id in turn else turn

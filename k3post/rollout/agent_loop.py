@@ -32,13 +32,20 @@ Design decisions:
 * **Seeds.** Turn t of a trajectory samples with ``request_seed(traj.seed, str(t))``; with
   counter-based sampling a trajectory's tokens depend only on its seed, its context and the
   weights, never on batching, scheduling, pausing or KV hit / miss.
-* **Failures are outcomes, never crashes.** A turn that stops at max_tokens without
-  ``<|end_of_msg|>`` ends the episode with finish "length"; a context that reaches the
-  engine's ``max_model_len`` ends it with "context"; sampled ids that are not a valid XTML
-  assistant message (or a message the env rejects with ValueError) end it with
-  "malformed". All three get reward 0.0 and no verdict (the env is not asked to verify an
-  unfinished episode). Tool calls with bad names or arguments are the env's business: it
-  answers with error observations and the episode goes on.
+* **Failures are outcomes, never crashes.** Whatever the policy samples, the episode ends
+  with a verdict. A turn that stops at max_tokens without ``<|end_of_msg|>`` ends the
+  episode with finish "length"; a context that reaches the engine's ``max_model_len`` ends
+  it with "context"; anything else that stops the episode ends it with "malformed" and a
+  reason (`MALFORMED_REASONS`): ids that are not a valid XTML assistant message, a message
+  the env rejects, an env or verifier that raises on it, a reply that cannot be rendered.
+  All get reward 0.0 and a verdict saying why (the env is not asked to verify an unfinished
+  episode). Tool calls with bad names or arguments are the env's business: it answers with
+  error observations and the episode goes on.
+* **One parse per turn.** The sampled ids are parsed as a completion after the generation
+  prefix (`XTML.stream`), i.e. exactly as they read inside the context; the env answers the
+  calls of that message (ids ``call_<index>``), and `XTML.extend` binds the results to the
+  calls it finds in the same tokens, so an env can never answer a call the renderer does not
+  know.
 * **Env state.** Environments live in this loop keyed by trajectory id; on pause the env's
   ``state_dict`` (which includes any sandbox snapshot) is stored in the trajectory, so a
   restored run rebuilds the env with ``env_factory(task)`` + ``load_state_dict``.
@@ -52,11 +59,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import traceback
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from k3post.envs.env import Environment
-from k3post.envs.task import Task
+from k3post.envs.task import Task, Verdict
 from k3post.envs.tools import openai_tools
 from k3post.rollout.engine import (
     GenerationRequest,
@@ -66,8 +75,10 @@ from k3post.rollout.engine import (
     SteppableEngine,
     request_seed,
 )
-from k3post.rollout.trajectory import Trajectory
+from k3post.rollout.trajectory import MALFORMED_REASONS, Trajectory
 from k3post.xtml import XTML, XTMLParseError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["AgentLoop", "EnvFactory", "SamplingFn", "trajectory_seed"]
 
@@ -241,7 +252,7 @@ class AgentLoop:
         the trajectory is then finished with "context")."""
         sp = self.turn_sampling(traj)
         if sp is None:
-            self._end(traj, "context")
+            self._end_unverified(traj, "context", f"no room for turn {traj.turns} under max_model_len={self.max_model_len}")
             return None
         k = traj.segment_start
         return GenerationRequest(
@@ -271,13 +282,30 @@ class AgentLoop:
         if res.prompt_ids != traj.token_ids[: traj.segment_start]:
             raise ValueError(f"result {res.request_id!r}: prompt differs from the trajectory's context")
 
-    def _end(self, traj: Trajectory, finish: str, reward: float = 0.0, verdict: dict[str, Any] | None = None) -> None:
+    def _end(self, traj: Trajectory, finish: str, verdict: Verdict) -> None:
         traj.status = "done"
         traj.finish = finish
-        traj.reward = reward
-        traj.verdict = verdict
+        traj.reward = verdict.reward
+        traj.verdict = verdict.to_dict()
         traj.env_state = None
         self.release(traj.traj_id)
+
+    def _end_unverified(self, traj: Trajectory, finish: str, detail: str, reason: str | None = None) -> None:
+        """End an episode the env cannot verify: reward 0.0, a verdict that says why. ``reason``
+        (one of `MALFORMED_REASONS`) marks a "malformed" end."""
+        assert (finish == "malformed") == (reason in MALFORMED_REASONS), (finish, reason)
+        traj.malformed = reason
+        if reason is not None:
+            traj.info.append({"turn": traj.turns, "error": f"{reason}: {detail}"})
+        self._end(traj, finish, Verdict(0.0, {finish: 1.0}, f"{finish}: {f'{reason}: ' if reason else ''}{detail}"))
+
+    def _env_defect(self, traj: Trajectory, reason: str, what: str, err: BaseException) -> None:
+        """An env / verifier / renderer failure on this episode: logged with its traceback, the
+        episode ends "malformed" with ``reason`` (the run goes on)."""
+        tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        log.warning("%s: %s on task %r (%s), turn %d; the episode ends malformed (%s)\n%s",
+                    traj.traj_id, what, traj.task.get("id"), traj.task.get("family"), traj.turns, reason, tb)
+        self._end_unverified(traj, "malformed", f"{what}: {type(err).__name__}: {err}", reason)
 
     def finish_turn(self, traj: Trajectory, res: GenerationResult) -> bool:
         """Apply a finished engine result to ``traj``: record the sampled tokens, parse the
@@ -297,7 +325,11 @@ class AgentLoop:
             traj.thinking_tokens += seg.index(close) if close in seg else len(seg)
         if res.finish_reason == "length":
             full = self.max_model_len is not None and len(traj.token_ids) >= self.max_model_len
-            self._end(traj, "context" if full else "length")
+            if full:
+                self._end_unverified(traj, "context", f"the context reached max_model_len={self.max_model_len}")
+            else:
+                self._end_unverified(traj, "length", f"turn {traj.turns} reached max_tokens ({len(seg)} tokens) "
+                                                     "without <|end_of_msg|>")
             return True
         parser = self.xtml.stream(self.mode)
         try:
@@ -305,29 +337,37 @@ class AgentLoop:
                 parser.feed(t)
             message = parser.finish()
         except XTMLParseError as e:
-            traj.info.append({"turn": traj.turns, "error": f"malformed XTML: {e}"})
-            self._end(traj, "malformed")
+            self._end_unverified(traj, "malformed", f"turn {traj.turns}: {e}", "xtml")
             return True
         message["num_tokens"] = len(seg)
         env = self.env(traj)
         try:
             result = self._run(env.step(message))
         except ValueError as e:  # the env refused the message itself (not a tool error)
-            traj.info.append({"turn": traj.turns, "error": f"env rejected the message: {e}"})
-            self._end(traj, "malformed")
+            self._end_unverified(traj, "malformed", f"turn {traj.turns}: the env rejected the message: {e}", "env_rejected")
+            return True
+        except Exception as e:  # noqa: BLE001 - an env defect must not end a training run
+            self._env_defect(traj, "env_error", "env.step raised", e)
             return True
         traj.turns += 1
         traj.info.append(dict(result.info))
         if result.done:
-            verdict = env.verify()
-            finish = "truncated" if result.truncated else str(result.info.get("end", "answer"))
-            self._end(traj, finish, float(verdict.reward), verdict.to_dict())
+            try:
+                verdict = env.verify()
+            except Exception as e:  # noqa: BLE001 - as above
+                self._env_defect(traj, "verifier_error", "env.verify raised", e)
+                return True
+            self._end(traj, "truncated" if result.truncated else str(result.info.get("end", "answer")), verdict)
             return True
-        ext = self.xtml.extend(traj.token_ids, result.messages, add_generation_prompt=True, mode=self.mode)
+        try:
+            ext = self.xtml.extend(traj.token_ids, result.messages, add_generation_prompt=True, mode=self.mode)
+        except ValueError as e:
+            self._env_defect(traj, "unrenderable_reply", "XTML.extend refused the env's reply", e)
+            return True
         traj.append(ext.ids[len(traj.token_ids) :])
         traj.segment_start = len(traj.token_ids)
         if self.max_model_len is not None and traj.segment_start >= self.max_model_len:
-            self._end(traj, "context")
+            self._end_unverified(traj, "context", f"the env's reply filled the context (max_model_len={self.max_model_len})")
             return True
         if kv is not None:
             self._turn_kv[traj.traj_id] = kv

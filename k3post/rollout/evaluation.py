@@ -52,11 +52,11 @@ def reference_turn_tokens(xtml: XTML, tasks: Sequence[Task], effort: str, *, mod
 
 
 def summarize_trajectories(trajs: Sequence[Trajectory], *, pass_threshold: float = 1.0) -> dict[str, Any]:
-    """Pass rate, mean reward, mean T(y) and output tokens, finish reasons, and every T(y) (for
-    histograms) of finished trajectories."""
+    """Pass rate, mean reward, mean T(y) and output tokens, finish reasons (and why the malformed ones
+    were), and every T(y) (for histograms) of finished trajectories."""
     if not trajs:
         return {"n": 0, "pass_rate": 0.0, "mean_reward": 0.0, "mean_effort_tokens": 0.0, "mean_output_tokens": 0.0,
-                "finish": {}, "effort_tokens": []}
+                "finish": {}, "malformed": {}, "effort_tokens": []}
     rewards = [float(t.reward or 0.0) for t in trajs]
     return {
         "n": len(trajs),
@@ -65,6 +65,7 @@ def summarize_trajectories(trajs: Sequence[Trajectory], *, pass_threshold: float
         "mean_effort_tokens": statistics.fmean(t.effort_tokens() for t in trajs),
         "mean_output_tokens": statistics.fmean(t.output_tokens for t in trajs),
         "finish": dict(Counter(t.finish or "none" for t in trajs)),
+        "malformed": dict(Counter(t.malformed for t in trajs if t.malformed is not None)),
         "effort_tokens": [t.effort_tokens() for t in trajs],
     }
 

@@ -28,16 +28,25 @@ Shape legend: T context tokens of one trajectory.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from k3post.envs.task import Task
 
-__all__ = ["TrajectoryStatus", "TRAJECTORY_STATUSES", "Trajectory", "Group"]
+__all__ = ["TrajectoryStatus", "TRAJECTORY_STATUSES", "MALFORMED_REASONS", "Trajectory", "Group", "outcome_metrics"]
 
 TrajectoryStatus = Literal["running", "paused", "done"]
 TRAJECTORY_STATUSES: tuple[str, ...] = ("running", "paused", "done")
+
+MALFORMED_REASONS: tuple[str, ...] = ("xtml", "env_rejected", "env_error", "verifier_error", "unrenderable_reply")
+"""Why an episode ended "malformed": ``xtml`` the sampled turn is not a valid XTML assistant message (a
+dropped or cut-off call, duplicate or missing indices, a special token out of place, an empty turn);
+``env_rejected`` the env refused the message with a ValueError; ``env_error`` / ``verifier_error`` the env's
+step / verifier raised anything else on it; ``unrenderable_reply`` the env's reply could not be rendered
+after the turn (`XTML.extend`). The last three are environment defects that the policy's output exposed:
+the episode still ends with reward 0 (a long run goes on), and they are logged with their traceback."""
 
 
 @dataclass
@@ -58,10 +67,13 @@ class Trajectory:
         status: "running" (in the engine or about to be), "paused", "done".
         finish: why it ended: "answer" / "submit" (the env ended it), "truncated" (an env
             limit), "length" (a turn hit its max_tokens without ``<|end_of_msg|>``),
-            "context" (the engine's max_model_len), "malformed" (unparsable XTML); None while
+            "context" (the engine's max_model_len), "malformed" (see ``malformed``); None while
             running.
+        malformed: why a "malformed" episode was ended, one of `MALFORMED_REASONS`; None otherwise.
         reward: the verifier's reward when done (0.0 for length / context / malformed).
-        verdict: `Verdict.to_dict` when the env was verified, else None.
+        verdict: `Verdict.to_dict` of every finished episode: the verifier's, or reward 0.0 with
+            the reason in ``diagnostics`` when the episode ended before the env could be verified
+            (length / context / malformed); None while running.
         env_state: `Environment.state_dict` captured at the last pause (sandbox snapshot
             included by the env), None otherwise.
         thinking_tokens / output_tokens: SPEC §3.3 accounting, see the module doc.
@@ -86,6 +98,7 @@ class Trajectory:
     turns: int = 0
     status: TrajectoryStatus = "running"
     finish: str | None = None
+    malformed: str | None = None
     reward: float | None = None
     verdict: dict[str, Any] | None = None
     env_state: dict[str, Any] | None = None
@@ -216,3 +229,16 @@ class Group:
             trajectories=[Trajectory.from_dict(t) for t in data["trajectories"]],
             dispatched_version=int(data.get("dispatched_version", 0)),
         )
+
+
+def outcome_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """How finished episodes ended, as step metrics: ``malformed_episodes`` and ``malformed/<reason>``
+    for each reason seen, ``length_episodes`` (a turn hit max_tokens) and ``context_episodes``
+    (max_model_len)."""
+    done = [t for t in trajs if t.done]
+    reasons = Counter(t.malformed or "unknown" for t in done if t.finish == "malformed")
+    out = {"malformed_episodes": float(sum(reasons.values())),
+           "length_episodes": float(sum(t.finish == "length" for t in done)),
+           "context_episodes": float(sum(t.finish == "context" for t in done))}
+    out.update({f"malformed/{r}": float(n) for r, n in sorted(reasons.items())})
+    return out

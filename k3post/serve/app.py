@@ -433,10 +433,10 @@ class _Server:
         """The assistant message of a completion; on malformed XTML the valid prefix and the error."""
         partial = not ids or ids[-1] != self.xtml.eom_id
         try:
-            return self.xtml.parse(ids, mode=mode, partial=partial), None
+            return self.xtml.parse(ids, mode=mode, partial=partial, after_prefix=True), None
         except XTMLParseError as e:
             try:
-                msg = self.xtml.parse(ids[: e.position], mode=mode, partial=True)
+                msg = self.xtml.parse(ids[: e.position], mode=mode, partial=True, after_prefix=True)
             except XTMLParseError:
                 msg = {"role": "assistant", "reasoning_content": None, "content": "", "tool_calls": []}
             if mode == "think" and msg["reasoning_content"] is None:  # the generation prefix opened `think`

@@ -487,7 +487,7 @@ class LocalModelTeacher:
             try:
                 if completion[-1:] != [self.xtml.eom_id]:
                     raise XTMLParseError(len(completion), f"no <|end_of_msg|> within max_new_tokens={self.sampling.max_new_tokens}")
-                msg = self.xtml.parse(completion, mode=self.mode)
+                msg = self.xtml.parse(completion, mode=self.mode, after_prefix=True)
             except XTMLParseError as e:
                 return {"role": "assistant", "content": decode(self.tokenizer, completion), "reasoning_content": "",
                         "num_tokens": n, "xtml_error": str(e)}
