@@ -15,6 +15,8 @@
     k3post report RUN_DIR                       rebuild a run's report.html
 
 Overrides are dotted config keys (`sft.lr=3e-4`); an unknown key is an error naming the closest valid one.
+Exit status: 0 done; 2 invalid input (one line naming the key, file:line or path); 1 anything else (one
+line, and the file holding the full traceback: the run folder's k3post.log, else a file in the temp folder).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from pathlib import Path
 
 def _load(config: str | None, overrides: list[str]):  # noqa: ANN202
     from k3post.config import load_config
+    from k3post.errors import user_input
 
-    return load_config(config, overrides)
+    with user_input():  # the config's own checks (each component's __post_init__) validate the user's input
+        return load_config(config, overrides)
 
 
 def _split_config(args: list[str]) -> tuple[str | None, list[str]]:
@@ -138,15 +142,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from k3post.errors import UserError, detach_run_log, write_traceback
+
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return ns.fn(ns)
-    except ValueError as e:  # user errors: one clear line, no traceback (-v shows it)
+    except UserError as e:  # input the user can fix: one clear line, no traceback (-v shows it)
         if ns.verbose:
             raise
         print(f"k3post: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - not the user's input: say so, and where the traceback is
+        path = write_traceback(e, sys.argv[1:] if argv is None else argv)
+        if ns.verbose:
+            raise
+        print(f"k3post: failed: {type(e).__name__}: {e}\n"
+              f"k3post: this is not an input error; the full traceback is in {path}", file=sys.stderr)
+        return 1
+    finally:
+        detach_run_log()
 
 
 if __name__ == "__main__":

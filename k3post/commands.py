@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from k3post.config import K3Config, to_yaml
 from k3post.data import load_sft_jsonl
+from k3post.errors import UserError, attach_run_log
 from k3post.metrics import MetricsLogger
 from k3post.models import build_tiny_moe, load_model, save_model
 from k3post.quant.qat import apply_qat
@@ -38,7 +39,7 @@ def init_model(out_dir: str | Path, *, preset: str = "tiny", vocab_size: int = 5
     """Write a tokenizer + freshly initialised tiny Qwen3-MoE into one folder plain transformers loads."""
     out = Path(out_dir)
     if (out / "config.json").exists():
-        raise ValueError(f"{out}: already holds a model; choose an empty folder")
+        raise UserError(f"{out}: already holds a model; choose an empty folder")
     tok = train_tokenizer(default_corpus(seed=seed), vocab_size=vocab_size, out_dir=out)
     model = build_tiny_moe(
         len(tok), preset, seed=seed, pad_token_id=tok.pad_token_id, eos_token_id=tok.convert_tokens_to_ids("<|end_of_msg|>")
@@ -46,14 +47,21 @@ def init_model(out_dir: str | Path, *, preset: str = "tiny", vocab_size: int = 5
     return save_model(model, out, tok)
 
 
+def open_run(run: Path, cfg: K3Config) -> Path:
+    """Create the run folder, write its resolved ``config.yaml`` and send this process's log (and the
+    traceback of a failure) to ``run/k3post.log``; returns ``run``."""
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    attach_run_log(run)
+    return run
+
+
 def run_sft(cfg: K3Config) -> Path:
     """`k3post sft CONFIG`: train `model.path` (or a fresh `model.preset`) on `sft.train_file`; returns the
     final folder. Without `sft.train_file` the built-in families' data is synthesized first, as in the demo."""
     from k3post.demo import run_tokenizer, synthesize_sft_data
 
-    run = cfg.run.dir
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "config.yaml").write_text(to_yaml(cfg))
+    run = open_run(cfg.run.dir, cfg)
     if cfg.model.path:
         model = load_model(cfg.model.path, cfg.model.dtype)
         tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
@@ -81,12 +89,10 @@ def run_sft(cfg: K3Config) -> Path:
 
 def _start_rl_run(cfg: K3Config) -> tuple[Path, Path]:
     """Create the run folder (with its resolved config); return it and the checkpoint RL starts from."""
-    run = cfg.run.dir
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "config.yaml").write_text(to_yaml(cfg))
+    run = open_run(cfg.run.dir, cfg)
     init = Path(cfg.rl.init) if cfg.rl.init else run / "sft" / "final"
     if not (init / "config.json").is_file():
-        raise ValueError(f"rl.init: {init} is not a model folder (config.json missing); train SFT first or set rl.init")
+        raise UserError(f"rl.init: {init} is not a model folder (config.json missing); train SFT first or set rl.init")
     return run, init
 
 
@@ -132,7 +138,18 @@ def run_experts(cfg: K3Config) -> Path:
         print(f"{name:16} {e['pass_rate']:6.3f} ({e['sft_pass_rate']:.3f}) {e['mean_effort_tokens']:7.1f} "
               f"({e['sft_mean_effort_tokens']:6.1f}) {e['final_violation_rate']:6.3f}")
     print(f"experts → {out} (table.json)")
+    raise_if_failed(table)
     return out
+
+
+def raise_if_failed(table: dict) -> None:
+    """After everything was written: a RuntimeError naming each failed expert (and its step), when any failed."""
+    failed = table.get("failed") or {}
+    if failed:
+        cells = "; ".join(f"{n} ({f['error']}{f', step ' + str(f['step']) if f.get('step') is not None else ''})"
+                          for n, f in failed.items())
+        raise RuntimeError(f"{len(failed)} of {len(failed) + len(table['experts'])} experts failed: {cells}; the other "
+                           "results are written, and running the command again retries from the checkpoints")
 
 
 def mopd_config_for_run(cfg: K3Config, experts_dir: Path) -> "MOPDConfig":

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from k3post.data import DataConfig
+from k3post.errors import UserError
 from k3post.evaluate import EvalConfig
 from k3post.models import ModelConfig, TokenizerConfig
 
@@ -32,7 +33,7 @@ from k3post.sft import SFTConfig
 from k3post.yamlio import read_yaml_mapping
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config file or override is invalid (unknown key, wrong type, bad YAML)."""
 
 

@@ -18,6 +18,8 @@ import torch
 
 from typing import TYPE_CHECKING
 
+from k3post.errors import UserError
+
 if TYPE_CHECKING:
     from k3post.xtml import XTML
 
@@ -62,7 +64,7 @@ class DataConfig:
         return int(self.family_tasks.get(family, self.n_per_family))
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A sample is malformed; the message names file and line, `reason` is a short category for skip counts."""
 
     def __init__(self, message: str, reason: str = "invalid") -> None:
@@ -130,7 +132,7 @@ def load_sft_jsonl(
 ) -> tuple[list[Sample], LoadStats]:
     """Read, validate and render every line. Errors name `path:line`; `on_bad_sample="skip"` counts them instead."""
     if on_bad_sample not in ("error", "skip"):
-        raise ValueError(f"on_bad_sample must be 'error' or 'skip', got {on_bad_sample!r}")
+        raise UserError(f"on_bad_sample must be 'error' or 'skip', got {on_bad_sample!r}")
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: SFT data file not found")

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from k3post.config import K3Config, to_yaml
+from k3post.errors import UserError
+from k3post.config import K3Config
 from k3post.data import load_sft_jsonl, write_jsonl
 from k3post.evaluate import evaluate_family, greedy_complete, train_inference_logprob_gap
 from k3post.experts import train_experts
@@ -36,7 +37,7 @@ from k3post.models import build_tiny_moe, count_parameters, load_model, save_mod
 from k3post.quant.qat import apply_qat
 from k3post.report import write_report
 from k3post.sft import train_sft
-from k3post.commands import default_corpus, distill
+from k3post.commands import default_corpus, distill, open_run, raise_if_failed
 from k3post.envs.families import families, get_family
 from k3post.envs.task import canonical_json
 from k3post.synth import VerifyConfig, build_sft_dataset, mix
@@ -122,7 +123,7 @@ def run_tokenizer(cfg: K3Config, run: Path) -> Any:
     if (tok_dir / "tokenizer.json").exists():
         return load_tokenizer(tok_dir)
     if cfg.tokenizer.path:
-        raise ValueError(f"tokenizer.path: {tok_dir} holds no tokenizer.json")
+        raise UserError(f"tokenizer.path: {tok_dir} holds no tokenizer.json")
     corpus = default_corpus(cfg.data.corpus_per_family, seed=cfg.run.seed + 7, main=cfg.data.eval_family)
     return train_tokenizer(corpus, vocab_size=cfg.tokenizer.vocab_size, out_dir=tok_dir, word_boundaries=cfg.tokenizer.word_boundaries)
 
@@ -170,9 +171,7 @@ def run_demo(cfg: K3Config) -> Path:
     if cfg.run.threads > 0:
         torch.set_num_threads(cfg.run.threads)
     threads = torch.get_num_threads()
-    run = _run_dir(cfg)
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "config.yaml").write_text(to_yaml(cfg))
+    run = open_run(_run_dir(cfg), cfg)
     summary = _Summary(run / "summary.json")
     timings: dict[str, float] = dict(summary.data.get("timings", {}))
     metrics = MetricsLogger(run)
@@ -269,19 +268,31 @@ def run_demo(cfg: K3Config) -> Path:
 
     # 6. Stage 2 RL: the nine experts, domain x (max -> high -> low), the domains in parallel processes
     t0 = time.perf_counter()
+    table: dict[str, Any] = {"experts": {}, "failed": {}}
     if cfg.rl.steps > 0 and cfg.rl.domains:
         table = train_experts(run / "sft" / "final", cfg.rl, run / "experts", qat=cfg.qat, metrics=metrics,
                               processes=len(cfg.rl.domains), metrics_dir=run)
-        summary.update(experts={k: {kk: v for kk, v in e.items() if kk != "eval"} for k, e in table["experts"].items()})
+        summary.update(experts={k: {kk: v for kk, v in e.items() if kk != "eval"} for k, e in table["experts"].items()},
+                       experts_failed={k: {kk: v for kk, v in f.items() if kk != "traceback"} for k, f in table["failed"].items()})
         for name, e in table["experts"].items():
             print(f"  expert {name:14}: pass {e['sft_pass_rate']:.3f} → {e['pass_rate']:.3f}   "
                   f"T(y) {e['sft_mean_effort_tokens']:.1f} → {e['mean_effort_tokens']:.1f}")
+        for name, f in table["failed"].items():
+            print(f"  expert {name:14}: FAILED{f' in step ' + str(f['step']) if f.get('step') is not None else ''}: "
+                  f"{f['error']}{'  (traceback: ' + f['log'] + ')' if f.get('log') else ''}")
         phase("rl experts", t0)
 
-    # 7. Stage 3 MOPD: the nine experts distilled into one student (from the SFT checkpoint)
+    # 7. Stage 3 MOPD: the nine experts distilled into one student (from the SFT checkpoint); a domain with a
+    #    failed expert is left out (its teachers are missing)
     t0 = time.perf_counter()
-    if cfg.mopd.rl.steps > 0 and (run / "experts" / "table.json").is_file():
-        out = distill(cfg, run / "sft" / "final", run, metrics)
+    failed_domains = {f["domain"] for f in table["failed"].values()}
+    mopd_domains = [dom for dom in cfg.mopd.domains if dom not in failed_domains]
+    if cfg.mopd.rl.steps > 0 and (run / "experts" / "table.json").is_file() and mopd_domains:
+        mcfg = replace(cfg, mopd=replace(cfg.mopd, domains=mopd_domains,
+                                         families={k: v for k, v in cfg.mopd.families.items() if k in mopd_domains}))
+        out = distill(mcfg, run / "sft" / "final", run, metrics)
+        if failed_domains:
+            out["left_out_domains"] = sorted(failed_domains)
         summary.update(mopd=out)
         for r in out["table"]["rows"]:
             print(f"  MOPD {r['domain']:8} @ {r['effort']:<4}: student {r['student_pass']:.3f} vs teacher {r['teacher_pass']:.3f}, "
@@ -289,7 +300,9 @@ def run_demo(cfg: K3Config) -> Path:
         phase("mopd", t0)
 
     metrics.close()
-    summary.update(status="done", wall_s=round(time.perf_counter() - t_start + summary.data.get("wall_s_before_resume", 0), 1))
+    status = "failed" if table["failed"] else "done"  # a failed run resumes (and retries) when run again
+    summary.update(status=status, wall_s=round(time.perf_counter() - t_start + summary.data.get("wall_s_before_resume", 0), 1))
     report = write_report(run)
     print(f"report: {report}")
+    raise_if_failed(table)
     return run

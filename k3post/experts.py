@@ -14,6 +14,11 @@ effort (the "before" row). ``experts/table.json`` holds, per expert: held-out pa
 T(y) before (SFT at that effort) and after, the budget-violation rate and the token ratio of the
 last steps, the reward curve.
 
+A stage that raises does not take the other domains down: its cell goes to ``table["failed"]`` (the
+expert, the step, the error, its traceback, also written to ``<expert>.run/error.log``), the later
+efforts of its domain are marked as blocked by it, and the other domains go on. `train_experts` logs
+every failure with its traceback; running the command again resumes from the checkpoints and retries.
+
 Shape legend: none.
 """
 
@@ -24,12 +29,14 @@ import logging
 import shutil
 import statistics
 import time
+import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from k3post.errors import StepFailed
 from k3post.metrics import MetricsLogger
 from k3post.models import load_model
 from k3post.quant.qat import QATConfig, apply_qat
@@ -115,12 +122,30 @@ def train_experts(
             tables = dict(zip(domains, pool.map(_domain_worker, jobs, chunksize=1)))
     else:
         tables = {d: train_domain_experts(d, sft_dir, cfg, out, qat=qat, metrics=metrics, scorer=scorer) for d in domains}
-    merged: dict[str, Any] = {"experts": {}, "before": {}, "budgets": {}}
+    merged: dict[str, Any] = {"experts": {}, "before": {}, "budgets": {}, "failed": {}}
     for d in domains:
         for key in merged:
-            merged[key].update(tables[d][key])
+            merged[key].update(tables[d].get(key, {}))
     _write_json(out / "table.json", merged)
+    for name, f in merged["failed"].items():
+        if "traceback" in f:
+            log.error("expert %s failed%s: %s (traceback also in %s)\n%s", name,
+                      f" in step {f['step']}" if f.get("step") is not None else "", f["error"], f["log"], f["traceback"])
+        else:
+            log.error("expert %s not trained: %s", name, f["error"])
     return merged
+
+
+def _failure(stage: Any, err: BaseException, run_dir: Path) -> dict[str, Any]:
+    """The ``table["failed"]`` record of a stage that raised; its traceback goes to ``run_dir/error.log``."""
+    tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "error.log"
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} expert {stage.expert}\n{tb}")
+    cause = err.__cause__ if isinstance(err, StepFailed) and err.__cause__ is not None else err
+    return {"domain": stage.domain, "effort": stage.effort, "step": err.step if isinstance(err, StepFailed) else None,
+            "error": f"{type(cause).__name__}: {cause}", "traceback": tb, "log": str(path)}
 
 
 def train_domain_experts(
@@ -139,71 +164,97 @@ def train_domain_experts(
     out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(sft_dir)
     xtml = XTML(tok)
-    table: dict[str, Any] = {"experts": {}, "before": {}, "budgets": {}}
+    table: dict[str, Any] = {"experts": {}, "before": {}, "budgets": {}, "failed": {}}
     table_path = out / f"table.{domain}.json"
     if table_path.is_file():
-        table = json.loads(table_path.read_text())
+        table.update(json.loads(table_path.read_text()))
+    table["failed"] = {}  # failures of an earlier run are retried
     efforts = list(cfg.effort_control.curriculum)
-    if scorer is None:
-        scorer = build_group_scorer(cfg, sft_dir, tok, domain_families(domain, cfg.families, with_judge=True),
-                                    qat=bool(qat is not None and qat.enabled))
-    fams = domain_families(domain, cfg.families, with_judge=scorer is not None)
-    for stage in Curriculum([domain], cfg.effort_control):
-        t0 = time.perf_counter()
-        rcfg = replace(cfg.for_domain(stage.domain), effort=stage.effort, families=fams)
+    stages = list(Curriculum([domain], cfg.effort_control))
+    try:
+        if scorer is None:
+            scorer = build_group_scorer(cfg, sft_dir, tok, domain_families(domain, cfg.families, with_judge=True),
+                                        qat=bool(qat is not None and qat.enabled))
+        fams = domain_families(domain, cfg.families, with_judge=scorer is not None)
+    except Exception as e:  # noqa: BLE001 - the domain's judge could not be built: every cell of it failed
+        for stage in stages:
+            table["failed"][stage.expert] = _failure(stage, e, out / f"{stage.expert}.run")
+        _write_json(table_path, table)
+        return table
+    blocked_by: str | None = None
+    for stage in stages:
         dest = expert_dir(out, stage.expert)
         if stage.expert in table["experts"] and (dest / "config.json").is_file():
             log.info("expert %s already trained: %s", stage.expert, dest)
             continue
-        budget_path = out / f"budgets.{stage.domain}.json"
-        if stage.domain not in table["before"] or not budget_path.is_file():
-            # once per domain, from the cold-start (SFT) model: b0 at max effort, and the "before" row
-            sft_model = load_policy(sft_dir, qat)
-            engine = EmbeddedEngine(sft_model, tok, max_batch_size=rcfg.slots, seed=rcfg.seed)
-            t_b = time.perf_counter()
-            budgets = domain_budgets(engine, xtml, rcfg, budget_path)
-            b0s = [budgets.b0(k) for k in budgets]
-            table["budgets"][stage.domain] = {"tasks": len(b0s), "median_b0": statistics.median(b0s),
-                                              "seconds": time.perf_counter() - t_b,
-                                              "sources": dict(_count(e.source for e in budgets.entries.values()))}
-            held_out = eval_tasks(fams, rcfg.eval_n, difficulty=rcfg.difficulty)
-            table["before"][stage.domain] = {
-                e: evaluate_episodes(engine, xtml, held_out, effort=e, max_tokens=rcfg.eval_max_tokens) for e in efforts
-            }
-            del sft_model, engine
-        else:
-            budgets = BudgetTable.load(budget_path)
-        src = sft_dir if stage.init_from == "sft" else expert_dir(out, stage.init_from)
-        model = load_policy(src, qat)
-        run_dir = out / f"{stage.expert}.run"
-        res = train_rl(model, tok, rcfg, run_dir, budgets=budgets, scorer=scorer, metrics=metrics,
-                       stage=f"rl/{stage.expert}")
-        tmp = out / f".{stage.expert}.tmp"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.rename(dest)
-        before = table["before"][stage.domain][stage.effort]
-        table["experts"][stage.expert] = {
-            "domain": stage.domain, "effort": stage.effort, "init_from": stage.init_from, "steps": res.steps,
-            "families": fams, "scale": stage.scale,
-            "pass_rate": res.eval["overall"]["pass_rate"], "mean_effort_tokens": res.eval["overall"]["mean_effort_tokens"],
-            "sft_pass_rate": before["overall"]["pass_rate"], "sft_mean_effort_tokens": before["overall"]["mean_effort_tokens"],
-            "eval": res.eval,
-            "final_violation_rate": _tail(res.history, "budget_violation_rate"),
-            "final_effort_ratio": _tail(res.history, "effort_ratio"),
-            "reward_curve": [h.get("reward", float("nan")) for h in res.history],
-            "effort_tokens_curve": [h.get("effort_tokens", float("nan")) for h in res.history],
-            "seconds": time.perf_counter() - t0,
-        }
+        if blocked_by is not None:  # it starts from the expert that failed
+            table["failed"][stage.expert] = {"domain": stage.domain, "effort": stage.effort, "step": None,
+                                             "error": f"not trained: it starts from {blocked_by}, which failed",
+                                             "blocked_by": blocked_by}
+            continue
+        try:
+            _train_stage(stage, table, sft_dir, cfg, out, tok, xtml, fams, efforts, qat, metrics, scorer)
+        except Exception as e:  # noqa: BLE001 - one failed cell must not take the other domains down
+            table["failed"][stage.expert] = _failure(stage, e, out / f"{stage.expert}.run")
+            blocked_by = stage.expert
         _write_json(table_path, table)
-        log.info("expert %s: pass %.3f (SFT %.3f), T %.1f", stage.expert, table["experts"][stage.expert]["pass_rate"],
-                 before["overall"]["pass_rate"], table["experts"][stage.expert]["mean_effort_tokens"])
     _write_json(table_path, table)
     return table
+
+
+def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RLConfig, out: Path, tok: Any, xtml: XTML,
+                 fams: list[str], efforts: list[str], qat: QATConfig | None, metrics: MetricsLogger | None,
+                 scorer: GroupScorer | None) -> None:
+    """One expert of the curriculum (b0 and the "before" row first, once per domain) into ``table``."""
+    t0 = time.perf_counter()
+    rcfg = replace(cfg.for_domain(stage.domain), effort=stage.effort, families=fams)
+    dest = expert_dir(out, stage.expert)
+    budget_path = out / f"budgets.{stage.domain}.json"
+    if stage.domain not in table["before"] or not budget_path.is_file():
+        # once per domain, from the cold-start (SFT) model: b0 at max effort, and the "before" row
+        sft_model = load_policy(sft_dir, qat)
+        engine = EmbeddedEngine(sft_model, tok, max_batch_size=rcfg.slots, seed=rcfg.seed)
+        t_b = time.perf_counter()
+        budgets = domain_budgets(engine, xtml, rcfg, budget_path)
+        b0s = [budgets.b0(k) for k in budgets]
+        table["budgets"][stage.domain] = {"tasks": len(b0s), "median_b0": statistics.median(b0s),
+                                          "seconds": time.perf_counter() - t_b,
+                                          "sources": dict(_count(e.source for e in budgets.entries.values()))}
+        held_out = eval_tasks(fams, rcfg.eval_n, difficulty=rcfg.difficulty)
+        table["before"][stage.domain] = {
+            e: evaluate_episodes(engine, xtml, held_out, effort=e, max_tokens=rcfg.eval_max_tokens) for e in efforts
+        }
+        del sft_model, engine
+    else:
+        budgets = BudgetTable.load(budget_path)
+    src = sft_dir if stage.init_from == "sft" else expert_dir(out, stage.init_from)
+    model = load_policy(src, qat)
+    run_dir = out / f"{stage.expert}.run"
+    res = train_rl(model, tok, rcfg, run_dir, budgets=budgets, scorer=scorer, metrics=metrics,
+                   stage=f"rl/{stage.expert}")
+    tmp = out / f".{stage.expert}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp.rename(dest)
+    before = table["before"][stage.domain][stage.effort]
+    table["experts"][stage.expert] = {
+        "domain": stage.domain, "effort": stage.effort, "init_from": stage.init_from, "steps": res.steps,
+        "families": fams, "scale": stage.scale,
+        "pass_rate": res.eval["overall"]["pass_rate"], "mean_effort_tokens": res.eval["overall"]["mean_effort_tokens"],
+        "sft_pass_rate": before["overall"]["pass_rate"], "sft_mean_effort_tokens": before["overall"]["mean_effort_tokens"],
+        "eval": res.eval,
+        "final_violation_rate": _tail(res.history, "budget_violation_rate"),
+        "final_effort_ratio": _tail(res.history, "effort_ratio"),
+        "reward_curve": [h.get("reward", float("nan")) for h in res.history],
+        "effort_tokens_curve": [h.get("effort_tokens", float("nan")) for h in res.history],
+        "seconds": time.perf_counter() - t0,
+    }
+    log.info("expert %s: pass %.3f (SFT %.3f), T %.1f", stage.expert, table["experts"][stage.expert]["pass_rate"],
+             before["overall"]["pass_rate"], table["experts"][stage.expert]["mean_effort_tokens"])
 
 
 def _count(items: Any) -> dict[str, int]:

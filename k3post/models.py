@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from k3post.errors import UserError
+
 log = logging.getLogger("k3post.models")
 
 #: Qwen3-MoE shapes by preset name. Expert widths are multiples of 32 so MX blocks (32 along the
@@ -72,14 +74,14 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 def torch_dtype(name: str) -> torch.dtype:
     """Map a config dtype name to a torch dtype (ValueError naming the valid ones)."""
     if name not in _DTYPES:
-        raise ValueError(f"unknown dtype '{name}'; expected one of {sorted(_DTYPES)}")
+        raise UserError(f"unknown dtype '{name}'; expected one of {sorted(_DTYPES)}")
     return _DTYPES[name]
 
 
 def tiny_moe_config(vocab_size: int, preset: str = "tiny", **overrides: Any) -> Qwen3MoeConfig:
     """A Qwen3-MoE config from a preset; `overrides` replace preset fields."""
     if preset not in PRESETS:
-        raise ValueError(f"unknown model preset '{preset}'; expected one of {sorted(PRESETS)}")
+        raise UserError(f"unknown model preset '{preset}'; expected one of {sorted(PRESETS)}")
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         max_position_embeddings=2048,
@@ -93,7 +95,7 @@ def tiny_moe_config(vocab_size: int, preset: str = "tiny", **overrides: Any) -> 
     kwargs.update(overrides)
     for key in ("moe_intermediate_size", "hidden_size"):
         if kwargs[key] % 32:
-            raise ValueError(f"{key}={kwargs[key]} must be a multiple of 32 so MX blocks tile the expert GEMMs")
+            raise UserError(f"{key}={kwargs[key]} must be a multiple of 32 so MX blocks tile the expert GEMMs")
     return Qwen3MoeConfig(**kwargs)
 
 
@@ -124,7 +126,7 @@ def load_model(path: str | Path, dtype: str = "float32") -> PreTrainedModel:
     """Load a causal LM from a local folder (no hub access)."""
     p = Path(path)
     if not (p / "config.json").is_file():
-        raise ValueError(f"{p}: not a model folder (no config.json)")
+        raise UserError(f"{p}: not a model folder (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype(dtype), local_files_only=True)
     return model
 

@@ -162,11 +162,11 @@ def _rl_section(run: Path, summary: dict[str, Any]) -> str:
     """Stage 2: the 3×3 expert table, targets, reward curves and T(y) histograms per effort."""
     path = run / "experts" / "table.json"
     table = json.loads(path.read_text()) if path.is_file() else summary.get("experts")
-    if not table or not table.get("experts"):
+    if not table or not (table.get("experts") or table.get("failed")):
         return ""
-    ex = table["experts"]
-    domains = list(dict.fromkeys(e["domain"] for e in ex.values()))
-    efforts = list(dict.fromkeys(e["effort"] for e in ex.values()))
+    ex, failed = table.get("experts", {}), table.get("failed", {})
+    domains = list(dict.fromkeys(e["domain"] for e in [*ex.values(), *failed.values()]))
+    efforts = list(dict.fromkeys(e["effort"] for e in [*ex.values(), *failed.values()]))
     parts = ["<h2>Stage 2: RL experts (domain × effort)</h2>",
              "<p class=muted>Each domain trains max → high → low, each from the previous expert (SPEC §3.3), with the "
              "K2.5 loss under partial rollout; b0 per task from the SFT model. Held-out pass rate and mean T(y) "
@@ -175,6 +175,11 @@ def _rl_section(run: Path, summary: dict[str, Any]) -> str:
     for d in domains:
         for e in efforts:
             r = ex.get(f"{d}.{e}")
+            f = failed.get(f"{d}.{e}")
+            if f is not None:
+                where = f" in step {f['step']}" if f.get("step") is not None else ""
+                tb = f"; traceback in {f['log']}" if f.get("log") else ""
+                rows.append([d, e, f"FAILED{where}: {f['error']}{tb}", "", "", "", ""])
             if r is None:
                 continue
             rows.append([d, e, f"{r['sft_pass_rate']:.3f} → {r['pass_rate']:.3f}",
@@ -184,6 +189,8 @@ def _rl_section(run: Path, summary: dict[str, Any]) -> str:
                          "budget violations (last steps)", "steps", "seconds"], rows))
     checks = []
     for d in domains:
+        if not any(f"{d}.{e}" in ex for e in efforts):
+            continue
         m, lo = ex.get(f"{d}.max"), ex.get(f"{d}.low")
         raised = [e for e in efforts if f"{d}.{e}" in ex and ex[f"{d}.{e}"]["pass_rate"] > ex[f"{d}.{e}"]["sft_pass_rate"]]
         ratio = lo["mean_effort_tokens"] / m["mean_effort_tokens"] if m and lo and m["mean_effort_tokens"] > 0 else float("nan")
@@ -196,6 +203,8 @@ def _rl_section(run: Path, summary: dict[str, Any]) -> str:
     for d in domains:
         series = {e: (list(range(1, len(ex[f"{d}.{e}"]["reward_curve"]) + 1)), ex[f"{d}.{e}"]["reward_curve"])
                   for e in efforts if f"{d}.{e}" in ex}
+        if not series:
+            continue
         parts.append(_img(_plot_png(series, title=f"{d}: mean reward per RL step (before the effort override)",
                                     xlabel="step", ylabel="reward"), f"{d} reward curves"))
         hist = {e: ex[f"{d}.{e}"]["eval"]["overall"].get("effort_tokens", []) for e in efforts if f"{d}.{e}" in ex}
@@ -216,6 +225,8 @@ def _mopd_section(run: Path, summary: dict[str, Any]) -> str:
              "<p class=muted>The student (from the SFT checkpoint, prompted with the effort message) is trained on "
              "r_t = clip(log π_teacher − log π_student, ±R_max) of its own tokens, teacher = expert (domain, effort) "
              "scoring the conversation without the effort message (SPEC §4). Held-out, greedy.</p>"]
+    if m.get("left_out_domains"):
+        parts.append(f"<p><b>Left out</b> (an expert of theirs failed): {html.escape(', '.join(m['left_out_domains']))}</p>")
     rows = [[r["domain"], r["effort"], r["student_pass"], r["teacher_pass"], r["pass_ratio"], "yes" if r["pass_ok"] else "no",
              r["student_tokens"], r["teacher_tokens"], r["token_ratio"], "yes" if r["tokens_ok"] else "no"] for r in t["rows"]]
     parts.append(_table(["domain", "effort", "student pass", "teacher pass", "ratio", "≥ 0.95", "student T(y)",

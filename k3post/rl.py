@@ -40,6 +40,7 @@ from tqdm import tqdm
 from k3post.algos.advantages import group_advantages_from_groups
 from k3post.checkpoint import latest_checkpoint, load_trainer_state, load_weights_into, save_checkpoint
 from k3post.envs.families.registry import families, get_family
+from k3post.errors import StepFailed
 from k3post.envs.task import DOMAINS, Task
 from k3post.metrics import MetricsLogger
 from k3post.models import load_model
@@ -397,7 +398,10 @@ def train_policy(
                mininterval=1.0)
     end = cfg.steps if stop_after is None else min(cfg.steps, pl.step_no + stop_after)
     while pl.step_no < end:
-        rec = pl.step(tasks)
+        try:
+            rec = pl.step(tasks)
+        except Exception as e:  # name the stage and the step; the cause is chained
+            raise StepFailed(stage, pl.step_no + 1, e) from e
         if metrics is not None:
             metrics.log(stage, pl.step_no, rec)
         bar.update(1)

@@ -7,6 +7,7 @@ differ (some right, some wrong, thinking of different lengths): RL then has grou
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import replace
 import math
 
@@ -255,6 +256,103 @@ def test_experts_curriculum_chains_and_resumes(warm_policy, tmp_path):
     html = write_report(tmp_path).read_text()
     assert "Stage 2: RL experts" in html and "T(low) / T(max)" in html and 'alt="general reward curves"' in html
     assert "Stage 3: MOPD" in html and 'alt="MOPD reward curve"' in html
+
+
+def _two_domains(**kw) -> RLConfig:
+    """general (2 steps) and agents (1 step, tiny), max -> low."""
+    small = {"steps": 1, "n_prompts": 1, "n_tasks": 2, "eval_n": 2, "max_tokens": 24, "eval_max_tokens": 24}
+    return _cfg(domains=["general", "agents"], families=["general.arithmetic", "agents.search"], steps=2, n_tasks=4,
+                effort_control=EffortConfig(curriculum=["max", "low"], b0_samples=2, tau_max=1.0, max_cap=1.0),
+                domain_overrides={"agents": small}, **kw)
+
+
+def test_a_failed_expert_names_its_step_and_the_other_domain_still_trains(warm_policy, tmp_path, monkeypatch, caplog):
+    """Issue 13: agents.max raises in its first step. Its cell records the step, the error and the traceback
+    (in the table, in <expert>.run/error.log and in the log); agents.low, which starts from it, is marked
+    blocked; general's experts and the report are still written, the failed cell marked; the command's
+    final error names the failed expert."""
+    from k3post.commands import raise_if_failed
+    from k3post.experts import train_experts
+    from k3post.report import write_report
+    from k3post.rl import PolicyLoop
+
+    model, tok = warm_policy
+    init = _save(model, tok, tmp_path / "init")
+    step = PolicyLoop.step
+
+    def failing_step(self, tasks):
+        if self.cfg.domain == "agents":
+            raise KeyError("injected failure")
+        return step(self, tasks)
+
+    monkeypatch.setattr(PolicyLoop, "step", failing_step)
+    with caplog.at_level("ERROR", logger="k3post.experts"):
+        table = train_experts(init, _two_domains(), tmp_path / "experts")
+    assert list(table["experts"]) == ["general.max", "general.low"]
+    f = table["failed"]["agents.max"]
+    assert (f["domain"], f["effort"], f["step"], f["error"]) == ("agents", "max", 1, "KeyError: 'injected failure'")
+    assert "injected failure" in f["traceback"] and "failing_step" in f["traceback"]
+    assert "injected failure" in (tmp_path / "experts" / "agents.max.run" / "error.log").read_text()
+    assert table["failed"]["agents.low"]["blocked_by"] == "agents.max"
+    assert "expert agents.max failed in step 1: KeyError: 'injected failure'" in caplog.text and "Traceback" in caplog.text
+    assert json.loads((tmp_path / "experts" / "table.json").read_text())["failed"]["agents.max"]["step"] == 1
+    html = write_report(tmp_path).read_text()
+    assert "FAILED in step 1: KeyError: &#x27;injected failure&#x27;; traceback in " in html
+    assert html.count("FAILED") == 2 and 'alt="general reward curves"' in html
+    with pytest.raises(RuntimeError, match=r"2 of 4 experts failed: agents.max \(KeyError: 'injected failure', step 1\)"):
+        raise_if_failed(table)
+    # running again retries the failed cells (and keeps the finished ones)
+    monkeypatch.setattr(PolicyLoop, "step", step)
+    again = train_experts(init, _two_domains(), tmp_path / "experts")
+    assert again["failed"] == {} and list(again["experts"]) == ["general.max", "general.low", "agents.max", "agents.low"]
+    assert again["experts"]["general.max"]["seconds"] == table["experts"]["general.max"]["seconds"]
+
+
+def test_a_failed_domain_worker_process_is_reported_by_the_parent(warm_policy, tmp_path, caplog):
+    """The demo's path: each domain in its own spawned process. agents.max's run folder holds a corrupt
+    checkpoint, so its worker fails while resuming; the parent logs the worker's traceback and general's
+    experts are trained and written."""
+    from k3post.experts import train_experts
+
+    model, tok = warm_policy
+    init = _save(model, tok, tmp_path / "init")
+    bad = tmp_path / "experts" / "agents.max.run" / "checkpoints"
+    (bad / "step-000001").mkdir(parents=True)
+    (bad / "step-000001" / "trainer_state.pt").write_bytes(b"not a checkpoint")
+    (bad / "latest").write_text("step-000001")
+    with caplog.at_level("ERROR", logger="k3post.experts"):
+        table = train_experts(init, _two_domains(), tmp_path / "experts", processes=2)
+    assert list(table["experts"]) == ["general.max", "general.low"]
+    f = table["failed"]["agents.max"]
+    assert f["step"] is None and f["error"].startswith("UnpicklingError") and "load_trainer_state" in f["traceback"]
+    assert "expert agents.max failed: UnpicklingError" in caplog.text and "load_trainer_state" in caplog.text
+    assert (tmp_path / "experts" / "general.low" / "model.safetensors").is_file()
+
+
+def test_cli_failure_that_is_not_input_points_at_the_run_log(warm_policy, tmp_path, capsys):
+    """Exit 1 (not 2: the input was fine), one line, and the run's k3post.log holds the full traceback."""
+    from k3post.cli import main
+
+    model, tok = warm_policy
+    init = _save(model, tok, tmp_path / "init")
+    bad = tmp_path / "r" / "rl" / "general.max" / "checkpoints"
+    (bad / "step-000001").mkdir(parents=True)
+    (bad / "step-000001" / "trainer_state.pt").write_bytes(b"not a checkpoint")
+    (bad / "latest").write_text("step-000001")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("run: {name: r}\n")
+    args = [f"run.root={tmp_path}", f"rl.init={init}", "rl.steps=1", "rl.n_tasks=2", "rl.n_prompts=1", "rl.k=2",
+            "rl.max_tokens=16", "rl.families=[general.arithmetic]", "rl.progress=false", "qat.enabled=false",
+            "rl.effort_control.b0_samples=1"]
+    assert main(["rl", str(cfg), *args]) == 1
+    err = capsys.readouterr().err
+    log = tmp_path / "r" / "k3post.log"
+    assert "k3post: failed: UnpicklingError" in err and f"the full traceback is in {log}" in err
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and "load_trainer_state" in text and " rl " in text
+    # a bad key is still an input error: exit 2, one line, no traceback file needed
+    assert main(["rl", str(cfg), *args, "rl.effort=medium"]) == 2
+    assert "rl.effort must be one of" in capsys.readouterr().err
 
 
 def test_judged_family_is_rewarded_by_the_grm_through_rl_judge(warm_policy, tmp_path):

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from k3post.errors import UserError
 from k3post.models import load_model, torch_dtype
 from k3post.quant.mx import dequantize_mx, pack_fp4, quantize_mx, unpack_fp4
 from k3post.quant.qat import QATConfig, _find_expert_modules, _fused_up_name, apply_qat
@@ -74,9 +75,9 @@ def export_model(ckpt: str | Path, out: str | Path, *, fmt: str = "mxfp4", rest_
     """`k3post export`: write `ckpt` as an MXFP4 (experts) + `rest_dtype` folder, or all-bf16 (`fmt="bf16"`)."""
     src, dst = Path(ckpt), Path(out)
     if fmt not in ("mxfp4", "bf16"):
-        raise ValueError(f"unknown export format '{fmt}'; expected mxfp4 or bf16")
+        raise UserError(f"unknown export format '{fmt}'; expected mxfp4 or bf16")
     if dst.exists() and any(dst.iterdir()):
-        raise ValueError(f"{dst}: output folder exists and is not empty")
+        raise UserError(f"{dst}: output folder exists and is not empty")
     model = load_model(src)
     dst.mkdir(parents=True, exist_ok=True)
     if fmt == "bf16":

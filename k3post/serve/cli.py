@@ -21,6 +21,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from k3post.errors import UserError
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
@@ -66,9 +68,9 @@ def build_server(
 
     path = Path(model_dir)
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path}: not a model folder (no config.json)")
+        raise UserError(f"{path}: not a model folder (no config.json)")
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        raise ValueError(f"{path}: no tokenizer in the model folder")
+        raise UserError(f"{path}: no tokenizer in the model folder")
     config = ServeConfig(
         model_name=model_name or path.resolve().name, default_effort=default_effort,
         default_max_tokens=default_max_tokens, api_key=api_key,
@@ -91,9 +93,9 @@ def serve(app: "FastAPI", *, host: str = "127.0.0.1", port: int = 8000, log_leve
 def cmd_serve(ns: argparse.Namespace) -> int:
     """Body of ``k3post serve``."""
     if not (0 <= ns.port <= 65535):
-        raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
+        raise UserError(f"--port must be in [0, 65535], got {ns.port}")
     if ns.threads is not None and ns.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {ns.threads}")
+        raise UserError(f"--threads must be >= 1, got {ns.threads}")
     app = build_server(
         ns.model_dir, model_name=ns.model_name, max_batch_size=ns.max_batch_size, max_model_len=ns.max_model_len,
         qat=ns.qat, seed=ns.seed, default_effort=ns.thinking_effort, default_max_tokens=ns.default_max_tokens,

@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from k3post.errors import UserError
+
 __all__ = ["add_synth_parser", "add_review_parser", "add_mix_parser", "cmd_synth", "cmd_review", "cmd_mix"]
 
 _EFFORTS = ("low", "high", "max")
@@ -41,12 +43,12 @@ def _kv(items: list[str] | None, what: str, cast: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items or []:
         if "=" not in item:
-            raise ValueError(f"{what} '{item}': expected KEY=VALUE")
+            raise UserError(f"{what} '{item}': expected KEY=VALUE")
         k, v = item.split("=", 1)
         try:
             out[k.strip()] = cast(v)
         except ValueError:
-            raise ValueError(f"{what} '{item}': {v!r} is not a valid {cast.__name__}") from None
+            raise UserError(f"{what} '{item}': {v!r} is not a valid {cast.__name__}") from None
     return out
 
 
@@ -93,7 +95,7 @@ def _families(names: list[str]) -> list[Any]:
         else:
             out.append(find_family(n))
     if not out:
-        raise ValueError(f"--family {','.join(names)}: no task family selected")
+        raise UserError(f"--family {','.join(names)}: no task family selected")
     seen: dict[str, Any] = {}
     for f in out:
         seen.setdefault(f.name, f)
@@ -104,15 +106,15 @@ def _teacher_factory(ns: argparse.Namespace) -> Any:
     from k3post.synth.teachers import EndpointTeacher, LocalModelTeacher, ReferenceTeacher, SamplingParams
 
     if ns.teacher_url and ns.teacher_model_dir:
-        raise ValueError("give either --teacher-url (endpoint) or --teacher-model-dir (local model), not both")
+        raise UserError("give either --teacher-url (endpoint) or --teacher-model-dir (local model), not both")
     if ns.teacher_url:
         if not ns.teacher_model:
-            raise ValueError("--teacher-url needs --teacher-model (the model name the server serves)")
+            raise UserError("--teacher-url needs --teacher-model (the model name the server serves)")
         key = None
         if ns.api_key_env:
             key = os.environ.get(ns.api_key_env)
             if not key:
-                raise ValueError(f"--api-key-env {ns.api_key_env}: that environment variable is not set")
+                raise UserError(f"--api-key-env {ns.api_key_env}: that environment variable is not set")
         teacher = EndpointTeacher(
             ns.teacher_url, ns.teacher_model, api_key=key, concurrency=ns.concurrency, retries=ns.retries,
             backoff_s=ns.backoff, temperature=ns.temperature, max_tokens=ns.max_tokens,
@@ -125,7 +127,7 @@ def _teacher_factory(ns: argparse.Namespace) -> Any:
         local = LocalModelTeacher(ns.teacher_model_dir, sampling=sp)
         return lambda fam: local
     if ns.teacher_model:
-        raise ValueError("--teacher-model needs --teacher-url")
+        raise UserError("--teacher-model needs --teacher-url")
     return ReferenceTeacher
 
 
@@ -139,9 +141,9 @@ def cmd_synth(ns: argparse.Namespace) -> int:
         efforts = list(_EFFORTS)
     bad = [e for e in efforts if e not in _EFFORTS]
     if bad:
-        raise ValueError(f"--effort: unknown effort {bad[0]!r}; expected low, high, max or all")
+        raise UserError(f"--effort: unknown effort {bad[0]!r}; expected low, high, max or all")
     if ns.n < 1:
-        raise ValueError(f"--n must be a positive integer, got {ns.n}")
+        raise UserError(f"--n must be a positive integer, got {ns.n}")
     budgets = _kv(ns.budget, "--budget", int)
     vc = VerifyConfig(budgets={**VerifyConfig().budgets, **budgets})
     if ns.keep_reward is not None:
@@ -198,9 +200,9 @@ def cmd_review(ns: argparse.Namespace) -> int:
     from k3post.synth.review import ReviewQueue, render_item_rich
 
     if not ns.queue:
-        raise ValueError("give the review queue folder with --queue DIR (or set $K3POST_REVIEW_QUEUE)")
+        raise UserError("give the review queue folder with --queue DIR (or set $K3POST_REVIEW_QUEUE)")
     if not Path(ns.queue).is_dir():
-        raise ValueError(f"--queue {ns.queue}: no such review queue folder")
+        raise UserError(f"--queue {ns.queue}: no such review queue folder")
     q = ReviewQueue(ns.queue)
     cmd = ns.review_cmd
     if cmd == "list":
@@ -269,9 +271,9 @@ def cmd_mix(ns: argparse.Namespace) -> int:
     inputs = ns.inputs or cfg.inputs
     out = ns.out or cfg.out
     if not inputs:
-        raise ValueError("mix: give input files with --in (or 'inputs' in --config)")
+        raise UserError("mix: give input files with --in (or 'inputs' in --config)")
     if not out:
-        raise ValueError("mix: give the output file with --out (or 'out' in --config)")
+        raise UserError("mix: give the output file with --out (or 'out' in --config)")
     weights = {**cfg.weights, **_kv(ns.weight, "--weight", float)}
     n = ns.n if ns.n is not None else cfg.n
     path, counts = mix_files(inputs, out, weights, n or None, cfg.seed if ns.seed is None else ns.seed)

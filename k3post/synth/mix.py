@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from k3post.errors import UserError
 from k3post.yamlio import read_yaml_mapping
 
 __all__ = ["MixConfig", "group_key", "group_weight", "allocate", "mix", "mix_files", "load_mix_config"]
@@ -53,9 +54,9 @@ def group_key(sample: Mapping[str, Any]) -> str:
 def _check_weights(weights: Mapping[str, float]) -> None:
     for k, w in weights.items():
         if not isinstance(k, str) or not k or k.count("/") > 1:
-            raise ValueError(f"weights: bad key {k!r}; use 'domain/effort', 'domain', '*/effort' or '*'")
+            raise UserError(f"weights: bad key {k!r}; use 'domain/effort', 'domain', '*/effort' or '*'")
         if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0:
-            raise ValueError(f"weights['{k}']: must be a non-negative number, got {w!r}")
+            raise UserError(f"weights['{k}']: must be a non-negative number, got {w!r}")
 
 
 def group_weight(weights: Mapping[str, float], key: str) -> float:
@@ -78,7 +79,7 @@ def allocate(sizes: Mapping[str, int], weights: Mapping[str, float], n: int) -> 
     w = {g: group_weight(weights, g) for g in sizes if sizes[g] > 0}
     total = sum(w.values())
     if n > 0 and total <= 0:
-        raise ValueError(f"weights {dict(weights)} give every group {sorted(sizes)} weight 0; nothing to mix")
+        raise UserError(f"weights {dict(weights)} give every group {sorted(sizes)} weight 0; nothing to mix")
     exact = {g: n * w[g] / total for g in w} if total > 0 else {g: 0.0 for g in w}
     out = {g: int(v) for g, v in exact.items()}
     left = n - sum(out.values())
@@ -97,7 +98,7 @@ def mix(samples: Sequence[Mapping[str, Any]], weights: Mapping[str, float] | Non
     if n is None or n == 0:
         n = len(samples)
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
+        raise UserError(f"n must be a non-negative int, got {n!r}")
     counts = allocate({g: len(v) for g, v in groups.items()}, weights, n)
     rng = random.Random(f"mix|{seed}")
     out: list[dict[str, Any]] = []
@@ -120,7 +121,7 @@ def mix_files(
     from k3post.synth.pipeline import read_jsonl, write_jsonl_atomic
 
     if not inputs:
-        raise ValueError("mix: no input files given")
+        raise UserError("mix: no input files given")
     samples: list[dict[str, Any]] = []
     for p in inputs:
         samples += read_jsonl(p)
@@ -138,27 +139,27 @@ def load_mix_config(path: str | Path) -> MixConfig:
             import difflib
 
             close = difflib.get_close_matches(str(k), sorted(known), n=1)
-            raise ValueError(f"{p}: unknown mix config key '{k}'" + (f" (did you mean '{close[0]}'?)" if close else "") + f"; known: {sorted(known)}")
+            raise UserError(f"{p}: unknown mix config key '{k}'" + (f" (did you mean '{close[0]}'?)" if close else "") + f"; known: {sorted(known)}")
     cfg = MixConfig()
     if "inputs" in tree:
         if not isinstance(tree["inputs"], list) or not all(isinstance(x, str) for x in tree["inputs"]):
-            raise ValueError(f"{p}: 'inputs' must be a list of file paths")
+            raise UserError(f"{p}: 'inputs' must be a list of file paths")
         cfg.inputs = [str((p.parent / x) if not Path(x).is_absolute() and not Path(x).exists() else x) for x in tree["inputs"]]
     if "out" in tree:
         if not isinstance(tree["out"], str):
-            raise ValueError(f"{p}: 'out' must be a file path")
+            raise UserError(f"{p}: 'out' must be a file path")
         cfg.out = tree["out"]
     for k in ("n", "seed"):
         if k in tree:
             if isinstance(tree[k], bool) or not isinstance(tree[k], int) or (k == "n" and tree[k] < 0):
-                raise ValueError(f"{p}: '{k}' must be a {'non-negative ' if k == 'n' else ''}integer, got {tree[k]!r}")
+                raise UserError(f"{p}: '{k}' must be a {'non-negative ' if k == 'n' else ''}integer, got {tree[k]!r}")
             setattr(cfg, k, tree[k])
     if "weights" in tree:
         if not isinstance(tree["weights"], dict):
-            raise ValueError(f"{p}: 'weights' must be a mapping of 'domain/effort' to a number")
+            raise UserError(f"{p}: 'weights' must be a mapping of 'domain/effort' to a number")
         try:
             _check_weights(tree["weights"])
         except ValueError as e:
-            raise ValueError(f"{p}: {e}") from None
+            raise UserError(f"{p}: {e}") from None
         cfg.weights = {str(k): float(v) for k, v in tree["weights"].items()}
     return cfg

@@ -38,6 +38,8 @@ from typing import Any
 
 from filelock import FileLock
 
+from k3post.errors import UserError
+
 __all__ = ["ReviewQueue", "DECISIONS", "STATUSES", "default_reviewer", "reverify", "render_item_plain", "render_item_rich"]
 
 DECISIONS: tuple[str, ...] = ("accept", "reject", "edit")
@@ -112,8 +114,8 @@ class ReviewQueue:
         if len(hits) == 1:
             return hits[0]
         if not hits:
-            raise ValueError(f"{self.root}: no review item {ref!r} ({len(ids)} items; see `k3post review list`)")
-        raise ValueError(f"{self.root}: {ref!r} is ambiguous, it matches {hits[:5]}{' ...' if len(hits) > 5 else ''}")
+            raise UserError(f"{self.root}: no review item {ref!r} ({len(ids)} items; see `k3post review list`)")
+        raise UserError(f"{self.root}: {ref!r} is ambiguous, it matches {hits[:5]}{' ...' if len(hits) > 5 else ''}")
 
     def log(self) -> list[dict[str, Any]]:
         """Every decision, in order."""
@@ -125,7 +127,7 @@ class ReviewQueue:
                 try:
                     out.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{self.log_path}:{lineno}: malformed decision record: {e.msg}") from e
+                    raise UserError(f"{self.log_path}:{lineno}: malformed decision record: {e.msg}") from e
         return out
 
     def _read_item(self, item_id: str) -> dict[str, Any]:
@@ -133,9 +135,9 @@ class ReviewQueue:
         try:
             return json.loads(p.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise ValueError(f"{self.root}: no review item {item_id!r}") from None
+            raise UserError(f"{self.root}: no review item {item_id!r}") from None
         except json.JSONDecodeError as e:
-            raise ValueError(f"{p}:{e.lineno}: malformed review item: {e.msg}") from e
+            raise UserError(f"{p}:{e.lineno}: malformed review item: {e.msg}") from e
 
     def _with_status(self, item: dict[str, Any], decisions: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         mine = [d for d in decisions if d.get("id") == item["id"]]
@@ -151,7 +153,7 @@ class ReviewQueue:
     def items(self, status: str | None = None) -> list[dict[str, Any]]:
         """All items, optionally only those with ``status`` (pending / accepted / rejected)."""
         if status is not None and status not in STATUSES:
-            raise ValueError(f"unknown review status {status!r}; expected one of {STATUSES}")
+            raise UserError(f"unknown review status {status!r}; expected one of {STATUSES}")
         log = self.log()
         out = [self._with_status(self._read_item(i), log) for i in self.ids()]
         return [it for it in out if status is None or it["status"] == status]
@@ -166,7 +168,7 @@ class ReviewQueue:
         """Queue ``sample`` with the stages' ``flags``; returns its id. Re-adding a queued id changes nothing."""
         item_id = str(sample.get("id") or "")
         if not item_id or "/" in item_id or item_id.startswith("."):
-            raise ValueError(f"a sample needs a file-name-safe 'id' to be queued, got {item_id!r}")
+            raise UserError(f"a sample needs a file-name-safe 'id' to be queued, got {item_id!r}")
         with self.lock:
             p = self.items_dir / f"{item_id}.json"
             if not p.exists():
@@ -184,7 +186,7 @@ class ReviewQueue:
         status = _STATUS_OF[mine[-1]["decision"]] if mine else "pending"
         if status != "pending" and not force:
             last = mine[-1]
-            raise ValueError(
+            raise UserError(
                 f"{item_id} was already {status} ({last['decision']}) by {last['reviewer']} at {last['time']}; "
                 "use --force to override (both decisions stay in the log)"
             )
@@ -193,7 +195,7 @@ class ReviewQueue:
     def decide(self, ref: str, decision: str, *, reviewer: str | None = None, note: str = "", force: bool = False) -> dict[str, Any]:
         """Record ``accept`` or ``reject`` for an item; returns the logged decision."""
         if decision not in ("accept", "reject"):
-            raise ValueError(f"decision must be 'accept' or 'reject' (use edit() to edit), got {decision!r}")
+            raise UserError(f"decision must be 'accept' or 'reject' (use edit() to edit), got {decision!r}")
         item_id = self.resolve(ref)
         with self.lock:
             previous = self._check_open(item_id, self.log(), force)
@@ -237,21 +239,21 @@ class ReviewQueue:
         try:
             rc = subprocess.call([*shlex.split(cmd), str(path)])
         except OSError as e:
-            raise ValueError(f"cannot run the editor {cmd!r} ($EDITOR): {e}") from e
+            raise UserError(f"cannot run the editor {cmd!r} ($EDITOR): {e}") from e
         if rc != 0:
-            raise ValueError(f"the editor {cmd!r} exited with status {rc}; nothing saved (edit file kept at {path})")
+            raise UserError(f"the editor {cmd!r} exited with status {rc}; nothing saved (edit file kept at {path})")
         try:
             messages = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{e.lineno}:{e.colno}: invalid JSON after editing: {e.msg}; nothing saved") from e
+            raise UserError(f"{path}:{e.lineno}:{e.colno}: invalid JSON after editing: {e.msg}; nothing saved") from e
         if isinstance(messages, dict) and "messages" in messages:
             messages = messages["messages"]
         if not isinstance(messages, list) or not messages:
-            raise ValueError(f"{path}: must hold a non-empty JSON list of messages; nothing saved")
+            raise UserError(f"{path}: must hold a non-empty JSON list of messages; nothing saved")
         sample = copy.deepcopy(before["sample"])
         old_messages = sample["messages"]
         if messages == old_messages:
-            raise ValueError(f"{item_id}: the messages were not changed; use `accept` or `reject` instead")
+            raise UserError(f"{item_id}: the messages were not changed; use `accept` or `reject` instead")
         sample["messages"] = messages
         sample["verdict"] = None  # the outcome must be recomputed from the edited turns
         sample["truncated"], sample["truncation"] = False, None
@@ -260,14 +262,14 @@ class ReviewQueue:
         bad = [c for c in checks if c["status"] == "reject"]
         if bad:
             why = "; ".join(f"{c['stage']}: {c['reason']} ({c['detail']})" for c in bad)
-            raise ValueError(f"{item_id}: the edited sample fails re-verification: {why}. Nothing saved; edit file kept at {path}")
+            raise UserError(f"{item_id}: the edited sample fails re-verification: {why}. Nothing saved; edit file kept at {path}")
         replayed = next((c for c in checks if c["stage"] == "outcome"), None)
         with self.lock:
             log = self.log()
             now = self._with_status(self._read_item(item_id), log)
             if len(now["decisions"]) != n_decisions or now["sample"]["messages"] != old_messages:
                 last = now["decisions"][-1] if now["decisions"] else {"reviewer": "?", "decision": "change", "time": "?"}
-                raise ValueError(
+                raise UserError(
                     f"{item_id} changed while you edited it ({last['decision']} by {last['reviewer']} at {last['time']}); "
                     f"nothing saved, your edit is kept at {path}"
                 )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 
+from k3post.errors import UserError
 from k3post.envs.episode import run_episode_sync
 from k3post.envs.families.registry import EFFORTS, families, get_family
 from k3post.envs.task import DOMAINS
@@ -28,7 +29,7 @@ __all__ = ["add_tasks_parser", "cmd_tasks_list", "cmd_tasks_sample", "list_text"
 def list_text(domain: str | None = None) -> str:
     """The registered families grouped by domain, one ``name  description`` line each."""
     if domain is not None and domain not in DOMAINS:
-        raise ValueError(f"unknown domain {domain!r}; expected one of {DOMAINS}")
+        raise UserError(f"unknown domain {domain!r}; expected one of {DOMAINS}")
     lines: list[str] = []
     for d in DOMAINS if domain is None else (domain,):
         fams = families(d)
@@ -45,7 +46,7 @@ def list_text(domain: str | None = None) -> str:
 def sample_text(family: str, *, seed: int = 0, effort: str = "max", difficulty: int = 1) -> str:
     """One task of ``family`` and its reference trajectory at ``effort``, rendered as XTML text."""
     if effort not in EFFORTS:
-        raise ValueError(f"unknown effort {effort!r}; expected one of {EFFORTS}")
+        raise UserError(f"unknown effort {effort!r}; expected one of {EFFORTS}")
     fam = get_family(family)
     task = fam.generate(1, seed=seed, difficulty=difficulty)[0]
     ep = run_episode_sync(fam.reference_policy(task, effort), fam.make_env(task), task)
