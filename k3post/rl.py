@@ -5,7 +5,7 @@
                                                           repeated until at least one group has all K samples
         r       = verifier reward, or the GRM tournament  non-verifiable families (§3.4)
         r'      = effort override: −1 if T(y) > τ_e·b0(x) (§3.3)
-        A       = r' − mean_group(r')                     zero-variance groups are counted and skipped
+        A       = r' − mean_group(r')                     zero-variance groups train with A = 0 (τ·ℓ² only)
         loss    = policy_loss over every sampled token     behaviour log-probs from the engine (§3.1)
         optimizer step; engine.update_weights()           co-located: same tensors, version bump
         metrics; checkpoint (weights, optimizer, scheduler with paused trajectories, KV pool)
@@ -77,6 +77,9 @@ class RLConfig:
     regulariser), ``clip_eps_low`` / ``clip_eps_high`` (PPO/DAPO clipping; inf = off),
     ``stop_gradient_ratio`` (CISPO), ``sequence_ratio`` (GSPO), ``seq_mean`` (sequence-mean aggregation);
     e.g. DAPO: ``log_ratio_min=-.inf log_ratio_max=.inf tau=0 clip_eps_low=0.2 clip_eps_high=0.28``.
+    ``skip_zero_variance``: drop groups whose rewards are all equal from the loss (DAPO's dynamic-sampling
+    shortcut). Off by default: SPEC §3.1 applies τ·ℓ² to every sampled token and N counts them all, so such
+    groups train with advantage 0 (only the regulariser acts on their possibly stale tokens).
     Tasks: ``families``, the families trained in each domain (a domain with none listed trains all its
     verifiable families, plus the non-verifiable ones when a ``judge`` is set), ``difficulty``, ``n_tasks`` training prompts per family (cycled), ``eval_n``
     held-out tasks per family.
@@ -122,6 +125,7 @@ class RLConfig:
     sequence_ratio: bool = False
     seq_mean: bool = False
     normalize_std: bool = False
+    skip_zero_variance: bool = False
     judge: str = ""
     judge_model: str = ""
     grm_sigma: float = 1.5
@@ -485,7 +489,7 @@ def _score(
     adv = group_advantages_from_groups(rewards_out, normalize_std=cfg.normalize_std)
     seqs: list[TokenSequence] = []
     for g, a_g, skip in zip(groups, adv.advantages, adv.skip):
-        if skip:
+        if skip and cfg.skip_zero_variance:
             continue
         for t, a in zip(g.trajectories, a_g):
             seqs.append(TokenSequence(list(t.token_ids), list(t.trainable), list(t.logprobs),
@@ -501,5 +505,6 @@ def _score(
         "budget_violation_rate": sums["violation_rate"] / n if n else 0.0,
         "effort_ratio": sums["mean_ratio"] / n if n else nan,
     }
-    adv_stats = {"zero_variance_groups": float(adv.num_zero_variance), "trained_groups": float(len(groups) - adv.num_zero_variance)}
+    trained = len(groups) - (adv.num_zero_variance if cfg.skip_zero_variance else 0)
+    adv_stats = {"zero_variance_groups": float(adv.num_zero_variance), "trained_groups": float(trained)}
     return seqs, rows, adv_stats

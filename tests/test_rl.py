@@ -97,7 +97,8 @@ def test_score_golden():
     Group 0 (task x, b0 = 10, effort max, τ = min(2, 4) = 2 → limit 20):
       rewards [1, 0, 1, 1], thinking tokens [5, 8, 25, 12] → sample 2 exceeds 20 → r' = [1, 0, −1, 1]
       mean r' = 0.25 → A = [0.75, −0.25, −1.25, 0.75]
-    Group 1: rewards [1, 1, 1, 1], T all 5 → zero variance → skipped.
+    Group 1: rewards [1, 1, 1, 1], T all 5 → zero variance → A = 0 on its tokens (the regulariser still acts,
+    SPEC §3.1), or dropped with rl.skip_zero_variance.
     """
     fam = get_family("general.arithmetic")
     tasks = fam.generate(2, seed=3)
@@ -113,8 +114,11 @@ def test_score_golden():
     g0 = Group(0, tasks[0].to_dict(), [traj(tasks[0], 0, j, r, th) for j, (r, th) in enumerate(zip([1, 0, 1, 1], [5, 8, 25, 12]))])
     g1 = Group(1, tasks[1].to_dict(), [traj(tasks[1], 1, j, 1.0, 5) for j in range(4)])
     seqs, rows, adv = _score([g0, g1], None, table, RLConfig())
-    assert adv == {"zero_variance_groups": 1.0, "trained_groups": 1.0}
-    assert [s.advantages for s in seqs] == [[0.0, a, a, 0.0] for a in (0.75, -0.25, -1.25, 0.75)]
+    assert adv == {"zero_variance_groups": 1.0, "trained_groups": 2.0}
+    assert [s.advantages for s in seqs] == [[0.0, a, a, 0.0] for a in (0.75, -0.25, -1.25, 0.75, 0, 0, 0, 0)]
+    assert sum(s.num_trainable for s in seqs) == 16  # N counts the zero-variance group's tokens too
+    skipped, _, adv = _score([g0, g1], None, table, RLConfig(skip_zero_variance=True))
+    assert adv == {"zero_variance_groups": 1.0, "trained_groups": 1.0} and skipped == seqs[:4]
     assert rows["reward"] == pytest.approx(7 / 8)
     assert rows["reward_after_override"] == pytest.approx((1 + 0 - 1 + 1 + 4) / 8)
     assert rows["budget_violation_rate"] == pytest.approx(1 / 8)
@@ -381,7 +385,7 @@ def test_judged_family_is_rewarded_by_the_grm_through_rl_judge(warm_policy, tmp_
     scorer.l0 = {}  # no length guard: every comparison reaches the judge
     seqs, rows, adv = _score([Group(0, task.to_dict(), trajs)], scorer, table, _cfg(effort_control=EffortConfig()))
     assert [t.reward for t in trajs] == [0.5, 0.5, 0.5]
-    assert adv["zero_variance_groups"] == 1.0 and seqs == []
+    assert adv["zero_variance_groups"] == 1.0 and [s.advantages.count(0.0) == len(s.advantages) for s in seqs] == [True] * 3
     st = scorer.stats
     assert st.comparisons == 3 and st.ties == 3 and st.guard_ties == 0 and st.invalid >= 3 and st.retried >= 3
 
