@@ -173,6 +173,7 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
     returns the summary written to ``run/mopd/summary.json``."""
     from k3post.experts import load_policy
     from k3post.mopd import TeacherPool, eval_caps, evaluate_mopd, mopd_eval_tasks, train_mopd
+    from k3post.rl import rollout_gap
     from k3post.rollout.embedded import EmbeddedEngine
 
     m = mopd_config_for_run(cfg, run / "experts")
@@ -189,7 +190,7 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
         teacher_stats = dict(pool.stats)  # training and evaluation together
     finally:
         pool.close()
-    out = {"steps": res.steps, "seconds": res.seconds, "teacher_stats": teacher_stats,
+    out = {"steps": res.steps, "seconds": res.seconds, "teacher_stats": teacher_stats, "rollout_gap": rollout_gap(res.history),
            "opd_reward_curve": [h.get("opd_reward", float("nan")) for h in res.history],
            "reverse_kl_curve": [h.get("reverse_kl", float("nan")) for h in res.history], "table": table}
     (run / "mopd" / "summary.json").write_text(json.dumps(out, indent=1, default=float))

@@ -30,7 +30,7 @@ import torch
 from k3post.errors import UserError
 from k3post.config import K3Config
 from k3post.data import load_sft_jsonl, write_jsonl
-from k3post.evaluate import evaluate_family, greedy_complete, train_inference_logprob_gap
+from k3post.evaluate import evaluate_family
 from k3post.experts import train_experts
 from k3post.metrics import MetricsLogger
 from k3post.models import build_tiny_moe, count_parameters, load_model, save_model
@@ -246,14 +246,9 @@ def run_demo(cfg: K3Config) -> Path:
         torch.set_num_threads(threads)
     phase("sft", t0)
 
-    # 5. held-out pass rate after SFT; train-vs-inference log-prob gap of the QAT policy
+    # 5. held-out pass rate after SFT
     t0 = time.perf_counter()
     eval_all("sft")
-    probe = [xtml.render(list(t.messages), effort="max", add_generation_prompt=True).ids for t in eval_tasks[:32]]
-    comps = greedy_complete(model, probe, max_new_tokens=cfg.eval.max_new_tokens, stop_id=stop_id, pad_id=pad_id)
-    gap = train_inference_logprob_gap(model, [p + c for p, c in zip(probe, comps)], pad_id=pad_id)
-    summary.update(logprob_gap=gap)
-    print(f"  train-vs-inference log-prob gap: max {gap['max_abs']:.3g} over {gap['tokens']} tokens")
     phase("eval sft", t0)
 
     if compare:

@@ -8,7 +8,7 @@ temperature > 0 gives one sample per prompt (pass@1 at that temperature), prompt
 batching. A QAT model (``k3post.quant.qat.apply_qat``) is evaluated with its MX fake-quant
 forward, as the engine runs the patched experts. The RL loop passes the engine it already holds.
 
-Shape legend: B sequences in a batch, T positions (``train_inference_logprob_gap``).
+Shape legend: none (token lists only).
 """
 
 from __future__ import annotations
@@ -190,33 +190,3 @@ def count_think_tokens(xtml: XTML, completion: Sequence[int]) -> int:
     ids = list(completion)
     return ids.index(close) if close in ids else len(ids)
 
-
-def sequence_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attn_BT: torch.Tensor) -> torch.Tensor:
-    """log p(token_t | tokens_<t) for t ≥ 1, from one full forward: [B, T-1] (float32)."""
-    logits = model(input_ids=ids_BT, attention_mask=attn_BT, use_cache=False).logits.float()
-    return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids_BT[:, 1:, None]).squeeze(-1)
-
-
-def train_inference_logprob_gap(
-    model: torch.nn.Module, sequences: Sequence[Sequence[int]], *, pad_id: int
-) -> dict[str, float]:
-    """Max |Δ log p| over the tokens of `sequences` between the training forward (train mode, autograd on)
-    and the inference forward (eval mode, inference_mode). With QAT both use the same MX quantizer, so on
-    CPU the gap is exactly 0.
-    """
-    L = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), L), pad_id, dtype=torch.long)
-    att = torch.zeros_like(ids)
-    for i, s in enumerate(sequences):
-        ids[i, : len(s)] = torch.tensor(list(s))
-        att[i, : len(s)] = 1
-    valid = att[:, 1:].bool()
-    was_training = model.training
-    model.train()
-    train_lp = sequence_logprobs(model, ids, att).detach()
-    model.eval()
-    with torch.inference_mode():
-        infer_lp = sequence_logprobs(model, ids, att)
-    model.train(was_training)
-    diff = (train_lp - infer_lp).abs()[valid]
-    return {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()), "tokens": int(valid.sum())}

@@ -41,7 +41,8 @@ from k3post.metrics import MetricsLogger
 from k3post.models import load_model
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rewards.effort import BudgetTable, Curriculum, estimate_budgets
-from k3post.rl import GroupScorer, RLConfig, build_group_scorer, domain_families, eval_tasks, train_rl, train_tasks
+from k3post.rl import (GroupScorer, RLConfig, build_group_scorer, domain_families, eval_tasks, rollout_gap, train_rl,
+                       train_tasks)
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.evaluation import evaluate_episodes
 from k3post.tokenizer import load_tokenizer
@@ -248,6 +249,7 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
         "sft_pass_rate": before["overall"]["pass_rate"], "sft_mean_effort_tokens": before["overall"]["mean_effort_tokens"],
         "eval": res.eval,
         "final_violation_rate": _tail(res.history, "budget_violation_rate"),
+        "rollout_gap": rollout_gap(res.history),
         "final_effort_ratio": _tail(res.history, "effort_ratio"),
         "reward_curve": [h.get("reward", float("nan")) for h in res.history],
         "effort_tokens_curve": [h.get("effort_tokens", float("nan")) for h in res.history],

@@ -39,19 +39,26 @@ class TokenSequence:
         mask: True for tokens the model sampled (the only ones with a loss).
         behavior_logp: log π_old of each sampled token as the rollout engine recorded it (0 elsewhere).
         advantages: per-token advantage (0 where mask is False).
+        versions: optional, the policy version that sampled each token (-1 elsewhere), as the rollout
+            engine stamped it; `policy_step` measures the train–rollout gap on the tokens sampled by the
+            weights it trains.
     """
 
     token_ids: list[int]
     mask: list[bool]
     behavior_logp: list[float]
     advantages: list[float]
+    versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
-        if not (len(self.mask) == len(self.behavior_logp) == len(self.advantages) == n):
+        if not (len(self.mask) == len(self.behavior_logp) == len(self.advantages) == n) or (
+            self.versions is not None and len(self.versions) != n
+        ):
             raise ValueError(
                 f"TokenSequence fields differ in length: token_ids {n}, mask {len(self.mask)}, "
                 f"behavior_logp {len(self.behavior_logp)}, advantages {len(self.advantages)}"
+                + (f", versions {len(self.versions)}" if self.versions is not None else "")
             )
         if n and self.mask[0]:
             raise ValueError("TokenSequence: the first token cannot be trainable (nothing predicts it)")
@@ -125,12 +132,14 @@ def micro_batches(lengths: Sequence[int], micro_batch_tokens: int) -> list[list[
     return out
 
 
-def _collate(seqs: Sequence[TokenSequence], pad_id: int) -> dict[str, torch.Tensor]:
+def _collate(seqs: Sequence[TokenSequence], pad_id: int, version: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded batch tensors; ``fresh`` marks the sampled tokens stamped with ``version``."""
     T = max(len(s.token_ids) for s in seqs)
     B = len(seqs)
     ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
     attn_BT = torch.zeros((B, T), dtype=torch.long)
     mask_BT = torch.zeros((B, T), dtype=torch.bool)
+    fresh_BT = torch.zeros((B, T), dtype=torch.bool)
     beh_BT = torch.zeros((B, T), dtype=torch.float32)
     adv_BT = torch.zeros((B, T), dtype=torch.float32)
     for b, s in enumerate(seqs):
@@ -138,9 +147,11 @@ def _collate(seqs: Sequence[TokenSequence], pad_id: int) -> dict[str, torch.Tens
         ids_BT[b, :n] = torch.tensor(s.token_ids, dtype=torch.long)
         attn_BT[b, :n] = 1
         mask_BT[b, :n] = torch.tensor(s.mask, dtype=torch.bool)
+        if version is not None and s.versions is not None:
+            fresh_BT[b, :n] = mask_BT[b, :n] & (torch.tensor(s.versions, dtype=torch.long) == version)
         beh_BT[b, :n] = torch.tensor(s.behavior_logp, dtype=torch.float32)
         adv_BT[b, :n] = torch.tensor(s.advantages, dtype=torch.float32)
-    return {"ids": ids_BT, "attn": attn_BT, "mask": mask_BT, "behavior": beh_BT, "adv": adv_BT}
+    return {"ids": ids_BT, "attn": attn_BT, "mask": mask_BT, "fresh": fresh_BT, "behavior": beh_BT, "adv": adv_BT}
 
 
 def policy_step(
@@ -152,11 +163,18 @@ def policy_step(
     loss_kwargs: Mapping[str, Any] | None = None,
     micro_batch_tokens: int = 8192,
     grad_clip: float = 1.0,
+    version: int | None = None,
 ) -> dict[str, float]:
     """One optimizer step of `policy_loss` over ``seqs`` (module doc). Returns metrics: loss,
     grad_norm, the token-weighted means of policy_loss's metrics, max_abs_log_ratio (max),
     entropy, train_rollout_logp_gap (mean |logp − behaviour| over sampled tokens, measured by
-    the same forward that trains), num_tokens, num_sequences, micro_batches."""
+    the same forward that trains: staleness included), num_tokens, num_sequences, micro_batches.
+
+    With ``version`` (the policy version of the weights being trained), also the train–rollout gap
+    proper, over the sampled tokens stamped with that version (``TokenSequence.versions``): the same
+    weights on both sides, so |logp − behaviour| is what the trainer's forward and the rollout engine's
+    forward disagree on (kernels, QAT paths), not staleness: rollout_gap_mean, rollout_gap_max and
+    rollout_gap_tokens (SPEC §5: measured and logged every step)."""
     seqs = [s for s in seqs if s.num_trainable > 0]
     if not seqs:
         return {"num_tokens": 0.0, "num_sequences": 0.0}
@@ -167,10 +185,15 @@ def policy_step(
     sums: dict[str, float] = {}
     max_abs = 0.0
     loss_total = 0.0
+    gap_sum, gap_max, gap_n = 0.0, 0.0, 0
     groups = micro_batches([len(s.token_ids) for s in seqs], micro_batch_tokens)
     for idx in groups:
-        batch = _collate([seqs[i] for i in idx], pad_id)
+        batch = _collate([seqs[i] for i in idx], pad_id, version)
         logp_BT, ent_BT = token_logprobs(model, batch["ids"], batch["attn"], entropy_mask_BT=batch["mask"])
+        with torch.no_grad():
+            gap_N = (logp_BT.detach() - batch["behavior"])[batch["fresh"]].abs()
+            if gap_N.numel():
+                gap_sum, gap_max, gap_n = gap_sum + float(gap_N.sum()), max(gap_max, float(gap_N.max())), gap_n + gap_N.numel()
         loss, m = policy_loss(
             logp_BT, batch["behavior"], batch["adv"], batch["mask"], token_normalizer=float(n_total),
             entropy_BT=ent_BT, **kwargs,
@@ -194,4 +217,7 @@ def policy_step(
         loss=loss_total, grad_norm=grad_norm, max_abs_log_ratio=max_abs, num_tokens=float(n_total),
         num_sequences=float(len(seqs)), micro_batches=float(len(groups)),
     )
+    if version is not None:
+        out.update(rollout_gap_mean=gap_sum / gap_n if gap_n else float("nan"), rollout_gap_max=gap_max,
+                   rollout_gap_tokens=float(gap_n))
     return out

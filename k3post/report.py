@@ -110,13 +110,19 @@ def _sft_section(run: Path, summary: dict[str, Any]) -> str:
         ("QAT", "qat"), ("resumed from step", "resumed_from"),
     ]
     parts.append(_table([""] + runs, [[label] + [summary[t].get(k, "") for t in runs] for label, k in keys]))
-    gap = summary.get("logprob_gap")
-    if gap:
-        parts.append(
-            f"<p>Train–inference log-prob gap of the QAT policy (training forward vs inference forward, same tokens, "
-            f"same MX quantizer): max |Δ log p| = <b>{gap['max_abs']:.3g}</b>, mean {gap['mean_abs']:.3g}, over {gap['tokens']} tokens.</p>"
-        )
     return "\n".join(parts)
+
+
+def _gap_table(rows: list[tuple[str, dict[str, float]]]) -> str:
+    """The train–rollout log-prob gap of RL / MOPD runs (`k3post.rl.rollout_gap`)."""
+    rows = [(name, g) for name, g in rows if g and g.get("tokens")]
+    if not rows:
+        return ""
+    return ("<p>Train–rollout log-prob gap with QAT: |log π (trainer's forward) − log π (the rollout engine's, "
+            "recorded when it sampled)| over the tokens each step trained with the weights that sampled them "
+            "(SPEC §5: kernel noise only; a QAT path missing on either side gives a mean above 5e-3).</p>"
+            + _table(["run", "mean |Δ log p|", "max |Δ log p|", "tokens"],
+                     [[name, f"{g['mean']:.2e}", f"{g['max']:.2e}", int(g["tokens"])] for name, g in rows]))
 
 
 def _eval_section(summary: dict[str, Any]) -> str:
@@ -200,6 +206,7 @@ def _rl_section(run: Path, summary: dict[str, Any]) -> str:
     parts.append("<p>Targets: RL raises held-out pass rate over SFT; <code>low</code> uses ≤ 40% of <code>max</code>'s "
                  "tokens; budget violations ≤ 3% at the end of each effort's training.</p>")
     parts.append(_table(["domain", "efforts where RL > SFT", "T(low) / T(max)", "≤ 0.4", "max violation rate", "≤ 3%"], checks))
+    parts.append(_gap_table([(name, e.get("rollout_gap", {})) for name, e in ex.items()]))
     for d in domains:
         series = {e: (list(range(1, len(ex[f"{d}.{e}"]["reward_curve"]) + 1)), ex[f"{d}.{e}"]["reward_curve"])
                   for e in efforts if f"{d}.{e}" in ex}
@@ -234,6 +241,7 @@ def _mopd_section(run: Path, summary: dict[str, Any]) -> str:
     parts.append(_table(["domain", "student mean T(y) by effort", "low < high < max"],
                         [[d, ", ".join(f"{e} {v:.1f}" for e, v in o["tokens"].items()), "yes" if o["ok"] else "no"]
                          for d, o in t["order"].items()]))
+    parts.append(_gap_table([("MOPD student", m.get("rollout_gap", {}))]))
     curve = m.get("opd_reward_curve") or []
     if curve:
         xs = list(range(1, len(curve) + 1))

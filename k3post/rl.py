@@ -29,7 +29,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,7 @@ from k3post.xtml import EFFORTS, XTML
 log = logging.getLogger(__name__)
 
 __all__ = ["RLConfig", "RLResult", "GroupScorer", "Signal", "PolicyLoop", "domain_families", "train_tasks", "eval_tasks", "loss_kwargs",
-           "rl_signal", "train_policy", "train_rl", "check_turn_caps"]
+           "rl_signal", "train_policy", "train_rl", "check_turn_caps", "rollout_gap"]
 
 # seeds of the task streams: training prompts and held-out evaluation never share a seed
 _TRAIN_SEED, _EVAL_SEED = 7_000, 9_000
@@ -328,7 +328,8 @@ class PolicyLoop:
         seqs, sig = self.signal(groups)
         t2 = time.perf_counter()
         train_m = policy_step(self.model, self.opt, seqs, pad_id=self.pad_id, loss_kwargs=self.loss_kwargs,
-                              micro_batch_tokens=self.cfg.micro_batch_tokens, grad_clip=self.cfg.grad_clip)
+                              micro_batch_tokens=self.cfg.micro_batch_tokens, grad_clip=self.cfg.grad_clip,
+                              version=self.engine.version)
         self.model.eval()  # once here, not a train/eval switch inside every engine step (~13% of generation time)
         version = self.engine.update_weights({})
         t3 = time.perf_counter()
@@ -416,6 +417,17 @@ def train_policy(
     return pl.step_no, pl.history, resumed_from, pl.engine, pl.loop
 
 
+def rollout_gap(history: Sequence[Mapping[str, float]], prefix: str = "train/") -> dict[str, float]:
+    """The train–rollout log-prob gap over a run's steps (`policy_step`'s ``rollout_gap_*``): the token-weighted
+    mean and the max of |log π_trainer − log π_engine| over the sampled tokens each step trained with the
+    weights that sampled them, and how many tokens that was."""
+    n = sum(h.get(f"{prefix}rollout_gap_tokens", 0.0) for h in history)
+    total = sum(h[f"{prefix}rollout_gap_mean"] * h[f"{prefix}rollout_gap_tokens"] for h in history
+                if h.get(f"{prefix}rollout_gap_tokens", 0.0) > 0)
+    return {"mean": total / n if n else float("nan"), "max": max((h.get(f"{prefix}rollout_gap_max", 0.0) for h in history),
+                                                             default=float("nan")), "tokens": n}
+
+
 def check_turn_caps(cfg: RLConfig, tokenizer: Any, family_names: Sequence[str], *, n: int = 8) -> int:
     """Warn when ``cfg.max_tokens`` or ``cfg.eval_max_tokens`` (tokens per assistant turn) is below the
     longest turn of the families' reference solutions at ``cfg.effort`` (measured on ``n`` tasks per
@@ -493,7 +505,7 @@ def _score(
             continue
         for t, a in zip(g.trajectories, a_g):
             seqs.append(TokenSequence(list(t.token_ids), list(t.trainable), list(t.logprobs),
-                                      [a if m else 0.0 for m in t.trainable]))
+                                      [a if m else 0.0 for m in t.trainable], list(t.versions)))
     flat_in = [x for r in rewards_in for x in r]
     n = len(flat_in)
     nan = float("nan")

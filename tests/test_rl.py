@@ -91,6 +91,35 @@ def test_rl_trains_and_resumes_exactly_after_a_kill(warm_policy, tmp_path):
         assert torch.equal(p, q), n
 
 
+def test_train_rollout_gap_with_qat_is_kernel_noise(warm_policy, tmp_path, monkeypatch):
+    """SPEC §5: with QAT on both sides, the log-probs the engine sampled with and the trainer's forward on
+    the same tokens (same weights: λ = 1, every token on-policy) differ by kernel noise only. Measured:
+    mean ~1e-7, max < 1e-3 (an MXFP8 rounding flip). The bound is one a missing QAT path on either side
+    exceeds by 10x: the engine without its activation fake-quant (checked here) gives a mean of 6-7e-3 and a
+    max of 0.16, without its weight fake-quant 1.6-1.9e-2 / 0.45, the trainer without activation fake-quant
+    6-7e-3 / 0.17 (docs/decisions.md)."""
+    from k3post.quant.qat import QATConfig, apply_qat
+    from k3post.rl import rollout_gap
+    from k3post.rollout import embedded
+
+    model0, tok = warm_policy
+    cfg = _cfg(steps=2, lambda_=1.0)
+    budgets = _budgets(model0, tok, cfg)
+
+    def gaps(tag):
+        m = copy.deepcopy(model0)
+        apply_qat(m, QATConfig())
+        hist = train_rl(m, tok, cfg, tmp_path / tag, budgets=budgets, evaluate=False).history
+        assert all(h["train/rollout_gap_tokens"] == h["train/num_tokens"] > 0 for h in hist)  # λ = 1: all on-policy
+        return rollout_gap(hist)
+
+    ok = gaps("ok")
+    assert ok["mean"] < 5e-4 and ok["max"] < 2e-2, ok
+    monkeypatch.setattr(embedded, "_fake_quant_act", lambda x, fmt, block_size: x)  # an engine that skips it
+    broken = gaps("broken")
+    assert broken["mean"] > 10 * 5e-4 and broken["max"] > 2e-2, broken
+
+
 def test_score_golden():
     """Rewards → override → advantages → sequences, by hand.
 
@@ -154,6 +183,26 @@ def test_token_logprobs_match_hf_forward(warm_policy):
             assert lp[b, t].item() == pytest.approx(ref[b, t - 1, ids[b, t]].item(), abs=1e-5)
             assert ent[b, t].item() == pytest.approx(-(ref[b, t - 1].exp() * ref[b, t - 1]).sum().item(), abs=1e-5)
     assert torch.all(lp[:, 0] == 0)
+
+
+def test_rollout_gap_counts_only_tokens_of_the_trained_version(warm_policy):
+    """Golden: behaviour log-probs set to the model's own log-prob + 0.5 on the version-3 tokens and + 2.0 on
+    version-2 (stale) ones; at version 3 the gap is mean 0.5 = max over the 3 fresh tokens, the stale ones and
+    the env token (version -1) excluded. Without ``version`` no gap is reported."""
+    model, tok = warm_policy
+    m = copy.deepcopy(model)
+    ids = [[3, 17, 40, 9, 12], [7, 8, 9, 10, 11]]
+    with torch.no_grad():
+        lp = token_logprobs(m.train(), torch.tensor(ids), torch.ones(2, 5, dtype=torch.long))[0].tolist()
+    versions = [[-1, 3, 3, -1, 2], [-1, 2, 3, 2, 2]]
+    mask = [[v >= 0 for v in row] for row in versions]
+    beh = [[(lp[b][t] + (0.5 if v == 3 else 2.0)) if v >= 0 else 0.0 for t, v in enumerate(row)] for b, row in enumerate(versions)]
+    seqs = [TokenSequence(ids[b], mask[b], beh[b], [0.0] * 5, versions[b]) for b in range(2)]
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    out = policy_step(m, opt, seqs, pad_id=0, version=3)
+    assert out["rollout_gap_tokens"] == 3.0 and out["num_tokens"] == 7.0
+    assert out["rollout_gap_mean"] == pytest.approx(0.5, abs=1e-5) and out["rollout_gap_max"] == pytest.approx(0.5, abs=1e-5)
+    assert "rollout_gap_mean" not in policy_step(m, opt, seqs, pad_id=0)
 
 
 def test_policy_step_accumulation_equals_one_batch(warm_policy):
