@@ -133,10 +133,11 @@ def run_experts(cfg: K3Config) -> Path:
     out = run / "experts"
     table = train_experts(init, cfg.rl, out, qat=cfg.qat, metrics=metrics)
     metrics.close()
-    print(f"{'expert':16} {'pass (SFT)':>14} {'T(y) (SFT)':>16} {'viol.':>6}")
+    print(f"{'expert':16} {'pass (SFT)':>14} {'paired change':>30} {'T(y) (SFT)':>16} {'viol.':>6}")
     for name, e in table["experts"].items():
-        print(f"{name:16} {e['pass_rate']:6.3f} ({e['sft_pass_rate']:.3f}) {e['mean_effort_tokens']:7.1f} "
-              f"({e['sft_mean_effort_tokens']:6.1f}) {e['final_violation_rate']:6.3f}")
+        ch = e["change"]
+        print(f"{name:16} {e['pass_rate']:6.3f} ({e['sft_pass_rate']:.3f}) {ch['verdict']:>21} p={ch['p_value']:.3g} "
+              f"{e['mean_effort_tokens']:7.1f} ({e['sft_mean_effort_tokens']:6.1f}) {e['final_violation_rate']:6.3f}")
     print(f"experts → {out} (table.json)")
     raise_if_failed(table)
     return out

@@ -36,7 +36,7 @@ class DataConfig:
     # training tasks of the families named here instead of n_per_family: coding.write_function gets enough
     # samples for the SFT model to pass some of its tasks, so coding RL starts with reward variance
     family_tasks: dict[str, int] = field(default_factory=lambda: {"coding.write_function": 100})
-    n_eval: int = 200  # held-out eval_family tasks, disjoint from training
+    n_eval: int = 400  # held-out eval_family tasks, disjoint from training (400: a +5-point change is detectable)
     difficulty: int = 1
     efforts: list[str] = field(default_factory=lambda: ["max", "high", "low"])
     # share of each effort among eval_family's training samples (k3post.synth.mix; `*/max` style keys);

@@ -40,6 +40,7 @@ from k3post.sft import train_sft
 from k3post.commands import default_corpus, distill, open_run, raise_if_failed
 from k3post.envs.families import families, get_family
 from k3post.envs.task import canonical_json
+from k3post.stats import format_rate, paired_change
 from k3post.synth import VerifyConfig, build_sft_dataset, mix
 from k3post.tokenizer import load_tokenizer, train_tokenizer
 from k3post.xtml import XTML
@@ -222,7 +223,7 @@ def run_demo(cfg: K3Config) -> Path:
         }
         summary.update(eval=evals)
         for e, r in evals[tag].items():
-            print(f"  {tag:>10} @ {e:<4}: pass {r['pass_rate']:.3f}  think tokens {r['mean_think_tokens']:.1f}")
+            print(f"  {tag:>10} @ {e:<4}: pass {format_rate(r['pass_rate'], r['n'])}  think tokens {r['mean_think_tokens']:.1f}")
 
     if "base" not in evals:
         eval_all("base")
@@ -257,8 +258,10 @@ def run_demo(cfg: K3Config) -> Path:
         evals["sft_noqat"] = {
             "max": evaluate_family(baseline, xtml, eval_family, eval_tasks, effort="max", cfg=cfg.eval)
         }
-        summary.update(eval=evals)
-        print(f"  sft_noqat @ max : pass {evals['sft_noqat']['max']['pass_rate']:.3f}")
+        qat_vs_noqat = paired_change(evals["sft_noqat"]["max"]["passed"], evals["sft"]["max"]["passed"])
+        summary.update(eval=evals, qat_vs_noqat=qat_vs_noqat)
+        print(f"  sft_noqat @ max : pass {format_rate(evals['sft_noqat']['max']['pass_rate'], evals['sft_noqat']['max']['n'])}; "
+              f"QAT - no QAT {qat_vs_noqat['delta']:+.3f} (McNemar p = {qat_vs_noqat['p_value']:.3g}: {qat_vs_noqat['verdict']})")
         phase("eval sft_noqat", t0)
 
     # 6. Stage 2 RL: the nine experts, domain x (max -> high -> low), the domains in parallel processes
@@ -270,8 +273,8 @@ def run_demo(cfg: K3Config) -> Path:
         summary.update(experts={k: {kk: v for kk, v in e.items() if kk != "eval"} for k, e in table["experts"].items()},
                        experts_failed={k: {kk: v for kk, v in f.items() if kk != "traceback"} for k, f in table["failed"].items()})
         for name, e in table["experts"].items():
-            print(f"  expert {name:14}: pass {e['sft_pass_rate']:.3f} → {e['pass_rate']:.3f}   "
-                  f"T(y) {e['sft_mean_effort_tokens']:.1f} → {e['mean_effort_tokens']:.1f}")
+            print(f"  expert {name:14}: pass {e['sft_pass_rate']:.3f} → {e['pass_rate']:.3f} (n={e['n']}, {e['change']['verdict']}, "
+                  f"p = {e['change']['p_value']:.3g})   T(y) {e['sft_mean_effort_tokens']:.1f} → {e['mean_effort_tokens']:.1f}")
         for name, f in table["failed"].items():
             print(f"  expert {name:14}: FAILED{f' in step ' + str(f['step']) if f.get('step') is not None else ''}: "
                   f"{f['error']}{'  (traceback: ' + f['log'] + ')' if f.get('log') else ''}")

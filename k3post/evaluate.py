@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.engine import GenerationRequest, SamplingParams, request_seed
+from k3post.stats import wilson_interval
 
 if TYPE_CHECKING:
     from k3post.xtml import XTML
@@ -171,12 +172,16 @@ def evaluate_family(
         if len(examples) < cfg.n_examples:
             examples.append({"task": t.id, "completion": xtml.tokenizer.decode(ids)[:600], "reward": r})
     n = max(len(tasks), 1)
+    passed = [r >= 1.0 for r in rewards]
     return {
         "family": family.name,
         "effort": effort,
         "temperature": cfg.temperature,
         "n": len(tasks),
         "pass_rate": sum(rewards) / n,
+        "pass_ci95": list(wilson_interval(sum(passed), len(tasks))),
+        "task_ids": [t.id for t in tasks],
+        "passed": passed,
         "mean_think_tokens": sum(think_tokens) / n,
         "mean_output_tokens": sum(out_tokens) / n,
         "malformed": malformed,

@@ -45,6 +45,7 @@ from k3post.rl import (GroupScorer, RLConfig, build_group_scorer, domain_familie
                        train_tasks)
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.evaluation import evaluate_episodes
+from k3post.stats import paired_change
 from k3post.tokenizer import load_tokenizer
 from k3post.xtml import XTML
 
@@ -242,11 +243,16 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
         shutil.rmtree(dest)
     tmp.rename(dest)
     before = table["before"][stage.domain][stage.effort]
+    after = res.eval["overall"]
+    if before["overall"]["task_ids"] != after["task_ids"]:  # the paired test needs the same held-out tasks, in the same order
+        raise RuntimeError(f"{stage.expert}: the SFT and expert evaluations ran different tasks")
     table["experts"][stage.expert] = {
         "domain": stage.domain, "effort": stage.effort, "init_from": stage.init_from, "steps": res.steps,
-        "families": fams, "scale": stage.scale,
-        "pass_rate": res.eval["overall"]["pass_rate"], "mean_effort_tokens": res.eval["overall"]["mean_effort_tokens"],
-        "sft_pass_rate": before["overall"]["pass_rate"], "sft_mean_effort_tokens": before["overall"]["mean_effort_tokens"],
+        "families": fams, "scale": stage.scale, "n": after["n"],
+        "pass_rate": after["pass_rate"], "pass_ci95": after["pass_ci95"], "mean_effort_tokens": after["mean_effort_tokens"],
+        "sft_pass_rate": before["overall"]["pass_rate"], "sft_pass_ci95": before["overall"]["pass_ci95"],
+        "sft_mean_effort_tokens": before["overall"]["mean_effort_tokens"],
+        "change": paired_change(before["overall"]["passed"], after["passed"]),
         "eval": res.eval,
         "final_violation_rate": _tail(res.history, "budget_violation_rate"),
         "rollout_gap": rollout_gap(res.history),
@@ -255,8 +261,9 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
         "effort_tokens_curve": [h.get("effort_tokens", float("nan")) for h in res.history],
         "seconds": time.perf_counter() - t0,
     }
-    log.info("expert %s: pass %.3f (SFT %.3f), T %.1f", stage.expert, table["experts"][stage.expert]["pass_rate"],
-             before["overall"]["pass_rate"], table["experts"][stage.expert]["mean_effort_tokens"])
+    ch = table["experts"][stage.expert]["change"]
+    log.info("expert %s: pass %.3f (SFT %.3f; %s, p = %.3g), T %.1f", stage.expert, after["pass_rate"],
+             before["overall"]["pass_rate"], ch["verdict"], ch["p_value"], after["mean_effort_tokens"])
 
 
 def _count(items: Any) -> dict[str, int]:

@@ -68,6 +68,7 @@ from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.engine import request_seed, token_uniform
 from k3post.rollout.evaluation import evaluate_episodes, make_env
 from k3post.rollout.trajectory import Group, Trajectory
+from k3post.stats import paired_change
 from k3post.xtml import EFFORTS, XTML
 
 log = logging.getLogger(__name__)
@@ -536,7 +537,8 @@ def evaluate_mopd(
     token_tolerance: float = 0.2,
 ) -> dict[str, Any]:
     """The student vs each teacher on held-out ``tasks`` (domain → tasks, e.g. `mopd_eval_tasks`): greedy episodes of the student at each effort and of expert (d, e) as it scores in
-    MOPD (no effort message unless ``teacher_sees_effort``); pass rate and mean T(y) per (domain, effort),
+    MOPD (no effort message unless ``teacher_sees_effort``); pass rate with its Wilson interval, the paired
+    change teacher → student on the same tasks (`k3post.stats.paired_change`) and mean T(y) per (domain, effort),
     then `mopd_checks`. Teachers must be local (an endpoint scores, it is not sampled here).
     ``max_tokens``: the per-turn cap, one for all or domain → cap (e.g. `eval_caps`)."""
     rows = []
@@ -550,5 +552,7 @@ def evaluate_mopd(
             t = _episodes(teacher, xtml, ts, e if teacher_sees_effort else None, cap)
             rows.append({"domain": d, "effort": e, "expert": expert, "n": s["n"],
                          "student_pass": s["pass_rate"], "teacher_pass": t["pass_rate"],
+                         "student_ci95": s["pass_ci95"], "teacher_ci95": t["pass_ci95"],
+                         "student_vs_teacher": paired_change(t["passed"], s["passed"]),  # same tasks, same order
                          "student_tokens": s["mean_effort_tokens"], "teacher_tokens": t["mean_effort_tokens"]})
     return mopd_checks(rows, pass_ratio_min=pass_ratio_min, token_tolerance=token_tolerance)

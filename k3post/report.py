@@ -12,6 +12,7 @@ import html
 import io
 import json
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from k3post.metrics import read_metrics
@@ -125,6 +126,17 @@ def _gap_table(rows: list[tuple[str, dict[str, float]]]) -> str:
                      [[name, f"{g['mean']:.2e}", f"{g['max']:.2e}", int(g["tokens"])] for name, g in rows]))
 
 
+def _rate(p: float, ci: Sequence[float] | None) -> str:
+    """A pass rate with its 95% Wilson interval."""
+    return f"{p:.3f}" if not ci else f"{p:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def _change(c: dict[str, Any]) -> str:
+    """A paired comparison (`k3post.stats.paired_change`): the change, its interval, McNemar's p, the verdict."""
+    return (f"{c['before']:.3f} → {c['after']:.3f}, Δ {c['delta']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}], "
+            f"McNemar p = {c['p_value']:.3g}: <b>{html.escape(c['verdict'])}</b>")
+
+
 def _eval_section(summary: dict[str, Any]) -> str:
     ev = summary.get("eval")
     if not ev:
@@ -132,12 +144,16 @@ def _eval_section(summary: dict[str, Any]) -> str:
     fam = next((r.get("family") for by in ev.values() for r in by.values() if r.get("family")), None)
     n = next((r["n"] for by in ev.values() for r in by.values()), 0)
     parts = [f"<h2>Held-out pass rate{f' ({html.escape(fam)}, {n} tasks, greedy)' if fam else ''}</h2>"]
-    header = ["model", "effort", "pass rate", "mean think tokens", "mean output tokens", "malformed", "n"]
+    header = ["model", "effort", "pass rate [95% interval]", "mean think tokens", "mean output tokens", "malformed", "n"]
     rows = []
     for model_name, by_effort in ev.items():
         for effort, r in by_effort.items():
-            rows.append([model_name, effort, r["pass_rate"], r["mean_think_tokens"], r["mean_output_tokens"], r["malformed"], r["n"]])
+            rows.append([model_name, effort, _rate(r["pass_rate"], r.get("pass_ci95")), r["mean_think_tokens"],
+                         r["mean_output_tokens"], r["malformed"], r["n"]])
     parts.append(_table(header, rows))
+    cmp = summary.get("qat_vs_noqat")
+    if cmp:
+        parts.append(f"<p>SFT with QAT vs without, max effort, the same {cmp['n']} tasks: {_change(cmp)}.</p>")
     for model_name, by_effort in ev.items():
         for effort, r in by_effort.items():
             for ex in r.get("examples", [])[:1]:
@@ -188,24 +204,28 @@ def _rl_section(run: Path, summary: dict[str, Any]) -> str:
                 rows.append([d, e, f"FAILED{where}: {f['error']}{tb}", "", "", "", ""])
             if r is None:
                 continue
-            rows.append([d, e, f"{r['sft_pass_rate']:.3f} → {r['pass_rate']:.3f}",
+            ch = r.get("change")
+            rows.append([d, e, f"{_rate(r['sft_pass_rate'], r.get('sft_pass_ci95'))} → {_rate(r['pass_rate'], r.get('pass_ci95'))}",
+                         f"{ch['delta']:+.3f} [{ch['ci95'][0]:+.3f}, {ch['ci95'][1]:+.3f}], p = {ch['p_value']:.3g}: {ch['verdict']}"
+                         if ch else "", r.get("n", ""),
                          f"{r['sft_mean_effort_tokens']:.1f} → {r['mean_effort_tokens']:.1f}",
                          r["final_violation_rate"], r["steps"], r["seconds"]])
-    parts.append(_table(["domain", "effort", "pass rate (SFT → RL)", "mean T(y) (SFT → RL)",
-                         "budget violations (last steps)", "steps", "seconds"], rows))
+    parts.append(_table(["domain", "effort", "pass rate [95%] (SFT → RL)", "paired change (McNemar)", "n",
+                         "mean T(y) (SFT → RL)", "budget violations (last steps)", "steps", "seconds"], rows))
     checks = []
     for d in domains:
         if not any(f"{d}.{e}" in ex for e in efforts):
             continue
         m, lo = ex.get(f"{d}.max"), ex.get(f"{d}.low")
-        raised = [e for e in efforts if f"{d}.{e}" in ex and ex[f"{d}.{e}"]["pass_rate"] > ex[f"{d}.{e}"]["sft_pass_rate"]]
+        raised = [e for e in efforts if f"{d}.{e}" in ex and ex[f"{d}.{e}"].get("change", {}).get("verdict") == "higher"]
         ratio = lo["mean_effort_tokens"] / m["mean_effort_tokens"] if m and lo and m["mean_effort_tokens"] > 0 else float("nan")
         viol = max(ex[f"{d}.{e}"]["final_violation_rate"] for e in efforts if f"{d}.{e}" in ex)
         checks.append([d, f"{len(raised)}/{len(efforts)} ({', '.join(raised) or 'none'})", ratio,
                        "yes" if ratio <= 0.4 else "no", viol, "yes" if viol <= 0.03 else "no"])
-    parts.append("<p>Targets: RL raises held-out pass rate over SFT; <code>low</code> uses ≤ 40% of <code>max</code>'s "
+    parts.append("<p>Targets: RL raises held-out pass rate over SFT (counted only where the paired McNemar test on the "
+                 "same tasks gives p &lt; 0.05); <code>low</code> uses ≤ 40% of <code>max</code>'s "
                  "tokens; budget violations ≤ 3% at the end of each effort's training.</p>")
-    parts.append(_table(["domain", "efforts where RL > SFT", "T(low) / T(max)", "≤ 0.4", "max violation rate", "≤ 3%"], checks))
+    parts.append(_table(["domain", "efforts where RL > SFT (p < 0.05)", "T(low) / T(max)", "≤ 0.4", "max violation rate", "≤ 3%"], checks))
     parts.append(_gap_table([(name, e.get("rollout_gap", {})) for name, e in ex.items()]))
     for d in domains:
         series = {e: (list(range(1, len(ex[f"{d}.{e}"]["reward_curve"]) + 1)), ex[f"{d}.{e}"]["reward_curve"])
@@ -234,10 +254,13 @@ def _mopd_section(run: Path, summary: dict[str, Any]) -> str:
              "scoring the conversation without the effort message (SPEC §4). Held-out, greedy.</p>"]
     if m.get("left_out_domains"):
         parts.append(f"<p><b>Left out</b> (an expert of theirs failed): {html.escape(', '.join(m['left_out_domains']))}</p>")
-    rows = [[r["domain"], r["effort"], r["student_pass"], r["teacher_pass"], r["pass_ratio"], "yes" if r["pass_ok"] else "no",
+    rows = [[r["domain"], r["effort"], r.get("n", ""), _rate(r["student_pass"], r.get("student_ci95")),
+             _rate(r["teacher_pass"], r.get("teacher_ci95")), r["pass_ratio"], "yes" if r["pass_ok"] else "no",
+             (f"{r['student_vs_teacher']['delta']:+.3f}, p = {r['student_vs_teacher']['p_value']:.3g}: "
+              f"{r['student_vs_teacher']['verdict']}") if r.get("student_vs_teacher") else "",
              r["student_tokens"], r["teacher_tokens"], r["token_ratio"], "yes" if r["tokens_ok"] else "no"] for r in t["rows"]]
-    parts.append(_table(["domain", "effort", "student pass", "teacher pass", "ratio", "≥ 0.95", "student T(y)",
-                         "teacher T(y)", "ratio", "±20%"], rows))
+    parts.append(_table(["domain", "effort", "n", "student pass [95%]", "teacher pass [95%]", "ratio", "≥ 0.95",
+                         "student − teacher (paired)", "student T(y)", "teacher T(y)", "ratio", "±20%"], rows))
     parts.append(_table(["domain", "student mean T(y) by effort", "low < high < max"],
                         [[d, ", ".join(f"{e} {v:.1f}" for e, v in o["tokens"].items()), "yes" if o["ok"] else "no"]
                          for d, o in t["order"].items()]))

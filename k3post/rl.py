@@ -110,7 +110,7 @@ class RLConfig:
     kv_pool_mb: int = 64
     difficulty: int = 1
     n_tasks: int = 320
-    eval_n: int = 100
+    eval_n: int = 400
     eval_max_tokens: int = 128
     lr: float = 1e-4
     weight_decay: float = 0.0

@@ -21,6 +21,7 @@ from k3post.envs.task import Task
 from k3post.rollout.agent_loop import AgentLoop, trajectory_seed
 from k3post.rollout.engine import SamplingParams
 from k3post.rollout.trajectory import Trajectory
+from k3post.stats import wilson_interval
 from k3post.xtml import XTML
 
 __all__ = ["run_episodes", "evaluate_episodes", "summarize_trajectories", "make_env", "reference_turn_tokens"]
@@ -52,21 +53,26 @@ def reference_turn_tokens(xtml: XTML, tasks: Sequence[Task], effort: str, *, mod
 
 
 def summarize_trajectories(trajs: Sequence[Trajectory], *, pass_threshold: float = 1.0) -> dict[str, Any]:
-    """Pass rate, mean reward, mean T(y) and output tokens, finish reasons (and why the malformed ones
-    were), and every T(y) (for histograms) of finished trajectories."""
+    """Pass rate with its 95% Wilson interval, mean reward, mean T(y) and output tokens, finish reasons (and
+    why the malformed ones were), every T(y) (for histograms), and per trajectory its task id and whether it
+    passed (for paired comparisons on the same tasks, `k3post.stats.paired_change`)."""
     if not trajs:
-        return {"n": 0, "pass_rate": 0.0, "mean_reward": 0.0, "mean_effort_tokens": 0.0, "mean_output_tokens": 0.0,
-                "finish": {}, "malformed": {}, "effort_tokens": []}
+        return {"n": 0, "pass_rate": 0.0, "pass_ci95": [0.0, 1.0], "mean_reward": 0.0, "mean_effort_tokens": 0.0,
+                "mean_output_tokens": 0.0, "finish": {}, "malformed": {}, "effort_tokens": [], "task_ids": [], "passed": []}
     rewards = [float(t.reward or 0.0) for t in trajs]
+    passed = [r >= pass_threshold for r in rewards]
     return {
         "n": len(trajs),
-        "pass_rate": sum(r >= pass_threshold for r in rewards) / len(trajs),
+        "pass_rate": sum(passed) / len(trajs),
+        "pass_ci95": list(wilson_interval(sum(passed), len(trajs))),
         "mean_reward": statistics.fmean(rewards),
         "mean_effort_tokens": statistics.fmean(t.effort_tokens() for t in trajs),
         "mean_output_tokens": statistics.fmean(t.output_tokens for t in trajs),
         "finish": dict(Counter(t.finish or "none" for t in trajs)),
         "malformed": dict(Counter(t.malformed for t in trajs if t.malformed is not None)),
         "effort_tokens": [t.effort_tokens() for t in trajs],
+        "task_ids": [str(t.task.get("id", t.traj_id)) for t in trajs],
+        "passed": passed,
     }
 
 
