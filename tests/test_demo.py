@@ -1,6 +1,9 @@
 """`k3post demo` end to end on a shrunken config, plus the full-size demo as a slow test."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -62,10 +65,36 @@ def test_demo_small_writes_run_folder(tmp_path):
     assert [r["step"] for r in rows if r["stage"] == "mopd"] == [1, 2]
     assert (run / "mopd" / "final" / "model.safetensors").is_file()
     assert "Stage 2: RL experts" in html and "Stage 3: MOPD" in html
-    # a finished run is never overwritten: the same command writes d-1
-    assert main(["demo", *_small(tmp_path)]) == 0
-    assert (tmp_path / "d-1" / "summary.json").exists()
-    assert json.loads((run / "summary.json").read_text()) == summary
+    # a finished run is never overwritten: the same command writes d-1. Run in a fresh process with another
+    # hash seed (set / dict-of-str order), it must give the same results: every summary number, every metric
+    # row and every model file, bit for bit (only wall-clock values differ)
+    env = {**os.environ, "PYTHONHASHSEED": "4321"}
+    rerun = subprocess.run([sys.executable, "-m", "k3post.cli", "demo", *_small(tmp_path)], env=env, capture_output=True,
+                           text=True, timeout=1200)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    again = tmp_path / "d-1"
+    assert _untimed(json.loads((run / "summary.json").read_text())) == _untimed(summary)
+    assert _untimed(json.loads((again / "summary.json").read_text())) == _untimed(summary)
+    assert _metric_rows(again) == _metric_rows(run)
+    for rel in ("sft/final/model.safetensors", "sft_noqat/final/model.safetensors", "tokenizer/tokenizer.json",
+                "data/sft_train.jsonl", "mopd/final/model.safetensors", *(f"experts/{n}/model.safetensors" for n in experts)):
+        assert (again / rel).read_bytes() == (run / rel).read_bytes(), rel
+
+
+def _untimed(x):
+    """``x`` without wall-clock values (keys ``time``, ``timings``, ``seconds``, ``tokens_per_s``, ``*_s``)."""
+    if isinstance(x, dict):
+        return {k: _untimed(v) for k, v in x.items()
+                if k not in ("time", "timings", "seconds", "tokens_per_s", "tok_s") and not k.endswith("_s")}
+    if isinstance(x, list):
+        return [_untimed(v) for v in x]
+    return "nan" if isinstance(x, float) and x != x else x  # NaN == NaN for the comparison
+
+
+def _metric_rows(run):
+    """metrics.jsonl by (stage, step), without wall-clock values (the domains' processes append in any order)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return json.dumps(sorted((_untimed(r) for r in rows), key=lambda r: (r["stage"], r["step"])), sort_keys=True)
 
 
 def test_demo_bad_override_is_clear(tmp_path, capsys):
