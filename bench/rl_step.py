@@ -1,54 +1,109 @@
-"""Benchmark: one RL step of k3post against TRL's ``GRPOTrainer`` (issue 7).
+"""Benchmark: one RL step of k3post against TRL's ``GRPOTrainer`` on equal work (issues 7 and 14).
 
-One step = generation + scoring + one optimizer update, for both:
+**What is compared.** One step = generation + scoring + one optimizer update over N = 4 prompts × K = 8
+samples = 32 completions, on three arms, each on its own deep copy of the same warm-started model:
 
-* k3post: the body of `k3post.rl.train_rl`'s loop, on the same objects ``train_rl`` builds
-  (`k3post.rl.PolicyLoop`, the loop `train_rl` runs: `EmbeddedEngine` sharing the model, `AgentLoop`,
-  `PartialRolloutScheduler` with λ = 1 so the step is synchronous like TRL's, `KVPool`, AdamW):
-  ``run_iteration`` → ``rl_signal`` (verifier
-  rewards, effort override, group advantages; zero-variance groups skipped) → `policy_step` →
-  ``engine.update_weights({})``.
-* TRL: ``GRPOTrainer.train()`` as a user runs it on CPU without vLLM (its ``generate()`` path),
-  one optimizer step per generation batch (``steps_per_generation = 1``, ``num_iterations = 1``,
-  ``beta = 0``: no reference model and no extra old-log-prob forward; no MoE aux loss, which
-  k3post's loss does not have either).
+* ``k3post`` (the headline): `k3post.rl.PolicyLoop.step`, the body of ``train_rl``'s loop on the objects
+  ``train_rl`` builds (`EmbeddedEngine` sharing the model, `AgentLoop`, `PartialRolloutScheduler` with
+  λ = 1 so the step is synchronous like TRL's, `KVPool`, AdamW) with ``RLConfig``'s defaults for the loss:
+  ``run_iteration`` → ``rl_signal`` (verifier reward, effort override, A = r − mean of the group, no std
+  division) → `policy_step` (the K2.5 loss over every sampled token, zero-variance groups included with
+  A = 0: ``skip_zero_variance=False``, the default since commit 8fcb3f5) → ``engine.update_weights({})``.
+  It trains all 32 sequences every step, as TRL does (checked every step: the bench fails otherwise).
+* ``k3post_skip_zero_variance``: a second `PolicyLoop`, identical but for ``skip_zero_variance=True``
+  (DAPO's shortcut: groups whose rewards are all equal are left out of the loss), run for real.
+* ``trl``: ``GRPOTrainer.train()`` as a user runs it on CPU without vLLM (its transformers ``generate()``
+  path), with every setting that changes compute set to k3post's (below).
 
-Same work on both sides: the tiny Qwen3-MoE (`build_tiny_moe`, preset "tiny", ~1.05 M
-parameters) over a BPE trained on ``default_corpus()`` (vocab 512), deep-copied so both start
-from the same weights. Prompts: the same ``general.arithmetic`` tasks (difficulty 1) in the same
-order, rendered with XTML at effort ``max``; TRL receives the decoded prompt text, which its
-tokenizer call turns back into exactly the same ids (checked). Rewards: the family's environment
-and verifier on the XTML-parsed sampled message on both sides (`VerifierReward` for TRL, tested
-equal to k3post's agent loop); a completion cut at ``--max-tokens`` gets 0 on both. k3post's
-budget table gives every task b0 = ``--max-tokens``, so the effort override (−1 when T > τ·b0)
-runs but never fires and both see the same rewards. N = 4 prompts × K = 8 samples = 32
-completions of at most 48 new tokens per step, temperature 1 (no top-k / top-p), AdamW (lr
-2e-4, betas 0.9 / 0.95, no weight decay, gradient clipping at 1), fp32, one torch thread.
+``speedup_vs_trl`` = median TRL step / median k3post step: **equal work** (target >= 1.5).
+``speedup_vs_trl_skip_zero_variance`` = median TRL step / median step of the skipping loop (less work
+than TRL on steps that have zero-variance groups; a second number, not the headline).
 
-Warm start: a random model gets reward 0 everywhere, and k3post then skips every group (nothing
-to learn from) while TRL still trains on all 32. So the model is first SFT-ed (``--sft-steps``)
-on the reference ``max`` traces of the benchmark's own prompts (a speed benchmark, not a
-learning one): its samples are well-formed XTML of about 46 tokens (the reference traces are
-46-48 tokens, so a fair share hit the 48-token cap) and groups have mixed rewards. Some groups
-still come out all right or all wrong; k3post trains only the others, TRL all 32 sequences. So
-besides the real step, every k3post step also times `policy_step` over all 32 sequences (the
-skipped groups with advantage 0) on a scratch copy of the model: ``speedup_vs_trl_equal_work``
-uses that update time instead of the real one.
+**Same inputs.** The tiny Qwen3-MoE (`build_tiny_moe`, preset "tiny", ~1.05 M parameters, fp32, no
+dropout) over a BPE trained on ``default_corpus()`` (vocab 512). Prompts: the same ``general.arithmetic``
+tasks (difficulty 1) in the same order on every arm (step i of every arm gets prompts 4i..4i+3; checked),
+rendered with XTML at effort ``max``; TRL receives the decoded prompt text, which its tokenizer call turns
+back into exactly the same ids (checked). Rewards: the family's environment and verifier on the
+XTML-parsed sampled message on both sides (`VerifierReward` for TRL, tested equal to k3post's agent loop);
+a completion cut at ``--max-tokens`` gets 0 on both and is trained on both. k3post's budget table gives
+every task b0 = ``--max-tokens``, so the effort override (−1 when T > τ·b0) runs but never fires.
 
-Timing: the two run interleaved in one process. A ``TrainerCallback`` runs one k3post step
-(timed on its own) inside TRL's ``on_step_end``; a TRL step is the wall time from the end of
-that previous callback to TRL's next ``on_step_end`` (TRL's whole loop: batch fetch,
-generation, rewards, loss, backward, clip, AdamW, scheduler, logging). The first ``--warmup``
-steps of each are discarded. ``speedup_vs_trl`` = median TRL step / median k3post step
-(target >= 1.5). k3post's step is split into generation / scoring / update; TRL's into
-generation (``_generate_single_turn``), rewards (``_calculate_rewards``) and the rest of the
-step (loss, backward, optimizer, loop), by timers around its own methods. A check run then
-trains with `train_rl` itself (same settings and prompts) and reports the median of its
-recorded ``step_s``, so the bench's copy of the loop body is known to time what ``train_rl``
-does.
+**TRL settings** (`trl_config`; the full ``GRPOConfig`` is in the JSON under ``trl_config``):
 
-Prints human lines, then a final JSON line with ``speedup_vs_trl``, ``speedup_vs_trl_equal_work``,
-``k3post_step_s_median``, ``trl_step_s_median``, the tokens each side generated per step, ...
+* compute graph: ``gradient_checkpointing=False`` (and its new name ``activation_checkpointing=False``
+  where transformers has it; TRL's default is True, which recomputes the forward in the backward; k3post
+  does not checkpoint; checked on the built trainer's layers); ``bf16=False``, ``fp16=False`` (TRL
+  defaults bf16 to True when fp16 is off), so accelerate's mixed precision is "no" (checked) and its
+  ``autocast()`` a no-op: fp32 throughout, as k3post; ``torch_compile=False``, ``use_liger_kernel=False``,
+  ``cast_lm_head_to_fp32=False`` (already fp32); ``disable_dropout=True`` (the model's dropout is 0 anyway).
+* one optimizer step per generation batch: ``per_device_train_batch_size = generation batch = N·K``,
+  ``gradient_accumulation_steps=1``, ``steps_per_generation=1``, ``num_iterations=1``: TRL then computes
+  no old-log-prob forward (π_old = the detached current log-probs), like k3post, which uses the engine's
+  behaviour log-probs; ``beta=0.0``: no reference model, no KL forward (k3post has none).
+* loss aggregation: ``loss_type="dapo"`` (also TRL's default): Σ over every completion token of the
+  micro-batch / the number of completion tokens in the generation batch (÷ processes, × accumulation
+  steps ÷ steps_per_generation); with one process and one micro-batch per optimizer step that is the
+  token mean over all sampled tokens of the step, which is k3post's aggregation
+  (`policy_step` passes ``token_normalizer`` = the step's sampled-token count to `policy_loss`). "grpo" and
+  "sapo" average per sequence first, "dr_grpo" divides by B·max_completion_length, "bnpo" by the local
+  micro-batch's tokens (the same number here, but not in general). ``importance_sampling_level="token"``
+  (k3post: ``sequence_ratio=False``); ``top_entropy_quantile=1.0``, ``entropy_coef=0.0``,
+  ``off_policy_mask_threshold=None``, ``mask_truncated_completions=False`` (k3post trains cut completions).
+  The per-token objective differs in form and not in cost: TRL clips the ratio at ε = 0.2 (its default),
+  k3post masks tokens with |ℓ| > log 2 and adds τ·ℓ² (τ = 0.01); one step per generation makes TRL's ratio
+  exactly 1 and k3post's exp(log π − engine log-prob) 1 up to the train/engine log-prob gap, so both reduce
+  to the token mean of A·∇log π (elementwise work on [B, T] either way).
+* advantages: ``scale_rewards="none"`` (A = r − group mean, no std division: k3post's
+  ``normalize_std=False``); one reward function, weight 1.
+* sampling: ``temperature=1.0``, ``top_p=1.0``, ``top_k=0`` (off), ``min_p=None``,
+  ``repetition_penalty=1.0``, ``max_completion_length = --max-tokens`` (k3post: ``max_tokens``), stop at
+  ``<|end_of_msg|>`` (the model's eos on both sides); ``use_vllm=False``,
+  ``use_transformers_continuous_batching=False`` (the default generate path).
+* optimizer: ``optim="adamw_torch"`` (torch.optim.AdamW, as k3post), ``learning_rate = --lr``,
+  ``adam_beta1=0.9``, ``adam_beta2=0.95``, ``adam_epsilon=1e-8``, ``weight_decay=0.0``,
+  ``max_grad_norm=1.0`` (k3post's ``grad_clip``), ``lr_scheduler_type="constant"``, no warm-up (k3post's
+  loop has no schedule); ``router_aux_loss_coef=0.0`` (k3post's loss has no MoE load-balancing term).
+* nothing else per step: ``logging_strategy="no"``, ``save_strategy="no"``, ``eval_strategy="no"``,
+  ``report_to="none"``, ``log_completions=False``, ``disable_tqdm=True``, ``logging_nan_inf_filter=False``,
+  ``dataloader_num_workers=0``, ``shuffle_dataset=False``; TRL still fills its per-step metric buffers
+  (its own cost, which the bench reads for tokens and rewards).
+
+**Timing.** `common.interleaved`: ``--warmup`` untimed rounds, then ``--steps`` (>= 3) rounds in which each
+arm runs one step, the order rotated every round, one process, ``--threads`` torch threads (1). TRL's loop
+runs in a helper thread that a callback parks at every ``on_step_end``; a TRL step is the wall time from
+the release of the thread to the next ``on_step_end`` (TRL's whole loop: batch fetch, generation, rewards,
+loss, backward, clip, AdamW, scheduler, callbacks), while the other arms wait (only one thread runs at a
+time). A k3post step is ``PolicyLoop.step``'s own ``step_s``. Ratios are ratios of medians with the min
+and max of the paired per-round ratios (`common.ratio_summary`).
+
+**Profile** (JSON ``profile``, medians in seconds): k3post = generate / score / update, the update split
+into the model forward (hooks on the model in training mode), AdamW (hooks on the optimizer) and the
+rest (log-softmax, entropy, loss, backward, clip, version bump); TRL = generate (``_generate_single_turn``)
+/ rewards (``_calculate_rewards``) / the rest of ``_generate_and_score_completions`` (tokenize, decode,
+advantages, metrics) / ``compute_loss`` (forward, TRL's fused log-prob head, loss) / backward
+(``training_step`` minus those) / AdamW (optimizer hooks) / the rest of the loop; and the tokens k3post's
+update runs its forward and backward over (prompt + completion of all 32 sequences) against the sampled
+tokens that carry a loss. A check run then trains with `train_rl` itself (same settings and prompts) and
+reports the median of its recorded ``step_s``, so the bench's `PolicyLoop` is known to time what
+``train_rl`` does.
+
+**Warm start.** A random model gets reward 0 everywhere, so the model is first SFT-ed (``--sft-steps``,
+300) on the reference ``max`` traces of the bench's own prompts (a speed benchmark, not a learning one): its
+samples are well-formed XTML of ~46-48 tokens (a fair share hit the 48-token cap and score 0), and it has
+nearly memorised the traces (SFT loss ~0), so many groups come out all right or all wrong: the zero-variance
+groups per step are printed and in the JSON (``k3post_zero_variance_groups_per_step``). They are why the
+skipping arm is so much cheaper, and why equal work is the headline.
+
+**Excluded and caveats.** Model loading, the tokenizer, the warm-start SFT, trainer construction, the
+warm-up round. Each arm trains its own copy, so after the first step the policies and the sampled lengths
+may differ a little (tokens per step are reported per arm).
+A 1 M-parameter model on one CPU thread: per-op overhead weighs far more than at scale, and TRL runs
+without vLLM; the ratio says how the two implementations compare here, not on a GPU cluster. The machine
+may be shared: the JSON records its load (``machine``) and the spread of the paired ratios.
+
+Prints human lines, then a final JSON line: ``speedup_vs_trl`` (+ ``_min``/``_max``/``_n``),
+``speedup_vs_trl_skip_zero_variance``, ``target_met``, per-arm step summaries, ``profile``, tokens,
+rewards, trained sequences, ``machine``, ``trl_config``, ``caveats``.
 
 Needs TRL: ``pip install -e '.[bench]'`` (or ``pip install trl``).
 
@@ -62,40 +117,56 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import dataclasses
 import json
 import logging
 import os
 import statistics
+import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from k3post.commands import default_corpus
-from k3post.data import Sample
-from k3post.envs.episode import run_episode_sync
-from k3post.envs.families import get_family
-from k3post.envs.task import Task
-from k3post.models import build_tiny_moe
-from k3post.policy_step import TokenSequence, policy_step
-from k3post.rewards.effort import BudgetTable, TaskSamples, task_key
-from k3post.rl import PolicyLoop, RLConfig, rl_signal, train_rl, train_tasks
-from k3post.rollout.trajectory import Group
-from k3post.sft import SFTConfig, train_sft
-from k3post.tokenizer import train_tokenizer
-from k3post.xtml import XTML, XTMLParseError
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import interleaved, machine_state, ratio_summary, summary  # noqa: E402
+
+from k3post.commands import default_corpus  # noqa: E402
+from k3post.data import Sample  # noqa: E402
+from k3post.envs.episode import run_episode_sync  # noqa: E402
+from k3post.envs.families import get_family  # noqa: E402
+from k3post.envs.task import Task  # noqa: E402
+from k3post.models import build_tiny_moe  # noqa: E402
+from k3post.rewards.effort import BudgetTable, TaskSamples, task_key  # noqa: E402
+from k3post.rl import PolicyLoop, RLConfig, rl_signal, train_rl, train_tasks  # noqa: E402
+from k3post.sft import SFTConfig, train_sft  # noqa: E402
+from k3post.tokenizer import train_tokenizer  # noqa: E402
+from k3post.xtml import XTML, XTMLParseError  # noqa: E402
 
 FAMILY = "general.arithmetic"
+TARGET = 1.5  # speedup_vs_trl on equal work
+CAVEATS = [
+    "equal work: every arm trains all N*K sampled sequences per step (k3post: zero-variance groups with A = 0)",
+    "tiny model (~1.05 M parameters), fp32, CPU, one torch thread: per-op overhead weighs more than at scale",
+    "TRL generates with transformers generate() (no vLLM, no continuous batching); k3post with its embedded engine",
+    "each arm trains its own copy: after step 1 the sampled lengths differ a little (tokens per step per arm)",
+    "loss forms differ (TRL: PPO clip eps 0.2; k3post: K2.5 band log 2 + tau*l^2), not their cost; on-policy both "
+    "reduce to the token mean of A * grad log pi",
+    "the machine may be shared with other processes: see machine.loadavg and the min-max of the paired ratios",
+]
 
 
 # ---------------------------------------------------------------------- shared setup
 def warm_start(model: Any, tok: Any, xtml: XTML, tasks: Sequence[Task], args: argparse.Namespace, out_dir: str) -> float:
     """SFT ``model`` in place on the reference traces of ``tasks`` at ``args.effort``; returns
-    the final loss. This is a speed benchmark: the policy only has to answer the benchmark's own
-    prompts right part of the time, so that groups have mixed rewards (GRPO's working regime)."""
+    the final loss. This is a speed benchmark: the policy only has to sample well-formed answers to the
+    benchmark's own prompts, right part of the time (module doc: many groups still come out all right or
+    all wrong)."""
     samples = []
     for task in tasks:
         fam = get_family(task.family)
@@ -114,53 +185,87 @@ def budget_table(tasks: Sequence[Task], max_tokens: int) -> BudgetTable:
     return table
 
 
-def rl_config(args: argparse.Namespace) -> RLConfig:
+def rounds(args: argparse.Namespace) -> int:
+    """Steps every arm runs: the warm-up rounds and the timed ones."""
+    return args.warmup + args.steps
+
+
+def rl_config(args: argparse.Namespace, *, skip_zero_variance: bool = False) -> RLConfig:
+    """k3post's settings: `RLConfig`'s defaults (K2.5 loss, token mean, no std division) but for the
+    bench's sizes, λ = 1 (synchronous, like TRL) and ``skip_zero_variance``."""
     return RLConfig(
-        domain="general", effort=args.effort, families=[FAMILY], steps=args.warmup + args.steps,
+        domain="general", effort=args.effort, families=[FAMILY], steps=rounds(args),
         n_prompts=args.n, k=args.k, lambda_=1.0, temperature=1.0, max_tokens=args.max_tokens,
         max_model_len=args.max_model_len, slots=args.n * args.k, difficulty=args.difficulty,
-        n_tasks=args.n * (args.warmup + args.steps), lr=args.lr, grad_clip=1.0, seed=args.seed, progress=False,
+        n_tasks=args.n * rounds(args), lr=args.lr, weight_decay=0.0, grad_clip=1.0, seed=args.seed, progress=False,
+        skip_zero_variance=skip_zero_variance,
     )
 
 
 # ---------------------------------------------------------------------- k3post
-class K3PostStep:
-    """`train_rl`'s own loop (`PolicyLoop` with the RL signal), one step at a time."""
+class _PartTimer:
+    """Seconds spent between pairs of hook calls (``start`` / ``stop``), summed until ``take``."""
 
-    def __init__(self, model: Any, tok: Any, cfg: RLConfig, budgets: BudgetTable) -> None:
-        self.model, self.cfg = model, cfg
-        self.signal = rl_signal(budgets, cfg)
-        self.pl = PolicyLoop(model, tok, cfg, signal=self.signal)
-        self.pad_id, self.lkw = self.pl.pad_id, self.pl.loss_kwargs
+    def __init__(self) -> None:
+        self.total, self._t0 = 0.0, 0.0
 
-    def step(self, tasks: Sequence[Task]) -> dict[str, float]:
-        """One RL step on ``tasks`` (N prompts): times of its parts and what it did."""
-        rec = self.pl.step(tasks)
-        groups = self.pl.last_groups
-        seqs, _ = self.signal(groups)  # the same sequences the step trained on (deterministic)
-        trajs = [t for g in groups for t in g.trajectories]
-        return {
+    def start(self, *_: Any, **__: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def stop(self, *_: Any, **__: Any) -> None:
+        self.total += time.perf_counter() - self._t0
+
+    def take(self) -> float:
+        out, self.total = self.total, 0.0
+        return out
+
+
+class K3PostArm:
+    """One `PolicyLoop` (`train_rl`'s loop) stepping through the bench's prompts, N per step."""
+
+    def __init__(self, name: str, model: Any, tok: Any, cfg: RLConfig, budgets: BudgetTable, tasks: Sequence[Task]) -> None:
+        self.name, self.cfg, self.tasks = name, cfg, list(tasks)
+        self.pl = PolicyLoop(model, tok, cfg, signal=rl_signal(budgets, cfg))
+        self.rec: list[dict[str, float]] = []
+        self.fwd, self.opt = _PartTimer(), _PartTimer()
+        # timers only: the trainer's model forwards (the engine runs its own kernels, in eval mode) and AdamW
+        model.register_forward_pre_hook(lambda m, *_: self.fwd.start() if m.training else None)
+        model.register_forward_hook(lambda m, *_: self.fwd.stop() if m.training else None)
+        self.pl.opt.register_step_pre_hook(self.opt.start)
+        self.pl.opt.register_step_post_hook(self.opt.stop)
+
+    def step(self) -> float:
+        """One `PolicyLoop.step`; records its parts and returns its ``step_s``."""
+        i, n = len(self.rec), self.cfg.n_prompts
+        want = {t.id for t in self.tasks[i * n : (i + 1) * n]}
+        rec = self.pl.step(self.tasks)
+        got = {g.task["id"] for g in self.pl.last_groups}
+        if got != want:
+            raise RuntimeError(f"{self.name} step {i}: trained on prompts {sorted(got)}, expected {sorted(want)}")
+        trajs = [t for g in self.pl.last_groups for t in g.trajectories]
+        r = {
             "step_s": rec["step_s"], "generate_s": rec["rollout_s"], "score_s": rec["score_s"], "update_s": rec["update_s"],
-            "update_all_s": self._update_all_s(groups, seqs),
+            "forward_s": self.fwd.take(), "optimizer_s": self.opt.take(),
             "completions": float(len(trajs)), "tokens": float(sum(t.output_tokens for t in trajs)),
             "capped": float(sum(t.finish == "length" for t in trajs)), "reward": rec["reward"],
-            "trained_seqs": rec["train/num_sequences"], "trained_tokens": rec["train/num_tokens"],
+            "groups": rec["groups"], "trained_groups": rec["trained_groups"],
             "zero_variance_groups": rec["zero_variance_groups"],
+            "trained_seqs": rec.get("train/num_sequences", 0.0), "trained_tokens": rec.get("train/num_tokens", 0.0),
+            # equal work: the trainer's forward and backward run over prompt + completion of every sampled sequence
+            "forward_tokens": float(sum(len(t.token_ids) for t in trajs)) if not self.cfg.skip_zero_variance else 0.0,
         }
+        r["update_rest_s"] = r["update_s"] - r["forward_s"] - r["optimizer_s"]
+        if not self.cfg.skip_zero_variance and (r["trained_groups"] != r["groups"] or r["trained_seqs"] != r["completions"]):
+            raise RuntimeError(f"{self.name} step {i}: trained {r['trained_seqs']:.0f} of {r['completions']:.0f} sequences "
+                               "(equal work needs every group trained)")
+        self.rec.append(r)
+        print(f"  {self.name} step {i}: {r['step_s']:.3f} s (generate {r['generate_s']:.3f}, score {r['score_s']:.3f}, "
+              f"update {r['update_s']:.3f}); {r['tokens']:.0f} tokens, reward {r['reward']:.2f}, trained "
+              f"{r['trained_groups']:.0f}/{r['groups']:.0f} groups ({r['zero_variance_groups']:.0f} zero-variance)", flush=True)
+        return r["step_s"]
 
-    def _update_all_s(self, groups: Sequence[Group], seqs: list[TokenSequence]) -> float:
-        """Time of `policy_step` over every sampled sequence (the zero-variance groups that
-        ``_score`` skips added with advantage 0), on a scratch copy of the model with a fresh
-        AdamW: the update with TRL's amount of work, not counted in the step."""
-        skipped = [t for g in groups if len({t.reward for t in g.trajectories}) == 1 for t in g.trajectories]
-        extra = [TokenSequence(list(t.token_ids), list(t.trainable), list(t.logprobs), [0.0] * len(t.token_ids))
-                 for t in skipped]
-        scratch = copy.deepcopy(self.model)
-        opt = torch.optim.AdamW(scratch.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
-        t0 = time.perf_counter()
-        policy_step(scratch, opt, seqs + extra, pad_id=self.pad_id, loss_kwargs=self.lkw,
-                    micro_batch_tokens=self.cfg.micro_batch_tokens, grad_clip=self.cfg.grad_clip)
-        return time.perf_counter() - t0
+    def close(self) -> None:
+        self.pl.close()
 
 
 # ---------------------------------------------------------------------- TRL
@@ -202,20 +307,61 @@ class VerifierReward:
         return float(env.verify().reward) if result.done else 0.0
 
 
+def trl_config(args: argparse.Namespace, out_dir: str) -> Any:
+    """TRL's ``GRPOConfig`` with every setting that changes compute set to k3post's (module doc)."""
+    from trl import GRPOConfig
+
+    # transformers >= 5.x names it activation_checkpointing (gradient_checkpointing, TRL's True, is its alias)
+    new_name = {"activation_checkpointing": False} if "activation_checkpointing" in {
+        f.name for f in dataclasses.fields(GRPOConfig)} else {}
+    return GRPOConfig(
+        output_dir=out_dir, use_cpu=True, seed=args.seed,
+        # compute graph and precision: no recomputation, fp32 (no bf16 / fp16, so no autocast), no compile
+        gradient_checkpointing=False, **new_name, bf16=False, fp16=False, torch_compile=False, use_liger_kernel=False,
+        cast_lm_head_to_fp32=False, disable_dropout=True,
+        # one optimizer step per generation batch, no old-log-prob or reference forward
+        per_device_train_batch_size=args.n * args.k, gradient_accumulation_steps=1, num_generations=args.k,
+        steps_per_generation=1, num_iterations=1, beta=0.0, max_steps=rounds(args),
+        # loss: token mean over every sampled token of the step; advantages without std division
+        loss_type="dapo", importance_sampling_level="token", scale_rewards="none", mask_truncated_completions=False,
+        top_entropy_quantile=1.0, entropy_coef=0.0, off_policy_mask_threshold=None, router_aux_loss_coef=0.0,
+        # sampling
+        max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
+        repetition_penalty=1.0, use_vllm=False, use_transformers_continuous_batching=False, pad_to_multiple_of=None,
+        # optimizer
+        optim="adamw_torch", learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
+        adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
+        # data, logging, saving: nothing beyond the step
+        shuffle_dataset=False, dataloader_num_workers=0, dataloader_pin_memory=False,
+        logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none", log_completions=False,
+        disable_tqdm=True, logging_nan_inf_filter=False,
+    )
+
+
+def checkpointing(model: Any) -> bool:
+    """Whether any module of ``model`` recomputes its forward in the backward (HF's flag on each layer)."""
+    return any(bool(getattr(m, "gradient_checkpointing", False)) for m in model.modules())
+
+
+def trl_config_dict(cfg: Any) -> dict[str, Any]:
+    """The full config as JSON-able values (``to_dict``, anything else as its string)."""
+    return json.loads(json.dumps(cfg.to_dict(), default=str))
+
+
 def build_trl(model: Any, tok: Any, prompts: list[str], tasks: Sequence[Task], args: argparse.Namespace,
               out_dir: str, callbacks: list[Any]) -> Any:
-    """TRL's ``GRPOTrainer`` (timed parts: `_generate_single_turn`, `_calculate_rewards`,
-    `_generate_and_score_completions`; nothing else changed) on the prompts, in order."""
+    """TRL's ``GRPOTrainer`` on the prompts, in order, with timers around its own methods
+    (`_generate_single_turn`, `_calculate_rewards`, `_generate_and_score_completions`, ``compute_loss``,
+    ``training_step``); nothing else changed."""
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import PrinterCallback
+    from trl import GRPOTrainer
 
     class TimedGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
-        times: dict[str, float] = {}
-
         def _timed(self, key: str, fn: Any, *a: Any, **kw: Any) -> Any:
             t0 = time.perf_counter()
             out = fn(*a, **kw)
-            self.times[key] = time.perf_counter() - t0
+            self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - t0
             return out
 
         def _generate_single_turn(self, *a: Any, **kw: Any) -> Any:
@@ -227,78 +373,133 @@ def build_trl(model: Any, tok: Any, prompts: list[str], tasks: Sequence[Task], a
         def _generate_and_score_completions(self, *a: Any, **kw: Any) -> Any:
             return self._timed("generate_and_score_s", super()._generate_and_score_completions, *a, **kw)
 
+        def compute_loss(self, *a: Any, **kw: Any) -> Any:
+            return self._timed("compute_loss_s", super().compute_loss, *a, **kw)
+
+        def training_step(self, *a: Any, **kw: Any) -> Any:
+            return self._timed("training_step_s", super().training_step, *a, **kw)
+
     ds = Dataset.from_dict({"prompt": prompts, "task": [json.dumps(t.to_dict()) for t in tasks]})
-    cfg = GRPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no",
-        logging_steps=10**6, disable_tqdm=True, seed=args.seed, dataloader_num_workers=0,
-        per_device_train_batch_size=args.n * args.k, gradient_accumulation_steps=1, num_generations=args.k,
-        steps_per_generation=1, num_iterations=1, beta=0.0, max_steps=args.warmup + args.steps,
-        max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        shuffle_dataset=False, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
-        optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
-        router_aux_loss_coef=0.0,  # k3post's loss has no MoE load-balancing term: TRL need not pay for one
-    )
-    return TimedGRPOTrainer(model=model, reward_funcs=VerifierReward(XTML(tok)), args=cfg, train_dataset=ds,
-                            processing_class=tok, callbacks=callbacks)
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=VerifierReward(XTML(tok)), args=trl_config(args, out_dir),
+                               train_dataset=ds, processing_class=tok, callbacks=callbacks)
+    trainer.remove_callback(PrinterCallback)  # its end-of-train dict on stdout is not the bench's JSON line
+    trainer.times = {}
+    return trainer
 
 
-def _trl_callback(k3: K3PostStep, tasks: Sequence[Task], args: argparse.Namespace,
-                  trl_rec: list[dict[str, float]], k3_rec: list[dict[str, float]]) -> Any:
-    from transformers import TrainerCallback
+class TRLArm:
+    """TRL's ``trainer.train()`` in a helper thread, one optimizer step per `step` call: a callback parks
+    the thread at every ``on_step_end`` until the next call, so only one thread runs at a time."""
 
-    class Interleave(TrainerCallback):
-        """Times TRL's step (previous callback exit → this on_step_end), then runs one k3post step."""
+    def __init__(self, tok: Any, model: Any, prompts: list[str], tasks: Sequence[Task], args: argparse.Namespace,
+                 out_dir: str) -> None:
+        from transformers import TrainerCallback
 
-        def __init__(self) -> None:
-            self.mark = time.perf_counter()
-            self.trainer: Any = None
+        self.args, self.tasks = args, list(tasks)
+        self.rec: list[dict[str, float]] = []
+        self._go, self._done = threading.Semaphore(0), threading.Semaphore(0)
+        self._t0, self._dt = 0.0, 0.0
+        self._error: BaseException | None = None
+        self._finished, self._stopping = False, False
+        self.opt = _PartTimer()
+        self.threads = 0
+        arm = self
 
-        def on_train_begin(self, *a: Any, **kw: Any) -> None:
-            self.mark = time.perf_counter()
+        class Park(TrainerCallback):  # type: ignore[misc]
+            def on_train_begin(self, a: Any, state: Any, control: Any, optimizer: Any = None, **kw: Any) -> None:
+                inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds torch's AdamW
+                inner.register_step_pre_hook(arm.opt.start)
+                inner.register_step_post_hook(arm.opt.stop)
 
-        def on_step_end(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
-            dt = time.perf_counter() - self.mark
-            i = state.global_step - 1
-            stats = _trl_step_stats(self.trainer)
-            step_tasks = tasks[i * args.n : (i + 1) * args.n]
-            if self.trainer.reward_funcs[0].seen[-1] != [t.id for t in step_tasks]:
-                raise RuntimeError(f"TRL's step {i} prompts differ from k3post's")
-            trl_rec.append({"step_s": dt, "update_s": dt - stats["generate_and_score_s"], **stats})
-            k3_rec.append(k3.step(step_tasks))
-            t, k = trl_rec[-1], k3_rec[-1]
-            print(f"step {i}{' (warm-up)' if i < args.warmup else ''}: TRL {t['step_s']:.3f} s "
-                  f"({t['tokens']:.0f} tokens, reward {t['reward']:.2f}) | k3post {k['step_s']:.3f} s "
-                  f"(generate {k['generate_s']:.3f}, score {k['score_s']:.3f}, update {k['update_s']:.3f}; "
-                  f"{k['tokens']:.0f} tokens, reward {k['reward']:.2f}, trained {k['trained_seqs']:.0f} seqs; "
-                  f"update of all {k['completions']:.0f}: {k['update_all_s']:.3f})", flush=True)
-            self.mark = time.perf_counter()
+            def on_step_end(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
+                arm._dt = time.perf_counter() - arm._t0
+                arm._done.release()
+                arm._go.acquire()
+                if arm._stopping:  # close() before max_steps (an error elsewhere): end train() here
+                    control.should_training_stop = True
+                arm._t0 = time.perf_counter()
 
-    return Interleave()
+        self.trainer = build_trl(model, tok, prompts, tasks, args, os.path.join(out_dir, "trl"), [Park()])
+        self._thread = threading.Thread(target=self._run, name="trl-train", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.args.threads)  # the intra-op setting, explicitly in this thread too
+        self.threads = torch.get_num_threads()
+        self._go.acquire()
+        self._t0 = time.perf_counter()
+        try:
+            self.trainer.train()
+        except BaseException as e:  # handed to the main thread by step()
+            self._error = e
+        finally:
+            self._finished = True
+            self._done.release()
+
+    def step(self) -> float:
+        """Release TRL for one optimizer step; wait for its ``on_step_end``; return its wall time."""
+        if self._finished:
+            raise RuntimeError("TRL's training loop has ended (max_steps reached)")
+        i = len(self.rec)
+        self.trainer.times.clear()
+        self.opt.take()
+        self._go.release()
+        self._done.acquire()
+        if self._error is not None or self._finished:
+            raise RuntimeError(f"TRL step {i} failed") from self._error
+        want = [t.id for t in self.tasks[i * self.args.n : (i + 1) * self.args.n]]
+        if self.trainer.reward_funcs[0].seen[-1] != want:
+            raise RuntimeError(f"TRL's step {i} prompts differ from k3post's")
+        r = _trl_step_stats(self.trainer, self._dt, self.opt.take())
+        self.rec.append(r)
+        print(f"  trl step {i}: {r['step_s']:.3f} s (generate {r['generate_s']:.3f}, rewards {r['rewards_s']:.3f}, "
+              f"loss forward {r['compute_loss_s']:.3f}, backward {r['backward_s']:.3f}, optimizer {r['optimizer_s']:.3f}); "
+              f"{r['tokens']:.0f} tokens, reward {r['reward']:.2f}", flush=True)
+        return r["step_s"]
+
+    def close(self) -> None:
+        """Let ``train()`` finish (after ``max_steps``, or now when closed early)."""
+        self._stopping = True
+        self._go.release()
+        self._thread.join(timeout=120)
 
 
-def _trl_step_stats(trainer: Any) -> dict[str, float]:
+def _trl_step_stats(trainer: Any, step_s: float, optimizer_s: float) -> dict[str, float]:
     """Tokens, reward and timed parts of TRL's last step (its metric buffers and our timers)."""
     m = trainer._metrics["train"]
     n = trainer.args.per_device_train_batch_size
-    gs = trainer.times["generate_and_score_s"]
+    t = trainer.times
+    gs, ts = t["generate_and_score_s"], t["training_step_s"]
     return {
+        "step_s": step_s,
         "tokens": m["completions/mean_length"][-1] * n,
         "capped": m["completions/clipped_ratio"][-1] * n,
         "reward": m["reward"][-1],
-        "generate_s": trainer.times["generate_s"], "rewards_s": trainer.times["rewards_s"],
-        "generate_and_score_s": gs,
+        "generate_s": t["generate_s"], "rewards_s": t["rewards_s"],
+        "generate_and_score_s": gs, "score_other_s": gs - t["generate_s"] - t["rewards_s"],
+        "compute_loss_s": t["compute_loss_s"], "backward_s": ts - gs - t["compute_loss_s"],
+        "optimizer_s": optimizer_s, "loop_rest_s": step_s - ts - optimizer_s,
+        "update_s": step_s - gs,  # everything but generation and scoring: TRL's side of k3post's update_s
     }
 
 
 # ---------------------------------------------------------------------- main
-def _median(rec: list[dict[str, float]], key: str, skip: int) -> float:
+def _med(rec: list[dict[str, float]], key: str, skip: int) -> float:
     return statistics.median(r[key] for r in rec[skip:])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=6, help="timed steps per side (after the warm-up)")
-    ap.add_argument("--warmup", type=int, default=1)
+def _mean(rec: list[dict[str, float]], key: str, skip: int) -> float:
+    return statistics.fmean(r[key] for r in rec[skip:])
+
+
+def _round(d: dict[str, float], nd: int = 4) -> dict[str, float]:
+    return {k: round(v, nd) for k, v in d.items()}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--steps", type=int, default=6, help="timed steps (repeats) per arm after the warm-up, >= 3")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per arm")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n", type=int, default=4, help="prompts per step")
     ap.add_argument("--k", type=int, default=8, help="group size")
@@ -310,9 +511,14 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=300, help="warm-start SFT steps (0: random weights)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-train-rl-check", action="store_true", help="skip the train_rl check run")
-    args = ap.parse_args()
-    if args.steps < 1 or args.warmup < 0 or args.n < 1 or args.k < 2:
-        raise ValueError("--steps must be >= 1, --warmup >= 0, --n >= 1 and --k >= 2")
+    args = ap.parse_args(argv)
+    if args.steps < 3 or args.warmup < 0 or args.n < 1 or args.k < 2 or args.threads < 1:
+        raise ValueError("--steps must be >= 3, --warmup >= 0, --n >= 1, --k >= 2 and --threads >= 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -323,12 +529,14 @@ def main() -> None:
 def _main(args: argparse.Namespace, tmp: str) -> None:
     import trl
 
+    t_start = time.perf_counter()
+    load_start = [round(x, 2) for x in os.getloadavg()]
     tok = train_tokenizer(default_corpus(), vocab_size=512, out_dir=os.path.join(tmp, "tok"))
     xtml = XTML(tok)
     base = build_tiny_moe(len(tok), seed=args.seed, pad_token_id=tok.pad_token_id, eos_token_id=xtml.eom_id)
     n_params = sum(p.numel() for p in base.parameters())
     print(f"torch {torch.__version__}, trl {trl.__version__}, threads {torch.get_num_threads()}, "
-          f"load average {os.getloadavg()[0]:.2f}; model {n_params / 1e6:.2f} M parameters, vocab {len(tok)}")
+          f"load average {load_start}; model {n_params / 1e6:.2f} M parameters, vocab {len(tok)}")
     cfg = rl_config(args)
     tasks = train_tasks([FAMILY], cfg.n_tasks, difficulty=args.difficulty, seed=args.seed)
     if args.sft_steps:
@@ -343,67 +551,85 @@ def _main(args: argparse.Namespace, tmp: str) -> None:
     print(f"{len(tasks)} prompts of {min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens; per step "
           f"{args.n} prompts x {args.k} samples, at most {args.max_tokens} new tokens, temperature 1")
 
-    k3 = K3PostStep(copy.deepcopy(base), tok, cfg, budgets)
-    trl_rec: list[dict[str, float]] = []
-    k3_rec: list[dict[str, float]] = []
-    cb = _trl_callback(k3, tasks, args, trl_rec, k3_rec)
-    trainer = build_trl(copy.deepcopy(base), tok, prompts, tasks, args, os.path.join(tmp, "trl"), [cb])
-    cb.trainer = trainer
-    trainer.train()
-    k3.loop.close()
+    k3 = K3PostArm("k3post", copy.deepcopy(base), tok, cfg, budgets, tasks)
+    k3s = K3PostArm("k3post_skip_zero_variance", copy.deepcopy(base), tok, rl_config(args, skip_zero_variance=True),
+                    budgets, tasks)
+    tr = TRLArm(tok, copy.deepcopy(base), prompts, tasks, args, tmp)
+    if tr.trainer.accelerator.mixed_precision != "no" or checkpointing(tr.trainer.model):
+        raise RuntimeError("TRL runs with mixed precision or gradient checkpointing")
+    try:
+        times = interleaved({"trl": tr.step, "k3post": k3.step, "k3post_skip_zero_variance": k3s.step},
+                            repeats=args.steps, warmup=args.warmup)
+    finally:
+        tr.close()
+        k3.close()
+        k3s.close()
+    machine = machine_state()
+    if tr.threads != args.threads:
+        raise RuntimeError(f"TRL's thread ran {tr.threads} torch threads, not {args.threads}")
 
     w = args.warmup
-    k3_med, trl_med = _median(k3_rec, "step_s", w), _median(trl_rec, "step_s", w)
-    speedup = trl_med / k3_med
-    print(f"k3post: median step {k3_med:.3f} s (generate {_median(k3_rec, 'generate_s', w):.3f}, score "
-          f"{_median(k3_rec, 'score_s', w):.3f}, update {_median(k3_rec, 'update_s', w):.3f}); "
-          f"{statistics.fmean(r['tokens'] for r in k3_rec[w:]):.0f} tokens per step")
-    print(f"TRL:    median step {trl_med:.3f} s (generate {_median(trl_rec, 'generate_s', w):.3f}, rewards "
-          f"{_median(trl_rec, 'rewards_s', w):.3f}, rest of the step {_median(trl_rec, 'update_s', w):.3f}); {statistics.fmean(r['tokens'] for r in trl_rec[w:]):.0f} tokens per step")
-    equal = [r["generate_s"] + r["score_s"] + r["update_all_s"] for r in k3_rec[w:]]
-    equal_med = statistics.median(equal)
-    print(f"k3post with TRL's update work (every sequence trained, zero-variance groups too): median {equal_med:.3f} s "
-          f"(update {_median(k3_rec, 'update_all_s', w):.3f}); k3post's real step trained "
-          f"{statistics.fmean(r['trained_seqs'] for r in k3_rec[w:]):.1f} of {args.n * args.k} sequences per step")
-    print(f"speedup_vs_trl: {speedup:.2f}x (target >= 1.5); with equal update work {trl_med / equal_med:.2f}x")
+    head = ratio_summary("speedup_vs_trl", times["trl"], times["k3post"])
+    skip = ratio_summary("speedup_vs_trl_skip_zero_variance", times["trl"], times["k3post_skip_zero_variance"])
+    steps = {**summary("k3post_step_s", times["k3post"]),
+             **summary("k3post_skip_zero_variance_step_s", times["k3post_skip_zero_variance"]),
+             **summary("trl_step_s", times["trl"])}
+    profile = {
+        "k3post": _round({k: _med(k3.rec, k, w) for k in ("step_s", "generate_s", "score_s", "update_s", "forward_s",
+                                                          "optimizer_s", "update_rest_s")}),
+        "k3post_skip_zero_variance": _round({k: _med(k3s.rec, k, w) for k in ("step_s", "generate_s", "score_s", "update_s",
+                                                                             "forward_s", "optimizer_s", "update_rest_s")}),
+        "trl": _round({k: _med(tr.rec, k, w) for k in ("step_s", "generate_s", "rewards_s", "score_other_s", "update_s",
+                                                       "compute_loss_s", "backward_s", "optimizer_s", "loop_rest_s")}),
+    }
+    gen_ratio = profile["trl"]["generate_s"] / profile["k3post"]["generate_s"]
+    upd_ratio = profile["trl"]["update_s"] / profile["k3post"]["update_s"]
+    for arm, prof in profile.items():
+        print(f"{arm}: " + ", ".join(f"{k} {v:.3f}" for k, v in prof.items()))
+    met = head["speedup_vs_trl"] >= TARGET
+    print(f"speedup_vs_trl (equal work): {head['speedup_vs_trl']:.2f}x (paired min {head['speedup_vs_trl_min']:.2f}, "
+          f"max {head['speedup_vs_trl_max']:.2f}, {args.steps} repeats), target >= {TARGET}: "
+          f"{'met' if met else 'NOT MET'}; skipping zero-variance groups {skip['speedup_vs_trl_skip_zero_variance']:.2f}x; "
+          f"generation {gen_ratio:.2f}x, update (everything after scoring) {upd_ratio:.2f}x")
+    for c in CAVEATS:
+        print(f"  caveat: {c}")
 
     check = float("nan")
     if not args.no_train_rl_check:
         res = train_rl(copy.deepcopy(base), tok, cfg, os.path.join(tmp, "rl"), budgets=budget_table(tasks, args.max_tokens),
                        resume=False, evaluate=False)
         check = statistics.median(h["step_s"] for h in res.history[w:])
-        print(f"check: train_rl itself, {len(res.history)} steps, median step_s after the warm-up {check:.3f} s")
+        print(f"check: train_rl itself, {len(res.history)} steps, median step_s after the warm-up {check:.3f} s "
+              f"(the bench's k3post arm: {steps['k3post_step_s_median']:.3f} s)")
 
-    result = {
-        "speedup_vs_trl": round(speedup, 3),
-        "k3post_step_s_median": round(k3_med, 4),
-        "trl_step_s_median": round(trl_med, 4),
-        "k3post_generate_s_median": round(_median(k3_rec, "generate_s", w), 4),
-        "k3post_score_s_median": round(_median(k3_rec, "score_s", w), 4),
-        "k3post_update_s_median": round(_median(k3_rec, "update_s", w), 4),
-        "speedup_vs_trl_equal_work": round(trl_med / equal_med, 3),
-        "k3post_equal_work_step_s_median": round(equal_med, 4),
-        "k3post_update_all_s_median": round(_median(k3_rec, "update_all_s", w), 4),
-        "trl_generate_s_median": round(_median(trl_rec, "generate_s", w), 4),
-        "trl_rewards_s_median": round(_median(trl_rec, "rewards_s", w), 4),
-        "trl_update_s_median": round(_median(trl_rec, "update_s", w), 4),
-        "k3post_tokens_per_step": round(statistics.fmean(r["tokens"] for r in k3_rec[w:]), 1),
-        "trl_tokens_per_step": round(statistics.fmean(r["tokens"] for r in trl_rec[w:]), 1),
-        "k3post_capped_per_step": round(statistics.fmean(r["capped"] for r in k3_rec[w:]), 2),
-        "trl_capped_per_step": round(statistics.fmean(r["capped"] for r in trl_rec[w:]), 2),
-        "k3post_reward_mean": round(statistics.fmean(r["reward"] for r in k3_rec[w:]), 4),
-        "trl_reward_mean": round(statistics.fmean(r["reward"] for r in trl_rec[w:]), 4),
-        "k3post_trained_seqs_per_step": round(statistics.fmean(r["trained_seqs"] for r in k3_rec[w:]), 2),
+    result: dict[str, Any] = {
+        **_round(head, 3), **_round(skip, 3),
+        "target": TARGET, "target_met": met,
+        **_round(steps),
+        "generation_speedup_vs_trl": round(gen_ratio, 3), "update_speedup_vs_trl": round(upd_ratio, 3),
+        "profile": profile,
+        "k3post_tokens_per_step": round(_mean(k3.rec, "tokens", w), 1),
+        "k3post_skip_zero_variance_tokens_per_step": round(_mean(k3s.rec, "tokens", w), 1),
+        "trl_tokens_per_step": round(_mean(tr.rec, "tokens", w), 1),
+        "k3post_capped_per_step": round(_mean(k3.rec, "capped", w), 2),
+        "trl_capped_per_step": round(_mean(tr.rec, "capped", w), 2),
+        "k3post_reward_mean": round(_mean(k3.rec, "reward", w), 4),
+        "k3post_skip_zero_variance_reward_mean": round(_mean(k3s.rec, "reward", w), 4),
+        "trl_reward_mean": round(_mean(tr.rec, "reward", w), 4),
+        "k3post_trained_seqs_per_step": round(_mean(k3.rec, "trained_seqs", w), 2),
+        "k3post_skip_zero_variance_trained_seqs_per_step": round(_mean(k3s.rec, "trained_seqs", w), 2),
+        "k3post_zero_variance_groups_per_step": round(_mean(k3.rec, "zero_variance_groups", w), 2),
+        "k3post_update_sampled_tokens_per_step": round(_mean(k3.rec, "trained_tokens", w), 1),
+        "k3post_update_forward_tokens_per_step": round(_mean(k3.rec, "forward_tokens", w), 1),
         "k3post_train_rl_step_s_median": round(check, 4),
-        "completions_per_step": args.n * args.k,
-        "group_size": args.k,
-        "max_new_tokens": args.max_tokens,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "sft_steps": args.sft_steps,
-        "threads": torch.get_num_threads(),
+        "completions_per_step": args.n * args.k, "group_size": args.k, "max_new_tokens": args.max_tokens,
+        "steps": args.steps, "warmup": args.warmup, "sft_steps": args.sft_steps, "threads": args.threads,
         "trl_version": trl.__version__,
-        "load_average_1min": round(os.getloadavg()[0], 2),
+        "wall_s": round(time.perf_counter() - t_start, 1),
+        "loadavg_at_start": load_start,
+        "machine": machine,
+        "caveats": CAVEATS,
+        "trl_config": trl_config_dict(tr.trainer.args),
     }
     print(json.dumps(result))
 
