@@ -49,3 +49,9 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--inject-bug", action="store", default=None, dest="inject_bug",
+                     help="tests/test_learning.py: plant a bug in the library (loss_mask, advantage_sign, override_off, "
+                          "teacher_student) to show the learning checks catch it")
