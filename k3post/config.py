@@ -45,7 +45,7 @@ class RunConfig:
     root: str = "runs"  # parent folder of all runs
     seed: int = 0  # global seed: data generation, init, shuffling
     overwrite: bool = False  # allow writing into an existing run folder that holds a finished run
-    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    threads: int = 2  # torch intra-op threads of the demo, pinned: a matmul's reduction order (so every number) depends on it; 0 keeps torch's default (the core count)
 
     @property
     def dir(self) -> Path:
