@@ -13,11 +13,25 @@ over a response for RL (SPEC §3.1), the clipped teacher − student log-ratio f
 Micro-batches are formed by length (longest first) under ``micro_batch_tokens`` padded tokens, so
 gradient accumulation equals one large batch (tested).
 
+Shared prompts. The K samples of a group share their prompt (every token before the first sampled one).
+Such sequences go into micro-batches of their own, where the prompt runs through the model once (batch
+1) and its KV cache is broadcast to the K rows, which run only their own tokens:
+
+    prefix  = model(ids[:P])                      one row, use_cache
+    rest    = model(ids[:, P:], cache = prefix's KV expanded to K rows, positions P..)
+    logp    = log_softmax([prefix logits at P−1, rest logits])[ids[:, P:]]
+
+Gradients flow through the broadcast cache into the prefix forward, so log-probs and gradients equal the
+full forward's up to fp32 summation order (tested: 1e-6 / 1e-5), at the cost of P + Σ suffixes tokens
+instead of K·(P + suffix). A model whose cache the trainer cannot broadcast uses the full forward (logged).
+
 Shape legend: B sequences, T positions (right-padded), V vocabulary.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +41,11 @@ import torch
 
 from k3post.algos.policy_loss import policy_loss
 
-__all__ = ["TokenSequence", "token_logprobs", "sequence_logprobs", "micro_batches", "policy_step"]
+__all__ = ["TokenSequence", "token_logprobs", "shared_prefix_logprobs", "sequence_logprobs", "micro_batches",
+           "plan_micro_batches", "policy_step"]
+
+log = logging.getLogger(__name__)
+_NO_SHARED_PREFIX: set[str] = set()  # model classes already logged as using the full forward
 
 
 @dataclass
@@ -98,6 +116,63 @@ def token_logprobs(
     return logp_BT, entropy_BT
 
 
+def _cache_kwarg(model: torch.nn.Module) -> str | None:
+    """The name of the forward's KV-cache argument ("cache" in transformers ≥ 5.x, "past_key_values"
+    before), or None when it has neither."""
+    params = inspect.signature(model.forward).parameters
+    return next((k for k in ("cache", "past_key_values") if k in params), None)
+
+
+def _broadcast_cache(cache: Any, rows: int) -> bool:
+    """Expand a batch-1 KV cache to ``rows`` rows in place (views; autograd flows back to the one row).
+    False when the cache is not a list of layers holding ``keys`` / ``values`` tensors."""
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(isinstance(getattr(layer, "keys", None), torch.Tensor)
+                             and isinstance(getattr(layer, "values", None), torch.Tensor) for layer in layers):
+        return False
+    for layer in layers:
+        layer.keys = layer.keys.expand(rows, *layer.keys.shape[1:])
+        layer.values = layer.values.expand(rows, *layer.values.shape[1:])
+    return True
+
+
+def shared_prefix_logprobs(
+    model: torch.nn.Module,
+    ids_BT: torch.Tensor,
+    attn_BT: torch.Tensor,
+    prefix_len: int,
+    *,
+    entropy_mask_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """`token_logprobs` for B rows that share ``ids_BT[:, :prefix_len]`` (all attended): the prefix runs
+    once and its KV cache is broadcast to the rows (module doc). Positions 1 .. prefix_len − 1 get 0 (they
+    belong to the prompt and carry no loss). None when the model's cache cannot be broadcast."""
+    B, T = ids_BT.shape
+    P = prefix_len
+    kw = _cache_kwarg(model)
+    if kw is None or not 1 <= P < T:
+        return None
+    pre = model(input_ids=ids_BT[:1, :P], use_cache=True)
+    cache = getattr(pre, kw, None)
+    if cache is None or not _broadcast_cache(cache, B):
+        return None
+    pos_BS = torch.arange(P, T, device=ids_BT.device)[None].expand(B, -1)
+    rest = model(input_ids=ids_BT[:, P:], attention_mask=attn_BT, position_ids=pos_BS, use_cache=True, **{kw: cache})
+    logits_BSV = torch.cat([pre.logits[:, -1:].expand(B, -1, -1), rest.logits[:, :-1]], dim=1).float()
+    logsm_BSV = torch.log_softmax(logits_BSV, dim=-1)
+    tgt_BS = ids_BT[:, P:]
+    lp_BS = logsm_BSV.gather(-1, tgt_BS[..., None]).squeeze(-1)
+    logp_BT = torch.cat([lp_BS.new_zeros(B, P), lp_BS], dim=1)
+    entropy_BT = None
+    if entropy_mask_BT is not None:
+        with torch.no_grad():
+            m_BS = entropy_mask_BT[:, P:].bool()
+            sel_NV = logsm_BSV[m_BS]
+            ent_BS = lp_BS.new_zeros(lp_BS.shape).masked_scatter_(m_BS, -(sel_NV.exp() * sel_NV).sum(-1))
+            entropy_BT = torch.cat([lp_BS.new_zeros(B, P), ent_BS], dim=1)
+    return logp_BT, entropy_BT
+
+
 def sequence_logprobs(model: torch.nn.Module, ids: Sequence[Sequence[int]], batch_tokens: int) -> list[list[float]]:
     """Per sequence, ``out[b][t] = log p(ids[b][t] | ids[b][:t])`` for t ≥ 1 (``out[b][0] = 0``): prefill
     only, under ``torch.inference_mode``, sequences batched by `micro_batches` (``batch_tokens`` padded
@@ -129,6 +204,45 @@ def micro_batches(lengths: Sequence[int], micro_batch_tokens: int) -> list[list[
             out[-1].append(i)
         else:
             out.append([i])
+    return out
+
+
+def _prompt_len(s: TokenSequence) -> int:
+    """Tokens before the first sampled one (the prompt a group's samples share)."""
+    return s.mask.index(True) if True in s.mask else len(s.token_ids)
+
+
+def plan_micro_batches(seqs: Sequence[TokenSequence], micro_batch_tokens: int, *, share_prefix: bool = True,
+                       min_prefix: int = 16) -> list[tuple[list[int], int]]:
+    """Micro-batches as (indices, shared prefix length). With ``share_prefix``, sequences that share a
+    prompt of at least ``min_prefix`` tokens are batched together, longest suffix first, under
+    P + rows × longest suffix ≤ ``micro_batch_tokens``, with prefix length P; every other sequence goes
+    through `micro_batches` with prefix 0 (the full forward)."""
+    if micro_batch_tokens < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+    groups: dict[tuple[int, ...], list[int]] = {}
+    if share_prefix:
+        for i, s in enumerate(seqs):
+            P = _prompt_len(s)
+            if min_prefix <= P < len(s.token_ids):
+                groups.setdefault(tuple(s.token_ids[:P]), []).append(i)
+    out: list[tuple[list[int], int]] = []
+    shared: set[int] = set()
+    for prompt, idx in groups.items():
+        if len(idx) < 2:
+            continue
+        P = len(prompt)
+        shared.update(idx)
+        cur: list[int] = []
+        for i in sorted(idx, key=lambda j: (-(len(seqs[j].token_ids) - P), j)):
+            suffix0 = len(seqs[cur[0]].token_ids) - P if cur else len(seqs[i].token_ids) - P
+            if cur and P + (len(cur) + 1) * suffix0 > micro_batch_tokens:
+                out.append((cur, P))
+                cur = []
+            cur.append(i)
+        out.append((cur, P))
+    rest = [i for i in range(len(seqs)) if i not in shared]
+    out += [([rest[j] for j in mb], 0) for mb in micro_batches([len(seqs[i].token_ids) for i in rest], micro_batch_tokens)]
     return out
 
 
@@ -164,6 +278,7 @@ def policy_step(
     micro_batch_tokens: int = 8192,
     grad_clip: float = 1.0,
     version: int | None = None,
+    share_prefix: bool = True,
 ) -> dict[str, float]:
     """One optimizer step of `policy_loss` over ``seqs`` (module doc). Returns metrics: loss,
     grad_norm, the token-weighted means of policy_loss's metrics, max_abs_log_ratio (max),
@@ -174,7 +289,9 @@ def policy_step(
     proper, over the sampled tokens stamped with that version (``TokenSequence.versions``): the same
     weights on both sides, so |logp − behaviour| is what the trainer's forward and the rollout engine's
     forward disagree on (kernels, QAT paths), not staleness: rollout_gap_mean, rollout_gap_max and
-    rollout_gap_tokens (SPEC §5: measured and logged every step)."""
+    rollout_gap_tokens (SPEC §5: measured and logged every step).
+
+    ``share_prefix``: run a prompt shared by several sequences once per micro-batch (module doc)."""
     seqs = [s for s in seqs if s.num_trainable > 0]
     if not seqs:
         return {"num_tokens": 0.0, "num_sequences": 0.0}
@@ -186,10 +303,18 @@ def policy_step(
     max_abs = 0.0
     loss_total = 0.0
     gap_sum, gap_max, gap_n = 0.0, 0.0, 0
-    groups = micro_batches([len(s.token_ids) for s in seqs], micro_batch_tokens)
-    for idx in groups:
+    groups = plan_micro_batches(seqs, micro_batch_tokens, share_prefix=share_prefix)
+    for idx, prefix in groups:
         batch = _collate([seqs[i] for i in idx], pad_id, version)
-        logp_BT, ent_BT = token_logprobs(model, batch["ids"], batch["attn"], entropy_mask_BT=batch["mask"])
+        got = None
+        if prefix:
+            got = shared_prefix_logprobs(model, batch["ids"], batch["attn"], prefix, entropy_mask_BT=batch["mask"])
+            if got is None and type(model).__name__ not in _NO_SHARED_PREFIX:
+                _NO_SHARED_PREFIX.add(type(model).__name__)
+                log.warning("%s: its KV cache cannot be broadcast to the samples of a group; the trainer runs "
+                            "their shared prompt once per sample", type(model).__name__)
+        logp_BT, ent_BT = got if got is not None else token_logprobs(model, batch["ids"], batch["attn"],
+                                                                     entropy_mask_BT=batch["mask"])
         with torch.no_grad():
             gap_N = (logp_BT.detach() - batch["behavior"])[batch["fresh"]].abs()
             if gap_N.numel():

@@ -205,6 +205,44 @@ def test_rollout_gap_counts_only_tokens_of_the_trained_version(warm_policy):
     assert "rollout_gap_mean" not in policy_step(m, opt, seqs, pad_id=0)
 
 
+@pytest.mark.parametrize("qat", [False, True])
+def test_shared_prompt_runs_once_with_the_same_loss_and_gradients(warm_policy, qat):
+    """4 samples of one prompt (the prompt runs once, its KV cache broadcast to the 4 rows) plus a sequence
+    with another prompt: the same loss, metrics and gradients as the full forward of every row, to fp32
+    summation order; the planner puts the group in a micro-batch of its own with prefix 24."""
+    from k3post.policy_step import plan_micro_batches
+    from k3post.quant.qat import QATConfig, apply_qat
+
+    model, tok = warm_policy
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(5, len(tok), (24,), generator=g).tolist()
+    seqs = []
+    for j, n in enumerate([9, 4, 13, 6]):
+        out = torch.randint(5, len(tok), (n,), generator=g).tolist()
+        seqs.append(TokenSequence(prompt + out, [False] * 24 + [True] * n, [-1.5 - 0.1 * j] * 24 + [-2.0] * n,
+                                  [0.0] * 24 + [(-1.0) ** j] * n, [-1] * 24 + [0] * n))
+    other = torch.randint(5, len(tok), (30,), generator=g).tolist()
+    seqs.append(TokenSequence(other, [False] * 20 + [True] * 10, [0.0] * 20 + [-1.0] * 10, [0.0] * 20 + [0.5] * 10,
+                              [-1] * 20 + [0] * 10))
+    assert plan_micro_batches(seqs, 8192) == [([2, 0, 3, 1], 24), ([4], 0)]
+    assert plan_micro_batches(seqs, 24 + 2 * 13) == [([2, 0], 24), ([3, 1], 24), ([4], 0)]
+    assert plan_micro_batches(seqs, 8192, share_prefix=False) == [([2, 0, 3, 4, 1], 0)]  # longest first (37, 33, 30, 30, 28)
+    runs = {}
+    for share in (False, True):
+        m = copy.deepcopy(model)
+        if qat:
+            apply_qat(m, QATConfig())
+        out = policy_step(m, torch.optim.SGD(m.parameters(), lr=0.0), seqs, pad_id=0, version=0, share_prefix=share)
+        runs[share] = (out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    (full, g_full), (shared, g_shared) = runs[False], runs[True]
+    assert shared["micro_batches"] == 2.0 and full["micro_batches"] == 1.0
+    for k in ("loss", "rollout_gap_mean", "rollout_gap_max", "entropy", "mean_abs_log_ratio"):
+        assert shared[k] == pytest.approx(full[k], abs=1e-5), k
+    assert set(g_shared) == set(g_full)
+    for n in g_full:
+        assert torch.allclose(g_shared[n], g_full[n], atol=2e-5, rtol=1e-4), n
+
+
 def test_policy_step_accumulation_equals_one_batch(warm_policy):
     """Micro-batches of one sequence each give the same update as one batch (token_normalizer = N)."""
     model, tok = warm_policy
