@@ -251,8 +251,10 @@ class K3PostArm:
             "groups": rec["groups"], "trained_groups": rec["trained_groups"],
             "zero_variance_groups": rec["zero_variance_groups"],
             "trained_seqs": rec.get("train/num_sequences", 0.0), "trained_tokens": rec.get("train/num_tokens", 0.0),
-            # equal work: the trainer's forward and backward run over prompt + completion of every sampled sequence
-            "forward_tokens": float(sum(len(t.token_ids) for t in trajs)) if not self.cfg.skip_zero_variance else 0.0,
+            # positions the training forward ran (padding included; a group's shared prompt counts once) and
+            # prompt + completion of every trained sequence (what a forward without prompt sharing runs)
+            "forward_tokens": rec.get("train/forward_tokens", 0.0),
+            "sequence_tokens": float(sum(len(t.token_ids) for t in trajs)) if not self.cfg.skip_zero_variance else 0.0,
         }
         r["update_rest_s"] = r["update_s"] - r["forward_s"] - r["optimizer_s"]
         if not self.cfg.skip_zero_variance and (r["trained_groups"] != r["groups"] or r["trained_seqs"] != r["completions"]):
@@ -621,6 +623,7 @@ def _main(args: argparse.Namespace, tmp: str) -> None:
         "k3post_zero_variance_groups_per_step": round(_mean(k3.rec, "zero_variance_groups", w), 2),
         "k3post_update_sampled_tokens_per_step": round(_mean(k3.rec, "trained_tokens", w), 1),
         "k3post_update_forward_tokens_per_step": round(_mean(k3.rec, "forward_tokens", w), 1),
+        "k3post_update_sequence_tokens_per_step": round(_mean(k3.rec, "sequence_tokens", w), 1),
         "k3post_train_rl_step_s_median": round(check, 4),
         "completions_per_step": args.n * args.k, "group_size": args.k, "max_new_tokens": args.max_tokens,
         "steps": args.steps, "warmup": args.warmup, "sft_steps": args.sft_steps, "threads": args.threads,

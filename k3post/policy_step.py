@@ -281,7 +281,8 @@ def policy_step(
     share_prefix: bool = True,
 ) -> dict[str, float]:
     """One optimizer step of `policy_loss` over ``seqs`` (module doc). Returns metrics: loss,
-    grad_norm, the token-weighted means of policy_loss's metrics, max_abs_log_ratio (max),
+    grad_norm, the token-weighted means of policy_loss's metrics, max_abs_log_ratio (max), forward_tokens
+    (positions the training forward ran, padding included: a shared prompt counts once),
     entropy, train_rollout_logp_gap (mean |logp − behaviour| over sampled tokens, measured by
     the same forward that trains: staleness included), num_tokens, num_sequences, micro_batches.
 
@@ -303,6 +304,7 @@ def policy_step(
     max_abs = 0.0
     loss_total = 0.0
     gap_sum, gap_max, gap_n = 0.0, 0.0, 0
+    forward_tokens = 0
     groups = plan_micro_batches(seqs, micro_batch_tokens, share_prefix=share_prefix)
     for idx, prefix in groups:
         batch = _collate([seqs[i] for i in idx], pad_id, version)
@@ -315,6 +317,8 @@ def policy_step(
                             "their shared prompt once per sample", type(model).__name__)
         logp_BT, ent_BT = got if got is not None else token_logprobs(model, batch["ids"], batch["attn"],
                                                                      entropy_mask_BT=batch["mask"])
+        B, T = batch["ids"].shape
+        forward_tokens += prefix + B * (T - prefix) if got is not None else B * T
         with torch.no_grad():
             gap_N = (logp_BT.detach() - batch["behavior"])[batch["fresh"]].abs()
             if gap_N.numel():
@@ -340,7 +344,7 @@ def policy_step(
     out = {k: v / n_total for k, v in sums.items()}
     out.update(
         loss=loss_total, grad_norm=grad_norm, max_abs_log_ratio=max_abs, num_tokens=float(n_total),
-        num_sequences=float(len(seqs)), micro_batches=float(len(groups)),
+        num_sequences=float(len(seqs)), micro_batches=float(len(groups)), forward_tokens=float(forward_tokens),
     )
     if version is not None:
         out.update(rollout_gap_mean=gap_sum / gap_n if gap_n else float("nan"), rollout_gap_max=gap_max,

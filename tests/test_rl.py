@@ -236,6 +236,7 @@ def test_shared_prompt_runs_once_with_the_same_loss_and_gradients(warm_policy, q
         runs[share] = (out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
     (full, g_full), (shared, g_shared) = runs[False], runs[True]
     assert shared["micro_batches"] == 2.0 and full["micro_batches"] == 1.0
+    assert shared["forward_tokens"] == 24 + 4 * 13 + 30 and full["forward_tokens"] == 5 * 37  # padded positions run
     for k in ("loss", "rollout_gap_mean", "rollout_gap_max", "entropy", "mean_abs_log_ratio"):
         assert shared[k] == pytest.approx(full[k], abs=1e-5), k
     assert set(g_shared) == set(g_full)
