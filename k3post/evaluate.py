@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from k3post.rollout.embedded import EmbeddedEngine
+from k3post.rollout.factory import build_engine
 from k3post.rollout.engine import GenerationRequest, SamplingParams, request_seed
 from k3post.stats import wilson_interval
 
@@ -48,7 +49,7 @@ def _engine_for(model: torch.nn.Module, engine: EmbeddedEngine | None, batch_siz
     if engine is None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        return EmbeddedEngine(model, max_batch_size=batch_size)
+        return build_engine(model, max_batch_size=batch_size)
     if engine.model is not model:
         raise ValueError("engine runs a different model than the one to evaluate; pass engine.model")
     if engine.has_unfinished():

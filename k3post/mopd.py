@@ -12,7 +12,7 @@
         loss = policy_loss with r_i as the per-token advantage  (K2.5 mask + quadratic regulariser, §3.1)
         optimizer step; engine.update_weights(); metrics; checkpoint (exact resume)
 
-Everything but the signal is `k3post.rl.train_policy`, the RL loop itself (STYLE.md 4: "on-policy
+Everything but the signal is `k3post.loop.train_policy`, the RL loop itself (STYLE.md 4: "on-policy
 distillation is RL with a per-token advantage from the teacher").
 
 Decisions:
@@ -63,8 +63,10 @@ from k3post.metrics import MetricsLogger
 from k3post.models import load_model
 from k3post.policy_step import TokenSequence, sequence_logprobs
 from k3post.quant.qat import QATConfig, apply_qat
-from k3post.rl import RLConfig, Signal, domain_families, eval_tasks, train_policy, train_tasks
+from k3post.loop import Signal, train_policy
+from k3post.rl import RLConfig, domain_families, eval_tasks, train_tasks
 from k3post.rollout.embedded import EmbeddedEngine
+from k3post.rollout.factory import build_engine
 from k3post.rollout.engine import request_seed, token_uniform
 from k3post.rollout.evaluation import evaluate_episodes, make_env
 from k3post.rollout.trajectory import Group, Trajectory
@@ -476,13 +478,13 @@ def train_mopd(
         pool = TeacherPool(cfg.experts, max_resident=cfg.max_resident, dtype=cfg.teacher_dtype, qat=teacher_qat,
                            batch_tokens=cfg.teacher_batch_tokens)
     try:
-        step, history, resumed_from, _, loop = train_policy(
+        step, history, resumed_from, pl = train_policy(
             student, tokenizer, replace(cfg.rl, max_tokens=max(cfg.rl.for_domain(d).max_tokens for d in cfg.domains)),
             out_dir, tasks=tasks, signal=opd_signal(pool, cfg, XTML(tokenizer)),
             effort_fn=effort_sampler(cfg.effort_mix, cfg.rl.seed), metrics=metrics, stage="mopd", resume=resume,
             stop_after=stop_after,
         )
-        loop.close()
+        pl.close()
     finally:
         if own:
             pool.close()
@@ -546,7 +548,7 @@ def evaluate_mopd(
         cap = max_tokens if isinstance(max_tokens, int) else max_tokens[d]
         for e in efforts:
             expert = expert_name(d, e)
-            teacher = EmbeddedEngine(pool.model(expert), xtml.tokenizer, max_batch_size=student.max_batch_size,
+            teacher = build_engine(pool.model(expert), xtml.tokenizer, max_batch_size=student.max_batch_size,
                                      max_model_len=student.max_model_len)
             s = _episodes(student, xtml, ts, e, cap)
             t = _episodes(teacher, xtml, ts, e if teacher_sees_effort else None, cap)

@@ -1,0 +1,117 @@
+"""The trainer seam: model, optimizer, device and dtype behind one object, and the optimizer settings
+SFT and RL share.
+
+    trainer = Trainer(model, OptimConfig(lr=1e-4), device="cuda")   # the model moves to the device
+    metrics = trainer.step(seqs, version=v)                          # one `policy_step`
+    for name, tensor in trainer.named_weights(): ...                 # what a weight sync sends
+    trainer.state_dict() / trainer.load_state_dict(...)               # the optimizer (weights: checkpoint.py)
+
+The device is resolved once (`resolve_device`): "cuda" when asked for and present, else a clear error,
+never a silent fall back to the CPU. The same code runs on either. QAT is applied to the model before it
+is handed over (`k3post.quant.qat.apply_qat`); the fake-quant modules move with it.
+
+Shape legend: none here (`k3post.policy_step` holds the tensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from k3post.policy_step import TokenSequence, policy_step
+
+__all__ = ["OPTIMIZERS", "OptimConfig", "build_optimizer", "resolve_device", "Trainer"]
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass
+class OptimConfig:
+    """One optimizer: ``name`` (adamw | sgd), ``lr``, ``betas`` (AdamW), ``eps`` (AdamW), ``weight_decay``,
+    ``momentum`` (SGD)."""
+
+    name: str = "adamw"
+    lr: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optimizer name must be one of {OPTIMIZERS}, got {self.name!r}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optimizer betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.lr < 0 or self.eps <= 0 or self.weight_decay < 0 or self.momentum < 0:
+            raise ValueError("optimizer: lr >= 0, eps > 0, weight_decay >= 0 and momentum >= 0 are required")
+
+
+def build_optimizer(params: Any, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """The optimizer of ``cfg`` over ``params`` (an iterable of tensors or of param groups)."""
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(float(cfg.betas[0]), float(cfg.betas[1])), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch.device; ValueError when it names CUDA and none is present (no silent CPU)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r}: {e}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device "
+                         f"(torch {torch.__version__}, built with CUDA {torch.version.cuda})")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+class Trainer:
+    """One model and its optimizer on one device (module doc). ``loss_kwargs``, ``micro_batch_tokens``
+    and ``grad_clip`` are `policy_step`'s; ``pad_id`` pads its batches."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optim: OptimConfig,
+        *,
+        device: str | torch.device = "cpu",
+        pad_id: int = 0,
+        loss_kwargs: Mapping[str, Any] | None = None,
+        micro_batch_tokens: int = 8192,
+        grad_clip: float = 1.0,
+    ) -> None:
+        self.device = resolve_device(device)
+        self.model = model.to(self.device)
+        self.optim_cfg = optim
+        self.optimizer = build_optimizer(model.parameters(), optim)
+        self.pad_id = pad_id
+        self.loss_kwargs = dict(loss_kwargs or {})
+        self.micro_batch_tokens = micro_batch_tokens
+        self.grad_clip = grad_clip
+
+    def step(self, seqs: Sequence[TokenSequence], *, version: int | None = None) -> dict[str, float]:
+        """One optimizer step of `policy_step` over ``seqs``; leaves the model in eval mode (the
+        co-located engine decodes next)."""
+        out = policy_step(self.model, self.optimizer, seqs, pad_id=self.pad_id, loss_kwargs=self.loss_kwargs,
+                          micro_batch_tokens=self.micro_batch_tokens, grad_clip=self.grad_clip, version=version)
+        self.model.eval()
+        return out
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF parameter name, detached tensor) of every parameter, in the model's order: what a weight
+        sync sends. The tensors alias the live parameters (copy before the next step if kept)."""
+        for name, p in self.model.named_parameters():
+            yield name, p.detach()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state (the weights are saved by `k3post.checkpoint`)."""
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
