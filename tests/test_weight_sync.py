@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from k3post.distributed.weight_sync import (
     BucketSpec,
     CudaIPCSync,
     DiskSync,
+    DistributedReceiver,
     DistributedSync,
     InProcessSync,
     Manifest,
@@ -311,6 +313,57 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _receive_in_thread(engine: EmbeddedEngine, init: str, timeout_s: float) -> tuple[threading.Thread, dict]:
+    got: dict = {}
+
+    def run() -> None:
+        receiver = DistributedReceiver(engine, init, 1, 2, timeout_s=timeout_s)
+        try:
+            while (stats := receiver.receive()) is not None:
+                got["stats"] = stats
+        except WeightSyncError as e:
+            got["error"], got["broken"] = str(e), receiver.broken
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, got
+
+
+def test_distributed_sync_timeout_leaves_engine_unchanged():
+    """A trainer that stalls after its first bucket: the receiver gives up after its timeout with the
+    engine untouched, the trainer's push fails, and a sync over a new group repairs the engine."""
+    engine = _engine(0)
+    before = _state(engine)
+    trainer = trainer_model(1)
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    thread, got = _receive_in_thread(engine, init, timeout_s=2)
+    sync = DistributedSync(init, 2, bucket_mb=1, qat=QATConfig(), timeout_s=2)
+    send, sent = sync._send_bucket, []
+
+    def stall_after_first(bucket):
+        if sent:
+            thread.join(timeout=60)  # stalled until the receiver gave up
+        send(bucket)
+        sent.append(bucket)
+
+    sync._send_bucket = stall_after_first
+    with pytest.raises(WeightSyncError, match="sync to version 1 interrupted"):
+        sync.push(named_weights(trainer), 1)
+    thread.join(timeout=60)
+    assert "interrupted" in got["error"] and got["broken"]
+    assert _state(engine) == before
+    with pytest.raises(WeightSyncError, match="broke earlier"):
+        sync.push(named_weights(trainer), 1)
+    sync.close()
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    thread, got = _receive_in_thread(engine, init, timeout_s=30)
+    sync = DistributedSync(init, 2, bucket_mb=1, qat=QATConfig(), timeout_s=30)
+    assert sync.push(named_weights(trainer), 1).version == 1
+    sync.close()
+    thread.join(timeout=60)
+    assert got["stats"].version == 1 and _state(engine) == (1, digest(trainer))
+
+
 def test_distributed_sync_two_engines_gloo(tmp_path):
     """Trainer (this process, rank 0) → two engine processes (ranks 1, 2), QAT on, 1 MB buckets.
     Session 0: sync v1 (weights of seed 1), then a sync whose manifest has a wrong shape (rejected by
@@ -324,6 +377,9 @@ def test_distributed_sync_two_engines_gloo(tmp_path):
     receivers = [subprocess.Popen([sys.executable, peer, "receive", "--sessions", ",".join(inits), "--rank", str(r),
                                    "--world", "3", "--out", str(out), "--timeout", "60"], env=env)
                  for r, out in zip((1, 2), outs)]
+    # started now so that its imports overlap the receivers'; it waits in the rendezvous of session 1
+    crash = subprocess.Popen([sys.executable, peer, "crash-send", "--sessions", inits[1], "--world", "3", "--seed", "2",
+                              "--version", "2", "--timeout", "60"], env=env)
     try:
         w1, w2 = named_weights(trainer_model(1)), named_weights(trainer_model(2))
         sync = DistributedSync(inits[0], 3, bucket_mb=1, qat=QATConfig(), timeout_s=60)
@@ -335,16 +391,14 @@ def test_distributed_sync_two_engines_gloo(tmp_path):
         with pytest.raises(WeightSyncError, match=r"rank 1: .*model.norm.weight: shape \(64,\).* \| rank 2: "):
             sync.push(wrong, 2)
         sync.close()
-        crash = subprocess.run([sys.executable, peer, "crash-send", "--sessions", inits[1], "--world", "3",
-                                "--seed", "2", "--version", "2", "--timeout", "60"], env=env, timeout=120)
-        assert crash.returncode == CRASH_CODE
+        assert crash.wait(timeout=120) == CRASH_CODE
         sync = DistributedSync(inits[2], 3, bucket_mb=1, qat=QATConfig(), timeout_s=60)
         assert sync.push(w2, 2).version == 2
         sync.close()
         print(f"gloo sync: {stats.mb_per_s:.0f} MB/s for {nbytes / MB:.1f} MB (first sync, {time.perf_counter() - t0:.1f} s all)")
         assert [p.wait(timeout=120) for p in receivers] == [0, 0]
     finally:
-        for p in receivers:
+        for p in [*receivers, crash]:
             if p.poll() is None:
                 p.kill()
     d0, d1, d2 = (digest(trainer_model(s)) for s in (0, 1, 2))

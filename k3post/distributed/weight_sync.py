@@ -41,6 +41,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -84,6 +85,8 @@ __all__ = [
     "CudaIPCSync",
     "receive_ipc",
 ]
+
+log = logging.getLogger("k3post.weight_sync")
 
 MB = 2**20
 MANIFEST = "manifest.json"
@@ -671,6 +674,7 @@ class DistributedSync:
         self.qat = qat
         self.group = _Group(init_method, 0, world_size, torch.device(device), timeout_s)
         self._closed = False
+        self._broken: str | None = None
 
     def _check_votes(self, votes: list[str], stage: str, version: int) -> None:
         bad = [f"rank {r}: {v}" for r, v in enumerate(votes) if v]
@@ -685,27 +689,41 @@ class DistributedSync:
         """Send all buckets; returns once every receiver applied them (WeightSyncError otherwise)."""
         if self._closed:
             raise ValueError("DistributedSync is closed")
+        if self._broken is not None:
+            raise WeightSyncError(f"the process group broke earlier ({self._broken}); create a new DistributedSync")
         t0 = time.perf_counter()
         items = _named_list(named_tensors)
         lookup = dict(items)
         manifest = Manifest(version, self.qat, tuple(plan_buckets(items, self.bucket_mb)))
         payload = json.dumps(manifest.to_json()).encode("utf-8")
         g = self.group
-        g.broadcast(torch.tensor([_OP_SYNC, len(payload)], dtype=torch.int64, device=g.device))
-        g.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(g.device))
-        self._check_votes(g.allgather_text(""), "(manifest rejected)", version)
-        for spec in manifest.buckets:
-            self._send_bucket(flatten(spec, lookup, g.device))
-        self._check_votes(g.allgather_text(""), "(a receiver failed to stage)", version)
-        self._check_votes(g.allgather_text(""), "(a receiver failed to apply; the others applied)", version)
+        try:
+            g.broadcast(torch.tensor([_OP_SYNC, len(payload)], dtype=torch.int64, device=g.device))
+            g.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(g.device))
+            self._check_votes(g.allgather_text(""), "(manifest rejected)", version)
+            for spec in manifest.buckets:
+                self._send_bucket(flatten(spec, lookup, g.device))
+            self._check_votes(g.allgather_text(""), "(a receiver failed to stage)", version)
+            self._check_votes(g.allgather_text(""), "(a receiver failed to apply; the others applied)", version)
+        except RuntimeError as e:
+            if isinstance(e, WeightSyncError):
+                raise
+            self._broken = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise WeightSyncError(f"sync to version {version} interrupted ({self._broken}); engines apply only once every "
+                                  f"receiver staged every bucket; create a new DistributedSync") from e
         return SyncStats("distributed", version, manifest.nbytes, len(manifest.buckets), len(items), time.perf_counter() - t0)
 
     def close(self) -> None:
         """Tell the receivers no more syncs come (their ``receive`` returns None) and drop the group."""
         if not self._closed:
             self._closed = True
+            if self._broken is not None:
+                del self.group
+                return
             try:
                 self.group.broadcast(torch.tensor([_OP_CLOSE, 0], dtype=torch.int64, device=self.group.device))
+            except RuntimeError as e:  # a receiver already gone: nothing left to tell it
+                log.warning("DistributedSync.close: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
             finally:
                 del self.group
 
