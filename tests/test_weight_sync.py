@@ -313,11 +313,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _receive_in_thread(engine: EmbeddedEngine, init: str, timeout_s: float) -> tuple[threading.Thread, dict]:
+def _receive_in_thread(engine: EmbeddedEngine, init: str, timeout_s: float, rank: int = 1,
+                       world: int = 2) -> tuple[threading.Thread, dict]:
+    """A receiver rank in a thread of this process: takes syncs until the trainer closes the group
+    (last stats in got["stats"]) or one fails (got["error"], got["broken"])."""
     got: dict = {}
 
     def run() -> None:
-        receiver = DistributedReceiver(engine, init, 1, 2, timeout_s=timeout_s)
+        receiver = DistributedReceiver(engine, init, rank, world, timeout_s=timeout_s)
         try:
             while (stats := receiver.receive()) is not None:
                 got["stats"] = stats
@@ -362,6 +365,33 @@ def test_distributed_sync_timeout_leaves_engine_unchanged():
     sync.close()
     thread.join(timeout=60)
     assert got["stats"].version == 1 and _state(engine) == (1, digest(trainer))
+
+
+def test_distributed_sync_one_engine_rejects_none_applies():
+    """Two engines, one built without QAT: it rejects the manifest, so the other does not apply either
+    (no engine moves to a version the other lacks); the trainer's error names the rejecting rank."""
+    good, odd = _engine(0), _engine(0, qat=None)
+    before = [_state(good), _state(odd)]
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    threads = [_receive_in_thread(e, init, 30, rank=r, world=3) for r, e in ((1, good), (2, odd))]
+    sync = DistributedSync(init, 3, bucket_mb=1, qat=QATConfig(), timeout_s=30)
+    with pytest.raises(WeightSyncError, match=r"manifest rejected.*rank 2: QAT scheme mismatch") as err:
+        sync.push(named_weights(trainer_model(1)), 1)
+    assert "rank 1" not in str(err.value)
+    sync.close()  # the group is still usable: the receivers hear the close
+    for thread, got in threads:
+        thread.join(timeout=60)
+        assert "manifest rejected" in got["error"] and not got["broken"]
+    assert [_state(good), _state(odd)] == before
+
+
+def test_apply_weights_casts_float_dtypes():
+    """fp32 master weights into a bf16 engine: cast on copy (round to nearest even, as ``Tensor.to``)."""
+    engine = EmbeddedEngine(trainer_model(0).to(torch.bfloat16), qat=QATConfig(), max_batch_size=2, max_model_len=64)
+    w1 = named_weights(trainer_model(1))
+    apply_weights(engine, w1, 1, qat=QATConfig())
+    got = dict(engine.model.named_parameters())
+    assert all(torch.equal(got[n], t.to(torch.bfloat16)) for n, t in w1)
 
 
 def test_distributed_sync_two_engines_gloo(tmp_path):

@@ -19,7 +19,8 @@ Backends (one ``push(named_tensors, version) -> SyncStats`` each, the ``WeightSy
   manifest against its engine) → every bucket's flat buffers → vote 2 (all staged) → apply →
   vote 3 (all applied). A receiver applies only after vote 2 succeeded on every rank, so a sync
   interrupted by a dead sender, a timeout or a rejected manifest leaves every engine on its old
-  version and weights; the next complete sync repairs it.
+  version and weights; the next complete sync repairs it. Memory: the trainer holds one flat
+  bucket at a time, a receiver one staged copy of the weights until it applies.
 * ``CudaIPCSync`` / ``receive_ipc``: co-located GPU engines in another process; the flat CUDA
   buffers travel as ``torch.multiprocessing.reductions.reduce_tensor`` handles (no copy through
   the host).
