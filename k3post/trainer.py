@@ -15,12 +15,13 @@ Shape legend: none here (`k3post.policy_step` holds the tensors).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from k3post.distributed.weight_sync import named_weights
 from k3post.policy_step import TokenSequence, policy_step
 
 __all__ = ["OPTIMIZERS", "OptimConfig", "build_optimizer", "resolve_device", "Trainer"]
@@ -103,11 +104,11 @@ class Trainer:
         self.model.eval()
         return out
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF parameter name, detached tensor) of every parameter, in the model's order: what a weight
-        sync sends. The tensors alias the live parameters (copy before the next step if kept)."""
-        for name, p in self.model.named_parameters():
-            yield name, p.detach()
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """(HF name, detached tensor) of every parameter (a tied one once) and persistent buffer, in the
+        model's order: what a weight sync sends (`k3post.distributed.weight_sync.named_weights`). The
+        tensors alias the live ones (copy before the next step if kept)."""
+        return named_weights(self.model)
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state (the weights are saved by `k3post.checkpoint`)."""

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from k3post.distributed.weight_sync import named_weights
 from k3post.rollout.agent_loop import AgentLoop
 from k3post.rollout.config import EngineConfig
 from k3post.rollout.engine import SamplingParams, SteppableEngine
@@ -158,7 +159,7 @@ class Rollout:
         self.pool.load_tensor_state(state["kv_pool"])
         version = int(state["engine_version"])
         if not getattr(self.engine, "shares_weights", False):  # the servers get the checkpoint's weights
-            self.engine.update_weights(((n, p.detach()) for n, p in self.model.named_parameters()), version=version)
+            self.engine.update_weights(named_weights(self.model), version=version)
         elif version > self.engine.version:
             self.engine.update_weights({}, version=version)
 
