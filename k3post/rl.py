@@ -11,8 +11,8 @@
         metrics; checkpoint (weights, optimizer, scheduler with paused trajectories, KV pool)
 
 The loop itself (rollout, trainer step, weight push, checkpoints) is `k3post.loop`, shared with MOPD;
-this module is RL's signal, its config and `train_rl`. With the embedded engine (``rl.engine.kind``) the
-engine shares the trainer's model (co-located, one process): the optimizer updates the parameters in
+this module is RL's signal and `train_rl` (its config is `k3post.config.rl`, its task streams
+`k3post.envs.families.streams`). With the embedded engine (``rl.engine.kind``) the engine shares the trainer's model (co-located, one process): the optimizer updates the parameters in
 place and the push bumps the policy version, so tokens sampled after the step carry the new version. With QAT applied to the model, the engine and the trainer run the
 same MX fake-quantized expert forward (§5): the train/rollout log-prob gap is logged every step.
 
