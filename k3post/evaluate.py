@@ -13,12 +13,12 @@ Shape legend: none (token lists only).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
+from k3post.config.eval import EvalConfig
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.factory import build_engine
 from k3post.rollout.engine import GenerationRequest, SamplingParams, request_seed
@@ -26,18 +26,6 @@ from k3post.stats import wilson_interval
 
 if TYPE_CHECKING:
     from k3post.xtml import XTML
-
-
-@dataclass
-class EvalConfig:
-    """Held-out evaluation settings."""
-
-    efforts: list[str] = field(default_factory=lambda: ["max", "high", "low"])
-    max_new_tokens: int = 96
-    batch_size: int = 64  # engine slots: above the engine's dense_moe_max_tokens (64) decode steps take the slower HF MoE path (measured 11 s vs 28 s for 200 prompts)
-    n_examples: int = 3  # completions kept per effort for the report
-    temperature: float = 0.0  # 0: greedy; > 0: one sample per task, i.e. pass@1 at this temperature
-    seed: int = 0  # sampling seed when temperature > 0 (task i uses request_seed(seed, str(i)))
 
 
 def _engine_for(model: torch.nn.Module, engine: EmbeddedEngine | None, batch_size: int) -> EmbeddedEngine:

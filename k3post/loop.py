@@ -57,7 +57,7 @@ of the loop that differs between RL (`k3post.rl.rl_signal`) and MOPD (`k3post.mo
 
 
 class LoopConfig(Protocol):
-    """What the loop reads from a stage's config (`k3post.rl.RLConfig` is one)."""
+    """What the loop reads from a stage's config (`k3post.config.rl.RLConfig` is one)."""
 
     steps: int
     n_prompts: int

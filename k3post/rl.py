@@ -11,8 +11,8 @@
         metrics; checkpoint (weights, optimizer, scheduler with paused trajectories, KV pool)
 
 The loop itself (rollout, trainer step, weight push, checkpoints) is `k3post.loop`, shared with MOPD;
-this module is RL's signal, its config and `train_rl`. With the embedded engine (``rl.engine.kind``) the
-engine shares the trainer's model (co-located, one process): the optimizer updates the parameters in
+this module is RL's signal and `train_rl` (its config is `k3post.config.rl`, its task streams
+`k3post.envs.families.streams`). With the embedded engine (``rl.engine.kind``) the engine shares the trainer's model (co-located, one process): the optimizer updates the parameters in
 place and the push bumps the policy version, so tokens sampled after the step carry the new version. With QAT applied to the model, the engine and the trainer run the
 same MX fake-quantized expert forward (§5): the train/rollout log-prob gap is logged every step.
 
@@ -27,160 +27,34 @@ Shape legend: none here (the math lives in k3post/algos and k3post/policy_step.p
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from k3post.algos.advantages import group_advantages_from_groups
-from k3post.envs.families.registry import families, get_family
-from k3post.envs.task import DOMAINS, Task
+from k3post.config.rl import RLConfig, loss_kwargs
+from k3post.envs.families.registry import get_family
+from k3post.envs.families.streams import domain_families, eval_tasks, train_tasks
 from k3post.metrics import MetricsLogger
 from k3post.models import load_model
 from k3post.loop import PolicyLoop, Signal, rollout_gap, train_policy
 from k3post.policy_step import TokenSequence
-from k3post.rewards.effort import BudgetTable, EffortConfig, group_override
+from k3post.rewards.effort import BudgetTable, group_override
 from k3post.rewards.grm import EngineJudge, GroupGRM, PolicyJudge, estimate_l0, trajectory_candidate
-from k3post.rollout.config import EngineConfig
 from k3post.rollout.evaluation import evaluate_episodes, reference_turn_tokens, run_episodes
-from k3post.rollout.factory import RolloutConfig, build_engine
+from k3post.rollout.factory import build_engine
 from k3post.rollout.trajectory import Group
-from k3post.trainer import OptimConfig
-from k3post.xtml import EFFORTS, XTML
+from k3post.xtml import XTML
 
 log = logging.getLogger(__name__)
 
 __all__ = ["RLConfig", "RLResult", "GroupScorer", "Signal", "PolicyLoop", "domain_families", "train_tasks", "eval_tasks", "loss_kwargs",
            "rl_signal", "train_policy", "train_rl", "check_turn_caps", "rollout_gap"]
-
-# seeds of the task streams: training prompts and held-out evaluation never share a seed
-_TRAIN_SEED, _EVAL_SEED = 7_000, 9_000
-
-
-@dataclass
-class RLConfig:
-    """Settings of one RL run (one domain at one effort) and of `k3post experts`.
-
-    Rollout: ``n_prompts`` × ``k`` per iteration, ``lambda_`` and ``max_staleness`` (SPEC §3.2),
-    ``temperature``, ``max_tokens`` per assistant turn, ``slots`` (engine batch), ``kv_pool_mb``.
-    Loss (SPEC §3.1): ``log_ratio_min`` / ``log_ratio_max`` (the K2.5 band α, β), ``tau`` (the quadratic
-    regulariser), ``clip_eps_low`` / ``clip_eps_high`` (PPO/DAPO clipping; inf = off),
-    ``stop_gradient_ratio`` (CISPO), ``sequence_ratio`` (GSPO), ``seq_mean`` (sequence-mean aggregation);
-    e.g. DAPO: ``log_ratio_min=-.inf log_ratio_max=.inf tau=0 clip_eps_low=0.2 clip_eps_high=0.28``.
-    ``skip_zero_variance``: drop groups whose rewards are all equal from the loss (DAPO's dynamic-sampling
-    shortcut). Off by default: SPEC §3.1 applies τ·ℓ² to every sampled token and N counts them all, so such
-    groups train with advantage 0 (only the regulariser acts on their possibly stale tokens).
-    Tasks: ``families``, the families trained in each domain (a domain with none listed trains all its
-    verifiable families, plus the non-verifiable ones when a ``judge`` is set), ``difficulty``, ``n_tasks`` training prompts per family (cycled), ``eval_n``
-    held-out tasks per family.
-    Judge (SPEC §3.4): ``judge`` = "" (none), "policy" (the cold-start checkpoint through the embedded
-    engine), a local checkpoint folder, or an OpenAI-compatible base URL (``judge_model`` names the
-    served model); ``grm_sigma`` the length guard σ (ℓ0 measured on the cold-start model).
-    Effort control (SPEC §3.3): ``effort`` and ``effort_control`` (τ per effort and domain, the b0
-    estimate's samples and quantile, the curriculum order).
-    Experts: ``domains``, each trained through ``effort_control.curriculum`` for ``steps`` per effort;
-    ``domain_overrides`` sets numeric fields per domain (e.g. ``{agents: {steps: 4, eval_n: 24}}``:
-    agentic episodes cost far more than arithmetic ones), see `for_domain`.
-    ``init``: the checkpoint RL starts from (empty: the run folder's ``sft/final``).
-    """
-
-    init: str = ""
-    domain: str = "general"
-    effort: str = "max"
-    families: list[str] = field(default_factory=lambda: ["general.arithmetic", "agents.search", "coding.write_function"])
-    steps: int = 40
-    n_prompts: int = 8
-    k: int = 8
-    lambda_: float = 0.7
-    max_staleness: int = 4
-    temperature: float = 1.0
-    max_tokens: int = 128
-    max_model_len: int = 2048
-    slots: int = 32
-    kv_pool_mb: int = 64
-    difficulty: int = 1
-    n_tasks: int = 320
-    eval_n: int = 400
-    eval_max_tokens: int = 128
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    micro_batch_tokens: int = 8192
-    log_ratio_min: float = -math.log(2.0)
-    log_ratio_max: float = math.log(2.0)
-    tau: float = 0.01
-    clip_eps_low: float = math.inf
-    clip_eps_high: float = math.inf
-    stop_gradient_ratio: bool = False
-    sequence_ratio: bool = False
-    seq_mean: bool = False
-    normalize_std: bool = False
-    skip_zero_variance: bool = False
-    judge: str = ""
-    judge_model: str = ""
-    grm_sigma: float = 1.5
-    effort_control: EffortConfig = field(default_factory=EffortConfig)
-    domains: list[str] = field(default_factory=lambda: ["general", "agents", "coding"])
-    domain_overrides: dict[str, dict[str, float]] = field(default_factory=lambda: {
-        "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16, "max_tokens": 192, "eval_max_tokens": 192},
-        "coding": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 32, "max_tokens": 384, "eval_max_tokens": 384},
-    })
-    save_every: int = 10
-    seed: int = 0
-    progress: bool = True
-    device: str = "cpu"
-    optimizer: str = "adamw"
-    engine: EngineConfig = field(default_factory=EngineConfig)
-
-    def __post_init__(self) -> None:
-        if self.effort not in EFFORTS:
-            raise ValueError(f"rl.effort must be one of {EFFORTS}, got {self.effort!r}")
-        for key, ds in (("rl.domain", [self.domain]), ("rl.domains", list(self.domains)),
-                        ("rl.domain_overrides", list(self.domain_overrides))):
-            bad = [d for d in ds if d not in DOMAINS]
-            if bad:
-                raise ValueError(f"{key}: unknown domain(s) {bad}; expected {DOMAINS}")
-        for d in self.domain_overrides:
-            self._overrides(d)
-
-    def _overrides(self, domain: str) -> dict[str, int | float]:
-        """``domain_overrides[domain]`` cast to the fields' types (ValueError naming a non-numeric or
-        non-integer setting)."""
-        types = {f.name: type(getattr(self, f.name)) for f in fields(self)}
-        over: dict[str, int | float] = {}
-        for key, value in dict(self.domain_overrides.get(domain, {})).items():
-            if types.get(key) not in (int, float) or key == "seed":
-                raise ValueError(f"rl.domain_overrides.{domain}.{key}: not a numeric RL setting")
-            if types[key] is int and float(value) != int(value):
-                raise ValueError(f"rl.domain_overrides.{domain}.{key}: must be an integer, got {value}")
-            over[key] = types[key](value)
-        return over
-
-    def rollout_config(self) -> RolloutConfig:
-        """The rollout seam's settings (`k3post.rollout.factory.Rollout`)."""
-        return RolloutConfig(n_prompts=self.n_prompts, k=self.k, lambda_=self.lambda_, max_staleness=self.max_staleness,
-                             temperature=self.temperature, max_tokens=self.max_tokens, max_model_len=self.max_model_len,
-                             slots=self.slots, kv_pool_mb=self.kv_pool_mb, effort=self.effort, seed=self.seed,
-                             engine=self.engine)
-
-    def optim_config(self) -> OptimConfig:
-        """The trainer's optimizer (AdamW betas 0.9 / 0.95, eps 1e-8 unless ``optimizer`` is sgd)."""
-        return OptimConfig(name=self.optimizer, lr=self.lr, weight_decay=self.weight_decay)
-
-    def loss_kwargs(self) -> dict[str, Any]:
-        """The `policy_loss` parameters (`loss_kwargs`)."""
-        return loss_kwargs(self)
-
-    def for_domain(self, domain: str) -> "RLConfig":
-        """This config with ``domain`` set and its ``domain_overrides`` applied (each value cast to
-        the field's type)."""
-        return replace(self, domain=domain, **self._overrides(domain))
-
 
 @dataclass
 class RLResult:
@@ -195,44 +69,6 @@ class RLResult:
 
 GroupScorer = Callable[[Group], list[float]]
 """Rewards of the K samples of a finished group for a non-verifiable family (the GRM)."""
-
-
-def domain_families(domain: str, names: Sequence[str] = (), *, with_judge: bool = False) -> list[str]:
-    """The families one RL run of ``domain`` trains on: those of ``names`` that belong to the domain
-    (every name must be a registered family), else every verifiable family of ``domain`` (plus its
-    non-verifiable ones ``with_judge``)."""
-    named = [get_family(n) for n in names]  # an unknown name is a ValueError listing the families
-    mine = [f.name for f in named if f.domain == domain and (f.verifiable or with_judge)]
-    if mine:
-        return mine
-    fams = [f.name for f in families(domain) if f.verifiable or with_judge]
-    if not fams:
-        raise ValueError(f"domain {domain!r} has no {'families' if with_judge else 'verifiable families'}")
-    return fams
-
-
-def _interleave(per_family: list[list[Task]]) -> list[Task]:
-    out = []
-    for row in zip(*per_family):
-        out.extend(row)
-    return out
-
-
-def train_tasks(family_names: Sequence[str], n: int, *, difficulty: int, seed: int = 0) -> list[Task]:
-    """``n`` training tasks per family, interleaved (family 1, family 2, ..., family 1, ...)."""
-    return _interleave([get_family(f).generate(n, seed=_TRAIN_SEED + seed, difficulty=difficulty) for f in family_names])
-
-
-def eval_tasks(family_names: Sequence[str], n: int, *, difficulty: int) -> list[Task]:
-    """``n`` held-out tasks per family (a seed the training stream never uses)."""
-    return _interleave([get_family(f).generate(n, seed=_EVAL_SEED, difficulty=difficulty) for f in family_names])
-
-
-def loss_kwargs(cfg: RLConfig) -> dict[str, Any]:
-    """The `policy_loss` parameters of ``cfg`` (see `k3post.algos.policy_loss` for each variant's setting)."""
-    return {"log_ratio_min": cfg.log_ratio_min, "log_ratio_max": cfg.log_ratio_max, "tau": cfg.tau,
-            "clip_eps_low": cfg.clip_eps_low, "clip_eps_high": cfg.clip_eps_high,
-            "stop_gradient_ratio": cfg.stop_gradient_ratio, "sequence_ratio": cfg.sequence_ratio, "seq_mean": cfg.seq_mean}
 
 
 def build_group_scorer(

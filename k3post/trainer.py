@@ -1,5 +1,5 @@
-"""The trainer seam: model, optimizer, device and dtype behind one object, and the optimizer settings
-SFT and RL share.
+"""The trainer seam: model, optimizer, device and dtype behind one object (the optimizer settings SFT
+and RL share, `OptimConfig`, are in `k3post.config.optim`).
 
     trainer = Trainer(model, OptimConfig(lr=1e-4), device="cuda")   # the model moves to the device
     metrics = trainer.step(seqs, version=v)                          # one `policy_step`
@@ -16,38 +16,15 @@ Shape legend: none here (`k3post.policy_step` holds the tensors).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from k3post.config.optim import OPTIMIZERS, OptimConfig
 from k3post.distributed.weight_sync import named_weights
 from k3post.policy_step import TokenSequence, policy_step
 
 __all__ = ["OPTIMIZERS", "OptimConfig", "build_optimizer", "resolve_device", "Trainer"]
-
-OPTIMIZERS = ("adamw", "sgd")
-
-
-@dataclass
-class OptimConfig:
-    """One optimizer: ``name`` (adamw | sgd), ``lr``, ``betas`` (AdamW), ``eps`` (AdamW), ``weight_decay``,
-    ``momentum`` (SGD)."""
-
-    name: str = "adamw"
-    lr: float = 1e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    momentum: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"optimizer name must be one of {OPTIMIZERS}, got {self.name!r}")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"optimizer betas must be two numbers in [0, 1), got {self.betas!r}")
-        if self.lr < 0 or self.eps <= 0 or self.weight_decay < 0 or self.momentum < 0:
-            raise ValueError("optimizer: lr >= 0, eps > 0, weight_decay >= 0 and momentum >= 0 are required")
 
 
 def build_optimizer(params: Any, cfg: OptimConfig) -> torch.optim.Optimizer:

@@ -13,7 +13,7 @@ import torch
 from k3post.config import ConfigError, load_config
 from k3post.models import build_tiny_moe
 from k3post.policy_step import TokenSequence, policy_step
-from k3post.rollout.config import EngineConfig
+from k3post.config.rollout import EngineConfig
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.factory import Rollout, RolloutConfig, build_engine
 from k3post.trainer import OptimConfig, Trainer, build_optimizer, resolve_device

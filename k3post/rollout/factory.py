@@ -10,7 +10,7 @@ stage's engine, agent loop, KV pool and partial-rollout scheduler.
 
 With ``engine.kind = "embedded"`` the engine runs in this process over the trainer's own model: the
 optimizer updates the tensors it reads, so a push is a version bump. With ``"http"`` the engine is a
-client of engine servers and a push sends the weights (`k3post.rollout.config.EngineConfig`).
+client of engine servers and a push sends the weights (`k3post.config.rollout.EngineConfig`).
 
 Shape legend: none (token lists only).
 """
@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from k3post.config.rollout import EngineConfig, RolloutConfig
 from k3post.distributed.weight_sync import named_weights
 from k3post.rollout.agent_loop import AgentLoop
-from k3post.rollout.config import EngineConfig
 from k3post.rollout.engine import SamplingParams, SteppableEngine
 from k3post.rollout.evaluation import make_env
 from k3post.rollout.kv_pool import KVPool
@@ -38,27 +37,6 @@ from k3post.xtml import XTML
 __all__ = ["RolloutConfig", "build_engine", "Rollout"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RolloutConfig:
-    """One stage's rollout: ``n_prompts`` × ``k`` per iteration, ``lambda_`` and ``max_staleness`` (SPEC
-    §3.2), ``temperature``, ``max_tokens`` per assistant turn, ``max_model_len``, ``slots`` (engine
-    batch), ``kv_pool_mb``, ``effort`` (rendered into each prompt unless an ``effort_fn`` decides),
-    ``seed``, and ``engine`` (where it runs)."""
-
-    n_prompts: int = 8
-    k: int = 8
-    lambda_: float = 0.7
-    max_staleness: int = 4
-    temperature: float = 1.0
-    max_tokens: int = 128
-    max_model_len: int = 2048
-    slots: int = 32
-    kv_pool_mb: int = 64
-    effort: str | None = "max"
-    seed: int = 0
-    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 def build_engine(

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from k3post.constants import EFFORTS
 from k3post.envs.episode import OpenAIPolicy, Policy
 from k3post.envs.task import Task
 
@@ -50,7 +51,6 @@ __all__ = [
     "SamplingParams",
 ]
 
-EFFORTS: tuple[str, ...] = ("low", "high", "max")
 
 
 def _check_effort(effort: str) -> str:

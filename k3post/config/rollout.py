@@ -1,5 +1,5 @@
-"""Where rollouts run: the engine settings every stage shares (no torch import: the config loader reads
-this without loading the engine).
+"""Where and how rollouts run: the engine settings every stage shares (`EngineConfig`) and one stage's
+rollout (`RolloutConfig`, read by `k3post.rollout.factory.Rollout`).
 
 ``kind``:
     embedded  the in-process `EmbeddedEngine` over the trainer's own model (co-located: the engine reads
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ENGINE_KINDS", "WEIGHT_SYNCS", "EngineConfig"]
+__all__ = ["ENGINE_KINDS", "WEIGHT_SYNCS", "EngineConfig", "RolloutConfig"]
 
 ENGINE_KINDS = ("embedded", "http")
 WEIGHT_SYNCS = ("disk", "distributed")
@@ -57,3 +57,24 @@ class EngineConfig:
             raise ValueError(f"engine.weight_sync must be one of {WEIGHT_SYNCS}, got {self.weight_sync!r}")
         if self.retries < 0 or self.backoff_s < 0 or self.timeout_s <= 0 or self.bucket_mb < 1:
             raise ValueError("engine: retries >= 0, backoff_s >= 0, timeout_s > 0 and bucket_mb >= 1 are required")
+
+
+@dataclass
+class RolloutConfig:
+    """One stage's rollout: ``n_prompts`` × ``k`` per iteration, ``lambda_`` and ``max_staleness`` (SPEC
+    §3.2), ``temperature``, ``max_tokens`` per assistant turn, ``max_model_len``, ``slots`` (engine
+    batch), ``kv_pool_mb``, ``effort`` (rendered into each prompt unless an ``effort_fn`` decides),
+    ``seed``, and ``engine`` (where it runs)."""
+
+    n_prompts: int = 8
+    k: int = 8
+    lambda_: float = 0.7
+    max_staleness: int = 4
+    temperature: float = 1.0
+    max_tokens: int = 128
+    max_model_len: int = 2048
+    slots: int = 32
+    kv_pool_mb: int = 64
+    effort: str | None = "max"
+    seed: int = 0
+    engine: EngineConfig = field(default_factory=EngineConfig)
