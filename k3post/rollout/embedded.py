@@ -775,9 +775,10 @@ class EmbeddedEngine:
         n_keep = len(self._running) - len(slots)
         holes = sorted(i for i in slots if i < n_keep)
         movers = [seq for seq in self._running[n_keep:] if seq.slot not in slots]
-        for hole, seq in zip(holes, movers):
-            self.cache.copy_slot(seq.slot, hole, seq.n_cached)
-            seq.slot = hole
+        with torch.inference_mode():  # the cache holds inference tensors; pause / abort run outside step()
+            for hole, seq in zip(holes, movers):
+                self.cache.copy_slot(seq.slot, hole, seq.n_cached)
+                seq.slot = hole
         for i in slots:
             self._running[i].slot = -1
         running: list[_Seq] = [seq for seq in self._running if seq.slot >= 0]

@@ -336,6 +336,12 @@ class EngineRunner:
             partial = self.engine.abort([rid])
         except ValueError:  # not in the engine any more
             partial = []
+        except Exception as e:  # the engine failed: tell the submitter, keep the thread alive
+            log.exception("abort of %s failed", rid)
+            h.put(ErrorEvent(h.tag, RuntimeError(f"abort failed: {type(e).__name__}: {e}")))
+            with self._lock:
+                self._stats.failed += 1
+            return
         with self._lock:
             self._stats.aborted += 1
         if finish and partial:
