@@ -95,6 +95,7 @@ from k3post.rollout.engine import (
     GenerationResult,
     KVState,
     NamedTensors,
+    generate_by_stepping,
     request_seed,
     sample_from_logits,
     sample_unfiltered,
@@ -715,18 +716,7 @@ class EmbeddedEngine:
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Run ``requests`` to completion; results in request order. The engine must be
         idle (use ``add_request`` / ``step`` to mix with requests already in flight)."""
-        if self.has_unfinished():
-            raise ValueError("generate() needs an idle engine; drive in-flight requests with step()")
-        ids = [r.request_id for r in requests]
-        if len(set(ids)) != len(ids):
-            raise ValueError("generate(): request ids must be unique")
-        for r in requests:
-            self.add_request(r)
-        done: dict[str, GenerationResult] = {}
-        while self.has_unfinished():
-            for res in self.step():
-                done[res.request_id] = res
-        return [done[i] for i in ids]
+        return generate_by_stepping(self, requests)
 
     def step(self) -> list[GenerationResult]:
         """Admit queued requests into free slots (prefill, first token), decode one token
