@@ -22,7 +22,6 @@ Shape legend: none (token lists).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -384,39 +383,57 @@ def test_lambda_07_two_servers_nothing_lost_or_duplicated(servers: dict[str, Ser
 # --------------------------------------------------------------------------- (c) faults
 
 
+def two_lengths(traj: Trajectory, turn: int) -> SamplingParams:
+    """Sample 0 of a group stops at 40 tokens, sample 1 at 100 (ignore_eos)."""
+    return SamplingParams(max_tokens=40 + 60 * traj.sample_index, ignore_eos=True)
+
+
 def test_killed_server_requests_rerouted(servers: dict[str, Server], model_dir: Path, xtml_tokenizer: Any,
                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Iteration 1 (λ = 0.5) pauses the four long trajectories after ~40 tokens; iteration 2 resumes
+    them (two on A, two on C) and C is killed mid-way: C's continuations restart on A from the
+    tokens they had, and every trajectory ends with the tokens of an uninterrupted run."""
     a, c = servers["A"], servers["C"]
-    sampling = SamplingParams(temperature=1.0, max_tokens=80, ignore_eos=True)
     tasks = FAM.generate(4, seed=13)
-    steps0 = c.get("/health")["engine"]["steps"]
-
-    def kill_c_mid_iteration() -> None:
-        _wait_steps(c, steps0 + 15)
-        c.proc.kill()
-
-    killer = threading.Thread(target=kill_c_mid_iteration, daemon=True)
     with caplog.at_level(logging.WARNING, logger="k3post.rollout.http"):
         with HTTPEngine([a.url, c.url], max_retries=2, backoff_s=0.05) as remote:
-            sch = PartialRolloutScheduler(_loop(remote, xtml_tokenizer, sampling=sampling), n_prompts=4, k=2,
-                                          lambda_=1.0, seed=3)
-            killer.start()
+            sch = PartialRolloutScheduler(_loop(remote, xtml_tokenizer, sampling_fn=two_lengths), n_prompts=4, k=2,
+                                          lambda_=0.5, seed=3)
             groups = sch.run_iteration(tasks)
+            paused = sch.paused()
+            assert len(paused) == 4 and all(0 < t.num_sampled < 100 for t in paused)
+            steps0 = c.get("/health")["engine"]["steps"]
+
+            def kill_c_mid_iteration() -> None:
+                _wait_steps(c, steps0 + 10)
+                c.proc.kill()
+
+            killer = threading.Thread(target=kill_c_mid_iteration, daemon=True)
+            killer.start()
+            groups += sch.run_iteration()
             killer.join(30)
-            assert c.proc.poll() is not None
+            assert c.proc.poll() is not None and not sch.trajectories()
             assert remote.live_urls == [a.url] and remote.stats["dead_servers"] == 1 and remote.stats["reroutes"] >= 1
+            assert remote.stats["reroute_kept_tokens"] >= 30  # continuations re-routed with their tokens
+            print(f"fault: {remote.stats}")
     assert any("re-routing request" in r.getMessage() and c.url in r.getMessage() for r in caplog.records)
     assert any("marked dead" in r.getMessage() for r in caplog.records)
     got = _flat(groups)
-    assert len(got) == 8 and all(t.done and t.num_sampled == 80 for t in got.values())
+    assert len(got) == 8 and all(t.done and t.num_sampled == 40 + 60 * t.sample_index for t in got.values())
     fresh = [Trajectory(traj_id=t.traj_id, group_id=t.group_id, sample_index=t.sample_index, seed=t.seed, task=t.task)
              for t in got.values()]
-    _loop(_local(model_dir, slots=8), xtml_tokenizer, sampling=sampling).run(fresh)
+    _loop(_local(model_dir, slots=8), xtml_tokenizer, sampling_fn=two_lengths).run(fresh)
     for r in fresh:
         assert got[r.traj_id].token_ids == r.token_ids, r.traj_id
         assert _max_lp_diff(got[r.traj_id], r) < TOL
 
+    # a server refusing connections from the start is marked dead; requests go to the others
+    with HTTPEngine([c.url, a.url], max_retries=1, backoff_s=0.01) as eng:
+        assert eng.live_urls == [a.url] and eng.stats["dead_servers"] == 1
+        sp = SamplingParams(max_tokens=12, seed=3)
+        [res] = eng.generate([GenerationRequest("x", PROMPT, sp)])
+        [ref] = _local(model_dir).generate([GenerationRequest("x", PROMPT, sp)])
+        assert res.output_ids == ref.output_ids and res.output_logprobs == ref.output_logprobs
     # no server left: a clear error naming the URLs
     with pytest.raises(EngineUnavailableError, match=c.url.replace(".", r"\.")):
         HTTPEngine([c.url], max_retries=1, backoff_s=0.01)
-    json.dumps(remote.stats)  # plain counters

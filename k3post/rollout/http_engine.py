@@ -158,7 +158,9 @@ class HTTPEngine:
         self._reqs: dict[str, _Req] = {}
         self._finished: OrderedDict[str, GenerationResult | BaseException] = OrderedDict()
         self._cond = threading.Condition()
-        self.stats: dict[str, int] = {"requests": 0, "reroutes": 0, "retries": 0, "dead_servers": 0, "pauses": 0}
+        self.stats: dict[str, int] = {
+            "requests": 0, "reroutes": 0, "reroute_kept_tokens": 0, "retries": 0, "dead_servers": 0, "pauses": 0,
+        }
         self.calls_per_server: Counter[str] = Counter()  # /generate calls sent to each URL
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="k3post-http-engine", daemon=True)
@@ -316,6 +318,7 @@ class HTTPEngine:
                 if rq.pausing:  # being paused anyway: keep what is known
                     return rq.partial("abort")
                 self.stats["reroutes"] += 1
+                self.stats["reroute_kept_tokens"] += len(rq.ids)
                 live = self._live()
                 log.warning("re-routing request %s from dead server %s to %s (restarting from %d tokens)",
                             rq.request.request_id, server.url, min(live, key=lambda s: s.load).url if live else "none",
