@@ -370,7 +370,9 @@ def test_lambda_07_two_servers_nothing_lost_or_duplicated(servers: dict[str, Ser
     assert sorted(g.group_id for g in groups) == list(range(12))
     pauses = [t.pauses for g in groups for t in g.trajectories]
     print(f"lambda=0.7, two servers: {len(groups)} groups, pauses per trajectory {sorted(pauses)}, engine {remote.stats}")
-    assert sum(pauses) >= 6 and max(pauses) >= 2
+    # an iteration over a full workload stops at ceil(0.7 * 12) = 9 completions and pauses the other 3
+    # (which ones, and whether one is paused twice, depends on timing)
+    assert sum(pauses) >= 6
     # the tokens of an uninterrupted in-process run
     fresh = [Trajectory(traj_id=t.traj_id, group_id=t.group_id, sample_index=t.sample_index, seed=t.seed, task=t.task)
              for g in groups for t in g.trajectories]

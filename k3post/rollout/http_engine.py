@@ -124,6 +124,8 @@ class HTTPEngine:
             generation may take long, and a server that dies closes its connections).
         weights_dir: folder for ``update_weights``' safetensors file (default: a temporary
             folder); it must be readable by every server at the same path.
+        abort_timeout_s: longest wait for aborted requests' ``/generate`` calls to answer in
+            ``pause`` / ``abort`` (a live server answers at its next step); then RuntimeError.
     """
 
     kv_transfer = False
@@ -141,6 +143,7 @@ class HTTPEngine:
         connect_timeout_s: float = 5.0,
         read_timeout_s: float | None = None,
         weights_dir: str | Path | None = None,
+        abort_timeout_s: float = 60.0,
     ) -> None:
         if isinstance(urls, str) or not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
             raise ValueError(f"urls must be a non-empty list of http(s):// base URLs, got {urls!r}")
@@ -154,6 +157,7 @@ class HTTPEngine:
         self.max_retries = max_retries
         self.backoff_s, self.backoff_max_s = float(backoff_s), float(backoff_max_s)
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self.abort_timeout_s = float(abort_timeout_s)
         self._servers = [_Server(u.rstrip("/")) for u in urls]
         self._reqs: dict[str, _Req] = {}
         self._finished: OrderedDict[str, GenerationResult | BaseException] = OrderedDict()
@@ -424,7 +428,12 @@ class HTTPEngine:
         """Abort each request on its server until its /generate call has answered (an abort
         that overtakes its /generate finds nothing there: it is sent again)."""
         pending = [rq for rq in reqs if rq.future is not None]
+        deadline = self._loop.time() + self.abort_timeout_s
         while pending:
+            if self._loop.time() > deadline:
+                where = sorted({rq.server.url for rq in pending if rq.server is not None})
+                raise RuntimeError(f"aborted requests {[rq.request.request_id for rq in pending]} got no answer from "
+                                   f"{where} within {self.abort_timeout_s} s")
             for rq in pending:
                 if rq.server is not None and rq.server.alive and rq.wire_rid is not None:
                     try:
