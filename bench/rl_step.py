@@ -3,7 +3,7 @@
 **What is compared.** One step = generation + scoring + one optimizer update over N = 4 prompts × K = 8
 samples = 32 completions, on three arms, each on its own deep copy of the same warm-started model:
 
-* ``k3post`` (the headline): `k3post.rl.PolicyLoop.step`, the body of ``train_rl``'s loop on the objects
+* ``k3post`` (the headline): `k3post.loop.PolicyLoop.step`, the body of ``train_rl``'s loop on the objects
   ``train_rl`` builds (`EmbeddedEngine` sharing the model, `AgentLoop`, `PartialRolloutScheduler` with
   λ = 1 so the step is synchronous like TRL's, `KVPool`, AdamW) with ``RLConfig``'s defaults for the loss:
   ``run_iteration`` → ``rl_signal`` (verifier reward, effort override, A = r − mean of the group, no std
@@ -143,7 +143,8 @@ from k3post.envs.families import get_family  # noqa: E402
 from k3post.envs.task import Task  # noqa: E402
 from k3post.models import build_tiny_moe  # noqa: E402
 from k3post.rewards.effort import BudgetTable, TaskSamples, task_key  # noqa: E402
-from k3post.rl import PolicyLoop, RLConfig, rl_signal, train_rl, train_tasks  # noqa: E402
+from k3post.loop import PolicyLoop  # noqa: E402
+from k3post.rl import RLConfig, rl_signal, train_rl, train_tasks  # noqa: E402
 from k3post.sft import SFTConfig, train_sft  # noqa: E402
 from k3post.tokenizer import train_tokenizer  # noqa: E402
 from k3post.xtml import XTML, XTMLParseError  # noqa: E402
@@ -231,8 +232,8 @@ class K3PostArm:
         # timers only: the trainer's model forwards (the engine runs its own kernels, in eval mode) and AdamW
         model.register_forward_pre_hook(lambda m, *_: self.fwd.start() if m.training else None)
         model.register_forward_hook(lambda m, *_: self.fwd.stop() if m.training else None)
-        self.pl.opt.register_step_pre_hook(self.opt.start)
-        self.pl.opt.register_step_post_hook(self.opt.stop)
+        self.pl.trainer.optimizer.register_step_pre_hook(self.opt.start)
+        self.pl.trainer.optimizer.register_step_post_hook(self.opt.stop)
 
     def step(self) -> float:
         """One `PolicyLoop.step`; records its parts and returns its ``step_s``."""

@@ -13,30 +13,19 @@ Shape legend: none (token lists only).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
+from k3post.config.eval import EvalConfig
 from k3post.rollout.embedded import EmbeddedEngine
+from k3post.rollout.factory import build_engine
 from k3post.rollout.engine import GenerationRequest, SamplingParams, request_seed
 from k3post.stats import wilson_interval
 
 if TYPE_CHECKING:
     from k3post.xtml import XTML
-
-
-@dataclass
-class EvalConfig:
-    """Held-out evaluation settings."""
-
-    efforts: list[str] = field(default_factory=lambda: ["max", "high", "low"])
-    max_new_tokens: int = 96
-    batch_size: int = 64  # engine slots: above the engine's dense_moe_max_tokens (64) decode steps take the slower HF MoE path (measured 11 s vs 28 s for 200 prompts)
-    n_examples: int = 3  # completions kept per effort for the report
-    temperature: float = 0.0  # 0: greedy; > 0: one sample per task, i.e. pass@1 at this temperature
-    seed: int = 0  # sampling seed when temperature > 0 (task i uses request_seed(seed, str(i)))
 
 
 def _engine_for(model: torch.nn.Module, engine: EmbeddedEngine | None, batch_size: int) -> EmbeddedEngine:
@@ -48,7 +37,7 @@ def _engine_for(model: torch.nn.Module, engine: EmbeddedEngine | None, batch_siz
     if engine is None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        return EmbeddedEngine(model, max_batch_size=batch_size)
+        return build_engine(model, max_batch_size=batch_size)
     if engine.model is not model:
         raise ValueError("engine runs a different model than the one to evaluate; pass engine.model")
     if engine.has_unfinished():

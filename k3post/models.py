@@ -7,13 +7,13 @@ and loads back with ``AutoModelForCausalLM.from_pretrained`` anywhere, bit-ident
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from k3post.config.model import ModelConfig, TokenizerConfig  # noqa: F401  (re-exported)
 from k3post.errors import UserError
 
 log = logging.getLogger("k3post.models")
@@ -45,27 +45,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=2,
     ),
 }
-
-
-@dataclass
-class TokenizerConfig:
-    """How the run gets its tokenizer."""
-
-    path: str | None = None  # a saved tokenizer folder; None trains a byte-level BPE on the task corpus
-    vocab_size: int = 1024  # BPE vocabulary size when training one (special tokens included)
-    # False lets BPE merges span words, so the text every sample repeats (XTML headers, the
-    # thinking-effort body) shrinks to a few tokens; measured on the demo data: 140 → 95 tokens per sample
-    word_boundaries: bool = False
-
-
-@dataclass
-class ModelConfig:
-    """Which model the run starts from."""
-
-    path: str | None = None  # a local HF model folder (safetensors); None builds `preset` from scratch
-    preset: str = "tiny"  # a key of k3post.models.PRESETS, used when path is None
-    max_position_embeddings: int = 2048
-    dtype: str = "float32"  # master weight dtype: float32 | bfloat16
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

@@ -12,7 +12,7 @@
         loss = policy_loss with r_i as the per-token advantage  (K2.5 mask + quadratic regulariser, §3.1)
         optimizer step; engine.update_weights(); metrics; checkpoint (exact resume)
 
-Everything but the signal is `k3post.rl.train_policy`, the RL loop itself (STYLE.md 4: "on-policy
+Everything but the signal is `k3post.loop.train_policy`, the RL loop itself (STYLE.md 4: "on-policy
 distillation is RL with a per-token advantage from the teacher").
 
 Decisions:
@@ -45,12 +45,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,13 +57,16 @@ import torch
 
 from k3post.algos.advantages import group_advantages_from_groups
 from k3post.algos.opd import opd_reward
-from k3post.envs.task import DOMAINS, Task
+from k3post.config.mopd import MOPDConfig, effort_weights
+from k3post.envs.families.streams import domain_families, eval_tasks, train_tasks
+from k3post.envs.task import Task
 from k3post.metrics import MetricsLogger
 from k3post.models import load_model
 from k3post.policy_step import TokenSequence, sequence_logprobs
 from k3post.quant.qat import QATConfig, apply_qat
-from k3post.rl import RLConfig, Signal, domain_families, eval_tasks, train_policy, train_tasks
+from k3post.loop import Signal, train_policy
 from k3post.rollout.embedded import EmbeddedEngine
+from k3post.rollout.factory import build_engine
 from k3post.rollout.engine import request_seed, token_uniform
 from k3post.rollout.evaluation import evaluate_episodes, make_env
 from k3post.rollout.trajectory import Group, Trajectory
@@ -75,52 +77,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MOPDConfig", "MOPDResult", "TeacherPool", "expert_name", "effort_sampler", "initial_messages",
            "teacher_context", "opd_signal", "mopd_families", "mopd_eval_tasks", "train_mopd", "mopd_checks", "evaluate_mopd", "eval_caps"]
-
-
-def _default_mix() -> dict[str, float]:
-    return {"max": 1 / 3, "high": 1 / 3, "low": 1 / 3}
-
-
-@dataclass
-class MOPDConfig:
-    """Settings of one MOPD run (SPEC §4).
-
-    ``experts``: expert name ``"domain.effort"`` → a local model folder, or an OpenAI-compatible base URL
-    (``http://host:port`` or ``.../v1``; the request's ``model`` is the URL's ``#fragment`` if it has one,
-    else the expert name). ``effort_mix``: effort → weight of the per-prompt effort draw (normalised).
-    ``domains``: the domains prompts come from; ``families``: domain → its families (a domain left out:
-    every verifiable family of it). ``r_max``: R_max of the per-token reward; ``w_orm``: weight of the
-    optional outcome advantage (group reward − group mean). ``max_resident``: local teachers held in CPU
-    memory at once; ``teacher_dtype``: their dtype; ``teacher_batch_tokens``: padded tokens per teacher
-    forward. ``teacher_sees_effort``: keep the thinking-effort message in the teacher's context (SPEC §4: no; default yes, because k3post's experts are trained with it, docs/decisions.md).
-    ``rl``: the loop's settings (rollout, loss, steps, tasks per family, seed); its ``effort``, ``domain``
-    and ``families`` are not used here.
-    """
-
-    experts: dict[str, str] = field(default_factory=dict)
-    effort_mix: dict[str, float] = field(default_factory=_default_mix)
-    domains: list[str] = field(default_factory=lambda: ["general", "agents", "coding"])
-    families: dict[str, list[str]] = field(default_factory=dict)
-    r_max: float = 5.0
-    w_orm: float = 0.0
-    max_resident: int = 3
-    teacher_dtype: str = "float32"
-    teacher_batch_tokens: int = 8192
-    teacher_sees_effort: bool = True  # departure from SPEC §4, see docs/decisions.md
-    rl: RLConfig = field(default_factory=lambda: RLConfig(steps=24, n_prompts=6, k=4))
-
-    def __post_init__(self) -> None:
-        """Reject a bad config when it loads (before any teacher is loaded or step run)."""
-        try:
-            effort_sampler(self.effort_mix, 0)
-        except ValueError as e:
-            raise ValueError(f"mopd.{e}") from None
-        bad = [d for d in list(self.domains) + list(self.families) if d not in DOMAINS]
-        if bad:
-            raise ValueError(f"mopd.domains / mopd.families: unknown domain(s) {bad}; expected {DOMAINS}")
-        if not (math.isfinite(self.r_max) and self.r_max > 0) or not self.w_orm >= 0 or self.max_resident < 1:
-            raise ValueError(f"need mopd.r_max > 0, mopd.w_orm >= 0 and mopd.max_resident >= 1, got "
-                             f"{self.r_max}, {self.w_orm}, {self.max_resident}")
 
 
 @dataclass
@@ -149,12 +105,7 @@ def effort_sampler(mix: Mapping[str, float], seed: int) -> Callable[[Task], str]
         u = token_uniform(request_seed(seed, task.content_hash()), 0)         in [0, 1)
         e = the first effort, in the order low, high, max, with  Σ_{e' ≤ e} w_e' / Σ w  > u
     """
-    bad = [e for e in mix if e not in EFFORTS]
-    if bad:
-        raise ValueError(f"effort_mix: unknown efforts {bad}; expected some of {EFFORTS}")
-    weights = [(e, float(mix.get(e, 0.0))) for e in EFFORTS]
-    if any(not math.isfinite(w) or w < 0 for _, w in weights) or sum(w for _, w in weights) <= 0:
-        raise ValueError(f"effort_mix needs finite weights >= 0 with a positive sum, got {dict(mix)}")
+    weights = effort_weights(mix)
     total = sum(w for _, w in weights)
     bounds, acc = [], 0.0
     for e, w in weights:
@@ -476,13 +427,13 @@ def train_mopd(
         pool = TeacherPool(cfg.experts, max_resident=cfg.max_resident, dtype=cfg.teacher_dtype, qat=teacher_qat,
                            batch_tokens=cfg.teacher_batch_tokens)
     try:
-        step, history, resumed_from, _, loop = train_policy(
+        step, history, resumed_from, pl = train_policy(
             student, tokenizer, replace(cfg.rl, max_tokens=max(cfg.rl.for_domain(d).max_tokens for d in cfg.domains)),
             out_dir, tasks=tasks, signal=opd_signal(pool, cfg, XTML(tokenizer)),
             effort_fn=effort_sampler(cfg.effort_mix, cfg.rl.seed), metrics=metrics, stage="mopd", resume=resume,
             stop_after=stop_after,
         )
-        loop.close()
+        pl.close()
     finally:
         if own:
             pool.close()
@@ -546,7 +497,7 @@ def evaluate_mopd(
         cap = max_tokens if isinstance(max_tokens, int) else max_tokens[d]
         for e in efforts:
             expert = expert_name(d, e)
-            teacher = EmbeddedEngine(pool.model(expert), xtml.tokenizer, max_batch_size=student.max_batch_size,
+            teacher = build_engine(pool.model(expert), xtml.tokenizer, max_batch_size=student.max_batch_size,
                                      max_model_len=student.max_model_len)
             s = _episodes(student, xtml, ts, e, cap)
             t = _episodes(teacher, xtml, ts, e if teacher_sees_effort else None, cap)

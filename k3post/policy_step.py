@@ -178,6 +178,7 @@ def sequence_logprobs(model: torch.nn.Module, ids: Sequence[Sequence[int]], batc
     only, under ``torch.inference_mode``, sequences batched by `micro_batches` (``batch_tokens`` padded
     tokens, right padding), float32. The scorer of MOPD teachers and of the server's ``echo``."""
     out: list[list[float]] = [[] for _ in ids]
+    device = next(model.parameters()).device
     for idx in micro_batches([len(s) for s in ids], batch_tokens):
         T = max(len(ids[i]) for i in idx)
         ids_BT = torch.zeros(len(idx), T, dtype=torch.long)
@@ -186,7 +187,7 @@ def sequence_logprobs(model: torch.nn.Module, ids: Sequence[Sequence[int]], batc
             ids_BT[row, : len(ids[i])] = torch.tensor(list(ids[i]), dtype=torch.long)
             attn_BT[row, : len(ids[i])] = 1
         with torch.inference_mode():
-            logp_BT, _ = token_logprobs(model, ids_BT, attn_BT)
+            logp_BT, _ = token_logprobs(model, ids_BT.to(device), attn_BT.to(device))
         for row, i in enumerate(idx):
             out[i] = logp_BT[row, : len(ids[i])].tolist()
     return out
@@ -246,8 +247,10 @@ def plan_micro_batches(seqs: Sequence[TokenSequence], micro_batch_tokens: int, *
     return out
 
 
-def _collate(seqs: Sequence[TokenSequence], pad_id: int, version: int | None = None) -> dict[str, torch.Tensor]:
-    """Right-padded batch tensors; ``fresh`` marks the sampled tokens stamped with ``version``."""
+def _collate(seqs: Sequence[TokenSequence], pad_id: int, version: int | None = None,
+             device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded batch tensors on ``device`` (built on the CPU, moved once); ``fresh`` marks the sampled
+    tokens stamped with ``version``."""
     T = max(len(s.token_ids) for s in seqs)
     B = len(seqs)
     ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
@@ -265,7 +268,10 @@ def _collate(seqs: Sequence[TokenSequence], pad_id: int, version: int | None = N
             fresh_BT[b, :n] = mask_BT[b, :n] & (torch.tensor(s.versions, dtype=torch.long) == version)
         beh_BT[b, :n] = torch.tensor(s.behavior_logp, dtype=torch.float32)
         adv_BT[b, :n] = torch.tensor(s.advantages, dtype=torch.float32)
-    return {"ids": ids_BT, "attn": attn_BT, "mask": mask_BT, "fresh": fresh_BT, "behavior": beh_BT, "adv": adv_BT}
+    out = {"ids": ids_BT, "attn": attn_BT, "mask": mask_BT, "fresh": fresh_BT, "behavior": beh_BT, "adv": adv_BT}
+    if device is not None and torch.device(device).type != "cpu":
+        out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
+    return out
 
 
 def policy_step(
@@ -298,6 +304,7 @@ def policy_step(
         return {"num_tokens": 0.0, "num_sequences": 0.0}
     n_total = sum(s.num_trainable for s in seqs)
     kwargs = dict(loss_kwargs or {})
+    device = next(model.parameters()).device
     model.train()
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
@@ -307,7 +314,7 @@ def policy_step(
     forward_tokens = 0
     groups = plan_micro_batches(seqs, micro_batch_tokens, share_prefix=share_prefix)
     for idx, prefix in groups:
-        batch = _collate([seqs[i] for i in idx], pad_id, version)
+        batch = _collate([seqs[i] for i in idx], pad_id, version, device)
         got = None
         if prefix:
             got = shared_prefix_logprobs(model, batch["ids"], batch["attn"], prefix, entropy_mask_BT=batch["mask"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -27,36 +27,12 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from k3post.config.sft import SFTConfig
 from k3post.checkpoint import latest_checkpoint, load_trainer_state, load_weights_into, save_checkpoint, set_rng_state
 from k3post.data import PackedBatch, Sample, collate, iter_microbatches
 from k3post.metrics import MetricsLogger
 
 log = logging.getLogger("k3post.sft")
-
-
-@dataclass
-class SFTConfig:
-    """Stage 1 trainer settings."""
-
-    train_file: str | None = None  # SFT JSONL; None in the demo (it writes its own)
-    max_len: int = 2048  # longest sample; a longer one is an error (or a counted skip)
-    pack_len: int = 256  # packed row length; a sample longer than this gets a row of its own
-    rows_per_batch: int = 8  # packed rows per micro-batch (a micro-batch holds <= rows_per_batch * pack_len tokens)
-    grad_accum: int = 1  # micro-batches per optimizer step
-    steps: int = 1500  # optimizer steps
-    lr: float = 5e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 30
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    grad_clip: float = 1.0  # max global grad norm; <= 0 disables
-    precision: str = "fp32"  # fp32 | bf16 (bf16 autocast over fp32 master weights)
-    save_every: int = 200  # checkpoint every N steps (and at the end)
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    on_bad_sample: str = "error"  # error | skip (skips are counted and logged)
-    mode: str = "think"  # XTML mode: think | instruct
-    progress: bool = True  # tqdm progress bar
 
 
 @dataclass

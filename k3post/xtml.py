@@ -49,6 +49,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from k3post.constants import EFFORTS
 from k3post.tokenizer import PAD_TOKEN, SPECIAL_TOKENS, decode, encode_text, special_ids
 
 __all__ = [
@@ -85,7 +86,6 @@ __all__ = [
 ]
 
 OPEN, CLOSE, SEP, EOM = SPECIAL_TOKENS
-EFFORTS: tuple[str, ...] = ("low", "high", "max")
 MODES: tuple[str, ...] = ("think", "instruct")
 ARG_TYPES: tuple[str, ...] = ("string", "number", "boolean", "null", "object", "array")
 OPTION_TYPES: tuple[str, ...] = ("tool-declare", "thinking-effort", "tool-choice", "response-format")

@@ -1,5 +1,9 @@
 """Typed configs: YAML + dotted overrides, errors that name the key and the closest valid one."""
 
+import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,3 +91,59 @@ def test_dotted_override_reaches_mapping_entries_whose_names_contain_dots():
 def test_bad_family_tasks_names_the_entry(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(None, [override])
+
+
+_HEAVY = ("torch", "transformers", "k3post.rl", "k3post.mopd", "k3post.sft", "k3post.rollout.embedded")
+
+
+def test_loading_a_config_imports_no_torch_and_no_stage():
+    # the loader and the per-component config modules import neither torch nor a stage: reading a YAML
+    # file must not load the engine (a fresh interpreter, so nothing else has imported them already)
+    code = ("import sys, k3post.config as c; c.load_config('configs/demo.yaml'); c.load_config(None); "
+            f"print(sorted(m for m in {_HEAVY!r} if m in sys.modules))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "[]", res.stdout
+
+
+def test_mopd_imports_nothing_from_rl():
+    # MOPD shares the loop (k3post.loop), the task streams (k3post.envs.families.streams) and the configs
+    # (k3post.config), not the RL stage
+    tree = ast.parse((ROOT / "k3post" / "mopd.py").read_text())
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in imported if m == "k3post.rl" or m.startswith("k3post.rl.")], imported
+
+
+def test_stage_modules_reexport_their_configs():
+    import k3post.config as c
+    from k3post.data import DataConfig
+    from k3post.evaluate import EvalConfig
+    from k3post.models import ModelConfig, TokenizerConfig
+    from k3post.mopd import MOPDConfig
+    from k3post.quant.qat import QATConfig
+    from k3post.rewards.effort import EffortConfig
+    from k3post.rl import RLConfig, loss_kwargs
+    from k3post.rollout.factory import RolloutConfig
+    from k3post.sft import SFTConfig
+    from k3post.trainer import OptimConfig
+
+    assert (DataConfig, EvalConfig, ModelConfig, TokenizerConfig, MOPDConfig, QATConfig, EffortConfig, RLConfig,
+            RolloutConfig, SFTConfig, OptimConfig) == (c.DataConfig, c.EvalConfig, c.ModelConfig, c.TokenizerConfig,
+                                                       c.MOPDConfig, c.QATConfig, c.EffortConfig, c.RLConfig,
+                                                       c.RolloutConfig, c.SFTConfig, c.OptimConfig)
+    assert loss_kwargs(RLConfig())["tau"] == RLConfig().tau
+
+
+def test_constants_are_the_names_the_modules_use():
+    from k3post import constants
+    from k3post.envs.task import DOMAINS
+    from k3post.quant.mx import MX_FORMATS
+    from k3post.xtml import EFFORTS
+
+    assert EFFORTS == constants.EFFORTS == ("low", "high", "max")
+    assert DOMAINS == constants.DOMAINS == ("general", "agents", "coding")
+    assert tuple(MX_FORMATS) == constants.MX_FORMAT_NAMES
+    with pytest.raises(ValueError, match=r"QATConfig.weight_format='fp3' is not one of \['fp4_e2m1', 'fp8_e4m3', 'fp8_e5m2'\]"):
+        load_config(None, ["qat.weight_format=fp3"])

@@ -35,7 +35,8 @@ from k3post.envs.families import get_family
 from k3post.models import build_tiny_moe, save_model
 from k3post.policy_step import sequence_logprobs, token_logprobs
 from k3post.rewards.effort import BudgetTable, EffortConfig, TaskSamples, task_key
-from k3post.rl import RLConfig, rl_signal, train_policy, train_tasks
+from k3post.loop import train_policy
+from k3post.rl import RLConfig, rl_signal, train_tasks
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.evaluation import evaluate_episodes, run_episodes
 from k3post.sft import SFTConfig, train_sft
@@ -167,7 +168,7 @@ def _budgets(tasks, b0) -> BudgetTable:
 
 
 def _train_rl(world, model, cfg, tasks, budgets, tmp):
-    _, history, _, _, loop = train_policy(model, world["tok"], cfg, tmp, tasks=tasks, signal=rl_signal(budgets, cfg))
+    _, history, _, loop = train_policy(model, world["tok"], cfg, tmp, tasks=tasks, signal=rl_signal(budgets, cfg))
     loop.close()
     return history
 

@@ -366,7 +366,7 @@ def test_a_failed_expert_names_its_step_and_the_other_domain_still_trains(warm_p
     from k3post.commands import raise_if_failed
     from k3post.experts import train_experts
     from k3post.report import write_report
-    from k3post.rl import PolicyLoop
+    from k3post.loop import PolicyLoop
 
     model, tok = warm_policy
     init = _save(model, tok, tmp_path / "init")

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from k3post.constants import DOMAINS
 from k3post.envs.tools import ToolSpec
 
 __all__ = [
@@ -43,9 +44,6 @@ __all__ = [
     "run_verifier",
     "canonical_json",
 ]
-
-DOMAINS: tuple[str, ...] = ("general", "agents", "coding")
-"""Task domains (SPEC §0): one RL expert per domain and effort level."""
 
 
 def canonical_json(obj: Any) -> str:

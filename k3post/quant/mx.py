@@ -63,6 +63,8 @@ from dataclasses import dataclass
 
 import torch
 
+from k3post.constants import MX_FORMAT_NAMES
+
 __all__ = [
     "MX_FORMATS",
     "MXFormat",
@@ -102,6 +104,7 @@ MX_FORMATS: dict[str, MXFormat] = {
     "fp8_e4m3": MXFormat("fp8_e4m3", 8, -6, 3, 448.0, torch.float8_e4m3fn),
     "fp8_e5m2": MXFormat("fp8_e5m2", 15, -14, 2, 57344.0, torch.float8_e5m2),
 }
+assert tuple(MX_FORMATS) == MX_FORMAT_NAMES  # the names the config validates against (k3post.constants)
 
 # E2M1 magnitudes by 3-bit code (OCP MX v1.0 table 5); codes 8..15 are the negatives.
 E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

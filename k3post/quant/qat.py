@@ -53,14 +53,14 @@ from __future__ import annotations
 
 import logging
 import types
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3post.quant.mx import MX_FORMATS, fake_quant_mx
+from k3post.config.quant import QATConfig
+from k3post.quant.mx import fake_quant_mx
 
 __all__ = [
     "QATConfig",
@@ -75,31 +75,6 @@ logger = logging.getLogger("k3post.qat")
 _CFG_ATTR = "_k3post_qat"
 _ORIG_FORWARD_ATTR = "_k3post_qat_orig_forward"
 _KIND_ATTR = "_k3post_qat_kind"
-
-
-@dataclass
-class QATConfig:
-    """MX quantization-aware training settings.
-
-    Fields:
-        enabled: apply QAT at all (False: ``apply_qat`` is a no-op returning []).
-        weight_format: MX format of the routed-expert weights ("fp4_e2m1" = MXFP4).
-        activation_format: MX format of the expert GEMM inputs ("fp8_e4m3" = MXFP8).
-        block_size: elements sharing one E8M0 scale, along the reduction dim (OCP: 32).
-    """
-
-    enabled: bool = True
-    weight_format: str = "fp4_e2m1"
-    activation_format: str = "fp8_e4m3"
-    block_size: int = 32
-
-    def __post_init__(self) -> None:
-        for field_name in ("weight_format", "activation_format"):
-            value = getattr(self, field_name)
-            if value not in MX_FORMATS:
-                raise ValueError(f"QATConfig.{field_name}={value!r} is not one of {sorted(MX_FORMATS)}")
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
-            raise ValueError(f"QATConfig.block_size must be a positive int, got {self.block_size!r}")
 
 
 class _STEFakeQuant(torch.autograd.Function):

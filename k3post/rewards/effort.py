@@ -50,12 +50,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from k3post.config.effort import EffortConfig
 from k3post.envs.env import Environment
 from k3post.envs.families.common import check_effort
 from k3post.envs.task import DOMAINS, Task
@@ -63,7 +64,7 @@ from k3post.rollout.engine import SteppableEngine
 from k3post.rollout.evaluation import make_env, run_episodes
 from k3post.rollout.trajectory import Group, Trajectory
 from k3post.synth.pipeline import write_jsonl_atomic
-from k3post.xtml import EFFORTS, XTML
+from k3post.xtml import XTML
 
 __all__ = [
     "EffortConfig",
@@ -89,58 +90,7 @@ __all__ = [
 BUDGET_TABLE_VERSION = 1
 
 
-# =========================================================================== config
-
-
-@dataclass
-class EffortConfig:
-    """Reasoning-effort control (SPEC §3.3).
-
-    Fields:
-        tau_max / tau_high / tau_low: budget multiplier τ_e of each effort: a sample whose
-            T(y) exceeds τ_e · b0(x) gets reward −1.
-        max_cap: absolute cap of ``max``: its limit is min(τ_max, max_cap) · b0.
-        domain_tau: per-domain overrides, domain -> effort -> τ (e.g.
-            ``{"coding": {"max": 3.0}}``); efforts not named keep the global τ.
-        b0_samples: K cold-start samples per task for the b0 estimate.
-        b0_quantile: q of the estimate (quantile of T over a task's correct samples).
-        min_b0: floor of every b0, in tokens (keeps limits and T/b0 defined).
-        curriculum: the order in which each domain's effort experts are trained; each stage
-            continues from the previous one's expert, the first from the SFT checkpoint.
-    """
-
-    tau_max: float = 2.0
-    tau_high: float = 1.0
-    tau_low: float = 0.4
-    max_cap: float = 4.0
-    domain_tau: dict[str, dict[str, float]] = field(default_factory=dict)
-    b0_samples: int = 4
-    b0_quantile: float = 0.9
-    min_b0: float = 1.0
-    curriculum: list[str] = field(default_factory=lambda: ["max", "high", "low"])
-
-    def __post_init__(self) -> None:
-        for name in ("tau_max", "tau_high", "tau_low", "max_cap", "min_b0"):
-            _check_positive(f"EffortConfig.{name}", getattr(self, name))
-        for domain, taus in dict(self.domain_tau).items():
-            if domain not in DOMAINS:
-                raise ValueError(f"EffortConfig.domain_tau: unknown domain {domain!r}; expected one of {DOMAINS}")
-            for effort, tau in dict(taus).items():
-                if effort not in EFFORTS:
-                    raise ValueError(f"EffortConfig.domain_tau.{domain}: unknown effort {effort!r}; expected one of {EFFORTS}")
-                _check_positive(f"EffortConfig.domain_tau.{domain}.{effort}", tau)
-        if isinstance(self.b0_samples, bool) or not isinstance(self.b0_samples, int) or self.b0_samples < 1:
-            raise ValueError(f"EffortConfig.b0_samples must be a positive int, got {self.b0_samples!r}")
-        if not (isinstance(self.b0_quantile, (int, float)) and 0.0 <= self.b0_quantile <= 1.0):
-            raise ValueError(f"EffortConfig.b0_quantile must be in [0, 1], got {self.b0_quantile!r}")
-        order = list(self.curriculum)
-        if not order or len(set(order)) != len(order) or any(e not in EFFORTS for e in order):
-            raise ValueError(f"EffortConfig.curriculum must list distinct efforts of {EFFORTS}, got {order!r}")
-
-
-def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+# =========================================================================== config (k3post.config.effort)
 
 
 def effort_scale(effort: str, domain: str, cfg: EffortConfig) -> float:

@@ -599,7 +599,7 @@ class EngineJudge:
         arguments go to the constructor.
         """
         from k3post.quant.qat import QATConfig
-        from k3post.rollout.embedded import EmbeddedEngine
+        from k3post.rollout.factory import build_engine
         from k3post.tokenizer import load_tokenizer
         from k3post.xtml import XTML
 
@@ -607,7 +607,7 @@ class EngineJudge:
         if not (path / "config.json").is_file():
             raise ValueError(f"{path}: not a model folder (no config.json)")
         tok = load_tokenizer(path, require_xtml=True)
-        engine = EmbeddedEngine(path, tok, max_batch_size=max_batch_size, max_model_len=max_model_len,
+        engine = build_engine(path, tok, max_batch_size=max_batch_size, max_model_len=max_model_len,
                                 qat=QATConfig() if qat else None)
         return cls(engine, XTML(tok), **kwargs)
 

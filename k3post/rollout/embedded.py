@@ -336,7 +336,13 @@ class EmbeddedEngine:
             0 always calls ``layer.mlp``.
         max_prefill_tokens: most context tokens prefilled in one step (bounds activation
             memory); further queued requests are admitted in the next steps.
+
+    ``shares_weights``: the engine decodes with the model object's own parameters, so a co-located
+    trainer's optimizer step is visible to it and a weight push is a version bump
+    (`k3post.rollout.factory.Rollout.push_weights`).
     """
+
+    shares_weights = True
 
     def __init__(
         self,

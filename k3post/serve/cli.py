@@ -61,7 +61,7 @@ def build_server(
         torch_threads: torch CPU threads of the engine thread (None: torch's default).
     """
     from k3post.quant.qat import QATConfig
-    from k3post.rollout.embedded import EmbeddedEngine
+    from k3post.rollout.factory import build_engine
     from k3post.serve.app import ServeConfig, create_app
     from k3post.serve.runner import EngineRunner
     from k3post.tokenizer import load_tokenizer
@@ -76,7 +76,7 @@ def build_server(
         default_max_tokens=default_max_tokens, api_key=api_key, model_path=str(path.resolve()),
     )
     tokenizer = load_tokenizer(path, require_xtml=True)
-    engine = EmbeddedEngine(
+    engine = build_engine(
         path, tokenizer, max_batch_size=max_batch_size, max_model_len=max_model_len,
         qat=QATConfig() if qat else None, seed=seed,
     )

@@ -25,11 +25,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from k3post.constants import EFFORTS as _EFFORTS
 from k3post.errors import UserError
 
 __all__ = ["add_synth_parser", "add_review_parser", "add_mix_parser", "cmd_synth", "cmd_review", "cmd_mix"]
 
-_EFFORTS = ("low", "high", "max")
 
 
 def _split(values: list[str] | None) -> list[str]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from k3post.constants import EFFORTS
 from k3post.envs.episode import OpenAIPolicy, Policy
 from k3post.envs.task import Task
 
@@ -50,7 +51,6 @@ __all__ = [
     "SamplingParams",
 ]
 
-EFFORTS: tuple[str, ...] = ("low", "high", "max")
 
 
 def _check_effort(effort: str) -> str:
@@ -418,7 +418,7 @@ class LocalModelTeacher:
                 with ``concurrency`` slots). A QAT model (``apply_qat``) samples with its MX
                 fake-quant forward either way.
         """
-        from k3post.rollout.embedded import EmbeddedEngine
+        from k3post.rollout.factory import build_engine
         from k3post.xtml import XTML
 
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
@@ -445,7 +445,7 @@ class LocalModelTeacher:
         self.mode = mode
         self.name = f"local:{model_dir}" if model_dir is not None else f"local:{type(model).__name__}"
         self.concurrency = concurrency
-        self.engine = engine if engine is not None else EmbeddedEngine(model, tokenizer, max_batch_size=concurrency)
+        self.engine = engine if engine is not None else build_engine(model, tokenizer, max_batch_size=concurrency)
         self._batcher = EngineBatcher(self.engine)
         self._requests = 0
 

@@ -24,6 +24,7 @@ import string
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from k3post.constants import EFFORTS
 from k3post.envs.env import Environment
 from k3post.envs.task import DOMAINS, Task, canonical_json
 
@@ -40,8 +41,6 @@ __all__ = [
     "tool_call",
 ]
 
-EFFORTS: tuple[str, ...] = ("low", "high", "max")
-"""Effort levels a reference solver writes (SPEC §3.3)."""
 
 Policy = Callable[[list[dict[str, Any]], list[dict[str, Any]]], dict[str, Any]]
 """``policy(messages, tools) -> assistant message``."""

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from k3post.constants import EFFORTS
 from k3post.envs.env import Environment
 from k3post.envs.task import DOMAINS, Task
 
 Policy = Callable[..., Any]  # messages, tools -> assistant message (sync or async)
-EFFORTS = ("low", "high", "max")
 
 
 @runtime_checkable

@@ -1,9 +1,11 @@
 """Typed configs: YAML files under ``configs/`` plus dotted command-line overrides.
 
-Each component owns a dataclass next to its code (``SFTConfig`` in ``sft.py``, ``ModelConfig`` in
-``models.py`` ...); this module assembles them into one :class:`K3Config` and loads it with OmegaConf
-structured configs, which type-check every value. An unknown or mistyped key is a ``ConfigError``
-naming the key, the file it came from and the closest valid key.
+Each component owns a small typed dataclass in a module of this package (``config/sft.py`` holds
+``SFTConfig``, ``config/rl.py`` ``RLConfig``, ``config/rollout.py`` ``EngineConfig`` and ``RolloutConfig``
+...; the stage modules re-export them). No module here imports torch or a stage, so loading a config
+file loads no model code. This module assembles them into one :class:`K3Config` and loads it with
+OmegaConf structured configs, which type-check every value. An unknown or mistyped key is a
+``ConfigError`` naming the key, the file it came from and the closest valid key.
 
     cfg = load_config("configs/demo.yaml", ["sft.lr=3e-4", "run.name=try2"])
 """
@@ -21,16 +23,22 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from k3post.data import DataConfig
+from k3post.config.data import DataConfig
+from k3post.config.effort import EffortConfig
+from k3post.config.eval import EvalConfig
+from k3post.config.model import ModelConfig, TokenizerConfig
+from k3post.config.mopd import MOPDConfig
+from k3post.config.optim import OptimConfig
+from k3post.config.quant import QATConfig
+from k3post.config.rl import RLConfig
+from k3post.config.rollout import EngineConfig, RolloutConfig
+from k3post.config.sft import SFTConfig
 from k3post.errors import UserError
-from k3post.evaluate import EvalConfig
-from k3post.models import ModelConfig, TokenizerConfig
-
-from k3post.quant.qat import QATConfig
-from k3post.mopd import MOPDConfig
-from k3post.rl import RLConfig
-from k3post.sft import SFTConfig
 from k3post.yamlio import read_yaml_mapping
+
+__all__ = ["ConfigError", "RunConfig", "DemoConfig", "K3Config", "load_config", "to_yaml", "DataConfig", "EffortConfig",
+           "EvalConfig", "ModelConfig", "TokenizerConfig", "MOPDConfig", "OptimConfig", "QATConfig", "RLConfig",
+           "EngineConfig", "RolloutConfig", "SFTConfig"]
 
 
 class ConfigError(UserError):

@@ -1,0 +1,45 @@
+"""The SFT data config (`k3post.data` reads it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["DataConfig"]
+
+
+@dataclass
+class DataConfig:
+    """The demo's SFT data: reference-teacher trajectories through the synthesis + verification pipeline."""
+
+    eval_family: str = "general.arithmetic"  # single-turn family the held-out pass rate is measured on
+    n_train: int = 1500  # training tasks of eval_family (each solved at every effort)
+    n_per_family: int = 2  # training tasks of every other built-in family (each at every effort)
+    # training tasks of the families named here instead of n_per_family: coding.write_function gets enough
+    # samples for the SFT model to pass some of its tasks, so coding RL starts with reward variance
+    family_tasks: dict[str, int] = field(default_factory=lambda: {"coding.write_function": 100})
+    n_eval: int = 400  # held-out eval_family tasks, disjoint from training (400: a +5-point change is detectable)
+    difficulty: int = 1
+    efforts: list[str] = field(default_factory=lambda: ["max", "high", "low"])
+    # share of each effort among eval_family's training samples (k3post.synth.mix; `*/max` style keys);
+    # empty keeps one sample per task and effort
+    effort_mix: dict[str, float] = field(default_factory=lambda: {"*/max": 0.6, "*/high": 0.25, "*/low": 0.15})
+    corpus_per_family: int = 6  # tasks per family (x3 efforts) in the tokenizer's training corpus
+
+    def __post_init__(self) -> None:
+        from k3post.envs.families.registry import get_family  # torch-free (the task families only)
+
+        for name, n in dict(self.family_tasks).items():
+            try:
+                get_family(name)
+            except ValueError as e:
+                raise ValueError(f"data.family_tasks.{name}: {e}") from None
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"data.family_tasks.{name}: must be a non-negative integer, got {n!r}")
+        if self.eval_family in self.family_tasks:
+            raise ValueError(f"data.family_tasks.{self.eval_family}: the eval family's task count is data.n_train")
+
+    def tasks_of(self, family: str) -> int:
+        """Training tasks of ``family``: ``n_train`` for the eval family, else ``family_tasks`` or ``n_per_family``."""
+        if family == self.eval_family:
+            return self.n_train
+        return int(self.family_tasks.get(family, self.n_per_family))

@@ -1,0 +1,142 @@
+"""Settings of one RL run and of `k3post experts` (`k3post.rl` reads them), with the views the loop's
+seams take: `RLConfig.rollout_config`, `RLConfig.optim_config` and `loss_kwargs`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from k3post.config.effort import EffortConfig
+from k3post.config.optim import OptimConfig
+from k3post.config.rollout import EngineConfig, RolloutConfig
+from k3post.constants import DOMAINS, EFFORTS
+
+__all__ = ["RLConfig", "loss_kwargs"]
+
+
+@dataclass
+class RLConfig:
+    """Settings of one RL run (one domain at one effort) and of `k3post experts`.
+
+    Rollout: ``n_prompts`` × ``k`` per iteration, ``lambda_`` and ``max_staleness`` (SPEC §3.2),
+    ``temperature``, ``max_tokens`` per assistant turn, ``slots`` (engine batch), ``kv_pool_mb``.
+    Loss (SPEC §3.1): ``log_ratio_min`` / ``log_ratio_max`` (the K2.5 band α, β), ``tau`` (the quadratic
+    regulariser), ``clip_eps_low`` / ``clip_eps_high`` (PPO/DAPO clipping; inf = off),
+    ``stop_gradient_ratio`` (CISPO), ``sequence_ratio`` (GSPO), ``seq_mean`` (sequence-mean aggregation);
+    e.g. DAPO: ``log_ratio_min=-.inf log_ratio_max=.inf tau=0 clip_eps_low=0.2 clip_eps_high=0.28``.
+    ``skip_zero_variance``: drop groups whose rewards are all equal from the loss (DAPO's dynamic-sampling
+    shortcut). Off by default: SPEC §3.1 applies τ·ℓ² to every sampled token and N counts them all, so such
+    groups train with advantage 0 (only the regulariser acts on their possibly stale tokens).
+    Tasks: ``families``, the families trained in each domain (a domain with none listed trains all its
+    verifiable families, plus the non-verifiable ones when a ``judge`` is set), ``difficulty``, ``n_tasks`` training prompts per family (cycled), ``eval_n``
+    held-out tasks per family.
+    Judge (SPEC §3.4): ``judge`` = "" (none), "policy" (the cold-start checkpoint through the embedded
+    engine), a local checkpoint folder, or an OpenAI-compatible base URL (``judge_model`` names the
+    served model); ``grm_sigma`` the length guard σ (ℓ0 measured on the cold-start model).
+    Effort control (SPEC §3.3): ``effort`` and ``effort_control`` (τ per effort and domain, the b0
+    estimate's samples and quantile, the curriculum order).
+    Experts: ``domains``, each trained through ``effort_control.curriculum`` for ``steps`` per effort;
+    ``domain_overrides`` sets numeric fields per domain (e.g. ``{agents: {steps: 4, eval_n: 24}}``:
+    agentic episodes cost far more than arithmetic ones), see `for_domain`.
+    ``init``: the checkpoint RL starts from (empty: the run folder's ``sft/final``).
+    """
+
+    init: str = ""
+    domain: str = "general"
+    effort: str = "max"
+    families: list[str] = field(default_factory=lambda: ["general.arithmetic", "agents.search", "coding.write_function"])
+    steps: int = 40
+    n_prompts: int = 8
+    k: int = 8
+    lambda_: float = 0.7
+    max_staleness: int = 4
+    temperature: float = 1.0
+    max_tokens: int = 128
+    max_model_len: int = 2048
+    slots: int = 32
+    kv_pool_mb: int = 64
+    difficulty: int = 1
+    n_tasks: int = 320
+    eval_n: int = 400
+    eval_max_tokens: int = 128
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 8192
+    log_ratio_min: float = -math.log(2.0)
+    log_ratio_max: float = math.log(2.0)
+    tau: float = 0.01
+    clip_eps_low: float = math.inf
+    clip_eps_high: float = math.inf
+    stop_gradient_ratio: bool = False
+    sequence_ratio: bool = False
+    seq_mean: bool = False
+    normalize_std: bool = False
+    skip_zero_variance: bool = False
+    judge: str = ""
+    judge_model: str = ""
+    grm_sigma: float = 1.5
+    effort_control: EffortConfig = field(default_factory=EffortConfig)
+    domains: list[str] = field(default_factory=lambda: ["general", "agents", "coding"])
+    domain_overrides: dict[str, dict[str, float]] = field(default_factory=lambda: {
+        "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16, "max_tokens": 192, "eval_max_tokens": 192},
+        "coding": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 32, "max_tokens": 384, "eval_max_tokens": 384},
+    })
+    save_every: int = 10
+    seed: int = 0
+    progress: bool = True
+    device: str = "cpu"
+    optimizer: str = "adamw"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.effort not in EFFORTS:
+            raise ValueError(f"rl.effort must be one of {EFFORTS}, got {self.effort!r}")
+        for key, ds in (("rl.domain", [self.domain]), ("rl.domains", list(self.domains)),
+                        ("rl.domain_overrides", list(self.domain_overrides))):
+            bad = [d for d in ds if d not in DOMAINS]
+            if bad:
+                raise ValueError(f"{key}: unknown domain(s) {bad}; expected {DOMAINS}")
+        for d in self.domain_overrides:
+            self._overrides(d)
+
+    def _overrides(self, domain: str) -> dict[str, int | float]:
+        """``domain_overrides[domain]`` cast to the fields' types (ValueError naming a non-numeric or
+        non-integer setting)."""
+        types = {f.name: type(getattr(self, f.name)) for f in fields(self)}
+        over: dict[str, int | float] = {}
+        for key, value in dict(self.domain_overrides.get(domain, {})).items():
+            if types.get(key) not in (int, float) or key == "seed":
+                raise ValueError(f"rl.domain_overrides.{domain}.{key}: not a numeric RL setting")
+            if types[key] is int and float(value) != int(value):
+                raise ValueError(f"rl.domain_overrides.{domain}.{key}: must be an integer, got {value}")
+            over[key] = types[key](value)
+        return over
+
+    def rollout_config(self) -> RolloutConfig:
+        """The rollout seam's settings (`k3post.rollout.factory.Rollout`)."""
+        return RolloutConfig(n_prompts=self.n_prompts, k=self.k, lambda_=self.lambda_, max_staleness=self.max_staleness,
+                             temperature=self.temperature, max_tokens=self.max_tokens, max_model_len=self.max_model_len,
+                             slots=self.slots, kv_pool_mb=self.kv_pool_mb, effort=self.effort, seed=self.seed,
+                             engine=self.engine)
+
+    def optim_config(self) -> OptimConfig:
+        """The trainer's optimizer (AdamW betas 0.9 / 0.95, eps 1e-8 unless ``optimizer`` is sgd)."""
+        return OptimConfig(name=self.optimizer, lr=self.lr, weight_decay=self.weight_decay)
+
+    def loss_kwargs(self) -> dict[str, Any]:
+        """The `policy_loss` parameters (`loss_kwargs`)."""
+        return loss_kwargs(self)
+
+    def for_domain(self, domain: str) -> "RLConfig":
+        """This config with ``domain`` set and its ``domain_overrides`` applied (each value cast to
+        the field's type)."""
+        return replace(self, domain=domain, **self._overrides(domain))
+
+
+def loss_kwargs(cfg: RLConfig) -> dict[str, Any]:
+    """The `policy_loss` parameters of ``cfg`` (see `k3post.algos.policy_loss` for each variant's setting)."""
+    return {"log_ratio_min": cfg.log_ratio_min, "log_ratio_max": cfg.log_ratio_max, "tau": cfg.tau,
+            "clip_eps_low": cfg.clip_eps_low, "clip_eps_high": cfg.clip_eps_high,
+            "stop_gradient_ratio": cfg.stop_gradient_ratio, "sequence_ratio": cfg.sequence_ratio, "seq_mean": cfg.seq_mean}

@@ -1,0 +1,80 @@
+"""Where and how rollouts run: the engine settings every stage shares (`EngineConfig`) and one stage's
+rollout (`RolloutConfig`, read by `k3post.rollout.factory.Rollout`).
+
+``kind``:
+    embedded  the in-process `EmbeddedEngine` over the trainer's own model (co-located: the engine reads
+              the trainer's parameters, a weight push only bumps the policy version).
+    http      engine servers (`k3post serve`, or an SGLang / vLLM server speaking the same protocol) at
+              ``urls``; requests go to the least-loaded live server, weights travel by ``weight_sync``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["ENGINE_KINDS", "WEIGHT_SYNCS", "EngineConfig", "RolloutConfig"]
+
+ENGINE_KINDS = ("embedded", "http")
+WEIGHT_SYNCS = ("disk", "distributed")
+
+
+@dataclass
+class EngineConfig:
+    """The rollout engine of a stage.
+
+    Fields:
+        kind: ``embedded`` or ``http`` (module doc).
+        urls: the servers' base URLs for ``http`` (e.g. ``["http://127.0.0.1:30000"]``).
+        retries: attempts per request on a server that fails before it is marked dead and its requests
+            move to the others.
+        backoff_s: first retry delay; doubles per attempt.
+        timeout_s: one HTTP call's timeout (a generation may take long: keep it generous).
+        weight_sync: how the trainer's weights reach ``http`` servers: ``disk`` (safetensors in
+            ``sync_dir``, which the servers must be able to read) or ``distributed``
+            (torch.distributed broadcast, gloo on CPU / NCCL on GPU).
+        sync_dir: folder for ``disk`` sync (empty: the run folder's ``weights_sync``).
+        bucket_mb: weights travel in buckets of at most this many MB.
+    """
+
+    kind: str = "embedded"
+    urls: list[str] = field(default_factory=list)
+    retries: int = 3
+    backoff_s: float = 0.5
+    timeout_s: float = 600.0
+    weight_sync: str = "disk"
+    sync_dir: str = ""
+    bucket_mb: int = 64
+
+    def __post_init__(self) -> None:
+        if self.kind not in ENGINE_KINDS:
+            raise ValueError(f"engine.kind must be one of {ENGINE_KINDS}, got {self.kind!r}")
+        if self.kind == "http" and not self.urls:
+            raise ValueError("engine.kind is http: list the servers in engine.urls")
+        bad = [u for u in self.urls if not str(u).startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"engine.urls: not http(s) URLs: {bad}")
+        if self.weight_sync not in WEIGHT_SYNCS:
+            raise ValueError(f"engine.weight_sync must be one of {WEIGHT_SYNCS}, got {self.weight_sync!r}")
+        if self.retries < 0 or self.backoff_s < 0 or self.timeout_s <= 0 or self.bucket_mb < 1:
+            raise ValueError("engine: retries >= 0, backoff_s >= 0, timeout_s > 0 and bucket_mb >= 1 are required")
+
+
+@dataclass
+class RolloutConfig:
+    """One stage's rollout: ``n_prompts`` × ``k`` per iteration, ``lambda_`` and ``max_staleness`` (SPEC
+    §3.2), ``temperature``, ``max_tokens`` per assistant turn, ``max_model_len``, ``slots`` (engine
+    batch), ``kv_pool_mb``, ``effort`` (rendered into each prompt unless an ``effort_fn`` decides),
+    ``seed``, and ``engine`` (where it runs)."""
+
+    n_prompts: int = 8
+    k: int = 8
+    lambda_: float = 0.7
+    max_staleness: int = 4
+    temperature: float = 1.0
+    max_tokens: int = 128
+    max_model_len: int = 2048
+    slots: int = 32
+    kv_pool_mb: int = 64
+    effort: str | None = "max"
+    seed: int = 0
+    engine: EngineConfig = field(default_factory=EngineConfig)

@@ -1,0 +1,45 @@
+"""The task streams of the policy stages (RL, MOPD): which families a domain trains on, the training
+prompts and the held-out evaluation tasks, each a pure function of its arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from k3post.envs.families.registry import families, get_family
+from k3post.envs.task import Task
+
+__all__ = ["domain_families", "train_tasks", "eval_tasks"]
+
+# seeds of the task streams: training prompts and held-out evaluation never share a seed
+_TRAIN_SEED, _EVAL_SEED = 7_000, 9_000
+
+
+def domain_families(domain: str, names: Sequence[str] = (), *, with_judge: bool = False) -> list[str]:
+    """The families one RL run of ``domain`` trains on: those of ``names`` that belong to the domain
+    (every name must be a registered family), else every verifiable family of ``domain`` (plus its
+    non-verifiable ones ``with_judge``)."""
+    named = [get_family(n) for n in names]  # an unknown name is a ValueError listing the families
+    mine = [f.name for f in named if f.domain == domain and (f.verifiable or with_judge)]
+    if mine:
+        return mine
+    fams = [f.name for f in families(domain) if f.verifiable or with_judge]
+    if not fams:
+        raise ValueError(f"domain {domain!r} has no {'families' if with_judge else 'verifiable families'}")
+    return fams
+
+
+def _interleave(per_family: list[list[Task]]) -> list[Task]:
+    out = []
+    for row in zip(*per_family):
+        out.extend(row)
+    return out
+
+
+def train_tasks(family_names: Sequence[str], n: int, *, difficulty: int, seed: int = 0) -> list[Task]:
+    """``n`` training tasks per family, interleaved (family 1, family 2, ..., family 1, ...)."""
+    return _interleave([get_family(f).generate(n, seed=_TRAIN_SEED + seed, difficulty=difficulty) for f in family_names])
+
+
+def eval_tasks(family_names: Sequence[str], n: int, *, difficulty: int) -> list[Task]:
+    """``n`` held-out tasks per family (a seed the training stream never uses)."""
+    return _interleave([get_family(f).generate(n, seed=_EVAL_SEED, difficulty=difficulty) for f in family_names])

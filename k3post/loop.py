@@ -1,0 +1,232 @@
+"""The one training loop of stages 2 and 3 (RL and MOPD differ only in their `Signal`):
+
+    for step in 1..steps:
+        groups  = rollout.run_iteration()          partial rollout (SPEC §3.2), repeated until a group
+                                                   has all K samples
+        seqs, m = signal(groups)                   RL: reward → effort override → advantage (k3post.rl);
+                                                   MOPD: teacher − student log-ratio (k3post.mopd)
+        trainer.step(seqs)                         `policy_step` (SPEC §3.1)
+        rollout.push_weights(trainer)              policy version + 1
+        metrics; checkpoint                        weights, optimizer, rollout state: exact resume
+
+`PolicyLoop` holds the two seams (`k3post.rollout.factory.Rollout`, `k3post.trainer.Trainer`) and is
+the body; `train_policy` drives it with checkpoints, metrics and a progress bar. Where the rollout runs
+(in this process or on engine servers) and where the trainer runs (CPU or CUDA) are settings of those
+seams, not of this loop.
+
+Exact resume: a checkpoint holds the weights, the optimizer, the rollout state (paused and finished but
+undispatched trajectories with their env / sandbox state, the prompt queue, the KV pool's tensors) and the
+engine version; sampling is counter-based, so a resumed run reproduces the uninterrupted one (tested by
+killing a run).
+
+Shape legend: none here (the math lives in k3post/algos and k3post/policy_step.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from tqdm import tqdm
+
+from k3post.checkpoint import latest_checkpoint, load_trainer_state, load_weights_into, save_checkpoint
+from k3post.envs.task import Task
+from k3post.errors import StepFailed
+from k3post.metrics import MetricsLogger
+from k3post.policy_step import TokenSequence
+from k3post.rollout.factory import Rollout, RolloutConfig
+from k3post.rollout.trajectory import Group, outcome_metrics
+from k3post.trainer import OptimConfig, Trainer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Signal", "LoopConfig", "PolicyLoop", "train_policy", "rollout_gap"]
+
+# a step runs at most this many partial-rollout iterations to complete a group (each completes >= λ·N·K samples)
+_MAX_EMPTY_ITERATIONS = 64
+
+Signal = Callable[[Sequence[Group]], tuple[list[TokenSequence], dict[str, float]]]
+"""Dispatched groups → training sequences (per-token advantages) and step metrics: the only part
+of the loop that differs between RL (`k3post.rl.rl_signal`) and MOPD (`k3post.mopd.opd_signal`)."""
+
+
+class LoopConfig(Protocol):
+    """What the loop reads from a stage's config (`k3post.config.rl.RLConfig` is one)."""
+
+    steps: int
+    n_prompts: int
+    k: int
+    lambda_: float
+    save_every: int
+    progress: bool
+    micro_batch_tokens: int
+    grad_clip: float
+    device: str
+
+    def rollout_config(self) -> RolloutConfig: ...
+
+    def optim_config(self) -> OptimConfig: ...
+
+    def loss_kwargs(self) -> dict[str, Any]: ...
+
+
+class PolicyLoop:
+    """The loop's objects (a `Rollout` and a `Trainer` over one model) and its body: `step` is one
+    iteration of the module doc, `save` / `load` a checkpoint with exact resume. `train_policy` drives
+    it; benchmarks time `step` on their own prompts."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        cfg: LoopConfig,
+        *,
+        signal: Signal,
+        effort_fn: Callable[[Task], str | None] | None = None,
+    ) -> None:
+        self.cfg, self.tokenizer, self.signal = cfg, tokenizer, signal
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.trainer = Trainer(model, cfg.optim_config(), device=cfg.device, pad_id=pad_id,
+                               loss_kwargs=cfg.loss_kwargs(), micro_batch_tokens=cfg.micro_batch_tokens,
+                               grad_clip=cfg.grad_clip)
+        self.model = self.trainer.model
+        self.rollout = Rollout(self.model, tokenizer, cfg.rollout_config(), effort_fn=effort_fn)
+        self.step_no, self.cursor = 0, 0
+        self.history: list[dict[str, float]] = []
+        self.last_groups: list[Group] = []  # the groups the last step trained on
+
+    @property
+    def engine(self) -> Any:
+        return self.rollout.engine
+
+    @property
+    def loop(self) -> Any:
+        """The rollout's agent loop."""
+        return self.rollout.loop
+
+    def step(self, tasks: Sequence[Task]) -> dict[str, float]:
+        """One step: top the prompt queue up to N from the stream cycling over ``tasks``, run
+        partial-rollout iterations until at least one group has completed (with few prompts and λ < 1
+        an iteration can end before any group has all K samples; the weights do not change in between),
+        the signal, one trainer step, the weight push. Returns (and records) the step's metrics, with
+        the time of each part."""
+        t0 = time.perf_counter()
+        groups: list[Group] = []
+        iterations = 0
+        while not groups:  # an iteration that completes no whole group leaves nothing to train on: run another
+            if iterations == _MAX_EMPTY_ITERATIONS:
+                raise RuntimeError(f"{iterations} partial-rollout iterations completed no group of {self.cfg.k} samples "
+                                   f"(n_prompts={self.cfg.n_prompts}, lambda_={self.cfg.lambda_})")
+            while self.rollout.num_pending_prompts < self.cfg.n_prompts:
+                self.rollout.add_prompts([tasks[self.cursor % len(tasks)]])
+                self.cursor += 1
+            groups = self.rollout.run_iteration()
+            iterations += 1
+        t1 = time.perf_counter()
+        seqs, sig = self.signal(groups)
+        t2 = time.perf_counter()
+        train_m = self.trainer.step(seqs, version=self.rollout.version)
+        version = self.rollout.push_weights(self.trainer.named_weights)
+        t3 = time.perf_counter()
+        self.step_no += 1
+        stale = [x for g in groups for x in g.staleness()]
+        rec = {**sig, **{f"train/{k}": v for k, v in train_m.items()},
+               "version": float(version), "groups": float(len(groups)), "iterations": float(iterations),
+               "rollout_s": t1 - t0, "score_s": t2 - t1, "update_s": t3 - t2, "step_s": t3 - t0,
+               "kv_hit_rate": self.rollout.kv_hit_rate(), "paused": float(len(self.rollout.paused())),
+               "mean_staleness": statistics.fmean(stale) if stale else 0.0,
+               **outcome_metrics([t for g in groups for t in g.trajectories])}
+        self.history.append(rec)
+        self.last_groups = groups
+        return rec
+
+    def save(self, ckpt_root: Path) -> Path:
+        """Checkpoint: weights, optimizer, rollout state (paused trajectories, KV pool tensors, version)."""
+        rollout = self.rollout.state_dict()
+        return save_checkpoint(ckpt_root, self.step_no, self.model, self.tokenizer, {
+            "optimizer": self.trainer.state_dict()["optimizer"], "scheduler": rollout["scheduler"],
+            "kv_pool": rollout["kv_pool"], "engine_version": rollout["engine_version"], "cursor": self.cursor,
+            "history": self.history, "config": asdict(self.cfg),  # type: ignore[call-overload]
+        })
+
+    def load(self, ckpt: Path) -> None:
+        """Restore a checkpoint written by `save` (into a loop built with the same config)."""
+        state = load_trainer_state(ckpt)
+        load_weights_into(self.model, ckpt)
+        self.rollout.refresh_weights()
+        self.trainer.load_state_dict(state)
+        self.rollout.load_state_dict(state)
+        self.step_no, self.cursor, self.history = int(state["step"]), int(state["cursor"]), list(state["history"])
+
+    def close(self) -> None:
+        self.rollout.close()
+
+
+def train_policy(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    cfg: LoopConfig,
+    out_dir: str | Path,
+    *,
+    tasks: Sequence[Task],
+    signal: Signal,
+    effort_fn: Callable[[Task], str | None] | None = None,
+    metrics: MetricsLogger | None = None,
+    stage: str = "rl",
+    resume: bool = True,
+    stop_after: int | None = None,
+) -> tuple[int, list[dict[str, float]], int | None, PolicyLoop]:
+    """The loop of the module doc over a prompt stream cycling through ``tasks``, trained with
+    ``signal``; each prompt is rendered at ``effort_fn(task)`` (default: the config's effort). Returns
+    (final step, per-step history, the step resumed from, the loop); the caller evaluates with
+    ``loop.engine`` / ``loop.loop`` and closes it. ``stop_after`` ends this call after that many steps
+    (tests kill and resume)."""
+    if not tasks:
+        raise ValueError("train_policy needs at least one training task")
+    ckpt_root = Path(out_dir) / "checkpoints"
+    pl = PolicyLoop(model, tokenizer, cfg, signal=signal, effort_fn=effort_fn)
+    try:
+        resumed_from = None
+        ckpt = latest_checkpoint(ckpt_root) if resume else None
+        if ckpt is not None:
+            pl.load(ckpt)
+            resumed_from = pl.step_no
+            if metrics is not None:
+                metrics.truncate(stage, pl.step_no)
+            log.info("resumed %s from %s (step %d)", stage, ckpt, pl.step_no)
+        bar = tqdm(total=cfg.steps, initial=pl.step_no, desc=stage, disable=not cfg.progress, dynamic_ncols=True,
+                   mininterval=1.0)
+        end = cfg.steps if stop_after is None else min(cfg.steps, pl.step_no + stop_after)
+        while pl.step_no < end:
+            try:
+                rec = pl.step(tasks)
+            except Exception as e:  # name the stage and the step; the cause is chained
+                raise StepFailed(stage, pl.step_no + 1, e) from e
+            if metrics is not None:
+                metrics.log(stage, pl.step_no, rec)
+            bar.update(1)
+            bar.set_postfix({k: f"{rec[k]:.2f}" for k in ("reward", "effort_tokens", "opd_reward") if k in rec})
+            if pl.step_no % cfg.save_every == 0 or pl.step_no == cfg.steps:
+                pl.save(ckpt_root)
+        bar.close()
+    except BaseException:
+        pl.close()
+        raise
+    return pl.step_no, pl.history, resumed_from, pl
+
+
+def rollout_gap(history: Sequence[Mapping[str, float]], prefix: str = "train/") -> dict[str, float]:
+    """The train–rollout log-prob gap over a run's steps (`policy_step`'s ``rollout_gap_*``): the token-weighted
+    mean and the max of |log π_trainer − log π_engine| over the sampled tokens each step trained with the
+    weights that sampled them, and how many tokens that was."""
+    n = sum(h.get(f"{prefix}rollout_gap_tokens", 0.0) for h in history)
+    total = sum(h[f"{prefix}rollout_gap_mean"] * h[f"{prefix}rollout_gap_tokens"] for h in history
+                if h.get(f"{prefix}rollout_gap_tokens", 0.0) > 0)
+    return {"mean": total / n if n else float("nan"), "max": max((h.get(f"{prefix}rollout_gap_max", 0.0) for h in history),
+                                                             default=float("nan")), "tokens": n}

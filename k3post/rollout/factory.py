@@ -1,0 +1,148 @@
+"""The rollout seam: `build_engine`, the one place engines are constructed, and `Rollout`, which owns a
+stage's engine, agent loop, KV pool and partial-rollout scheduler.
+
+    rollout = Rollout(model, tokenizer, RolloutConfig(...), effort_fn=...)
+    rollout.add_prompts(tasks)
+    groups  = rollout.run_iteration()            # partial rollout (SPEC §3.2), groups with all K samples
+    ...train...
+    version = rollout.push_weights(trainer)      # weights reach the engine, policy version + 1
+    state   = rollout.state_dict()               # paused trajectories, KV pool tensors, version (exact resume)
+
+With ``engine.kind = "embedded"`` the engine runs in this process over the trainer's own model: the
+optimizer updates the tensors it reads, so a push is a version bump. With ``"http"`` the engine is a
+client of engine servers and a push sends the weights (`k3post.config.rollout.EngineConfig`).
+
+Shape legend: none (token lists only).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3post.config.rollout import EngineConfig, RolloutConfig
+from k3post.distributed.weight_sync import named_weights
+from k3post.rollout.agent_loop import AgentLoop
+from k3post.rollout.engine import SamplingParams, SteppableEngine
+from k3post.rollout.evaluation import make_env
+from k3post.rollout.kv_pool import KVPool
+from k3post.rollout.scheduler import PartialRolloutScheduler
+from k3post.rollout.trajectory import Group
+from k3post.xtml import XTML
+
+__all__ = ["RolloutConfig", "build_engine", "Rollout"]
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(
+    model: torch.nn.Module | str | Path,
+    tokenizer: Any | None = None,
+    *,
+    engine: EngineConfig | None = None,
+    max_batch_size: int = 32,
+    max_model_len: int | None = None,
+    seed: int = 0,
+    **embedded: Any,
+) -> SteppableEngine:
+    """The engine of ``engine`` (default: embedded) for ``model`` (a module, or a model folder for the
+    embedded engine). ``embedded``: further `EmbeddedEngine` settings (``qat``, ``stop_ids``, ...)."""
+    cfg = engine if engine is not None else EngineConfig()
+    if cfg.kind == "embedded":
+        from k3post.rollout.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size, max_model_len=max_model_len,
+                              seed=seed, **embedded)
+    raise ValueError(f"engine.kind {cfg.kind!r}: no such engine")
+
+
+class Rollout:
+    """A stage's rollout side (module doc). ``model`` is the trainer's model (the embedded engine decodes
+    with it; an HTTP engine's servers hold their own copy, kept in step by `push_weights`)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        cfg: RolloutConfig,
+        *,
+        effort_fn: Callable[[Any], str | None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.engine = build_engine(model, tokenizer, engine=cfg.engine, max_batch_size=cfg.slots,
+                                   max_model_len=cfg.max_model_len, seed=cfg.seed)
+        self.loop = AgentLoop(self.engine, XTML(tokenizer), make_env,
+                              sampling=SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens),
+                              effort=cfg.effort, effort_fn=effort_fn)
+        self.pool = KVPool(cfg.kv_pool_mb << 20)
+        self.scheduler = PartialRolloutScheduler(self.loop, n_prompts=cfg.n_prompts, k=cfg.k, lambda_=cfg.lambda_,
+                                                 max_staleness=cfg.max_staleness, seed=cfg.seed, kv_pool=self.pool)
+
+    @property
+    def version(self) -> int:
+        """The policy version the engine samples with."""
+        return self.engine.version
+
+    @property
+    def num_pending_prompts(self) -> int:
+        return self.scheduler.num_pending_prompts
+
+    def add_prompts(self, tasks: Sequence[Any]) -> None:
+        self.scheduler.add_prompts(tasks)
+
+    def run_iteration(self) -> list[Group]:
+        """One partial-rollout iteration: the groups it completed (all K samples done)."""
+        return self.scheduler.run_iteration()
+
+    def push_weights(self, named: Callable[[], Any] | None = None, *, version: int | None = None) -> int:
+        """Make the engine sample with the trainer's current weights; returns the new policy version
+        (``version`` when given, else the old one + 1). The embedded engine shares the trainer's tensors,
+        so only its version moves; ``named`` (a callable returning (name, tensor) pairs, e.g.
+        ``trainer.named_weights``) is read only by engines that hold their own copy."""
+        if getattr(self.engine, "shares_weights", False):
+            return self.engine.update_weights({}, version=version)
+        if named is None:
+            raise ValueError(f"{type(self.engine).__name__} holds its own copy of the weights: pass named "
+                             "(e.g. trainer.named_weights)")
+        return self.engine.update_weights(named(), version=version)
+
+    def refresh_weights(self) -> None:
+        """After the model's tensors were replaced in place (a checkpoint loaded): re-read them."""
+        refresh = getattr(self.engine, "refresh_weights", None)
+        if callable(refresh):
+            refresh()
+
+    def kv_hit_rate(self) -> float:
+        return self.scheduler.kv_hit_rate()
+
+    def paused(self) -> list[Any]:
+        return self.scheduler.paused()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Paused and finished-but-undispatched trajectories, the KV pool's tensors (engine-resident paused
+        KV is moved to the pool first) and the engine version: torch.save-able."""
+        self.scheduler.offload_kv()
+        return {"scheduler": self.scheduler.state_dict(), "kv_pool": self.pool.tensor_state(),
+                "engine_version": self.engine.version}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict` into this (fresh) rollout, after the model's weights were loaded: an engine
+        with its own copy of the weights receives them, at the saved version."""
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.pool.load_tensor_state(state["kv_pool"])
+        version = int(state["engine_version"])
+        if not getattr(self.engine, "shares_weights", False):  # the servers get the checkpoint's weights
+            self.engine.update_weights(named_weights(self.model), version=version)
+        elif version > self.engine.version:
+            self.engine.update_weights({}, version=version)
+
+    def close(self) -> None:
+        self.loop.close()
+        close = getattr(self.engine, "close", None)
+        if callable(close):
+            close()
