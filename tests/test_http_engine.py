@@ -40,6 +40,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from k3post.distributed.weight_sync import DiskSync
 from k3post.envs.families.registry import get_family
 from k3post.models import build_tiny_moe, save_model
 from k3post.rollout import EmbeddedEngine, SamplingParams
@@ -297,6 +298,18 @@ def test_update_weights_from_disk(servers: dict[str, Server], model_dir: Path, t
     back = _generate(c, PROMPT, sp)
     assert back["output_ids"] == out0["output_ids"] and _lp(back) == _lp(out0)
     assert back["meta_info"]["weight_version"] == v0 + 2
+
+    # a DiskSync version folder with a corrupted shard: refused (sha256), nothing changes
+    stats = DiskSync(tmp_path / "sync").push(other.named_parameters(), v0 + 3)
+    shard = sorted(Path(stats.location).glob("shard-*.safetensors"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    r = c.post("/update_weights_from_disk", {"model_path": stats.location})
+    assert r.status_code == 400 and shard.name in r.json()["message"] and "sha256" in r.json()["message"]
+    assert c.get("/get_weight_version")["weight_version"] == v0 + 2
+    again = _generate(c, PROMPT, sp)
+    assert again["output_ids"] == out0["output_ids"] and _lp(again) == _lp(out0)
 
 
 # --------------------------------------------------------------------------- (b) the scheduler over two servers

@@ -19,9 +19,10 @@ servers instead of the in-process `EmbeddedEngine`:
   re-prefills prompt + tokens so far and samples the rest. No KV cache crosses the wire
   (``kv_transfer = False``): KV may be lost, tokens never are; counter-based sampling makes
   the continuation draw the tokens the uninterrupted request would have.
-* ``update_weights(named, version)``: the tensors are written as one safetensors file to a
-  folder every server can read (loopback / shared disk for now) and loaded by each live server
-  with ``POST /update_weights_from_disk``, all at the same version.
+* ``update_weights(named, version)``: the tensors are written as a ``DiskSync`` weight version
+  (``k3post.distributed.weight_sync``: shards + manifest with sha256 and the servers' QAT scheme)
+  to a folder every server can read (loopback / shared disk for now) and loaded by each live
+  server with ``POST /update_weights_from_disk``, all at the same version.
 
 **Faults.** A call that fails at the transport level (connection refused, reset, the server
 died mid-request) is retried on the same server with exponential backoff
@@ -39,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import shutil
 import tempfile
@@ -181,6 +183,10 @@ class HTTPEngine:
         if len(versions) > 1:
             log.warning("engine servers are at different weight versions %s; using the newest", sorted(versions))
         self._version = max(versions)
+        schemes = {json.dumps(i.get("qat"), sort_keys=True) for _, i in live}
+        if len(schemes) > 1:
+            raise ValueError(f"engine servers run different QAT schemes: {sorted(schemes)}")
+        self._qat: dict[str, Any] | None = live[0][1].get("qat")
         for s, i in live:
             s.max_batch_size = int(i.get("max_batch_size") or 1)
             s.max_model_len = int(i["max_model_len"])
@@ -502,23 +508,29 @@ class HTTPEngine:
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
-        """Write the tensors (by HF parameter name) as one safetensors file and load it on
-        every live server at ``version`` (default current + 1); returns the new version."""
-        from safetensors.torch import save_file
+        """Write the tensors (by HF parameter name) as a ``DiskSync`` weight version (safetensors
+        shards + manifest with sha256 and the servers' QAT scheme) and load it on every live
+        server at ``version`` (default current + 1); returns the new version."""
+        from k3post.distributed.weight_sync import DiskSync
+        from k3post.quant.qat import QATConfig
 
+        new = self._version + 1 if version is None else int(version)
+        if new <= self._version:
+            raise ValueError(f"update_weights: version {new} must exceed the current version {self._version}")
         items = list(named_tensors.items()) if hasattr(named_tensors, "items") else list(named_tensors)  # type: ignore[union-attr]
         for name, t in items:
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"update_weights: {name} is a {type(t).__name__}, not a tensor")
-        tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in items}  # clone: no shared storage
+        items = [(name, t.detach().to("cpu").contiguous().clone()) for name, t in items]  # clone: no shared storage
+        qat = QATConfig(**self._qat) if self._qat is not None else None
         if self.weights_dir is not None:
             self.weights_dir.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(prefix="k3post-weights-", dir=self.weights_dir))
+        root = Path(tempfile.mkdtemp(prefix="k3post-weights-", dir=self.weights_dir))
         try:
-            save_file(tensors, str(folder / "model.safetensors"))
-            return self.update_weights_from_disk(folder, version)
+            stats = DiskSync(root, qat=qat).push(items, new)
+            return self.update_weights_from_disk(stats.location or root, new)
         finally:
-            shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
 
     def update_weights_from_disk(self, model_path: str | Path, version: int | None = None) -> int:
         """``POST /update_weights_from_disk`` on every live server with the same version

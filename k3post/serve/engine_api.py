@@ -37,9 +37,11 @@ a k3post server at the level of token ids, log-probs and policy versions:
 * ``POST /pause_generation`` / ``POST /continue_generation``: stop / restart stepping the
   engine; queued and running requests keep their state (and their HTTP calls stay open).
 * ``POST /flush_cache``: drop the KV states the engine keeps for finished requests.
-* ``GET /get_model_info``, ``GET /get_weight_version`` (also in ``/health`` under
+* ``GET /get_model_info`` (with the QAT scheme the engine runs), ``GET /get_weight_version`` (also in ``/health`` under
   ``engine.weight_version``).
-* ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"}``: load the
+* ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"}``: load a weight
+  version written by ``k3post.distributed.weight_sync.DiskSync`` (``manifest.json``: shard
+  sizes and sha256, the version, the QAT scheme, which must be the one the server runs), or the
   ``*.safetensors`` files of a local folder, tensors named as the model's parameters (a
   subset is fine) or a whole Hugging Face checkpoint (`read_weights_folder`), and apply them
   between two engine steps, atomically: every file is read and every tensor checked (known
@@ -53,6 +55,7 @@ Shape legend: none (token lists; weights are checked by name and shape only).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -281,6 +284,12 @@ def engine_router(srv: _Server) -> APIRouter:
     def version() -> int:
         return int(getattr(runner.engine, "version", 0))
 
+    def qat_scheme() -> dict[str, Any] | None:
+        from k3post.distributed.weight_sync import engine_qat
+
+        cfg = engine_qat(runner.engine)
+        return None if cfg is None else dataclasses.asdict(cfg)
+
     @router.post("/generate")
     async def generate(request: Request) -> dict[str, Any]:
         body = await json_body(request)
@@ -335,7 +344,7 @@ def engine_router(srv: _Server) -> APIRouter:
         return {
             "model_path": path, "tokenizer_path": path, "is_generation": True, "model_name": srv.config.model_name,
             "max_model_len": srv.max_model_len, "max_batch_size": getattr(runner.engine, "max_batch_size", None),
-            "vocab_size": srv.vocab, "weight_version": version(), "kv_transfer": False,
+            "vocab_size": srv.vocab, "weight_version": version(), "kv_transfer": False, "qat": qat_scheme(),
         }
 
     @router.get("/get_weight_version")
@@ -344,6 +353,9 @@ def engine_router(srv: _Server) -> APIRouter:
 
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
+        from k3post.distributed.weight_sync import MANIFEST, load_from_disk
+        from k3post.distributed.weight_sync import apply_weights as apply_version
+
         body = await json_body(request)
         path = body.get("model_path")
         wv = body.get("weight_version")
@@ -352,11 +364,17 @@ def engine_router(srv: _Server) -> APIRouter:
                 raise ValueError(f"'model_path' must be a non-empty string, got {path!r}")
             if wv is not None and not _is_int(wv):
                 raise ValueError(f"'weight_version' must be an integer or null, got {wv!r}")
-            model = runner.engine.model  # names only: the tensors are read on the engine thread
-            names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-            names |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
-            files = await asyncio.to_thread(read_weights_folder, path, names)  # file reads off the engine thread
-            new = await runner.call(lambda engine: apply_weights(engine, files, wv))
+            if (Path(path) / MANIFEST).is_file():  # a DiskSync version folder: checked shards, version, QAT scheme
+                manifest, items = await asyncio.to_thread(load_from_disk, path)
+                if wv is not None and wv != manifest.version:
+                    raise ValueError(f"weight_version {wv} differs from the version {manifest.version} in {path}")
+                new = await runner.call(lambda engine: apply_version(engine, items, manifest.version, qat=manifest.qat))
+            else:
+                model = runner.engine.model  # names only: the tensors are applied on the engine thread
+                names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+                names |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+                files = await asyncio.to_thread(read_weights_folder, path, names)  # file reads off the engine thread
+                new = await runner.call(lambda engine: apply_weights(engine, files, wv))
         except ValueError as e:
             return JSONResponse({"success": False, "message": str(e), "weight_version": version()}, status_code=400)
         return JSONResponse({"success": True, "message": f"loaded {path}", "weight_version": new})
