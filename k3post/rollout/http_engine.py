@@ -174,10 +174,17 @@ class HTTPEngine:
         timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=60.0, pool=None)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self._client: httpx.AsyncClient = self._call(self._make_client(timeout, limits))
+        try:
+            self._connect()
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self) -> None:
+        """Read every server's model info; the unreachable ones are marked dead."""
         infos = self._call(_gather([self._info(s) for s in self._servers]))
         live = [(s, i) for s, i in zip(self._servers, infos) if i is not None]
         if not live:
-            self.close()
             raise EngineUnavailableError(f"no engine server reachable: {', '.join(s.url for s in self._servers)}")
         versions = {int(i["weight_version"]) for _, i in live}
         if len(versions) > 1:
@@ -232,7 +239,9 @@ class HTTPEngine:
             r = await self._post(server, "/get_model_info", get=True)
         except _ServerDown:
             return None
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise ValueError(f"{server.url}/get_model_info answered {r.status_code}: not a k3post engine server "
+                             f"({r.text[:200]})")
         return r.json()
 
     def _live(self) -> list[_Server]:
