@@ -452,3 +452,44 @@ def test_killed_server_requests_rerouted(servers: dict[str, Server], model_dir: 
     # no server left: a clear error naming the URLs
     with pytest.raises(EngineUnavailableError, match=c.url.replace(".", r"\.")):
         HTTPEngine([c.url], max_retries=1, backoff_s=0.01)
+
+
+# --------------------------------------------------------------------------- the Rollout seam (runs last: it moves A's version)
+
+
+def test_rollout_config_switch_http_equals_embedded(servers: dict[str, Server], model_dir: Path,
+                                                    xtml_tokenizer: Any) -> None:
+    """`Rollout` with ``engine.kind = "http"`` (server A) gives the embedded Rollout's tokens; its
+    ``push_weights`` sends the trainer's weights to the server (DiskSync folder), version + 1."""
+    from k3post.config.rollout import EngineConfig, RolloutConfig
+    from k3post.models import load_model
+    from k3post.rollout.factory import Rollout
+
+    a = servers["A"]
+    model = load_model(model_dir)
+    base = dict(n_prompts=2, k=2, lambda_=1.0, max_tokens=16, slots=4, effort=None, seed=7)
+    tasks = FAM.generate(2, seed=5)
+    runs = {}
+    for kind, engine in (("embedded", EngineConfig()), ("http", EngineConfig(kind="http", urls=[a.url], backoff_s=0.05))):
+        ro = Rollout(model, xtml_tokenizer, RolloutConfig(**base, engine=engine))
+        ro.add_prompts(tasks)
+        runs[kind] = (ro, _flat(ro.run_iteration()))
+    ro_http = runs["http"][0]
+    assert isinstance(ro_http.engine, HTTPEngine)
+    got, ref = runs["http"][1], runs["embedded"][1]
+    assert sorted(got) == sorted(ref) and len(got) == 4
+    for tid in ref:
+        assert got[tid].token_ids == ref[tid].token_ids and got[tid].versions == ref[tid].versions, tid
+        assert _max_lp_diff(got[tid], ref[tid]) < TOL
+    v = a.get("/get_weight_version")["weight_version"]
+    sp = SamplingParams(max_tokens=12, seed=3)
+    before = _generate(a, PROMPT, sp)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)  # a "train step"
+    assert ro_http.push_weights(lambda: model.named_parameters()) == v + 1
+    assert a.get("/get_weight_version")["weight_version"] == v + 1
+    after = _generate(a, PROMPT, sp)
+    [ref_after] = EmbeddedEngine(model, max_batch_size=4, seed=0).generate([GenerationRequest("z", PROMPT, sp)])
+    assert after["output_ids"] == ref_after.output_ids and _lp(after) == ref_after.output_logprobs
+    assert _lp(after) != _lp(before)
+    ro_http.engine.close()

@@ -126,6 +126,7 @@ class HTTPEngine:
             generation may take long, and a server that dies closes its connections).
         weights_dir: folder for ``update_weights``' safetensors file (default: a temporary
             folder); it must be readable by every server at the same path.
+        shard_mb: most MB per safetensors shard written by ``update_weights``.
         abort_timeout_s: longest wait for aborted requests' ``/generate`` calls to answer in
             ``pause`` / ``abort`` (a live server answers at its next step); then RuntimeError.
     """
@@ -145,6 +146,7 @@ class HTTPEngine:
         connect_timeout_s: float = 5.0,
         read_timeout_s: float | None = None,
         weights_dir: str | Path | None = None,
+        shard_mb: float = 512,
         abort_timeout_s: float = 60.0,
     ) -> None:
         if isinstance(urls, str) or not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
@@ -160,6 +162,7 @@ class HTTPEngine:
         self.backoff_s, self.backoff_max_s = float(backoff_s), float(backoff_max_s)
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self.abort_timeout_s = float(abort_timeout_s)
+        self.shard_mb = float(shard_mb)
         self._servers = [_Server(u.rstrip("/")) for u in urls]
         self._reqs: dict[str, _Req] = {}
         self._finished: OrderedDict[str, GenerationResult | BaseException] = OrderedDict()
@@ -536,7 +539,7 @@ class HTTPEngine:
             self.weights_dir.mkdir(parents=True, exist_ok=True)
         root = Path(tempfile.mkdtemp(prefix="k3post-weights-", dir=self.weights_dir))
         try:
-            stats = DiskSync(root, qat=qat).push(items, new)
+            stats = DiskSync(root, shard_mb=self.shard_mb, qat=qat).push(items, new)
             return self.update_weights_from_disk(stats.location or root, new)
         finally:
             shutil.rmtree(root, ignore_errors=True)
