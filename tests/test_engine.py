@@ -921,3 +921,20 @@ def test_adapter_on_gpu_matches_hf_logprobs(module, cls, tmp_path, tiny):
         assert max(abs(a - b) for a, b in zip(r.output_logprobs, _hf_logprobs(model, r).tolist())) < 2e-2
     assert engine.update_weights({"lm_head.weight": model.lm_head.weight.detach()}) == 1
     assert math.isfinite(sum(engine.generate(_requests(len(tok), 1))[0].output_logprobs))
+
+
+def test_abort_running_after_cache_growth(tiny):
+    """Regression: a slot cache grown inside step() holds inference tensors; aborting (or pausing) a
+    running request whose hole a later slot moves into, outside step(), raised a RuntimeError."""
+    model, tok = tiny
+    engine = EmbeddedEngine(model, tok, max_batch_size=2)
+    for i in range(2):
+        sp = SamplingParams(max_tokens=8, stop_ids=(), seed=i)
+        engine.add_request(GenerationRequest(f"r{i}", _prompt(140, 7 + i, len(tok)), sp))
+    _run_until(engine, 2)
+    assert engine.cache.capacity > 128  # grown in step()
+    (ab,) = engine.abort(["r0"])
+    assert ab.finish_reason == "abort" and ab.num_tokens == 2
+    done = _run_until(engine, 10)
+    assert set(done) == {"r1"} and done["r1"].num_tokens == 8
+    _assert_parity(model, [done["r1"]])

@@ -4,6 +4,8 @@
   ``GenerationRequest`` / ``GenerationResult`` / ``KVState`` and the counter-based sampler.
 * ``embedded``: ``EmbeddedEngine``, continuous batching in pure PyTorch over an HF model.
 * ``kv_cache``: the engine's static slot KV cache.
+* ``http_engine``: ``HTTPEngine``, the steppable protocol over ``k3post serve`` engine servers
+  (routing, pause = abort + continuation, retries and re-routing on dead servers).
 * ``adapters``: ``VLLMEngine`` and ``SGLangEngine`` (optional, GPU, lazy imports).
 * ``trajectory``: ``Trajectory`` (per-token trainable mask, behaviour log-probs, policy versions) and ``Group``.
 * ``agent_loop``: ``AgentLoop``, multi-turn episodes over the engine with the XTML multi-turn extension.
@@ -27,6 +29,7 @@ from k3post.rollout.engine import (
     sample_from_logits,
     token_uniform,
 )
+from k3post.rollout.http_engine import EngineUnavailableError, HTTPEngine
 from k3post.rollout.kv_cache import SlotKVCache
 from k3post.rollout.kv_pool import KVPool
 from k3post.rollout.scheduler import PartialRolloutScheduler
@@ -39,6 +42,8 @@ __all__ = [
     "PartialRolloutScheduler",
     "Trajectory",
     "EmbeddedEngine",
+    "HTTPEngine",
+    "EngineUnavailableError",
     "VLLMEngine",
     "SGLangEngine",
     "FinishReason",

@@ -95,6 +95,7 @@ from k3post.rollout.engine import (
     GenerationResult,
     KVState,
     NamedTensors,
+    generate_by_stepping,
     request_seed,
     sample_from_logits,
     sample_unfiltered,
@@ -721,18 +722,7 @@ class EmbeddedEngine:
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Run ``requests`` to completion; results in request order. The engine must be
         idle (use ``add_request`` / ``step`` to mix with requests already in flight)."""
-        if self.has_unfinished():
-            raise ValueError("generate() needs an idle engine; drive in-flight requests with step()")
-        ids = [r.request_id for r in requests]
-        if len(set(ids)) != len(ids):
-            raise ValueError("generate(): request ids must be unique")
-        for r in requests:
-            self.add_request(r)
-        done: dict[str, GenerationResult] = {}
-        while self.has_unfinished():
-            for res in self.step():
-                done[res.request_id] = res
-        return [done[i] for i in ids]
+        return generate_by_stepping(self, requests)
 
     def step(self) -> list[GenerationResult]:
         """Admit queued requests into free slots (prefill, first token), decode one token
@@ -781,9 +771,10 @@ class EmbeddedEngine:
         n_keep = len(self._running) - len(slots)
         holes = sorted(i for i in slots if i < n_keep)
         movers = [seq for seq in self._running[n_keep:] if seq.slot not in slots]
-        for hole, seq in zip(holes, movers):
-            self.cache.copy_slot(seq.slot, hole, seq.n_cached)
-            seq.slot = hole
+        with torch.inference_mode():  # the cache holds inference tensors; pause / abort run outside step()
+            for hole, seq in zip(holes, movers):
+                self.cache.copy_slot(seq.slot, hole, seq.n_cached)
+                seq.slot = hole
         for i in slots:
             self._running[i].slot = -1
         running: list[_Seq] = [seq for seq in self._running if seq.slot >= 0]

@@ -40,6 +40,7 @@ __all__ = [
     "KVState",
     "RolloutEngine",
     "SteppableEngine",
+    "generate_by_stepping",
     "NamedTensors",
     "request_seed",
     "token_uniform",
@@ -304,6 +305,24 @@ class SteppableEngine(RolloutEngine, Protocol):
     def import_kv(self, request_id: str, kv: KVState) -> None:
         """Attach a KV cache to a queued request so it skips the prefill."""
         ...
+
+
+def generate_by_stepping(engine: SteppableEngine, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    """``generate`` of a steppable engine: add every request, ``step`` until none is left;
+    results in request order. The engine must be idle (mix with requests already in flight
+    through ``add_request`` / ``step``)."""
+    if engine.has_unfinished():
+        raise ValueError("generate() needs an idle engine; drive in-flight requests with step()")
+    ids = [r.request_id for r in requests]
+    if len(set(ids)) != len(ids):
+        raise ValueError("generate(): request ids must be unique")
+    for r in requests:
+        engine.add_request(r)
+    done: dict[str, GenerationResult] = {}
+    while engine.has_unfinished():
+        for res in engine.step():
+            done[res.request_id] = res
+    return [done[i] for i in ids]
 
 
 # --------------------------------------------------------------------------- counter-based RNG

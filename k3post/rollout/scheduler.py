@@ -22,7 +22,10 @@ One `PartialRolloutScheduler.run_iteration`:
    in the `Trajectory`, the env's ``state_dict`` with its sandbox snapshot too); their KV
    stays engine-resident up to ``resident_kv_bytes`` and the least recently paused beyond
    that are evicted into the `KVPool` (write-back: the pool is written only on eviction;
-   `offload_kv` evicts all, e.g. before a co-located train step).
+   `offload_kv` evicts all, e.g. before a co-located train step). An engine with
+   ``kv_transfer = False`` (`HTTPEngine`: servers over HTTP) keeps its paused requests'
+   tokens only: they stay paused there (no byte budget, no ``export_kv``) and ``resume``
+   re-prefills them on any server.
 
 **Exactness.** Counter-based sampling makes every token a function of (trajectory seed,
 turn, position, logits), and the engine's logits do not depend on batching, so a
@@ -171,7 +174,10 @@ class PartialRolloutScheduler:
             )
         self.kv_high, self.kv_low = float(kv_high), float(kv_low)
         self.concurrency = max(self.min_concurrency, min(self.max_concurrency, 2 * slots))
-        self._bytes_per_token = _kv_bytes_per_token(self.engine)
+        # engines that cannot hand out KV (``kv_transfer = False``, e.g. `HTTPEngine`): a paused
+        # request keeps only its tokens there; resume re-prefills, no resident-KV budget, no export_kv
+        self.kv_transfer = bool(getattr(self.engine, "kv_transfer", True))
+        self._bytes_per_token = _kv_bytes_per_token(self.engine) if self.kv_transfer else 0
         self._prompts: deque[Task] = deque()
         self._groups: dict[int, list[Trajectory]] = {}  # admitted, not yet dispatched
         self._resident: OrderedDict[str, _Resident] = OrderedDict()  # traj id -> engine-held paused KV (LRU)
@@ -325,7 +331,7 @@ class PartialRolloutScheduler:
         res = self._resident.pop(tid, None)
         if res is not None:
             assert res.request_id == req.request_id, (res.request_id, req.request_id)
-            if self.reuse_stale_kv or res.version == version:
+            if self.reuse_stale_kv or res.version == version or not self.kv_transfer:
                 self.engine.resume([res.request_id])
                 if res.has_kv:
                     self.stats["kv_resident_hits"] += 1
@@ -362,7 +368,7 @@ class PartialRolloutScheduler:
                 traj = live[partial.request_id]
                 given, with_kv = self._submitted.pop(partial.request_id, (0, False))
                 self.loop.absorb_partial(traj, partial)
-                has_kv = with_kv or partial.num_tokens > given
+                has_kv = self.kv_transfer and (with_kv or partial.num_tokens > given)
                 nbytes = (len(partial.prompt_ids) + partial.num_tokens - 1) * self._bytes_per_token if has_kv else 0
                 self._resident[traj.traj_id] = _Resident(partial.request_id, nbytes, self.engine.version, has_kv)
                 if has_kv:
@@ -383,7 +389,10 @@ class PartialRolloutScheduler:
 
     def _write_back(self, budget: int) -> None:
         """Evict the least recently paused engine-resident KV until at most ``budget`` bytes
-        remain: written to the pool (the only time the pool is written), or dropped."""
+        remain: written to the pool (the only time the pool is written), or dropped. An engine
+        without KV transfer holds no KV: its paused requests stay there until resumed."""
+        if not self.kv_transfer:
+            return
         while self._resident and sum(r.nbytes for r in self._resident.values()) > budget:
             tid, res = self._resident.popitem(last=False)
             if res.has_kv:

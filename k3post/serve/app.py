@@ -20,7 +20,11 @@ Endpoints:
   ids, or a batch of either. Optional ``logprobs`` and ``stop`` strings; streaming as above
   (``text_completion`` chunks).
 * ``GET /v1/models``, ``GET /v1/models/{id}``: the served model.
-* ``GET /health``: liveness plus the engine runner's counters (``peak_running`` etc.).
+* ``GET /health``: liveness plus the engine runner's counters (``peak_running``,
+  ``weight_version`` etc.).
+* The engine protocol with SGLang's names (``/generate`` on token ids with log-probs and
+  versions, ``/abort_request``, ``/pause_generation``, ``/continue_generation``,
+  ``/update_weights_from_disk``, ...): `k3post.serve.engine_api`.
 
 Decisions (ours):
 
@@ -112,12 +116,14 @@ class ServeConfig:
         default_max_tokens: cap on output tokens for requests without ``max_tokens``
             (None: the room left under ``max_model_len``).
         api_key: when set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>``.
+        model_path: the served model folder (reported by ``/get_model_info``), when known.
     """
 
     model_name: str
     default_effort: str = "high"
     default_max_tokens: int | None = None
     api_key: str | None = None
+    model_path: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -387,6 +393,17 @@ def _raise_error_event(ev: ErrorEvent) -> None:
     raise APIError(str(err), status=500, type_="server_error")
 
 
+async def json_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object body; a 400 when it is not valid JSON or not an object."""
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    return body
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -468,6 +485,9 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
     app = FastAPI(title="k3post", description="OpenAI-compatible server over the k3post embedded engine",
                   lifespan=lifespan)
     app.state.server = srv
+    from k3post.serve.engine_api import engine_router  # imports this module: not at the top
+
+    app.include_router(engine_router(srv))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -487,15 +507,6 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
                                code="invalid_api_key")
                 return JSONResponse(err.payload(), status_code=401)
         return await call_next(request)
-
-    async def json_body(request: Request) -> dict[str, Any]:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError("the request body must be a JSON object")
-        return body
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -73,7 +73,7 @@ def build_server(
         raise UserError(f"{path}: no tokenizer in the model folder")
     config = ServeConfig(
         model_name=model_name or path.resolve().name, default_effort=default_effort,
-        default_max_tokens=default_max_tokens, api_key=api_key,
+        default_max_tokens=default_max_tokens, api_key=api_key, model_path=str(path.resolve()),
     )
     tokenizer = load_tokenizer(path, require_xtml=True)
     engine = build_engine(
@@ -111,7 +111,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="serve a model folder over an OpenAI-compatible HTTP API (continuous batching)",
         description="OpenAI-compatible server: /v1/chat/completions (XTML tools, tool_calls, reasoning_content, "
-                    "thinking_effort, streaming), /v1/completions, /v1/models, /health.",
+                    "thinking_effort, streaming), /v1/completions, /v1/models, /health; the engine protocol "
+                    "(SGLang names): /generate, /abort_request, /pause_generation, /continue_generation, "
+                    "/update_weights_from_disk, /flush_cache, /get_model_info, /get_weight_version.",
     )
     p.add_argument("model_dir", help="model folder (config + safetensors + XTML tokenizer)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")

@@ -4,8 +4,8 @@
 background thread, the only thread that ever touches the engine (it is single-threaded):
 
     loop:
-        take new requests / aborts from the thread-safe inbox  -> engine.add_request / abort
-        if nothing is queued or running: sleep until the inbox wakes the thread
+        take new requests / aborts / calls from the thread-safe inbox  -> engine.add_request / abort / fn(engine)
+        if nothing is queued or running, or generation is paused: sleep until the inbox wakes the thread
         finished = engine.step()              # admit + prefill new ones, decode one token for all
         for each streaming request: send the tokens sampled since the last step
         for each finished request:  send its GenerationResult
@@ -156,6 +156,7 @@ class EngineRunner:
         self._ids = itertools.count()
         self._stats = _Stats()
         self._lock = threading.Lock()
+        self._gen_paused = False  # written by the engine thread only
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -207,11 +208,44 @@ class EngineRunner:
         self._inbox.put(("add", _Handle(request, loop, sink, tag, bool(stream))))
         self._wake.set()
 
-    def abort(self, request_ids: Sequence[str]) -> None:
-        """Drop requests (queued or running); their sinks get no further events."""
+    def abort(self, request_ids: Sequence[str], *, finish: bool = False) -> None:
+        """Drop requests (queued or running); unknown or already finished ids are ignored.
+
+        ``finish``: the sink of each aborted request gets a last `FinishEvent` with its
+        partial result (finish_reason "abort": the tokens sampled so far); otherwise
+        (the submitter is gone or stopped reading) it gets no further events."""
         for rid in request_ids:
-            self._inbox.put(("abort", rid))
+            self._inbox.put(("abort", (rid, bool(finish))))
         self._wake.set()
+
+    def abort_all(self, *, finish: bool = False) -> None:
+        """`abort` every request in flight at the time the engine thread reads the inbox."""
+        self._inbox.put(("abort", (None, bool(finish))))
+        self._wake.set()
+
+    async def pause_generation(self) -> None:
+        """Stop stepping the engine (returns once no step is running); queued and running
+        requests keep their state, new submissions are queued. `continue_generation`
+        restarts. Aborts and `call` still run while paused."""
+        await self._control("pause")
+
+    async def continue_generation(self) -> None:
+        """Restart stepping after `pause_generation` (no-op when not paused)."""
+        await self._control("continue")
+
+    @property
+    def generation_paused(self) -> bool:
+        """True between `pause_generation` and `continue_generation`."""
+        return self._gen_paused
+
+    async def _control(self, kind: str) -> None:
+        if not self.running:
+            raise RuntimeError("the engine runner is not started (call start())")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._inbox.put((kind, (loop, fut)))
+        self._wake.set()
+        await fut
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Run one request to completion (aborted if the awaiting task is cancelled)."""
@@ -252,6 +286,8 @@ class EngineRunner:
         out["num_running"] = int(getattr(self.engine, "num_running", 0))
         out["num_queued"] = int(getattr(self.engine, "num_queued", 0))
         out["max_batch_size"] = getattr(self.engine, "max_batch_size", None)
+        out["weight_version"] = int(getattr(self.engine, "version", 0))
+        out["generation_paused"] = self._gen_paused
         return out
 
     # ------------------------------------------------------------------ the engine thread
@@ -283,15 +319,33 @@ class EngineRunner:
                 except Exception as e:  # handed to the awaiting caller
                     result, error = None, e
                 loop.call_soon_threadsafe(_settle, fut, result, error)
+            elif kind in ("pause", "continue"):
+                self._gen_paused = kind == "pause"
+                loop, fut = item
+                loop.call_soon_threadsafe(_settle, fut, None, None)
             else:
-                rid = item
-                if self._handles.pop(rid, None) is not None:
-                    try:
-                        self.engine.abort([rid])
-                    except ValueError:  # finished in the meantime
-                        pass
-                    with self._lock:
-                        self._stats.aborted += 1
+                rid, finish = item
+                for r in list(self._handles) if rid is None else [rid]:
+                    self._abort_one(r, finish)
+
+    def _abort_one(self, rid: str, finish: bool) -> None:
+        h = self._handles.pop(rid, None)
+        if h is None:  # finished (or never added): nothing to do
+            return
+        try:
+            partial = self.engine.abort([rid])
+        except ValueError:  # not in the engine any more
+            partial = []
+        except Exception as e:  # the engine failed: tell the submitter, keep the thread alive
+            log.exception("abort of %s failed", rid)
+            h.put(ErrorEvent(h.tag, RuntimeError(f"abort failed: {type(e).__name__}: {e}")))
+            with self._lock:
+                self._stats.failed += 1
+            return
+        with self._lock:
+            self._stats.aborted += 1
+        if finish and partial:
+            h.put(FinishEvent(h.tag, partial[0]))
 
     def _fail_all(self, error: BaseException) -> None:
         ids = list(self._handles)
@@ -314,7 +368,7 @@ class EngineRunner:
         try:
             while not self._stop.is_set():
                 self._drain_inbox()
-                if not self.engine.has_unfinished():
+                if self._gen_paused or not self.engine.has_unfinished():
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
                     continue

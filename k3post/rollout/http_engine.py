@@ -1,0 +1,594 @@
+"""`HTTPEngine`: the steppable rollout-engine protocol over one or more engine servers.
+
+The partial-rollout scheduler and the agent loop drive an engine through ``add_request`` /
+``step`` / ``pause`` / ``resume`` / ``abort`` / ``update_weights`` (`SteppableEngine`).
+`HTTPEngine` implements that protocol against ``k3post serve`` processes (the engine API of
+`k3post.serve.engine_api`, SGLang's endpoint names), so the RL loop runs against engine
+servers instead of the in-process `EmbeddedEngine`:
+
+* ``add_request``: the request goes to the live server with the fewest requests in flight
+  from this client (``POST /generate`` with ``return_logprob``); a background thread runs an
+  asyncio loop with one ``httpx.AsyncClient`` holding every HTTP call.
+* ``step``: the results that finished since the last call; blocks until at least one
+  finishes while any request is running (servers step on their own, continuously).
+* ``pause(ids)``: aborts the requests on their servers (``POST /abort_request``); the
+  partial outputs (tokens, log-probs, versions) are kept here and returned with finish
+  "paused". A request that finished on its server before the abort reached it is reported
+  one token short of its end, and ``resume`` hands back its final result (the same tokens).
+* ``resume(ids)``: resubmits paused requests as continuations to any live server, which
+  re-prefills prompt + tokens so far and samples the rest. No KV cache crosses the wire
+  (``kv_transfer = False``): KV may be lost, tokens never are; counter-based sampling makes
+  the continuation draw the tokens the uninterrupted request would have.
+* ``update_weights(named, version)``: the tensors are written as a ``DiskSync`` weight version
+  (``k3post.distributed.weight_sync``: shards + manifest with sha256 and the servers' QAT scheme)
+  to a folder every server can read (loopback / shared disk for now) and loaded by each live
+  server with ``POST /update_weights_from_disk``, all at the same version.
+
+**Faults.** A call that fails at the transport level (connection refused, reset, the server
+died mid-request) is retried on the same server with exponential backoff
+(``backoff_s * 2**i``, capped at ``backoff_max_s``, ``max_retries`` times); then the server is
+marked dead for good and the request re-routed to the least-loaded live server, restarting
+from its last known continuation (the tokens it had when it was submitted; every re-route is
+logged). When no server is left, `EngineUnavailableError` names every URL. An HTTP error
+answer (400 for a bad request, 500 for a failed engine step) is not retried: ``step`` raises it.
+
+Shape legend: none (token lists; ``update_weights`` takes tensors by name, any shape).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import shutil
+import tempfile
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from k3post.rollout.engine import (
+    GenerationRequest,
+    GenerationResult,
+    KVState,
+    NamedTensors,
+    generate_by_stepping,
+    request_seed,
+)
+
+__all__ = ["HTTPEngine", "EngineUnavailableError"]
+
+log = logging.getLogger("k3post.rollout.http")
+
+
+class EngineUnavailableError(RuntimeError):
+    """No engine server is left (every one refused or died); the message names the URLs."""
+
+
+async def _gather(coros: list[Any]) -> list[Any]:
+    return list(await asyncio.gather(*coros))
+
+
+class _ServerDown(Exception):
+    """The server of one call is (now) dead: re-route."""
+
+
+@dataclass
+class _Server:
+    url: str
+    alive: bool = True
+    load: int = 0  # requests in flight there from this client (event-loop thread only)
+    max_batch_size: int = 1
+    max_model_len: int = 0
+
+
+@dataclass
+class _Req:
+    """Client-side state of one request."""
+
+    request: GenerationRequest  # as added (its seed made explicit)
+    ids: list[int]  # the last known continuation: output tokens so far
+    logprobs: list[float]
+    versions: list[int]
+    state: str = "running"  # "running" | "paused"
+    server: _Server | None = None
+    wire_rid: str | None = None  # the rid of the current /generate call
+    calls: int = 0
+    future: concurrent.futures.Future[GenerationResult] | None = None
+    pausing: bool = False
+    final: GenerationResult | None = None  # finished on its server before a pause reached it
+    history: list[str] = field(default_factory=list)  # servers it ran on, in order
+
+    def partial(self, finish: str) -> GenerationResult:
+        r = self.request
+        return GenerationResult(r.request_id, list(r.prompt_ids), list(self.ids), list(self.logprobs),
+                                list(self.versions), finish)  # type: ignore[arg-type]
+
+
+class HTTPEngine:
+    """A `SteppableEngine` over ``k3post serve`` engine servers (module doc).
+
+    Args:
+        urls: base URLs of the servers (``http://127.0.0.1:8000``), at least one.
+        seed: engine seed for requests whose ``SamplingParams.seed`` is None (the seed is
+            derived here, ``request_seed(seed, request_id)``, so it does not depend on the server).
+        max_retries: transport-level retries on one server before it is marked dead.
+        backoff_s / backoff_max_s: first retry delay and its cap (doubling in between).
+        connect_timeout_s: timeout of a TCP connect.
+        read_timeout_s: longest wait for one ``/generate`` answer (None: no limit; a
+            generation may take long, and a server that dies closes its connections).
+        weights_dir: folder for ``update_weights``' safetensors file (default: a temporary
+            folder); it must be readable by every server at the same path.
+        shard_mb: most MB per safetensors shard written by ``update_weights``.
+        abort_timeout_s: longest wait for aborted requests' ``/generate`` calls to answer in
+            ``pause`` / ``abort`` (a live server answers at its next step); then RuntimeError.
+    """
+
+    kv_transfer = False
+    """No KV cache crosses the wire: paused requests re-prefill (the scheduler then keeps no
+    engine-resident KV bookkeeping and never calls ``export_kv``)."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        seed: int = 0,
+        max_retries: int = 3,
+        backoff_s: float = 0.1,
+        backoff_max_s: float = 2.0,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float | None = None,
+        weights_dir: str | Path | None = None,
+        shard_mb: float = 512,
+        abort_timeout_s: float = 60.0,
+    ) -> None:
+        if isinstance(urls, str) or not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
+            raise ValueError(f"urls must be a non-empty list of http(s):// base URLs, got {urls!r}")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"urls has duplicates: {list(urls)}")
+        if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
+            raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
+        if not (backoff_s >= 0 and backoff_max_s >= backoff_s):
+            raise ValueError(f"need 0 <= backoff_s <= backoff_max_s, got {backoff_s} and {backoff_max_s}")
+        self.seed = int(seed)
+        self.max_retries = max_retries
+        self.backoff_s, self.backoff_max_s = float(backoff_s), float(backoff_max_s)
+        self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self.abort_timeout_s = float(abort_timeout_s)
+        self.shard_mb = float(shard_mb)
+        self._servers = [_Server(u.rstrip("/")) for u in urls]
+        self._reqs: dict[str, _Req] = {}
+        self._finished: OrderedDict[str, GenerationResult | BaseException] = OrderedDict()
+        self._cond = threading.Condition()
+        self.stats: dict[str, int] = {
+            "requests": 0, "reroutes": 0, "reroute_kept_tokens": 0, "retries": 0, "dead_servers": 0, "pauses": 0,
+        }
+        self.calls_per_server: Counter[str] = Counter()  # /generate calls sent to each URL
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="k3post-http-engine", daemon=True)
+        self._thread.start()
+        timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=60.0, pool=None)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self._client: httpx.AsyncClient = self._call(self._make_client(timeout, limits))
+        try:
+            self._connect()
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self) -> None:
+        """Read every server's model info; the unreachable ones are marked dead."""
+        infos = self._call(_gather([self._info(s) for s in self._servers]))
+        live = [(s, i) for s, i in zip(self._servers, infos) if i is not None]
+        if not live:
+            raise EngineUnavailableError(f"no engine server reachable: {', '.join(s.url for s in self._servers)}")
+        versions = {int(i["weight_version"]) for _, i in live}
+        if len(versions) > 1:
+            log.warning("engine servers are at different weight versions %s; using the newest", sorted(versions))
+        self._version = max(versions)
+        schemes = {json.dumps(i.get("qat"), sort_keys=True) for _, i in live}
+        if len(schemes) > 1:
+            raise ValueError(f"engine servers run different QAT schemes: {sorted(schemes)}")
+        self._qat: dict[str, Any] | None = live[0][1].get("qat")
+        for s, i in live:
+            s.max_batch_size = int(i.get("max_batch_size") or 1)
+            s.max_model_len = int(i["max_model_len"])
+
+    # ------------------------------------------------------------------ plumbing
+    @staticmethod
+    async def _make_client(timeout: httpx.Timeout, limits: httpx.Limits) -> httpx.AsyncClient:
+        return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+    def _call(self, coro: Any) -> Any:
+        """Run a coroutine on the client's event loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _backoff(self, attempt: int) -> None:
+        self.stats["retries"] += 1
+        await asyncio.sleep(min(self.backoff_max_s, self.backoff_s * 2**attempt))
+
+    def _mark_dead(self, server: _Server, error: BaseException) -> None:
+        if server.alive:
+            server.alive = False
+            self.stats["dead_servers"] += 1
+            log.warning("engine server %s marked dead after %d retries (%s: %s)", server.url, self.max_retries,
+                        type(error).__name__, error)
+
+    async def _post(self, server: _Server, path: str, body: dict[str, Any] | None = None, *, get: bool = False) -> httpx.Response:
+        """One call with transport-level retries; raises _ServerDown once the server is dead."""
+        for attempt in range(self.max_retries + 1):
+            if not server.alive:
+                raise _ServerDown(server.url)
+            try:
+                if get:
+                    return await self._client.get(server.url + path)
+                return await self._client.post(server.url + path, json=body)
+            except httpx.TransportError as e:
+                if attempt == self.max_retries:
+                    self._mark_dead(server, e)
+                    raise _ServerDown(server.url) from e
+                await self._backoff(attempt)
+        raise AssertionError("unreachable")
+
+    async def _info(self, server: _Server) -> dict[str, Any] | None:
+        try:
+            r = await self._post(server, "/get_model_info", get=True)
+        except _ServerDown:
+            return None
+        if r.status_code != 200:
+            raise ValueError(f"{server.url}/get_model_info answered {r.status_code}: not a k3post engine server "
+                             f"({r.text[:200]})")
+        return r.json()
+
+    def _live(self) -> list[_Server]:
+        return [s for s in self._servers if s.alive]
+
+    def _pick(self) -> _Server:
+        live = self._live()
+        if not live:
+            raise EngineUnavailableError(
+                f"no engine server left: {', '.join(s.url + ' (dead)' for s in self._servers)}")
+        return min(live, key=lambda s: s.load)  # ties: the first in the given order
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def version(self) -> int:
+        """Policy version of the servers (set by ``update_weights``)."""
+        return self._version
+
+    @property
+    def urls(self) -> list[str]:
+        """Every server URL, as given."""
+        return [s.url for s in self._servers]
+
+    @property
+    def live_urls(self) -> list[str]:
+        """The servers not marked dead."""
+        return [s.url for s in self._live()]
+
+    @property
+    def max_batch_size(self) -> int:
+        """Slots over the live servers (the scheduler's default concurrency bound)."""
+        return max(1, sum(s.max_batch_size for s in self._live()))
+
+    @property
+    def max_model_len(self) -> int:
+        """Smallest max_model_len of the live servers."""
+        return min((s.max_model_len for s in self._live()), default=0)
+
+    def has_unfinished(self) -> bool:
+        """True while any request is running (its result not yet returned by ``step``)."""
+        return any(rq.state == "running" for rq in self._reqs.values())
+
+    def server_of(self, request_id: str) -> str | None:
+        """URL of the server a running request was last sent to (None when not running)."""
+        rq = self._reqs.get(request_id)
+        return rq.server.url if rq is not None and rq.server is not None and rq.state == "running" else None
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: GenerationRequest, kv: KVState | None = None) -> None:
+        """Send ``request`` to the least-loaded live server. ``kv`` is ignored (no KV
+        transfer: the server prefills the whole context, with identical results)."""
+        if not isinstance(request, GenerationRequest):
+            raise ValueError(f"add_request takes a GenerationRequest, got {type(request).__name__}")
+        rid = request.request_id
+        if rid in self._reqs:
+            raise ValueError(f"request id {rid!r} is already running or paused in this engine")
+        n = len(request.prompt_ids) + len(request.given_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt + given tokens = {n} positions leave no room under "
+                             f"max_model_len={self.max_model_len}")
+        if request.sampling.seed is None:
+            sampling = dataclasses.replace(request.sampling, seed=request_seed(self.seed, rid))
+            request = dataclasses.replace(request, sampling=sampling)
+        rq = _Req(request, list(request.given_ids), list(request.given_logprobs), list(request.given_versions))
+        self._reqs[rid] = rq
+        self.stats["requests"] += 1
+        self._launch(rq)
+
+    def _launch(self, rq: _Req) -> None:
+        rq.state = "running"
+        rq.future = asyncio.run_coroutine_threadsafe(self._drive(rq), self._loop)
+        rq.future.add_done_callback(lambda f, rq=rq: self._on_done(rq, f))
+
+    def _on_done(self, rq: _Req, fut: concurrent.futures.Future[GenerationResult]) -> None:
+        with self._cond:
+            if rq.pausing:  # pause() / abort() collect it themselves
+                return
+            err = fut.exception()
+            self._finished[rq.request.request_id] = err if err is not None else fut.result()
+            self._cond.notify_all()
+
+    async def _drive(self, rq: _Req) -> GenerationResult:
+        """Run one request to its end on some server, re-routing when its server dies."""
+        while True:
+            server = self._pick()
+            rq.server = server
+            rq.history.append(server.url)
+            self.calls_per_server[server.url] += 1
+            server.load += 1
+            try:
+                return await self._generate_on(server, rq)
+            except _ServerDown:
+                if rq.pausing:  # being paused anyway: keep what is known
+                    return rq.partial("abort")
+                self.stats["reroutes"] += 1
+                self.stats["reroute_kept_tokens"] += len(rq.ids)
+                live = self._live()
+                log.warning("re-routing request %s from dead server %s to %s (restarting from %d tokens)",
+                            rq.request.request_id, server.url, min(live, key=lambda s: s.load).url if live else "none",
+                            len(rq.ids))
+            finally:
+                server.load -= 1
+
+    async def _generate_on(self, server: _Server, rq: _Req) -> GenerationResult:
+        r = rq.request
+        sp = r.sampling
+        rq.calls += 1
+        rq.wire_rid = f"{r.request_id}~{rq.calls}"  # fresh per call: a retry never collides with an old call
+        params: dict[str, Any] = {
+            "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "max_new_tokens": sp.max_tokens,
+            "ignore_eos": sp.ignore_eos, "seed": sp.seed,
+        }
+        if sp.stop_ids is not None:
+            params["stop_ids"] = list(sp.stop_ids)
+        body = {
+            "rid": rq.wire_rid, "input_ids": list(r.prompt_ids), "sampling_params": params, "return_logprob": True,
+            "continuation": {"output_ids": rq.ids, "output_logprobs": rq.logprobs, "output_versions": rq.versions},
+        }
+        resp = await self._post(server, "/generate", body)
+        if resp.status_code != 200:
+            raise RuntimeError(f"{server.url}/generate answered {resp.status_code} for request "
+                               f"{r.request_id!r}: {resp.text[:500]}")
+        return self._result(rq, resp.json(), server.url)
+
+    @staticmethod
+    def _result(rq: _Req, d: dict[str, Any], url: str) -> GenerationResult:
+        r = rq.request
+        ids = [int(t) for t in d["output_ids"]]
+        meta = d["meta_info"]
+        pairs = meta["output_token_logprobs"]
+        if [int(p[1]) for p in pairs] != ids or len(meta["versions"]) != len(ids):
+            raise RuntimeError(f"{url}/generate: request {r.request_id!r}: output_token_logprobs / versions do not "
+                               "match output_ids")
+        if ids[: len(rq.ids)] != rq.ids:
+            raise RuntimeError(f"{url}/generate: request {r.request_id!r}: the output does not start with the "
+                               f"{len(rq.ids)} continuation tokens sent")
+        finish = meta["finish_reason"]["type"]
+        return GenerationResult(r.request_id, list(r.prompt_ids), ids, [float(p[0]) for p in pairs],
+                                [int(v) for v in meta["versions"]], finish)
+
+    def step(self) -> list[GenerationResult]:
+        """The results that finished since the last call (finish "stop" / "length"); blocks
+        until at least one is there while any request is running. Raises the error of a
+        failed request (`EngineUnavailableError` when no server is left)."""
+        with self._cond:
+            if not self.has_unfinished():
+                return []
+            while not self._finished:
+                self._cond.wait(1.0)
+            items = list(self._finished.items())
+            self._finished.clear()
+        out: list[GenerationResult] = []
+        error: BaseException | None = None
+        for rid, item in items:
+            self._reqs.pop(rid, None)
+            if isinstance(item, BaseException):
+                error = error or item
+            else:
+                out.append(item)
+        if error is not None:
+            raise error
+        return out
+
+    def _stop(self, request_ids: Sequence[str], what: str) -> list[_Req]:
+        """Bring running requests to a halt (abort on their servers), keeping their tokens;
+        a request that had finished keeps its result in ``final``."""
+        if isinstance(request_ids, str):
+            raise ValueError(f"{what} takes a sequence of request ids, not a single str")
+        wanted = list(dict.fromkeys(request_ids))
+        unknown = [r for r in wanted if r not in self._reqs]
+        if unknown:
+            raise ValueError(f"{what}: unknown request ids {unknown} (not running or paused)")
+        halting: list[_Req] = []
+        with self._cond:
+            for rid in wanted:
+                rq = self._reqs[rid]
+                if rq.state != "running":
+                    continue
+                item = self._finished.pop(rid, None)
+                if isinstance(item, BaseException):
+                    raise item
+                if item is not None:
+                    rq.final = item
+                else:
+                    rq.pausing = True
+                    halting.append(rq)
+        if halting:
+            self._call(self._abort_remote(halting))
+        for rq in halting:
+            res = rq.future.result() if rq.future is not None else rq.partial("abort")
+            rq.pausing = False
+            if res.finish_reason == "abort":
+                rq.ids, rq.logprobs, rq.versions = list(res.output_ids), list(res.output_logprobs), list(res.output_versions)
+            else:
+                rq.final = res
+        return [self._reqs[r] for r in wanted]
+
+    async def _abort_remote(self, reqs: list[_Req]) -> None:
+        """Abort each request on its server until its /generate call has answered (an abort
+        that overtakes its /generate finds nothing there: it is sent again)."""
+        pending = [rq for rq in reqs if rq.future is not None]
+        deadline = self._loop.time() + self.abort_timeout_s
+        while pending:
+            if self._loop.time() > deadline:
+                where = sorted({rq.server.url for rq in pending if rq.server is not None})
+                raise RuntimeError(f"aborted requests {[rq.request.request_id for rq in pending]} got no answer from "
+                                   f"{where} within {self.abort_timeout_s} s")
+            for rq in pending:
+                if rq.server is not None and rq.server.alive and rq.wire_rid is not None:
+                    try:
+                        await self._client.post(rq.server.url + "/abort_request", json={"rid": rq.wire_rid})
+                    except httpx.TransportError:
+                        pass  # the server is going away: its /generate call fails and returns the partial
+            await asyncio.sleep(0.05)
+            pending = [rq for rq in pending if rq.future is not None and not rq.future.done()]
+
+    def pause(self, request_ids: Sequence[str]) -> list[GenerationResult]:
+        """Stop running requests, keeping their tokens, log-probs and versions here; partial
+        results with finish "paused" (module doc: a request that had already finished is
+        reported one token short, and ``resume`` returns its final result)."""
+        already = [r for r in request_ids if r in self._reqs and self._reqs[r].state == "paused"]
+        if already:
+            raise ValueError(f"pause: requests {already} are already paused")
+        out = []
+        for rq in self._stop(request_ids, "pause"):
+            if rq.final is not None:  # the last token stays with the final result
+                f = rq.final
+                rq.ids, rq.logprobs, rq.versions = f.output_ids[:-1], f.output_logprobs[:-1], f.output_versions[:-1]
+            rq.state = "paused"
+            rq.future = None
+            self.stats["pauses"] += 1
+            out.append(rq.partial("paused"))
+        return out
+
+    def resume(self, request_ids: Sequence[str]) -> None:
+        """Resubmit paused requests as continuations (to any live server), in the given order."""
+        if isinstance(request_ids, str):
+            raise ValueError("resume takes a sequence of request ids, not a single str")
+        missing = [r for r in request_ids if r not in self._reqs or self._reqs[r].state != "paused"]
+        if missing:
+            raise ValueError(f"resume: requests {missing} are not paused in this engine")
+        for rid in dict.fromkeys(request_ids):
+            rq = self._reqs[rid]
+            if rq.final is not None:
+                rq.state = "running"
+                with self._cond:
+                    self._finished[rid] = rq.final
+                    self._cond.notify_all()
+                rq.final = None
+            else:
+                self._launch(rq)
+
+    def abort(self, request_ids: Sequence[str]) -> list[GenerationResult]:
+        """Drop running or paused requests; partial results (finish "abort")."""
+        out = []
+        for rq in self._stop(request_ids, "abort"):
+            f = rq.final
+            out.append(rq.partial("abort") if f is None else dataclasses.replace(f, finish_reason="abort"))
+            del self._reqs[rq.request.request_id]
+        return out
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Run ``requests`` to completion; results in request order (the engine must be idle)."""
+        return generate_by_stepping(self, requests)
+
+    def export_kv(self, request_id: str) -> KVState:
+        """Not supported: no KV cache crosses the wire (``kv_transfer = False``)."""
+        raise ValueError(f"export_kv({request_id!r}): HTTPEngine cannot transfer KV caches (kv_transfer = False)")
+
+    def import_kv(self, request_id: str, kv: KVState) -> None:
+        """Not supported: no KV cache crosses the wire (``kv_transfer = False``)."""
+        raise ValueError(f"import_kv({request_id!r}): HTTPEngine cannot transfer KV caches (kv_transfer = False)")
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
+        """Write the tensors (by HF parameter name) as a ``DiskSync`` weight version (safetensors
+        shards + manifest with sha256 and the servers' QAT scheme) and load it on every live
+        server at ``version`` (default current + 1); returns the new version."""
+        from k3post.distributed.weight_sync import DiskSync
+        from k3post.quant.qat import QATConfig
+
+        new = self._version + 1 if version is None else int(version)
+        if new <= self._version:
+            raise ValueError(f"update_weights: version {new} must exceed the current version {self._version}")
+        items = list(named_tensors.items()) if hasattr(named_tensors, "items") else list(named_tensors)  # type: ignore[union-attr]
+        for name, t in items:
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"update_weights: {name} is a {type(t).__name__}, not a tensor")
+        items = [(name, t.detach().to("cpu").contiguous().clone()) for name, t in items]  # clone: no shared storage
+        qat = QATConfig(**self._qat) if self._qat is not None else None
+        if self.weights_dir is not None:
+            self.weights_dir.mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix="k3post-weights-", dir=self.weights_dir))
+        try:
+            stats = DiskSync(root, shard_mb=self.shard_mb, qat=qat).push(items, new)
+            return self.update_weights_from_disk(stats.location or root, new)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def update_weights_from_disk(self, model_path: str | Path, version: int | None = None) -> int:
+        """``POST /update_weights_from_disk`` on every live server with the same version
+        (default current + 1). Raises ValueError naming the servers that refused (they keep
+        their old weights and version; the next update repairs them)."""
+        new = self._version + 1 if version is None else int(version)
+        if new <= self._version:
+            raise ValueError(f"update_weights: version {new} must exceed the current version {self._version}")
+        body = {"model_path": str(Path(model_path).resolve()), "weight_version": new}
+
+        async def one(s: _Server) -> str | None:
+            try:
+                r = await self._post(s, "/update_weights_from_disk", body)
+            except _ServerDown:
+                return None  # dead: it gets no more requests
+            if r.status_code != 200:
+                return f"{s.url}: {r.json().get('message', r.text)}"
+            return None
+
+        errors = [e for e in self._call(_gather([one(s) for s in self._live()])) if e]
+        if not self._live():
+            raise EngineUnavailableError(f"no engine server left: {', '.join(s.url + ' (dead)' for s in self._servers)}")
+        if errors:
+            raise ValueError("update_weights_from_disk failed on " + "; ".join(errors))
+        self._version = new
+        return new
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Abort what is still running on the servers and stop the client thread."""
+        if not self._thread.is_alive():
+            return
+        running = [rid for rid, rq in self._reqs.items() if rq.state == "running"]
+        if running:
+            try:
+                self.abort(running)
+            except Exception:  # noqa: BLE001 - closing: the servers may be gone
+                log.warning("close(): could not abort %d running requests", len(running))
+        client = getattr(self, "_client", None)
+        if client is not None:
+            self._call(client.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def __enter__(self) -> "HTTPEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,382 @@
+"""The engine-server API: the rollout-engine protocol over HTTP, with SGLang's endpoint names.
+
+`k3post serve` exposes it next to the OpenAI API (``create_app`` includes `engine_router`), so
+`k3post.rollout.http_engine.HTTPEngine` (and any client written for SGLang's native API) drives
+a k3post server at the level of token ids, log-probs and policy versions:
+
+* ``POST /generate``: one request on token ids::
+
+      {"input_ids": [int, ...], "rid": str (optional),
+       "sampling_params": {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids",
+                           "ignore_eos", "seed" (k3post; SGLang's "sampling_seed" is accepted too),
+                           "stop_ids" (k3post)},
+       "return_logprob": bool,
+       "continuation": {"output_ids": [...], "output_logprobs": [...], "output_versions": [...]}}
+
+  ``continuation`` (k3post) resumes a partial trajectory on any server: the tokens already
+  sampled for this request with their recorded log-probs and versions. The server
+  re-prefills prompt + continuation and samples only the rest; counter-based sampling
+  (``k3post.rollout.engine``) draws exactly the tokens the uninterrupted request would have.
+  The response covers the whole output (continuation first), shaped like SGLang's::
+
+      {"text": str, "output_ids": [...],
+       "meta_info": {"id", "finish_reason": {"type": "stop" | "length" | "abort", ...},
+                     "prompt_tokens", "completion_tokens", "given_tokens",
+                     "output_token_logprobs": [[logprob, token_id, null], ...]   (return_logprob),
+                     "versions": [int, ...], "weight_version": int}}
+
+  Sampling fields: ``top_k`` 0 or -1 disables it; ``max_new_tokens`` is the request's output
+  budget, continuation tokens included (default: the room left under ``max_model_len``,
+  capped by ``ServeConfig.default_max_tokens``); ``stop_token_ids`` are added to the
+  engine's default stop ids (``<|end_of_msg|>``), as in SGLang; ``stop_ids`` (k3post)
+  replaces them (``[]``: never stop early). Log-probs are those of the raw model
+  distribution (the engine convention). Unknown sampling keys are a 400 naming the key.
+* ``POST /abort_request`` ``{"rid"}`` (or ``{"abort_all": true}``): the pending ``/generate``
+  of that request answers with its partial output, finish_reason ``abort``. Unknown ids
+  are ignored (the request may have just finished).
+* ``POST /pause_generation`` / ``POST /continue_generation``: stop / restart stepping the
+  engine; queued and running requests keep their state (and their HTTP calls stay open).
+* ``POST /flush_cache``: drop the KV states the engine keeps for finished requests.
+* ``GET /get_model_info`` (with the QAT scheme the engine runs), ``GET /get_weight_version`` (also in ``/health`` under
+  ``engine.weight_version``).
+* ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"}``: load a weight
+  version written by ``k3post.distributed.weight_sync.DiskSync`` (``manifest.json``: shard
+  sizes and sha256, the version, the QAT scheme, which must be the one the server runs), or the
+  ``*.safetensors`` files of a local folder, tensors named as the model's parameters (a
+  subset is fine) or a whole Hugging Face checkpoint (`read_weights_folder`), and apply them
+  between two engine steps, atomically: every file is read and every tensor checked (known
+  name, shape, finite values) before any is copied, so on an error neither the weights nor
+  the version change and the 400 (``{"success": false, "message"}``) names the file and
+  key. ``weight_version`` (int, default current + 1) must exceed the current version.
+
+Shape legend: none (token lists; weights are checked by name and shape only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from k3post.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
+from k3post.serve.app import APIError, _Server, json_body
+from k3post.tokenizer import decode
+
+__all__ = ["engine_router", "read_weights_folder", "apply_weights"]
+
+_SAMPLING_KEYS = frozenset(
+    ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "stop_ids", "ignore_eos", "seed", "sampling_seed")
+)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _ids(v: Any, name: str, vocab: int) -> list[int]:
+    if not isinstance(v, list) or not all(_is_int(t) and 0 <= t < vocab for t in v):
+        raise APIError(f"'{name}' must be a list of token ids in [0, {vocab})", param=name)
+    return list(v)
+
+
+def _sampling(sp: Any, *, context_len: int, srv: _Server) -> SamplingParams:
+    """SamplingParams from SGLang-style ``sampling_params``; 400s name the key."""
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, Mapping):
+        raise APIError("'sampling_params' must be an object", param="sampling_params")
+    unknown = sorted(set(sp) - _SAMPLING_KEYS)
+    if unknown:
+        raise APIError(f"unsupported sampling_params keys {unknown}; supported: {sorted(_SAMPLING_KEYS)}",
+                       param=f"sampling_params.{unknown[0]}", code="unsupported_parameter")
+
+    def num(key: str, default: float, ok: Any, what: str) -> float:
+        v = sp.get(key)
+        if v is None:
+            return default
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and ok(v)):
+            raise APIError(f"'sampling_params.{key}' must be {what}, got {v!r}", param=f"sampling_params.{key}")
+        return float(v)
+
+    temperature = num("temperature", 1.0, lambda v: v >= 0, "a number >= 0")
+    top_p = num("top_p", 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")
+    top_k = sp.get("top_k", 0)
+    if not _is_int(top_k) or top_k < -1:
+        raise APIError(f"'sampling_params.top_k' must be an int >= -1 (0 or -1 disables it), got {top_k!r}",
+                       param="sampling_params.top_k")
+    room = srv.max_model_len - context_len
+    default_max = room if srv.config.default_max_tokens is None else min(room, srv.config.default_max_tokens)
+    max_new = sp.get("max_new_tokens")
+    if max_new is None:
+        max_new = max(1, default_max)
+    elif not _is_int(max_new) or max_new < 1:
+        raise APIError(f"'sampling_params.max_new_tokens' must be an int >= 1, got {max_new!r}",
+                       param="sampling_params.max_new_tokens")
+    stop_ids: tuple[int, ...] | None = None
+    if sp.get("stop_ids") is not None:
+        stop_ids = tuple(_ids(sp["stop_ids"], "sampling_params.stop_ids", srv.vocab))
+    if sp.get("stop_token_ids"):
+        extra = _ids(sp["stop_token_ids"], "sampling_params.stop_token_ids", srv.vocab)
+        stop_ids = tuple(sorted(set(srv.default_stop_ids if stop_ids is None else stop_ids) | set(extra)))
+    ignore_eos = sp.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise APIError(f"'sampling_params.ignore_eos' must be a boolean, got {ignore_eos!r}",
+                       param="sampling_params.ignore_eos")
+    seed = sp.get("seed", sp.get("sampling_seed"))
+    if seed is not None and not _is_int(seed):
+        raise APIError(f"'sampling_params.seed' must be an integer, got {seed!r}", param="sampling_params.seed")
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=int(top_k), max_tokens=int(max_new),
+                          stop_ids=stop_ids, seed=seed, ignore_eos=ignore_eos)
+
+
+def _generation_request(body: Mapping[str, Any], srv: _Server) -> GenerationRequest:
+    if "text" in body and "input_ids" not in body:
+        raise APIError("this server's /generate takes 'input_ids' (token ids), not 'text'", param="input_ids")
+    prompt = _ids(body.get("input_ids"), "input_ids", srv.vocab)
+    if not prompt:
+        raise APIError("'input_ids' is empty", param="input_ids")
+    rid = body.get("rid")
+    if rid is None:
+        rid = srv.runner.new_request_id("gen")
+    elif not isinstance(rid, str) or not rid:
+        raise APIError(f"'rid' must be a non-empty string, got {rid!r}", param="rid")
+    cont = body.get("continuation") or {}
+    if not isinstance(cont, Mapping):
+        raise APIError("'continuation' must be an object with output_ids, output_logprobs, output_versions",
+                       param="continuation")
+    given = _ids(cont.get("output_ids", []), "continuation.output_ids", srv.vocab)
+    logprobs, versions = cont.get("output_logprobs", []), cont.get("output_versions", [])
+    if not isinstance(logprobs, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in logprobs):
+        raise APIError("'continuation.output_logprobs' must be a list of numbers", param="continuation.output_logprobs")
+    if not isinstance(versions, list) or not all(_is_int(v) for v in versions):
+        raise APIError("'continuation.output_versions' must be a list of ints", param="continuation.output_versions")
+    sampling = _sampling(body.get("sampling_params"), context_len=len(prompt) + len(given), srv=srv)
+    try:
+        return GenerationRequest(rid, prompt, sampling, given_ids=given, given_logprobs=logprobs, given_versions=versions)
+    except ValueError as e:
+        raise APIError(str(e), param="continuation" if given else "input_ids") from None
+
+
+def _finish_reason(res: GenerationResult) -> dict[str, Any]:
+    if res.finish_reason == "stop":
+        return {"type": "stop", "matched": res.output_ids[-1] if res.output_ids else None}
+    if res.finish_reason == "length":
+        return {"type": "length", "length": res.num_tokens}
+    return {"type": "abort", "message": "aborted by /abort_request"}
+
+
+def generate_response(res: GenerationResult, *, given: int, return_logprob: bool, weight_version: int,
+                      tokenizer: Any | None) -> dict[str, Any]:
+    """The SGLang-shaped ``/generate`` response of a result (module doc)."""
+    meta: dict[str, Any] = {
+        "id": res.request_id, "finish_reason": _finish_reason(res), "prompt_tokens": len(res.prompt_ids),
+        "completion_tokens": res.num_tokens, "given_tokens": given, "cached_tokens": 0,
+        "versions": list(res.output_versions), "weight_version": weight_version,
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(res.output_ids, res.output_logprobs)]
+    text = decode(tokenizer, res.output_ids) if tokenizer is not None else None
+    return {"text": text, "output_ids": list(res.output_ids), "meta_info": meta}
+
+
+# --------------------------------------------------------------------------- weights from disk
+
+
+def read_weights_folder(model_path: str | Path, model_names: set[str]) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    """The tensors of a folder's ``*.safetensors`` files, as (file name, {name: tensor}).
+
+    Tensors named as the served model's parameters (``model_names``: in-memory names, what
+    ``HTTPEngine.update_weights`` writes) are returned as they are, file by file. A Hugging
+    Face checkpoint folder (``config.json`` + safetensors written by ``save_pretrained``,
+    whose on-disk names may differ, e.g. per-expert tensors of a fused MoE) is loaded with
+    ``from_pretrained`` instead and must match the model exactly (no missing, unexpected or
+    mismatched tensor). Raises ValueError naming the folder, the unreadable file or the key.
+    """
+    from safetensors.torch import load_file
+
+    folder = Path(model_path)
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: not a folder")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder}: no *.safetensors files")
+    out: list[tuple[str, dict[str, torch.Tensor]]] = []
+    seen: dict[str, str] = {}
+    for f in files:
+        try:
+            tensors = load_file(str(f))
+        except Exception as e:  # noqa: BLE001 - any read failure is the file's fault
+            raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+        for name in tensors:
+            if name in seen:
+                raise ValueError(f"{f}: tensor {name!r} is also in {seen[name]}")
+            seen[name] = f.name
+        out.append((f.name, tensors))
+    unknown = [(fname, n) for fname, ts in out for n in ts if n not in model_names]
+    if not unknown:
+        return out
+    if not (folder / "config.json").is_file():
+        fname, name = unknown[0]
+        raise ValueError(f"{fname}: tensor {name!r} is not a parameter or buffer of the served model")
+    del out
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, output_loading_info=True)
+    except Exception as e:  # noqa: BLE001 - a broken checkpoint is the user's input
+        raise ValueError(f"{folder}: cannot load the checkpoint ({type(e).__name__}: {e})") from None
+    for what in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        keys = sorted(str(k) for k in info.get(what) or ())
+        if keys:
+            raise ValueError(f"{folder}: the checkpoint does not match the served model: {what.replace('_', ' ')} "
+                             f"{keys[:5]}{'...' if len(keys) > 5 else ''}")
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(dict(model.named_buffers(remove_duplicate=False)))
+    return [(folder.name + " (checkpoint)", {n: t.detach() for n, t in named.items() if n in model_names})]
+
+
+def apply_weights(engine: Any, files: list[tuple[str, dict[str, torch.Tensor]]], version: int | None) -> int:
+    """Check every tensor of ``files`` against ``engine.model`` (known name, same shape, finite
+    values), then load them all with ``engine.update_weights`` (version: ``version``, else
+    current + 1) and drop the KV the engine kept for finished requests. Nothing is copied when a
+    check fails: the ValueError names the file and the tensor. Runs on the engine thread."""
+    model = engine.model
+    targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(dict(model.named_buffers(remove_duplicate=False)))
+    named: dict[str, torch.Tensor] = {}
+    for fname, tensors in files:
+        for name, t in tensors.items():
+            if name not in targets:
+                raise ValueError(f"{fname}: tensor {name!r} is not a parameter or buffer of the served model")
+            if tuple(t.shape) != tuple(targets[name].shape):
+                raise ValueError(f"{fname}: tensor {name!r} has shape {tuple(t.shape)}, the model expects "
+                                 f"{tuple(targets[name].shape)}")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{fname}: tensor {name!r} holds non-finite values")
+            named[name] = t
+    if not named:
+        raise ValueError("the weight files hold no tensors")
+    current = int(engine.version)
+    if version is not None and version <= current:
+        raise ValueError(f"weight_version {version} must exceed the current version {current}")
+    new = int(engine.update_weights(named, version=version))
+    drop = getattr(engine, "drop_kv", None)
+    if callable(drop):
+        drop()
+    return new
+
+
+# --------------------------------------------------------------------------- routes
+
+
+def engine_router(srv: _Server) -> APIRouter:
+    """The engine-protocol routes (module doc) over ``srv``'s runner."""
+    router = APIRouter()
+    runner = srv.runner
+
+    def version() -> int:
+        return int(getattr(runner.engine, "version", 0))
+
+    def qat_scheme() -> dict[str, Any] | None:
+        from k3post.distributed.weight_sync import engine_qat
+
+        cfg = engine_qat(runner.engine)
+        return None if cfg is None else dataclasses.asdict(cfg)
+
+    @router.post("/generate")
+    async def generate(request: Request) -> dict[str, Any]:
+        body = await json_body(request)
+        if isinstance(body.get("input_ids"), list) and body["input_ids"] and isinstance(body["input_ids"][0], list):
+            raise APIError("batched 'input_ids' are not supported: send one request per call", param="input_ids")
+        return_logprob = body.get("return_logprob", False)
+        if not isinstance(return_logprob, bool):
+            raise APIError(f"'return_logprob' must be a boolean, got {return_logprob!r}", param="return_logprob")
+        req = _generation_request(body, srv)
+        try:
+            result = await runner.generate(req)
+        except ValueError as e:
+            raise APIError(str(e)) from None
+        except RuntimeError as e:
+            raise APIError(str(e), status=500, type_="server_error") from None
+        return generate_response(result, given=len(req.given_ids), return_logprob=return_logprob,
+                                 weight_version=version(), tokenizer=srv.tokenizer)
+
+    @router.post("/abort_request")
+    async def abort_request(request: Request) -> dict[str, Any]:
+        body = await json_body(request)
+        if body.get("abort_all") is True:
+            runner.abort_all(finish=True)
+            return {"success": True}
+        rid = body.get("rid")
+        if not isinstance(rid, str) or not rid:
+            raise APIError(f"'rid' must be a non-empty string, got {rid!r}", param="rid")
+        runner.abort([rid], finish=True)
+        return {"success": True}
+
+    @router.post("/pause_generation")
+    async def pause_generation() -> dict[str, Any]:
+        await runner.pause_generation()
+        return {"success": True}
+
+    @router.post("/continue_generation")
+    async def continue_generation() -> dict[str, Any]:
+        await runner.continue_generation()
+        return {"success": True}
+
+    @router.post("/flush_cache")
+    async def flush_cache() -> dict[str, Any]:
+        def flush(engine: Any) -> int:
+            drop = getattr(engine, "drop_kv", None)
+            return int(drop()) if callable(drop) else 0
+
+        return {"success": True, "dropped_kv": await runner.call(flush)}
+
+    @router.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        path = srv.config.model_path
+        return {
+            "model_path": path, "tokenizer_path": path, "is_generation": True, "model_name": srv.config.model_name,
+            "max_model_len": srv.max_model_len, "max_batch_size": getattr(runner.engine, "max_batch_size", None),
+            "vocab_size": srv.vocab, "weight_version": version(), "kv_transfer": False, "qat": qat_scheme(),
+        }
+
+    @router.get("/get_weight_version")
+    async def get_weight_version() -> dict[str, Any]:
+        return {"weight_version": version()}
+
+    @router.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        from k3post.distributed.weight_sync import MANIFEST, load_from_disk
+        from k3post.distributed.weight_sync import apply_weights as apply_version
+
+        body = await json_body(request)
+        path = body.get("model_path")
+        wv = body.get("weight_version")
+        try:
+            if not isinstance(path, str) or not path:
+                raise ValueError(f"'model_path' must be a non-empty string, got {path!r}")
+            if wv is not None and not _is_int(wv):
+                raise ValueError(f"'weight_version' must be an integer or null, got {wv!r}")
+            if (Path(path) / MANIFEST).is_file():  # a DiskSync version folder: checked shards, version, QAT scheme
+                manifest, items = await asyncio.to_thread(load_from_disk, path)
+                if wv is not None and wv != manifest.version:
+                    raise ValueError(f"weight_version {wv} differs from the version {manifest.version} in {path}")
+                new = await runner.call(lambda engine: apply_version(engine, items, manifest.version, qat=manifest.qat))
+            else:
+                model = runner.engine.model  # names only: the tensors are applied on the engine thread
+                names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+                names |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+                files = await asyncio.to_thread(read_weights_folder, path, names)  # file reads off the engine thread
+                new = await runner.call(lambda engine: apply_weights(engine, files, wv))
+        except ValueError as e:
+            return JSONResponse({"success": False, "message": str(e), "weight_version": version()}, status_code=400)
+        return JSONResponse({"success": True, "message": f"loaded {path}", "weight_version": new})
+
+    return router

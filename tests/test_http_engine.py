@@ -1,0 +1,495 @@
+"""Engine servers over HTTP: the engine API of `k3post serve` (k3post.serve.engine_api) and the
+`HTTPEngine` client (k3post.rollout.http_engine) driving the partial-rollout scheduler.
+
+Real processes on loopback: three ``python -m k3post serve`` subprocesses (A, B, C) over a tiny
+fp32 Qwen3-MoE saved to a temporary folder, one torch thread each. The in-process reference is
+an `EmbeddedEngine` over the same folder. Checks:
+
+* ``/generate`` equals the in-process engine (tokens and log-probs, same seed), also as a
+  continuation; ``/abort_request`` returns the partial output; ``/pause_generation`` stops
+  stepping and ``/continue_generation`` finishes the same tokens; ``/update_weights_from_disk``
+  (a Hugging Face checkpoint, then tensors by name through `HTTPEngine.update_weights`)
+  changes the outputs and the version, a bad weight file leaves both untouched (server C);
+* the scheduler over two servers (A, B): with λ = 1 the batches equal the in-process
+  scheduler's token for token; with λ = 0.7 and heavy-tailed lengths every trajectory is
+  dispatched once, each iteration only extends what a trajectory had, and the final tokens
+  equal an uninterrupted in-process run;
+* faults: server C is killed mid-iteration; its requests are re-routed to A and complete with
+  the reference tokens; a client with no reachable server fails naming the URLs.
+
+Shape legend: none (token lists).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from k3post.distributed.weight_sync import DiskSync
+from k3post.envs.families.registry import get_family
+from k3post.models import build_tiny_moe, save_model
+from k3post.rollout import EmbeddedEngine, SamplingParams
+from k3post.rollout.agent_loop import AgentLoop
+from k3post.rollout.engine import GenerationRequest
+from k3post.rollout.http_engine import EngineUnavailableError, HTTPEngine
+from k3post.rollout.scheduler import PartialRolloutScheduler
+from k3post.rollout.trajectory import Group, Trajectory
+from k3post.xtml import EOM, XTML
+
+pytest.importorskip("uvicorn")
+
+FAM = get_family("general.arithmetic")
+REPO = Path(__file__).resolve().parents[1]
+TOL = 1e-5  # log-prob tolerance of tests/test_partial_rollout.py (batch composition moves last bits)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        return httpx.post(self.url + path, json=body or {}, timeout=120)
+
+    def get(self, path: str) -> dict[str, Any]:
+        return httpx.get(self.url + path, timeout=30).json()
+
+
+def _spawn(model_dir: Path, log: Path) -> Server:
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "k3post", "serve", str(model_dir), "--port", str(port), "--no-qat", "--threads", "1",
+           "--max-batch-size", "4", "--seed", "0", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    return Server(f"http://127.0.0.1:{port}", proc, log)
+
+
+def _wait_ready(s: Server, timeout_s: float = 180.0) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if s.proc.poll() is not None:
+            raise AssertionError(f"server exited with {s.proc.returncode}:\n{s.log.read_text()[-3000:]}")
+        try:
+            if httpx.get(s.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"server {s.url} not ready after {timeout_s} s:\n{s.log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, xtml_tokenizer: Any) -> Path:
+    tok = xtml_tokenizer
+    model = build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id, eos_token_id=tok.convert_tokens_to_ids(EOM))
+    return save_model(model, tmp_path_factory.mktemp("http") / "tiny", tok)
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    """Servers A and B (never modified) and C (weights updated, then killed)."""
+    logs = tmp_path_factory.mktemp("logs")
+    out = {name: _spawn(model_dir, logs / f"{name}.log") for name in "ABC"}
+    try:
+        for s in out.values():
+            _wait_ready(s)
+        yield out
+    finally:
+        for s in out.values():
+            if s.proc.poll() is None:
+                s.proc.terminate()
+        for s in out.values():
+            try:
+                s.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                s.proc.kill()
+
+
+def _local(model_dir: Path, slots: int = 4) -> EmbeddedEngine:
+    return EmbeddedEngine(model_dir, max_batch_size=slots, seed=0)
+
+
+def _generate(s: Server, prompt: list[int], sp: SamplingParams, *, rid: str | None = None,
+              continuation: dict[str, Any] | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "input_ids": prompt, "return_logprob": True,
+        "sampling_params": {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
+                            "max_new_tokens": sp.max_tokens, "seed": sp.seed, "ignore_eos": sp.ignore_eos},
+    }
+    if rid is not None:
+        body["rid"] = rid
+    if continuation is not None:
+        body["continuation"] = continuation
+    r = s.post("/generate", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _lp(d: dict[str, Any]) -> list[float]:
+    return [x[0] for x in d["meta_info"]["output_token_logprobs"]]
+
+
+PROMPT = [5, 17, 42, 99, 120, 7, 64]
+
+
+# --------------------------------------------------------------------------- (a) the endpoints
+
+
+def test_generate_equals_embedded_engine_and_continuation(servers: dict[str, Server], model_dir: Path) -> None:
+    a = servers["A"]
+    local = _local(model_dir)
+    cases = [SamplingParams(max_tokens=20, seed=3), SamplingParams(max_tokens=20, seed=4, temperature=0.7, top_k=20, top_p=0.9),
+             SamplingParams(max_tokens=12, seed=5, temperature=0.0)]
+    for i, sp in enumerate(cases):
+        d = _generate(a, PROMPT, sp)
+        [ref] = local.generate([GenerationRequest(f"r{i}", PROMPT, sp)])
+        meta = d["meta_info"]
+        assert d["output_ids"] == ref.output_ids and _lp(d) == ref.output_logprobs  # bit for bit
+        assert [x[1] for x in meta["output_token_logprobs"]] == ref.output_ids
+        assert meta["versions"] == [0] * ref.num_tokens and meta["weight_version"] == 0
+        assert meta["finish_reason"]["type"] == ref.finish_reason and meta["completion_tokens"] == ref.num_tokens
+        assert isinstance(d["text"], str)
+        # resume after 7 tokens (recorded log-probs and versions travel with them): the same output
+        k = 7
+        cont = {"output_ids": ref.output_ids[:k], "output_logprobs": ref.output_logprobs[:k], "output_versions": [0] * k}
+        c = _generate(servers["B"], PROMPT, sp, continuation=cont)
+        assert c["output_ids"] == ref.output_ids and c["meta_info"]["given_tokens"] == k
+        assert _lp(c)[:k] == ref.output_logprobs[:k]  # the recorded ones, as sent
+        # the re-prefill computes position k in a prefill forward, not a decode step: last bits may move
+        assert max(abs(x - y) for x, y in zip(_lp(c), ref.output_logprobs)) < TOL
+    info = a.get("/get_model_info")
+    assert info["model_path"] == str(model_dir.resolve()) and info["kv_transfer"] is False and info["max_batch_size"] == 4
+    assert a.get("/get_weight_version") == {"weight_version": 0} and a.get("/health")["engine"]["weight_version"] == 0
+    bad = a.post("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "min_p": 0.1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.min_p"
+    bad = a.post("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4},
+                               "continuation": {"output_ids": [1, 2], "output_logprobs": [0.0], "output_versions": [0, 0]}})
+    assert bad.status_code == 400 and "given_logprobs (1)" in bad.json()["error"]["message"]
+
+
+def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    box: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: box.update(result=fn()), daemon=True)
+    t.start()
+    return t, box
+
+
+def _wait_steps(s: Server, n: int) -> int:
+    deadline = time.time() + 60
+    while (steps := s.get("/health")["engine"]["steps"]) < n:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    return int(steps)
+
+
+def test_abort_returns_partial_and_pause_continue(servers: dict[str, Server], model_dir: Path) -> None:
+    a = servers["A"]
+    local = _local(model_dir)
+    long = SamplingParams(max_tokens=1500, seed=9, ignore_eos=True)
+    steps0 = a.get("/health")["engine"]["steps"]
+    t, box = _in_thread(lambda: _generate(a, PROMPT, long, rid="long-1"))
+    _wait_steps(a, steps0 + 20)
+    assert a.post("/abort_request", {"rid": "long-1"}).json() == {"success": True}
+    t.join(60)
+    d = box["result"]
+    n = len(d["output_ids"])
+    assert d["meta_info"]["finish_reason"]["type"] == "abort" and 20 <= n < 1500
+    [ref] = local.generate([GenerationRequest("p", PROMPT, SamplingParams(max_tokens=n, seed=9, ignore_eos=True))])
+    assert d["output_ids"] == ref.output_ids and _lp(d) == ref.output_logprobs
+    assert a.post("/abort_request", {"rid": "no-such-request"}).status_code == 200  # finished or unknown: ignored
+
+    # pause: no step runs, the request keeps its state; continue: it finishes with the same tokens
+    sp = SamplingParams(max_tokens=150, seed=10, ignore_eos=True)
+    steps0 = a.get("/health")["engine"]["steps"]
+    t, box = _in_thread(lambda: _generate(a, PROMPT, sp))
+    _wait_steps(a, steps0 + 5)
+    assert a.post("/pause_generation").json() == {"success": True}
+    h1 = a.get("/health")["engine"]
+    time.sleep(0.5)
+    h2 = a.get("/health")["engine"]
+    assert h1["generation_paused"] and h1["steps"] == h2["steps"] and h2["num_running"] == 1 and t.is_alive()
+    assert a.post("/continue_generation").json() == {"success": True}
+    t.join(60)
+    [ref] = local.generate([GenerationRequest("q", PROMPT, sp)])
+    assert box["result"]["output_ids"] == ref.output_ids and _lp(box["result"]) == ref.output_logprobs
+    assert not a.get("/health")["engine"]["generation_paused"]
+    assert a.post("/flush_cache").json()["success"] is True
+
+
+def _named(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_update_weights_from_disk(servers: dict[str, Server], model_dir: Path, tmp_path: Path, xtml_tokenizer: Any) -> None:
+    c = servers["C"]
+    sp = SamplingParams(max_tokens=16, seed=21)
+    v0 = c.get("/get_weight_version")["weight_version"]
+    out0 = _generate(c, PROMPT, sp)
+    tok = xtml_tokenizer
+    other = build_tiny_moe(len(tok), seed=1, pad_token_id=tok.pad_token_id, eos_token_id=tok.convert_tokens_to_ids(EOM))
+    other_dir = save_model(other, tmp_path / "other", tok)  # a Hugging Face checkpoint folder
+
+    r = c.post("/update_weights_from_disk", {"model_path": str(other_dir), "weight_version": v0 + 1})
+    assert r.status_code == 200 and r.json()["success"] and r.json()["weight_version"] == v0 + 1
+    out1 = _generate(c, PROMPT, sp)
+    [ref1] = _local(other_dir).generate([GenerationRequest("o", PROMPT, sp)])
+    assert out1["output_ids"] != out0["output_ids"]
+    assert out1["output_ids"] == ref1.output_ids and _lp(out1) == ref1.output_logprobs
+    assert out1["meta_info"]["versions"] == [v0 + 1] * len(out1["output_ids"])
+
+    # bad inputs: wrong shape, non-finite values, a corrupt file, an unknown tensor, an old version;
+    # each is refused with the file / key named, and neither weights nor version change
+    good = _named(_local(model_dir).model)
+    names = sorted(good)
+    cases: list[tuple[str, dict[str, torch.Tensor] | bytes, str]] = [
+        ("shape", {**good, names[3]: torch.zeros(3, 3)}, f"tensor '{names[3]}' has shape (3, 3)"),
+        ("nan", {**good, names[5]: torch.full_like(good[names[5]], float("nan"))}, f"tensor '{names[5]}' holds non-finite"),
+        ("corrupt", b"\x00" * 64, "not a readable safetensors file"),
+        ("unknown", {"model.no_such.weight": torch.zeros(2)}, "tensor 'model.no_such.weight' is not a parameter"),
+    ]
+    for what, content, message in cases:
+        folder = tmp_path / what
+        folder.mkdir()
+        f = folder / "weights-00001.safetensors"
+        if isinstance(content, bytes):
+            f.write_bytes(content)
+        else:
+            save_file(content, str(f))
+        r = c.post("/update_weights_from_disk", {"model_path": str(folder)})
+        body = r.json()
+        assert r.status_code == 400 and not body["success"], what
+        assert message in body["message"] and "weights-00001.safetensors" in body["message"], (what, body)
+        assert body["weight_version"] == v0 + 1
+    r = c.post("/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": v0 + 1})
+    assert r.status_code == 400 and "must exceed the current version" in r.json()["message"]
+    assert c.get("/get_weight_version")["weight_version"] == v0 + 1
+    still = _generate(c, PROMPT, sp)
+    assert still["output_ids"] == out1["output_ids"] and _lp(still) == _lp(out1)
+
+    # the client's path: tensors by name -> safetensors -> every server; back to the first weights
+    with HTTPEngine([c.url]) as eng:
+        assert eng.version == v0 + 1
+        assert eng.update_weights(good) == v0 + 2 and eng.version == v0 + 2
+    back = _generate(c, PROMPT, sp)
+    assert back["output_ids"] == out0["output_ids"] and _lp(back) == _lp(out0)
+    assert back["meta_info"]["weight_version"] == v0 + 2
+
+    # a DiskSync version folder with a corrupted shard: refused (sha256), nothing changes
+    stats = DiskSync(tmp_path / "sync").push(other.named_parameters(), v0 + 3)
+    shard = sorted(Path(stats.location).glob("shard-*.safetensors"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    r = c.post("/update_weights_from_disk", {"model_path": stats.location})
+    assert r.status_code == 400 and shard.name in r.json()["message"] and "sha256" in r.json()["message"]
+    assert c.get("/get_weight_version")["weight_version"] == v0 + 2
+    again = _generate(c, PROMPT, sp)
+    assert again["output_ids"] == out0["output_ids"] and _lp(again) == _lp(out0)
+
+
+# --------------------------------------------------------------------------- (b) the scheduler over two servers
+
+
+def pareto_sampling(traj: Trajectory, turn: int) -> SamplingParams:
+    """max_tokens ~ Pareto(x_m = 3, alpha = 1.1) capped at 120, drawn from the trajectory seed."""
+    u = random.Random(traj.seed * 31 + turn).random()
+    return SamplingParams(max_tokens=min(120, int(3 * (1.0 - u) ** (-1 / 1.1))), ignore_eos=True)
+
+
+def _loop(engine: Any, tok: Any, **kw: Any) -> AgentLoop:
+    return AgentLoop(engine, XTML(tok), FAM.make_env, **kw)
+
+
+def _flat(groups: list[Group]) -> dict[str, Trajectory]:
+    return {t.traj_id: t for g in groups for t in g.trajectories}
+
+
+def _max_lp_diff(a: Trajectory, b: Trajectory) -> float:
+    return max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0)
+
+
+def test_lambda_one_two_servers_equal_in_process(servers: dict[str, Server], model_dir: Path, xtml_tokenizer: Any) -> None:
+    tasks = FAM.generate(6, seed=11)
+    sampling = SamplingParams(temperature=1.0, max_tokens=24)
+    runs = {}
+    with HTTPEngine([servers["A"].url, servers["B"].url]) as remote:
+        for name, engine in (("http", remote), ("local", _local(model_dir))):
+            sch = PartialRolloutScheduler(_loop(engine, xtml_tokenizer, sampling=sampling), n_prompts=3, k=2,
+                                          lambda_=1.0, seed=5)
+            runs[name] = [sch.run_iteration(tasks[:3]), sch.run_iteration(tasks[3:])]
+            assert not sch.trajectories() and sch.stats["pauses"] == 0
+        assert set(remote.calls_per_server) == {servers["A"].url, servers["B"].url}  # both servers worked
+    worst = 0.0
+    for it in range(2):
+        got, ref = _flat(runs["http"][it]), _flat(runs["local"][it])
+        assert sorted(got) == sorted(ref) and len(got) == 6
+        for tid, t in got.items():
+            r = ref[tid]
+            assert t.token_ids == r.token_ids, tid  # bit-identical tokens
+            assert t.versions == r.versions and t.trainable == r.trainable and t.finish == r.finish and t.reward == r.reward
+            worst = max(worst, _max_lp_diff(t, r))
+    print(f"lambda=1, two servers vs in-process: max |logprob diff| = {worst:.3g}")
+    assert worst < TOL
+
+
+def test_lambda_07_two_servers_nothing_lost_or_duplicated(servers: dict[str, Server], model_dir: Path,
+                                                          xtml_tokenizer: Any) -> None:
+    with HTTPEngine([servers["A"].url, servers["B"].url]) as remote:
+        sch = PartialRolloutScheduler(_loop(remote, xtml_tokenizer, sampling_fn=pareto_sampling), n_prompts=4, k=3,
+                                      lambda_=0.7, seed=1)
+        sch.add_prompts(FAM.generate(12, seed=2))
+        seen: dict[str, tuple[list[int], list[float], list[int]]] = {}
+        groups: list[Group] = []
+        for _ in range(200):
+            if not sch.trajectories() and not sch.num_pending_prompts:
+                break
+            new = sch.run_iteration()
+            groups += new
+            # every trajectory only extends what it had (tokens, log-probs and versions kept)
+            for t in sch.trajectories() + [t for g in new for t in g.trajectories]:
+                old = seen.get(t.traj_id)
+                if old is not None:
+                    n = len(old[0])
+                    assert (t.token_ids[:n], t.logprobs[:n], t.versions[:n]) == old, t.traj_id
+                seen[t.traj_id] = (list(t.token_ids), list(t.logprobs), list(t.versions))
+        assert remote.stats["pauses"] > 0 and not remote.has_unfinished()
+    ids = [t.traj_id for g in groups for t in g.trajectories]
+    assert len(ids) == len(set(ids)) == 12 * 3  # none lost, none duplicated
+    assert sorted(g.group_id for g in groups) == list(range(12))
+    pauses = [t.pauses for g in groups for t in g.trajectories]
+    print(f"lambda=0.7, two servers: {len(groups)} groups, pauses per trajectory {sorted(pauses)}, engine {remote.stats}")
+    # the first iteration (12 fresh trajectories) stops at ceil(0.7 * 12) = 9 completions and pauses the
+    # other 3; later ones pause up to 3 more each (how many, and which, depends on timing)
+    assert sum(pauses) >= 3
+    # the tokens of an uninterrupted in-process run
+    fresh = [Trajectory(traj_id=t.traj_id, group_id=t.group_id, sample_index=t.sample_index, seed=t.seed, task=t.task)
+             for g in groups for t in g.trajectories]
+    _loop(_local(model_dir, slots=8), xtml_tokenizer, sampling_fn=pareto_sampling).run(fresh)
+    for t, r in zip((t for g in groups for t in g.trajectories), fresh):
+        assert t.token_ids == r.token_ids and t.versions == r.versions and t.finish == r.finish, t.traj_id
+        assert _max_lp_diff(t, r) < TOL
+
+
+# --------------------------------------------------------------------------- (c) faults
+
+
+def two_lengths(traj: Trajectory, turn: int) -> SamplingParams:
+    """Sample 0 of a group stops at 40 tokens, sample 1 at 100 (ignore_eos)."""
+    return SamplingParams(max_tokens=40 + 60 * traj.sample_index, ignore_eos=True)
+
+
+def test_killed_server_requests_rerouted(servers: dict[str, Server], model_dir: Path, xtml_tokenizer: Any,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Iteration 1 (λ = 0.5) pauses the four long trajectories after ~40 tokens; iteration 2 resumes
+    them (two on A, two on C) and C is killed mid-way: C's continuations restart on A from the
+    tokens they had, and every trajectory ends with the tokens of an uninterrupted run."""
+    a, c = servers["A"], servers["C"]
+    tasks = FAM.generate(4, seed=13)
+    with caplog.at_level(logging.WARNING, logger="k3post.rollout.http"):
+        with HTTPEngine([a.url, c.url], max_retries=2, backoff_s=0.05) as remote:
+            sch = PartialRolloutScheduler(_loop(remote, xtml_tokenizer, sampling_fn=two_lengths), n_prompts=4, k=2,
+                                          lambda_=0.5, seed=3)
+            groups = sch.run_iteration(tasks)
+            paused = sch.paused()
+            assert len(paused) == 4 and all(0 < t.num_sampled < 100 for t in paused)
+            steps0 = c.get("/health")["engine"]["steps"]
+
+            def kill_c_mid_iteration() -> None:
+                _wait_steps(c, steps0 + 10)
+                c.proc.kill()
+
+            killer = threading.Thread(target=kill_c_mid_iteration, daemon=True)
+            killer.start()
+            groups += sch.run_iteration()
+            killer.join(30)
+            assert c.proc.poll() is not None and not sch.trajectories()
+            assert remote.live_urls == [a.url] and remote.stats["dead_servers"] == 1 and remote.stats["reroutes"] >= 1
+            assert remote.stats["reroute_kept_tokens"] >= 30  # continuations re-routed with their tokens
+            print(f"fault: {remote.stats}")
+    assert any("re-routing request" in r.getMessage() and c.url in r.getMessage() for r in caplog.records)
+    assert any("marked dead" in r.getMessage() for r in caplog.records)
+    got = _flat(groups)
+    assert len(got) == 8 and all(t.done and t.num_sampled == 40 + 60 * t.sample_index for t in got.values())
+    fresh = [Trajectory(traj_id=t.traj_id, group_id=t.group_id, sample_index=t.sample_index, seed=t.seed, task=t.task)
+             for t in got.values()]
+    _loop(_local(model_dir, slots=8), xtml_tokenizer, sampling_fn=two_lengths).run(fresh)
+    for r in fresh:
+        assert got[r.traj_id].token_ids == r.token_ids, r.traj_id
+        assert _max_lp_diff(got[r.traj_id], r) < TOL
+
+    # a server refusing connections from the start is marked dead; requests go to the others
+    with HTTPEngine([c.url, a.url], max_retries=1, backoff_s=0.01) as eng:
+        assert eng.live_urls == [a.url] and eng.stats["dead_servers"] == 1
+        sp = SamplingParams(max_tokens=12, seed=3)
+        [res] = eng.generate([GenerationRequest("x", PROMPT, sp)])
+        [ref] = _local(model_dir).generate([GenerationRequest("x", PROMPT, sp)])
+        assert res.output_ids == ref.output_ids and res.output_logprobs == ref.output_logprobs
+    # no server left: a clear error naming the URLs
+    with pytest.raises(EngineUnavailableError, match=c.url.replace(".", r"\.")):
+        HTTPEngine([c.url], max_retries=1, backoff_s=0.01)
+
+
+# --------------------------------------------------------------------------- the Rollout seam (runs last: it moves A's version)
+
+
+def test_rollout_config_switch_http_equals_embedded(servers: dict[str, Server], model_dir: Path,
+                                                    xtml_tokenizer: Any) -> None:
+    """`Rollout` with ``engine.kind = "http"`` (server A) gives the embedded Rollout's tokens; its
+    ``push_weights`` sends the trainer's weights to the server (DiskSync folder), version + 1."""
+    from k3post.config.rollout import EngineConfig, RolloutConfig
+    from k3post.models import load_model
+    from k3post.rollout.factory import Rollout
+
+    a = servers["A"]
+    model = load_model(model_dir)
+    base = dict(n_prompts=2, k=2, lambda_=1.0, max_tokens=16, slots=4, effort=None, seed=7)
+    tasks = FAM.generate(2, seed=5)
+    runs = {}
+    for kind, engine in (("embedded", EngineConfig()), ("http", EngineConfig(kind="http", urls=[a.url], backoff_s=0.05))):
+        ro = Rollout(model, xtml_tokenizer, RolloutConfig(**base, engine=engine))
+        ro.add_prompts(tasks)
+        runs[kind] = (ro, _flat(ro.run_iteration()))
+    ro_http = runs["http"][0]
+    assert isinstance(ro_http.engine, HTTPEngine)
+    got, ref = runs["http"][1], runs["embedded"][1]
+    assert sorted(got) == sorted(ref) and len(got) == 4
+    for tid in ref:
+        assert got[tid].token_ids == ref[tid].token_ids and got[tid].versions == ref[tid].versions, tid
+        assert _max_lp_diff(got[tid], ref[tid]) < TOL
+    v = a.get("/get_weight_version")["weight_version"]
+    sp = SamplingParams(max_tokens=12, seed=3)
+    before = _generate(a, PROMPT, sp)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)  # a "train step"
+    assert ro_http.push_weights(lambda: model.named_parameters()) == v + 1
+    assert a.get("/get_weight_version")["weight_version"] == v + 1
+    after = _generate(a, PROMPT, sp)
+    [ref_after] = EmbeddedEngine(model, max_batch_size=4, seed=0).generate([GenerationRequest("z", PROMPT, sp)])
+    assert after["output_ids"] == ref_after.output_ids and _lp(after) == ref_after.output_logprobs
+    assert _lp(after) != _lp(before)
+    ro_http.engine.close()
