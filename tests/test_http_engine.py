@@ -478,8 +478,11 @@ def test_rollout_config_switch_http_equals_embedded(servers: dict[str, Server], 
     assert isinstance(ro_http.engine, HTTPEngine)
     got, ref = runs["http"][1], runs["embedded"][1]
     assert sorted(got) == sorted(ref) and len(got) == 4
+    off = ro_http.version - runs["embedded"][0].version  # the Rollout's first push: the trainer's weights, version + 1
+    assert off == 1
     for tid in ref:
-        assert got[tid].token_ids == ref[tid].token_ids and got[tid].versions == ref[tid].versions, tid
+        assert got[tid].token_ids == ref[tid].token_ids, tid
+        assert [v - off if v >= 0 else v for v in got[tid].versions] == ref[tid].versions, tid
         assert _max_lp_diff(got[tid], ref[tid]) < TOL
     v = a.get("/get_weight_version")["weight_version"]
     sp = SamplingParams(max_tokens=12, seed=3)
@@ -493,3 +496,95 @@ def test_rollout_config_switch_http_equals_embedded(servers: dict[str, Server], 
     assert after["output_ids"] == ref_after.output_ids and _lp(after) == ref_after.output_logprobs
     assert _lp(after) != _lp(before)
     ro_http.engine.close()
+
+
+# --------------------------------------------------------------------------- (d) the RL loop over servers
+
+
+@pytest.fixture(scope="module")
+def rl_servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    """Two fresh servers (D, E) over the initial model, whose weights the RL loop pushes each step."""
+    logs = tmp_path_factory.mktemp("rl_logs")
+    out = [_spawn(model_dir, logs / f"{name}.log") for name in "DE"]
+    try:
+        for s in out:
+            _wait_ready(s)
+        yield out
+    finally:
+        for s in out:
+            s.proc.terminate()
+        for s in out:
+            try:
+                s.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                s.proc.kill()
+
+
+def _signs_signal(groups):
+    """A signal that moves the weights every step (advantage +1 / −1 by sample parity), so a server that
+    missed a push would sample from, and score with, visibly different weights."""
+    from k3post.policy_step import TokenSequence
+
+    seqs = [TokenSequence(list(t.token_ids), list(t.trainable), list(t.logprobs),
+                          [(1.0 if t.sample_index % 2 == 0 else -1.0) if m else 0.0 for m in t.trainable],
+                          list(t.versions))
+            for g in groups for t in g.trajectories]
+    return seqs, {"reward": 0.0}
+
+
+def _rl_run(model_dir: Path, tok: Any, engine: Any, lambda_: float, steps: int) -> tuple[list, list[dict]]:
+    from k3post.config.rl import RLConfig
+    from k3post.loop import PolicyLoop
+    from k3post.models import load_model
+
+    cfg = RLConfig(n_prompts=3, k=2, lambda_=lambda_, max_tokens=24, slots=4, lr=1e-2, seed=3, effort="max",
+                   progress=False, engine=engine)
+    pl = PolicyLoop(load_model(model_dir), tok, cfg, signal=_signs_signal)
+    tasks = FAM.generate(12, seed=21)
+    groups, recs = [], []
+    try:
+        for _ in range(steps):
+            recs.append(pl.step(tasks))
+            groups.append(pl.last_groups)
+    finally:
+        pl.close()
+    return groups, recs
+
+
+def test_rl_loop_over_two_servers_equals_in_process(rl_servers: list[Server], model_dir: Path, xtml_tokenizer: Any) -> None:
+    """`PolicyLoop` with ``rl.engine.kind = http`` over two server processes: at λ = 1 every step samples
+    the in-process run's tokens (the servers get the trainer's weights each step: the trained version's
+    train–rollout gap stays at kernel noise, the servers end at the loop's version); at λ = 0.7 every
+    trajectory is trained once, none lost or duplicated."""
+    from k3post.config.rollout import EngineConfig
+
+    http = EngineConfig(kind="http", urls=[s.url for s in rl_servers], backoff_s=0.05)
+    steps = 3
+    ref_groups, ref_recs = _rl_run(model_dir, xtml_tokenizer, EngineConfig(), 1.0, steps)
+    got_groups, got_recs = _rl_run(model_dir, xtml_tokenizer, http, 1.0, steps)
+    # the servers start one version past their own (the loop's first push puts the trainer's weights there)
+    off = int(got_recs[0]["version"] - ref_recs[0]["version"])
+    assert off == 1 and [r["version"] - off for r in got_recs] == [r["version"] for r in ref_recs] == [1.0, 2.0, 3.0]
+    for step, (gs, rs) in enumerate(zip(got_groups, ref_groups)):
+        got, ref = _flat(gs), _flat(rs)
+        assert sorted(got) == sorted(ref), step
+        for tid in ref:
+            assert got[tid].token_ids == ref[tid].token_ids, (step, tid)
+            assert [v - off if v >= 0 else v for v in got[tid].versions] == ref[tid].versions, (step, tid)
+            # step 0: the same weights, batch composition only (TOL); later the two trainers' weights differ a
+            # little: behaviour log-probs 1e-6 apart change the loss that much, and Adam scales near-zero
+            # gradients up to ~lr (measured 1.5e-5 after two updates)
+            assert _max_lp_diff(got[tid], ref[tid]) < (TOL if step == 0 else 1e-3), (step, tid)
+    for rec in got_recs:
+        assert rec["train/rollout_gap_tokens"] > 0 and rec["train/rollout_gap_max"] < 1e-4, rec
+    assert {s.get("/get_weight_version")["weight_version"] for s in rl_servers} == {steps + off}
+    # λ = 0.7: partial rollout over the servers; every dispatched trajectory trained exactly once
+    groups, recs = _rl_run(model_dir, xtml_tokenizer, http, 0.7, 4)
+    seen = [t.traj_id for gs in groups for g in gs for t in g.trajectories]
+    assert len(seen) == len(set(seen)) and all(len(g.trajectories) == 2 for gs in groups for g in gs)
+    for gs in groups:
+        for g in gs:
+            for t in g.trajectories:
+                assert t.done and len(t.logprobs) == len(t.token_ids) == len(t.versions)
+    assert any(r["paused"] > 0 for r in recs)  # λ < 1 left trajectories paused across steps
+    assert all(r["train/rollout_gap_max"] < 1e-4 for r in recs if r.get("train/rollout_gap_tokens", 0) > 0)

@@ -85,6 +85,11 @@ class Rollout:
         self.model = model
         self.engine = build_engine(model, tokenizer, engine=cfg.engine, max_batch_size=cfg.slots,
                                    max_model_len=cfg.max_model_len, seed=cfg.seed)
+        if not getattr(self.engine, "shares_weights", False):
+            # servers hold whatever they were started or last updated with: the run starts on the trainer's
+            # weights, one version past the servers' (versions only ever grow on a server)
+            v = self.engine.update_weights(named_weights(model))
+            log.info("rollout: pushed the trainer's initial weights to %s, version %d", type(self.engine).__name__, v)
         self.loop = AgentLoop(self.engine, XTML(tokenizer), make_env,
                               sampling=SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens),
                               effort=cfg.effort, effort_fn=effort_fn)
@@ -141,12 +146,19 @@ class Rollout:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict` into this (fresh) rollout, after the model's weights were loaded: an engine
-        with its own copy of the weights receives them, at the saved version."""
+        with its own copy of the weights receives them, at the saved version, or one past the servers' when
+        they are already beyond it (versions only grow on a server; restored trajectories then read that
+        much staler, logged)."""
         self.scheduler.load_state_dict(state["scheduler"])
         self.pool.load_tensor_state(state["kv_pool"])
         version = int(state["engine_version"])
         if not getattr(self.engine, "shares_weights", False):  # the servers get the checkpoint's weights
-            self.engine.update_weights(named_weights(self.model), version=version)
+            push = max(version, self.engine.version + 1)
+            if push != version:
+                log.warning("rollout: the engine servers are at version %d, beyond the checkpoint's %d; resuming at "
+                            "%d (restored trajectories read %d versions staler)", self.engine.version, version, push,
+                            push - version)
+            self.engine.update_weights(named_weights(self.model), version=push)
         elif version > self.engine.version:
             self.engine.update_weights({}, version=version)
 
