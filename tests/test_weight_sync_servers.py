@@ -8,7 +8,8 @@ perturbation per sync). After each sync both servers report the new ``/get_weigh
 the trainer's tensors bit for bit (``/get_weights_by_name``), and their greedy and sampled
 ``/generate`` outputs (tokens and log-probs) equal an in-process `EmbeddedEngine` over a copy of
 the trainer's model exactly. A sync with a wrong-shape tensor is rejected by both servers' manifest
-vote: both stay on the old version, weights and outputs; the next good sync repairs them.
+vote: both stay on the old version, weights and outputs; the next good sync repairs them. SGLang's
+posted ``shapes`` that disagree with the broadcast manifest are voted down the same way.
 
 Shape legend: none (token lists; weights by name).
 """
@@ -16,6 +17,7 @@ Shape legend: none (token lists; weights by name).
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,10 +128,27 @@ def test_distributed_sync_into_two_qat_servers(qat_servers: list[Server], model_
         wall = time.perf_counter() - t0
         stats.append(engine.last_sync_stats)
         _check_servers(qat_servers, trainer, tok, 3)
+        group = engine._sync_group
+        assert group is not None
+
+        # SGLang's posted shapes disagree with the broadcast manifest: both servers vote it down
+        named = named_weights(trainer)
+        body = {"names": [n for n, _ in named], "shapes": [[1]] * len(named), "group_name": group, "weight_version": 4}
+        answers: list[Any] = []
+        posts = [threading.Thread(target=lambda s=s: answers.append(s.post("/update_weights_from_distributed", body)))
+                 for s in qat_servers]
+        for t in posts:
+            t.start()
+        with pytest.raises(WeightSyncError, match="posted 'shapes' differ from the broadcast manifest at entry 0"):
+            engine._sync.push(named, 4)
+        for t in posts:
+            t.join(60)
+        assert [r.status_code for r in answers] == [400, 400]
+        assert all(s.get("/get_weight_version") == {"weight_version": 3} for s in qat_servers)
     finally:
         engine.close()
     for s in qat_servers:  # close() left the group on both servers
-        r = s.post("/update_weights_from_distributed", {"group_name": "any", "weight_version": 4})
+        r = s.post("/update_weights_from_distributed", {"group_name": group, "weight_version": 4})
         assert r.status_code == 400 and "no weight-sync group" in r.json()["message"]
     with capsys.disabled():
         for st in stats:
