@@ -22,6 +22,7 @@ Shape legend: none (token lists).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -79,12 +80,12 @@ class Server:
         return httpx.get(self.url + path, timeout=30).json()
 
 
-def _spawn(model_dir: Path, log: Path) -> Server:
+def _spawn(model_dir: Path, log: Path, *, qat: bool = False) -> Server:
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "k3post", "serve", str(model_dir), "--port", str(port), "--no-qat", "--threads", "1",
-           "--max-batch-size", "4", "--seed", "0", "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "k3post", "serve", str(model_dir), "--port", str(port), "--qat" if qat else "--no-qat",
+           "--threads", "1", "--max-batch-size", "4", "--seed", "0", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     return Server(f"http://127.0.0.1:{port}", proc, log)
 
@@ -103,18 +104,10 @@ def _wait_ready(s: Server, timeout_s: float = 180.0) -> None:
     raise AssertionError(f"server {s.url} not ready after {timeout_s} s:\n{s.log.read_text()[-3000:]}")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory, xtml_tokenizer: Any) -> Path:
-    tok = xtml_tokenizer
-    model = build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id, eos_token_id=tok.convert_tokens_to_ids(EOM))
-    return save_model(model, tmp_path_factory.mktemp("http") / "tiny", tok)
-
-
-@pytest.fixture(scope="module")
-def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
-    """Servers A and B (never modified) and C (weights updated, then killed)."""
-    logs = tmp_path_factory.mktemp("logs")
-    out = {name: _spawn(model_dir, logs / f"{name}.log") for name in "ABC"}
+@contextlib.contextmanager
+def running_servers(model_dir: Path, logs: Path, names: str, *, qat: bool = False) -> Iterator[dict[str, Server]]:
+    """Servers named by the letters of ``names``, ready; terminated (then killed) on exit."""
+    out = {name: _spawn(model_dir, logs / f"{name}.log", qat=qat) for name in names}
     try:
         for s in out.values():
             _wait_ready(s)
@@ -128,6 +121,20 @@ def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                 s.proc.wait(15)
             except subprocess.TimeoutExpired:
                 s.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, xtml_tokenizer: Any) -> Path:
+    tok = xtml_tokenizer
+    model = build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id, eos_token_id=tok.convert_tokens_to_ids(EOM))
+    return save_model(model, tmp_path_factory.mktemp("http") / "tiny", tok)
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    """Servers A and B (never modified) and C (weights updated, then killed)."""
+    with running_servers(model_dir, tmp_path_factory.mktemp("logs"), "ABC") as out:
+        yield out
 
 
 def _local(model_dir: Path, slots: int = 4) -> EmbeddedEngine:
@@ -504,20 +511,8 @@ def test_rollout_config_switch_http_equals_embedded(servers: dict[str, Server], 
 @pytest.fixture(scope="module")
 def rl_servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
     """Two fresh servers (D, E) over the initial model, whose weights the RL loop pushes each step."""
-    logs = tmp_path_factory.mktemp("rl_logs")
-    out = [_spawn(model_dir, logs / f"{name}.log") for name in "DE"]
-    try:
-        for s in out:
-            _wait_ready(s)
-        yield out
-    finally:
-        for s in out:
-            s.proc.terminate()
-        for s in out:
-            try:
-                s.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                s.proc.kill()
+    with running_servers(model_dir, tmp_path_factory.mktemp("rl_logs"), "DE") as out:
+        yield list(out.values())
 
 
 def _signs_signal(groups):

@@ -28,10 +28,12 @@ class EngineConfig:
         retries: attempts per request on a server that fails before it is marked dead and its requests
             move to the others.
         backoff_s: first retry delay; doubles per attempt.
-        timeout_s: one HTTP call's timeout (a generation may take long: keep it generous).
+        timeout_s: one HTTP call's timeout (a generation may take long: keep it generous); also the
+            ``distributed`` sync group's rendezvous and collective timeout.
         weight_sync: how the trainer's weights reach ``http`` servers: ``disk`` (safetensors in
             ``sync_dir``, which the servers must be able to read) or ``distributed``
-            (torch.distributed broadcast, gloo on CPU / NCCL on GPU).
+            (torch.distributed broadcast over gloo; the servers join the trainer's group through
+            ``/init_weights_update_group``).
         sync_dir: folder for ``disk`` sync (empty: the run folder's ``weights_sync``).
         bucket_mb: weights travel in buckets of at most this many MB.
     """

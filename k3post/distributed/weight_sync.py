@@ -714,11 +714,13 @@ class DistributedSync:
                                   f"receiver staged every bucket; create a new DistributedSync") from e
         return SyncStats("distributed", version, manifest.nbytes, len(manifest.buckets), len(items), time.perf_counter() - t0)
 
-    def close(self) -> None:
-        """Tell the receivers no more syncs come (their ``receive`` returns None) and drop the group."""
+    def close(self, notify: bool = True) -> None:
+        """Tell the receivers no more syncs come (their ``receive`` returns None) and drop the group.
+        ``notify=False``: drop it without telling them (servers whose group is destroyed over HTTP,
+        ``/destroy_weights_update_group``, are not waiting in ``receive``)."""
         if not self._closed:
             self._closed = True
-            if self._broken is not None:
+            if self._broken is not None or not notify:
                 del self.group
                 return
             try:
@@ -748,11 +750,13 @@ class DistributedReceiver:
         """True after an interrupted sync: this group is unusable, join a new one."""
         return self._broken is not None
 
-    def receive(self) -> SyncStats | None:
+    def receive(self, check: Callable[[Manifest], None] | None = None) -> SyncStats | None:
         """Take part in one sync: returns its stats after the engine applied it, None when the
         sender closed the group. WeightSyncError when the sync was abandoned or interrupted; the
         engine then keeps its version and weights. After an interruption (sender gone, timeout)
-        the group is unusable: build a new receiver for the next sync."""
+        the group is unusable: build a new receiver for the next sync. ``check(manifest)``: a
+        further test of the received manifest (e.g. against what a server was told to expect); its
+        ValueError is this rank's vote against the manifest, so no engine applies the sync."""
         if self._broken is not None:
             raise WeightSyncError(f"the process group broke earlier ({self._broken}); join a new one")
         g = self.group
@@ -770,6 +774,8 @@ class DistributedReceiver:
             try:
                 manifest = Manifest.from_json(json.loads(bytes(raw.cpu().numpy()).decode("utf-8")), "received manifest")
                 check_weights(self.engine, ((t.name, t.shape, t.dtype) for t in manifest.tensors), manifest.version, qat=manifest.qat)
+                if check is not None:
+                    check(manifest)
             except ValueError as e:
                 verdict = str(e)
             votes = g.allgather_text(verdict)

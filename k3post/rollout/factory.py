@@ -60,12 +60,10 @@ def build_engine(
     if cfg.kind == "http":
         from k3post.rollout.http_engine import HTTPEngine
 
-        if cfg.weight_sync != "disk":
-            raise ValueError(f"engine.weight_sync {cfg.weight_sync!r}: the http engine pushes weights over disk only "
-                             "(set engine.weight_sync=disk and an engine.sync_dir the servers can read)")
         return HTTPEngine(cfg.urls, seed=seed, max_retries=cfg.retries, backoff_s=cfg.backoff_s,
                           backoff_max_s=max(cfg.backoff_s, 8 * cfg.backoff_s), read_timeout_s=cfg.timeout_s,
-                          weights_dir=cfg.sync_dir or None, shard_mb=cfg.bucket_mb)
+                          weights_dir=cfg.sync_dir or None, shard_mb=cfg.bucket_mb, weight_sync=cfg.weight_sync,
+                          sync_timeout_s=cfg.timeout_s)
     raise ValueError(f"engine.kind {cfg.kind!r}: no such engine")
 
 

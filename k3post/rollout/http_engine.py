@@ -22,7 +22,16 @@ servers instead of the in-process `EmbeddedEngine`:
 * ``update_weights(named, version)``: the tensors are written as a ``DiskSync`` weight version
   (``k3post.distributed.weight_sync``: shards + manifest with sha256 and the servers' QAT scheme)
   to a folder every server can read (loopback / shared disk for now) and loaded by each live
-  server with ``POST /update_weights_from_disk``, all at the same version.
+  server with ``POST /update_weights_from_disk``, all at the same version. With
+  ``weight_sync="distributed"`` they travel by ``torch.distributed`` broadcast instead (no disk):
+  the first update creates a sync group (this process is rank 0, a ``DistributedSync`` at
+  ``tcp://sync_address:<free port>``; each live server joins as rank 1, 2, ... through
+  ``POST /init_weights_update_group``, all called concurrently while the group is built), and
+  every update POSTs ``/update_weights_from_distributed`` to the servers concurrently while
+  this thread broadcasts the buckets. All or nothing across the servers: a rejected or
+  interrupted sync raises ``WeightSyncError`` naming each server's reason and leaves every
+  server on its old weights and version (an interrupted group is dropped and rebuilt at the
+  next update; so is a group with a server that died).
 
 **Faults.** A call that fails at the transport level (connection refused, reset, the server
 died mid-request) is retried on the same server with exponential backoff
@@ -129,6 +138,11 @@ class HTTPEngine:
         shard_mb: most MB per safetensors shard written by ``update_weights``.
         abort_timeout_s: longest wait for aborted requests' ``/generate`` calls to answer in
             ``pause`` / ``abort`` (a live server answers at its next step); then RuntimeError.
+        weight_sync: ``"disk"`` (safetensors in ``weights_dir``) or ``"distributed"``
+            (broadcast, gloo; buckets of at most ``shard_mb`` MB) (module doc).
+        sync_address: the address servers reach this process at for the ``distributed`` group.
+        sync_timeout_s: longest wait of a ``distributed`` rendezvous or collective (a server that
+            refuses before joining makes the trainer wait this long).
     """
 
     kv_transfer = False
@@ -148,6 +162,9 @@ class HTTPEngine:
         weights_dir: str | Path | None = None,
         shard_mb: float = 512,
         abort_timeout_s: float = 60.0,
+        weight_sync: str = "disk",
+        sync_address: str = "127.0.0.1",
+        sync_timeout_s: float = 300.0,
     ) -> None:
         if isinstance(urls, str) or not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
             raise ValueError(f"urls must be a non-empty list of http(s):// base URLs, got {urls!r}")
@@ -163,6 +180,14 @@ class HTTPEngine:
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self.abort_timeout_s = float(abort_timeout_s)
         self.shard_mb = float(shard_mb)
+        if weight_sync not in ("disk", "distributed"):
+            raise ValueError(f"weight_sync must be 'disk' or 'distributed', got {weight_sync!r}")
+        self.weight_sync = weight_sync
+        self.sync_address, self.sync_timeout_s = sync_address, float(sync_timeout_s)
+        self._sync: Any = None  # the DistributedSync of the current group
+        self._sync_group: str | None = None
+        self._sync_servers: list[_Server] = []  # rank i + 1 of the group
+        self.last_sync_stats: Any = None  # SyncStats of the last distributed update
         self._servers = [_Server(u.rstrip("/")) for u in urls]
         self._reqs: dict[str, _Req] = {}
         self._finished: OrderedDict[str, GenerationResult | BaseException] = OrderedDict()
@@ -533,8 +558,10 @@ class HTTPEngine:
         for name, t in items:
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"update_weights: {name} is a {type(t).__name__}, not a tensor")
-        items = [(name, t.detach().to("cpu").contiguous().clone()) for name, t in items]  # clone: no shared storage
         qat = QATConfig(**self._qat) if self._qat is not None else None
+        if self.weight_sync == "distributed":
+            return self._update_distributed([(name, t.detach().to("cpu").contiguous()) for name, t in items], new, qat)
+        items = [(name, t.detach().to("cpu").contiguous().clone()) for name, t in items]  # clone: no shared storage
         if self.weights_dir is not None:
             self.weights_dir.mkdir(parents=True, exist_ok=True)
         root = Path(tempfile.mkdtemp(prefix="k3post-weights-", dir=self.weights_dir))
@@ -543,6 +570,104 @@ class HTTPEngine:
             return self.update_weights_from_disk(stats.location or root, new)
         finally:
             shutil.rmtree(root, ignore_errors=True)
+
+    def init_weights_update_group(self) -> None:
+        """Create the ``distributed`` sync group with every live server (module doc); a no-op when
+        it exists. Raises WeightSyncError naming the servers that could not join."""
+        import socket
+        import uuid
+
+        from k3post.distributed.weight_sync import DistributedSync, WeightSyncError
+        from k3post.quant.qat import QATConfig
+
+        if self._sync is not None:
+            return
+        live = self._live()
+        if not live:
+            raise EngineUnavailableError(f"no engine server left: {', '.join(s.url + ' (dead)' for s in self._servers)}")
+        with socket.socket() as sock:
+            sock.bind((self.sync_address, 0))
+            port = int(sock.getsockname()[1])
+        name, world = f"k3post-{uuid.uuid4().hex[:8]}", 1 + len(live)
+
+        async def join(rank: int, s: _Server) -> str | None:
+            body = {"master_address": self.sync_address, "master_port": port, "rank_offset": rank, "world_size": world,
+                    "group_name": name, "backend": "gloo", "timeout_s": self.sync_timeout_s}
+            try:
+                r = await self._post(s, "/init_weights_update_group", body)
+            except _ServerDown:
+                return f"{s.url}: unreachable"
+            return None if r.status_code == 200 else f"{s.url}: {r.json().get('message', r.text)}"
+
+        joins = asyncio.run_coroutine_threadsafe(_gather([join(i + 1, s) for i, s in enumerate(live)]), self._loop)
+        qat = QATConfig(**self._qat) if self._qat is not None else None
+        try:  # blocks until every server joined (they are called concurrently above)
+            sync = DistributedSync(f"tcp://{self.sync_address}:{port}", world, bucket_mb=self.shard_mb, qat=qat,
+                                   timeout_s=self.sync_timeout_s)
+        except Exception as e:  # noqa: BLE001 - reported with the servers' answers
+            errors = [x for x in joins.result() if x]
+            raise WeightSyncError(f"weight-sync group of {world} ranks not formed ({type(e).__name__}: {e}); "
+                                  + ("; ".join(errors) or "every server answered the join")) from e
+        errors = [x for x in joins.result() if x]
+        if errors:
+            sync.close(notify=False)
+            raise WeightSyncError("init_weights_update_group failed on " + "; ".join(errors))
+        self._sync, self._sync_group, self._sync_servers = sync, name, live
+        log.info("weight-sync group %s: trainer + %d servers at tcp://%s:%d", name, len(live), self.sync_address, port)
+
+    def destroy_weights_update_group(self) -> None:
+        """Leave the ``distributed`` sync group (``/destroy_weights_update_group`` on its live
+        servers); the next update creates a new one."""
+        sync, servers, name = self._sync, self._sync_servers, self._sync_group
+        self._sync, self._sync_group, self._sync_servers = None, None, []
+        if sync is None:
+            return
+
+        async def leave(s: _Server) -> None:
+            try:
+                await self._post(s, "/destroy_weights_update_group", {"group_name": name})
+            except _ServerDown:
+                pass
+
+        self._call(_gather([leave(s) for s in servers if s.alive]))
+        sync.close(notify=False)
+
+    def _update_distributed(self, items: list[tuple[str, torch.Tensor]], new: int, qat: Any) -> int:
+        """One broadcast sync to every server of the group at version ``new`` (module doc)."""
+        from k3post.distributed.weight_sync import WeightSyncError
+
+        if self._sync is not None and not all(s.alive for s in self._sync_servers):
+            log.warning("a server of weight-sync group %s died: building a new group", self._sync_group)
+            self.destroy_weights_update_group()
+        self.init_weights_update_group()
+        servers = self._sync_servers
+        body = {"names": [n for n, _ in items], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in items],
+                "shapes": [list(t.shape) for _, t in items], "group_name": self._sync_group, "weight_version": new,
+                "flush_cache": True}
+
+        async def one(s: _Server) -> str | None:
+            try:
+                r = await self._post(s, "/update_weights_from_distributed", body)
+            except _ServerDown:
+                return f"{s.url}: died during the sync"
+            return None if r.status_code == 200 else f"{s.url}: {r.json().get('message', r.text)}"
+
+        answers = asyncio.run_coroutine_threadsafe(_gather([one(s) for s in servers]), self._loop)
+        error: WeightSyncError | None = None
+        try:
+            stats = self._sync.push(items, new)
+        except (WeightSyncError, ValueError) as e:
+            error = e if isinstance(e, WeightSyncError) else WeightSyncError(str(e))
+        errors = [x for x in answers.result() if x]
+        if error is None and not errors:
+            self.last_sync_stats = stats
+            self._version = new
+            return new
+        if self._sync._broken is not None:  # interrupted: the group is unusable
+            self.destroy_weights_update_group()
+        ranks = ", ".join(f"rank {i + 1} = {s.url}" for i, s in enumerate(servers))
+        raise WeightSyncError(f"update_weights_from_distributed to version {new} failed, every server keeps version "
+                              f"{self._version}: " + "; ".join(errors or [str(error)]) + f" ({ranks})")
 
     def update_weights_from_disk(self, model_path: str | Path, version: int | None = None) -> int:
         """``POST /update_weights_from_disk`` on every live server with the same version
@@ -575,6 +700,11 @@ class HTTPEngine:
         """Abort what is still running on the servers and stop the client thread."""
         if not self._thread.is_alive():
             return
+        if self._sync is not None:
+            try:
+                self.destroy_weights_update_group()
+            except Exception:  # noqa: BLE001 - closing: the servers may be gone
+                log.warning("close(): could not destroy the weight-sync group")
         running = [rid for rid, rq in self._reqs.items() if rq.state == "running"]
         if running:
             try:

@@ -113,7 +113,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="OpenAI-compatible server: /v1/chat/completions (XTML tools, tool_calls, reasoning_content, "
                     "thinking_effort, streaming), /v1/completions, /v1/models, /health; the engine protocol "
                     "(SGLang names): /generate, /abort_request, /pause_generation, /continue_generation, "
-                    "/update_weights_from_disk, /flush_cache, /get_model_info, /get_weight_version.",
+                    "/update_weights_from_disk, /init_weights_update_group, /update_weights_from_distributed, "
+                    "/destroy_weights_update_group, /get_weights_by_name, /flush_cache, /get_model_info, "
+                    "/get_weight_version.",
     )
     p.add_argument("model_dir", help="model folder (config + safetensors + XTML tokenizer)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")

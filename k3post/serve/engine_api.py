@@ -48,6 +48,26 @@ a k3post server at the level of token ids, log-probs and policy versions:
   name, shape, finite values) before any is copied, so on an error neither the weights nor
   the version change and the 400 (``{"success": false, "message"}``) names the file and
   key. ``weight_version`` (int, default current + 1) must exceed the current version.
+* ``POST /init_weights_update_group`` ``{"master_address", "master_port", "rank_offset",
+  "world_size", "group_name", "backend", "timeout_s" (k3post, default 300)}``: join the
+  trainer's weight-sync group (``weight_sync.DistributedSync`` is rank 0 at
+  ``tcp://master_address:master_port``) as rank ``rank_offset``. The rendezvous blocks until
+  every rank joined, so it runs in a worker thread (generation goes on) and the trainer calls
+  every server concurrently while it builds its ``DistributedSync``. ``backend`` ``gloo``
+  stages the weights on the CPU, ``nccl`` on the engine's CUDA device.
+* ``POST /update_weights_from_distributed`` ``{"names", "dtypes", "shapes", "group_name",
+  "weight_version", "flush_cache"}`` (SGLang's fields): take part in one broadcast sync of
+  that group (``DistributedReceiver.receive``) on the engine thread, so generation is paused
+  while the weights arrive. The manifest travels in the broadcast itself; the posted names /
+  dtypes / shapes (when given) and ``weight_version`` must equal it, else this server votes
+  against the manifest and no engine applies the sync. All or nothing: a rejected or
+  interrupted sync answers 400 ``{"success": false, "message", "weight_version"}`` naming the
+  reason and leaves the old weights and version (an interrupted group is dropped: init a new
+  one). ``flush_cache`` (default true) drops the KV kept for finished requests.
+* ``POST /destroy_weights_update_group`` ``{"group_name"}``: leave the group.
+* ``POST /get_weights_by_name`` ``{"name", "truncate_size"}`` (SGLang's): the first
+  ``truncate_size`` (default 100) values of a parameter or buffer, flattened (float32 values
+  survive JSON exactly), plus its shape and dtype: how a test checks the weights a sync left.
 
 Shape legend: none (token lists; weights are checked by name and shape only).
 """
@@ -378,5 +398,141 @@ def engine_router(srv: _Server) -> APIRouter:
         except ValueError as e:
             return JSONResponse({"success": False, "message": str(e), "weight_version": version()}, status_code=400)
         return JSONResponse({"success": True, "message": f"loaded {path}", "weight_version": new})
+
+    groups: dict[str, Any] = {}  # group_name -> DistributedReceiver
+
+    def failed(message: str) -> JSONResponse:
+        return JSONResponse({"success": False, "message": message, "weight_version": version()}, status_code=400)
+
+    @router.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> JSONResponse:
+        from k3post.distributed.weight_sync import DistributedReceiver
+
+        body = await json_body(request)
+        try:
+            addr, port, name = body.get("master_address"), body.get("master_port"), body.get("group_name", "weight_sync")
+            rank, world, backend = body.get("rank_offset"), body.get("world_size"), body.get("backend", "gloo")
+            timeout_s = body.get("timeout_s", 300.0)
+            if not isinstance(addr, str) or not addr:
+                raise ValueError(f"'master_address' must be a host name or address, got {addr!r}")
+            if not _is_int(port) or not 0 < port < 65536:
+                raise ValueError(f"'master_port' must be a port number, got {port!r}")
+            if not _is_int(world) or world < 2:
+                raise ValueError(f"'world_size' must be an int >= 2, got {world!r}")
+            if not _is_int(rank) or not 1 <= rank < world:
+                raise ValueError(f"'rank_offset' must be an int in [1, world_size) (rank 0 is the trainer), got {rank!r}")
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"'group_name' must be a non-empty string, got {name!r}")
+            if name in groups:
+                raise ValueError(f"group {name!r} exists already: /destroy_weights_update_group first")
+            if backend not in ("gloo", "nccl"):
+                raise ValueError(f"'backend' must be 'gloo' or 'nccl', got {backend!r}")
+            if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0):
+                raise ValueError(f"'timeout_s' must be a number > 0, got {timeout_s!r}")
+            device = getattr(runner.engine, "device", "cpu") if backend == "nccl" else "cpu"
+            if backend == "nccl" and torch.device(device).type != "cuda":
+                raise ValueError("backend 'nccl' needs an engine on a CUDA device; this one runs on the CPU (use gloo)")
+            groups[name] = None  # reserved while the rendezvous runs
+            try:  # the rendezvous waits for every rank: off the event loop and the engine thread
+                groups[name] = await asyncio.to_thread(DistributedReceiver, runner.engine, f"tcp://{addr}:{port}", rank,
+                                                       world, device=device, timeout_s=float(timeout_s))
+            except BaseException:
+                groups.pop(name, None)
+                raise
+        except (ValueError, RuntimeError) as e:
+            return failed(f"init_weights_update_group: {e}")
+        return JSONResponse({"success": True, "message": f"joined group {name!r} as rank {rank} of {world}"})
+
+    def expect(body: Mapping[str, Any]) -> Any:
+        """The posted names / dtypes / shapes / weight_version as a check of the broadcast manifest."""
+        names, dtypes, shapes, wv = body.get("names"), body.get("dtypes"), body.get("shapes"), body.get("weight_version")
+        for key, v in (("names", names), ("dtypes", dtypes), ("shapes", shapes)):
+            if v is not None and not isinstance(v, list):
+                raise ValueError(f"'{key}' must be a list, got {type(v).__name__}")
+        if wv is not None and not _is_int(wv):
+            raise ValueError(f"'weight_version' must be an integer or null, got {wv!r}")
+
+        def check(manifest: Any) -> None:
+            got = manifest.tensors
+            if wv is not None and manifest.version != wv:
+                raise ValueError(f"the broadcast carries version {manifest.version}, the request says weight_version {wv}")
+            for key, posted, sent in (("names", names, [t.name for t in got]),
+                                      ("dtypes", dtypes, [t.dtype for t in got]),
+                                      ("shapes", shapes, [list(t.shape) for t in got])):
+                if posted is None:
+                    continue
+                posted = [str(x).removeprefix("torch.") for x in posted] if key == "dtypes" else posted
+                if posted != sent:
+                    i = next((i for i, (a, b) in enumerate(zip(posted, sent)) if a != b), min(len(posted), len(sent)))
+                    raise ValueError(f"posted '{key}' differ from the broadcast manifest at entry {i} "
+                                     f"({posted[i] if i < len(posted) else 'none'} vs {sent[i] if i < len(sent) else 'none'})")
+
+        return check
+
+    @router.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> JSONResponse:
+        from k3post.distributed.weight_sync import WeightSyncError
+
+        body = await json_body(request)
+        name = body.get("group_name", "weight_sync")
+        flush = body.get("flush_cache", True)
+        try:
+            receiver = groups.get(name) if isinstance(name, str) else None
+            if receiver is None:
+                raise ValueError(f"no weight-sync group {name!r} here: /init_weights_update_group first")
+            if not isinstance(flush, bool):
+                raise ValueError(f"'flush_cache' must be a boolean, got {flush!r}")
+            check = expect(body)
+
+            def receive(engine: Any) -> Any:
+                stats = receiver.receive(check)
+                drop = getattr(engine, "drop_kv", None)
+                if stats is not None and flush and callable(drop):
+                    drop()
+                return stats
+
+            stats = await runner.call(receive)  # on the engine thread: no step runs while the weights arrive
+        except (ValueError, WeightSyncError) as e:
+            if isinstance(e, WeightSyncError) and getattr(groups.get(name), "broken", False):
+                groups.pop(name).close()
+                return failed(f"{e} (group {name!r} dropped: init a new one)")
+            return failed(str(e))
+        if stats is None:  # the trainer closed the group
+            groups.pop(name).close()
+            return failed(f"the trainer closed group {name!r}")
+        return JSONResponse({"success": True, "message": f"{stats.bytes} bytes in {stats.buckets} buckets, "
+                             f"{stats.seconds:.3f} s", "weight_version": stats.version, "stats": stats.as_dict()})
+
+    @router.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> JSONResponse:
+        body = await json_body(request)
+        name = body.get("group_name", "weight_sync")
+        receiver = groups.get(name) if isinstance(name, str) else None
+        if receiver is None:
+            return failed(f"no weight-sync group {name!r} here")
+        groups.pop(name).close()
+        return JSONResponse({"success": True, "message": f"left group {name!r}"})
+
+    @router.post("/get_weights_by_name")
+    async def get_weights_by_name(request: Request) -> JSONResponse:
+        body = await json_body(request)
+        name, n = body.get("name"), body.get("truncate_size", 100)
+        if not _is_int(n) or n < 0:
+            raise APIError(f"'truncate_size' must be an int >= 0, got {n!r}", param="truncate_size")
+
+        def read(engine: Any) -> tuple[list[int], str, list[Any]] | None:
+            model = engine.model
+            t = dict(model.named_parameters(remove_duplicate=False)).get(name)
+            if t is None:
+                t = dict(model.named_buffers(remove_duplicate=False)).get(name)
+            if t is None:
+                return None
+            return list(t.shape), str(t.dtype).removeprefix("torch."), t.detach().reshape(-1)[:n].float().cpu().tolist()
+
+        out = await runner.call(read)
+        if out is None:
+            raise APIError(f"{name!r} is not a parameter or buffer of the served model", param="name")
+        shape, dtype, values = out
+        return JSONResponse({"name": name, "shape": shape, "dtype": dtype, "values": values})
 
     return router
