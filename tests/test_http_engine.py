@@ -413,8 +413,9 @@ def two_lengths(traj: Trajectory, turn: int) -> SamplingParams:
 def test_killed_server_requests_rerouted(servers: dict[str, Server], model_dir: Path, xtml_tokenizer: Any,
                                          caplog: pytest.LogCaptureFixture) -> None:
     """Iteration 1 (λ = 0.5) pauses the four long trajectories after ~40 tokens; iteration 2 resumes
-    them (two on A, two on C) and C is killed mid-way: C's continuations restart on A from the
-    tokens they had, and every trajectory ends with the tokens of an uninterrupted run."""
+    them (two on A, two on C) while C hangs (generation paused) and is then killed: C's continuations
+    restart on A from the tokens they had, and every trajectory ends with the tokens of an uninterrupted
+    run. (Killing C after a number of its steps raced with the iteration finishing first.)"""
     a, c = servers["A"], servers["C"]
     tasks = FAM.generate(4, seed=13)
     with caplog.at_level(logging.WARNING, logger="k3post.rollout.http"):
@@ -424,10 +425,15 @@ def test_killed_server_requests_rerouted(servers: dict[str, Server], model_dir: 
             groups = sch.run_iteration(tasks)
             paused = sch.paused()
             assert len(paused) == 4 and all(0 < t.num_sampled < 100 for t in paused)
-            steps0 = c.get("/health")["engine"]["steps"]
+            # C hangs (generation paused) and then dies: whatever iteration 2 sends it cannot finish there
+            calls0 = remote.calls_per_server[c.url]
+            assert c.post("/pause_generation").status_code == 200
 
             def kill_c_mid_iteration() -> None:
-                _wait_steps(c, steps0 + 10)
+                deadline = time.time() + 60
+                while remote.calls_per_server[c.url] < calls0 + 2:  # two continuations went to C
+                    assert time.time() < deadline
+                    time.sleep(0.05)
                 c.proc.kill()
 
             killer = threading.Thread(target=kill_c_mid_iteration, daemon=True)
