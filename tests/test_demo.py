@@ -103,29 +103,44 @@ def test_demo_bad_override_is_clear(tmp_path, capsys):
     assert not any(tmp_path.iterdir())  # nothing written
 
 
+# The README's "Measured" ranges: over the demo runs listed in docs/decisions.md ("The demo over seeds and
+# CPU kernels", `bench/demo_spread.py`), the lowest Wilson 95% lower bound and the highest upper bound of
+# each held-out pass rate (n = 400 general.arithmetic tasks). A run on any CPU should land inside.
+_README_RANGES = {
+    ("eval", "sft", "max"): (0.231, 0.615),
+    ("eval", "sft", "low"): (0.051, 0.125),
+    ("eval", "sft_noqat", "max"): (0.307, 0.640),
+    ("experts", "general.max", "pass_rate"): (0.250, 0.661),
+    ("mopd", "general", "max", "student_pass"): (0.255, 0.596),
+}
+
+
+def _range_value(s: dict, key: tuple) -> float:
+    if key[0] == "eval":
+        return s["eval"][key[1]][key[2]]["pass_rate"]
+    if key[0] == "experts":
+        return s["experts"][key[1]][key[2]]
+    rows = {(r["domain"], r["effort"]): r for r in s["mopd"]["table"]["rows"]}
+    return rows[key[1], key[2]][key[3]]
+
+
 @pytest.mark.slow
 def test_full_demo_learns(tmp_path):
-    """The README demo: SFT must lift the held-out pass rate at max effort well above the base model.
-
-    Measured (docs/decisions.md): base 0.0, SFT with QAT 0.44, without QAT 0.465 at max effort (1,500 steps
-    with 100 coding tasks in the mix); then RL and MOPD (the asserted numbers are below, each with its measurement).
-    """
+    """The README demo lands inside the README's measured ranges (`_README_RANGES`), and the qualitative
+    claims hold: the base model passes nothing, max effort beats low after SFT, RL does not lower the pass
+    rate (paired verdict), effort control orders T(y), MOPD's student keeps most of its teacher's pass rate."""
     assert main(["demo", f"run.root={tmp_path}", "run.name=full", "sft.progress=false"]) == 0
     s = json.loads((tmp_path / "full" / "summary.json").read_text())
-    assert s["eval"]["base"]["max"]["pass_rate"] <= 0.05
-    assert s["eval"]["sft"]["max"]["pass_rate"] >= 0.2
-    assert s["eval"]["sft_noqat"]["max"]["pass_rate"] >= 0.3
-    # effort control starts here: max effort beats low effort after SFT
+    for key, (lo, hi) in _README_RANGES.items():
+        assert lo <= _range_value(s, key) <= hi, (key, _range_value(s, key), (lo, hi))
+    assert s["eval"]["base"]["max"]["pass_rate"] <= 0.01
     assert s["eval"]["sft"]["max"]["pass_rate"] > s["eval"]["sft"]["low"]["pass_rate"]
-    # Stage 2 (measured: general 0.38 -> 0.50 / 0.07 -> 0.13 / 0.06 -> 0.10 on 100 held-out tasks at max / high
-    # / low; T(y) 19.6 / 7.5 / 0; the SFT model passes 5 of 32 held-out coding.write_function tasks at max)
     ex = s["experts"]
     assert len(ex) == 9
     assert ex["coding.max"]["sft_pass_rate"] > 0  # data.family_tasks makes coding solvable before RL
-    assert ex["general.max"]["pass_rate"] >= ex["general.max"]["sft_pass_rate"]
+    assert all(ex[f"general.{e}"]["change"]["verdict"] != "lower" for e in ("max", "high", "low"))
     assert ex["general.low"]["mean_effort_tokens"] <= 0.4 * ex["general.max"]["mean_effort_tokens"]
     assert all(ex[f"general.{e}"]["final_violation_rate"] <= 0.03 for e in ("max", "high", "low"))
-    # Stage 3 (measured: student 0.46 vs teacher 0.50 at general/max; T(y) 0 / 7.7 / 19.6, ordered low < high < max)
     rows = {(r["domain"], r["effort"]): r for r in s["mopd"]["table"]["rows"]}
     assert rows["general", "max"]["student_pass"] >= 0.7 * rows["general", "max"]["teacher_pass"]
     assert s["mopd"]["table"]["order"]["general"]["ok"]
