@@ -108,10 +108,10 @@ def test_demo_bad_override_is_clear(tmp_path, capsys):
 # each held-out pass rate (n = 400 general.arithmetic tasks unless noted). A run on any CPU should land inside.
 _README_RANGES = {
     ("eval", "sft", "max"): (0.231, 0.615),
-    ("eval", "sft", "low"): (0.051, 0.125),
+    ("eval", "sft", "low"): (0.051, 0.145),
     ("eval", "sft_noqat", "max"): (0.197, 0.640),
     ("experts", "general.max", "pass_rate"): (0.250, 0.661),
-    ("experts", "coding.max", "sft_pass_rate"): (0.0, 0.202),  # n = 32: 0 or 2 tasks in the measured runs
+    ("experts", "coding.max", "sft_pass_rate"): (0.0, 0.242),  # n = 32: 0 to 3 tasks in the measured runs
     ("mopd", "general", "max", "student_pass"): (0.252, 0.596),
 }
 
