@@ -23,6 +23,7 @@ Shape legend: none (token lists).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -579,8 +580,11 @@ def test_rl_loop_over_two_servers_equals_in_process(rl_servers: list[Server], mo
     for rec in got_recs:
         assert rec["train/rollout_gap_tokens"] > 0 and rec["train/rollout_gap_max"] < 1e-4, rec
     assert {s.get("/get_weight_version")["weight_version"] for s in rl_servers} == {steps + off}
-    # λ = 0.7: partial rollout over the servers; every dispatched trajectory trained exactly once
-    groups, recs = _rl_run(model_dir, xtml_tokenizer, http, 0.7, 4)
+    # λ = 0.7: partial rollout over the servers; every dispatched trajectory trained exactly once. One
+    # trajectory in flight at a time makes the pause deterministic: the 5th of 6 completes with the 6th
+    # still waiting (with all 6 in flight, the servers may finish them all between two polls: CI saw that)
+    seq = dataclasses.replace(http, max_concurrency=1)
+    groups, recs = _rl_run(model_dir, xtml_tokenizer, seq, 0.7, 4)
     seen = [t.traj_id for gs in groups for g in gs for t in g.trajectories]
     assert len(seen) == len(set(seen)) and all(len(g.trajectories) == 2 for gs in groups for g in gs)
     for gs in groups:

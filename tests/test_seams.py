@@ -4,6 +4,7 @@ and `Trainer` the model, optimizer and device; configs fail with the key named."
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from pathlib import Path
 
@@ -51,6 +52,8 @@ def test_engine_config_names_the_bad_key():
         load_config(overrides=["rl.engine.kindd=http"])
     assert load_config(overrides=["rl.engine.kind=http", "rl.engine.urls=[http://127.0.0.1:1]"]).rl.engine.urls == [
         "http://127.0.0.1:1"]
+    with pytest.raises(ValueError, match=r"engine.max_concurrency must be >= 0 \(0: the whole workload\), got -1"):
+        EngineConfig(max_concurrency=-1)
 
 
 def test_build_engine_embedded_shares_the_models_tensors():
@@ -120,6 +123,7 @@ def test_rollout_push_weights_and_state(xtml_tokenizer):
     r = Rollout(model, tok, cfg)
     try:
         assert r.version == 0 and r.push_weights() == 1 and r.push_weights(version=5) == 5
+        assert r.scheduler.max_concurrency == 4  # engine.max_concurrency 0: the workload, N·K
         state = r.state_dict()
     finally:
         r.close()
@@ -129,3 +133,8 @@ def test_rollout_push_weights_and_state(xtml_tokenizer):
         assert r2.version == 5
     finally:
         r2.close()
+    r3 = Rollout(model, tok, dataclasses.replace(cfg, engine=EngineConfig(max_concurrency=1)))
+    try:
+        assert (r3.scheduler.max_concurrency, r3.scheduler.concurrency) == (1, 1)
+    finally:
+        r3.close()

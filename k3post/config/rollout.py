@@ -36,6 +36,8 @@ class EngineConfig:
             ``/init_weights_update_group``).
         sync_dir: folder for ``disk`` sync (empty: the run folder's ``weights_sync``).
         bucket_mb: weights travel in buckets of at most this many MB.
+        max_concurrency: most trajectories handed to the engine at once (running or queued there;
+            the partial-rollout scheduler's auto-throttle ceiling); 0: the whole workload, N·K.
     """
 
     kind: str = "embedded"
@@ -46,6 +48,7 @@ class EngineConfig:
     weight_sync: str = "disk"
     sync_dir: str = ""
     bucket_mb: int = 64
+    max_concurrency: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINE_KINDS:
@@ -59,6 +62,8 @@ class EngineConfig:
             raise ValueError(f"engine.weight_sync must be one of {WEIGHT_SYNCS}, got {self.weight_sync!r}")
         if self.retries < 0 or self.backoff_s < 0 or self.timeout_s <= 0 or self.bucket_mb < 1:
             raise ValueError("engine: retries >= 0, backoff_s >= 0, timeout_s > 0 and bucket_mb >= 1 are required")
+        if self.max_concurrency < 0:
+            raise ValueError(f"engine.max_concurrency must be >= 0 (0: the whole workload), got {self.max_concurrency}")
 
 
 @dataclass

@@ -93,7 +93,8 @@ class Rollout:
                               effort=cfg.effort, effort_fn=effort_fn)
         self.pool = KVPool(cfg.kv_pool_mb << 20)
         self.scheduler = PartialRolloutScheduler(self.loop, n_prompts=cfg.n_prompts, k=cfg.k, lambda_=cfg.lambda_,
-                                                 max_staleness=cfg.max_staleness, seed=cfg.seed, kv_pool=self.pool)
+                                                 max_staleness=cfg.max_staleness, seed=cfg.seed, kv_pool=self.pool,
+                                                 max_concurrency=cfg.engine.max_concurrency or None)
 
     @property
     def version(self) -> int:
