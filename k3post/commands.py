@@ -102,15 +102,19 @@ def run_rl(cfg: K3Config) -> Path:
 
     from k3post.experts import domain_budgets, load_policy
     from k3post.rl import build_group_scorer, domain_families, train_rl
-    from k3post.rollout.factory import build_engine
+    from k3post.rollout.factory import build_engine, close_engine
 
     run, init = _start_rl_run(cfg)
     tokenizer = load_tokenizer(init)
     model = load_policy(init, cfg.qat)
     fams = domain_families(cfg.rl.domain, cfg.rl.families, with_judge=bool(cfg.rl.judge))
     rl = replace(cfg.rl.for_domain(cfg.rl.domain), families=fams)
-    engine = build_engine(model, tokenizer, max_batch_size=rl.slots, seed=rl.seed)
-    budgets = domain_budgets(engine, XTML(tokenizer), rl, run / f"budgets.{rl.domain}.json")
+    engine = build_engine(model, tokenizer, engine=rl.engine, role="budgets (rl.init model)", max_batch_size=rl.slots,
+                          seed=rl.seed)
+    try:
+        budgets = domain_budgets(engine, XTML(tokenizer), rl, run / f"budgets.{rl.domain}.json")
+    finally:
+        close_engine(engine)
     scorer = build_group_scorer(rl, init, tokenizer, fams, qat=cfg.qat.enabled)
     metrics = MetricsLogger(run)
     name = f"{rl.domain}.{rl.effort}"
@@ -175,7 +179,7 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
     from k3post.experts import load_policy
     from k3post.mopd import TeacherPool, eval_caps, evaluate_mopd, mopd_eval_tasks, train_mopd
     from k3post.rl import rollout_gap
-    from k3post.rollout.factory import build_engine
+    from k3post.rollout.factory import build_engine, close_engine
 
     m = mopd_config_for_run(cfg, run / "experts")
     tokenizer = load_tokenizer(init)
@@ -185,9 +189,14 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
     try:
         res = train_mopd(student, tokenizer, m, run / "mopd", metrics=metrics, teacher_qat=cfg.qat, pool=pool)
         save_model(student, run / "mopd" / "final", tokenizer)
-        engine = build_engine(student, tokenizer, max_batch_size=m.rl.slots, seed=m.rl.seed)
-        table = evaluate_mopd(engine, XTML(tokenizer), pool, mopd_eval_tasks(m), max_tokens=eval_caps(m),
-                              efforts=[e for e, w in m.effort_mix.items() if w > 0], teacher_sees_effort=m.teacher_sees_effort)
+        engine = build_engine(student, tokenizer, engine=m.rl.engine, role="MOPD student (final)",
+                              max_batch_size=m.rl.slots, seed=m.rl.seed)
+        try:
+            table = evaluate_mopd(engine, XTML(tokenizer), pool, mopd_eval_tasks(m), max_tokens=eval_caps(m),
+                                  efforts=[e for e, w in m.effort_mix.items() if w > 0],
+                                  teacher_sees_effort=m.teacher_sees_effort, engine=m.rl.engine)
+        finally:
+            close_engine(engine)
         teacher_stats = dict(pool.stats)  # training and evaluation together
     finally:
         pool.close()

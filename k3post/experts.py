@@ -43,7 +43,7 @@ from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rewards.effort import BudgetTable, Curriculum, estimate_budgets
 from k3post.rl import (GroupScorer, RLConfig, build_group_scorer, domain_families, eval_tasks, rollout_gap, train_rl,
                        train_tasks)
-from k3post.rollout.factory import build_engine
+from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.evaluation import evaluate_episodes
 from k3post.stats import paired_change
 from k3post.tokenizer import load_tokenizer
@@ -215,17 +215,21 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
     if stage.domain not in table["before"] or not budget_path.is_file():
         # once per domain, from the cold-start (SFT) model: b0 at max effort, and the "before" row
         sft_model = load_policy(sft_dir, qat)
-        engine = build_engine(sft_model, tok, max_batch_size=rcfg.slots, seed=rcfg.seed)
-        t_b = time.perf_counter()
-        budgets = domain_budgets(engine, xtml, rcfg, budget_path)
-        b0s = [budgets.b0(k) for k in budgets]
-        table["budgets"][stage.domain] = {"tasks": len(b0s), "median_b0": statistics.median(b0s),
-                                          "seconds": time.perf_counter() - t_b,
-                                          "sources": dict(_count(e.source for e in budgets.entries.values()))}
-        held_out = eval_tasks(fams, rcfg.eval_n, difficulty=rcfg.difficulty)
-        table["before"][stage.domain] = {
-            e: evaluate_episodes(engine, xtml, held_out, effort=e, max_tokens=rcfg.eval_max_tokens) for e in efforts
-        }
+        engine = build_engine(sft_model, tok, engine=rcfg.engine, role=f"{stage.domain} budgets and 'before' row (SFT model)",
+                              max_batch_size=rcfg.slots, seed=rcfg.seed)
+        try:
+            t_b = time.perf_counter()
+            budgets = domain_budgets(engine, xtml, rcfg, budget_path)
+            b0s = [budgets.b0(k) for k in budgets]
+            table["budgets"][stage.domain] = {"tasks": len(b0s), "median_b0": statistics.median(b0s),
+                                              "seconds": time.perf_counter() - t_b,
+                                              "sources": dict(_count(e.source for e in budgets.entries.values()))}
+            held_out = eval_tasks(fams, rcfg.eval_n, difficulty=rcfg.difficulty)
+            table["before"][stage.domain] = {
+                e: evaluate_episodes(engine, xtml, held_out, effort=e, max_tokens=rcfg.eval_max_tokens) for e in efforts
+            }
+        finally:
+            close_engine(engine)
         del sft_model, engine
     else:
         budgets = BudgetTable.load(budget_path)

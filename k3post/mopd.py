@@ -58,6 +58,7 @@ import torch
 from k3post.algos.advantages import group_advantages_from_groups
 from k3post.algos.opd import opd_reward
 from k3post.config.mopd import MOPDConfig, effort_weights
+from k3post.config.rollout import EngineConfig
 from k3post.envs.families.streams import domain_families, eval_tasks, train_tasks
 from k3post.envs.task import Task
 from k3post.metrics import MetricsLogger
@@ -66,7 +67,7 @@ from k3post.policy_step import TokenSequence, sequence_logprobs
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.loop import Signal, train_policy
 from k3post.rollout.embedded import EmbeddedEngine
-from k3post.rollout.factory import build_engine
+from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.engine import request_seed, token_uniform
 from k3post.rollout.evaluation import evaluate_episodes, make_env
 from k3post.rollout.trajectory import Group, Trajectory
@@ -486,21 +487,26 @@ def evaluate_mopd(
     teacher_sees_effort: bool = False,
     pass_ratio_min: float = 0.95,
     token_tolerance: float = 0.2,
+    engine: EngineConfig | None = None,
 ) -> dict[str, Any]:
     """The student vs each teacher on held-out ``tasks`` (domain → tasks, e.g. `mopd_eval_tasks`): greedy episodes of the student at each effort and of expert (d, e) as it scores in
     MOPD (no effort message unless ``teacher_sees_effort``); pass rate with its Wilson interval, the paired
     change teacher → student on the same tasks (`k3post.stats.paired_change`) and mean T(y) per (domain, effort),
     then `mopd_checks`. Teachers must be local (an endpoint scores, it is not sampled here).
-    ``max_tokens``: the per-turn cap, one for all or domain → cap (e.g. `eval_caps`)."""
+    ``max_tokens``: the per-turn cap, one for all or domain → cap (e.g. `eval_caps`). ``engine``: the teachers'
+    engine (default: embedded; over ``http`` each teacher runs on launched servers of its own)."""
     rows = []
     for d, ts in tasks.items():
         cap = max_tokens if isinstance(max_tokens, int) else max_tokens[d]
         for e in efforts:
             expert = expert_name(d, e)
-            teacher = build_engine(pool.model(expert), xtml.tokenizer, max_batch_size=student.max_batch_size,
-                                     max_model_len=student.max_model_len)
-            s = _episodes(student, xtml, ts, e, cap)
-            t = _episodes(teacher, xtml, ts, e if teacher_sees_effort else None, cap)
+            teacher = build_engine(pool.model(expert), xtml.tokenizer, engine=engine, role=f"MOPD teacher {expert}",
+                                   max_batch_size=student.max_batch_size, max_model_len=student.max_model_len)
+            try:
+                s = _episodes(student, xtml, ts, e, cap)
+                t = _episodes(teacher, xtml, ts, e if teacher_sees_effort else None, cap)
+            finally:
+                close_engine(teacher)
             rows.append({"domain": d, "effort": e, "expert": expert, "n": s["n"],
                          "student_pass": s["pass_rate"], "teacher_pass": t["pass_rate"],
                          "student_ci95": s["pass_ci95"], "teacher_ci95": t["pass_ci95"],

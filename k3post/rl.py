@@ -47,7 +47,7 @@ from k3post.policy_step import TokenSequence
 from k3post.rewards.effort import BudgetTable, group_override
 from k3post.rewards.grm import EngineJudge, GroupGRM, PolicyJudge, estimate_l0, trajectory_candidate
 from k3post.rollout.evaluation import evaluate_episodes, reference_turn_tokens, run_episodes
-from k3post.rollout.factory import build_engine
+from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.trajectory import Group
 from k3post.xtml import XTML
 
@@ -88,14 +88,18 @@ def build_group_scorer(
         path = Path(cold_start) if cfg.judge == "policy" else Path(cfg.judge)
         if not (path / "config.json").is_file():
             raise ValueError(f"rl.judge: {path} is not a model folder (config.json missing)")
-        judge = EngineJudge.from_checkpoint(path, qat=qat, max_batch_size=cfg.slots, seed=cfg.seed)
+        judge = EngineJudge.from_checkpoint(path, qat=qat, max_batch_size=cfg.slots, seed=cfg.seed, engine=cfg.engine)
     xtml = XTML(tokenizer)
-    engine = build_engine(load_model(cold_start), tokenizer, max_batch_size=cfg.slots, seed=cfg.seed)
+    engine = build_engine(load_model(cold_start), tokenizer, engine=cfg.engine, role="GRM length baseline (cold-start model)",
+                          max_batch_size=cfg.slots, seed=cfg.seed)
     l0 = {}
-    for fam in judged:
-        per_task = run_episodes(engine, xtml, train_tasks([fam], 16, difficulty=cfg.difficulty, seed=cfg.seed),
-                                effort=cfg.effort, max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=cfg.seed)
-        l0[fam] = estimate_l0([trajectory_candidate(ts[0], xtml).length or 0 for ts in per_task])
+    try:
+        for fam in judged:
+            per_task = run_episodes(engine, xtml, train_tasks([fam], 16, difficulty=cfg.difficulty, seed=cfg.seed),
+                                    effort=cfg.effort, max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=cfg.seed)
+            l0[fam] = estimate_l0([trajectory_candidate(ts[0], xtml).length or 0 for ts in per_task])
+    finally:
+        close_engine(engine)
     log.info("GRM judge %s, l0 %s", cfg.judge, l0)
     return GroupGRM(judge, xtml, l0=l0, sigma=cfg.grm_sigma, seed=cfg.seed)
 

@@ -25,11 +25,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import random
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -50,26 +47,22 @@ from k3post.rollout.agent_loop import AgentLoop
 from k3post.rollout.engine import GenerationRequest
 from k3post.rollout.http_engine import EngineUnavailableError, HTTPEngine
 from k3post.rollout.scheduler import PartialRolloutScheduler
+from k3post.serve.launch import LocalServers
 from k3post.rollout.trajectory import Group, Trajectory
 from k3post.xtml import EOM, XTML
 
 pytest.importorskip("uvicorn")
 
 FAM = get_family("general.arithmetic")
-REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-5  # log-prob tolerance of tests/test_partial_rollout.py (batch composition moves last bits)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Server:
+    """A `k3post serve` process of `LocalServers`, with call helpers."""
+
     url: str
     proc: subprocess.Popen[bytes]
     log: Path
@@ -81,47 +74,11 @@ class Server:
         return httpx.get(self.url + path, timeout=30).json()
 
 
-def _spawn(model_dir: Path, log: Path, *, qat: bool = False) -> Server:
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "k3post", "serve", str(model_dir), "--port", str(port), "--qat" if qat else "--no-qat",
-           "--threads", "1", "--max-batch-size", "4", "--seed", "0", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    return Server(f"http://127.0.0.1:{port}", proc, log)
-
-
-def _wait_ready(s: Server, timeout_s: float = 180.0) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if s.proc.poll() is not None:
-            raise AssertionError(f"server exited with {s.proc.returncode}:\n{s.log.read_text()[-3000:]}")
-        try:
-            if httpx.get(s.url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"server {s.url} not ready after {timeout_s} s:\n{s.log.read_text()[-3000:]}")
-
-
 @contextlib.contextmanager
 def running_servers(model_dir: Path, logs: Path, names: str, *, qat: bool = False) -> Iterator[dict[str, Server]]:
-    """Servers named by the letters of ``names``, ready; terminated (then killed) on exit."""
-    out = {name: _spawn(model_dir, logs / f"{name}.log", qat=qat) for name in names}
-    try:
-        for s in out.values():
-            _wait_ready(s)
-        yield out
-    finally:
-        for s in out.values():
-            if s.proc.poll() is None:
-                s.proc.terminate()
-        for s in out.values():
-            try:
-                s.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                s.proc.kill()
+    """Servers named by the letters of ``names`` (4 slots, one torch thread each), ready; stopped on exit."""
+    with LocalServers(model_dir, len(names), max_batch_size=4, qat=qat, threads=1, log_dir=logs) as ls:
+        yield {name: Server(p.url, p.proc, p.log) for name, p in zip(names, ls.servers)}
 
 
 @pytest.fixture(scope="module")

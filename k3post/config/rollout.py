@@ -38,6 +38,12 @@ class EngineConfig:
         bucket_mb: weights travel in buckets of at most this many MB.
         max_concurrency: most trajectories handed to the engine at once (running or queued there;
             the partial-rollout scheduler's auto-throttle ceiling); 0: the whole workload, N·K.
+        launch: ``http`` only: start this many local ``k3post serve`` processes for every engine the stage
+            builds that has no servers in ``urls`` (`k3post.serve.launch`): the policy's when ``urls`` is
+            empty, and always the frozen models' (the SFT model of the experts' budgets and "before" row,
+            the MOPD teachers' evaluation, the GRM judge), whose weights the policy's servers do not hold.
+            0: nothing is launched, and a frozen model over ``http`` is an error naming it.
+        launch_threads: torch CPU threads of each launched server (0: torch's default).
     """
 
     kind: str = "embedded"
@@ -49,12 +55,18 @@ class EngineConfig:
     sync_dir: str = ""
     bucket_mb: int = 64
     max_concurrency: int = 0
+    launch: int = 0
+    launch_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINE_KINDS:
             raise ValueError(f"engine.kind must be one of {ENGINE_KINDS}, got {self.kind!r}")
-        if self.kind == "http" and not self.urls:
-            raise ValueError("engine.kind is http: list the servers in engine.urls")
+        if self.launch < 0 or self.launch_threads < 0:
+            raise ValueError(f"engine.launch and engine.launch_threads must be >= 0, got {self.launch} and "
+                             f"{self.launch_threads}")
+        if self.kind == "http" and not self.urls and self.launch < 1:
+            raise ValueError("engine.kind is http: list the servers in engine.urls, or set engine.launch to start "
+                             "local ones")
         bad = [u for u in self.urls if not str(u).startswith(("http://", "https://"))]
         if bad:
             raise ValueError(f"engine.urls: not http(s) URLs: {bad}")

@@ -74,6 +74,7 @@ __all__ = [
     "unflatten",
     "empty_bucket",
     "engine_qat",
+    "module_qat",
     "check_weights",
     "apply_weights",
     "InProcessSync",
@@ -364,10 +365,15 @@ class WeightSync(Protocol):
 # --------------------------------------------------------------------------- receiver side
 
 
-def engine_qat(engine: Any) -> QATConfig | None:
-    """The QAT scheme an engine's model runs (``apply_qat`` config), None without QAT."""
-    cfgs = [getattr(m, qat_module._CFG_ATTR) for m in engine.model.modules() if hasattr(m, qat_module._CFG_ATTR)]
+def module_qat(model: nn.Module) -> QATConfig | None:
+    """The QAT scheme a model runs (``apply_qat`` config), None without QAT."""
+    cfgs = [getattr(m, qat_module._CFG_ATTR) for m in model.modules() if hasattr(m, qat_module._CFG_ATTR)]
     return cfgs[0] if cfgs and cfgs[0].enabled else None
+
+
+def engine_qat(engine: Any) -> QATConfig | None:
+    """The QAT scheme an engine's model runs (`module_qat` of ``engine.model``)."""
+    return module_qat(engine.model)
 
 
 def _engine_tensors(engine: Any) -> dict[str, torch.Tensor]:

@@ -591,9 +591,11 @@ class EngineJudge:
         qat: bool = False,
         max_batch_size: int = 32,
         max_model_len: int | None = None,
+        engine: Any = None,
         **kwargs: Any,
     ) -> "EngineJudge":
-        """Load a local checkpoint folder (model + XTML tokenizer) into an `EmbeddedEngine`.
+        """Load a local checkpoint folder (model + XTML tokenizer) into the engine of ``engine`` (an
+        `EngineConfig`; default: embedded; over ``http`` the judge gets launched servers of its own).
 
         ``qat`` runs the experts MX fake-quantized (as the policy's rollouts do); other keyword
         arguments go to the constructor.
@@ -607,9 +609,9 @@ class EngineJudge:
         if not (path / "config.json").is_file():
             raise ValueError(f"{path}: not a model folder (no config.json)")
         tok = load_tokenizer(path, require_xtml=True)
-        engine = build_engine(path, tok, max_batch_size=max_batch_size, max_model_len=max_model_len,
-                                qat=QATConfig() if qat else None)
-        return cls(engine, XTML(tok), **kwargs)
+        eng = build_engine(path, tok, engine=engine, role="GRM judge", max_batch_size=max_batch_size,
+                           max_model_len=max_model_len, qat=QATConfig() if qat else None)
+        return cls(eng, XTML(tok), **kwargs)
 
     def run(self, tasks: Sequence[Task]) -> list[Verdict]:
         """One trajectory per task, all decoded together."""
@@ -632,8 +634,11 @@ class EngineJudge:
         return out
 
     def close(self) -> None:
-        """Release the agent loop (its event loop and any live env)."""
+        """Release the agent loop (its event loop and any live env) and the engine."""
+        from k3post.rollout.factory import close_engine
+
         self.loop.close()
+        close_engine(self.loop.engine)
 
 
 # =========================================================================== running judgements

@@ -34,7 +34,7 @@ from k3post.rollout.scheduler import PartialRolloutScheduler
 from k3post.rollout.trajectory import Group
 from k3post.xtml import XTML
 
-__all__ = ["RolloutConfig", "build_engine", "Rollout"]
+__all__ = ["RolloutConfig", "build_engine", "close_engine", "Rollout"]
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +44,22 @@ def build_engine(
     tokenizer: Any | None = None,
     *,
     engine: EngineConfig | None = None,
+    role: str = "policy",
     max_batch_size: int = 32,
     max_model_len: int | None = None,
     seed: int = 0,
     **embedded: Any,
 ) -> SteppableEngine:
-    """The engine of ``engine`` (default: embedded) for ``model`` (a module, or a model folder for the
-    embedded engine). ``embedded``: further `EmbeddedEngine` settings (``qat``, ``stop_ids``, ...)."""
+    """The engine of ``engine`` (default: embedded) for ``model`` (a module, or a model folder).
+
+    ``role`` says what the engine runs: ``"policy"`` (the model being trained; `Rollout` keeps an HTTP
+    engine's servers on its weights by pushes) or, for anything else, a frozen model named for logs and
+    errors (``"budgets (SFT model)"``, ``"MOPD teacher general.max"``, ``"GRM judge"``). Over ``http`` the
+    policy uses ``engine.urls`` when given; every other engine runs on ``engine.launch`` local servers of
+    its own (`k3post.serve.launch.LocalServers`, stopped when the engine is closed), and without
+    ``launch`` a frozen model over ``http`` is a ValueError: the policy's servers do not hold its weights.
+    ``embedded``: further `EmbeddedEngine` settings (``qat``, ``stop_ids``, ...); launched servers take
+    ``qat`` only (the default MX scheme, as ``k3post serve --qat`` runs)."""
     cfg = engine if engine is not None else EngineConfig()
     if cfg.kind == "embedded":
         from k3post.rollout.embedded import EmbeddedEngine
@@ -60,11 +69,71 @@ def build_engine(
     if cfg.kind == "http":
         from k3post.rollout.http_engine import HTTPEngine
 
-        return HTTPEngine(cfg.urls, seed=seed, max_retries=cfg.retries, backoff_s=cfg.backoff_s,
-                          backoff_max_s=max(cfg.backoff_s, 8 * cfg.backoff_s), read_timeout_s=cfg.timeout_s,
-                          weights_dir=cfg.sync_dir or None, shard_mb=cfg.bucket_mb, weight_sync=cfg.weight_sync,
-                          sync_timeout_s=cfg.timeout_s)
+        servers = None
+        if role == "policy" and cfg.urls:
+            urls = list(cfg.urls)
+        elif cfg.launch > 0:
+            servers = _launch_servers(model, tokenizer, cfg, role, max_batch_size, max_model_len, embedded)
+            urls = servers.urls
+        else:
+            raise ValueError(f"engine.kind is http and the {role} is a model of its own, which the servers in "
+                             f"engine.urls do not hold: set engine.launch to start local servers for it")
+        try:
+            eng = HTTPEngine(urls, seed=seed, max_retries=cfg.retries, backoff_s=cfg.backoff_s,
+                             backoff_max_s=max(cfg.backoff_s, 8 * cfg.backoff_s), read_timeout_s=cfg.timeout_s,
+                             weights_dir=cfg.sync_dir or None, shard_mb=cfg.bucket_mb, weight_sync=cfg.weight_sync,
+                             sync_timeout_s=cfg.timeout_s)
+        except BaseException:
+            if servers is not None:
+                servers.close()
+            raise
+        if servers is not None:
+            eng.on_close(servers.close)
+        return eng
     raise ValueError(f"engine.kind {cfg.kind!r}: no such engine")
+
+
+def _launch_servers(model: torch.nn.Module | str | Path, tokenizer: Any | None, cfg: EngineConfig, role: str,
+                    max_batch_size: int, max_model_len: int | None, embedded: dict[str, Any]) -> Any:
+    """``cfg.launch`` local servers running ``model`` (a module is saved to a temporary model folder, removed
+    with the servers) with the QAT scheme it runs, or the one ``embedded["qat"]`` asks for."""
+    import tempfile
+
+    from k3post.distributed.weight_sync import module_qat
+    from k3post.quant.qat import QATConfig
+    from k3post.serve.launch import LocalServers
+
+    extra = sorted(set(embedded) - {"qat"})
+    if extra:
+        raise ValueError(f"engine.kind is http: launched servers for the {role} take no {extra} (embedded-engine "
+                         "settings)")
+    qat = embedded.get("qat")
+    if qat is None and isinstance(model, torch.nn.Module):
+        qat = module_qat(model)
+    if qat is not None and qat.enabled and qat != QATConfig():
+        raise ValueError(f"engine.kind is http: launched servers run the default MX QAT scheme only; the {role} runs "
+                         f"{qat}")
+    tmp = None
+    if isinstance(model, torch.nn.Module):
+        from k3post.models import save_model
+
+        if tokenizer is None:
+            raise ValueError(f"engine.kind is http: launching servers for the {role} (a module) needs its tokenizer")
+        tmp = Path(tempfile.mkdtemp(prefix="k3post-engine-model-"))
+        model_dir = save_model(model, tmp / "model", tokenizer)
+    else:
+        model_dir = Path(model)
+    servers = LocalServers(model_dir, cfg.launch, max_batch_size=max_batch_size, max_model_len=max_model_len,
+                           qat=qat is not None and qat.enabled, threads=cfg.launch_threads or None, remove_on_close=tmp)
+    log.info("engine for the %s: %d local server(s) %s", role, cfg.launch, servers.urls)
+    return servers
+
+
+def close_engine(engine: Any) -> None:
+    """Close ``engine`` when it holds resources (an HTTP client, servers it launched); a no-op otherwise."""
+    close = getattr(engine, "close", None)
+    if callable(close):
+        close()
 
 
 class Rollout:
@@ -163,6 +232,4 @@ class Rollout:
 
     def close(self) -> None:
         self.loop.close()
-        close = getattr(self.engine, "close", None)
-        if callable(close):
-            close()
+        close_engine(self.engine)

@@ -55,7 +55,7 @@ import shutil
 import tempfile
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,6 +174,7 @@ class HTTPEngine:
             raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
         if not (backoff_s >= 0 and backoff_max_s >= backoff_s):
             raise ValueError(f"need 0 <= backoff_s <= backoff_max_s, got {backoff_s} and {backoff_max_s}")
+        self._close_hooks: list[Callable[[], None]] = []
         self.seed = int(seed)
         self.max_retries = max_retries
         self.backoff_s, self.backoff_max_s = float(backoff_s), float(backoff_max_s)
@@ -696,8 +697,21 @@ class HTTPEngine:
         return new
 
     # ------------------------------------------------------------------ lifecycle
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` when the engine closes, after its client stopped (e.g. stop servers it owns)."""
+        self._close_hooks.append(fn)
+
     def close(self) -> None:
-        """Abort what is still running on the servers and stop the client thread."""
+        """Abort what is still running on the servers, stop the client thread, then run the `on_close`
+        hooks (each once)."""
+        try:
+            self._close_client()
+        finally:
+            hooks, self._close_hooks = self._close_hooks, []
+            for fn in reversed(hooks):
+                fn()
+
+    def _close_client(self) -> None:
         if not self._thread.is_alive():
             return
         if self._sync is not None:
