@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ENGINE_KINDS", "WEIGHT_SYNCS", "EngineConfig", "RolloutConfig"]
+__all__ = ["ENGINE_DIALECTS", "ENGINE_KINDS", "WEIGHT_SYNCS", "EngineConfig", "RolloutConfig"]
 
 ENGINE_KINDS = ("embedded", "http")
 WEIGHT_SYNCS = ("disk", "distributed")
+ENGINE_DIALECTS = ("k3post", "sglang", "vllm")
 
 
 @dataclass
@@ -38,6 +39,8 @@ class EngineConfig:
         bucket_mb: weights travel in buckets of at most this many MB.
         max_concurrency: most trajectories handed to the engine at once (running or queued there;
             the partial-rollout scheduler's auto-throttle ceiling); 0: the whole workload, N·K.
+        dialect: the ``http`` servers' API: ``k3post`` (``k3post serve``), ``sglang`` or ``vllm``
+            (their own servers; `k3post.rollout.server_dialects`: disk sync only, no exact resampling).
     """
 
     kind: str = "embedded"
@@ -49,6 +52,7 @@ class EngineConfig:
     sync_dir: str = ""
     bucket_mb: int = 64
     max_concurrency: int = 0
+    dialect: str = "k3post"
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINE_KINDS:
@@ -62,6 +66,10 @@ class EngineConfig:
             raise ValueError(f"engine.weight_sync must be one of {WEIGHT_SYNCS}, got {self.weight_sync!r}")
         if self.retries < 0 or self.backoff_s < 0 or self.timeout_s <= 0 or self.bucket_mb < 1:
             raise ValueError("engine: retries >= 0, backoff_s >= 0, timeout_s > 0 and bucket_mb >= 1 are required")
+        if self.dialect not in ENGINE_DIALECTS:
+            raise ValueError(f"engine.dialect must be one of {ENGINE_DIALECTS}, got {self.dialect!r}")
+        if self.dialect != "k3post" and self.weight_sync != "disk":
+            raise ValueError(f"engine.dialect {self.dialect!r} needs engine.weight_sync=disk, got {self.weight_sync!r}")
         if self.max_concurrency < 0:
             raise ValueError(f"engine.max_concurrency must be >= 0 (0: the whole workload), got {self.max_concurrency}")
 
