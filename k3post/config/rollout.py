@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ENGINE_KINDS", "WEIGHT_SYNCS", "EngineConfig", "RolloutConfig"]
+__all__ = ["ENGINE_DIALECTS", "ENGINE_KINDS", "WEIGHT_SYNCS", "EngineConfig", "RolloutConfig"]
 
 ENGINE_KINDS = ("embedded", "http")
 WEIGHT_SYNCS = ("disk", "distributed")
+ENGINE_DIALECTS = ("k3post", "sglang", "vllm")
 
 
 @dataclass
@@ -44,6 +45,11 @@ class EngineConfig:
             the MOPD teachers' evaluation, the GRM judge), whose weights the policy's servers do not hold.
             0: nothing is launched, and a frozen model over ``http`` is an error naming it.
         launch_threads: torch CPU threads of each launched server (0: torch's default).
+        dialect: the ``http`` servers' API: ``k3post`` (``k3post serve``), ``sglang`` or ``vllm``
+            (their own servers; `k3post.rollout.server_dialects`: disk sync only, no exact resampling).
+            Launched servers are ``k3post serve`` whatever this says.
+        server_slots: requests one server decodes together, for servers that do not report it (vLLM);
+            0: what the server reports.
     """
 
     kind: str = "embedded"
@@ -57,10 +63,14 @@ class EngineConfig:
     max_concurrency: int = 0
     launch: int = 0
     launch_threads: int = 0
+    dialect: str = "k3post"
+    server_slots: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINE_KINDS:
             raise ValueError(f"engine.kind must be one of {ENGINE_KINDS}, got {self.kind!r}")
+        if self.server_slots < 0:
+            raise ValueError(f"engine.server_slots must be >= 0 (0: what the server reports), got {self.server_slots}")
         if self.launch < 0 or self.launch_threads < 0:
             raise ValueError(f"engine.launch and engine.launch_threads must be >= 0, got {self.launch} and "
                              f"{self.launch_threads}")
@@ -74,6 +84,10 @@ class EngineConfig:
             raise ValueError(f"engine.weight_sync must be one of {WEIGHT_SYNCS}, got {self.weight_sync!r}")
         if self.retries < 0 or self.backoff_s < 0 or self.timeout_s <= 0 or self.bucket_mb < 1:
             raise ValueError("engine: retries >= 0, backoff_s >= 0, timeout_s > 0 and bucket_mb >= 1 are required")
+        if self.dialect not in ENGINE_DIALECTS:
+            raise ValueError(f"engine.dialect must be one of {ENGINE_DIALECTS}, got {self.dialect!r}")
+        if self.dialect != "k3post" and self.weight_sync != "disk":
+            raise ValueError(f"engine.dialect {self.dialect!r} needs engine.weight_sync=disk, got {self.weight_sync!r}")
         if self.max_concurrency < 0:
             raise ValueError(f"engine.max_concurrency must be >= 0 (0: the whole workload), got {self.max_concurrency}")
 

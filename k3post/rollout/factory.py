@@ -82,7 +82,8 @@ def build_engine(
             eng = HTTPEngine(urls, seed=seed, max_retries=cfg.retries, backoff_s=cfg.backoff_s,
                              backoff_max_s=max(cfg.backoff_s, 8 * cfg.backoff_s), read_timeout_s=cfg.timeout_s,
                              weights_dir=cfg.sync_dir or None, shard_mb=cfg.bucket_mb, weight_sync=cfg.weight_sync,
-                             sync_timeout_s=cfg.timeout_s)
+                             sync_timeout_s=cfg.timeout_s, dialect="k3post" if servers is not None else cfg.dialect,
+                             server_slots=cfg.server_slots or None)
         except BaseException:
             if servers is not None:
                 servers.close()

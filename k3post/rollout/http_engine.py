@@ -41,6 +41,15 @@ from its last known continuation (the tokens it had when it was submitted; every
 logged). When no server is left, `EngineUnavailableError` names every URL. An HTTP error
 answer (400 for a bad request, 500 for a failed engine step) is not retried: ``step`` raises it.
 
+**Dialects.** ``dialect="k3post"`` (the default) is everything above. ``"sglang"`` and ``"vllm"``
+drive an SGLang or a vLLM server through its own API (`k3post.rollout.server_dialects`, which
+holds each wire format and its limits): a continuation is a plain re-prefill (prompt + tokens so
+far, the rest of the budget), so it draws other tokens than an uninterrupted request would; new
+tokens are stamped with the server's weight version of the answer (SGLang) or the version this
+client last loaded (vLLM), so ``update_weights`` refuses to run while a request is running there
+(pause first); a pause aborts the request (``/abort_request`` on SGLang, closing the stream on
+vLLM, which streams so the tokens received are known); weights go by disk only.
+
 Shape legend: none (token lists; ``update_weights`` takes tensors by name, any shape).
 """
 
@@ -54,6 +63,7 @@ import logging
 import shutil
 import tempfile
 import threading
+import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +73,7 @@ from typing import Any
 import httpx
 import torch
 
+from k3post.rollout import server_dialects
 from k3post.rollout.engine import (
     GenerationRequest,
     GenerationResult,
@@ -96,6 +107,7 @@ class _Server:
     load: int = 0  # requests in flight there from this client (event-loop thread only)
     max_batch_size: int = 1
     max_model_len: int = 0
+    weights_ready: bool = False  # the server's weight-transfer engine is initialised (vllm dialect)
 
 
 @dataclass
@@ -114,6 +126,7 @@ class _Req:
     pausing: bool = False
     final: GenerationResult | None = None  # finished on its server before a pause reached it
     history: list[str] = field(default_factory=list)  # servers it ran on, in order
+    halt: asyncio.Event | None = None  # set to close a streamed call (vllm dialect), keeping what arrived
 
     def partial(self, finish: str) -> GenerationResult:
         r = self.request
@@ -143,6 +156,13 @@ class HTTPEngine:
         sync_address: the address servers reach this process at for the ``distributed`` group.
         sync_timeout_s: longest wait of a ``distributed`` rendezvous or collective (a server that
             refuses before joining makes the trainer wait this long).
+        dialect: the servers' API: ``"k3post"``, ``"sglang"`` or ``"vllm"`` (module doc;
+            `k3post.rollout.server_dialects`). ``sglang`` / ``vllm`` need ``weight_sync="disk"``.
+        default_stop_ids: stop ids of requests whose ``SamplingParams.stop_ids`` is None on an
+            SGLang / vLLM server (None: the server's own EOS ids; a k3post server has its own default).
+        server_slots: requests one SGLang / vLLM server runs at once when it does not report it
+            (vLLM never does: its ``--max-num-seqs``).
+        transport: the httpx transport (tests replay recorded servers through ``httpx.MockTransport``).
     """
 
     kv_transfer = False
@@ -165,6 +185,10 @@ class HTTPEngine:
         weight_sync: str = "disk",
         sync_address: str = "127.0.0.1",
         sync_timeout_s: float = 300.0,
+        dialect: str = "k3post",
+        default_stop_ids: Sequence[int] | None = None,
+        server_slots: int | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if isinstance(urls, str) or not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
             raise ValueError(f"urls must be a non-empty list of http(s):// base URLs, got {urls!r}")
@@ -184,6 +208,13 @@ class HTTPEngine:
         if weight_sync not in ("disk", "distributed"):
             raise ValueError(f"weight_sync must be 'disk' or 'distributed', got {weight_sync!r}")
         self.weight_sync = weight_sync
+        self.dialect = server_dialects.make_dialect(dialect)
+        if dialect != "k3post" and weight_sync != "disk":
+            raise ValueError(f"weight_sync={weight_sync!r} is not available with dialect={dialect!r}: its servers "
+                             "receive broadcasts in their own protocol, not k3post's DistributedSync buckets; use "
+                             "weight_sync='disk'")
+        self.default_stop_ids = None if default_stop_ids is None else [int(t) for t in default_stop_ids]
+        self.server_slots = server_slots
         self.sync_address, self.sync_timeout_s = sync_address, float(sync_timeout_s)
         self._sync: Any = None  # the DistributedSync of the current group
         self._sync_group: str | None = None
@@ -202,7 +233,7 @@ class HTTPEngine:
         self._thread.start()
         timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=60.0, pool=None)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        self._client: httpx.AsyncClient = self._call(self._make_client(timeout, limits))
+        self._client: httpx.AsyncClient = self._call(self._make_client(timeout, limits, transport))
         try:
             self._connect()
         except BaseException:
@@ -229,8 +260,9 @@ class HTTPEngine:
 
     # ------------------------------------------------------------------ plumbing
     @staticmethod
-    async def _make_client(timeout: httpx.Timeout, limits: httpx.Limits) -> httpx.AsyncClient:
-        return httpx.AsyncClient(timeout=timeout, limits=limits)
+    async def _make_client(timeout: httpx.Timeout, limits: httpx.Limits,
+                           transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
+        return httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
 
     def _call(self, coro: Any) -> Any:
         """Run a coroutine on the client's event loop and wait for its result."""
@@ -264,14 +296,18 @@ class HTTPEngine:
         raise AssertionError("unreachable")
 
     async def _info(self, server: _Server) -> dict[str, Any] | None:
-        try:
-            r = await self._post(server, "/get_model_info", get=True)
-        except _ServerDown:
-            return None
-        if r.status_code != 200:
-            raise ValueError(f"{server.url}/get_model_info answered {r.status_code}: not a k3post engine server "
-                             f"({r.text[:200]})")
-        return r.json()
+        """The server's model info in k3post's shape (its dialect reads its own endpoints)."""
+        answers: dict[str, Any] = {}
+        for call in self.dialect.info_calls():
+            try:
+                r = await self._post(server, call.path, get=True)
+            except _ServerDown:
+                return None
+            if r.status_code != 200:
+                raise ValueError(f"{server.url}{call.path} answered {r.status_code}: not a {self.dialect.name} engine "
+                                 f"server ({r.text[:200]})")
+            answers[call.path] = r.json()
+        return self.dialect.parse_info(server.url, answers, server_slots=self.server_slots)
 
     def _live(self) -> list[_Server]:
         return [s for s in self._servers if s.alive]
@@ -375,6 +411,8 @@ class HTTPEngine:
                 server.load -= 1
 
     async def _generate_on(self, server: _Server, rq: _Req) -> GenerationResult:
+        if self.dialect.name != "k3post":
+            return await self._generate_dialect(server, rq)
         r = rq.request
         sp = r.sampling
         rq.calls += 1
@@ -410,6 +448,76 @@ class HTTPEngine:
         finish = meta["finish_reason"]["type"]
         return GenerationResult(r.request_id, list(r.prompt_ids), ids, [float(p[0]) for p in pairs],
                                 [int(v) for v in meta["versions"]], finish)
+
+    async def _generate_dialect(self, server: _Server, rq: _Req) -> GenerationResult:
+        """One SGLang / vLLM generate call continuing ``rq`` from its tokens so far; the new
+        tokens are appended to ``rq`` as they arrive (a pause or a re-route keeps them)."""
+        r = rq.request
+        rq.calls += 1
+        rq.wire_rid = uuid.uuid4().hex  # fixed width: never a prefix of another rid (SGLang aborts by prefix)
+        call = self.dialect.generate_call(rq.wire_rid, r, rq.ids, self.default_stop_ids)
+        if not self.dialect.streams:
+            resp = await self._post(server, call.path, call.body)
+            if resp.status_code != 200:
+                raise RuntimeError(f"{server.url}{call.path} answered {resp.status_code} for request "
+                                   f"{r.request_id!r}: {resp.text[:500]}")
+            piece = self.dialect.parse_generate(server.url, r.request_id, resp.json(), self._version)
+            self._extend(rq, piece)
+            return rq.partial(piece.finish or "abort")
+        return await self._stream_on(server, rq, call)
+
+    @staticmethod
+    def _extend(rq: _Req, piece: server_dialects.Piece) -> None:
+        rq.ids += piece.ids
+        rq.logprobs += piece.logprobs
+        rq.versions += piece.versions
+
+    async def _stream_on(self, server: _Server, rq: _Req, call: server_dialects.Call) -> GenerationResult:
+        """A streamed generate call (vllm): deltas are kept as they arrive; ``rq.halt`` closes the
+        stream (vLLM aborts the request on disconnect) and returns what arrived, finish "abort"."""
+        r = rq.request
+        halt = rq.halt = asyncio.Event()
+        dialect: Any = self.dialect
+
+        async def read() -> str:
+            async with self._client.stream("POST", server.url + call.path, json=call.body,
+                                           headers=call.headers) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode(errors="replace")
+                    raise RuntimeError(f"{server.url}{call.path} answered {resp.status_code} for request "
+                                       f"{r.request_id!r}: {text[:500]}")
+                async for line in resp.aiter_lines():
+                    piece = dialect.parse_stream_line(server.url, r.request_id, line, self._version)
+                    if piece is None:
+                        continue
+                    self._extend(rq, piece)
+                    if piece.finish is not None:
+                        return piece.finish
+            raise server_dialects.DialectError(f"{server.url}{call.path} (request {r.request_id!r}): the stream "
+                                               "ended without a finish_reason")
+
+        for attempt in range(self.max_retries + 1):
+            if not server.alive:
+                raise _ServerDown(server.url)
+            task = asyncio.ensure_future(read())
+            stop = asyncio.ensure_future(halt.wait())
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if not task.done():  # halted: close the stream, keep what arrived
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return rq.partial("abort")
+            try:
+                return rq.partial(task.result())
+            except httpx.TransportError as e:
+                if attempt == self.max_retries:
+                    self._mark_dead(server, e)
+                    raise _ServerDown(server.url) from e
+                await self._backoff(attempt)
+                rq.calls += 1
+                rq.wire_rid = uuid.uuid4().hex
+                call = self.dialect.generate_call(rq.wire_rid, r, rq.ids, self.default_stop_ids)
+        raise AssertionError("unreachable")
 
     def step(self) -> list[GenerationResult]:
         """The results that finished since the last call (finish "stop" / "length"); blocks
@@ -479,9 +587,15 @@ class HTTPEngine:
                 raise RuntimeError(f"aborted requests {[rq.request.request_id for rq in pending]} got no answer from "
                                    f"{where} within {self.abort_timeout_s} s")
             for rq in pending:
+                if rq.halt is not None:  # a streamed call: closing it aborts the request on its server
+                    rq.halt.set()
+                    continue
                 if rq.server is not None and rq.server.alive and rq.wire_rid is not None:
+                    call = self.dialect.abort_call(rq.wire_rid)
+                    if call is None:
+                        continue
                     try:
-                        await self._client.post(rq.server.url + "/abort_request", json={"rid": rq.wire_rid})
+                        await self._client.post(rq.server.url + call.path, json=call.body)
                     except httpx.TransportError:
                         pass  # the server is going away: its /generate call fails and returns the partial
             await asyncio.sleep(0.05)
@@ -555,11 +669,14 @@ class HTTPEngine:
         new = self._version + 1 if version is None else int(version)
         if new <= self._version:
             raise ValueError(f"update_weights: version {new} must exceed the current version {self._version}")
+        self._check_idle("update_weights")
         items = list(named_tensors.items()) if hasattr(named_tensors, "items") else list(named_tensors)  # type: ignore[union-attr]
         for name, t in items:
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"update_weights: {name} is a {type(t).__name__}, not a tensor")
         qat = QATConfig(**self._qat) if self._qat is not None else None
+        if not items and self.dialect.name != "k3post":  # nothing to load: only the version moves
+            return self._run_weight_calls(self.dialect.version_calls(new), new, "update_weights")
         if self.weight_sync == "distributed":
             return self._update_distributed([(name, t.detach().to("cpu").contiguous()) for name, t in items], new, qat)
         items = [(name, t.detach().to("cpu").contiguous().clone()) for name, t in items]  # clone: no shared storage
@@ -576,7 +693,6 @@ class HTTPEngine:
         """Create the ``distributed`` sync group with every live server (module doc); a no-op when
         it exists. Raises WeightSyncError naming the servers that could not join."""
         import socket
-        import uuid
 
         from k3post.distributed.weight_sync import DistributedSync, WeightSyncError
         from k3post.quant.qat import QATConfig
@@ -670,29 +786,64 @@ class HTTPEngine:
         raise WeightSyncError(f"update_weights_from_distributed to version {new} failed, every server keeps version "
                               f"{self._version}: " + "; ".join(errors or [str(error)]) + f" ({ranks})")
 
+    def _check_idle(self, what: str) -> None:
+        """SGLang / vLLM stamp a response with one version, so weights must not change under a
+        running request there (module doc): ValueError naming the running requests."""
+        running = [rid for rid, rq in self._reqs.items() if rq.state == "running"]
+        if self.dialect.name != "k3post" and running:
+            raise ValueError(f"{what}: requests {running[:8]}{' ...' if len(running) > 8 else ''} are running on "
+                             f"{self.dialect.name} servers, which cannot version tokens across an update: pause or "
+                             "finish them first")
+
     def update_weights_from_disk(self, model_path: str | Path, version: int | None = None) -> int:
-        """``POST /update_weights_from_disk`` on every live server with the same version
-        (default current + 1). Raises ValueError naming the servers that refused (they keep
-        their old weights and version; the next update repairs them)."""
+        """Load the weights of folder ``model_path`` on every live server with the same version
+        (default current + 1): ``POST /update_weights_from_disk`` (k3post, SGLang) or vLLM's
+        weight-transfer calls (`server_dialects`). Raises ValueError naming the servers that refused
+        (they keep their old weights and version; the next update repairs them)."""
         new = self._version + 1 if version is None else int(version)
+        path = str(Path(model_path).resolve())
+        if self.dialect.name == "k3post":
+            calls = [server_dialects.Call("POST", "/update_weights_from_disk", {"model_path": path, "weight_version": new})]
+        else:
+            calls = self.dialect.init_weight_calls() + self.dialect.disk_update_calls(path, new)
+        return self._run_weight_calls(calls, new, "update_weights_from_disk")
+
+    def _run_weight_calls(self, calls: list[server_dialects.Call], new: int, what: str) -> int:
+        """Make ``calls`` in order on every live server (concurrently across servers) and move to
+        version ``new``; a server's init calls run once (``weights_ready``)."""
         if new <= self._version:
-            raise ValueError(f"update_weights: version {new} must exceed the current version {self._version}")
-        body = {"model_path": str(Path(model_path).resolve()), "weight_version": new}
+            raise ValueError(f"{what}: version {new} must exceed the current version {self._version}")
+        self._check_idle(what)
+        init = {c.path for c in self.dialect.init_weight_calls()} if self.dialect.name != "k3post" else set()
 
         async def one(s: _Server) -> str | None:
-            try:
-                r = await self._post(s, "/update_weights_from_disk", body)
-            except _ServerDown:
-                return None  # dead: it gets no more requests
-            if r.status_code != 200:
-                return f"{s.url}: {r.json().get('message', r.text)}"
+            for call in calls:
+                if call.path in init and s.weights_ready:
+                    continue
+                try:
+                    r = await self._post(s, call.path, call.body)
+                except _ServerDown:
+                    return None  # dead: it gets no more requests
+                if self.dialect.name == "k3post":
+                    if r.status_code != 200:
+                        return f"{s.url}: {r.json().get('message', r.text)}"
+                    continue
+                try:
+                    d: Any = r.json()
+                except ValueError:
+                    d = r.text[:500]
+                failure = self.dialect.update_failure(s.url, call, r.status_code, d)
+                if failure is not None:
+                    return failure
+                if call.path in init:
+                    s.weights_ready = True
             return None
 
         errors = [e for e in self._call(_gather([one(s) for s in self._live()])) if e]
         if not self._live():
             raise EngineUnavailableError(f"no engine server left: {', '.join(s.url + ' (dead)' for s in self._servers)}")
         if errors:
-            raise ValueError("update_weights_from_disk failed on " + "; ".join(errors))
+            raise ValueError(f"{what} to version {new} failed on " + "; ".join(errors))
         self._version = new
         return new
 
