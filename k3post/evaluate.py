@@ -19,8 +19,9 @@ import torch
 from tqdm.auto import tqdm
 
 from k3post.config.eval import EvalConfig
+from k3post.config.rollout import EngineConfig
 from k3post.rollout.embedded import EmbeddedEngine
-from k3post.rollout.factory import build_engine
+from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.engine import GenerationRequest, SamplingParams, request_seed
 from k3post.stats import wilson_interval
 
@@ -28,8 +29,10 @@ if TYPE_CHECKING:
     from k3post.xtml import XTML
 
 
-def _engine_for(model: torch.nn.Module, engine: EmbeddedEngine | None, batch_size: int) -> EmbeddedEngine:
-    """``engine`` (checked to run ``model`` and to be idle), or a fresh one over ``model``.
+def _engine_for(model: torch.nn.Module, engine: EmbeddedEngine | None, batch_size: int,
+                engine_cfg: EngineConfig | None = None, tokenizer: Any = None) -> EmbeddedEngine:
+    """``engine`` (checked to run ``model`` and to be idle), or a fresh one over ``model`` of ``engine_cfg``
+    (default: embedded; ``http`` + ``launch``: local servers of its own, which need ``tokenizer``).
 
     A fresh engine costs ~10 ms on the tiny model (rotary table, slot KV cache of ``batch_size``
     slots, fused weight copies on first use), so one is built per call instead of cached.
@@ -37,7 +40,7 @@ def _engine_for(model: torch.nn.Module, engine: EmbeddedEngine | None, batch_siz
     if engine is None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        return build_engine(model, max_batch_size=batch_size)
+        return build_engine(model, tokenizer, engine=engine_cfg, role="evaluated model", max_batch_size=batch_size)
     if engine.model is not model:
         raise ValueError("engine runs a different model than the one to evaluate; pass engine.model")
     if engine.has_unfinished():
@@ -56,6 +59,8 @@ def complete(
     batch_size: int = 64,
     engine: EmbeddedEngine | None = None,
     progress: bool = False,
+    engine_cfg: EngineConfig | None = None,
+    tokenizer: Any = None,
 ) -> list[list[int]]:
     """Completions (without the prompt) of ``model``, each ending at its first ``stop_id``
     (kept) or after ``max_new_tokens`` tokens; in prompt order.
@@ -66,10 +71,13 @@ def complete(
         batch_size: slots of the engine built here (ignored when ``engine`` is given).
         engine: an idle `EmbeddedEngine` over ``model`` to use instead of building one (its
             paused requests stay; this call's request ids are ``eval-<i>``).
+        engine_cfg, tokenizer: the engine built here (`k3post.config.rollout.EngineConfig`; default
+            embedded); an ``http`` one with ``launch`` saves ``model`` with ``tokenizer`` for its servers
+            and is closed at the end.
     A prompt + completion never exceeds the engine's ``max_model_len`` (config
     ``max_position_embeddings``): a completion reaching it ends there.
     """
-    eng = _engine_for(model, engine, batch_size)
+    eng = _engine_for(model, engine, batch_size, engine_cfg, tokenizer)
     requests = [
         GenerationRequest(
             f"eval-{i}", list(p),
@@ -95,6 +103,8 @@ def complete(
         raise
     finally:
         model.train(was_training)
+        if eng is not engine:
+            close_engine(eng)
     return [done[r.request_id] for r in requests]
 
 
@@ -143,7 +153,7 @@ def evaluate_family(
     ]
     completions = complete(
         model, prompts, max_new_tokens=cfg.max_new_tokens, stop_id=xtml.eom_id, temperature=cfg.temperature, seed=cfg.seed,
-        batch_size=cfg.batch_size, engine=engine,
+        batch_size=cfg.batch_size, engine=engine, engine_cfg=cfg.engine, tokenizer=xtml.tokenizer,
     )
     rewards, think_tokens, out_tokens, malformed, examples = [], [], [], 0, []
     for t, ids in zip(tasks, completions):

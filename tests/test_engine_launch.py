@@ -5,6 +5,7 @@ engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -110,3 +111,19 @@ def test_mopd_evaluation_over_launched_teacher_servers_equals_in_process(tmp_pat
         pool.close()
     # (json: NaN ratios, where a teacher passes nothing, compare equal)
     assert json.dumps(got, sort_keys=True) == json.dumps(ref, sort_keys=True) and [r["n"] for r in got["rows"]] == [3, 3]
+
+
+def test_evaluate_family_over_a_launched_server_equals_in_process(xtml_tokenizer):
+    """``eval.engine`` = http + launch: the evaluated model runs on a server of its own (greedy: the same
+    completions, so the same pass rate, tokens and examples as the in-process evaluation)."""
+    from k3post.config.eval import EvalConfig
+    from k3post.evaluate import evaluate_family
+
+    tok = xtml_tokenizer
+    fam = get_family("general.arithmetic")
+    tasks = fam.generate(4, seed=2)
+    model = _model(tok, seed=7)
+    cfg = EvalConfig(max_new_tokens=16, batch_size=4)
+    ref = evaluate_family(model, XTML(tok), fam, tasks, effort="max", cfg=cfg)
+    got = evaluate_family(model, XTML(tok), fam, tasks, effort="max", cfg=dataclasses.replace(cfg, engine=LAUNCH))
+    assert got == ref and ref["n"] == 4 and ref["mean_output_tokens"] > 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from k3post.config.rollout import EngineConfig
+
 __all__ = ["EvalConfig"]
 
 
@@ -17,3 +19,4 @@ class EvalConfig:
     n_examples: int = 3  # completions kept per effort for the report
     temperature: float = 0.0  # 0: greedy; > 0: one sample per task, i.e. pass@1 at this temperature
     seed: int = 0  # sampling seed when temperature > 0 (task i uses request_seed(seed, str(i)))
+    engine: EngineConfig = field(default_factory=EngineConfig)  # embedded, or http with launch (the model evaluated is frozen)
