@@ -69,6 +69,8 @@ def attach_run_log(run: str | Path) -> Path:
         root.addHandler(handler)
         if root.level > logging.INFO or root.level == logging.NOTSET:
             root.setLevel(logging.INFO)
+        # one INFO line per HTTP request (engine servers, endpoints) would drown the run log
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     _run_log = path
     return path
 

@@ -86,6 +86,10 @@ def _tail(history: list[dict[str, float]], key: str, n: int = 3) -> float:
 def _domain_worker(args: tuple[str, str, RLConfig, str, QATConfig | None, str | None]) -> dict[str, Any]:
     domain, sft_dir, cfg, out_dir, qat, metrics_dir = args
     torch.set_num_threads(1)
+    if metrics_dir:  # the worker's warnings and engine launches go to the run's k3post.log too (appended)
+        from k3post.errors import attach_run_log
+
+        attach_run_log(metrics_dir)
     metrics = MetricsLogger(metrics_dir) if metrics_dir else None
     try:
         return train_domain_experts(domain, sft_dir, cfg, out_dir, qat=qat, metrics=metrics)

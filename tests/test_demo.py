@@ -81,6 +81,29 @@ def test_demo_small_writes_run_folder(tmp_path):
         assert (again / rel).read_bytes() == (run / rel).read_bytes(), rel
 
 
+@pytest.mark.slow
+def test_demo_small_over_launched_engine_servers(tmp_path):
+    """Every stage over engine servers, by config alone: ``engine.kind=http`` with ``launch=1`` for RL,
+    MOPD and evaluation; each engine (policy, SFT model of the budgets, MOPD teachers, evaluated models)
+    runs on a ``k3post serve`` process of its own, named in the run log; no server outlives the run.
+    The train–rollout gap stays at kernel noise (the trainer pushes its weights to the servers)."""
+    http = [f"{sec}.engine.{k}={v}" for sec in ("rl", "mopd.rl", "eval") for k, v in (("kind", "http"), ("launch", 1))]
+    assert main(["demo", *_small(tmp_path, "h"), *http]) == 0
+    run = tmp_path / "h"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "done" and len(summary["experts"]) == 6
+    assert [(r["domain"], r["effort"]) for r in summary["mopd"]["table"]["rows"]] == [
+        (d, e) for d in ("general", "agents", "coding") for e in ("max", "low")]
+    for gap in [*(e["rollout_gap"] for e in summary["experts"].values()), summary["mopd"]["rollout_gap"]]:
+        assert gap["tokens"] > 0 and gap["mean"] < 5e-4 and gap["max"] < 2e-2, gap
+    launched = (run / "k3post.log").read_text()
+    for role in ("policy", "general budgets and 'before' row (SFT model)", "coding budgets and 'before' row",
+                 "MOPD teacher agents.low", "MOPD student (final)", "evaluated model"):
+        assert f"engine for the {role}" in launched, role
+    out = subprocess.run(["pgrep", "-f", "k3post serve "], capture_output=True, text=True)
+    assert out.returncode == 1 and out.stdout.strip() == "", (out.returncode, out.stdout, out.stderr)  # 1: no match
+
+
 def _untimed(x):
     """``x`` without wall-clock values (keys ``time``, ``timings``, ``seconds``, ``tokens_per_s``, ``*_s``)."""
     if isinstance(x, dict):
