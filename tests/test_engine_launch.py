@@ -94,6 +94,7 @@ def test_a_server_that_cannot_start_names_its_log(tmp_path: Path, xtml_tokenizer
         LocalServers(tmp_path, 1)
 
 
+@pytest.mark.slow  # ~35 s: two teachers, a server each
 def test_mopd_evaluation_over_launched_teacher_servers_equals_in_process(tmp_path: Path, xtml_tokenizer):
     """`evaluate_mopd` with ``engine`` = http + launch: each teacher is sampled on servers of its own; the
     table equals the in-process evaluation's (greedy episodes: the same tokens)."""
