@@ -130,19 +130,19 @@ def run_rl(cfg: K3Config) -> Path:
 
 def run_experts(cfg: K3Config) -> Path:
     """`k3post experts CONFIG`: the nine (domain, effort) experts from rl.init; returns the experts folder."""
-    from k3post.experts import train_experts
+    from k3post.experts import expert_grid, format_expert_grid, train_experts
 
     run, init = _start_rl_run(cfg)
     metrics = MetricsLogger(run)
     out = run / "experts"
     table = train_experts(init, cfg.rl, out, qat=cfg.qat, metrics=metrics)
     metrics.close()
-    print(f"{'expert':16} {'pass (SFT)':>14} {'paired change':>30} {'T(y) (SFT)':>16} {'viol.':>6}")
-    for name, e in table["experts"].items():
-        ch = e["change"]
-        print(f"{name:16} {e['pass_rate']:6.3f} ({e['sft_pass_rate']:.3f}) {ch['verdict']:>21} p={ch['p_value']:.3g} "
-              f"{e['mean_effort_tokens']:7.1f} ({e['sft_mean_effort_tokens']:6.1f}) {e['final_violation_rate']:6.3f}")
-    print(f"experts → {out} (table.json)")
+    grid = expert_grid(table)
+    (out / "grid.json").write_text(json.dumps(grid, indent=1))
+    # each cell: pass after RL [Wilson 95%], SFT pass, paired verdict (↑ higher, = no significant change,
+    # ↓ lower), mean T(y), final budget-violation rate; then the domain's targets
+    print(format_expert_grid(grid))
+    print(f"experts → {out} (table.json, grid.json)")
     raise_if_failed(table)
     return out
 

@@ -24,18 +24,21 @@ Shape legend: none.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
 import statistics
 import time
 import traceback
-from dataclasses import replace
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from k3post.constants import DOMAINS, EFFORTS
 from k3post.errors import StepFailed
 from k3post.metrics import MetricsLogger
 from k3post.models import load_model
@@ -51,7 +54,8 @@ from k3post.xtml import XTML
 
 log = logging.getLogger(__name__)
 
-__all__ = ["train_experts", "train_domain_experts", "domain_budgets", "expert_dir", "load_policy"]
+__all__ = ["train_experts", "train_domain_experts", "domain_budgets", "expert_dir", "load_policy", "GridTargets",
+           "expert_grid", "format_expert_grid"]
 
 
 def expert_dir(root: str | Path, name: str) -> Path:
@@ -285,3 +289,67 @@ def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=float))
     tmp.replace(path)
+
+
+# --------------------------------------------------------------------------- the 3 x 3 table and its targets
+
+
+@dataclass(frozen=True)
+class GridTargets:
+    """What the nine experts should show per domain (the nine-experts recipe's table): SFT pass at max at
+    least ``sft_pass_min`` on at least ``min_n`` held-out tasks; RL at max higher than SFT (paired verdict
+    "higher"); T(low) < T(high) < T(max) and T(low) <= ``low_ratio_max`` · T(max); every expert's final
+    budget-violation rate at most ``violation_max``."""
+
+    sft_pass_min: float = 0.25
+    min_n: int = 100
+    low_ratio_max: float = 0.4
+    violation_max: float = 0.03
+
+
+def expert_grid(table: Mapping[str, Any], targets: GridTargets = GridTargets()) -> dict[str, Any]:
+    """The domain × effort table of `train_experts`' result (``table["experts"]``) with each domain's checks
+    against ``targets``: ``{"domains": {d: {"cells": {effort: cell}, "checks": {name: True | False | None}}},
+    "ok": all checks True}``. A check whose experts are missing (not trained, failed) is None and not ok."""
+    experts = table.get("experts", {})
+    domains: dict[str, Any] = {}
+    order = {d: i for i, d in enumerate(DOMAINS)}
+    for e in sorted(experts.values(), key=lambda e: (order.get(e["domain"], len(order)), e["domain"])):
+        domains.setdefault(e["domain"], {"cells": {}, "checks": {}})["cells"][e["effort"]] = e
+    for d, entry in domains.items():
+        cells = entry["cells"]
+        mx = cells.get("max")
+        t = {e: c["mean_effort_tokens"] for e, c in cells.items()}
+        checks: dict[str, bool | None] = {
+            "sft_pass_at_max": None if mx is None else bool(mx["sft_pass_rate"] >= targets.sft_pass_min and mx["n"] >= targets.min_n),
+            "rl_beats_sft_at_max": None if mx is None else mx["change"]["verdict"] == "higher",
+            "effort_order": (bool(t["low"] < t["high"] < t["max"]) if {"low", "high", "max"} <= set(t) else None),
+            "low_vs_max_tokens": (bool(t["low"] <= targets.low_ratio_max * t["max"]) if {"low", "max"} <= set(t) else None),
+            "violations": (bool(all(c["final_violation_rate"] <= targets.violation_max for c in cells.values()))
+                           if len(cells) == len(EFFORTS) else None),
+        }
+        entry["checks"] = checks
+    ok = bool(domains) and all(v is True for entry in domains.values() for v in entry["checks"].values())
+    return {"domains": domains, "ok": ok, "targets": dataclasses.asdict(targets)}
+
+
+def format_expert_grid(grid: Mapping[str, Any]) -> str:
+    """`expert_grid` as text: a row per domain, a column per effort (pass after RL with its Wilson interval,
+    the SFT pass, the paired verdict, T(y), violations), then the domain's checks (ok / MISS / n/a)."""
+    mark = {True: "ok", False: "MISS", None: "n/a"}
+    short = {"higher": "↑", "lower": "↓", "no significant change": "="}
+    lines = [f"{'domain':8} " + " ".join(f"{e:^40}" for e in EFFORTS)]
+    for d, entry in grid["domains"].items():
+        cols = []
+        for e in EFFORTS:
+            c = entry["cells"].get(e)
+            if c is None:
+                cols.append(f"{'(not trained)':^40}")
+                continue
+            lo, hi = c["pass_ci95"]
+            cols.append(f"{c['pass_rate']:.3f} [{lo:.2f},{hi:.2f}] SFT {c['sft_pass_rate']:.3f} "
+                        f"{short.get(c['change']['verdict'], '?')} T {c['mean_effort_tokens']:5.1f} v {c['final_violation_rate']:.2f}")
+        lines.append(f"{d:8} " + " ".join(f"{x:40}" for x in cols))
+        lines.append(" " * 9 + "  ".join(f"{k} {mark[v]}" for k, v in entry["checks"].items()))
+    lines.append(f"targets: {grid['targets']}; all met: {grid['ok']}")
+    return "\n".join(lines)
