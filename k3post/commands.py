@@ -137,11 +137,10 @@ def run_experts(cfg: K3Config) -> Path:
     out = run / "experts"
     table = train_experts(init, cfg.rl, out, qat=cfg.qat, metrics=metrics)
     metrics.close()
-    grid = expert_grid(table)
-    (out / "grid.json").write_text(json.dumps(grid, indent=1))
-    # each cell: pass after RL [Wilson 95%], SFT pass, paired verdict (↑ higher, = no significant change,
-    # ↓ lower), mean T(y), final budget-violation rate; then the domain's targets
-    print(format_expert_grid(grid))
+    # (also in grid.json, written by train_experts) each cell: pass after RL [Wilson 95%], SFT pass, paired
+    # verdict (↑ higher, = no significant change, ↓ lower), mean T(y), final budget-violation rate; then each
+    # domain's targets
+    print(format_expert_grid(expert_grid(table)))
     print(f"experts → {out} (table.json, grid.json)")
     raise_if_failed(table)
     return out

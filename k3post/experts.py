@@ -114,7 +114,8 @@ def train_experts(
     metrics_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Every (domain, effort) expert of ``cfg.domains`` × ``cfg.effort_control.curriculum``; returns
-    the merged table (also written to ``table.json``).
+    the merged table (also written to ``table.json``; its domain × effort view with the targets checked,
+    `expert_grid`, to ``grid.json``).
 
     The domains' chains are independent, so with ``processes`` > 1 they train in that many spawned
     processes (one torch thread each; metrics to ``metrics_dir`` through their own loggers, the
@@ -137,6 +138,7 @@ def train_experts(
         for key in merged:
             merged[key].update(tables[d].get(key, {}))
     _write_json(out / "table.json", merged)
+    _write_json(out / "grid.json", expert_grid(merged))
     for name, f in merged["failed"].items():
         if "traceback" in f:
             log.error("expert %s failed%s: %s (traceback also in %s)\n%s", name,

@@ -46,7 +46,8 @@ def test_demo_small_writes_run_folder(tmp_path):
     assert sum(summary["synth"]["samples_by_family"].values()) == funnel["total"] - too_long == funnel["kept"]
     assert "Synthesis funnel" in (run / "report.html").read_text()
     for rel in ("report.html", "metrics.jsonl", "config.yaml", "sft/final/model.safetensors", "sft/checkpoints/latest",
-                "tokenizer/tokenizer.json", "data/sft_train.jsonl", "data/eval_tasks.jsonl", "data/main.funnel.json", "tensorboard"):
+                "tokenizer/tokenizer.json", "data/sft_train.jsonl", "data/eval_tasks.jsonl", "data/main.funnel.json", "tensorboard",
+                "experts/grid.json"):
         assert (run / rel).exists(), rel
     html = (run / "report.html").read_text()
     assert "data:image/png;base64," in html and "Held-out pass rate" in html
