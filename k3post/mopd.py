@@ -71,7 +71,7 @@ from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.engine import request_seed, token_uniform
 from k3post.rollout.evaluation import evaluate_episodes, make_env
 from k3post.rollout.trajectory import Group, Trajectory
-from k3post.stats import paired_change
+from k3post.stats import paired_change, paired_ratio
 from k3post.xtml import EFFORTS, XTML
 
 log = logging.getLogger(__name__)
@@ -445,12 +445,16 @@ def train_mopd(
 
 
 def mopd_checks(
-    rows: Sequence[Mapping[str, Any]], *, pass_ratio_min: float = 0.95, token_tolerance: float = 0.2
+    rows: Sequence[Mapping[str, Any]], *, pass_ratio_min: float = 0.95, token_tolerance: float = 0.2,
+    teacher_pass_min: float = 0.2,
 ) -> dict[str, Any]:
     """The MOPD targets on a table of (domain, effort) rows holding student_pass, teacher_pass,
     student_tokens, teacher_tokens (mean T(y)):
 
-        pass_ok   = student_pass ≥ pass_ratio_min · teacher_pass           (pass_ratio = s / t, nan if t = 0)
+        pass_ok   = student_pass ≥ pass_ratio_min · teacher_pass           (pass_ratio = s / t, nan if t = 0);
+                    None (not applicable) where teacher_pass < teacher_pass_min: a teacher that passes almost
+                    nothing gives a ratio of noise. A row with the paired table ("student_vs_teacher") also
+                    gets pass_ratio_ci95, the matched-pairs interval of s / t (`k3post.stats.paired_ratio`).
         tokens_ok = |student_tokens − teacher_tokens| ≤ token_tolerance · teacher_tokens   (token_ratio = s / t)
         order_ok  = per domain, the student's mean T(y) strictly increases low < high < max over its efforts
 
@@ -460,14 +464,18 @@ def mopd_checks(
     order: dict[str, dict[str, Any]] = {}
     for r in rows:
         s_p, t_p, s_t, t_t = (float(r[k]) for k in ("student_pass", "teacher_pass", "student_tokens", "teacher_tokens"))
-        out_rows.append({**r, "pass_ratio": s_p / t_p if t_p > 0 else float("nan"),
-                         "token_ratio": s_t / t_t if t_t > 0 else float("nan"),
-                         "pass_ok": s_p >= pass_ratio_min * t_p, "tokens_ok": abs(s_t - t_t) <= token_tolerance * t_t})
+        row = {**r, "pass_ratio": s_p / t_p if t_p > 0 else float("nan"),
+               "token_ratio": s_t / t_t if t_t > 0 else float("nan"),
+               "pass_ok": s_p >= pass_ratio_min * t_p if t_p >= teacher_pass_min else None,
+               "tokens_ok": abs(s_t - t_t) <= token_tolerance * t_t}
+        if r.get("student_vs_teacher"):
+            row["pass_ratio_ci95"] = paired_ratio(r["student_vs_teacher"])["ci95"]
+        out_rows.append(row)
         order.setdefault(r["domain"], {"tokens": {}})["tokens"][r["effort"]] = s_t
     for d, o in order.items():
         seq = [o["tokens"][e] for e in EFFORTS if e in o["tokens"]]
         o["ok"] = all(a < b for a, b in zip(seq, seq[1:]))
-    ok = all(r["pass_ok"] and r["tokens_ok"] for r in out_rows) and all(o["ok"] for o in order.values())
+    ok = all(r["pass_ok"] is not False and r["tokens_ok"] for r in out_rows) and all(o["ok"] for o in order.values())
     return {"rows": out_rows, "order": order, "ok": ok}
 
 
@@ -487,6 +495,7 @@ def evaluate_mopd(
     teacher_sees_effort: bool = False,
     pass_ratio_min: float = 0.95,
     token_tolerance: float = 0.2,
+    teacher_pass_min: float = 0.2,
     engine: EngineConfig | None = None,
 ) -> dict[str, Any]:
     """The student vs each teacher on held-out ``tasks`` (domain → tasks, e.g. `mopd_eval_tasks`): greedy episodes of the student at each effort and of expert (d, e) as it scores in
@@ -512,4 +521,4 @@ def evaluate_mopd(
                          "student_ci95": s["pass_ci95"], "teacher_ci95": t["pass_ci95"],
                          "student_vs_teacher": paired_change(t["passed"], s["passed"]),  # same tasks, same order
                          "student_tokens": s["mean_effort_tokens"], "teacher_tokens": t["mean_effort_tokens"]})
-    return mopd_checks(rows, pass_ratio_min=pass_ratio_min, token_tolerance=token_tolerance)
+    return mopd_checks(rows, pass_ratio_min=pass_ratio_min, token_tolerance=token_tolerance, teacher_pass_min=teacher_pass_min)

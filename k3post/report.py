@@ -131,6 +131,13 @@ def _rate(p: float, ci: Sequence[float] | None) -> str:
     return f"{p:.3f}" if not ci else f"{p:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
 
 
+_YES_NO = {True: "yes", False: "no"}
+
+
+def _ratio(r: float, ci: Sequence[float] | None) -> str:
+    return f"{r:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+
+
 def _change(c: dict[str, Any]) -> str:
     """A paired comparison (`k3post.stats.paired_change`): the change, its interval, McNemar's p, the verdict."""
     return (f"{c['before']:.3f} → {c['after']:.3f}, Δ {c['delta']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}], "
@@ -234,6 +241,11 @@ def _rl_section(run: Path, summary: dict[str, Any]) -> str:
             continue
         parts.append(_img(_plot_png(series, title=f"{d}: mean reward per RL step (before the effort override)",
                                     xlabel="step", ylabel="reward"), f"{d} reward curves"))
+        t_series = {e: (list(range(1, len(ex[f"{d}.{e}"].get("effort_tokens_curve", [])) + 1)), ex[f"{d}.{e}"]["effort_tokens_curve"])
+                    for e in efforts if ex.get(f"{d}.{e}", {}).get("effort_tokens_curve")}
+        if t_series:
+            parts.append(_img(_plot_png(t_series, title=f"{d}: mean T(y) of the sampled episodes per RL step",
+                                        xlabel="step", ylabel="T(y) tokens"), f"{d} T(y) curves"))
         hist = {e: ex[f"{d}.{e}"]["eval"]["overall"].get("effort_tokens", []) for e in efforts if f"{d}.{e}" in ex}
         if any(hist.values()):
             parts.append(_img(_hist_png(hist, title=f"{d}: T(y) of held-out episodes per effort expert", xlabel="T(y) tokens"),
@@ -255,11 +267,12 @@ def _mopd_section(run: Path, summary: dict[str, Any]) -> str:
     if m.get("left_out_domains"):
         parts.append(f"<p><b>Left out</b> (an expert of theirs failed): {html.escape(', '.join(m['left_out_domains']))}</p>")
     rows = [[r["domain"], r["effort"], r.get("n", ""), _rate(r["student_pass"], r.get("student_ci95")),
-             _rate(r["teacher_pass"], r.get("teacher_ci95")), r["pass_ratio"], "yes" if r["pass_ok"] else "no",
+             _rate(r["teacher_pass"], r.get("teacher_ci95")), _ratio(r["pass_ratio"], r.get("pass_ratio_ci95")),
+             _YES_NO.get(r["pass_ok"], "n/a (teacher < 0.2)"),
              (f"{r['student_vs_teacher']['delta']:+.3f}, p = {r['student_vs_teacher']['p_value']:.3g}: "
               f"{r['student_vs_teacher']['verdict']}") if r.get("student_vs_teacher") else "",
              r["student_tokens"], r["teacher_tokens"], r["token_ratio"], "yes" if r["tokens_ok"] else "no"] for r in t["rows"]]
-    parts.append(_table(["domain", "effort", "n", "student pass [95%]", "teacher pass [95%]", "ratio", "≥ 0.95",
+    parts.append(_table(["domain", "effort", "n", "student pass [95%]", "teacher pass [95%]", "ratio [95%]", "≥ 0.95",
                          "student − teacher (paired)", "student T(y)", "teacher T(y)", "ratio", "±20%"], rows))
     parts.append(_table(["domain", "student mean T(y) by effort", "low < high < max"],
                         [[d, ", ".join(f"{e} {v:.1f}" for e, v in o["tokens"].items()), "yes" if o["ok"] else "no"]
@@ -275,7 +288,61 @@ def _mopd_section(run: Path, summary: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-SECTIONS = [_synth_section, _sft_section, _rl_section, _mopd_section]
+def _grid_section(run: Path, summary: dict[str, Any]) -> str:
+    """The nine experts at a glance: SFT → RL expert → MOPD student per (domain, effort), the per-domain targets
+    (`k3post.experts.expert_grid`) and, in words, which domains this run can and cannot show at its scale."""
+    from k3post.experts import expert_grid
+
+    path = run / "experts" / "table.json"
+    table = json.loads(path.read_text()) if path.is_file() else summary.get("experts")
+    if not table or not table.get("experts"):
+        return ""
+    mpath = run / "mopd" / "summary.json"
+    mopd = json.loads(mpath.read_text()) if mpath.is_file() else summary.get("mopd")
+    student = {(r["domain"], r["effort"]): r for r in (mopd or {}).get("table", {}).get("rows", [])}
+    grid = expert_grid(table)
+    efforts = ["max", "high", "low"]
+    rows = []
+    for d, entry in grid["domains"].items():
+        row: list[Any] = [d]
+        for e in efforts:
+            c = entry["cells"].get(e)
+            if c is None:
+                row.append("(not trained)")
+                continue
+            m = student.get((d, e))
+            mopd_txt = f" → {m['student_pass']:.2f}" if m else ""
+            mopd_t = f" → {m['student_tokens']:.0f}" if m else ""
+            row.append(f"{c['sft_pass_rate']:.2f} → {c['pass_rate']:.2f}{mopd_txt} (n {c['n']}); "
+                       f"T {c['sft_mean_effort_tokens']:.0f} → {c['mean_effort_tokens']:.0f}{mopd_t}")
+        rows.append(row)
+    names = {"sft_pass_at_max": "SFT pass at max ≥ 0.25 (n ≥ 100)", "rl_beats_sft_at_max": "RL > SFT at max (paired p < 0.05)",
+             "effort_order": "T(low) < T(high) < T(max)", "low_vs_max_tokens": "T(low) ≤ 0.4·T(max)",
+             "violations": "budget violations ≤ 3%"}
+    mark = {True: "met", False: "MISSED", None: "n/a"}
+    checks = [[d] + [mark[entry["checks"][k]] for k in names] for d, entry in grid["domains"].items()]
+    can, cannot = [], []
+    for d, entry in grid["domains"].items():
+        mx = entry["cells"].get("max")
+        if mx is None:
+            continue
+        if entry["checks"]["sft_pass_at_max"]:
+            can.append(d)
+        else:
+            cannot.append(f"{d} (SFT passes {mx['sft_pass_rate']:.2f} of {mx['n']} held-out tasks at max: too few "
+                          "successes for RL to learn from or for a paired test to detect a gain)")
+    scale = [f"<p><b>What this run can show at its scale.</b> Domains whose SFT model passes enough held-out tasks "
+             f"at max for RL and MOPD to be measured: {html.escape(', '.join(can) or 'none')}.</p>"]
+    if cannot:
+        scale.append("<p>Cannot show: " + html.escape("; ".join(cannot)) + ". <code>configs/full.yaml</code> is the "
+                     "recipe sized for all three domains.</p>")
+    return "\n".join(["<h2>The nine experts: SFT → RL → MOPD</h2>",
+                      "<p class=muted>Each cell: held-out pass rate SFT → RL expert → MOPD student, and mean T(y) the same "
+                      "way (greedy; the MOPD student evaluated on its own held-out tasks).</p>",
+                      _table(["domain", *efforts], rows), _table(["domain", *names.values()], checks), *scale])
+
+
+SECTIONS = [_synth_section, _sft_section, _grid_section, _rl_section, _mopd_section]
 
 
 def write_report(run_dir: str | Path) -> Path:

@@ -15,6 +15,10 @@
   - the exact two-sided McNemar test: under "no change" the b + c discordant tasks split 50/50,
     p = min(1, 2 · P[Binomial(b + c, ½) ≤ min(b, c)]);
   - a verdict: "higher" / "lower" when p < 0.05, else "no significant change".
+* `paired_ratio(change)`: the ratio after / before of the same paired table, R = (a + c) / (a + b), with
+  the delta-method interval on the log scale for matched pairs (Nam & Blackwelder 2002):
+      Var(ln R) ≈ (b + c) / ((a + b)(a + c)),   R · exp(± z · sqrt(Var))
+  with ½ added to b, c, a + b and a + c when any of them is 0 (Haldane), so the interval stays finite.
 
 Shape legend: none (counts and lists of booleans).
 """
@@ -25,7 +29,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["wilson_interval", "mcnemar_exact", "paired_change", "format_rate"]
+__all__ = ["wilson_interval", "mcnemar_exact", "paired_change", "paired_ratio", "format_rate"]
 
 Z95 = 1.959963984540054  # the 97.5% quantile of the standard normal
 
@@ -79,6 +83,22 @@ def paired_change(before: Sequence[bool], after: Sequence[bool], alpha: float = 
     verdict = ("higher" if delta > 0 else "lower") if p < alpha else "no significant change"
     return {"n": n, "before": p1, "after": p2, "delta": delta, "ci95": [max(-1.0, lo), min(1.0, hi)], "b": b, "c": c,
             "p_value": p, "verdict": verdict}
+
+
+def paired_ratio(change: dict[str, Any], z: float = Z95) -> dict[str, Any]:
+    """The ratio after / before of a `paired_change` table and its 95% interval (module doc):
+    ``{"ratio", "ci95": [lo, hi]}``; ratio nan and interval [0, inf] when ``before`` passed nothing."""
+    n, b, c = change["n"], change["b"], change["c"]
+    before, after = round(change["before"] * n) if n else 0, round(change["after"] * n) if n else 0
+    if before == 0:
+        return {"ratio": float("nan"), "ci95": [0.0, math.inf]}
+    ratio = after / before
+    cells = [b, c, before, after]
+    if min(cells) == 0:
+        b, c, before, after = (x + 0.5 for x in cells)
+    half = z * math.sqrt((b + c) / (before * after))
+    est = after / before
+    return {"ratio": ratio, "ci95": [est * math.exp(-half), est * math.exp(half)]}
 
 
 def format_rate(rate: float, n: int) -> str:

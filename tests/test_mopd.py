@@ -455,7 +455,7 @@ def test_mopd_checks_golden():
     """By hand (pass ratio ≥ 0.95, tokens within ±20 %, student T(y) ordered low < high < max per domain):
       general low : pass 0.50 vs 0.52 → 0.50 ≥ 0.494 ok;  T 10 vs 12 → |−2| ≤ 2.4 ok
       general high: pass 0.60 vs 0.70 → 0.60 < 0.665 no;  T 20 vs 16 → 4 > 3.2 no
-      general max : pass 0.00 vs 0.00 → 0 ≥ 0 ok (ratio nan);  T 30 vs 25 → 5 ≤ 5 ok
+      general max : teacher passes 0.00 < 0.2 → not applicable (None, ratio nan);  T 30 vs 25 → 5 ≤ 5 ok
       general order 10 < 20 < 30 ok;  agents (low 40, high 35) order no; agents rows ok."""
     rows = [dict(domain="general", effort=e, student_pass=sp, teacher_pass=tp, student_tokens=st, teacher_tokens=tt)
             for e, sp, tp, st, tt in (("low", 0.5, 0.52, 10, 12), ("high", 0.6, 0.7, 20, 16), ("max", 0.0, 0.0, 30, 25))]
@@ -463,13 +463,34 @@ def test_mopd_checks_golden():
              for e, t in (("high", 35), ("low", 40))]
     out = mopd_checks(rows)
     got = [(r["pass_ok"], r["tokens_ok"]) for r in out["rows"]]
-    assert got == [(True, True), (False, False), (True, True), (True, True), (True, True)]
+    assert got == [(True, True), (False, False), (None, True), (True, True), (True, True)]
     assert out["rows"][0]["pass_ratio"] == pytest.approx(0.5 / 0.52) and out["rows"][1]["token_ratio"] == 1.25
     assert math.isnan(out["rows"][2]["pass_ratio"])
     assert out["order"]["general"] == {"tokens": {"low": 10.0, "high": 20.0, "max": 30.0}, "ok": True}
     assert out["order"]["agents"]["ok"] is False and out["ok"] is False
     ok_rows = [r for r in rows if r["domain"] == "general" and r["effort"] != "high"]
     assert mopd_checks(ok_rows)["ok"] is True
+    # a teacher at 0.15 is below teacher_pass_min = 0.2: no pass check however bad the student; at 0.25 it counts
+    weak = dict(domain="coding", effort="max", student_pass=0.0, teacher_pass=0.15, student_tokens=9, teacher_tokens=9)
+    assert mopd_checks([weak])["rows"][0]["pass_ok"] is None and mopd_checks([weak])["ok"] is True
+    assert mopd_checks([{**weak, "teacher_pass": 0.25}])["ok"] is False
+
+
+def test_paired_ratio_golden():
+    """a = both pass, b = only before, c = only after. a=40, b=10, c=5, n=100: R = 45 / 50 = 0.9,
+    Var(ln R) = (10 + 5) / (50 · 45) = 1/150, half = 1.96 · 0.08165 = 0.16003 → [0.9 e^-0.16003, 0.9 e^0.16003]
+    = [0.7669, 1.0562]. Zero cells get ½ (finite interval); before = 0 → ratio nan."""
+    from k3post.stats import paired_change, paired_ratio
+
+    before = [True] * 40 + [True] * 10 + [False] * 5 + [False] * 45
+    after = [True] * 40 + [False] * 10 + [True] * 5 + [False] * 45
+    r = paired_ratio(paired_change(before, after))
+    assert r["ratio"] == pytest.approx(0.9)
+    assert r["ci95"] == pytest.approx([0.76688, 1.05622], abs=1e-4)
+    same = paired_ratio(paired_change(before, before))  # b = c = 0: ratio 1, a narrow finite interval around it
+    assert same["ratio"] == 1.0 and same["ci95"][0] < 1.0 < same["ci95"][1] and math.isfinite(same["ci95"][1])
+    none = paired_ratio(paired_change([False] * 5, [True] * 5))
+    assert math.isnan(none["ratio"]) and none["ci95"] == [0.0, math.inf]
 
 
 def test_evaluate_mopd_student_equal_to_its_teacher_meets_every_row_target(xtml_tokenizer, folders):
@@ -484,7 +505,9 @@ def test_evaluate_mopd_student_equal_to_its_teacher_meets_every_row_target(xtml_
     assert [(r["domain"], r["effort"], r["n"]) for r in out["rows"]] == [("general", "low", 3), ("general", "max", 3)]
     for r in out["rows"]:
         assert (r["student_pass"], r["student_tokens"]) == (r["teacher_pass"], r["teacher_tokens"])
-        assert r["pass_ok"] and r["tokens_ok"] and r["student_tokens"] > 0
+        assert r["pass_ok"] is not False and r["tokens_ok"] and r["student_tokens"] > 0
+        if r["teacher_pass"] > 0:
+            assert r["pass_ratio"] == 1.0 and r["pass_ratio_ci95"][0] <= 1.0 <= r["pass_ratio_ci95"][1]
     assert set(out["order"]["general"]["tokens"]) == {"low", "max"}
 
 

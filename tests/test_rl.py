@@ -348,6 +348,12 @@ def test_experts_curriculum_chains_and_resumes(warm_policy, tmp_path):
     html = write_report(tmp_path).read_text()
     assert "Stage 2: RL experts" in html and "T(low) / T(max)" in html and 'alt="general reward curves"' in html
     assert "Stage 3: MOPD" in html and 'alt="MOPD reward curve"' in html
+    # the 3 x 3 glance: SFT -> RL -> MOPD per cell (with the student's pass), the per-domain targets, T(y) curves
+    assert "The nine experts: SFT → RL → MOPD" in html and 'alt="general T(y) curves"' in html
+    row = {r["effort"]: r for r in out["table"]["rows"]}
+    ex = table["experts"]["general.max"]
+    assert f"{ex['sft_pass_rate']:.2f} → {ex['pass_rate']:.2f} → {row['max']['student_pass']:.2f} (n 4)" in html
+    assert "What this run can show at its scale" in html and "Cannot show: general (SFT passes" in html  # n 4 < 100
 
 
 def _two_domains(**kw) -> RLConfig:
