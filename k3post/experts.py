@@ -219,7 +219,7 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
                  scorer: GroupScorer | None) -> None:
     """One expert of the curriculum (b0 and the "before" row first, once per domain) into ``table``."""
     t0 = time.perf_counter()
-    rcfg = replace(cfg.for_domain(stage.domain), effort=stage.effort, families=fams)
+    rcfg = replace(cfg.for_domain(stage.domain, stage.effort), families=fams)
     dest = expert_dir(out, stage.expert)
     budget_path = out / f"budgets.{stage.domain}.json"
     if stage.domain not in table["before"] or not budget_path.is_file():

@@ -531,6 +531,22 @@ def test_bad_rl_config_fails_at_load_naming_the_key(override, message, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
 
 
+def test_expert_overrides_apply_after_the_domain_s_and_cannot_split_its_task_sets():
+    """`domain_overrides` under "domain.effort" set one expert's fields on top of the domain's; the fields that
+    define the domain's shared task sets (b0 table, "before" row) are refused there, as are unknown efforts."""
+    cfg = RLConfig(steps=40, domain_overrides={"agents": {"steps": 24, "eval_n": 50}, "agents.low": {"steps": 12, "lr": 5e-5}})
+    low, mx = cfg.for_domain("agents", "low"), cfg.for_domain("agents", "max")
+    assert (low.effort, low.steps, low.lr, low.eval_n) == ("low", 12, 5e-5, 50)
+    assert (mx.effort, mx.steps, mx.lr, mx.eval_n) == ("max", 24, cfg.lr, 50)
+    assert cfg.for_domain("agents").steps == 24 and cfg.for_domain("general", "low").steps == 40
+    with pytest.raises(ValueError, match=r"rl.domain_overrides.agents.low: \['n_tasks'\] define the domain's task sets"):
+        RLConfig(domain_overrides={"agents.low": {"n_tasks": 4}})
+    with pytest.raises(ValueError, match="rl.domain_overrides.agents.medium: unknown effort 'medium'"):
+        RLConfig(domain_overrides={"agents.medium": {"steps": 4}})
+    with pytest.raises(ValueError, match=r"rl.domain_overrides: unknown domain\(s\) \['web'\]"):
+        RLConfig(domain_overrides={"web.low": {"steps": 4}})
+
+
 def test_reference_turn_tokens_is_the_longest_assistant_turn(xtml_tokenizer):
     """Single-turn arithmetic: the whole assistant message; multi-turn coding: one turn, not their sum."""
     from k3post.envs.episode import run_episode_sync

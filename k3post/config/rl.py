@@ -38,7 +38,10 @@ class RLConfig:
     estimate's samples and quantile, the curriculum order).
     Experts: ``domains``, each trained through ``effort_control.curriculum`` for ``steps`` per effort;
     ``domain_overrides`` sets numeric fields per domain (e.g. ``{agents: {steps: 4, eval_n: 24}}``:
-    agentic episodes cost far more than arithmetic ones), see `for_domain`.
+    agentic episodes cost far more than arithmetic ones) and, under a ``domain.effort`` key, per expert
+    (e.g. ``{agents.low: {steps: 12}}``, applied after the domain's); an expert key may not change what
+    defines the domain's task sets (``n_tasks``, ``eval_n``, ``difficulty``: b0 and the "before" row are
+    shared by its three experts). See `for_domain`.
     ``init``: the checkpoint RL starts from (empty: the run folder's ``sft/final``).
     """
 
@@ -93,11 +96,20 @@ class RLConfig:
     def __post_init__(self) -> None:
         if self.effort not in EFFORTS:
             raise ValueError(f"rl.effort must be one of {EFFORTS}, got {self.effort!r}")
+        stage_keys = [k for k in self.domain_overrides if "." in k]
         for key, ds in (("rl.domain", [self.domain]), ("rl.domains", list(self.domains)),
-                        ("rl.domain_overrides", list(self.domain_overrides))):
+                        ("rl.domain_overrides", [k.split(".", 1)[0] for k in self.domain_overrides])):
             bad = [d for d in ds if d not in DOMAINS]
             if bad:
                 raise ValueError(f"{key}: unknown domain(s) {bad}; expected {DOMAINS}")
+        for k in stage_keys:
+            effort = k.split(".", 1)[1]
+            if effort not in EFFORTS:
+                raise ValueError(f"rl.domain_overrides.{k}: unknown effort {effort!r}; expected one of {EFFORTS}")
+            shared = sorted(set(self.domain_overrides[k]) & {"n_tasks", "eval_n", "difficulty"})
+            if shared:
+                raise ValueError(f"rl.domain_overrides.{k}: {shared} define the domain's task sets, shared by its "
+                                 f"experts; set them under rl.domain_overrides.{k.split('.', 1)[0]}")
         for d in self.domain_overrides:
             self._overrides(d)
 
@@ -129,10 +141,12 @@ class RLConfig:
         """The `policy_loss` parameters (`loss_kwargs`)."""
         return loss_kwargs(self)
 
-    def for_domain(self, domain: str) -> "RLConfig":
+    def for_domain(self, domain: str, effort: str | None = None) -> "RLConfig":
         """This config with ``domain`` set and its ``domain_overrides`` applied (each value cast to
-        the field's type)."""
-        return replace(self, domain=domain, **self._overrides(domain))
+        the field's type); with ``effort``, also ``effort`` set and the ``domain.effort`` overrides on top."""
+        if effort is None:
+            return replace(self, domain=domain, **self._overrides(domain))
+        return replace(self, domain=domain, effort=effort, **{**self._overrides(domain), **self._overrides(f"{domain}.{effort}")})
 
 
 def loss_kwargs(cfg: RLConfig) -> dict[str, Any]:
