@@ -38,11 +38,11 @@ from k3post.quant.qat import apply_qat
 from k3post.report import write_report
 from k3post.sft import train_sft
 from k3post.commands import default_corpus, distill, open_run, raise_if_failed
-from k3post.envs.families import families, get_family
+from k3post.envs.families import families, get_family, lexicon as family_lexicon
 from k3post.envs.task import canonical_json
 from k3post.stats import format_rate, paired_change
 from k3post.synth import VerifyConfig, build_sft_dataset, mix
-from k3post.tokenizer import load_tokenizer, train_tokenizer
+from k3post.tokenizer import lexicon_corpus, load_tokenizer, train_tokenizer
 from k3post.xtml import XTML
 
 log = logging.getLogger("k3post.demo")
@@ -126,6 +126,8 @@ def run_tokenizer(cfg: K3Config, run: Path) -> Any:
     if cfg.tokenizer.path:
         raise UserError(f"tokenizer.path: {tok_dir} holds no tokenizer.json")
     corpus = default_corpus(cfg.data.corpus_per_family, seed=cfg.run.seed + 7, main=cfg.data.eval_family)
+    if cfg.tokenizer.lexicon_repeats:
+        corpus += lexicon_corpus(family_lexicon(), cfg.tokenizer.lexicon_repeats)
     return train_tokenizer(corpus, vocab_size=cfg.tokenizer.vocab_size, out_dir=tok_dir, word_boundaries=cfg.tokenizer.word_boundaries)
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "PAD_TOKEN",
     "ALL_SPECIAL_TOKENS",
     "train_tokenizer",
+    "lexicon_corpus",
     "load_tokenizer",
     "ensure_xtml_tokens",
     "encode_text",
@@ -59,6 +60,26 @@ def _check_vocab_size(vocab_size: int) -> None:
             f"vocab_size must be an int >= {minimum} (5 special tokens + 256 byte tokens), "
             f"got {vocab_size!r}"
         )
+
+
+def lexicon_corpus(words: Iterable[str], repeats: int) -> list[str]:
+    """Extra tokenizer-training text that makes each of ``words`` (names, name parts, titles) frequent
+    enough for BPE to merge it into few tokens: every word ``repeats`` times as its own text, with and
+    without a leading space (how names appear mid-sentence and right after an XTML separator). Each is a
+    separate text, so no merge learns a pair across two lexicon words. ``repeats`` 0 gives nothing.
+
+    The built-in families list their words (`lexicon()`; `k3post.envs.families.lexicon` gathers them):
+    with the plain corpus a 1024-token BPE spent its merges on the XTML structure and split
+    "Quordel University" into 12 tokens (docs/decisions.md, "The full recipe").
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
+        raise ValueError(f"repeats must be a non-negative int, got {repeats!r}")
+    out: list[str] = []
+    for w in dict.fromkeys(words):
+        if not isinstance(w, str) or not w.strip():
+            raise ValueError(f"lexicon words must be non-empty strings, got {w!r}")
+        out += [w, " " + w] * repeats
+    return out
 
 
 def train_tokenizer(

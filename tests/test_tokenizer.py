@@ -155,3 +155,40 @@ def test_text_offsets_match_prefix_decodes(xtml_tokenizer: PreTrainedTokenizerFa
 
     ids = xtml_tokenizer.encode(s, add_special_tokens=False) + [0, 2]  # XTML special tokens too
     assert text_offsets(xtml_tokenizer, ids) == [len(decode(xtml_tokenizer, ids[:k])) for k in range(len(ids))]
+
+
+def test_lexicon_corpus_repeats_each_word_with_and_without_a_leading_space() -> None:
+    """Each distinct word `repeats` times bare and `repeats` times after a space, each as its own text (so no
+    merge spans two lexicon words); 0 repeats adds nothing; bad input is refused."""
+    from k3post.tokenizer import lexicon_corpus
+
+    assert lexicon_corpus(["Quor", "del", "Quor"], 2) == ["Quor", " Quor", "Quor", " Quor", "del", " del", "del", " del"]
+    assert lexicon_corpus(["Quor"], 0) == []
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="repeats must be a non-negative int"):
+            lexicon_corpus(["Quor"], bad)
+    with pytest.raises(ValueError, match="lexicon words must be non-empty strings"):
+        lexicon_corpus(["Quor", " "], 1)
+
+
+def test_family_lexicon_makes_entity_names_short() -> None:
+    """Issue 16's tokenizer lever: the same corpus and vocabulary size, plus the families' lexicon (the
+    syllables and first names knowledge-graph entities are built from). Measured while choosing it
+    (vocab 2048, 6 tasks per family): 42 tokens for seven names without, 18 with 200 repeats; asserted with
+    margin: at most 60% of the tokens, and every name that is built only from lexicon words at most 3 tokens."""
+    from k3post.commands import default_corpus
+    from k3post.envs.families import lexicon
+    from k3post.envs.families.kg import lexicon as kg_lexicon
+    from k3post.tokenizer import lexicon_corpus
+
+    words = lexicon()
+    assert set(kg_lexicon()) <= set(words) and "Quor" in words and "Calla" in words and "Fay" in words
+    base = default_corpus(2, seed=7)
+    plain = train_tokenizer(base, vocab_size=2048, word_boundaries=False)
+    rich = train_tokenizer(base + lexicon_corpus(words, 200), vocab_size=2048, word_boundaries=False)
+    names = [" Calla Tamix", "Quordel University", " Sevhol", "Zeltov", " Mirzel Works", " Fay Ortiz", " Q2 budget"]
+    n_plain = sum(len(plain.encode(s, add_special_tokens=False)) for s in names)
+    n_rich = sum(len(rich.encode(s, add_special_tokens=False)) for s in names)
+    assert n_rich <= 0.6 * n_plain, (n_rich, n_plain)
+    for s in ["Quordel University", " Sevhol", "Zeltov", " Mirzel Works"]:
+        assert len(rich.encode(s, add_special_tokens=False)) <= 3, s

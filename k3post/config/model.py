@@ -16,6 +16,9 @@ class TokenizerConfig:
     # False lets BPE merges span words, so the text every sample repeats (XTML headers, the
     # thinking-effort body) shrinks to a few tokens; measured on the demo data: 140 → 95 tokens per sample
     word_boundaries: bool = False
+    # > 0 adds every built-in family's lexicon (entity-name syllables, first names, titles) to the BPE corpus
+    # this many times per word (k3post.tokenizer.lexicon_corpus), so names are a few tokens; 0 = off
+    lexicon_repeats: int = 0
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Built-in task families for the three domains (general, agents, coding). See registry.py."""
 
-from k3post.envs.families.registry import EFFORTS, TaskFamily, families, get_family, register_family
+from k3post.envs.families.registry import EFFORTS, TaskFamily, families, get_family, lexicon, register_family
 
-__all__ = ["EFFORTS", "TaskFamily", "families", "get_family", "register_family"]
+__all__ = ["EFFORTS", "TaskFamily", "families", "get_family", "lexicon", "register_family"]

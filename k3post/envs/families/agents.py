@@ -41,7 +41,7 @@ from k3post.envs.families.common import (
     submission_text,
     tool_call,
 )
-from k3post.envs.families.kg import CHAINS, KnowledgeGraph, bm25_search, build_graph, first_sentence, relation_phrase
+from k3post.envs.families.kg import CHAINS, KnowledgeGraph, bm25_search, build_graph, first_sentence, lexicon as kg_lexicon, relation_phrase
 from k3post.envs.families.registry import register_family
 from k3post.envs.task import FinalState, Task, Verdict, register_verifier
 from k3post.envs.tools import ToolContext, ToolSpec
@@ -112,6 +112,10 @@ class SearchFamily(FamilyBase):
     verifiable = True
     max_difficulty = 3
     id_prefix = "search"
+
+    def lexicon(self) -> tuple[str, ...]:
+        """The words its entity names are built from (`k3post.envs.families.kg.lexicon`)."""
+        return kg_lexicon()
 
     def _make(self, rng: random.Random, difficulty: int, task_id: str) -> Task | None:
         kg = build_graph(rng, size=difficulty)
@@ -258,6 +262,11 @@ class AssistantFamily(FamilyBase):
     verifiable = True
     max_difficulty = 3
     id_prefix = "assist"
+
+    def lexicon(self) -> tuple[str, ...]:
+        """Contact names, meeting and document titles, document fields: what its replies copy."""
+        words = [w for name, _ in _CONTACTS for w in name.split()] + [t for t in (*_TITLES, *_DOCS, *_FIELDS)]
+        return tuple(dict.fromkeys(words))
 
     # ------------------------------------------------------------------ generation
 

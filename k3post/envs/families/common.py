@@ -140,6 +140,11 @@ class FamilyBase:
     max_difficulty: int = 3
     id_prefix: str = "task"
 
+    def lexicon(self) -> tuple[str, ...]:
+        """Words (names, name parts, titles) the family's tasks are made of, for the tokenizer's lexicon
+        (`k3post.tokenizer.lexicon_corpus`); none by default."""
+        return ()
+
     # ------------------------------------------------------------------ to implement
 
     def _make(self, rng: random.Random, difficulty: int, task_id: str) -> Task | None:

@@ -288,6 +288,10 @@ class FaithfulnessFamily(FamilyBase):
     max_difficulty = 3
     id_prefix = "faith"
 
+    def lexicon(self) -> tuple[str, ...]:
+        """Name syllables (lower-case and capitalised), first names and goods of its contexts."""
+        return tuple(dict.fromkeys([*_SYL, *(x.capitalize() for x in _SYL), *_FIRST, *_GOODS]))
+
     def _make(self, rng: random.Random, difficulty: int, task_id: str) -> Task | None:
         n_ent = difficulty
         names: list[str] = []
@@ -438,6 +442,10 @@ class WritingFamily(FamilyBase):
     verifiable = False
     max_difficulty = 2
     id_prefix = "write"
+
+    def lexicon(self) -> tuple[str, ...]:
+        """Product-name syllables (lower-case and capitalised) and the product kinds."""
+        return tuple(dict.fromkeys([*_SYL, *(x.capitalize() for x in _SYL), *sorted(_PRODUCTS)]))
 
     def _make(self, rng: random.Random, difficulty: int, task_id: str) -> Task | None:
         kind = rng.choice(sorted(_PRODUCTS))

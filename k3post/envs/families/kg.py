@@ -82,6 +82,15 @@ _JOBS = ["engineer", "chemist", "designer", "economist", "pilot", "architect", "
 _INDUSTRY = {"Labs": "research", "Works": "steel", "Systems": "software", "Foods": "food", "Motors": "car",
              "Textiles": "textile", "Robotics": "robotics", "Press": "publishing"}
 
+
+def lexicon() -> tuple[str, ...]:
+    """The words the knowledge graphs' names and sentences are made of (syllables lower-case and
+    capitalised, first names, company suffixes, jobs, place kinds, relation phrases): the tokenizer's lexicon
+    (`k3post.tokenizer.lexicon_corpus`), so an entity name is a few tokens and copying it is a short step."""
+    words = [*_SYL, *(x.capitalize() for x in _SYL), *_FIRST, *_COMPANY, *_JOBS, *_INDUSTRY.values(),
+             "University", "Institute", "College", "city", "country", "company", *_PHRASE.values()]
+    return tuple(dict.fromkeys(words))
+
 _TOKEN_RE = re.compile(r"[a-z0-9]+")
 
 

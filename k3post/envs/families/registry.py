@@ -85,3 +85,12 @@ def families(domain: str | None = None) -> list[TaskFamily]:
     if domain is not None and domain not in DOMAINS:
         raise ValueError(f"unknown domain '{domain}'; expected one of {DOMAINS}")
     return [f for n, f in sorted(_FAMILIES.items()) if domain is None or f.domain == domain]
+
+
+def lexicon(domain: str | None = None) -> list[str]:
+    """The words of every registered family's ``lexicon()`` (those of ``domain`` only, if given), each
+    once, in family-name order: what `k3post.tokenizer.lexicon_corpus` makes into few-token names."""
+    words: dict[str, None] = {}
+    for f in families(domain):
+        words.update(dict.fromkeys(getattr(f, "lexicon", lambda: ())()))
+    return list(words)
