@@ -169,3 +169,18 @@ def test_full_demo_learns(tmp_path):
     rows = {(r["domain"], r["effort"]): r for r in s["mopd"]["table"]["rows"]}
     assert rows["general", "max"]["student_pass"] >= 0.7 * rows["general", "max"]["teacher_pass"]
     assert s["mopd"]["table"]["order"]["general"]["ok"]
+
+
+def test_demo_tokenizer_takes_the_family_lexicon(tmp_path):
+    """`tokenizer.lexicon_repeats` > 0: the run's BPE is trained with the families' lexicon (configs/full.yaml),
+    so a knowledge-graph name built from lexicon syllables is a few tokens; 0 (the demo) leaves it out."""
+    from k3post.config import load_config
+    from k3post.demo import run_tokenizer
+
+    lengths = {}
+    for rep in (0, 200):  # configs/full.yaml's setting
+        cfg = load_config(None, [f"tokenizer.lexicon_repeats={rep}", "tokenizer.vocab_size=2048", "data.corpus_per_family=1"])
+        tok = run_tokenizer(cfg, tmp_path / f"r{rep}")
+        assert (tmp_path / f"r{rep}" / "tokenizer" / "tokenizer.json").is_file()
+        lengths[rep] = len(tok.encode(" Quordel Zeltov", add_special_tokens=False))
+    assert lengths[200] <= 5 < lengths[0], lengths
