@@ -1,0 +1,109 @@
+"""Teacher-forced turn accuracy of a policy on multi-turn families: where does an agentic episode break?
+
+    python bench/agent_turns.py runs/full/sft/final [--families agents.search,agents.assistant] [--n 40] [--effort max]
+
+For each held-out task the family's reference episode is replayed; before every assistant turn the policy
+continues the reference history greedily (one turn, at most --max-tokens tokens) and the turn is scored:
+    call ok  : the same tool calls as the reference (names and arguments, in order); a final answer turn:
+               the same answer text (whitespace-normalised)
+    name ok  : the same tool names only (the argument values are where copying from tool results happens)
+Episode success needs every turn right, so with per-turn accuracy p over m turns a policy passes about p^m
+of the episodes; the table gives p per turn position. Not a timing benchmark. The final line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from k3post.envs.episode import run_episode_sync  # noqa: E402
+from k3post.envs.families.registry import get_family  # noqa: E402
+from k3post.envs.families.streams import eval_tasks  # noqa: E402
+from k3post.evaluate import complete  # noqa: E402
+from k3post.experts import load_policy  # noqa: E402
+from k3post.rollout.evaluation import make_env  # noqa: E402
+from k3post.tokenizer import load_tokenizer  # noqa: E402
+from k3post.xtml import XTML  # noqa: E402
+
+
+def _calls(msg: dict) -> list[tuple[str, dict]]:
+    out = []
+    for c in msg.get("tool_calls") or []:
+        args = c["function"]["arguments"]
+        out.append((c["function"]["name"], json.loads(args) if isinstance(args, str) else dict(args)))
+    return out
+
+
+def _norm(text: str | None) -> str:
+    return " ".join((text or "").split())
+
+
+def turn_accuracy(model: torch.nn.Module, xtml: XTML, family: str, n: int, effort: str, max_tokens: int) -> list[dict]:
+    """Per task, per assistant turn of the reference: whether the policy's greedy turn matches it."""
+    fam = get_family(family)
+    tasks = eval_tasks([family], n, difficulty=1)
+    prompts, refs = [], []
+    for task in tasks:
+        ep = run_episode_sync(fam.reference_policy(task, effort), make_env(task), task, verify=False)
+        msgs = list(ep.messages)
+        for i, m in enumerate(msgs):
+            if m.get("role") != "assistant":
+                continue
+            r = xtml.render(msgs[:i], tools=ep.tools or None, effort=effort, mode="think", add_generation_prompt=True)
+            prompts.append(r.ids)
+            refs.append((task.id, sum(1 for x in msgs[:i] if x.get("role") == "assistant"), m))
+    outs = complete(model, prompts, max_new_tokens=max_tokens, stop_id=xtml.eom_id, batch_size=32)
+    rows = []
+    for (tid, k, ref), ids in zip(refs, outs):
+        try:
+            got = xtml.parse(ids, after_prefix=True)
+        except ValueError:
+            got = {}
+        ref_calls, got_calls = _calls(ref), _calls(got) if got else []
+        if ref_calls:
+            ok = got_calls == ref_calls
+        else:
+            ok = bool(got) and not got_calls and _norm(got.get("content")) == _norm(ref.get("content"))
+        rows.append({"task": tid, "turn": k, "call_ok": ok,
+                     "name_ok": [c[0] for c in got_calls] == [c[0] for c in ref_calls]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model", help="a policy folder (e.g. runs/full/sft/final)")
+    p.add_argument("--families", default="agents.search,agents.assistant")
+    p.add_argument("--n", type=int, default=40)
+    p.add_argument("--effort", default="max")
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--threads", type=int, default=1)
+    ns = p.parse_args(argv)
+    torch.set_num_threads(ns.threads)
+    xtml = XTML(load_tokenizer(ns.model, require_xtml=True))
+    model = load_policy(ns.model, None)
+    result = {}
+    for family in ns.families.split(","):
+        rows = turn_accuracy(model, xtml, family, ns.n, ns.effort, ns.max_tokens)
+        by_turn: dict[int, list[dict]] = {}
+        for r in rows:
+            by_turn.setdefault(r["turn"], []).append(r)
+        tasks = {r["task"] for r in rows}
+        all_ok = sum(all(r["call_ok"] for r in rows if r["task"] == t) for t in tasks)
+        per_turn = {k: {"n": len(v), "call_ok": sum(r["call_ok"] for r in v) / len(v), "name_ok": sum(r["name_ok"] for r in v) / len(v)}
+                    for k, v in sorted(by_turn.items())}
+        result[family] = {"per_turn": per_turn, "turns_all_ok": all_ok, "tasks": len(tasks),
+                          "call_ok": sum(r["call_ok"] for r in rows) / len(rows)}
+        print(f"{family}: every turn right on {all_ok}/{len(tasks)} tasks; per turn (call ok / tool names ok): " +
+              ", ".join(f"{k}: {v['call_ok']:.2f}/{v['name_ok']:.2f}" for k, v in per_turn.items()))
+    print(json.dumps({"model": ns.model, "effort": ns.effort, "n": ns.n, "families": result}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

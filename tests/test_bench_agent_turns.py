@@ -1,0 +1,49 @@
+"""`bench/agent_turns.py`: teacher-forced per-turn accuracy, checked with oracle policies (no model quality
+involved): the reference itself scores every turn right; another task's reference keeps the tool names but
+gets the copied arguments wrong."""
+
+import importlib.util
+from pathlib import Path
+
+from k3post.envs.episode import run_episode_sync
+from k3post.envs.families.registry import get_family
+from k3post.envs.families.streams import eval_tasks
+from k3post.rollout.evaluation import make_env
+from k3post.xtml import XTML
+
+_SPEC = importlib.util.spec_from_file_location("agent_turns", Path(__file__).resolve().parents[1] / "bench" / "agent_turns.py")
+bench = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bench)
+
+
+def _continuations(xtml, family, n):
+    """prompt ids -> the reference turn's ids, per task, in the bench's order."""
+    fam = get_family(family)
+    out = []
+    for task in eval_tasks([family], n, difficulty=1):
+        ep = run_episode_sync(fam.reference_policy(task, "max"), make_env(task), task, verify=False)
+        msgs = list(ep.messages)
+        turns = []
+        for i, m in enumerate(msgs):
+            if m.get("role") == "assistant":
+                pre = xtml.render(msgs[:i], tools=ep.tools or None, effort="max", add_generation_prompt=True).ids
+                full = xtml.render(msgs[: i + 1], tools=ep.tools or None, effort="max").ids
+                assert full[: len(pre)] == pre
+                turns.append((tuple(pre), full[len(pre):]))
+        out.append(turns)
+    return out
+
+
+def test_oracle_policies_score_as_expected(xtml_tokenizer, monkeypatch):
+    x = XTML(xtml_tokenizer)
+    conts = _continuations(x, "agents.search", 3)
+    table = {pre: ids for turns in conts for pre, ids in turns}
+    monkeypatch.setattr(bench, "complete", lambda model, prompts, **kw: [table[tuple(p)] for p in prompts])
+    rows = bench.turn_accuracy(None, x, "agents.search", 3, "max", 192)
+    assert len(rows) == sum(len(t) for t in conts) and all(r["call_ok"] and r["name_ok"] for r in rows)
+
+    # task k answered with task k+1's reference turns: same tools, other entity names and doc ids
+    shifted = {pre: conts[(k + 1) % 3][j][1] for k, turns in enumerate(conts) for j, (pre, _) in enumerate(turns)}
+    monkeypatch.setattr(bench, "complete", lambda model, prompts, **kw: [shifted[tuple(p)] for p in prompts])
+    rows = bench.turn_accuracy(None, x, "agents.search", 3, "max", 192)
+    assert all(r["name_ok"] for r in rows) and not any(r["call_ok"] for r in rows if r["turn"] == 0)
