@@ -311,7 +311,7 @@ def _grid_section(run: Path, summary: dict[str, Any]) -> str:
                 row.append("(not trained)")
                 continue
             m = student.get((d, e))
-            mopd_txt = f" → {m['student_pass']:.2f}" if m else ""
+            mopd_txt = f" → {m['student_pass']:.2f} (teacher {m['teacher_pass']:.2f} on the same {m['n']})" if m else ""
             mopd_t = f" → {m['student_tokens']:.0f}" if m else ""
             row.append(f"{c['sft_pass_rate']:.2f} → {c['pass_rate']:.2f}{mopd_txt} (n {c['n']}); "
                        f"T {c['sft_mean_effort_tokens']:.0f} → {c['mean_effort_tokens']:.0f}{mopd_t}")
@@ -338,7 +338,8 @@ def _grid_section(run: Path, summary: dict[str, Any]) -> str:
                      "recipe sized for all three domains.</p>")
     return "\n".join(["<h2>The nine experts: SFT → RL → MOPD</h2>",
                       "<p class=muted>Each cell: held-out pass rate SFT → RL expert → MOPD student, and mean T(y) the same "
-                      "way (greedy; the MOPD student evaluated on its own held-out tasks).</p>",
+                      "way (greedy). The student runs on MOPD's own held-out tasks (verifiable families only, its eval_n), "
+                      "so its number is compared with its teacher's on those same tasks, in brackets.</p>",
                       _table(["domain", *efforts], rows), _table(["domain", *names.values()], checks), *scale])
 
 

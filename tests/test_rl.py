@@ -352,7 +352,8 @@ def test_experts_curriculum_chains_and_resumes(warm_policy, tmp_path):
     assert "The nine experts: SFT → RL → MOPD" in html and 'alt="general T(y) curves"' in html
     row = {r["effort"]: r for r in out["table"]["rows"]}
     ex = table["experts"]["general.max"]
-    assert f"{ex['sft_pass_rate']:.2f} → {ex['pass_rate']:.2f} → {row['max']['student_pass']:.2f} (n 4)" in html
+    assert (f"{ex['sft_pass_rate']:.2f} → {ex['pass_rate']:.2f} → {row['max']['student_pass']:.2f} "
+            f"(teacher {row['max']['teacher_pass']:.2f} on the same {row['max']['n']}) (n 4)") in html
     assert "What this run can show at its scale" in html and "Cannot show: general (SFT passes" in html  # n 4 < 100
 
 
