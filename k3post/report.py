@@ -334,8 +334,9 @@ def _grid_section(run: Path, summary: dict[str, Any]) -> str:
     scale = [f"<p><b>What this run can show at its scale.</b> Domains whose SFT model passes enough held-out tasks "
              f"at max for RL and MOPD to be measured: {html.escape(', '.join(can) or 'none')}.</p>"]
     if cannot:
-        scale.append("<p>Cannot show: " + html.escape("; ".join(cannot)) + ". <code>configs/full.yaml</code> is the "
-                     "recipe sized for all three domains.</p>")
+        scale.append("<p>Cannot show: " + html.escape("; ".join(cannot)) + ". What each domain reaches with more data "
+                     "(<code>configs/full.yaml</code>) and why agents stay at 0 on a CPU: docs/decisions.md, "
+                     "\"The full recipe\".</p>")
     return "\n".join(["<h2>The nine experts: SFT → RL → MOPD</h2>",
                       "<p class=muted>Each cell: held-out pass rate SFT → RL expert → MOPD student, and mean T(y) the same "
                       "way (greedy). The student runs on MOPD's own held-out tasks (verifiable families only, its eval_n), "
