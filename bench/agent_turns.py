@@ -36,7 +36,11 @@ def _calls(msg: dict) -> list[tuple[str, dict]]:
     out = []
     for c in msg.get("tool_calls") or []:
         args = c["function"]["arguments"]
-        out.append((c["function"]["name"], json.loads(args) if isinstance(args, str) else dict(args)))
+        try:  # a model may write arguments that are not JSON: kept as text (never equal to a reference's dict)
+            parsed = json.loads(args) if isinstance(args, str) else dict(args)
+        except (ValueError, TypeError):
+            parsed = {"<unparsed>": str(args)}
+        out.append((c["function"]["name"], parsed))
     return out
 
 

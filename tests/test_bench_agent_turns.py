@@ -47,3 +47,8 @@ def test_oracle_policies_score_as_expected(xtml_tokenizer, monkeypatch):
     monkeypatch.setattr(bench, "complete", lambda model, prompts, **kw: [shifted[tuple(p)] for p in prompts])
     rows = bench.turn_accuracy(None, x, "agents.search", 3, "max", 192)
     assert all(r["name_ok"] for r in rows) and not any(r["call_ok"] for r in rows if r["turn"] == 0)
+
+
+def test_arguments_that_are_not_json_count_as_wrong_not_as_a_crash():
+    msg = {"tool_calls": [{"function": {"name": "search", "arguments": "{\"query\": \"Calla"}}]}
+    assert bench._calls(msg) == [("search", {"<unparsed>": '{"query": "Calla'})]

@@ -147,3 +147,10 @@ def test_constants_are_the_names_the_modules_use():
     assert tuple(MX_FORMATS) == constants.MX_FORMAT_NAMES
     with pytest.raises(ValueError, match=r"QATConfig.weight_format='fp3' is not one of \['fp4_e2m1', 'fp8_e4m3', 'fp8_e5m2'\]"):
         load_config(None, ["qat.weight_format=fp3"])
+
+
+def test_negative_lexicon_repeats_fails_at_load_naming_the_key():
+    from k3post.config import load_config
+
+    with pytest.raises(ValueError, match="tokenizer.lexicon_repeats must be an integer >= 0, got -1"):
+        load_config(None, ["tokenizer.lexicon_repeats=-1"])

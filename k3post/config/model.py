@@ -20,6 +20,10 @@ class TokenizerConfig:
     # this many times per word (k3post.tokenizer.lexicon_corpus), so names are a few tokens; 0 = off
     lexicon_repeats: int = 0
 
+    def __post_init__(self) -> None:
+        if isinstance(self.lexicon_repeats, bool) or not isinstance(self.lexicon_repeats, int) or self.lexicon_repeats < 0:
+            raise ValueError(f"tokenizer.lexicon_repeats must be an integer >= 0, got {self.lexicon_repeats!r}")
+
 
 @dataclass
 class ModelConfig:
