@@ -95,6 +95,12 @@ def tool_call(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, A
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
+def lexicon_words(syllables: Sequence[str], *words: str) -> tuple[str, ...]:
+    """A family's `FamilyBase.lexicon`: the name syllables as they appear inside a name (lower-case) and at its
+    start (capitalised), then ``words``, each once in that order."""
+    return tuple(dict.fromkeys([*syllables, *(x.capitalize() for x in syllables), *words]))
+
+
 def assistant(content: str = "", reasoning: str = "", calls: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """An assistant message with ``reasoning_content`` (the think channel), ``content`` and optional calls."""
     msg: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": reasoning}

@@ -40,6 +40,7 @@ from k3post.envs.env import EpisodeLimits, ToolEnvironment
 from k3post.envs.families.common import (
     FamilyBase,
     assistant,
+    lexicon_words,
     normalize_answer,
     prompt_text,
     submission_text,
@@ -290,7 +291,7 @@ class FaithfulnessFamily(FamilyBase):
 
     def lexicon(self) -> tuple[str, ...]:
         """Name syllables (lower-case and capitalised), first names and goods of its contexts."""
-        return tuple(dict.fromkeys([*_SYL, *(x.capitalize() for x in _SYL), *_FIRST, *_GOODS]))
+        return lexicon_words(_SYL, *_FIRST, *_GOODS)
 
     def _make(self, rng: random.Random, difficulty: int, task_id: str) -> Task | None:
         n_ent = difficulty
@@ -445,7 +446,7 @@ class WritingFamily(FamilyBase):
 
     def lexicon(self) -> tuple[str, ...]:
         """Product-name syllables (lower-case and capitalised) and the product kinds."""
-        return tuple(dict.fromkeys([*_SYL, *(x.capitalize() for x in _SYL), *sorted(_PRODUCTS)]))
+        return lexicon_words(_SYL, *sorted(_PRODUCTS))
 
     def _make(self, rng: random.Random, difficulty: int, task_id: str) -> Task | None:
         kind = rng.choice(sorted(_PRODUCTS))

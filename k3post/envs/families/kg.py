@@ -26,6 +26,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from k3post.envs.families.common import lexicon_words
+
 __all__ = ["RELATIONS", "CHAINS", "Chain", "KnowledgeGraph", "build_graph", "bm25_search", "tokenize"]
 
 RELATIONS: dict[str, tuple[str, str]] = {
@@ -87,9 +89,8 @@ def lexicon() -> tuple[str, ...]:
     """The words the knowledge graphs' names and sentences are made of (syllables lower-case and
     capitalised, first names, company suffixes, jobs, place kinds, relation phrases): the tokenizer's lexicon
     (`k3post.tokenizer.lexicon_corpus`), so an entity name is a few tokens and copying it is a short step."""
-    words = [*_SYL, *(x.capitalize() for x in _SYL), *_FIRST, *_COMPANY, *_JOBS, *_INDUSTRY.values(),
-             "University", "Institute", "College", "city", "country", "company", *_PHRASE.values()]
-    return tuple(dict.fromkeys(words))
+    return lexicon_words(_SYL, *_FIRST, *_COMPANY, *_JOBS, *_INDUSTRY.values(), "University", "Institute", "College",
+                         "city", "country", "company", *_PHRASE.values())
 
 _TOKEN_RE = re.compile(r"[a-z0-9]+")
 
