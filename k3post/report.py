@@ -187,10 +187,18 @@ def _synth_section(run: Path, summary: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+_STAGE_FILES = {"experts": "experts/table.json", "mopd": "mopd/summary.json"}
+
+
+def _stage_file(run: Path, summary: dict[str, Any], stage: str) -> Any:
+    """A stage's own result file (the experts' table.json, MOPD's summary.json), else its copy in summary.json."""
+    path = run / _STAGE_FILES[stage]
+    return json.loads(path.read_text()) if path.is_file() else summary.get(stage)
+
+
 def _rl_section(run: Path, summary: dict[str, Any]) -> str:
     """Stage 2: the 3×3 expert table, targets, reward curves and T(y) histograms per effort."""
-    path = run / "experts" / "table.json"
-    table = json.loads(path.read_text()) if path.is_file() else summary.get("experts")
+    table = _stage_file(run, summary, "experts")
     if not table or not (table.get("experts") or table.get("failed")):
         return ""
     ex, failed = table.get("experts", {}), table.get("failed", {})
@@ -255,8 +263,7 @@ def _rl_section(run: Path, summary: dict[str, Any]) -> str:
 
 def _mopd_section(run: Path, summary: dict[str, Any]) -> str:
     """Stage 3: student vs teacher per (domain, effort), the targets, the per-token OPD reward curve."""
-    path = run / "mopd" / "summary.json"
-    m = json.loads(path.read_text()) if path.is_file() else summary.get("mopd")
+    m = _stage_file(run, summary, "mopd")
     if not m:
         return ""
     t = m["table"]
@@ -293,12 +300,10 @@ def _grid_section(run: Path, summary: dict[str, Any]) -> str:
     (`k3post.experts.expert_grid`) and, in words, which domains this run can and cannot show at its scale."""
     from k3post.experts import expert_grid
 
-    path = run / "experts" / "table.json"
-    table = json.loads(path.read_text()) if path.is_file() else summary.get("experts")
+    table = _stage_file(run, summary, "experts")
     if not table or not table.get("experts"):
         return ""
-    mpath = run / "mopd" / "summary.json"
-    mopd = json.loads(mpath.read_text()) if mpath.is_file() else summary.get("mopd")
+    mopd = _stage_file(run, summary, "mopd")
     student = {(r["domain"], r["effort"]): r for r in (mopd or {}).get("table", {}).get("rows", [])}
     grid = expert_grid(table)
     efforts = ["max", "high", "low"]
