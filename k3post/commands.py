@@ -14,15 +14,16 @@ from k3post.models import build_tiny_moe, load_model, save_model
 from k3post.quant.qat import apply_qat
 from k3post.sft import train_sft
 from k3post.tokenizer import ensure_xtml_tokens, load_tokenizer, train_tokenizer
-from k3post.xtml import XTML, render_text
+from k3post.xtml import XTML, text_segments
 
 if TYPE_CHECKING:
     from k3post.mopd import MOPDConfig
 
 
 def default_corpus(n_per_family: int = 6, seed: int = 123, *, n_main: int = 60, main: str = "general.arithmetic") -> list[str]:
-    """Tokenizer training text: XTML renderings of reference trajectories of every built-in family at every
-    effort (`n_main` tasks of `main`, `n_per_family` of the others), tools and effort messages included."""
+    """Tokenizer training text: the XTML text segments (`text_segments`, each encoded on its own) of
+    reference trajectories of every built-in family at every effort (`n_main` tasks of `main`,
+    `n_per_family` of the others), tools and effort messages included."""
     from k3post.envs.episode import run_episode_sync
     from k3post.envs.families import EFFORTS, families
 
@@ -31,7 +32,7 @@ def default_corpus(n_per_family: int = 6, seed: int = 123, *, n_main: int = 60, 
         for task in fam.generate(n_main if fam.name == main else n_per_family, seed=seed):
             for effort in EFFORTS:
                 ep = run_episode_sync(fam.reference_policy(task, effort), fam.make_env(task), task)
-                corpus.append(render_text(ep.messages, tools=ep.tools or None, effort=effort))
+                corpus.extend(text_segments(ep.messages, tools=ep.tools or None, effort=effort))
     return corpus
 
 

@@ -59,6 +59,8 @@ class LoadStats:
 
 def check_record(rec: Any) -> None:
     """Structural checks the XTML renderer does not make: roles, declared tools. Raises ValueError."""
+    from k3post.xtml import is_tool_declaration
+
     if not isinstance(rec, dict):
         raise ValueError(f"a record must be a JSON object, got {type(rec).__name__}")
     msgs = rec.get("messages")
@@ -74,7 +76,7 @@ def check_record(rec: Any) -> None:
         role = m.get("role")
         if role not in ROLES:
             raise ValueError(f"messages[{i}]: unknown role {role!r}; expected one of {ROLES}")
-        if m.get("type") == "tool-declare":  # mid-session tool declaration adds tools from here on
+        if is_tool_declaration(m):  # mid-session tool declaration adds tools from here on
             declared |= {(t.get("function") or t).get("name") for t in m.get("tools") or []}
         for j, call in enumerate(m.get("tool_calls") or []):
             name = (call.get("function") or {}).get("name")

@@ -25,7 +25,8 @@ Decisions:
   the untempered log π_old, so the reward compares model distributions at any sampling temperature (the
   mean of −r is the reverse-KL estimate only at temperature 1).
 * **The teacher does not see the effort** (SPEC §4): its context is the task's prompt re-rendered with
-  ``effort=None`` in the same think mode, followed by the trajectory's tokens after the student's prompt,
+  ``effort=OMIT_EFFORT`` (no thinking-effort message) in the same think mode, followed by the trajectory's
+  tokens after the student's prompt,
   unchanged (sampled tokens and tool results). XTML encodes every message on its own, so the two contexts
   differ only by the thinking-effort message; the teacher log-prob of student position i is at i + offset,
   offset = teacher prompt length − student prompt length (< 0). ``teacher_sees_effort=True`` keeps the
@@ -72,7 +73,7 @@ from k3post.rollout.engine import request_seed, token_uniform
 from k3post.rollout.evaluation import evaluate_episodes, make_env
 from k3post.rollout.trajectory import Group, Trajectory
 from k3post.stats import paired_change, paired_ratio
-from k3post.xtml import EFFORTS, XTML
+from k3post.xtml import EFFORTS, OMIT_EFFORT, XTML
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +279,7 @@ def teacher_context(
     mode: str = "think",
 ) -> tuple[list[int], int]:
     """(teacher ids, offset): ``messages`` with ``traj.tools`` rendered at ``teacher_effort`` (None: no
-    thinking-effort message) in ``mode`` with the generation prefix, then ``traj``'s tokens after its prompt,
+    thinking-effort message, `OMIT_EFFORT`) in ``mode`` with the generation prefix, then ``traj``'s tokens after its prompt,
     unchanged. Student position i ≥ prompt_len is teacher position i + offset.
 
     ValueError unless rendering ``messages`` at the student's ``effort`` reproduces the trajectory's prompt
@@ -290,7 +291,7 @@ def teacher_context(
     if render(effort) != prompt:
         raise ValueError(f"trajectory {traj.traj_id!r}: its prompt is not the task's messages rendered at effort "
                          f"{effort!r} in {mode!r} mode; cannot align the teacher's context")
-    teacher = prompt if teacher_effort == effort else render(teacher_effort)
+    teacher = prompt if teacher_effort == effort else render(OMIT_EFFORT if teacher_effort is None else teacher_effort)
     return teacher + traj.token_ids[traj.prompt_len :], len(teacher) - traj.prompt_len
 
 
@@ -481,7 +482,8 @@ def mopd_checks(
 
 def _episodes(engine: Any, xtml: XTML, tasks: Sequence[Task], effort: str | None, max_tokens: int) -> dict[str, Any]:
     """Greedy think-mode episodes of ``tasks`` at ``effort`` (None: no thinking-effort message), summarised."""
-    return evaluate_episodes(engine, xtml, tasks, effort=effort, max_tokens=max_tokens, mode="think")["overall"]
+    return evaluate_episodes(engine, xtml, tasks, effort=OMIT_EFFORT if effort is None else effort,
+                             max_tokens=max_tokens, mode="think")["overall"]
 
 
 def evaluate_mopd(

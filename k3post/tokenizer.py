@@ -19,9 +19,11 @@ For a byte-level tokenizer without a normalizer (the one trained here),
 
 from __future__ import annotations
 
+import json
+import re
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "PAD_TOKEN",
     "ALL_SPECIAL_TOKENS",
+    "IMAGE_TOKEN",
     "train_tokenizer",
     "lexicon_corpus",
     "load_tokenizer",
@@ -51,13 +54,19 @@ PAD_TOKEN: str = "<|pad|>"
 ALL_SPECIAL_TOKENS: tuple[str, ...] = (*SPECIAL_TOKENS, PAD_TOKEN)
 """XTML tokens plus pad, in the id order `train_tokenizer` gives them (0..4)."""
 
+IMAGE_TOKEN: str = "<|kimi_image_placeholder|>"
+"""The K3 encoder's image placeholder: one id standing for each image content part. `train_tokenizer`
+gives it id 5; a foreign tokenizer needs it only to render images."""
+
+_TRAINED_SPECIALS: tuple[str, ...] = (*ALL_SPECIAL_TOKENS, IMAGE_TOKEN)
+
 
 def _check_vocab_size(vocab_size: int) -> None:
     """Raise ValueError unless vocab_size leaves room for the specials and all 256 bytes."""
-    minimum = len(ALL_SPECIAL_TOKENS) + 256
+    minimum = len(_TRAINED_SPECIALS) + 256
     if not isinstance(vocab_size, int) or vocab_size < minimum:
         raise ValueError(
-            f"vocab_size must be an int >= {minimum} (5 special tokens + 256 byte tokens), "
+            f"vocab_size must be an int >= {minimum} ({len(_TRAINED_SPECIALS)} special tokens + 256 byte tokens), "
             f"got {vocab_size!r}"
         )
 
@@ -82,6 +91,32 @@ def lexicon_corpus(words: Iterable[str], repeats: int) -> list[str]:
     return out
 
 
+_SPECIAL_SPLIT = re.compile("|".join(re.escape(t) for t in _TRAINED_SPECIALS))
+
+
+def _between_specials(corpus: Iterable[str]) -> Iterator[str]:
+    """The text runs of each corpus text between special-token spellings: what `encode_text` will encode
+    (XTML encodes the text between special ids on its own), so no merge spans a special token."""
+    for text in corpus:
+        for run in _SPECIAL_SPLIT.split(str(text)):
+            if run:
+                yield run
+
+
+def _without_special_merges(backend: Tokenizer) -> Tokenizer:
+    """``backend`` without any merge whose result spells a special token: BPE could otherwise build
+    ``<|close|>`` from text pieces and give text the special id (a forged structure token). Found by the
+    check in `special_ids` on a demo tokenizer whose corpus spelled the tokens (docs/decisions.md)."""
+    spec = json.loads(backend.to_str())
+    merges = spec["model"]["merges"]
+    pair = (lambda m: m.split(" ", 1)) if merges and isinstance(merges[0], str) else (lambda m: m)
+    kept = [m for m in merges if "".join(pair(m)) not in _TRAINED_SPECIALS]
+    if len(kept) == len(merges):
+        return backend
+    spec["model"]["merges"] = kept
+    return Tokenizer.from_str(json.dumps(spec))
+
+
 def train_tokenizer(
     corpus: Iterable[str],
     vocab_size: int = 512,
@@ -94,12 +129,12 @@ def train_tokenizer(
     Pre-tokenization splits every digit into its own piece, then applies GPT-2
     style byte-level splitting (no prefix space); the decoder is byte-level, so
     every byte sequence is representable and decoding is exact. The special
-    tokens get ids ``0..4`` in the order of `ALL_SPECIAL_TOKENS`; the 256 byte
-    symbols come next, merges fill the rest of ``vocab_size``.
+    tokens get ids ``0..4`` in the order of `ALL_SPECIAL_TOKENS`, the image placeholder
+    `IMAGE_TOKEN` id 5; the 256 byte symbols come next, merges fill the rest of ``vocab_size``.
 
     Args:
         corpus: training texts (iterated once).
-        vocab_size: target vocabulary size, at least 261. The trainer may stop
+        vocab_size: target vocabulary size, at least 262. The trainer may stop
             short of it on a small corpus (no more merges to learn).
         out_dir: if given, the tokenizer is saved there so that
             ``transformers.AutoTokenizer.from_pretrained(out_dir)`` loads it.
@@ -127,18 +162,19 @@ def train_tokenizer(
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(ALL_SPECIAL_TOKENS),
+        special_tokens=list(_TRAINED_SPECIALS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator((str(t) for t in corpus), trainer=trainer)
-    for i, tok in enumerate(ALL_SPECIAL_TOKENS):
+    backend.train_from_iterator(_between_specials(corpus), trainer=trainer)
+    backend = _without_special_merges(backend)
+    for i, tok in enumerate(_TRAINED_SPECIALS):
         assert backend.token_to_id(tok) == i, f"special token {tok} not at id {i}"
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD_TOKEN,
         eos_token=SPECIAL_TOKENS[3],
-        additional_special_tokens=list(SPECIAL_TOKENS[:3]),
+        additional_special_tokens=[*SPECIAL_TOKENS[:3], IMAGE_TOKEN],
         clean_up_tokenization_spaces=False,
     )
     if out_dir is not None:
@@ -177,32 +213,57 @@ def _single_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int | None:
     return int(tid)
 
 
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The tokenizer's own pad id, else the id of ``<|pad|>`` if it has one, else None."""
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    return _single_id(tokenizer, PAD_TOKEN)
+
+
 def _missing_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str]:
-    """XTML tokens (and pad) that are not single ids of ``tokenizer``."""
-    return [t for t in ALL_SPECIAL_TOKENS if _single_id(tokenizer, t) is None]
+    """XTML tokens that are not single ids of ``tokenizer``, plus ``<|pad|>`` when it has no pad at all."""
+    missing = [t for t in SPECIAL_TOKENS if _single_id(tokenizer, t) is None]
+    return missing + ([PAD_TOKEN] if _pad_id(tokenizer) is None else [])
 
 
 def special_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
-    """Map each XTML token (and pad) to its id; ValueError if one is missing."""
+    """Map each XTML token to its id, `PAD_TOKEN` to the pad id (the tokenizer's own pad token when it has
+    one, e.g. K3's, else ``<|pad|>``), and `IMAGE_TOKEN` to its id where the tokenizer has it.
+
+    ValueError if an XTML token or a pad is missing, or if text can spell an XTML token's id (the token is
+    an ordinary vocabulary entry rather than a special one, so user text could forge structure)."""
     out: dict[str, int] = {}
-    for tok in ALL_SPECIAL_TOKENS:
+    for tok in SPECIAL_TOKENS:
         tid = _single_id(tokenizer, tok)
         if tid is None:
             raise ValueError(
                 f"tokenizer has no single id for {tok!r}; call ensure_xtml_tokens(tokenizer, model)"
             )
+        if tid in encode_text(tokenizer, tok):
+            raise ValueError(
+                f"tokenizer: the text {tok!r} encodes to its own id {tid}, so user text could forge XTML "
+                "structure; register it as a special token (tokenizer.add_special_tokens)"
+            )
         out[tok] = tid
+    pad = _pad_id(tokenizer)
+    if pad is None:
+        raise ValueError("tokenizer has no pad token and no <|pad|>; call ensure_xtml_tokens(tokenizer, model)")
+    out[PAD_TOKEN] = pad
+    image = _single_id(tokenizer, IMAGE_TOKEN)
+    if image is not None:
+        out[IMAGE_TOKEN] = image
     return out
 
 
 def ensure_xtml_tokens(tokenizer: PreTrainedTokenizerBase, model: Any | None = None) -> list[str]:
-    """Make sure every XTML token and the pad token is one special id of ``tokenizer``.
+    """Make sure every XTML token is one special id of ``tokenizer`` and that it has a pad token.
 
-    Missing tokens are added as special tokens (so they are never split); if
-    any were added and a ``model`` is given, its embeddings are resized with
-    ``model.resize_token_embeddings(len(tokenizer))``. A ``warnings.warn`` names
-    the added tokens, since their embeddings start untrained. If the tokenizer
-    has no pad token, ``<|pad|>`` becomes it.
+    Tokens already present under their K3 names (a K3 tokenizer) are used as they are, and the tokenizer's
+    own pad token is kept: nothing is added and the embeddings are not resized. Missing XTML tokens are
+    added as special tokens (so they are never split), and ``<|pad|>`` only when the tokenizer has no pad
+    token (it becomes the pad); if any were added and a ``model`` is given, its embeddings are resized with
+    ``model.resize_token_embeddings(len(tokenizer))``. A ``warnings.warn`` names the added tokens, since
+    their embeddings start untrained.
 
     Returns:
         The tokens that were added, in `ALL_SPECIAL_TOKENS` order (empty when

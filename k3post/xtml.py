@@ -1,29 +1,42 @@
 """XTML, the K3 chat template (SPEC §1, report appendix F): render, parse, stream, validate.
 
+The authority is Moonshot's encoder as shipped (``encoding_k3.py``, vendored in vLLM as
+``vllm/tokenizers/encoding_k3.py``): every conversation it accepts renders here to the same
+text, cut into the same text segments (so any tokenizer gives the same ids). k3post adds the
+loss mask, parsing, streaming, validation and extension; the intentional differences are listed
+in ``docs/decisions.md`` ("XTML conformance with the shipped K3 encoder").
+
 XTML is XML whose angle brackets are special tokens. An element is
 
     <|open|>tag k1="v1" k2="v2"<|sep|>BODY<|close|>tag<|sep|>
 
 and every message is one ``message`` element followed by ``<|end_of_msg|>``.
-Attribute values escape ``"`` as ``\\"`` and, so that escaping round-trips, a
-backslash as ``\\\\``; no other escape is valid.
+Attribute values escape ``&`` as ``&amp;`` and ``"`` as ``&quot;`` (in that order);
+no other entity is valid.
 
 Context order (SPEC §1.2):
 
 1. global option messages (message index -1): ``tool-declare`` when ``tools``
-   are given, then ``thinking-effort`` when an ``effort`` is given (think mode);
-2. the input messages (index = position in ``messages``), possibly with an
-   *input option message* announcing tools mid-session, written in the
-   messages list as ``{"role": "system", "type": "tool-declare", "tools": [...]}``
-   (OpenAI function specs; rendered with the same body as the global one);
-3. one-shot option messages (index -1): ``tool-choice`` and ``response-format``,
-   with our wording (`TOOL_CHOICE_*`, `RESPONSE_FORMAT_*` below);
+   are given, then ``thinking-effort`` in think mode (``effort`` None means
+   `DEFAULT_EFFORT`, as the shipped encoder; `OMIT_EFFORT` leaves the message out,
+   a k3post extension for effort-blind MOPD teachers);
+2. the input messages (index = position in ``messages``). A system message that
+   carries a non-empty ``tools`` list announces tools mid-session (an *input option
+   message*, `is_tool_declaration`), rendered with the shipped "New Tools Available"
+   body; its ``content`` is not rendered. ``developer`` messages render nothing, as
+   in the shipped encoder (k3post warns). Tool results are re-sorted into call
+   order by ``tool_call_id`` and numbered 1, 2, ... after each assistant message;
+3. one-shot option messages (index -1): ``tool-choice`` (``required``, ``none``)
+   and ``response-format`` (``json_object``, ``json_schema``), the shipped wording;
+   a named-function ``tool_choice`` renders nothing, as shipped;
 4. the generation prefix (index ``len(messages)``), when asked for.
 
-Ids are built segment by segment: every text run between special tokens is
-encoded on its own with `k3post.tokenizer.encode_text`, which never yields a
-special id, so no text (user, tool output, code in an argument) can forge
-structure. `render_text` gives the same context as a string (special tokens
+Ids are built segment by segment, with the shipped encoder's segment boundaries
+(a tag name, `` key``, ``="``, a value, ``"``; each content part): every text run
+between special tokens is encoded on its own with `k3post.tokenizer.encode_text`,
+which never yields a special id, so no text (user, tool output, code in an
+argument) can forge structure. An image content part is the one special id
+`IMAGE_TOKEN`. `render_text` gives the same context as a string (special tokens
 written literally), needs no tokenizer, and equals ``decode(render(...).ids)``.
 
 Loss mask (SPEC §1.5): inside an assistant message, everything after its
@@ -31,11 +44,6 @@ generation prefix (``<|open|>message role="assistant"<|sep|>`` plus the first
 channel header, ``<|open|>think<|sep|>`` or ``<|open|>response<|sep|>``) up to
 and including ``<|end_of_msg|>`` is trainable, except JSON-fallback blocks
 (``<|open|>json ...<|sep|>...<|close|>json<|sep|>``). Everything else is not.
-
-Known limit of `XTML.extend` on plain ids: the message indices of the kept
-prefix are recovered from the ids, and an input ``tool-declare`` placed as the
-very first input message is indistinguishable there from the global one, so it
-is given index -1.
 """
 
 from __future__ import annotations
@@ -43,14 +51,15 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from k3post.constants import EFFORTS
-from k3post.tokenizer import PAD_TOKEN, SPECIAL_TOKENS, decode, encode_text, special_ids
+from k3post.constants import DEFAULT_EFFORT, EFFORTS
+from k3post.tokenizer import IMAGE_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, decode, encode_text, special_ids
 
 __all__ = [
     "OPEN",
@@ -58,14 +67,17 @@ __all__ = [
     "SEP",
     "EOM",
     "EFFORTS",
+    "DEFAULT_EFFORT",
+    "OMIT_EFFORT",
+    "IMAGE_TOKEN",
     "MODES",
     "ARG_TYPES",
     "OPTION_TYPES",
     "TOOL_DECLARE_TEMPLATE",
+    "TOOL_DECLARE_DYNAMIC_TEMPLATE",
     "THINKING_EFFORT_TEMPLATE",
     "TOOL_CHOICE_NONE",
     "TOOL_CHOICE_REQUIRED",
-    "TOOL_CHOICE_FUNCTION",
     "RESPONSE_FORMAT_JSON_OBJECT",
     "RESPONSE_FORMAT_JSON_SCHEMA",
     "Rendered",
@@ -81,8 +93,10 @@ __all__ = [
     "StreamParser",
     "XTML",
     "render_text",
+    "text_segments",
     "parse_tool_arguments",
     "escape_attr",
+    "is_tool_declaration",
 ]
 
 OPEN, CLOSE, SEP, EOM = SPECIAL_TOKENS
@@ -93,10 +107,24 @@ ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 CHANNELS: tuple[str, ...] = ("think", "response", "tools")
 KNOWN_TAGS: tuple[str, ...] = ("message", "think", "response", "tools", "call", "argument", "json")
 
+OMIT_EFFORT = "omit"
+"""``effort=OMIT_EFFORT`` renders think mode without the thinking-effort message. The shipped encoder
+always writes one in think mode; k3post uses this only for contexts no deployed model sees (MOPD teachers
+that must not see the student's effort, SPEC §4)."""
+
 TOOL_DECLARE_TEMPLATE = (
     "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n{tools}\n```"
 )
-"""Body of a ``tool-declare`` message (exact, SPEC §1.2); ``{tools}`` is compact sorted JSON."""
+"""Body of the global ``tool-declare`` message (exact); ``{tools}`` is compact key-sorted JSON."""
+
+TOOL_DECLARE_DYNAMIC_TEMPLATE = (
+    "## New Tools Available\n"
+    "The system dynamically extends the toolset via lazy-loading.\n"
+    "You have access to all existing and extended tools.\n"
+    "Here are the specs for the extended tools.\n\n"
+    "```json\n{tools}\n```"
+)
+"""Body of a mid-session ``tool-declare`` message (a system message carrying ``tools``), exact."""
 
 THINKING_EFFORT_TEMPLATE = (
     "`thinking_effort` guides on how much to think in your thinking channel (not including the "
@@ -105,15 +133,17 @@ THINKING_EFFORT_TEMPLATE = (
 )
 """Body of a ``thinking-effort`` message (exact, SPEC §1.2)."""
 
-# One-shot option wording (ours: SPEC gives only the types). tool_choice "auto"
-# and response_format {"type": "text"} are the default behaviour and render nothing.
-TOOL_CHOICE_NONE = "Do not call any tool in this turn; answer in the response channel."
-TOOL_CHOICE_REQUIRED = "You must call at least one tool in this turn."
-TOOL_CHOICE_FUNCTION = "You must call the tool `{name}` in this turn."
-RESPONSE_FORMAT_JSON_OBJECT = "Write the response channel as a single valid JSON object and nothing else."
+# One-shot option wording, as the shipped encoder writes it. tool_choice "auto" or a named function and
+# response_format {"type": "text"} render nothing.
+TOOL_CHOICE_REQUIRED = "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message."
+TOOL_CHOICE_NONE = "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message."
+_RAW_JSON = (
+    "Your response must be raw JSON data without markdown code blocks (```json) or any additional formatting."
+)
+RESPONSE_FORMAT_JSON_OBJECT = "The system is invoked with `response_format=json_object`.\n" + _RAW_JSON
 RESPONSE_FORMAT_JSON_SCHEMA = (
-    "Write the response channel as a single valid JSON value, and nothing else, that conforms "
-    "to this JSON Schema:\n```json\n{schema}\n```"
+    "The system is invoked with `response_format=json_schema`.\n" + _RAW_JSON + "\n"
+    "The JSON data must match the following schema:\n```json\n{schema}\n```"
 )
 
 
@@ -121,13 +151,8 @@ RESPONSE_FORMAT_JSON_SCHEMA = (
 
 
 def escape_attr(value: str) -> str:
-    """Escape an attribute value: backslash -> ``\\\\``, double quote -> ``\\"``."""
-    return value.replace("\\", "\\\\").replace('"', '\\"')
-
-
-def _header(tag: str, attrs: Sequence[tuple[str, str]] = ()) -> str:
-    """Header text ``tag k1="v1" ...`` (between ``<|open|>`` and ``<|sep|>``)."""
-    return tag + "".join(f' {k}="{escape_attr(v)}"' for k, v in attrs)
+    """Escape an attribute value as the shipped encoder does: ``&`` -> ``&amp;``, ``"`` -> ``&quot;``."""
+    return value.replace("&", "&amp;").replace('"', "&quot;")
 
 
 def _compact_json(obj: Any) -> str:
@@ -144,25 +169,40 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
-def _content_text(content: Any, where: str) -> str:
-    """OpenAI ``content`` (None, str, or list of text parts) as one string."""
+def is_tool_declaration(message: Any) -> bool:
+    """True for an input option message announcing tools mid-session: a system message with a non-empty
+    ``tools`` list (the shipped encoder's syntax; a ``"type": "tool-declare"`` key may be present too)."""
+    return isinstance(message, Mapping) and message.get("role") == "system" and bool(message.get("tools"))
+
+
+def _content_parts(content: Any, where: str) -> list[tuple[bool, str]]:
+    """OpenAI ``content`` as segments ``(is_image, text)``: None -> none, a string -> one, a list -> one per
+    part (a string, ``{"text": str}``, or an ``image`` / ``image_url`` part -> the image placeholder)."""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [(False, content)]
     if isinstance(content, list):
-        parts: list[str] = []
+        out: list[tuple[bool, str]] = []
         for j, part in enumerate(content):
             if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
+                out.append((False, part))
+            elif isinstance(part, Mapping) and part.get("type") in ("image", "image_url"):
+                out.append((True, IMAGE_TOKEN))
+            elif isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                out.append((False, part["text"]))
             else:
                 raise ValueError(
-                    f"{where}: content part {j} must be {{'type': 'text', 'text': str}}, got {part!r}"
+                    f"{where}: content part {j} must be a text part {{'type': 'text', 'text': str}} or an "
+                    f"image part {{'type': 'image_url', ...}}, got {part!r}"
                 )
-        return "".join(parts)
-    raise ValueError(f"{where}: content must be a string, a list of text parts or None, got {type(content).__name__}")
+        return out
+    raise ValueError(f"{where}: content must be a string, a list of content parts or None, got {type(content).__name__}")
+
+
+def _content_text(content: Any, where: str) -> str:
+    """OpenAI ``content`` as one string (image parts as the placeholder token, written literally)."""
+    return "".join(text for _, text in _content_parts(content, where))
 
 
 def _arg_type(value: Any, where: str) -> str:
@@ -251,13 +291,12 @@ def parse_tool_arguments(call: Mapping[str, Any] | str) -> dict[str, Any]:
         raise ValueError("tool call arguments are not a JSON object")
     return value
 
-
 # --------------------------------------------------------------------------- rendering
 
 
 @dataclass
 class _Piece:
-    """One special token or text run of a rendered context."""
+    """One special token or text segment of a rendered context."""
 
     special: bool
     value: str
@@ -267,7 +306,10 @@ class _Piece:
 
 @dataclass
 class _Builder:
-    """Accumulates pieces; ``msg`` and ``train`` label everything appended."""
+    """Accumulates pieces; ``msg`` and ``train`` label everything appended.
+
+    Text is appended in the shipped encoder's segments (each encoded on its own): a header is the tag
+    name, then `` key``, ``="``, the escaped value and ``"`` per attribute."""
 
     pieces: list[_Piece] = field(default_factory=list)
     msg: int = -1
@@ -282,7 +324,12 @@ class _Builder:
 
     def open(self, tag: str, attrs: Sequence[tuple[str, str]] = ()) -> None:
         self.sp(OPEN)
-        self.tx(_header(tag, attrs))
+        self.tx(tag)
+        for k, v in attrs:
+            self.tx(f" {k}")
+            self.tx('="')
+            self.tx(escape_attr(v))
+            self.tx('"')
         self.sp(SEP)
 
     def close(self, tag: str) -> None:
@@ -290,9 +337,16 @@ class _Builder:
         self.tx(tag)
         self.sp(SEP)
 
-    def text_message(self, attrs: Sequence[tuple[str, str]], body: str) -> None:
+    def content(self, parts: Sequence[tuple[bool, str]]) -> None:
+        for image, text in parts:
+            if image:
+                self.sp(text)
+            else:
+                self.tx(text)
+
+    def text_message(self, attrs: Sequence[tuple[str, str]], parts: Sequence[tuple[bool, str]]) -> None:
         self.open("message", attrs)
-        self.tx(body)
+        self.content(parts)
         self.close("message")
         self.sp(EOM)
 
@@ -301,14 +355,15 @@ class _Builder:
 class _Binding:
     """Calls of the most recent assistant message, for binding tool results."""
 
-    calls: list[tuple[str | None, str]] | None = None  # (call id, tool name)
-    next_pos: int = 0
+    calls: list[tuple[str | None, str | None]] | None = None  # (call id, tool name) per call, in order
+    count: int = 0  # tool results rendered since that assistant message (the next result's index - 1)
 
 
-def _tool_declare_body(tools: Any, where: str) -> str:
+def _tool_declare_body(tools: Any, where: str, *, dynamic: bool = False) -> str:
     if not isinstance(tools, (list, tuple)):
         raise ValueError(f"{where}: tools must be a list of OpenAI function specs, got {type(tools).__name__}")
-    return TOOL_DECLARE_TEMPLATE.format(tools=_compact_json(list(tools))).strip()
+    template = TOOL_DECLARE_DYNAMIC_TEMPLATE if dynamic else TOOL_DECLARE_TEMPLATE
+    return template.format(tools=_compact_json(list(tools)))
 
 
 def _tool_choice_body(tool_choice: Any) -> str | None:
@@ -322,53 +377,61 @@ def _tool_choice_body(tool_choice: Any) -> str | None:
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, Mapping) else tool_choice.get("name")
         if isinstance(name, str) and name:
-            return TOOL_CHOICE_FUNCTION.format(name=name)
+            return None  # the shipped encoder writes no message for a named function
     raise ValueError(
         "tool_choice must be None, 'auto', 'none', 'required' or "
         f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}"
     )
 
 
+def _response_schema(response_format: Mapping[str, Any]) -> Any:
+    """The schema of a ``json_schema`` response format, found where the shipped encoder looks:
+    ``json_schema.schema``, else ``json_schema.json_schema``, else ``json_schema`` itself (None: absent)."""
+    spec = response_format.get("json_schema")
+    if isinstance(spec, Mapping):
+        return spec.get("schema", spec.get("json_schema", spec))
+    return spec
+
+
 def _response_format_body(response_format: Any) -> str | None:
-    if response_format is None:
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else response_format
+    if kind is None or kind == "text":
         return None
-    if isinstance(response_format, Mapping):
-        kind = response_format.get("type")
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            return RESPONSE_FORMAT_JSON_OBJECT
-        if kind == "json_schema":
-            spec = response_format.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, Mapping) else None
-            if isinstance(schema, Mapping):
-                return RESPONSE_FORMAT_JSON_SCHEMA.format(schema=_compact_json(schema)).strip()
-            raise ValueError("response_format json_schema needs {'json_schema': {'schema': {...}}}")
+    if kind == "json_object":
+        return RESPONSE_FORMAT_JSON_OBJECT
+    if kind == "json_schema":
+        schema = _response_schema(response_format) if isinstance(response_format, Mapping) else None
+        return RESPONSE_FORMAT_JSON_SCHEMA.format(schema=_compact_json(schema))
     raise ValueError(
         "response_format must be None or {'type': 'text' | 'json_object' | 'json_schema', ...}, "
         f"got {response_format!r}"
     )
 
 
+def _name_attr(m: Mapping[str, Any], role: str) -> list[tuple[str, str]]:
+    """``[("role", role)]`` plus ``("name", ...)`` when the message has a non-empty name (as shipped)."""
+    name = m.get("name")
+    return [("role", role), ("name", str(name))] if name else [("role", role)]
+
+
 def _render_assistant(b: _Builder, m: Mapping[str, Any], i: int, mode: str, binding: _Binding) -> None:
     where = f"message {i} (assistant)"
     b.train = False
-    b.open("message", [("role", "assistant")])
+    b.open("message", _name_attr(m, "assistant"))
     b.open("think" if mode == "think" else "response")
     b.train = True
     if mode == "think":
-        reasoning = m.get("reasoning_content")
-        if reasoning is not None and not isinstance(reasoning, str):
-            raise ValueError(f"{where}: reasoning_content must be a string or None")
-        b.tx(reasoning or "")
+        reasoning = m.get("reasoning_content") or m.get("reasoning")
+        if reasoning is not None and str(reasoning).strip():  # whitespace only: an empty think channel
+            b.tx(str(reasoning))
         b.close("think")
         b.open("response")
-    b.tx(_content_text(m.get("content"), where))
+    b.content(_content_parts(m.get("content"), where))
     b.close("response")
     calls = m.get("tool_calls") or []
     if not isinstance(calls, (list, tuple)):
         raise ValueError(f"{where}: tool_calls must be a list")
-    bound: list[tuple[str | None, str]] = []
+    bound: list[tuple[str | None, str | None]] = []
     if calls:
         b.open("tools")
         for k, call in enumerate(calls, start=1):
@@ -377,7 +440,9 @@ def _render_assistant(b: _Builder, m: Mapping[str, Any], i: int, mode: str, bind
             bound.append((cid, name))
             b.open("call", [("tool", name), ("index", str(k))])
             fallback: str | None = None
-            if isinstance(args, str):
+            if args is None:
+                args = {}
+            elif isinstance(args, str):
                 if args.strip() == "":
                     args = {}
                 else:
@@ -390,7 +455,7 @@ def _render_assistant(b: _Builder, m: Mapping[str, Any], i: int, mode: str, bind
                     else:
                         fallback = args
             elif not isinstance(args, Mapping):
-                fallback = _arg_text(args, "array", cw) if args is not None else "null"
+                fallback = _arg_text(args, "array", cw)
             if fallback is not None:
                 b.train = False
                 b.open("json", [("type", "object")])
@@ -411,55 +476,85 @@ def _render_assistant(b: _Builder, m: Mapping[str, Any], i: int, mode: str, bind
     b.sp(EOM)
     b.train = False
     binding.calls = bound
-    binding.next_pos = 0
+    binding.count = 0
 
 
-def _render_tool_result(b: _Builder, m: Mapping[str, Any], i: int, binding: _Binding) -> None:
+def _render_tool_result(b: _Builder, m: Mapping[str, Any], i: int, binding: _Binding, bound_name: str | None) -> None:
+    """A tool result: ``index`` counts the results since the last assistant message (as shipped); the
+    tool name is the call's its ``tool_call_id`` bound it to, else ``tool`` / ``name``, else the call at
+    that count."""
     where = f"message {i} (tool)"
+    binding.count += 1
+    name = bound_name if bound_name is not None else m.get("tool", m.get("name"))
     calls = binding.calls
-    name = m.get("name")
-    if name is not None and (not isinstance(name, str) or not name):
-        raise ValueError(f"{where}: name must be a non-empty string")
-    explicit = m.get("index")
-    if explicit is not None:
-        if not isinstance(explicit, int) or isinstance(explicit, bool) or explicit < 1:
-            raise ValueError(f"{where}: index must be a positive int, got {explicit!r}")
-        pos = explicit - 1
-    elif m.get("tool_call_id") is not None:
-        cid = m["tool_call_id"]
-        ids = [c[0] for c in calls] if calls else []
-        if cid not in ids:
-            raise ValueError(
-                f"{where}: tool_call_id {cid!r} matches no call of the preceding assistant message"
-            )
-        pos = ids.index(cid)
-    else:
-        pos = binding.next_pos
-    if calls is None:
-        if name is None or explicit is None:
-            raise ValueError(
-                f"{where}: no preceding assistant message with tool calls; give both 'name' and 'index'"
-            )
-    else:
-        if pos >= len(calls):
-            raise ValueError(
-                f"{where}: result for call {pos + 1} but the preceding assistant message has "
-                f"{len(calls)} call(s)"
-            )
-        if pos < binding.next_pos:
-            raise ValueError(
-                f"{where}: tool results must follow the order of their calls (call {pos + 1} "
-                f"after call {binding.next_pos})"
-            )
-        if name is not None and name != calls[pos][1]:
-            raise ValueError(f"{where}: name {name!r} does not match call {pos + 1} ({calls[pos][1]!r})")
-        name = calls[pos][1]
-    binding.next_pos = pos + 1
-    assert name is not None
+    if name is None and calls is not None and binding.count <= len(calls):
+        name = calls[binding.count - 1][1]
+    if name is None:
+        raise ValueError(
+            f"{where}: no tool name: give 'name', or a 'tool_call_id' of a call of the preceding assistant "
+            f"message, or answer its calls in order (this is result {binding.count}"
+            + (f" of {len(calls)} call(s))" if calls is not None else "; no assistant message with calls precedes it)")
+        )
     b.text_message(
-        [("role", "tool"), ("tool", name), ("index", str(pos + 1))],
-        _content_text(m.get("content"), where),
+        [("role", "tool"), ("tool", str(name)), ("index", str(binding.count))],
+        _content_parts(m.get("content"), where),
     )
+
+
+def _call_positions(calls: Sequence[tuple[str | None, str | None]]) -> dict[str, tuple[int, str | None]]:
+    """``str(call id) -> (1-based position, tool name)``; the first of duplicate ids wins."""
+    out: dict[str, tuple[int, str | None]] = {}
+    for pos, (cid, name) in enumerate(calls, start=1):
+        if cid is not None:
+            out.setdefault(str(cid), (pos, name))
+    return out
+
+
+def _raw_calls(m: Mapping[str, Any]) -> list[tuple[str | None, str | None]]:
+    """(id, name) of each entry of an assistant message's ``tool_calls``, leniently (for binding only;
+    rendering the message checks them)."""
+    calls = m.get("tool_calls") or []
+    out: list[tuple[str | None, str | None]] = []
+    for call in calls if isinstance(calls, (list, tuple)) else []:
+        if not isinstance(call, Mapping):
+            out.append((None, None))
+            continue
+        fn = call.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else call.get("name")
+        out.append((call.get("id"), name))
+    return out
+
+
+def _in_call_order(
+    messages: Sequence[Any], start_index: int, calls: list[tuple[str | None, str | None]] | None
+) -> list[tuple[int, Any, str | None]]:
+    """``(index, message, bound tool name)`` in render order: each run of consecutive tool results whose
+    ``tool_call_id`` (or ``id``) all match calls of the most recent assistant message is sorted into call
+    order and takes those calls' names (the shipped encoder's re-sort); any other run stays as given."""
+    out: list[tuple[int, Any, str | None]] = []
+    positions = _call_positions(calls or [])
+    j = 0
+    while j < len(messages):
+        m = messages[j]
+        role = m.get("role") if isinstance(m, Mapping) else None
+        if role != "tool":
+            if role == "assistant":
+                positions = _call_positions(_raw_calls(m))
+            out.append((start_index + j, m, None))
+            j += 1
+            continue
+        run: list[tuple[tuple[int, str | None] | None, int, Any]] = []
+        while j < len(messages) and isinstance(messages[j], Mapping) and messages[j].get("role") == "tool":
+            t = messages[j]
+            cid = t.get("tool_call_id", t.get("id"))
+            run.append((positions.get(str(cid)) if cid is not None else None, start_index + j, t))
+            j += 1
+        if any(match is None for match, _, _ in run):
+            out.extend((i, t, None) for _, i, t in run)
+        else:
+            run.sort(key=lambda r: (r[0][0], r[1]))  # type: ignore[index]
+            out.extend((i, t, match[1]) for match, i, t in run)  # type: ignore[index]
+    return out
 
 
 def _render_input(
@@ -472,38 +567,48 @@ def _render_input(
 ) -> None:
     """Append the input messages (zone 2) to ``b``."""
     for j, m in enumerate(messages):
-        i = start_index + j
         if not isinstance(m, Mapping):
-            raise ValueError(f"message {i} must be a dict, got {type(m).__name__}")
+            raise ValueError(f"message {start_index + j} must be a dict, got {type(m).__name__}")
+    for i, m, bound_name in _in_call_order(messages, start_index, binding.calls):
         role = m.get("role")
         b.msg = i
         b.train = False
+        where = f"message {i} ({role})"
         if role == "assistant":
             _render_assistant(b, m, i, mode, binding)
         elif role == "tool":
-            _render_tool_result(b, m, i, binding)
+            _render_tool_result(b, m, i, binding, bound_name)
+        elif is_tool_declaration(m):
+            b.text_message(
+                [("role", "system"), ("type", "tool-declare")],
+                [(False, _tool_declare_body(m["tools"], where, dynamic=True))],
+            )
         elif role in ("system", "user"):
-            where = f"message {i} ({role})"
-            mtype = m.get("type")
-            if mtype is not None:
-                if role != "system" or mtype != "tool-declare":
-                    raise ValueError(
-                        f"{where}: the only input option message is "
-                        f"{{'role': 'system', 'type': 'tool-declare', 'tools': [...]}}, got type {mtype!r}"
-                    )
-                if "tools" not in m:
-                    raise ValueError(f"{where}: a tool-declare message needs a 'tools' list")
-                b.text_message([("role", "system"), ("type", "tool-declare")], _tool_declare_body(m["tools"], where))
-                continue
-            attrs = [("role", role)]
-            name = m.get("name")
-            if name is not None:
-                if not isinstance(name, str):
-                    raise ValueError(f"{where}: name must be a string")
-                attrs.append(("name", name))
-            b.text_message(attrs, _content_text(m.get("content"), where))
+            b.text_message(_name_attr(m, role), _content_parts(m.get("content"), where))
+        elif role == "developer":
+            warnings.warn(
+                f"{where}: the K3 encoder renders no 'developer' message; its content is not in the context "
+                "(send it as role 'system' to keep it)",
+                UserWarning,
+                stacklevel=3,
+            )
         else:
-            raise ValueError(f"message {i}: unknown role {role!r} (expected one of {ROLES})")
+            raise ValueError(f"message {i}: unknown role {role!r} (expected one of {(*ROLES, 'developer')})")
+
+
+def _effort_of(effort: str | None, mode: str) -> str | None:
+    """The effort whose thinking-effort message a context gets: ``DEFAULT_EFFORT`` for None in think mode,
+    None for `OMIT_EFFORT` or instruct mode; ValueError for anything else that is not an effort."""
+    if mode != "think":
+        if effort not in (None, OMIT_EFFORT):
+            raise ValueError(f"effort={effort!r} needs mode='think' (thinking effort has no meaning in instruct mode)")
+        return None
+    if effort == OMIT_EFFORT:
+        return None
+    effort = DEFAULT_EFFORT if effort is None else effort
+    if effort not in EFFORTS:
+        raise ValueError(f"effort must be one of {EFFORTS}, None (= {DEFAULT_EFFORT!r}) or OMIT_EFFORT, got {effort!r}")
+    return effort
 
 
 def _build(
@@ -520,17 +625,13 @@ def _build(
     _check_mode(mode)
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError("messages must be a list of OpenAI chat messages")
-    if effort is not None:
-        if effort not in EFFORTS:
-            raise ValueError(f"effort must be one of {EFFORTS} or None, got {effort!r}")
-        if mode != "think":
-            raise ValueError(f"effort={effort!r} needs mode='think' (thinking effort has no meaning in instruct mode)")
+    effort = _effort_of(effort, mode)
     b = _Builder()
     if tools:
-        b.text_message([("role", "system"), ("type", "tool-declare")], _tool_declare_body(tools, "tools"))
+        b.text_message([("role", "system"), ("type", "tool-declare")], [(False, _tool_declare_body(tools, "tools"))])
     if effort is not None:
         b.text_message(
-            [("role", "system"), ("type", "thinking-effort")], THINKING_EFFORT_TEMPLATE.format(effort=effort).strip()
+            [("role", "system"), ("type", "thinking-effort")], [(False, THINKING_EFFORT_TEMPLATE.format(effort=effort))]
         )
     _render_input(b, messages, mode=mode, start_index=0, binding=_Binding())
     _append_one_shot(b, tool_choice, response_format)
@@ -543,10 +644,10 @@ def _append_one_shot(b: _Builder, tool_choice: Any, response_format: Any) -> Non
     b.msg, b.train = -1, False
     body = _tool_choice_body(tool_choice)
     if body is not None:
-        b.text_message([("role", "system"), ("type", "tool-choice")], body.strip())
+        b.text_message([("role", "system"), ("type", "tool-choice")], [(False, body)])
     body = _response_format_body(response_format)
     if body is not None:
-        b.text_message([("role", "system"), ("type", "response-format")], body.strip())
+        b.text_message([("role", "system"), ("type", "response-format")], [(False, body)])
 
 
 def _append_generation_prefix(b: _Builder, index: int, mode: str) -> None:
@@ -580,6 +681,18 @@ def render_text(
         response_format=response_format,
     )
     return "".join(p.value for p in b.pieces)
+
+
+def text_segments(messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[str]:
+    """The text segments of a context, in order: each is encoded on its own (`XTML.render`), so a tokenizer
+    for XTML learns its merges from these (`k3post.tokenizer.train_tokenizer`). Keyword args are those
+    of `render_text`."""
+    return [p.value for p in _build(messages, **{**_RENDER_DEFAULTS, **kwargs}).pieces if not p.special]
+
+
+_RENDER_DEFAULTS: dict[str, Any] = dict(
+    tools=None, effort=None, mode="think", add_generation_prompt=False, tool_choice=None, response_format=None
+)
 
 
 # --------------------------------------------------------------------------- results and events
@@ -689,6 +802,7 @@ class _HeaderError(Exception):
 
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+_ENTITIES = {"&amp;": "&", "&quot;": '"'}
 
 
 def _parse_header(text: str) -> tuple[str, dict[str, str], dict[str, int]]:
@@ -718,12 +832,13 @@ def _parse_header(text: str) -> tuple[str, dict[str, str], dict[str, int]]:
             if i >= len(text):
                 raise _HeaderError(start, f"bad attribute syntax in header {text!r}: unterminated value of {key}")
             c = text[i]
-            if c == "\\":
-                if i + 1 < len(text) and text[i + 1] in '"\\':
-                    buf.append(text[i + 1])
-                    i += 2
-                    continue
-                raise _HeaderError(i, f"bad attribute syntax in header {text!r}: invalid escape")
+            if c == "&":
+                entity = next((e for e in _ENTITIES if text.startswith(e, i)), None)
+                if entity is None:
+                    raise _HeaderError(i, f"bad attribute syntax in header {text!r}: '&' must start &amp; or &quot;")
+                buf.append(_ENTITIES[entity])
+                i += len(entity)
+                continue
             if c == '"':
                 i += 1
                 break
@@ -1006,7 +1121,7 @@ class _Machine:
             if not self.context and role != "assistant":
                 raise bad("role", f"a completion must be an assistant message, got role {role!r}")
             if role == "assistant":
-                only("role")
+                only("role", "name")
                 self._reset_message()
             elif role == "user":
                 only("role", "name")
@@ -1022,13 +1137,14 @@ class _Machine:
                     raise bad("index", f"tool result index must be a positive integer, got {idx!r}")
                 k = int(idx)
                 if self.last_calls is not None:
+                    # the encoder numbers the results after an assistant message 1, 2, ... (a result may
+                    # skip a call); stricter than the encoder: no more results than calls, names of calls
+                    if k != self.last_result + 1:
+                        raise bad("index", f"tool result index {k}, expected {self.last_result + 1}")
                     if k > len(self.last_calls):
                         raise bad("index", f"tool result index {k} has no call in the preceding assistant message")
-                    if k <= self.last_result:
-                        raise bad("index", f"tool result index {k} out of call order")
-                    if attrs["tool"] != self.last_calls[k - 1]:
-                        want = self.last_calls[k - 1]
-                        raise bad("tool", f"tool {attrs['tool']!r} does not match call {k} ({want!r})")
+                    if attrs["tool"] not in self.last_calls:
+                        raise bad("tool", f"tool {attrs['tool']!r} matches no call of the preceding assistant message")
                 self.last_result = k
         elif tag in CHANNELS:
             only()
@@ -1174,8 +1290,12 @@ class XTML:
         ids = special_ids(tokenizer)
         self.open_id, self.close_id, self.sep_id, self.eom_id = (ids[t] for t in SPECIAL_TOKENS)
         self.pad_id = ids[PAD_TOKEN]
+        self.image_id: int | None = ids.get(IMAGE_TOKEN)
         self._ids = ids
-        self._kind: dict[int, str] = {v: k for k, v in ids.items()}
+        # structure tokens, and the pad where it is an id of its own (an image id is text to the parser)
+        self._kind: dict[int, str] = {ids[t]: t for t in SPECIAL_TOKENS}
+        if self.pad_id not in self._kind:
+            self._kind[self.pad_id] = PAD_TOKEN
 
     # ------------------------------------------------------------------ rendering
     def _encode(self, b: _Builder) -> Rendered:
@@ -1183,6 +1303,11 @@ class XTML:
         midx: list[int] = []
         mask: list[bool] = []
         for p in b.pieces:
+            if p.special and p.value not in self._ids:
+                raise ValueError(
+                    f"message {p.message}: an image content part needs the tokenizer to have the {p.value!r} token "
+                    "(k3post.tokenizer.train_tokenizer gives it id 5; add it to a foreign tokenizer as a special token)"
+                )
             toks = [self._ids[p.value]] if p.special else encode_text(self.tokenizer, p.value)
             ids.extend(toks)
             midx.extend([p.message] * len(toks))
@@ -1203,20 +1328,25 @@ class XTML:
         """Render a conversation to token ids with message indices and the loss mask.
 
         Args:
-            messages: OpenAI chat messages. ``content`` is a string, None or a list
-                of ``{"type": "text", "text": ...}`` parts; system/user may carry
-                ``name``; assistant messages carry ``reasoning_content`` and
-                ``tool_calls`` (``function.arguments`` a JSON string or a dict; an
-                empty string means ``{}``; anything that is not a JSON object is
-                written as a loss-masked JSON-fallback block). A tool result binds
-                to a call of the preceding assistant message by ``index`` (1-based),
-                else by ``tool_call_id``, else by position; results must follow
-                call order; ``name``, if given, must match the call. The input
-                option message ``{"role": "system", "type": "tool-declare",
-                "tools": [...]}`` announces tools mid-session.
+            messages: OpenAI chat messages, rendered as the shipped K3 encoder does.
+                ``content`` is a string, None or a list of parts (``{"type": "text",
+                "text": ...}``; ``image`` / ``image_url`` parts become `IMAGE_TOKEN`);
+                system/user/assistant messages may carry ``name``; assistant messages
+                carry ``reasoning_content`` (or ``reasoning``; whitespace only renders an
+                empty think channel) and ``tool_calls`` (``function.arguments`` a JSON
+                string, a dict or None; empty means ``{}``; anything that is not a JSON
+                object is written as a loss-masked JSON-fallback block). Tool results
+                after an assistant message are numbered 1, 2, ... (``index``); a run of
+                results whose ``tool_call_id`` all match that message's calls is first
+                sorted into call order and takes the calls' names; otherwise a result's
+                name is its ``tool`` / ``name``, else that of the call at its number. A
+                system message with a non-empty ``tools`` list announces tools
+                mid-session (`is_tool_declaration`). ``developer`` messages render
+                nothing (a warning says so).
             tools: OpenAI function specs, declared in a global tool-declare
                 message (None or an empty list: no declaration).
-            effort: ``"low" | "high" | "max"`` thinking effort (think mode only).
+            effort: ``"low" | "high" | "max"`` thinking effort (think mode only); None
+                means `DEFAULT_EFFORT` in think mode; `OMIT_EFFORT` writes no message.
             mode: ``"think"`` or ``"instruct"``.
             add_generation_prompt: append the generation prefix.
             tool_choice: OpenAI tool_choice (one-shot option).
@@ -1337,9 +1467,11 @@ class XTML:
     def annotate(self, ids: Sequence[int]) -> Rendered:
         """Recover message indices and the loss mask of a rendered (+ sampled) context.
 
-        Same rules as `render`: option messages get -1 (a ``tool-declare`` after
-        the first input message counts as an input message), assistant tokens
-        after their first channel header are trainable, JSON-fallback blocks are not.
+        Same rules as `render`: option messages get -1 (a mid-session ``tool-declare``,
+        told apart by its body, is an input message), assistant tokens after their
+        first channel header are trainable, JSON-fallback blocks are not. Messages
+        are numbered in the order they appear, which is `render`'s numbering unless
+        it dropped a ``developer`` message or re-sorted tool results.
         """
         ids = [int(t) for t in ids]
         midx: list[int] = []
@@ -1359,8 +1491,11 @@ class XTML:
             if tag != "message":
                 raise ValueError(f"token {s}: expected a message element, got <{tag}>")
             mtype = attrs.get("type")
+            dynamic = mtype == "tool-declare" and decode(self.tokenizer, ids[k + 1 : e]).startswith(
+                TOOL_DECLARE_DYNAMIC_TEMPLATE.split("\n", 1)[0]
+            )
             if mtype in ("thinking-effort", "tool-choice", "response-format") or (
-                mtype == "tool-declare" and not seen_input
+                mtype == "tool-declare" and not dynamic and not seen_input
             ):
                 index = -1
             else:
@@ -1407,9 +1542,10 @@ class XTML:
         ``ids`` (prompt + sampled completion ending in ``<|end_of_msg|>``) are kept
         verbatim, even when the sample is not the canonical tokenization; their
         labels come from `annotate`. ``tools`` is shorthand for a leading input
-        option message ``{"role": "system", "type": "tool-declare", "tools": tools}``.
+        option message ``{"role": "system", "tools": tools}``.
         Tool results bind to the calls of the last assistant message in ``ids``
-        (call ids are ``call_<index>``, as `parse` returns them).
+        (call ids are ``call_<index>``, as `parse` returns them) and are numbered on
+        from the results already there; only the new results are re-sorted.
         New messages get indices continuing those of ``ids``.
         """
         _check_mode(mode)
@@ -1432,15 +1568,15 @@ class XTML:
                 try:
                     msg = self.parse(ids[s:e], mode=mode)
                 except XTMLParseError:
-                    binding.calls, binding.next_pos = None, 0
+                    binding.calls, binding.count = None, 0
                     continue
                 binding.calls = [(c["id"], c["function"]["name"]) for c in msg["tool_calls"]]
-                binding.next_pos = 0
-            elif attrs.get("role") == "tool" and attrs.get("index", "").isdigit():
-                binding.next_pos = max(binding.next_pos, int(attrs["index"]))
+                binding.count = 0
+            elif attrs.get("role") == "tool":
+                binding.count += 1
         msgs = list(new_messages)
         if tools:
-            msgs.insert(0, {"role": "system", "type": "tool-declare", "tools": list(tools)})
+            msgs.insert(0, {"role": "system", "tools": list(tools)})
         b = _Builder()
         _render_input(b, msgs, mode=mode, start_index=start, binding=binding)
         if add_generation_prompt:

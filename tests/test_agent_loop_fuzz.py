@@ -308,7 +308,7 @@ def test_env_defects_end_the_episode_not_the_run(world, caplog):
                 raise KeyError("boom")
             result = await self.env.step(message)
             if self.mode == "reply":
-                result.messages = [{"role": "tool", "tool_call_id": "call_9", "content": "?"}]
+                result.messages = [{"role": "tool", "tool_call_id": "call_1", "content": 42}]  # content is no string
             return result
 
         def verify(self):

@@ -402,7 +402,7 @@ def test_grm_judge_implements_the_synth_judge_protocol() -> None:
 
 def test_group_scorer_over_rollout_trajectories(xtml_tokenizer: Any) -> None:
     from k3post.rollout.trajectory import Group, Trajectory
-    from k3post.xtml import XTML
+    from k3post.xtml import OMIT_EFFORT, XTML
 
     x = XTML(xtml_tokenizer)
     task = WRITING.generate(1, seed=3)[0]
@@ -416,10 +416,10 @@ def test_group_scorer_over_rollout_trajectories(xtml_tokenizer: Any) -> None:
         return t
 
     texts = [words(3), words(7), words(5)]
-    trajs = [traj(k, x.render([assistant(t, "some plan")]).ids[n_prefix:]) for k, t in enumerate(texts)]
+    trajs = [traj(k, x.render([assistant(t, "some plan")], effort=OMIT_EFFORT).ids[n_prefix:]) for k, t in enumerate(texts)]
     # the response length does not depend on the reasoning: with an empty think channel the sampled
     # turn is <|close|> followed by exactly the response tokens
-    lens = [len(x.render([assistant(t, "")]).ids) - n_prefix - 1 for t in texts]
+    lens = [len(x.render([assistant(t, "")], effort=OMIT_EFFORT).ids) - n_prefix - 1 for t in texts]
     cands = [trajectory_candidate(t, x) for t in trajs]
     assert [c.text for c in cands] == texts and [c.length for c in cands] == lens
     assert lens[1] > lens[2] > lens[0]

@@ -33,7 +33,7 @@ from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.engine import SamplingParams, request_seed, token_uniform
 from k3post.rollout.evaluation import make_env
 from k3post.rollout.trajectory import Group, Trajectory
-from k3post.xtml import XTML
+from k3post.xtml import OMIT_EFFORT, XTML
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -124,12 +124,12 @@ def test_teacher_context_drops_only_the_effort_message(xtml_tokenizer):
     assert sum(traj.trainable) > 0 and not all(traj.trainable[prompt_len:])  # sampled and env tokens after the prompt
 
     ids, off = teacher_context(x, traj, messages, effort="high")
-    declare = x.render([], tools=tools).ids
+    declare = x.render([], tools=tools, effort=OMIT_EFFORT).ids
     effort_msg = x.render([], effort="high").ids
     k = len(declare)
     assert traj.token_ids == ids[:k] + effort_msg + ids[k:]  # the only difference: the effort message
     assert off == -len(effort_msg)
-    assert ids == x.render(ep.messages, tools=tools, effort=None).ids  # = the whole episode rendered without effort
+    assert ids == x.render(ep.messages, tools=tools, effort=OMIT_EFFORT).ids  # = the whole episode rendered without effort
     assert all(ids[i + off] == traj.token_ids[i] for i in range(prompt_len, len(traj.token_ids)))
     assert teacher_context(x, traj, messages, effort="high", teacher_effort="high") == (traj.token_ids, 0)
     with pytest.raises(ValueError, match="cannot align"):
@@ -319,7 +319,7 @@ def test_opd_signal_is_zero_when_the_teacher_is_the_student(xtml_tokenizer, fold
 
 def test_opd_signal_golden_against_an_hf_forward_of_another_teacher(xtml_tokenizer, folders, student_groups):
     """A different teacher (t1) that does not see the effort: by hand, per sampled token i of each trajectory,
-        ctx = render(prompt messages, tools, effort=None, think, generation prefix) + tokens[prompt_len:]
+        ctx = render(prompt messages, tools, effort=OMIT_EFFORT, think, generation prefix) + tokens[prompt_len:]
         t_i = log_softmax(t1(ctx))[i + off − 1, tokens[i]],   off = len(render) − prompt_len
         r_i = clip(t_i − behaviour_i, −0.3, 0.3)
     and with w_orm = 0.5 and group rewards [1, 0, 0] (general groups): A = r − mean = [2/3, −1/3, −1/3],
@@ -332,7 +332,7 @@ def test_opd_signal_golden_against_an_hf_forward_of_another_teacher(xtml_tokeniz
     trajs = [t for g in groups for t in g.trajectories]
     gaps, clipped = [], 0
     for s, t in zip(seqs, trajs):
-        head = x.render(initial_messages(t.task_obj), tools=t.tools or None, effort=None, add_generation_prompt=True).ids
+        head = x.render(initial_messages(t.task_obj), tools=t.tools or None, effort=OMIT_EFFORT, add_generation_prompt=True).ids
         ctx = head + t.token_ids[t.prompt_len :]
         off = len(head) - t.prompt_len
         lp = _hf_logprobs(teacher, ctx)

@@ -95,8 +95,8 @@ def test_train_rollout_gap_with_qat_is_kernel_noise(warm_policy, tmp_path, monke
     """SPEC §5: with QAT on both sides, the log-probs the engine sampled with and the trainer's forward on
     the same tokens (same weights: λ = 1, every token on-policy) differ by kernel noise only. Measured:
     mean ~1e-7, max < 1e-3 (an MXFP8 rounding flip). The bound is one a missing QAT path on either side
-    exceeds by 10x: the engine without its activation fake-quant (checked here) gives a mean of 6-7e-3 and a
-    max of 0.16, without its weight fake-quant 1.6-1.9e-2 / 0.45, the trainer without activation fake-quant
+    exceeds by 5x or more: the engine without its activation fake-quant (checked here) gives a mean of 6-7e-3
+    (4.9e-3 with the XTML segment tokenizer of issue 17) and a max of 0.16-0.19, without its weight fake-quant 1.6-1.9e-2 / 0.45, the trainer without activation fake-quant
     6-7e-3 / 0.17 (docs/decisions.md)."""
     from k3post.quant.qat import QATConfig, apply_qat
     from k3post.rl import rollout_gap
@@ -117,7 +117,7 @@ def test_train_rollout_gap_with_qat_is_kernel_noise(warm_policy, tmp_path, monke
     assert ok["mean"] < 5e-4 and ok["max"] < 2e-2, ok
     monkeypatch.setattr(embedded, "_fake_quant_act", lambda x, fmt, block_size: x)  # an engine that skips it
     broken = gaps("broken")
-    assert broken["mean"] > 10 * 5e-4 and broken["max"] > 2e-2, broken
+    assert broken["mean"] > 5 * 5e-4 and broken["max"] > 2e-2, broken
 
 
 def test_score_golden():

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen3MoeConfig,
 
 from k3post.tokenizer import (
     ALL_SPECIAL_TOKENS,
+    IMAGE_TOKEN,
     PAD_TOKEN,
     SPECIAL_TOKENS,
     decode,
@@ -26,11 +27,11 @@ from k3post.tokenizer import (
 
 
 def test_special_tokens_are_single_ids(xtml_tokenizer: PreTrainedTokenizerFast) -> None:
-    # Each reserved token is one id, at 0..4 in ALL_SPECIAL_TOKENS order, and the
-    # tokenizer (not encode_text) maps the literal string to exactly that id.
+    # Each reserved token is one id, at 0..4 in ALL_SPECIAL_TOKENS order (the image placeholder 5), and
+    # the tokenizer (not encode_text) maps the literal string to exactly that id.
     assert SPECIAL_TOKENS == ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
-    assert special_ids(xtml_tokenizer) == {t: i for i, t in enumerate(ALL_SPECIAL_TOKENS)}
-    for i, tok in enumerate(ALL_SPECIAL_TOKENS):
+    assert special_ids(xtml_tokenizer) == {t: i for i, t in enumerate((*ALL_SPECIAL_TOKENS, IMAGE_TOKEN))}
+    for i, tok in enumerate((*ALL_SPECIAL_TOKENS, IMAGE_TOKEN)):
         assert xtml_tokenizer(tok, add_special_tokens=False)["input_ids"] == [i]
     assert xtml_tokenizer.pad_token == PAD_TOKEN and xtml_tokenizer.pad_token_id == 4
     assert xtml_tokenizer.eos_token == "<|end_of_msg|>" and xtml_tokenizer.eos_token_id == 3

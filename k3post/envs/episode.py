@@ -67,9 +67,11 @@ def offered_tools(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping
 
     A later declaration of a name replaces an earlier one; order is first appearance.
     """
+    from k3post.xtml import is_tool_declaration  # here: the envs import no tokenizer stack
+
     out: dict[str, dict[str, Any]] = {}
     declared = [list(tools)] + [
-        list(m.get("tools") or []) for m in messages if m.get("role") == "system" and m.get("type") == "tool-declare"
+        list(m.get("tools") or []) for m in messages if is_tool_declaration(m)
     ]
     for group in declared:
         for t in group:
@@ -388,9 +390,11 @@ def to_openai_chat(
     such message); dict arguments become JSON strings; keys the API does not know are
     dropped (``reasoning_content`` is kept when ``keep_reasoning``).
     """
+    from k3post.xtml import is_tool_declaration  # here: the envs import no tokenizer stack
+
     out: list[dict[str, Any]] = []
     for m in messages:
-        if m.get("role") == "system" and m.get("type") == "tool-declare":
+        if is_tool_declaration(m):
             continue
         keys = _OPENAI_MESSAGE_KEYS + (("reasoning_content",) if keep_reasoning else ())
         msg = {k: copy.deepcopy(m[k]) for k in keys if k in m and m[k] is not None}

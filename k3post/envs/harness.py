@@ -599,7 +599,9 @@ def register_summarizer(name: str, fn: Summarizer) -> None:
 
 
 def _is_declare(m: Mapping[str, Any]) -> bool:
-    return m.get("role") == "system" and m.get("type") == "tool-declare"
+    from k3post.xtml import is_tool_declaration  # here: the envs import no tokenizer stack
+
+    return is_tool_declaration(m)
 
 
 def _split_turns(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]]:

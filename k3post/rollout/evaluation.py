@@ -22,7 +22,7 @@ from k3post.rollout.agent_loop import AgentLoop, trajectory_seed
 from k3post.rollout.engine import SamplingParams
 from k3post.rollout.trajectory import Trajectory
 from k3post.stats import wilson_interval
-from k3post.xtml import XTML
+from k3post.xtml import OMIT_EFFORT, XTML
 
 __all__ = ["run_episodes", "evaluate_episodes", "summarize_trajectories", "make_env", "reference_turn_tokens"]
 
@@ -95,14 +95,14 @@ def run_episodes(
     ``trajectory_seed(seed, g, j)``, g = ``group_ids[i]`` (default i): pass ids derived from the
     tasks themselves to make a task's samples independent of which other tasks run with it.
     ``mode``: the XTML mode (default "think" with an effort, "instruct" without; "think" with
-    ``effort=None`` renders think mode without the thinking-effort message)."""
+    ``effort=None`` renders the default effort, `k3post.xtml.OMIT_EFFORT` no thinking-effort message)."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     gids = list(range(len(tasks))) if group_ids is None else [int(g) for g in group_ids]
     if len(gids) != len(tasks):
         raise ValueError(f"group_ids has {len(gids)} ids for {len(tasks)} tasks")
     loop = AgentLoop(engine, xtml, env_factory, sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens),
-                     effort=effort, mode=mode or ("think" if effort is not None else "instruct"))
+                     effort=effort, mode=mode or ("think" if effort not in (None, OMIT_EFFORT) else "instruct"))
     per_task = [
         [Trajectory(traj_id=f"g{g}/s{j}", group_id=g, sample_index=j, seed=trajectory_seed(seed, g, j),
                     task=t.to_dict(), admitted_version=engine.version) for j in range(samples)]

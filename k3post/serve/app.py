@@ -32,7 +32,7 @@ Decisions (ours):
   agree) is ``low`` | ``high`` | ``max``: thinking mode with that effort message, or
   ``none``: instruct mode (no ``think`` channel, the generation prefix opens ``response``,
   ``reasoning_content`` is null). Absent: the server default (``ServeConfig.default_effort``,
-  ``high``). Any other value (including ``medium``, which the template reserves but the
+  ``max``, the shipped K3 encoder's default). Any other value (including ``medium``, which the template reserves but the
   policy is not trained on) is a 400 naming the field.
 * **Sampling.** ``temperature`` (default 1), ``top_p``, ``top_k`` (extension, 0 disables),
   ``seed``, ``max_tokens`` / ``max_completion_tokens`` (the latter wins), ``n``. Choice i of
@@ -91,6 +91,7 @@ from k3post.policy_step import sequence_logprobs
 from k3post.rollout.engine import GenerationRequest, GenerationResult, SamplingParams, request_seed
 from k3post.serve.runner import EngineRunner, ErrorEvent, FinishEvent, RunnerEvent, TokenEvent
 from k3post.tokenizer import decode, text_offsets
+from k3post.constants import DEFAULT_EFFORT
 from k3post.xtml import EFFORTS, XTML, TextDelta, ToolCall, ToolCallStart, XTMLParseError
 
 __all__ = ["ServeConfig", "APIError", "create_app", "EFFORT_CHOICES", "INSTRUCT_EFFORT"]
@@ -112,7 +113,8 @@ class ServeConfig:
     Fields:
         model_name: the id served by ``/v1/models`` and expected in requests' ``model``.
         default_effort: ``thinking_effort`` for requests that give none (``low`` | ``high`` |
-            ``max`` | ``none`` for instruct mode).
+            ``max`` | ``none`` for instruct mode); `k3post.constants.DEFAULT_EFFORT` (``max``) as the
+            shipped K3 encoder.
         default_max_tokens: cap on output tokens for requests without ``max_tokens``
             (None: the room left under ``max_model_len``).
         api_key: when set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>``.
@@ -120,7 +122,7 @@ class ServeConfig:
     """
 
     model_name: str
-    default_effort: str = "high"
+    default_effort: str = DEFAULT_EFFORT
     default_max_tokens: int | None = None
     api_key: str | None = None
     model_path: str | None = None

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from k3post.constants import DEFAULT_EFFORT
 from k3post.errors import UserError
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ def build_server(
     max_model_len: int | None = None,
     qat: bool = True,
     seed: int = 0,
-    default_effort: str = "high",
+    default_effort: str = DEFAULT_EFFORT,
     default_max_tokens: int | None = None,
     api_key: str | None = None,
     torch_threads: int | None = None,
@@ -126,7 +127,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--qat", action=argparse.BooleanOptionalAction, default=True,
                    help="MX fake-quantized experts as in QAT training / rollouts (default on)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without a seed")
-    p.add_argument("--thinking-effort", choices=_EFFORT_CHOICES, default="high",
+    p.add_argument("--thinking-effort", choices=_EFFORT_CHOICES, default=DEFAULT_EFFORT,
                    help="effort of requests that give none ('none' = instruct mode)")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="output cap for requests without max_tokens (default: the room left in the context)")

@@ -357,6 +357,8 @@ def _role_title(i: int, m: Mapping[str, Any]) -> str:
 
 def render_item_plain(item: Mapping[str, Any], width: int = 100) -> str:
     """Plain-text rendering: a header, flags, decisions, then one section per message with its channels."""
+    from k3post.xtml import is_tool_declaration
+
     bar = "═" * width
     out = [bar, *_header_lines(item), bar]
     for i, m in enumerate(item["sample"].get("messages") or []):
@@ -368,7 +370,7 @@ def render_item_plain(item: Mapping[str, Any], width: int = 100) -> str:
                 lines = str(text).splitlines() or [""]
                 out.append(f"  {label:>10} │ {lines[0]}")
                 out.extend(f"  {'':>10} │ {ln}" for ln in lines[1:])
-        elif m.get("type") == "tool-declare":
+        elif is_tool_declaration(m):
             out.append("  declares: " + ", ".join((t.get("function") or t).get("name", "?") for t in m.get("tools") or []))
         else:
             out.extend("  " + ln for ln in str(m.get("content") or "").splitlines() or [""])
@@ -380,6 +382,8 @@ def render_item_rich(item: Mapping[str, Any], *, file: Any = None, width: int | 
     from rich.console import Console, Group
     from rich.panel import Panel
     from rich.text import Text
+
+    from k3post.xtml import is_tool_declaration
 
     console = Console(file=file, width=width, highlight=False, soft_wrap=False)
     head = Text()
@@ -399,7 +403,7 @@ def render_item_rich(item: Mapping[str, Any], *, file: Any = None, width: int | 
             for label, text in _calls(m):
                 body += [Text(label, style="bold cyan"), Text(text)]
             renderable: Any = Group(*body)
-        elif m.get("type") == "tool-declare":
+        elif is_tool_declaration(m):
             renderable = Text("declares: " + ", ".join((t.get("function") or t).get("name", "?") for t in m.get("tools") or []))
         else:
             renderable = Text(str(m.get("content") or ""))

@@ -346,7 +346,7 @@ def structure_tokenizer() -> Any:
     if _STRUCT_TOKENIZER is None:
         from k3post.tokenizer import train_tokenizer
 
-        _STRUCT_TOKENIZER = train_tokenizer([], vocab_size=261)
+        _STRUCT_TOKENIZER = train_tokenizer([], vocab_size=262)
     return _STRUCT_TOKENIZER
 
 
