@@ -10,9 +10,9 @@ the whole sequence only by fp32 rounding (~1e-6 in log-probs, tested per family)
 The cache is per sequence (``SeqKVCache``): for each slot, per layer, the key and value
 tensors the model's ``DynamicLayer`` holds for it, whatever their widths (MLA caches its
 compressed latent and the shared rotary key instead of per-head K / V). A forward batches
-the rows that sit at the same position with chunks of the same length (the K samples of
-one prompt decode in lockstep): their caches are stacked into one ``DynamicCache``, so no
-padding and no attention mask are needed, and the grown layers are split back per slot.
+the rows whose chunks have the same length (every decode step is one forward): their caches
+are left-padded to the longest into one ``DynamicCache``, a 2-D attention mask hides the
+padding, each row gets its own position ids, and the grown layers are split back per slot.
 Sliding-window layers keep every position (a full ``DynamicLayer``) and the model's own
 mask hides the ones outside the window, so the cache exports and imports like any other.
 
@@ -94,21 +94,31 @@ class SeqKVCache:
             return f"per-layer (keys, values) (heads, width) {got[:2]}... expected {self.shapes[:2]}..."
         return None
 
-    def as_hf(self, slots: list[int], length: int) -> DynamicCache:
-        """The first ``length`` positions of ``slots`` as one batched ``DynamicCache`` (empty for 0)."""
-        if length == 0:
+    def as_hf(self, slots: list[int], lengths: list[int]) -> DynamicCache:
+        """The first ``lengths[b]`` positions of slot ``slots[b]`` as one batched ``DynamicCache``,
+        each row left-padded with zeros to the longest (empty when every length is 0)."""
+        L = max(lengths)
+        if L == 0:
             return DynamicCache()
-        return DynamicCache(ddp_cache_data=[
-            (torch.stack([self.keys[s][li][:, :length] for s in slots]),
-             torch.stack([self.values[s][li][:, :length] for s in slots]))
-            for li in range(self.num_layers)
-        ])
+        layers = []
+        for li in range(self.num_layers):
+            kv = []
+            for store in (self.keys, self.values):
+                t0 = store[slots[0]][li] if lengths[0] else next(store[s][li] for s, n in zip(slots, lengths) if n)
+                out_BGLE = t0.new_zeros(len(slots), t0.shape[0], L, t0.shape[2])
+                for b, (s, n) in enumerate(zip(slots, lengths)):
+                    if n:
+                        out_BGLE[b, :, L - n :] = store[s][li][:, :n]
+                kv.append(out_BGLE)
+            layers.append((kv[0], kv[1]))
+        return DynamicCache(ddp_cache_data=layers)
 
-    def store(self, slots: list[int], cache: DynamicCache) -> None:
-        """Take row b of every layer of ``cache`` as slot ``slots[b]``'s cache."""
-        for b, s in enumerate(slots):
-            self.keys[s] = [layer.keys[b] for layer in cache.layers]
-            self.values[s] = [layer.values[b] for layer in cache.layers]
+    def store(self, slots: list[int], pads: list[int], cache: DynamicCache) -> None:
+        """Take row b of every layer of ``cache``, without its ``pads[b]`` left-padding positions, as
+        slot ``slots[b]``'s cache."""
+        for b, (s, p) in enumerate(zip(slots, pads)):
+            self.keys[s] = [layer.keys[b, :, p:] for layer in cache.layers]
+            self.values[s] = [layer.values[b, :, p:] for layer in cache.layers]
 
 
 def _layer_shapes(cache: DynamicCache, n_layers: int, n_tokens: int) -> list[KVShape]:
@@ -135,53 +145,71 @@ class HFForward:
         n_layers = int(getattr(model.config.get_text_config(decoder=True), "num_hidden_layers"))
         self.cache = SeqKVCache(self._probe(n_layers), num_slots, max_len, param.dtype, param.device)
 
-    def _call(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
-        """Logits [B, V] of the last position of each row; ``cache`` grows by T positions."""
+    def _call(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, cache: DynamicCache,
+              attn_BL: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, V] of the last position of each row; ``cache`` grows by T positions. ``attn_BL``:
+        1 on the real cached and new positions, 0 on left padding (None: no padding)."""
         kw: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
         if self._keep_kw:
             kw["logits_to_keep"] = 1
+        if attn_BL is not None:
+            kw["attention_mask"] = attn_BL
         return self.model(input_ids=ids_BT, position_ids=pos_BT, **kw).logits[:, -1]
 
     def _probe(self, n_layers: int) -> list[KVShape]:
-        """Check that decoding over the cache reproduces the full forward (3 tokens: 2 prefilled,
-        1 decoded), and read each layer's cached (heads, width)."""
-        dev = next(self.model.parameters()).device
-        ids_13 = torch.tensor([[0, 1, 2]], device=dev)
-        pos_13 = torch.arange(3, device=dev)[None]
+        """Read each layer's cached (heads, width) off a 2-token forward, then check that this path
+        reproduces the model's full forward: a decode step of two rows at different positions (one
+        left-padded) must give the logits of plain forwards of [0, 1, 2, 3] and [0, 1]."""
+        param = next(self.model.parameters())
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.inference_mode():
                 cache = DynamicCache()
-                self._call(ids_13[:, :2], pos_13[:, :2], cache)
+                self._call(torch.tensor([[0, 1]], device=param.device), torch.arange(2, device=param.device)[None], cache)
                 shapes = _layer_shapes(cache, n_layers, 2)
-                step_1V = self._call(ids_13[:, 2:], pos_13[:, 2:], cache)
-                full_1V = self.model(input_ids=ids_13, position_ids=pos_13, use_cache=False).logits[:, -1]
+                self.cache = SeqKVCache(shapes, 2, 8, param.dtype, param.device)
+                self.forward_chunks([[0, 1, 2]], [0], [0])
+                self.forward_chunks([[0]], [0], [1])
+                step_2V = self.forward_chunks([[3], [1]], [3, 1], [0, 1]).float()
+                full_2V = torch.cat([self.model(input_ids=torch.tensor([ids], device=param.device), use_cache=False)
+                                     .logits[:, -1] for ids in ([0, 1, 2, 3], [0, 1])]).float()
         finally:
             if was_training:
                 self.model.train()
-        err = (step_1V.float() - full_1V.float()).abs().max().item()
-        if not err <= 1e-3 * max(1.0, full_1V.float().abs().max().item()):
-            raise ValueError(f"{type(self.model).__name__}: a decode step over its DynamicCache differs from the full "
-                             f"forward by {err:.3g}: the embedded engine cannot run it")
+        err = (step_2V - full_2V).abs().max().item()
+        rel = 1e-3 if param.dtype == torch.float32 else 5e-2  # a masking / cache bug is off by O(1)
+        if not err <= rel * max(1.0, full_2V.abs().max().item()):
+            raise ValueError(f"{type(self.model).__name__}: a batched decode step over its DynamicCache differs from "
+                             f"the full forward by {err:.3g}: the embedded engine cannot run it")
         return shapes
 
     def forward_chunks(self, chunks: list[list[int]], starts: list[int], slots: list[int]) -> torch.Tensor:
         """Logits [B, V] of each chunk's last token; row b continues the cache of slot slots[b]
-        (its first starts[b] positions), which then holds starts[b] + len(chunks[b]) positions."""
+        (its first starts[b] positions), which then holds starts[b] + len(chunks[b]) positions.
+
+        Rows with chunks of one length run as one batch (every decode step is one forward): their
+        caches are left-padded to the longest start, an attention mask hides the padding, and the
+        position ids are each row's own, so a row's numbers do not depend on its neighbours beyond
+        fp32 rounding (within a row, cache index and position differ by a constant, which keeps
+        sliding windows exact)."""
         dev = self.cache.device
-        groups: dict[tuple[int, int], list[int]] = {}
-        for b, (c, st) in enumerate(zip(chunks, starts)):
-            groups.setdefault((st, len(c)), []).append(b)
+        groups: dict[int, list[int]] = {}
+        for b, c in enumerate(chunks):
+            groups.setdefault(len(c), []).append(b)
         out_BV: torch.Tensor | None = None
-        for (start, T), rows in groups.items():
-            self.cache.ensure_capacity(start + T)
-            row_slots = [slots[b] for b in rows]
-            cache = self.cache.as_hf(row_slots, start)
+        for T, rows in groups.items():
+            row_slots, row_starts = [slots[b] for b in rows], [starts[b] for b in rows]
+            L = max(row_starts)
+            self.cache.ensure_capacity(L + T)
+            cache = self.cache.as_hf(row_slots, row_starts)
             ids_BT = torch.tensor([chunks[b] for b in rows], dtype=torch.long, device=dev)
-            pos_BT = torch.arange(start, start + T, device=dev).expand(len(rows), T)
-            logits_BV = self._call(ids_BT, pos_BT, cache)
-            self.cache.store(row_slots, cache)
+            pos_BT = torch.tensor(row_starts, device=dev)[:, None] + torch.arange(T, device=dev)
+            attn_BL = None
+            if min(row_starts) < L:
+                attn_BL = (torch.arange(L + T, device=dev)[None] >= (L - pos_BT[:, :1])).long()
+            logits_BV = self._call(ids_BT, pos_BT, cache, attn_BL)
+            self.cache.store(row_slots, [L - st for st in row_starts], cache)
             if out_BV is None:
                 out_BV = logits_BV.new_empty(len(chunks), logits_BV.shape[-1])
             out_BV[torch.tensor(rows, device=dev)] = logits_BV
