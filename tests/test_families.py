@@ -153,3 +153,37 @@ def test_router_rule_is_read_off_the_router(models):
         assert _topk_router_rule(mlp.gate, X, D) is want, family
     gpt = models["gpt_oss"].model.layers[0].mlp.router  # biased router: the engine would call the module
     assert _topk_router_rule(gpt, gpt.weight.shape[0], gpt.weight.shape[1]) is None
+
+
+def test_general_path_shares_prefixes_and_keeps_kv_like_the_lean_path(models):
+    """Prefix sharing (identical contexts and a common header), a kept KV for the next turn, and a weight
+    update run through the same scheduler on both paths: the same tokens and log-probs to 1e-6."""
+    model = models["qwen3_moe"]
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    header = torch.randint(5, V, (20,), generator=g).tolist()
+    tails = [torch.randint(5, V, (n,), generator=g).tolist() for n in (3, 6)]
+    reqs = [GenerationRequest(f"s{i}", header + tails[i % 2], SamplingParams(max_tokens=6, stop_ids=(), seed=i))
+            for i in range(4)]
+    out = {}
+    for path in ("lean", "general"):
+        engine = EmbeddedEngine(model, max_batch_size=4, max_model_len=64, path=path)
+        res = engine.generate(reqs)
+        assert engine.stats["shared_prefills"] == 2 and engine.stats["shared_prefix_tokens"] == 20
+        first = res[0]
+        stop = first.output_ids[2]
+        turn1 = GenerationRequest("t1", first.prompt_ids, SamplingParams(max_tokens=6, stop_ids=(stop,), seed=0),
+                                  keep_kv=True)
+        (r1,) = engine.generate([turn1])
+        assert r1.finish_reason == "stop"
+        kv = engine.take_kv("t1")
+        assert kv is not None and kv.num_tokens == len(r1.prompt_ids) + len(r1.output_ids) - 1
+        turn2 = GenerationRequest("t2", r1.prompt_ids + r1.output_ids + tails[1], SamplingParams(max_tokens=5, seed=9))
+        engine.add_request(turn2, kv=kv)
+        while engine.has_unfinished():
+            done = engine.step()
+        assert engine.update_weights({}) == 1
+        out[path] = res + [r1] + done
+    for a, b in zip(out["lean"], out["general"]):
+        assert a.output_ids == b.output_ids
+        assert torch.allclose(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-6)
