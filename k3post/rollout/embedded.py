@@ -251,8 +251,8 @@ def _is_default_gate(fn: Any) -> bool:
 
 def _topk_router_rule(router: Any, X: int, D: int) -> bool | None:
     """Which rule a router with one weight [X, D] and an int ``top_k`` follows, read off its own
-    output on a fixed probe h [16, D] (never off a config flag: Mixtral's router always renormalises
-    and has no ``norm_topk_prob``, which once made the engine skip the renormalisation):
+    output on a fixed probe h [16, D], not off a config flag (Mixtral's router always renormalises
+    and has no ``norm_topk_prob``):
 
         p = softmax(h W^T);  (w, e) = top-k(p);  w / sum_k w  (True)  or  w  (False)
 
