@@ -86,12 +86,48 @@ class _DataStream:
         return {"epoch": self.epoch, "index": self.index}
 
 
+def has_local_attention(config: Any) -> bool:
+    """True when some layer of the model attends through a window (sliding / chunked layers in
+    ``layer_types``, or a Mistral-style ``sliding_window`` for every layer)."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        return any(t != "full_attention" for t in layer_types)
+    return bool(getattr(cfg, "sliding_window", None))
+
+
+def packed_attention_mask(model: torch.nn.Module, batch: PackedBatch) -> Any:
+    """The ``attention_mask`` argument for packed rows: the block-diagonal causal mask (4-D, which
+    transformers applies as is to every layer) for models whose layers all attend fully. A model
+    with windowed layers (gpt-oss) gets one mask per layer type, built by transformers' own mask
+    functions from the restarting position ids (packed-sequence detection), so sliding layers keep
+    their window inside each sample; without ``layer_types`` (Mistral) None, and the model derives
+    the packed windowed mask from the position ids itself."""
+    cfg = model.config.get_text_config(decoder=True)
+    if not has_local_attention(cfg):
+        return batch.attention_mask_R1LL
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is None:
+        return None
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    unknown = sorted(set(layer_types) - set(makers))
+    if unknown:
+        raise ValueError(f"SFT packing has no mask for layer types {unknown} of {type(model).__name__}")
+    R, L = batch.input_ids_RL.shape
+    probe_RL1 = torch.zeros(R, L, 1, dtype=next(model.parameters()).dtype, device=batch.input_ids_RL.device)
+    return {t: makers[t](config=cfg, inputs_embeds=probe_RL1, attention_mask=None, cache=None,
+                         position_ids=batch.position_ids_RL) for t in set(layer_types)}
+
+
 def masked_ce_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """Σ over trainable positions of −log p(next token): packed rows, no attention across samples."""
+    """Σ over trainable positions of −log p(next token): packed rows, no attention across samples
+    (``packed_attention_mask``)."""
     out = model(
         input_ids=batch.input_ids_RL,
         position_ids=batch.position_ids_RL,
-        attention_mask=batch.attention_mask_R1LL,
+        attention_mask=packed_attention_mask(model, batch),
         use_cache=False,
     )
     logits_RLV = out.logits

@@ -680,7 +680,7 @@ def test_engine_from_folder(tmp_path, tiny):
 
 
 def test_bad_model_rejected():
-    with pytest.raises(ValueError, match="Llama-style"):
+    with pytest.raises(ValueError, match="Hugging Face causal LM"):
         EmbeddedEngine(torch.nn.Linear(2, 2))
 
 

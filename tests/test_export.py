@@ -1,5 +1,6 @@
 """MXFP4 / bf16 export: gpt-oss block layout, exact reload, transformers' own decoder agrees."""
 
+import copy
 import json
 
 import pytest
@@ -100,3 +101,80 @@ def test_bf16_export_and_errors(ckpt, tmp_path):
     assert m.dtype == torch.bfloat16
     assert main(["export", str(path), str(tmp_path / "b")]) == 2  # non-empty output folder: refused
     assert main(["export", str(tmp_path / "nope"), str(tmp_path / "c")]) == 2
+
+
+@pytest.fixture(scope="module")
+def family_exports(tmp_path_factory):
+    """family -> (source model, its MXFP4 export folder) for gpt-oss and DeepSeek-V3 (rest in fp32)."""
+    from k3post.models import build_tiny_family
+    from k3post.quant.export import export_model
+
+    d = tmp_path_factory.mktemp("fam")
+    out = {}
+    for fam in ("gpt_oss", "deepseek_v3"):
+        model = build_tiny_family(fam, VOCAB, seed=2)
+        save_model(model, d / fam)
+        out[fam] = (model, export_model(d / fam, d / f"{fam}-mx", rest_dtype="float32"))
+    return out
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_family_export_dequantizes_to_the_qat_weights(family_exports, family):
+    """The exported experts dequantize to exactly the weights the QAT forward fake-quantizes, and the
+    reloaded export runs the source's QAT forward bit for bit (non-expert weights kept in fp32)."""
+    from k3post.quant.qat import quantized_expert_weights
+
+    model, path = family_exports[family]
+    ref = copy.deepcopy(model)
+    apply_qat(ref, QATConfig())
+    want = quantized_expert_weights(ref)
+    assert len(want) == {"gpt_oss": 6, "deepseek_v3": 4}[family]  # every MoE layer's gate_up and down
+    exported = load_mxfp4_export(path)
+    got = dict(exported.named_parameters())
+    for name, w in want.items():
+        assert torch.equal(got[name], w), name
+        assert not torch.equal(w, dict(model.named_parameters())[name])  # really quantized
+    x = torch.randint(0, VOCAB, (2, 19))
+    with torch.no_grad():
+        assert torch.equal(exported(x).logits, ref.eval()(x).logits)
+
+
+def test_gpt_oss_export_has_the_native_checkpoint_layout(family_exports):
+    """gpt-oss holds its experts transposed ([E, D, 2F] gate/up interleaved, [E, F, D] down); its MXFP4
+    checkpoints store ``*_blocks`` [E, rows, K/32, 16] and ``*_scales`` [E, rows, K/32] of the [E, rows, K]
+    transpose, which transformers' ``convert_moe_packed_tensors`` turns back into the in-memory layout."""
+    from safetensors import safe_open
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from k3post.quant.qat import quantized_expert_weights
+
+    model, path = family_exports["gpt_oss"]
+    E, D, F = model.config.num_local_experts, model.config.hidden_size, model.config.intermediate_size
+    ref = copy.deepcopy(model)
+    apply_qat(ref, QATConfig())
+    want = quantized_expert_weights(ref)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        for name, w in want.items():
+            blocks, scales = f.get_tensor(f"{name}_blocks"), f.get_tensor(f"{name}_scales")
+            rows, K = (2 * F, D) if name.endswith("gate_up_proj") else (D, F)
+            assert blocks.shape == (E, rows, K // 32, 16) and blocks.dtype == torch.uint8
+            assert scales.shape == (E, rows, K // 32) and scales.dtype == torch.uint8
+            assert torch.equal(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32), w)
+            assert name not in keys
+        assert f.get_tensor("model.layers.0.mlp.experts.gate_up_proj_bias").shape == (E, 2 * F)
+
+
+def test_transformers_loads_the_gpt_oss_export(family_exports):
+    """transformers' own MXFP4 loader (dequantizing on CPU) reads the export into the QAT weights."""
+    pytest.importorskip("accelerate")  # transformers' MXFP4 loader needs it
+    from transformers import AutoModelForCausalLM
+
+    from k3post.quant.qat import quantized_expert_weights
+
+    model, path = family_exports["gpt_oss"]
+    ref = copy.deepcopy(model)
+    apply_qat(ref, QATConfig())
+    hf = dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
+    for name, w in quantized_expert_weights(ref).items():
+        assert torch.equal(hf[name].float(), w)

@@ -7,7 +7,11 @@ as used in ``F.linear(x, W[e])``)::
     <name>_scales   uint8 [E, rows, K/32]       E8M0 exponent + 127
 
 This is the layout of gpt-oss checkpoints, which transformers' ``convert_moe_packed_tensors`` decodes
-(it returns the transposed [E, K, rows] that gpt-oss keeps in memory). Everything else is saved in
+(it returns the transposed [E, K, rows] that gpt-oss keeps in memory). Experts a model holds transposed
+(gpt-oss: ``gate_up_proj`` [E, D, 2F] with gate / up interleaved along 2F, ``down_proj`` [E, F, D]) are
+written as their [E, rows, K] transpose, so a k3post gpt-oss export has the names and shapes of an
+original gpt-oss checkpoint and transformers' own MXFP4 loader reads it (tested); biases stay in
+``rest_dtype``. Everything else is saved in
 bf16 (``rest_dtype``), and ``config.json`` gets
 ``quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [...]}``.
 
@@ -38,15 +42,15 @@ BLOCK = 32
 WEIGHTS_FILE = "model.safetensors"
 
 
-def expert_weight_names(model: PreTrainedModel) -> list[str]:
-    """Qualified names of the fused 3-D routed-expert weights ([E, rows, K] layout)."""
-    names = []
+def expert_weights(model: PreTrainedModel) -> dict[str, bool]:
+    """Qualified names of the fused 3-D routed-expert weights -> True when the model holds them
+    transposed, [E, K, rows] (gpt-oss), False for [E, rows, K] (Qwen3-MoE, Mixtral, DeepSeek-V3)."""
+    names: dict[str, bool] = {}
     for name, module, kind in _find_expert_modules(model):
         if kind != "fused":
             raise ValueError(f"{name}: MXFP4 export supports fused 3-D expert weights only (found per-expert Linear layers)")
-        if getattr(module, "is_transposed", False):
-            raise ValueError(f"{name}: transposed [E, in, out] expert layouts are not supported by the exporter")
-        names += [f"{name}.{_fused_up_name(module)}", f"{name}.down_proj"]
+        transposed = bool(getattr(module, "is_transposed", False))
+        names.update({f"{name}.{_fused_up_name(module)}": transposed, f"{name}.down_proj": transposed})
     if not names:
         raise ValueError(f"{type(model).__name__}: no routed-expert weights found to export")
     return names
@@ -91,14 +95,14 @@ def export_model(ckpt: str | Path, out: str | Path, *, fmt: str = "mxfp4", rest_
 
 
 def _export_mxfp4(model: PreTrainedModel, dst: Path, rest: torch.dtype) -> None:
-    experts = set(expert_weight_names(model))
+    experts = expert_weights(model)
     tensors: dict[str, torch.Tensor] = {}
     tied = getattr(model.config, "tie_word_embeddings", False)
     for name, p in model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue
-        if name in experts:
-            blocks, scales = pack_mxfp4(p.detach())
+        if name in experts:  # a transposed [E, K, rows] weight is packed as its [E, rows, K] transpose
+            blocks, scales = pack_mxfp4(p.detach().transpose(1, 2) if experts[name] else p.detach())
             tensors[f"{name}_blocks"] = blocks
             tensors[f"{name}_scales"] = scales
         else:
@@ -122,11 +126,13 @@ def load_mxfp4_export(path: str | Path, *, qat: QATConfig | None = None) -> PreT
     config = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k not in ("transformers_version",)})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     sd = load_file(str(p / WEIGHTS_FILE))
+    transposed = expert_weights(model)
     state: dict[str, Any] = {}
     for name, t in sd.items():
         if name.endswith("_blocks"):
             base = name[: -len("_blocks")]
-            state[base] = unpack_mxfp4(t, sd[f"{base}_scales"])
+            w_ERK = unpack_mxfp4(t, sd[f"{base}_scales"])
+            state[base] = w_ERK.transpose(1, 2).contiguous() if transposed.get(base) else w_ERK
         elif not name.endswith("_scales"):
             state[name] = t.float()
     expected = set(model.state_dict())

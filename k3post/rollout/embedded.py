@@ -1,5 +1,13 @@
 """The embedded rollout engine: continuous-batching decoding in pure PyTorch over an HF model.
 
+Two forward paths under one scheduler (admission, prefix sharing, sampling, pause / resume, KV
+export / import are shared): the *lean* forward described below, for the decoder families it
+mirrors op for op (``lean_blocker`` is the strict eligibility check: Llama, Mistral, Qwen2/3,
+Qwen2/3-MoE, Mixtral without a sliding window shorter than ``max_model_len``), and the *general*
+path for every other causal LM (gpt-oss, DeepSeek-V3 / Kimi-K2 MLA, ...): the model's own forward
+over a per-sequence HF ``DynamicCache`` (`k3post.rollout.hf_forward`). ``engine.path`` says which
+runs; the constructor's ``path`` forces one.
+
 ``EmbeddedEngine`` runs a lean forward of its own that reuses the Hugging Face modules
 and weights of a Llama-style decoder (Qwen3-MoE here): ``embed_tokens``, per layer
 ``input_layernorm``, ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``, ``q_norm`` /
@@ -101,10 +109,11 @@ from k3post.rollout.engine import (
     sample_unfiltered,
     token_uniforms,
 )
+from k3post.rollout.hf_forward import HFForward
 from k3post.rollout.kv_cache import SlotKVCache
 from k3post.rollout.segments import attention_segments
 
-__all__ = ["EmbeddedEngine"]
+__all__ = ["EmbeddedEngine", "LEAN_MODEL_TYPES", "lean_blocker"]
 
 log = logging.getLogger("k3post.rollout")
 
@@ -240,6 +249,36 @@ def _is_default_gate(fn: Any) -> bool:
     )
 
 
+def _topk_router_rule(router: Any, X: int, D: int) -> bool | None:
+    """Which rule a router with one weight [X, D] and an int ``top_k`` follows, read off its own
+    output on a fixed probe h [16, D], not off a config flag (Mixtral's router always renormalises
+    and has no ``norm_topk_prob``):
+
+        p = softmax(h W^T);  (w, e) = top-k(p);  w / sum_k w  (True)  or  w  (False)
+
+    None when the router matches neither (grouped, biased, sigmoid routers...): the engine then
+    calls the router module."""
+    weight = getattr(router, "weight", None)
+    if not (isinstance(weight, torch.Tensor) and set(dict(router.named_parameters())) == {"weight"}
+            and not list(router.buffers()) and tuple(weight.shape) == (X, D)
+            and isinstance(getattr(router, "top_k", None), int)):
+        return None
+    g = torch.Generator().manual_seed(0)
+    h_ND = torch.randn(16, D, generator=g).to(weight.device, weight.dtype)
+    with torch.inference_mode():
+        out = router(h_ND)
+        if not (isinstance(out, tuple) and len(out) == 3):
+            return None
+        p_NK, e_NK = torch.topk(torch.softmax(F.linear(h_ND, weight).float(), dim=-1), router.top_k, dim=-1)
+        if out[2].shape != e_NK.shape or not torch.equal(out[2], e_NK):
+            return None
+        for norm in (True, False):
+            w_NK = p_NK / p_NK.sum(dim=-1, keepdim=True) if norm else p_NK
+            if torch.allclose(out[1].float(), w_NK, rtol=1e-5, atol=1e-7):
+                return norm
+    return None
+
+
 @dataclass(frozen=True)
 class _Proj:
     """A projection ``y = x W^T + b`` on rows x [N, J]. ``w`` is W [O, J] as the model holds
@@ -307,6 +346,52 @@ class _Weights:
     lm_head: _Proj | None  # W [V, D] of a plain nn.Linear lm_head (None: call the module)
 
 
+#: HF decoder families whose layer the lean forward mirrors op for op (pre-norm attention with q/k/v/o
+#: projections, optional per-head q/k RMSNorm, one rotary table, pre-norm MLP or routed experts)
+LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral"})
+_LEAN_ATTN_CHILDREN = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "rotary_emb"})
+_LEAN_LAYER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
+
+
+def lean_blocker(model: Any, max_model_len: int) -> str | None:
+    """Why the lean forward cannot reproduce ``model`` exactly (None when it can): the model type is
+    one it mirrors (``LEAN_MODEL_TYPES``), every layer has exactly the Llama-style modules and no
+    parameters of its own elsewhere (attention sinks, extra norms), no layer attends through a sliding
+    window shorter than ``max_model_len``, the rotary table does not depend on the sequence length,
+    and per-head q/k norms are RMSNorms sharing one epsilon. Anything else takes the general path."""
+    cfg = getattr(model, "config", None)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in LEAN_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one the lean forward mirrors ({', '.join(sorted(LEAN_MODEL_TYPES))})"
+    inner = getattr(model, "model", None)
+    if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) or not hasattr(model, "lm_head"):
+        return "not laid out as model.model.embed_tokens / layers / norm / rotary_emb + model.lm_head"
+    windows = [w for w in [getattr(cfg, "sliding_window", None)] if w and model_type in ("mistral", "mixtral")]
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+        windows.append(getattr(cfg, "sliding_window", None) or 0)
+    for i, layer in enumerate(inner.layers):
+        attn = getattr(layer, "self_attn", None)
+        if set(dict(layer.named_children())) != _LEAN_LAYER_CHILDREN or list(layer.named_parameters(recurse=False)):
+            return f"layer {i} holds {sorted(dict(layer.named_children()))}, not the Llama-style {sorted(_LEAN_LAYER_CHILDREN)}"
+        if not set(dict(attn.named_children())) <= _LEAN_ATTN_CHILDREN or list(attn.named_parameters(recurse=False)) \
+                or not all(type(getattr(attn, a, None)) is nn.Linear for a in ("q_proj", "k_proj", "v_proj")) \
+                or not hasattr(attn, "head_dim") or not hasattr(attn, "scaling"):
+            return f"layer {i}'s attention is not plain q/k/v/o projections (extra modules or parameters such as sinks)"
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if (q_norm is None) != (k_norm is None) or q_norm is not None and (
+                getattr(q_norm, "variance_epsilon", None) is None
+                or q_norm.variance_epsilon != getattr(k_norm, "variance_epsilon", None)):
+            return f"layer {i}'s q/k norms are not two RMSNorms with one variance_epsilon"
+        if getattr(attn, "sliding_window", None):
+            windows.append(attn.sliding_window)
+    if windows and min(windows) < max_model_len:
+        return f"sliding-window attention (window {min(windows)} < max_model_len {max_model_len})"
+    rope_type = getattr(inner.rotary_emb, "rope_type", "default")
+    if rope_type in ("dynamic", "longrope"):
+        return f"rope_type={rope_type!r} depends on the sequence length (the lean forward precomputes one table)"
+    return None
+
+
 class EmbeddedEngine:
     """Continuous-batching rollout engine over a Hugging Face causal LM (pure PyTorch).
 
@@ -336,6 +421,11 @@ class EmbeddedEngine:
             0 always calls ``layer.mlp``.
         max_prefill_tokens: most context tokens prefilled in one step (bounds activation
             memory); further queued requests are admitted in the next steps.
+        path: "auto" (default) runs the lean forward when ``lean_blocker`` finds nothing it
+            cannot reproduce exactly, else the general path (the model's own forward over a
+            per-sequence HF ``DynamicCache``, `k3post.rollout.hf_forward`); "lean" raises
+            ValueError when the model is not eligible; "general" forces the general path.
+            ``engine.path`` says which one runs (logged at INFO with the reason).
 
     ``shares_weights``: the engine decodes with the model object's own parameters, so a co-located
     trainer's optimizer step is visible to it and a weight push is a version bump
@@ -358,6 +448,7 @@ class EmbeddedEngine:
         dense_moe_max_tokens: int = 64,
         max_prefill_tokens: int = 2048,
         min_shared_prefix: int = 16,
+        path: str = "auto",
     ) -> None:
         model: Any
         if isinstance(model_or_dir, (str, Path)):
@@ -376,12 +467,20 @@ class EmbeddedEngine:
             raise ValueError(f"model_or_dir must be an nn.Module or a model folder, got {type(model_or_dir).__name__}")
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        if path not in ("auto", "lean", "general"):
+            raise ValueError(f"path must be 'auto', 'lean' or 'general', got {path!r}")
+        if not isinstance(model, nn.Module) or not callable(getattr(model, "get_input_embeddings", None)) \
+                or not hasattr(model, "config"):
+            raise ValueError(f"EmbeddedEngine needs a Hugging Face causal LM (a PreTrainedModel), got {type(model).__name__}")
         self.model = model
-        self._check_architecture(model)
         cfg = model.config
         if qat is not None and qat.enabled and not self.qat_enabled:
             apply_qat(model, qat)
-        self.max_model_len = int(max_model_len if max_model_len is not None else cfg.max_position_embeddings)
+        if max_model_len is None:
+            max_model_len = getattr(cfg.get_text_config(decoder=True), "max_position_embeddings", None)
+            if max_model_len is None:
+                raise ValueError(f"{type(model).__name__}'s config has no max_position_embeddings: pass max_model_len")
+        self.max_model_len = int(max_model_len)
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         self.max_batch_size = max_batch_size
@@ -397,42 +496,25 @@ class EmbeddedEngine:
             raise ValueError(f"min_shared_prefix must be an int >= 0, got {min_shared_prefix!r}")
         self.min_shared_prefix = min_shared_prefix
         self.default_stop_ids: frozenset[int] = self._default_stop_ids(tokenizer, stop_ids)
-
-        inner = model.model
-        self._embed = inner.embed_tokens
-        self._layers = list(inner.layers)
-        self._norm = inner.norm
-        self._lm_head = model.lm_head
-        attn0 = self._layers[0].self_attn
-        self._head_dim = int(attn0.head_dim)
-        self._n_heads = int(cfg.num_attention_heads)
-        self._n_kv = int(cfg.num_key_value_heads)
-        self._scaling = float(attn0.scaling)
         param = next(model.parameters())
         self.device = param.device
         self.dtype = param.dtype
-        self.cache = SlotKVCache(
-            len(self._layers), max_batch_size, self._n_kv, self._head_dim,
-            max_len=self.max_model_len, dtype=self.dtype, device=self.device,
-        )
-        with torch.inference_mode():
-            pos_1P = torch.arange(self.max_model_len, device=self.device)[None]
-            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
-            cos_1PE, sin_1PE = inner.rotary_emb(probe, position_ids=pos_1P)
-        self._cos_PE = cos_1PE[0]
-        half = self._head_dim // 2
-        self._ssin_PE = torch.cat([-sin_1PE[0, :, :half], sin_1PE[0, :, half:]], dim=-1)  # for roll()
-        if any(getattr(layer.self_attn, "q_norm", None) is not None and not hasattr(layer.self_attn.q_norm, "variance_epsilon")
-               for layer in self._layers):
-            raise ValueError("EmbeddedEngine expects q_norm / k_norm to be RMSNorms with a variance_epsilon")
-        if any(getattr(layer.self_attn, "q_norm", None) is not None and getattr(layer.self_attn, "k_norm", None) is not None
-               and layer.self_attn.q_norm.variance_epsilon != layer.self_attn.k_norm.variance_epsilon for layer in self._layers):
-            raise ValueError("EmbeddedEngine normalises q and k in one op: q_norm and k_norm must share variance_epsilon")
-        self._dense_moe_ok = [self._dense_moe_eligible(layer.mlp) for layer in self._layers]
-        # modules QAT patches (apply_qat / remove_qat flip the forward's exact mode and the dense-MoE weights)
-        self._qat_targets = [m for _, m, _ in qat_module._find_expert_modules(model)]
-        # where every parameter lives (module._parameters, name): _weights() checks their identity and version per forward
-        self._param_slots = [(m._parameters, n) for m in model.modules() for n, p in m._parameters.items() if p is not None]
+        self._vocab = int(model.get_input_embeddings().num_embeddings)
+
+        blocker = lean_blocker(model, self.max_model_len)
+        if path == "lean" and blocker is not None:
+            raise ValueError(f"path='lean': the lean forward cannot run {type(model).__name__}: {blocker}")
+        self.path: str = "general" if path == "general" or blocker is not None else "lean"
+        why = "forced by path='general'" if path == "general" else blocker or "a Llama-style decoder it mirrors exactly"
+        log.info("EmbeddedEngine: %s path for %s (%s)", self.path, type(model).__name__, why)
+        self._general: HFForward | None = None
+        self.cache: Any
+        self._layers: list[Any] = []
+        if self.path == "general":
+            self._general = HFForward(model, max_batch_size, self.max_model_len)
+            self.cache = self._general.cache
+        else:
+            self._init_lean(model)
         self._plan: _Weights | None = None
         self._pos_P = torch.arange(self.max_model_len, device=self.device)
         self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
@@ -448,29 +530,35 @@ class EmbeddedEngine:
         }
 
     # ------------------------------------------------------------------ setup helpers
-    @staticmethod
-    def _check_architecture(model: Any) -> None:
-        inner = getattr(model, "model", None)
-        missing = [
-            a for a, owner in (("model", model), ("lm_head", model), ("config", model))
-            if not hasattr(owner, a)
-        ] + [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if inner is not None and not hasattr(inner, a)]
-        if missing:
-            raise ValueError(
-                f"EmbeddedEngine needs an HF Llama-style causal LM (model.model.embed_tokens/layers/norm/rotary_emb, "
-                f"model.lm_head); {type(model).__name__} lacks {missing}"
-            )
-        for i, layer in enumerate(model.model.layers):
-            attn = getattr(layer, "self_attn", None)
-            need = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
-            if attn is None or any(not hasattr(attn, a) for a in need) or not hasattr(layer, "mlp"):
-                raise ValueError(f"layer {i} of {type(model).__name__} is not a Llama-style decoder layer")
+    def _init_lean(self, model: Any) -> None:
+        """The lean forward's view of the model: modules, rotary tables, the slot cache."""
         cfg = model.config
-        rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
-        if rope_type in ("dynamic", "longrope"):
-            raise ValueError(f"EmbeddedEngine precomputes one rotary table; rope_type={rope_type!r} depends on the sequence length")
-        if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
-            raise ValueError("EmbeddedEngine does not implement sliding-window attention (config.use_sliding_window)")
+        inner = model.model
+        self._embed = inner.embed_tokens
+        self._layers = list(inner.layers)
+        self._norm = inner.norm
+        self._lm_head = model.lm_head
+        attn0 = self._layers[0].self_attn
+        self._head_dim = int(attn0.head_dim)
+        self._n_heads = int(cfg.num_attention_heads)
+        self._n_kv = int(cfg.num_key_value_heads)
+        self._scaling = float(attn0.scaling)
+        self.cache = SlotKVCache(
+            len(self._layers), self.max_batch_size, self._n_kv, self._head_dim,
+            max_len=self.max_model_len, dtype=self.dtype, device=self.device,
+        )
+        with torch.inference_mode():
+            pos_1P = torch.arange(self.max_model_len, device=self.device)[None]
+            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos_1PE, sin_1PE = inner.rotary_emb(probe, position_ids=pos_1P)
+        self._cos_PE = cos_1PE[0]
+        half = self._head_dim // 2
+        self._ssin_PE = torch.cat([-sin_1PE[0, :, :half], sin_1PE[0, :, half:]], dim=-1)  # for roll()
+        self._dense_moe_ok = [self._dense_moe_eligible(layer.mlp) for layer in self._layers]
+        # modules QAT patches (apply_qat / remove_qat flip the forward's exact mode and the dense-MoE weights)
+        self._qat_targets = [m for _, m, _ in qat_module._find_expert_modules(model)]
+        # where every parameter lives (module._parameters, name): _weights() checks their identity and version per forward
+        self._param_slots = [(m._parameters, n) for m in model.modules() for n, p in m._parameters.items() if p is not None]
 
     def _default_stop_ids(self, tokenizer: Any | None, stop_ids: Sequence[int] | None) -> frozenset[int]:
         if stop_ids is not None:
@@ -553,7 +641,7 @@ class EmbeddedEngine:
                 f"request {request.request_id!r}: prompt + given tokens = {len(context)} positions leave no room "
                 f"under max_model_len={self.max_model_len}"
             )
-        vocab = self._embed.num_embeddings
+        vocab = self._vocab
         if max(context) >= vocab:
             raise ValueError(f"request {request.request_id!r}: token id {max(context)} >= vocabulary size {vocab}")
         sp = request.sampling
@@ -579,7 +667,11 @@ class EmbeddedEngine:
                 f"request {seq.rid!r}: the KV state covers {n} tokens that are not a proper prefix of its "
                 f"context ({len(seq.context)} tokens)"
             )
-        if len(kv.keys) != len(self._layers) or kv.keys[0].shape[0] != self._n_kv or kv.keys[0].shape[2] != self._head_dim:
+        if self._general is not None:
+            bad = self._general.cache.shape_error(kv.keys, kv.values)
+            if bad is not None:
+                raise ValueError(f"request {seq.rid!r}: the KV state does not fit this model: {bad}")
+        elif len(kv.keys) != len(self._layers) or kv.keys[0].shape[0] != self._n_kv or kv.keys[0].shape[2] != self._head_dim:
             raise ValueError(
                 f"request {seq.rid!r}: KV state shaped {len(kv.keys)} x {tuple(kv.keys[0].shape)} does not fit this "
                 f"model ({len(self._layers)} layers x [{self._n_kv}, N, {self._head_dim}])"
@@ -898,17 +990,15 @@ class EmbeddedEngine:
             down_XDI = fake_quant_mx(down_XDI, cfg.weight_format, cfg.block_size, -1)
         X, D, I = down_XDI.shape
         up_FD = gu_X2ID.reshape(X * 2 * I, D)
-        # HF's top-k router (linear -> softmax -> top-k -> renormalise) is run by the engine;
+        # a top-k router (linear -> softmax -> top-k, renormalised or not) is run by the engine;
         # other routers are called as modules
-        plain_router = (
-            type(router).__name__.endswith("TopKRouter") and set(dict(router.named_parameters())) == {"weight"}
-            and tuple(router.weight.shape) == (X, D) and isinstance(getattr(router, "top_k", None), int)
-        )
+        norm_topk = _topk_router_rule(router, X, D)
+        plain_router = norm_topk is not None
         fuse = plain_router and not exact
         return _MoEWeights(
             n_experts=X, width=I, top_k=int(router.top_k) if plain_router else 0,
             router=_Proj.of(router.weight, None, exact) if plain_router else None,
-            norm_topk=bool(getattr(router, "norm_topk_prob", False)),
+            norm_topk=bool(norm_topk),
             up=None if fuse else _Proj.of(up_FD, None, exact),
             router_up=_Proj.of(torch.cat([router.weight, up_FD]), None, exact) if fuse else None,
             down_w=down_XDI.transpose(1, 2).reshape(X * I, D),
@@ -1079,7 +1169,19 @@ class EmbeddedEngine:
         return self._cos_PE[pos_S].unsqueeze(-2), self._ssin_PE[pos_S].unsqueeze(-2)
 
     def _decode(self, seqs: list[_Seq], finished: list[_Seq], reasons: dict[str, str]) -> None:
-        """One token for sequences in slots 0..B-1 (their pending token at position n_cached).
+        """One token for sequences in slots 0..B-1 (their pending token at position n_cached)."""
+        if self._general is not None:
+            logits_BV = self._general.forward_chunks([[s.context[-1]] for s in seqs], [s.n_cached for s in seqs],
+                                                     [s.slot for s in seqs])
+        else:
+            logits_BV = self._decode_lean(seqs)
+        for s in seqs:
+            s.n_cached += 1
+        self.stats["decode_tokens"] += len(seqs)
+        self._record(seqs, logits_BV, finished, reasons)
+
+    def _decode_lean(self, seqs: list[_Seq]) -> torch.Tensor:
+        """Logits [B, V] of the pending tokens of the sequences in slots 0..B-1 (lean forward).
 
         The decode forward works on [B, D] rows (T = 1 squeezed out) with few ops per layer:
         one q/k/v GEMM, q/k norm + rotary on one [B, H+G, E] block, one indexed write per K
@@ -1123,10 +1225,7 @@ class EmbeddedEngine:
                     for a, b, n in segs
                 ])
             x_BD = self._mlp(w, li, self._o_proj(w, lw, li, x_BD, o_BF))
-        for s in seqs:
-            s.n_cached += 1
-        self.stats["decode_tokens"] += B
-        self._record(seqs, self._logits(w, x_BD), finished, reasons)
+        return self._logits(w, x_BD)
 
     def _forward_chunks(
         self, chunks: list[list[int]], starts: list[int], slots: list[int], *, logits: bool = True
@@ -1134,7 +1233,17 @@ class EmbeddedEngine:
         """Forward token chunks of B sequences: row b holds positions starts[b].. of the
         sequence in slot slots[b], whose positions < starts[b] are already cached. Writes
         every chunk's K/V into its slot; returns the logits [B, V] of each chunk's last
-        token (None when ``logits`` is False). Rows are right-padded to the longest chunk."""
+        token (None when ``logits`` is False)."""
+        self.stats["prefill_tokens"] += sum(len(c) for c in chunks)
+        if self._general is not None:
+            logits_BV = self._general.forward_chunks(chunks, starts, slots)
+            return logits_BV if logits else None
+        return self._forward_chunks_lean(chunks, starts, slots, logits)
+
+    def _forward_chunks_lean(
+        self, chunks: list[list[int]], starts: list[int], slots: list[int], logits: bool
+    ) -> torch.Tensor | None:
+        """``_forward_chunks`` of the lean forward; rows are right-padded to the longest chunk."""
         B = len(chunks)
         dev = self.device
         lens = [len(c) for c in chunks]
@@ -1165,7 +1274,6 @@ class EmbeddedEngine:
             else:
                 k_BGLE, v_BGLE = self.cache.gather(li, slots, L)
             x_BTD = self._finish_layer(w, li, x_BTD, self._attend(q_BHTE, k_BGLE, v_BGLE, mask_B1TL))
-        self.stats["prefill_tokens"] += sum(lens)
         if not logits:
             return None
         last_B = torch.tensor([n - 1 for n in lens], dtype=torch.long, device=dev)

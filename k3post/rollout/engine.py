@@ -220,7 +220,9 @@ class KVState:
     ``keys[l]`` / ``values[l]``: layer l, [kv_heads, N, head_dim] for the N tokens
     ``context_ids`` (the prompt + every output token except the last one, which is the
     pending input of the next decode step). ``weight_version``: the policy version when
-    the newest of these entries was computed.
+    the newest of these entries was computed. Keys and values may differ in heads and width
+    (whatever the model caches: MLA holds its latent [1, N, kv_lora_rank] as keys and the shared
+    rotary key [1, N, qk_rope_head_dim] as values); both cover the same N positions.
     """
 
     keys: list[torch.Tensor]
@@ -233,10 +235,10 @@ class KVState:
             raise ValueError("KVState needs one key and one value tensor per layer")
         n = len(self.context_ids)
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            if k.dim() != 3 or k.shape != v.shape or k.shape[1] != n:
+            if k.dim() != 3 or v.dim() != 3 or k.shape[1] != n or v.shape[1] != n:
                 raise ValueError(
                     f"KVState layer {i}: keys {tuple(k.shape)} / values {tuple(v.shape)} must both be "
-                    f"[kv_heads, {n}, head_dim] for {n} context tokens"
+                    f"[heads, {n}, width] for {n} context tokens"
                 )
 
     @property
