@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ragged", action="store_true", help="prompt i has prompt-len + i tokens: every row at its own "
-                    "position, so the general path runs one forward per row")
+                    "position (the general path left-pads its caches into one batched forward)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = build_tiny_moe(512, seed=0).eval()

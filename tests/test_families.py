@@ -187,3 +187,19 @@ def test_general_path_shares_prefixes_and_keeps_kv_like_the_lean_path(models):
     for a, b in zip(out["lean"], out["general"]):
         assert a.output_ids == b.output_ids
         assert torch.allclose(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-6)
+
+
+def test_engine_forward_is_a_config_key(models):
+    """``engine.forward`` in a stage's config reaches the embedded engine (build_engine); a bad value fails
+    when the config is made, and ``lean`` on a model the lean forward cannot reproduce fails naming it."""
+    from k3post.config.rollout import EngineConfig
+    from k3post.rollout.factory import build_engine
+
+    for forward, want in (("auto", "lean"), ("general", "general"), ("lean", "lean")):
+        engine = build_engine(models["qwen3_moe"], engine=EngineConfig(forward=forward), max_batch_size=2, max_model_len=64)
+        assert engine.path == want
+    assert build_engine(models["gpt_oss"], engine=EngineConfig(), max_batch_size=2, max_model_len=64).path == "general"
+    with pytest.raises(ValueError, match="path='lean'"):
+        build_engine(models["gpt_oss"], engine=EngineConfig(forward="lean"), max_model_len=64)
+    with pytest.raises(ValueError, match="engine.forward must be one of"):
+        EngineConfig(forward="fast")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 __all__ = ["ENGINE_DIALECTS", "ENGINE_KINDS", "WEIGHT_SYNCS", "EngineConfig", "RolloutConfig"]
 
 ENGINE_KINDS = ("embedded", "http")
+ENGINE_FORWARDS = ("auto", "lean", "general")
 WEIGHT_SYNCS = ("disk", "distributed")
 ENGINE_DIALECTS = ("k3post", "sglang", "vllm")
 
@@ -50,6 +51,9 @@ class EngineConfig:
             Launched servers are ``k3post serve`` whatever this says.
         server_slots: requests one server decodes together, for servers that do not report it (vLLM);
             0: what the server reports.
+        forward: ``embedded`` only: the engine's forward, ``auto`` (the lean forward where it reproduces the
+            model exactly, else the model's own forward over a KV cache), ``lean`` (an error where it cannot)
+            or ``general`` (docs/post-train-your-own-model.md).
     """
 
     kind: str = "embedded"
@@ -65,10 +69,13 @@ class EngineConfig:
     launch_threads: int = 0
     dialect: str = "k3post"
     server_slots: int = 0
+    forward: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINE_KINDS:
             raise ValueError(f"engine.kind must be one of {ENGINE_KINDS}, got {self.kind!r}")
+        if self.forward not in ENGINE_FORWARDS:
+            raise ValueError(f"engine.forward must be one of {ENGINE_FORWARDS}, got {self.forward!r}")
         if self.server_slots < 0:
             raise ValueError(f"engine.server_slots must be >= 0 (0: what the server reports), got {self.server_slots}")
         if self.launch < 0 or self.launch_threads < 0:

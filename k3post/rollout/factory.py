@@ -65,7 +65,7 @@ def build_engine(
         from k3post.rollout.embedded import EmbeddedEngine
 
         return EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size, max_model_len=max_model_len,
-                              seed=seed, **embedded)
+                              seed=seed, **{"path": cfg.forward, **embedded})
     if cfg.kind == "http":
         from k3post.rollout.http_engine import HTTPEngine
 
