@@ -1,0 +1,9 @@
+"""Deployment-aware post-training, part 2 (SPEC §6.2): speculative decoding with an EAGLE-3 draft.
+
+- `k3post.spec.losses`: the draft's training losses at temperature 1 (LK_α, the adaptive LK_λ hybrid, forward
+  KL), with a reduced draft vocabulary.
+- `k3post.spec.mtp`: the MTP head SFT can train as an auxiliary next-next-token loss.
+- `k3post.spec.eagle3`: the EAGLE-3 draft (fusion of three target layers, one block, a head), its training-time
+  unrolled forward, and the export vLLM and SGLang load.
+- `k3post.rollout.speculative`: chain drafting and rejection sampling in the embedded engine.
+"""
