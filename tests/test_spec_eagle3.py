@@ -195,6 +195,11 @@ def test_export_layout_and_reload(target, tmp_path):
     assert got["d2t"].dtype == torch.int64 and got["t2d"].dtype == torch.bool
     assert (got["d2t"] + torch.arange(5)).tolist() == [1, 2, 9, 40, 77]  # ascending target ids
     assert got["t2d"].nonzero().flatten().tolist() == [1, 2, 9, 40, 77]
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(tmp_path)  # what vLLM and SGLang read the folder's config with
+    assert (hf.model_type, hf.draft_vocab_size, hf.head_dim, hf.rope_parameters["rope_theta"]) == ("llama", 5, hd, 10000.0)
+    assert hf.eagle_config["eagle_aux_hidden_state_layer_ids"] == [0, 1, L - 1]
     back = load_eagle3(tmp_path, target.get_input_embeddings())
     assert back.config.aux_layer_ids == draft.config.aux_layer_ids
     ids_BT = torch.randint(0, V, (2, 10))
