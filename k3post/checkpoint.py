@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -31,9 +31,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(
-    ckpt_root: str | Path, step: int, model: Any, tokenizer: Any, state: dict[str, Any], *, keep: int = 2
+    ckpt_root: str | Path, step: int, model: Any, tokenizer: Any, state: dict[str, Any], *, keep: int = 2,
+    write_extra: Callable[[Path], Any] | None = None,
 ) -> Path:
-    """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep` checkpoints."""
+    """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep` checkpoints.
+    `write_extra(folder)` adds files to the checkpoint folder before it is renamed into place."""
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
@@ -43,6 +45,8 @@ def save_checkpoint(
     model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    if write_extra is not None:
+        write_extra(tmp)
     torch.save({**state, "step": step, "rng": rng_state()}, tmp / "trainer_state.pt")
     if final.exists():
         shutil.rmtree(final)

@@ -13,6 +13,7 @@ from k3post.metrics import MetricsLogger
 from k3post.models import build_tiny_moe, load_model, save_model
 from k3post.quant.qat import apply_qat
 from k3post.sft import train_sft
+from k3post.spec.mtp import save_mtp
 from k3post.tokenizer import ensure_xtml_tokens, load_tokenizer, train_tokenizer
 from k3post.xtml import XTML, text_segments
 
@@ -84,6 +85,8 @@ def run_sft(cfg: K3Config) -> Path:
     res = train_sft(model, tokenizer, samples, cfg.sft, run / "sft", seed=cfg.run.seed, metrics=metrics)
     metrics.close()
     final = save_model(model, run / "sft" / "final", tokenizer)
+    if res.mtp is not None:
+        save_mtp(res.mtp, final)
     print(f"SFT done: {res.steps} steps, final loss {res.final_loss:.4f}, {res.wall_s:.0f} s → {final}")
     return final
 

@@ -5,13 +5,16 @@ The loop, as the algorithm box reads::
     for step in steps:
         for micro-batch in grad_accum packed micro-batches:
             loss += CE(model(packed rows), next tokens where loss_mask) / N_tokens(step)
+            [sft.mtp_weight > 0]  loss += mtp_weight * CE(MTP head, token t+2) / N_mtp_tokens(step)
         clip grads; AdamW step; warmup+cosine LR
         log; checkpoint every `save_every`
 
 The loss is a token mean over the whole optimizer step (all micro-batches), so gradient accumulation gives
 the same update as one big batch. QAT (MXFP4 expert weights, MXFP8 expert inputs) is on from the first
 step when the run's `qat.enabled` is true. Resume restores weights, AdamW moments, the LR schedule, RNG
-states and the data position, so the losses after a resume equal an uninterrupted run's.
+states and the data position, so the losses after a resume equal an uninterrupted run's. The MTP head
+(`k3post.spec.mtp`, only when `sft.mtp_weight > 0`) trains beside the model, its parameters after the model's
+in the one AdamW, and is checkpointed as `mtp.safetensors` in each checkpoint folder.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -31,6 +34,7 @@ from k3post.config.sft import SFTConfig
 from k3post.checkpoint import latest_checkpoint, load_trainer_state, load_weights_into, save_checkpoint, set_rng_state
 from k3post.data import PackedBatch, Sample, collate, iter_microbatches
 from k3post.metrics import MetricsLogger
+from k3post.spec.mtp import MTPHead, capture_final_hidden, load_mtp, mtp_ce_sum, mtp_labels, save_mtp
 
 log = logging.getLogger("k3post.sft")
 
@@ -43,6 +47,8 @@ class SFTResult:
     resumed_from: int | None
     wall_s: float
     tokens_per_s: float
+    mtp_losses: list[float] = field(default_factory=list)  # per-step MTP CE (token mean), when sft.mtp_weight > 0
+    mtp: MTPHead | None = None  # the trained MTP head (save it with `save_mtp` beside the model)
 
 
 def lr_at(step: int, cfg: SFTConfig) -> float:
@@ -151,23 +157,30 @@ def train_sft(
         raise ValueError(f"sft.precision must be fp32 or bf16, got {cfg.precision!r}")
     if min(cfg.steps, cfg.rows_per_batch, cfg.grad_accum, cfg.pack_len, cfg.max_len) <= 0:
         raise ValueError("sft.steps, sft.rows_per_batch, sft.grad_accum, sft.pack_len and sft.max_len must be positive")
+    if cfg.mtp_weight < 0:
+        raise ValueError(f"sft.mtp_weight must be >= 0, got {cfg.mtp_weight}")
     out = Path(out_dir)
     ckpt_root = out / "checkpoints"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    mtp = _new_mtp_head(model, seed) if cfg.mtp_weight > 0 else None
+    params = list(model.parameters()) + (list(mtp.parameters()) if mtp is not None else [])
     opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), weight_decay=cfg.weight_decay, eps=1e-8
+        params, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), weight_decay=cfg.weight_decay, eps=1e-8
     )
-    start, stream, losses = 0, _DataStream(samples, cfg, seed), []
+    start, stream, losses, mtp_losses = 0, _DataStream(samples, cfg, seed), [], []
     resumed_from = None
     ckpt = latest_checkpoint(ckpt_root) if resume else None
     if ckpt is not None:
         state = load_trainer_state(ckpt)
         load_weights_into(model, ckpt)
+        if mtp is not None:
+            _load_mtp_into(mtp, ckpt)
         opt.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])
         start = resumed_from = int(state["step"])
         stream = _DataStream(samples, cfg, seed, **state["data"])
         losses = list(state.get("losses", []))
+        mtp_losses = list(state.get("mtp_losses", []))
         if metrics is not None:
             metrics.truncate(stage, start)
         log.info("resumed %s from %s (step %d)", stage, ckpt, start)
@@ -179,24 +192,35 @@ def train_sft(
     for step in range(start, cfg.steps):
         batches = [collate(samples, stream.next(), cfg.max_len, pad_id) for _ in range(cfg.grad_accum)]
         n_tok = sum(b.n_target_tokens for b in batches)
+        n_mtp = sum(int((mtp_labels(b.labels_RL, b.position_ids_RL) != -100).sum()) for b in batches) if mtp else 0
         lr = lr_at(step, cfg)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        total = 0.0
+        total, mtp_total = 0.0, 0.0
         for b in batches:
-            with autocast:
-                loss_sum = masked_ce_sum(model, b)
-            (loss_sum / max(n_tok, 1)).backward()
+            if mtp is None:
+                with autocast:
+                    loss_sum = masked_ce_sum(model, b)
+                (loss_sum / max(n_tok, 1)).backward()
+            else:
+                with autocast, capture_final_hidden(model) as final:
+                    loss_sum = masked_ce_sum(model, b)
+                    mtp_sum = mtp_ce_sum(mtp, model, b.input_ids_RL, b.position_ids_RL, b.labels_RL,
+                                         final.hidden_BTD, b.attention_mask_R1LL)
+                (loss_sum / max(n_tok, 1) + cfg.mtp_weight * mtp_sum / max(n_mtp, 1)).backward()
+                mtp_total += mtp_sum.item()
             total += loss_sum.item()
         grad_norm = (
-            float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
             if cfg.grad_clip > 0
-            else float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None)))
+            else float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
         )
         opt.step()
         loss_val = total / max(n_tok, 1)
         losses.append(loss_val)
+        if mtp is not None:
+            mtp_losses.append(mtp_total / max(n_mtp, 1))
         step_tokens = sum(int(b.input_ids_RL.numel()) for b in batches)
         tokens_seen += step_tokens
         window_tok += step_tokens
@@ -208,10 +232,10 @@ def train_sft(
             mean_loss = window_loss / max(window_n, 1)  # token-weighted mean over the steps since the last log
             window_t, window_tok, window_loss, window_n = now, 0, 0.0, 0
             if metrics is not None:
-                metrics.log(
-                    stage, done,
-                    {"loss": mean_loss, "step_loss": loss_val, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "target_tokens": n_tok},
-                )
+                row = {"loss": mean_loss, "step_loss": loss_val, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "target_tokens": n_tok}
+                if mtp is not None:
+                    row["mtp_loss"] = mtp_losses[-1]
+                metrics.log(stage, done, row)
             bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tps:,.0f}")
         bar.update(1)
         if done % cfg.save_every == 0 or done == cfg.steps:
@@ -220,8 +244,10 @@ def train_sft(
                 done,
                 model,
                 tokenizer,
-                {"optimizer": opt.state_dict(), "data": stream.state(), "losses": losses, "config": vars(cfg)},
+                {"optimizer": opt.state_dict(), "data": stream.state(), "losses": losses, "mtp_losses": mtp_losses,
+                 "config": vars(cfg)},
                 keep=cfg.keep_checkpoints,
+                write_extra=None if mtp is None else (lambda folder: save_mtp(mtp, folder)),
             )
     bar.close()
     wall = time.perf_counter() - t0
@@ -232,4 +258,21 @@ def train_sft(
         resumed_from=resumed_from,
         wall_s=wall,
         tokens_per_s=tokens_seen / max(wall, 1e-9),
+        mtp_losses=mtp_losses,
+        mtp=mtp,
     )
+
+
+def _new_mtp_head(model: torch.nn.Module, seed: int) -> MTPHead:
+    """An MTP head for ``model`` (``MTPHead.from_target``), its random part seeded without touching the
+    global RNG, so the rest of the run draws the same numbers as without a head."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return MTPHead.from_target(model)
+
+
+def _load_mtp_into(mtp: MTPHead, ckpt: Path) -> None:
+    saved = load_mtp(ckpt)
+    if saved is None:
+        raise ValueError(f"{ckpt}: the checkpoint has no mtp.safetensors but sft.mtp_weight > 0")
+    mtp.load_state_dict(saved.state_dict())

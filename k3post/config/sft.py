@@ -30,3 +30,4 @@ class SFTConfig:
     on_bad_sample: str = "error"  # error | skip (skips are counted and logged)
     mode: str = "think"  # XTML mode: think | instruct
     progress: bool = True  # tqdm progress bar
+    mtp_weight: float = 0.0  # weight of the MTP head's next-next-token loss (k3post.spec.mtp); 0 = no MTP head

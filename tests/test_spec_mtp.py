@@ -1,0 +1,144 @@
+"""The MTP head (k3post.spec.mtp): its forward, its SFT auxiliary loss, its checkpoint file."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from k3post.data import load_sft_jsonl
+from k3post.models import build_tiny_family, build_tiny_moe, save_model
+from k3post.sft import SFTConfig, train_sft
+from k3post.spec.mtp import MTPHead, capture_final_hidden, load_mtp, mtp_ce_sum, mtp_labels, save_mtp
+from k3post.xtml import XTML
+
+from tests.test_sft import _records, _train_until, _write
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from k3post.commands import default_corpus
+    from k3post.tokenizer import train_tokenizer
+
+    return train_tokenizer(default_corpus(2, n_main=30), vocab_size=384)
+
+
+def _model(tok, seed=0):
+    return build_tiny_moe(len(tok), "tiny", seed=seed, num_hidden_layers=2, pad_token_id=tok.pad_token_id)
+
+
+def _samples(tok, tmp_path, n):
+    return load_sft_jsonl(_write(tmp_path, _records(n)), XTML(tok), max_len=512)[0]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe_tiny", "llama"])
+def test_forward_shapes_and_final_hidden(family):
+    model = build_tiny_moe(96, "tiny", num_hidden_layers=2) if family == "qwen3_moe_tiny" else build_tiny_family("llama", 96)
+    head = MTPHead.from_target(model)
+    with torch.no_grad():  # the init reads the token through zeros (decisions.md): give it weights
+        head.midlayer.self_attn.q_proj.weight.normal_(std=0.05)
+        head.midlayer.self_attn.k_proj.weight.normal_(std=0.05)
+        head.midlayer.self_attn.v_proj.weight.normal_(std=0.05)
+    ids_BT = torch.randint(0, 96, (2, 11))
+    with capture_final_hidden(model) as final:
+        out = model(ids_BT, output_hidden_states=True)
+    D = model.config.hidden_size
+    assert final.hidden_BTD.shape == (2, 11, D)
+    # the captured state is the last layer's output *before* the final norm; transformers' last hidden state is after it
+    assert torch.equal(model.get_decoder().norm(final.hidden_BTD), out.hidden_states[-1])
+    assert not torch.equal(final.hidden_BTD, out.hidden_states[-1])
+    pos_BT = torch.arange(11).expand(2, 11)
+    logits = head.logits(model, ids_BT, final.hidden_BTD, pos_BT)
+    assert logits.shape == (2, 11, 96)
+    # causal: changing the last position's inputs leaves earlier logits unchanged
+    ids2 = ids_BT.clone()
+    ids2[:, -1] = (ids2[:, -1] + 1) % 96
+    logits2 = head.logits(model, ids2, final.hidden_BTD, pos_BT)
+    assert torch.equal(logits[:, :-1], logits2[:, :-1]) and not torch.equal(logits[:, -1], logits2[:, -1])
+    # the block reads the embedding (token t+1) and the hidden state through the 2d-input projections
+    assert head.midlayer.self_attn.q_proj.weight.shape == (model.config.num_attention_heads * head.config.head_dim, 2 * D)
+
+
+def test_mtp_labels_shift_within_samples():
+    # labels as collate writes them: next-token targets, -100 at a sample's end
+    labels = torch.tensor([[5, 6, -100, 8, 9, -100]])
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    # t → labels[t+1] when t+1 is in t's sample; t=2 is the end of sample 1, t=5 the end of the row
+    assert mtp_labels(labels, pos).tolist() == [[6, -100, -100, 9, -100, -100]]
+
+
+def test_mtp_ce_sum_matches_a_hand_computed_cross_entropy():
+    model = build_tiny_family("llama", 50)
+    head = MTPHead.from_target(model)
+    ids = torch.tensor([[3, 7, 9, 11, 4]])
+    labels = torch.tensor([[7, 9, 11, 4, -100]])
+    pos = torch.arange(5)[None]
+    with capture_final_hidden(model) as final:
+        model(ids)
+    got = mtp_ce_sum(head, model, ids, pos, labels, final.hidden_BTD)
+    # position t reads token t+1 and predicts token t+2: t = 0, 1, 2 are scored (9, 11, 4)
+    logits = head.logits(model, torch.tensor([[7, 9, 11, 4, 3]]), final.hidden_BTD, pos)[0]
+    want = -sum(torch.log_softmax(logits[t], -1)[y] for t, y in [(0, 9), (1, 11), (2, 4)])
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_save_load_round_trip_is_bit_exact_and_the_folder_still_loads(tmp_path):
+    model = build_tiny_moe(64, "tiny", num_hidden_layers=2)
+    head = MTPHead.from_target(model)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    save_model(model, tmp_path)
+    save_mtp(head, tmp_path)
+    back = load_mtp(tmp_path)
+    assert set(back.state_dict()) == set(head.state_dict())
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k]), k
+    assert load_mtp(tmp_path / "nothing") is None
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "mtp.safetensors"), "pt") as f:
+        assert all(k.startswith("mtp.") for k in f.keys())
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path)  # the model folder loads unchanged
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, plain.state_dict()[k])
+
+
+def test_sft_trains_the_mtp_head(tok, tmp_path):
+    samples = _samples(tok, tmp_path, 16)
+    cfg = SFTConfig(steps=30, rows_per_batch=2, max_len=512, pack_len=512, save_every=100, warmup_steps=5,
+                    lr=3e-3, progress=False, mtp_weight=0.5)
+    model = _model(tok)
+    res = train_sft(model, tok, samples, cfg, tmp_path / "out")
+    assert len(res.mtp_losses) == 30
+    assert res.mtp_losses[0] > 3.0
+    assert res.mtp_losses[-1] < 0.5 * res.mtp_losses[0]
+    assert res.losses[-1] < 0.5 * res.losses[0]  # the main loss still learns
+    saved = load_mtp(tmp_path / "out" / "checkpoints" / "step-000030")
+    for k, v in res.mtp.state_dict().items():
+        assert torch.equal(v, saved.state_dict()[k])
+
+
+def test_sft_resume_with_mtp_is_exact(tok, tmp_path):
+    samples = _samples(tok, tmp_path, 60)
+    cfg = SFTConfig(steps=6, rows_per_batch=2, max_len=512, save_every=3, warmup_steps=2, progress=False, lr=2e-3,
+                    mtp_weight=0.3)
+    full = train_sft(_model(tok), tok, samples, cfg, tmp_path / "full")
+    _train_until(_model(tok), tok, samples, cfg, tmp_path / "part", stop_after=3)
+    resumed = train_sft(_model(tok, seed=123), tok, samples, cfg, tmp_path / "part")
+    assert resumed.resumed_from == 3
+    assert resumed.losses == full.losses and resumed.mtp_losses == full.mtp_losses
+    for p1, p2 in zip(full.mtp.parameters(), resumed.mtp.parameters()):
+        assert torch.equal(p1, p2)
+
+
+#: Losses of this run recorded at commit bc7129a, before the MTP head existed (fp32, one thread, CPU).
+_BEFORE_MTP = [6.060164942885891, 5.65003856714221, 5.224235413566468, 4.904648520729759, 4.815937772710273]
+
+
+def test_mtp_weight_zero_trains_as_before(tok, tmp_path):
+    samples = _samples(tok, tmp_path, 40)
+    cfg = SFTConfig(steps=5, rows_per_batch=2, max_len=512, save_every=100, warmup_steps=2, progress=False, lr=2e-3)
+    assert cfg.mtp_weight == 0.0
+    res = train_sft(_model(tok), tok, samples, cfg, tmp_path / "out")
+    assert res.mtp is None and res.mtp_losses == []
+    assert not (tmp_path / "out" / "checkpoints" / "step-000005" / "mtp.safetensors").exists()
+    assert res.losses == pytest.approx(_BEFORE_MTP, rel=1e-6)
