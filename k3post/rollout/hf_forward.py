@@ -146,15 +146,15 @@ class HFForward:
         self.cache = SeqKVCache(self._probe(n_layers), num_slots, max_len, param.dtype, param.device)
 
     def _call(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, cache: DynamicCache,
-              attn_BL: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, V] of the last position of each row; ``cache`` grows by T positions. ``attn_BL``:
-        1 on the real cached and new positions, 0 on left padding (None: no padding)."""
+              attn_BL: torch.Tensor | None = None, keep: int = 1) -> torch.Tensor:
+        """Logits [B, keep, V] of the last ``keep`` positions of each row; ``cache`` grows by T positions.
+        ``attn_BL``: 1 on the real cached and new positions, 0 on left padding (None: no padding)."""
         kw: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
         if self._keep_kw:
-            kw["logits_to_keep"] = 1
+            kw["logits_to_keep"] = keep
         if attn_BL is not None:
             kw["attention_mask"] = attn_BL
-        return self.model(input_ids=ids_BT, position_ids=pos_BT, **kw).logits[:, -1]
+        return self.model(input_ids=ids_BT, position_ids=pos_BT, **kw).logits[:, -keep:]
 
     def _probe(self, n_layers: int) -> list[KVShape]:
         """Read each layer's cached (heads, width) off a 2-token forward, then check that this path
@@ -184,9 +184,11 @@ class HFForward:
                              f"the full forward by {err:.3g}: the embedded engine cannot run it")
         return shapes
 
-    def forward_chunks(self, chunks: list[list[int]], starts: list[int], slots: list[int]) -> torch.Tensor:
+    def forward_chunks(self, chunks: list[list[int]], starts: list[int], slots: list[int], *,
+                       all_positions: bool = False) -> torch.Tensor:
         """Logits [B, V] of each chunk's last token; row b continues the cache of slot slots[b]
         (its first starts[b] positions), which then holds starts[b] + len(chunks[b]) positions.
+        ``all_positions``: logits [B, T, V] of every position, rows right-padded (zeros) to the longest T.
 
         Rows with chunks of one length run as one batch (every decode step is one forward): their
         caches are left-padded to the longest start, an attention mask hides the padding, and the
@@ -198,6 +200,7 @@ class HFForward:
         for b, c in enumerate(chunks):
             groups.setdefault(len(c), []).append(b)
         out_BV: torch.Tensor | None = None
+        T_max = max(groups)
         for T, rows in groups.items():
             row_slots, row_starts = [slots[b] for b in rows], [starts[b] for b in rows]
             L = max(row_starts)
@@ -208,10 +211,13 @@ class HFForward:
             attn_BL = None
             if min(row_starts) < L:
                 attn_BL = (torch.arange(L + T, device=dev)[None] >= (L - pos_BT[:, :1])).long()
-            logits_BV = self._call(ids_BT, pos_BT, cache, attn_BL)
+            logits_BTV = self._call(ids_BT, pos_BT, cache, attn_BL, T if all_positions else 1)
             self.cache.store(row_slots, [L - st for st in row_starts], cache)
-            if out_BV is None:
-                out_BV = logits_BV.new_empty(len(chunks), logits_BV.shape[-1])
-            out_BV[torch.tensor(rows, device=dev)] = logits_BV
+            if out_BV is None:  # [B, V], or [B, T_max, V] for all positions
+                out_BV = logits_BTV.new_zeros(len(chunks), *([T_max] if all_positions else []), logits_BTV.shape[-1])
+            if all_positions:
+                out_BV[torch.tensor(rows, device=dev), :T] = logits_BTV
+            else:
+                out_BV[torch.tensor(rows, device=dev)] = logits_BTV[:, -1]
         assert out_BV is not None
         return out_BV
