@@ -133,6 +133,8 @@ class _Seq:
     n_cached: int = 0  # context positions whose K/V are in the slot cache (or in `kv`)
     slot: int = -1
     kv: KVState | None = None  # imported / retained KV while queued or paused
+    aux: list[torch.Tensor] = field(default_factory=list)  # speculative: target hidden [N, A, D] not yet drafted on
+    aux_start: int = 0  # context position of aux's first row
     context: list[int] = field(default_factory=list)  # prompt + output_ids
 
     @property
@@ -536,10 +538,18 @@ class EmbeddedEngine:
             "kv_kept": 0, "kv_reused_tokens": 0,
         }
         self._spec = speculative
+        self._aux_layers: tuple[int, ...] = ()
+        self._captured: torch.Tensor | None = None  # hidden [B, T, A, D] of the aux layers, last chunk forward
         if speculative is not None:
             if not isinstance(speculative, SpeculativeConfig):
                 raise ValueError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}")
             speculative.drafter.bind(max_batch_size, self.max_model_len + speculative.num_draft_tokens, self._vocab)
+            n_layers = int(getattr(cfg.get_text_config(decoder=True), "num_hidden_layers"))
+            self._aux_layers = tuple(int(i) for i in speculative.drafter.aux_layers)
+            if any(not 0 <= i < n_layers for i in self._aux_layers):
+                raise ValueError(f"drafter aux_layers {self._aux_layers} outside the target's {n_layers} layers")
+            if self._general is not None:
+                self._general.capture_layers = self._aux_layers
             self.stats.update(spec_target_forwards=0, spec_drafted=0, spec_accepted=0, spec_emitted=0,
                               spec_acceptance_rate=0.0, spec_acceptance_length=0.0)
 
@@ -961,13 +971,17 @@ class EmbeddedEngine:
         """Admission under speculative decoding: prefill each context but its last token, which stays
         pending for the next step's round (so a fresh, resumed or re-submitted request enters the same
         state, and its tokens are the ones an uninterrupted run draws)."""
-        if self.prefix_sharing:
+        if self.prefix_sharing and not self._aux_layers:  # a drafter reading hidden states needs every row's
             self._share_common_prefix(seqs)
+        for s in seqs:
+            s.aux, s.aux_start = [], s.n_cached
         rows = [s for s in seqs if s.n_cached < len(s.context) - 1]
         if rows:
             self._forward_chunks([s.context[s.n_cached : -1] for s in rows], [s.n_cached for s in rows],
                                  [s.slot for s in rows], logits=False)
-        for s in rows:
+        for b, s in enumerate(rows):
+            if self._captured is not None:
+                s.aux.append(self._captured[b, : len(s.context) - 1 - s.n_cached])
             s.n_cached = len(s.context) - 1
 
     def _decode_spec(self, seqs: list[_Seq], finished: list[_Seq], reasons: dict[str, str]) -> None:
@@ -980,6 +994,11 @@ class EmbeddedEngine:
         k, drafter, dev = self._spec.num_draft_tokens, self._spec.drafter, self.device
         sps = [s.request.sampling for s in seqs]
         rows = [DraftRow(s.rid, s.context, sp, s.seed, len(s.output_ids)) for s, sp in zip(seqs, sps)]
+        if self._aux_layers:  # the target's hidden states of the positions computed since the last proposal
+            for s, r in zip(seqs, rows):
+                r.aux_hidden, r.aux_start = (torch.cat(s.aux) if s.aux else None), s.aux_start
+                s.aux_start += sum(len(h) for h in s.aux)
+                s.aux = []
         draft_BK, q_BKV = drafter.propose(rows, k)
         draft_BK, q_BKV = draft_BK.to(dev), q_BKV.to(dev, torch.float64)
         k_list = [min(k, self.max_model_len - len(s.context) - 1) for s in seqs]
@@ -1010,6 +1029,8 @@ class EmbeddedEngine:
                 if self._append(s, tok, float(logp_BTV[b, j, tok]), finished, reasons):
                     break
             m = len(s.context) - n_ctx  # emitted (a + 1, fewer when a stop / the length cut the run)
+            if self._captured is not None:  # hidden states of the pending token and the accepted drafts
+                s.aux.append(self._captured[b, :m])
             s.n_cached += m
             self.stats["decode_tokens"] += m
             drafter.rollback(s.rid, n_ctx + m - 1)
@@ -1325,6 +1346,7 @@ class EmbeddedEngine:
             self.stats["prefill_tokens"] += sum(len(c) for c in chunks)
         if self._general is not None:
             logits_BV = self._general.forward_chunks(chunks, starts, slots, all_positions=all_positions)
+            self._captured = self._general.captured
             return logits_BV if logits else None
         return self._forward_chunks_lean(chunks, starts, slots, logits, all_positions)
 
@@ -1353,6 +1375,7 @@ class EmbeddedEngine:
         w = self._weights()
         x_BTD = self._embed_ids(w, ids_BT)
         cos_BT1E, sin_BT1E = self._rotary(qpos_BT)
+        aux: dict[int, torch.Tensor] = {}
         for li, lw in enumerate(w.layers):
             q_BHTE, k_BGTE, v_BGTE = self._qkv(w, lw, x_BTD, cos_BT1E, sin_BT1E)
             for b in range(B):
@@ -1362,6 +1385,10 @@ class EmbeddedEngine:
             else:
                 k_BGLE, v_BGLE = self.cache.gather(li, slots, L)
             x_BTD = self._finish_layer(w, li, x_BTD, self._attend(q_BHTE, k_BGLE, v_BGLE, mask_B1TL))
+            if li in self._aux_layers:
+                aux[li] = x_BTD
+        if self._aux_layers:
+            self._captured = torch.stack([aux[i] for i in self._aux_layers], dim=2)
         if not logits:
             return None
         if all_positions:

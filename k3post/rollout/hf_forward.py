@@ -143,6 +143,9 @@ class HFForward:
         self._keep_kw = "logits_to_keep" in params
         param = next(model.parameters())
         n_layers = int(getattr(model.config.get_text_config(decoder=True), "num_hidden_layers"))
+        self.capture_layers: tuple[int, ...] = ()  # decoder layers whose output hidden states forward_chunks keeps
+        self.captured: torch.Tensor | None = None  # [B, T, A, D] of the last forward_chunks (rows right-padded)
+        self._out: torch.Tensor | None = None
         self.cache = SeqKVCache(self._probe(n_layers), num_slots, max_len, param.dtype, param.device)
 
     def _call(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, cache: DynamicCache,
@@ -195,29 +198,51 @@ class HFForward:
         position ids are each row's own, so a row's numbers do not depend on its neighbours beyond
         fp32 rounding (within a row, cache index and position differ by a constant, which keeps
         sliding windows exact)."""
-        dev = self.cache.device
         groups: dict[int, list[int]] = {}
         for b, c in enumerate(chunks):
             groups.setdefault(len(c), []).append(b)
-        out_BV: torch.Tensor | None = None
         T_max = max(groups)
-        for T, rows in groups.items():
-            row_slots, row_starts = [slots[b] for b in rows], [starts[b] for b in rows]
-            L = max(row_starts)
-            self.cache.ensure_capacity(L + T)
-            cache = self.cache.as_hf(row_slots, row_starts)
-            ids_BT = torch.tensor([chunks[b] for b in rows], dtype=torch.long, device=dev)
-            pos_BT = torch.tensor(row_starts, device=dev)[:, None] + torch.arange(T, device=dev)
-            attn_BL = None
-            if min(row_starts) < L:
-                attn_BL = (torch.arange(L + T, device=dev)[None] >= (L - pos_BT[:, :1])).long()
-            logits_BTV = self._call(ids_BT, pos_BT, cache, attn_BL, T if all_positions else 1)
-            self.cache.store(row_slots, [L - st for st in row_starts], cache)
-            if out_BV is None:  # [B, V], or [B, T_max, V] for all positions
-                out_BV = logits_BTV.new_zeros(len(chunks), *([T_max] if all_positions else []), logits_BTV.shape[-1])
-            if all_positions:
-                out_BV[torch.tensor(rows, device=dev), :T] = logits_BTV
-            else:
-                out_BV[torch.tensor(rows, device=dev)] = logits_BTV[:, -1]
-        assert out_BV is not None
+        self.captured = None
+        layers = self.model.get_decoder().layers if self.capture_layers else []
+        grabbed: dict[int, torch.Tensor] = {}
+        hooks = [layers[li].register_forward_hook(
+            lambda _m, _i, out, li=li: grabbed.__setitem__(li, out[0] if isinstance(out, tuple) else out))
+            for li in self.capture_layers]
+        try:
+            for T, rows in groups.items():
+                self._forward_group(T, rows, chunks, starts, slots, all_positions, T_max, grabbed)
+        finally:
+            for h in hooks:
+                h.remove()
+        assert self._out is not None
+        out_BV, self._out = self._out, None
         return out_BV
+
+    def _forward_group(self, T: int, rows: list[int], chunks: list[list[int]], starts: list[int], slots: list[int],
+                       all_positions: bool, T_max: int, grabbed: dict[int, torch.Tensor]) -> None:
+        """``forward_chunks`` of the rows whose chunks have length T: writes their logits into ``self._out``
+        (and their captured hidden states into ``self.captured``)."""
+        dev = self.cache.device
+        row_slots, row_starts = [slots[b] for b in rows], [starts[b] for b in rows]
+        L = max(row_starts)
+        self.cache.ensure_capacity(L + T)
+        cache = self.cache.as_hf(row_slots, row_starts)
+        ids_BT = torch.tensor([chunks[b] for b in rows], dtype=torch.long, device=dev)
+        pos_BT = torch.tensor(row_starts, device=dev)[:, None] + torch.arange(T, device=dev)
+        attn_BL = None
+        if min(row_starts) < L:
+            attn_BL = (torch.arange(L + T, device=dev)[None] >= (L - pos_BT[:, :1])).long()
+        logits_BTV = self._call(ids_BT, pos_BT, cache, attn_BL, T if all_positions else 1)
+        self.cache.store(row_slots, [L - st for st in row_starts], cache)
+        rows_R = torch.tensor(rows, device=dev)
+        if self._out is None:  # [B, V], or [B, T_max, V] for all positions
+            self._out = logits_BTV.new_zeros(len(chunks), *([T_max] if all_positions else []), logits_BTV.shape[-1])
+        if all_positions:
+            self._out[rows_R, :T] = logits_BTV
+        else:
+            self._out[rows_R] = logits_BTV[:, -1]
+        if self.capture_layers:
+            h_RTAD = torch.stack([grabbed[li] for li in self.capture_layers], dim=2)
+            if self.captured is None:
+                self.captured = h_RTAD.new_zeros(len(chunks), T_max, *h_RTAD.shape[2:])
+            self.captured[rows_R, :T] = h_RTAD
