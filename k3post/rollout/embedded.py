@@ -111,6 +111,8 @@ from k3post.rollout.engine import (
 )
 from k3post.rollout.hf_forward import HFForward
 from k3post.rollout.kv_cache import SlotKVCache
+from k3post.rollout.speculative import DraftRow, SpeculativeConfig, row_sampling_probs, stream_uniforms, verify_drafts
+from k3post.rollout.speculative import STREAM_ACCEPT, STREAM_RESIDUAL
 from k3post.rollout.segments import attention_segments
 
 __all__ = ["EmbeddedEngine", "LEAN_MODEL_TYPES", "lean_blocker"]
@@ -131,6 +133,8 @@ class _Seq:
     n_cached: int = 0  # context positions whose K/V are in the slot cache (or in `kv`)
     slot: int = -1
     kv: KVState | None = None  # imported / retained KV while queued or paused
+    aux: list[torch.Tensor] = field(default_factory=list)  # speculative: target hidden [N, A, D] not yet drafted on
+    aux_start: int = 0  # context position of aux's first row
     context: list[int] = field(default_factory=list)  # prompt + output_ids
 
     @property
@@ -426,6 +430,10 @@ class EmbeddedEngine:
             per-sequence HF ``DynamicCache``, `k3post.rollout.hf_forward`); "lean" raises
             ValueError when the model is not eligible; "general" forces the general path.
             ``engine.path`` says which one runs (logged at INFO with the reason).
+        speculative: speculative decoding (`k3post.rollout.speculative`): every decode step drafts
+            k tokens per row with the drafter and verifies them in one target forward; the tokens
+            follow the target's law (greedy: plain decoding's tokens) and carry the target's log-probs.
+            Admission then prefills a context but its last token, which the next step's round decodes.
 
     ``shares_weights``: the engine decodes with the model object's own parameters, so a co-located
     trainer's optimizer step is visible to it and a weight push is a version bump
@@ -449,6 +457,7 @@ class EmbeddedEngine:
         max_prefill_tokens: int = 2048,
         min_shared_prefix: int = 16,
         path: str = "auto",
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         model: Any
         if isinstance(model_or_dir, (str, Path)):
@@ -524,10 +533,25 @@ class EmbeddedEngine:
         self._running: list[_Seq] = []  # index == slot
         self._paused: dict[str, _Seq] = {}
         self._kept: dict[str, KVState] = {}  # KV of finished keep_kv requests, until taken
-        self.stats: dict[str, int] = {
+        self.stats: dict[str, int | float] = {
             "steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "shared_prefills": 0, "shared_prefix_tokens": 0,
             "kv_kept": 0, "kv_reused_tokens": 0,
         }
+        self._spec = speculative
+        self._aux_layers: tuple[int, ...] = ()
+        self._captured: torch.Tensor | None = None  # hidden [B, T, A, D] of the aux layers, last chunk forward
+        if speculative is not None:
+            if not isinstance(speculative, SpeculativeConfig):
+                raise ValueError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}")
+            speculative.drafter.bind(max_batch_size, self.max_model_len + speculative.num_draft_tokens, self._vocab)
+            n_layers = int(getattr(cfg.get_text_config(decoder=True), "num_hidden_layers"))
+            self._aux_layers = tuple(int(i) for i in speculative.drafter.aux_layers)
+            if any(not 0 <= i < n_layers for i in self._aux_layers):
+                raise ValueError(f"drafter aux_layers {self._aux_layers} outside the target's {n_layers} layers")
+            if self._general is not None:
+                self._general.capture_layers = self._aux_layers
+            self.stats.update(spec_target_forwards=0, spec_drafted=0, spec_accepted=0, spec_emitted=0,
+                              spec_acceptance_rate=0.0, spec_acceptance_length=0.0)
 
     # ------------------------------------------------------------------ setup helpers
     def _init_lean(self, model: Any) -> None:
@@ -751,6 +775,8 @@ class EmbeddedEngine:
         self._free_slots({s.slot for s in running_hit})
         for rid in found:
             self._paused.pop(rid, None)
+            if self._spec is not None:  # rebuilt from the context when it runs again
+                self._spec.drafter.release(rid)
         return [found[r] for r in wanted]
 
     def pause(self, request_ids: Sequence[str]) -> list[GenerationResult]:
@@ -827,7 +853,7 @@ class EmbeddedEngine:
                 finished: list[_Seq] = []
                 reasons: dict[str, str] = {}
                 if self._running:
-                    self._decode(list(self._running), finished, reasons)
+                    (self._decode if self._spec is None else self._decode_spec)(list(self._running), finished, reasons)
                     self._keep_finished_kv(finished, reasons)
                     self._free_slots({s.slot for s in finished})  # refilled at once below
                 admitted = self._admit()
@@ -838,6 +864,9 @@ class EmbeddedEngine:
                     self._free_slots({s.slot for s in first})
                     finished += first
                 self.stats["steps"] += 1
+                if self._spec is not None:
+                    for s in finished:
+                        self._spec.drafter.release(s.rid)
         finally:
             if was_training:
                 self.model.train()
@@ -916,21 +945,98 @@ class EmbeddedEngine:
             )
             tok_B = sample_from_logits(logits_BV, params_3B[0].float(), params_3B[1].long(), params_3B[2].float(), u_B)
         logp_B = torch.log_softmax(logits_BV.float(), dim=-1).gather(1, tok_B[:, None]).squeeze(1)
-        version = self._version
         for seq, tok, lp in zip(seqs, tok_B.tolist(), logp_B.tolist()):
-            seq.output_ids.append(tok)
-            seq.logprobs.append(lp)
-            seq.versions.append(version)
-            seq.context.append(tok)
-            sp = seq.request.sampling
-            reason = None
-            if tok in seq.stop_ids and not sp.ignore_eos:
-                reason = "stop"
-            elif len(seq.output_ids) >= sp.max_tokens or len(seq.context) >= self.max_model_len:
-                reason = "length"
-            if reason is not None:
-                reasons[seq.rid] = reason
-                finished.append(seq)
+            self._append(seq, tok, lp, finished, reasons)
+
+    def _append(self, seq: _Seq, tok: int, logprob: float, finished: list[_Seq], reasons: dict[str, str]) -> bool:
+        """Append one sampled token (its log-prob, the current version); True when it finishes the request."""
+        seq.output_ids.append(tok)
+        seq.logprobs.append(logprob)
+        seq.versions.append(self._version)
+        seq.context.append(tok)
+        sp = seq.request.sampling
+        reason = None
+        if tok in seq.stop_ids and not sp.ignore_eos:
+            reason = "stop"
+        elif len(seq.output_ids) >= sp.max_tokens or len(seq.context) >= self.max_model_len:
+            reason = "length"
+        if reason is None:
+            return False
+        reasons[seq.rid] = reason
+        finished.append(seq)
+        return True
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _prefill_spec(self, seqs: list[_Seq]) -> None:
+        """Admission under speculative decoding: prefill each context but its last token, which stays
+        pending for the next step's round (so a fresh, resumed or re-submitted request enters the same
+        state, and its tokens are the ones an uninterrupted run draws)."""
+        if self.prefix_sharing and not self._aux_layers:  # a drafter reading hidden states needs every row's
+            self._share_common_prefix(seqs)
+        for s in seqs:
+            s.aux, s.aux_start = [], s.n_cached
+        rows = [s for s in seqs if s.n_cached < len(s.context) - 1]
+        if rows:
+            self._forward_chunks([s.context[s.n_cached : -1] for s in rows], [s.n_cached for s in rows],
+                                 [s.slot for s in rows], logits=False)
+        for b, s in enumerate(rows):
+            if self._captured is not None:
+                s.aux.append(self._captured[b, : len(s.context) - 1 - s.n_cached])
+            s.n_cached = len(s.context) - 1
+
+    def _decode_spec(self, seqs: list[_Seq], finished: list[_Seq], reasons: dict[str, str]) -> None:
+        """One speculative round for the sequences in slots 0..B-1: the drafter proposes k tokens per row,
+        one target forward over [pending, d_1 .. d_kb] per row (kb = k, fewer near max_model_len) gives p
+        at every position, ``verify_drafts`` accepts a prefix and draws the next token; the accepted
+        tokens and that one are appended (cut at a stop id / max_tokens), with the target's raw
+        log-probs; the KV of rejected positions is left behind n_cached (overwritten later)."""
+        assert self._spec is not None
+        k, drafter, dev = self._spec.num_draft_tokens, self._spec.drafter, self.device
+        sps = [s.request.sampling for s in seqs]
+        rows = [DraftRow(s.rid, s.context, sp, s.seed, len(s.output_ids)) for s, sp in zip(seqs, sps)]
+        if self._aux_layers:  # the target's hidden states of the positions computed since the last proposal
+            for s, r in zip(seqs, rows):
+                r.aux_hidden, r.aux_start = (torch.cat(s.aux) if s.aux else None), s.aux_start
+                s.aux_start += sum(len(h) for h in s.aux)
+                s.aux = []
+        draft_BK, q_BKV = drafter.propose(rows, k)
+        draft_BK, q_BKV = draft_BK.to(dev), q_BKV.to(dev, torch.float64)
+        k_list = [min(k, self.max_model_len - len(s.context) - 1) for s in seqs]
+        drafts = draft_BK.tolist()
+        chunks = [[s.context[-1]] + d[:kb] for s, d, kb in zip(seqs, drafts, k_list)]
+        logits_BTV = self._forward_chunks(chunks, [s.n_cached for s in seqs], [s.slot for s in seqs],
+                                          all_positions=True)
+        assert logits_BTV is not None
+        T = k + 1
+        if logits_BTV.shape[1] < T:  # every row capped by max_model_len: pad (those positions are unused)
+            logits_BTV = F.pad(logits_BTV, (0, 0, 0, T - logits_BTV.shape[1]))
+        p_BTV = row_sampling_probs(logits_BTV, sps)
+        seeds = [s.seed for s in seqs]
+        pos = [len(s.output_ids) + j for s in seqs for j in range(T)]
+        u_acc_BT = stream_uniforms([x for x in seeds for _ in range(T)], pos, STREAM_ACCEPT).view(-1, T).to(dev)
+        u_res_BT = stream_uniforms([x for x in seeds for _ in range(T)], pos, STREAM_RESIDUAL).view(-1, T).to(dev)
+        k_B = torch.tensor(k_list, dtype=torch.long, device=dev)
+        a_B, next_B = verify_drafts(p_BTV, q_BKV, draft_BK, k_B, u_acc_BT[:, :k], u_res_BT)
+        logp_BTV = torch.log_softmax(logits_BTV.float(), dim=-1)
+        st = self.stats
+        st["spec_target_forwards"] += 1
+        for b, (s, a, nxt) in enumerate(zip(seqs, a_B.tolist(), next_B.tolist())):
+            st["spec_drafted"] += k_list[b]
+            st["spec_accepted"] += a
+            st["spec_emitted"] += a + 1
+            n_ctx = len(s.context)
+            for j, tok in enumerate(drafts[b][:a] + [nxt]):
+                if self._append(s, tok, float(logp_BTV[b, j, tok]), finished, reasons):
+                    break
+            m = len(s.context) - n_ctx  # emitted (a + 1, fewer when a stop / the length cut the run)
+            if self._captured is not None:  # hidden states of the pending token and the accepted drafts
+                s.aux.append(self._captured[b, :m])
+            s.n_cached += m
+            self.stats["decode_tokens"] += m
+            drafter.rollback(s.rid, n_ctx + m - 1)
+        rows_seen = st["spec_emitted"] - st["spec_accepted"]  # one (row, round) pair per emitted next token
+        st["spec_acceptance_rate"] = st["spec_accepted"] / max(1, st["spec_drafted"])
+        st["spec_acceptance_length"] = st["spec_emitted"] / max(1, rows_seen)
 
     # ------------------------------------------------------------------ weights as the forward sees them
     def _weights(self) -> _Weights:
@@ -1228,20 +1334,24 @@ class EmbeddedEngine:
         return self._logits(w, x_BD)
 
     def _forward_chunks(
-        self, chunks: list[list[int]], starts: list[int], slots: list[int], *, logits: bool = True
+        self, chunks: list[list[int]], starts: list[int], slots: list[int], *, logits: bool = True,
+        all_positions: bool = False,
     ) -> torch.Tensor | None:
         """Forward token chunks of B sequences: row b holds positions starts[b].. of the
         sequence in slot slots[b], whose positions < starts[b] are already cached. Writes
         every chunk's K/V into its slot; returns the logits [B, V] of each chunk's last
-        token (None when ``logits`` is False)."""
-        self.stats["prefill_tokens"] += sum(len(c) for c in chunks)
+        token (None when ``logits`` is False; with ``all_positions`` [B, T, V] of every
+        position, rows right-padded to the longest chunk T)."""
+        if not all_positions:  # a speculative verify forward is counted by _decode_spec
+            self.stats["prefill_tokens"] += sum(len(c) for c in chunks)
         if self._general is not None:
-            logits_BV = self._general.forward_chunks(chunks, starts, slots)
+            logits_BV = self._general.forward_chunks(chunks, starts, slots, all_positions=all_positions)
+            self._captured = self._general.captured
             return logits_BV if logits else None
-        return self._forward_chunks_lean(chunks, starts, slots, logits)
+        return self._forward_chunks_lean(chunks, starts, slots, logits, all_positions)
 
     def _forward_chunks_lean(
-        self, chunks: list[list[int]], starts: list[int], slots: list[int], logits: bool
+        self, chunks: list[list[int]], starts: list[int], slots: list[int], logits: bool, all_positions: bool = False
     ) -> torch.Tensor | None:
         """``_forward_chunks`` of the lean forward; rows are right-padded to the longest chunk."""
         B = len(chunks)
@@ -1265,6 +1375,7 @@ class EmbeddedEngine:
         w = self._weights()
         x_BTD = self._embed_ids(w, ids_BT)
         cos_BT1E, sin_BT1E = self._rotary(qpos_BT)
+        aux: dict[int, torch.Tensor] = {}
         for li, lw in enumerate(w.layers):
             q_BHTE, k_BGTE, v_BGTE = self._qkv(w, lw, x_BTD, cos_BT1E, sin_BT1E)
             for b in range(B):
@@ -1274,8 +1385,14 @@ class EmbeddedEngine:
             else:
                 k_BGLE, v_BGLE = self.cache.gather(li, slots, L)
             x_BTD = self._finish_layer(w, li, x_BTD, self._attend(q_BHTE, k_BGLE, v_BGLE, mask_B1TL))
+            if li in self._aux_layers:
+                aux[li] = x_BTD
+        if self._aux_layers:
+            self._captured = torch.stack([aux[i] for i in self._aux_layers], dim=2)
         if not logits:
             return None
+        if all_positions:
+            return self._logits(w, x_BTD.reshape(B * T, -1)).view(B, T, -1)
         last_B = torch.tensor([n - 1 for n in lens], dtype=torch.long, device=dev)
         return self._logits(w, x_BTD[torch.arange(B, device=dev), last_B])
 
@@ -1307,7 +1424,10 @@ class EmbeddedEngine:
         """Run the uncached tail of each admitted context (positions n_cached..end) and
         sample the first new token from the last position. Identical contexts (the K
         samples of one prompt) are run once; a prefix common to all fresh contexts is run
-        once (``_share_common_prefix``)."""
+        once (``_share_common_prefix``). Speculative: ``_prefill_spec``."""
+        if self._spec is not None:
+            self._prefill_spec(seqs)
+            return
         groups: dict[tuple[int, ...], list[_Seq]] = {}
         rows: list[_Seq] = []
         for s in seqs:

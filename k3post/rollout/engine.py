@@ -47,6 +47,7 @@ __all__ = [
     "token_uniforms",
     "sample_from_logits",
     "sample_unfiltered",
+    "sampling_probs",
 ]
 
 FinishReason = Literal["stop", "length", "abort", "paused"]
@@ -412,13 +413,7 @@ def sample_from_logits(
     if bool(filt_B.any()):
         rows_F = filt_B.nonzero().squeeze(-1)
         sorted_p_FV, sorted_id_FV = torch.sort(probs_BV[rows_F], dim=-1, descending=True, stable=True)
-        rank_V = torch.arange(V, device=logits_BV.device)
-        k_F = top_k_B[rows_F]
-        k_F = torch.where(k_F > 0, k_F, torch.full_like(k_F, V))
-        keep_FV = rank_V[None, :] < k_F[:, None]
-        mass_before_FV = torch.cumsum(sorted_p_FV, dim=-1) - sorted_p_FV
-        keep_FV &= (mass_before_FV < top_p_B[rows_F].to(sorted_p_FV.dtype)[:, None]) | (rank_V[None, :] == 0)
-        kept_FV = torch.where(keep_FV, sorted_p_FV, torch.zeros_like(sorted_p_FV)).double()
+        kept_FV = _keep_top(sorted_p_FV, top_k_B[rows_F], top_p_B[rows_F]).double()
         order_BV = torch.arange(V, device=logits_BV.device).expand(B, V).clone()
         order_BV[rows_F] = sorted_id_FV
         cdf_BV[rows_F] = torch.cumsum(kept_FV, dim=-1)
@@ -427,6 +422,48 @@ def sample_from_logits(
     if out_B is None:
         return sampled_B
     return torch.where(greedy_B, out_B, sampled_B)
+
+
+def _keep_top(sorted_p_FV: torch.Tensor, top_k_F: torch.Tensor, top_p_F: torch.Tensor) -> torch.Tensor:
+    """Rows of probabilities sorted in descending order with their top-k / top-p filter applied: rank r
+    is kept when r < top_k (top_k <= 0 keeps all) and its preceding mass sum_{r'<r} p_r' < top_p (rank 0
+    always kept); dropped ranks are 0 (not renormalised). [F, V] -> [F, V]."""
+    V = sorted_p_FV.shape[-1]
+    rank_V = torch.arange(V, device=sorted_p_FV.device)
+    k_F = torch.where(top_k_F > 0, top_k_F, torch.full_like(top_k_F, V))
+    keep_FV = rank_V[None, :] < k_F[:, None]
+    mass_before_FV = torch.cumsum(sorted_p_FV, dim=-1) - sorted_p_FV
+    keep_FV &= (mass_before_FV < top_p_F.to(sorted_p_FV.dtype)[:, None]) | (rank_V[None, :] == 0)
+    return torch.where(keep_FV, sorted_p_FV, torch.zeros_like(sorted_p_FV))
+
+
+def sampling_probs(
+    logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor
+) -> torch.Tensor:
+    """The distribution ``sample_from_logits`` samples each row from, in vocabulary order, float64 [B, V]:
+
+        greedy rows (temperature 0):  one-hot at argmax_v logits[v]
+        other rows:  p = softmax(logits / T) (fp32), top-k / top-p filtered as ``sample_from_logits``
+                     filters it (rank r kept when r < top_k and sum_{r'<r} p_r' < top_p), renormalised
+
+    Speculative decoding (`k3post.rollout.speculative`) verifies drafts against this p, so a verified
+    token follows the same law as a plainly sampled one."""
+    logits_BV = logits_BV.float()
+    B, V = logits_BV.shape
+    greedy_B = temperature_B <= 0
+    temp_B = torch.where(greedy_B, torch.ones_like(temperature_B, dtype=torch.float32), temperature_B.float())
+    probs_BV = torch.softmax(logits_BV / temp_B[:, None], dim=-1)
+    filt_B = ((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1.0)
+    out_BV = probs_BV.double()
+    if bool(filt_B.any()):
+        rows_F = filt_B.nonzero().squeeze(-1)
+        sorted_p_FV, sorted_id_FV = torch.sort(probs_BV[rows_F], dim=-1, descending=True, stable=True)
+        kept_FV = _keep_top(sorted_p_FV, top_k_B[rows_F], top_p_B[rows_F]).double()
+        out_BV[rows_F] = torch.zeros_like(kept_FV).scatter_(1, sorted_id_FV, kept_FV / kept_FV.sum(-1, keepdim=True))
+    if bool(greedy_B.any()):
+        rows_G = greedy_B.nonzero().squeeze(-1)
+        out_BV[rows_G] = torch.zeros_like(out_BV[rows_G]).scatter_(1, logits_BV[rows_G].argmax(-1, keepdim=True), 1.0)
+    return out_BV
 
 
 def _inverse_cdf(cdf_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:

@@ -143,18 +143,21 @@ class HFForward:
         self._keep_kw = "logits_to_keep" in params
         param = next(model.parameters())
         n_layers = int(getattr(model.config.get_text_config(decoder=True), "num_hidden_layers"))
+        self.capture_layers: tuple[int, ...] = ()  # decoder layers whose output hidden states forward_chunks keeps
+        self.captured: torch.Tensor | None = None  # [B, T, A, D] of the last forward_chunks (rows right-padded)
+        self._out: torch.Tensor | None = None
         self.cache = SeqKVCache(self._probe(n_layers), num_slots, max_len, param.dtype, param.device)
 
     def _call(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, cache: DynamicCache,
-              attn_BL: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, V] of the last position of each row; ``cache`` grows by T positions. ``attn_BL``:
-        1 on the real cached and new positions, 0 on left padding (None: no padding)."""
+              attn_BL: torch.Tensor | None = None, keep: int = 1) -> torch.Tensor:
+        """Logits [B, keep, V] of the last ``keep`` positions of each row; ``cache`` grows by T positions.
+        ``attn_BL``: 1 on the real cached and new positions, 0 on left padding (None: no padding)."""
         kw: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
         if self._keep_kw:
-            kw["logits_to_keep"] = 1
+            kw["logits_to_keep"] = keep
         if attn_BL is not None:
             kw["attention_mask"] = attn_BL
-        return self.model(input_ids=ids_BT, position_ids=pos_BT, **kw).logits[:, -1]
+        return self.model(input_ids=ids_BT, position_ids=pos_BT, **kw).logits[:, -keep:]
 
     def _probe(self, n_layers: int) -> list[KVShape]:
         """Read each layer's cached (heads, width) off a 2-token forward, then check that this path
@@ -184,34 +187,62 @@ class HFForward:
                              f"the full forward by {err:.3g}: the embedded engine cannot run it")
         return shapes
 
-    def forward_chunks(self, chunks: list[list[int]], starts: list[int], slots: list[int]) -> torch.Tensor:
+    def forward_chunks(self, chunks: list[list[int]], starts: list[int], slots: list[int], *,
+                       all_positions: bool = False) -> torch.Tensor:
         """Logits [B, V] of each chunk's last token; row b continues the cache of slot slots[b]
         (its first starts[b] positions), which then holds starts[b] + len(chunks[b]) positions.
+        ``all_positions``: logits [B, T, V] of every position, rows right-padded (zeros) to the longest T.
 
         Rows with chunks of one length run as one batch (every decode step is one forward): their
         caches are left-padded to the longest start, an attention mask hides the padding, and the
         position ids are each row's own, so a row's numbers do not depend on its neighbours beyond
         fp32 rounding (within a row, cache index and position differ by a constant, which keeps
         sliding windows exact)."""
-        dev = self.cache.device
         groups: dict[int, list[int]] = {}
         for b, c in enumerate(chunks):
             groups.setdefault(len(c), []).append(b)
-        out_BV: torch.Tensor | None = None
-        for T, rows in groups.items():
-            row_slots, row_starts = [slots[b] for b in rows], [starts[b] for b in rows]
-            L = max(row_starts)
-            self.cache.ensure_capacity(L + T)
-            cache = self.cache.as_hf(row_slots, row_starts)
-            ids_BT = torch.tensor([chunks[b] for b in rows], dtype=torch.long, device=dev)
-            pos_BT = torch.tensor(row_starts, device=dev)[:, None] + torch.arange(T, device=dev)
-            attn_BL = None
-            if min(row_starts) < L:
-                attn_BL = (torch.arange(L + T, device=dev)[None] >= (L - pos_BT[:, :1])).long()
-            logits_BV = self._call(ids_BT, pos_BT, cache, attn_BL)
-            self.cache.store(row_slots, [L - st for st in row_starts], cache)
-            if out_BV is None:
-                out_BV = logits_BV.new_empty(len(chunks), logits_BV.shape[-1])
-            out_BV[torch.tensor(rows, device=dev)] = logits_BV
-        assert out_BV is not None
+        T_max = max(groups)
+        self.captured = None
+        layers = self.model.get_decoder().layers if self.capture_layers else []
+        grabbed: dict[int, torch.Tensor] = {}
+        hooks = [layers[li].register_forward_hook(
+            lambda _m, _i, out, li=li: grabbed.__setitem__(li, out[0] if isinstance(out, tuple) else out))
+            for li in self.capture_layers]
+        try:
+            for T, rows in groups.items():
+                self._forward_group(T, rows, chunks, starts, slots, all_positions, T_max, grabbed)
+        finally:
+            for h in hooks:
+                h.remove()
+        assert self._out is not None
+        out_BV, self._out = self._out, None
         return out_BV
+
+    def _forward_group(self, T: int, rows: list[int], chunks: list[list[int]], starts: list[int], slots: list[int],
+                       all_positions: bool, T_max: int, grabbed: dict[int, torch.Tensor]) -> None:
+        """``forward_chunks`` of the rows whose chunks have length T: writes their logits into ``self._out``
+        (and their captured hidden states into ``self.captured``)."""
+        dev = self.cache.device
+        row_slots, row_starts = [slots[b] for b in rows], [starts[b] for b in rows]
+        L = max(row_starts)
+        self.cache.ensure_capacity(L + T)
+        cache = self.cache.as_hf(row_slots, row_starts)
+        ids_BT = torch.tensor([chunks[b] for b in rows], dtype=torch.long, device=dev)
+        pos_BT = torch.tensor(row_starts, device=dev)[:, None] + torch.arange(T, device=dev)
+        attn_BL = None
+        if min(row_starts) < L:
+            attn_BL = (torch.arange(L + T, device=dev)[None] >= (L - pos_BT[:, :1])).long()
+        logits_BTV = self._call(ids_BT, pos_BT, cache, attn_BL, T if all_positions else 1)
+        self.cache.store(row_slots, [L - st for st in row_starts], cache)
+        rows_R = torch.tensor(rows, device=dev)
+        if self._out is None:  # [B, V], or [B, T_max, V] for all positions
+            self._out = logits_BTV.new_zeros(len(chunks), *([T_max] if all_positions else []), logits_BTV.shape[-1])
+        if all_positions:
+            self._out[rows_R, :T] = logits_BTV
+        else:
+            self._out[rows_R] = logits_BTV[:, -1]
+        if self.capture_layers:
+            h_RTAD = torch.stack([grabbed[li] for li in self.capture_layers], dim=2)
+            if self.captured is None:
+                self.captured = h_RTAD.new_zeros(len(chunks), T_max, *h_RTAD.shape[2:])
+            self.captured[rows_R, :T] = h_RTAD

@@ -1,0 +1,296 @@
+"""Speculative decoding in the embedded engine (SPEC §6.2): chain drafting and rejection sampling.
+
+A ``Drafter`` proposes k tokens per running sequence with the distributions q it drew them from; one
+target forward over the chunk [pending token, d_1 .. d_k] of every row (k+1 positions on the slot KV
+cache) gives p at each position, and ``verify_drafts`` keeps the target's law (Leviathan et al. 2023;
+Chen et al. 2023):
+
+    accept d_j  with probability  min(1, p_j(d_j) / q_j(d_j))        (j = 1.., until the first rejection)
+    first rejection at j:  emit a token from norm(max(0, p_j - q_j))
+    all k accepted:        emit a bonus token from p_{k+1}
+
+so every round emits a + 1 tokens (a accepted drafts) for one target forward. p and q are the
+distributions the engine samples from (``k3post.rollout.engine.sampling_probs``: the request's
+temperature, top-k and top-p; temperature 0 is one-hot at the argmax, which makes the rule "accept iff
+the draft is the target's argmax" and the emitted token the argmax: plain greedy decoding).
+
+Randomness is counter-based per request, like plain sampling: the draw that decides output position i
+is ``stream_uniforms(seed, i, stream)`` with one stream for drafting, one for the accept test and one for
+the residual / bonus draw. A position's draws are used by the one round that settles it (drafts after a
+rejection are discarded unseen), so the law is exact, and the tokens do not depend on batch composition,
+slots, or on a pause / resume (rounds start where the last one ended).
+
+The engine hands a drafter per row: the context (prompt + output ids; the last is pending, not yet fed to
+the target), the sampling parameters and seed, and, for drafters that read the target's hidden states
+(EAGLE-3: ``aux_layers``), the target's hidden states after those layers for the context positions the
+target computed since the last proposal. Drafters keep their own per-sequence state keyed by request id
+and are told what to keep (``rollback``) and what to forget (``release``: finished, paused, aborted);
+a request they hold nothing for (new, resumed, imported) is rebuilt from its context.
+
+Shape legend:
+    B   rows (running sequences)
+    K   drafted tokens per row (k)
+    T   verified positions per row (k + 1)
+    V   target vocabulary
+    A   aux layers,  D  hidden size,  N  positions with hidden states
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from k3post.rollout.engine import SamplingParams, _inverse_cdf, _splitmix64, sampling_probs, token_uniforms
+
+__all__ = [
+    "DraftRow",
+    "Drafter",
+    "ModelDrafter",
+    "SpeculativeConfig",
+    "STREAM_DRAFT",
+    "STREAM_ACCEPT",
+    "STREAM_RESIDUAL",
+    "stream_uniforms",
+    "acceptance_probs",
+    "residual_probs",
+    "verify_drafts",
+    "row_sampling_probs",
+]
+
+STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 1, 2, 3
+"""The counter streams of speculative decoding: drafting, the accept test, the residual / bonus draw."""
+
+
+def stream_uniforms(seeds: Sequence[int], positions: Sequence[int], stream: int) -> torch.Tensor:
+    """Uniforms in [0, 1), float64 [B]: ``token_uniform(splitmix64(seed + stream * 2^32), position)``,
+    independent of plain sampling's stream (``token_uniform(seed, position)``) and of each other."""
+    return token_uniforms([_splitmix64((s + (stream << 32)) & ((1 << 64) - 1)) for s in seeds], positions)
+
+
+def acceptance_probs(p_S: torch.Tensor, q_S: torch.Tensor) -> torch.Tensor:
+    """min(1, p / q) elementwise (0 where p = 0; 1 where q = 0 < p, a draft q could not have drawn)."""
+    return torch.where(q_S > 0, (p_S / q_S.clamp(min=torch.finfo(q_S.dtype).tiny)).clamp(max=1.0), (p_S > 0).to(p_S.dtype))
+
+
+def residual_probs(p_SV: torch.Tensor, q_SV: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) over the last dim; rows where it has no mass (p <= q everywhere, i.e. p = q: a
+    rejection there has probability 0) fall back to p."""
+    r_SV = (p_SV - q_SV).clamp(min=0.0)
+    mass_S1 = r_SV.sum(-1, keepdim=True)
+    return torch.where(mass_S1 > 0, r_SV / mass_S1.clamp(min=torch.finfo(r_SV.dtype).tiny), p_SV)
+
+
+def verify_drafts(
+    p_BTV: torch.Tensor,
+    q_BKV: torch.Tensor,
+    draft_BK: torch.Tensor,
+    k_B: torch.Tensor,
+    u_accept_BK: torch.Tensor,
+    u_residual_BT: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of one round for B rows (Leviathan et al. 2023, Algorithm 1):
+
+        accept_j = u_accept_j < min(1, p_j(d_j) / q_j(d_j))   for j < k_b
+        a        = number of leading accepted drafts
+        next     ~ norm(max(0, p_a - q_a))  if a < k_b,  else p_a (bonus)    (inverse CDF with u_residual_a,
+                                                                          vocabulary order)
+
+    Args:
+        p_BTV: target distributions at the T = K+1 verified positions (float64; rows past k_b ignored).
+        q_BKV: draft distributions of the K drafted tokens.
+        draft_BK: drafted token ids.
+        k_B: drafts verified per row (0..K).
+        u_accept_BK, u_residual_BT: float64 uniforms (``stream_uniforms``, STREAM_ACCEPT / STREAM_RESIDUAL).
+    Returns:
+        (a_B accepted drafts, next_B the token emitted after them), int64.
+    """
+    B, K = draft_BK.shape
+    j_K = torch.arange(K, device=draft_BK.device)
+    p_BK = p_BTV[:, :K].gather(2, draft_BK[:, :, None]).squeeze(2)
+    q_BK = q_BKV.gather(2, draft_BK[:, :, None]).squeeze(2)
+    ok_BK = (u_accept_BK < acceptance_probs(p_BK, q_BK)) & (j_K[None] < k_B[:, None])
+    a_B = ok_BK.long().cumprod(1).sum(1)
+    rows_B = torch.arange(B, device=draft_BK.device)
+    p_a_BV = p_BTV[rows_B, a_B]
+    rejected_B = a_B < k_B
+    dist_BV = p_a_BV
+    if bool(rejected_B.any()):
+        q_a_BV = q_BKV[rows_B, a_B.clamp(max=K - 1)] if K else torch.zeros_like(p_a_BV)
+        dist_BV = torch.where(rejected_B[:, None], residual_probs(p_a_BV, q_a_BV), p_a_BV)
+    next_B = _inverse_cdf(torch.cumsum(dist_BV, dim=-1), u_residual_BT[rows_B, a_B])
+    return a_B, next_B
+
+
+def row_sampling_probs(logits_BSV: torch.Tensor, sampling: Sequence[SamplingParams]) -> torch.Tensor:
+    """``sampling_probs`` of S positions per row, row b at ``sampling[b]``'s temperature / top-k / top-p:
+    float64 [B, S, V]."""
+    B, S, V = logits_BSV.shape
+    dev = logits_BSV.device
+    params_3B = torch.tensor([[sp.temperature for sp in sampling], [float(sp.top_k) for sp in sampling],
+                              [sp.top_p for sp in sampling]], dtype=torch.float64, device=dev)
+    params_3N = params_3B.repeat_interleave(S, dim=1)
+    return sampling_probs(logits_BSV.reshape(B * S, V), params_3N[0].float(), params_3N[1].long(),
+                          params_3N[2].float()).view(B, S, V)
+
+
+# --------------------------------------------------------------------------- the drafter protocol
+
+
+@dataclass
+class DraftRow:
+    """What a drafter is told about one running sequence.
+
+    Fields:
+        key: the request id (a drafter's per-sequence state is keyed by it, never by slot).
+        context: prompt + output ids; the last id is pending (the target has not computed it yet).
+        sampling: the request's sampling parameters (q is drawn at its temperature / top-k / top-p).
+        seed: the request seed; draft j of this round draws ``stream_uniforms(seed, position + j,
+            STREAM_DRAFT)``.
+        position: output index of the first drafted token (len(output ids)).
+        aux_hidden: None unless the drafter has ``aux_layers``; then the target's hidden states after
+            those layers, [N, A, D], for context positions aux_start .. aux_start + N - 1 (those the target
+            computed since the last proposal; a gap after a resume or a KV import shows as aux_start
+            beyond what the drafter holds).
+        aux_start: the context position of aux_hidden's first row.
+    """
+
+    key: str
+    context: Sequence[int]
+    sampling: SamplingParams
+    seed: int
+    position: int
+    aux_hidden: torch.Tensor | None = None
+    aux_start: int = 0
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A draft model the engine drives (classic: ``ModelDrafter``; EAGLE-3 reads ``aux_layers``)."""
+
+    aux_layers: tuple[int, ...]
+    """Target decoder layers whose output hidden states the drafter reads (empty: none)."""
+
+    def bind(self, max_sequences: int, max_len: int, vocab_size: int) -> None:
+        """Called once by the engine: at most ``max_sequences`` live sequences of ``max_len`` positions;
+        q must span ``vocab_size`` target ids."""
+        ...
+
+    def propose(self, rows: Sequence[DraftRow], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft_BK token ids int64, q_BKV their draft distributions over the target vocabulary; zeros
+        outside a reduced draft vocabulary). Row b's state afterwards covers at least its context."""
+        ...
+
+    def rollback(self, key: str, num_tokens: int) -> None:
+        """Only the first ``num_tokens`` tokens of what ``key``'s state has seen are still its context."""
+        ...
+
+    def release(self, key: str) -> None:
+        """Forget ``key`` (finished, paused, aborted); unknown keys are ignored."""
+        ...
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding in ``EmbeddedEngine``.
+
+    Fields:
+        drafter: the draft model (a ``Drafter``).
+        num_draft_tokens: k, tokens drafted and verified per row and round (>= 1).
+    """
+
+    drafter: Any
+    num_draft_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.drafter, Drafter):
+            raise ValueError(f"SpeculativeConfig.drafter must implement Drafter, got {type(self.drafter).__name__}")
+        if not isinstance(self.num_draft_tokens, int) or isinstance(self.num_draft_tokens, bool) \
+                or self.num_draft_tokens < 1:
+            raise ValueError(f"SpeculativeConfig.num_draft_tokens must be an int >= 1, got {self.num_draft_tokens!r}")
+
+
+class ModelDrafter:
+    """Classic speculative decoding: a small causal LM over the target's token ids drafts autoregressively.
+
+    It runs an embedded engine of its own over the draft model (lean or general path, slot KV caches) as
+    a forward, with one slot per live request: a proposal feeds each row's context past what its slot
+    holds (the whole context for a new or resumed row), then k - 1 single tokens, drawing d_j from q_j
+    (the request's temperature / top-k / top-p on the draft logits). ``rollback`` shortens what a slot
+    holds (the positions past it are simply overwritten); ``release`` frees the slot.
+    """
+
+    aux_layers: tuple[int, ...] = ()
+
+    def __init__(self, model: nn.Module, path: str = "auto") -> None:
+        self.model = model
+        self.path = path
+        self._fwd: Any = None
+        self._vocab = 0
+        self._slot: dict[str, int] = {}
+        self._ids: dict[str, list[int]] = {}  # token ids whose K/V the slot holds
+        self._free: list[int] = []
+        self.forwards = 0  # draft forwards (one per drafted position per round)
+
+    def bind(self, max_sequences: int, max_len: int, vocab_size: int) -> None:
+        from k3post.rollout.embedded import EmbeddedEngine
+
+        n_draft = int(self.model.get_input_embeddings().num_embeddings)
+        if n_draft > vocab_size:
+            raise ValueError(f"ModelDrafter: the draft vocabulary ({n_draft}) is larger than the target's ({vocab_size})")
+        self._fwd = EmbeddedEngine(self.model, max_batch_size=max_sequences, max_model_len=max_len, stop_ids=(),
+                                   prefix_sharing=False, path=self.path)
+        self._vocab = vocab_size
+        self._free = list(range(max_sequences - 1, -1, -1))
+        self._slot.clear()
+        self._ids.clear()
+
+    def rollback(self, key: str, num_tokens: int) -> None:
+        ids = self._ids.get(key)
+        if ids is not None:
+            del ids[num_tokens:]
+
+    def release(self, key: str) -> None:
+        slot = self._slot.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)
+            del self._ids[key]
+
+    def propose(self, rows: Sequence[DraftRow], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fwd is None:
+            raise ValueError("ModelDrafter.propose before bind (pass it to EmbeddedEngine through SpeculativeConfig)")
+        B, V = len(rows), self._vocab
+        slots, chunks, starts = [], [], []
+        for r in rows:
+            if r.key not in self._slot:
+                self._slot[r.key] = self._free.pop()
+                self._ids[r.key] = []
+            ids = self._ids[r.key]
+            n = 0  # keep the longest prefix of what the slot holds that is still the context
+            while n < len(ids) and n < len(r.context) - 1 and ids[n] == r.context[n]:
+                n += 1
+            del ids[n:]
+            slots.append(self._slot[r.key])
+            starts.append(n)
+            chunks.append(list(r.context[n:]))
+        seeds = [r.seed for r in rows]
+        draft_BK = torch.zeros(B, k, dtype=torch.long)
+        q_BKV = torch.zeros(B, k, V, dtype=torch.float64)
+        fwd = self._fwd
+        with torch.inference_mode():
+            for j in range(k):
+                logits_BV = fwd._forward_chunks(chunks, starts, slots)
+                self.forwards += 1
+                q_BV = row_sampling_probs(logits_BV[:, None], [r.sampling for r in rows])[:, 0].cpu()
+                u_B = stream_uniforms(seeds, [r.position + j for r in rows], STREAM_DRAFT)
+                d_B = _inverse_cdf(torch.cumsum(q_BV, dim=-1), u_B)
+                q_BKV[:, j, : q_BV.shape[1]] = q_BV
+                draft_BK[:, j] = d_B
+                for b, r in enumerate(rows):
+                    self._ids[r.key].extend(chunks[b])
+                starts = [st + len(c) for st, c in zip(starts, chunks)]
+                chunks = [[t] for t in d_B.tolist()]
+        return draft_BK, q_BKV
