@@ -5,6 +5,7 @@
     k3post rl CONFIG [key=value ...]            Stage 2 RL: one expert (rl.domain at rl.effort) from rl.init
     k3post experts CONFIG [key=value ...]       Stage 2 RL: the nine domain x effort experts (max -> high -> low)
     k3post mopd CONFIG [key=value ...]          Stage 3 MOPD: distil the nine experts into one student
+    k3post draft CONFIG [key=value ...]         EAGLE-3 draft for the target (MOPD student), LK loss, vLLM/SGLang export
     k3post init-model OUT_DIR [--preset tiny]   write a tiny Qwen3-MoE + BPE tokenizer that transformers loads
     k3post export CKPT OUT [--format mxfp4|bf16] packed MXFP4 experts + bf16 rest, or all bf16
     k3post tasks list | sample FAMILY            the built-in task families
@@ -67,9 +68,9 @@ def cmd_rl(ns: argparse.Namespace) -> int:
     config, overrides = _split_config(ns.args)
     if config is None:
         raise ValueError(f"usage: k3post {ns.command} CONFIG [key=value ...]")
-    from k3post.commands import run_mopd
+    from k3post.commands import run_draft, run_mopd
 
-    {"experts": run_experts, "rl": run_rl, "mopd": run_mopd}[ns.command](_load(config, overrides))
+    {"experts": run_experts, "rl": run_rl, "mopd": run_mopd, "draft": run_draft}[ns.command](_load(config, overrides))
     return 0
 
 
@@ -108,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_sft)
     for name, help_ in (("rl", "Stage 2 RL: one expert (rl.domain at rl.effort) from rl.init"),
                         ("experts", "Stage 2 RL: the nine domain x effort experts, max -> high -> low"),
-                        ("mopd", "Stage 3 MOPD: distil the experts into one student that follows the effort")):
+                        ("mopd", "Stage 3 MOPD: distil the experts into one student that follows the effort"),
+                        ("draft", "Deployment: an EAGLE-3 draft for the frozen target, trained with the LK loss")):
         c = sub.add_parser(name, help=help_)
         c.add_argument("args", nargs="*", help="CONFIG [key=value ...]")
         c.set_defaults(fn=cmd_rl)

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from k3post.config import K3Config, to_yaml
 from k3post.data import load_sft_jsonl
 from k3post.errors import UserError, attach_run_log
@@ -222,3 +224,64 @@ def run_mopd(cfg: K3Config) -> Path:
               f"{r['student_tokens']:9.1f} {r['teacher_tokens']:9.1f}")
     print(f"targets met: {out['table']['ok']} → {run / 'mopd'}")
     return run / "mopd" / "final"
+
+
+def draft_target(cfg: K3Config, run: Path) -> Path:
+    """The model `k3post draft` drafts for: ``draft.target``, else the run's MOPD student, else its SFT model."""
+    candidates = [Path(cfg.draft.target)] if cfg.draft.target else [run / "mopd" / "final", run / "sft" / "final"]
+    for c in candidates:
+        if (c / "config.json").is_file():
+            return c
+    raise UserError(f"draft.target: none of {[str(c) for c in candidates]} is a model folder (config.json missing); "
+                    "train the pipeline first or set draft.target")
+
+
+def run_draft(cfg: K3Config) -> Path:
+    """`k3post draft CONFIG`: an EAGLE-3 draft for the frozen target (`draft_target`; QAT as it runs), trained on
+    the target's own episodes (`k3post.spec`), exported as vLLM / SGLang load it; returns the export folder."""
+    from k3post.envs.families import families as all_families
+    from k3post.experts import load_policy
+    from k3post.rollout.factory import build_engine, close_engine
+    from k3post.spec.data import load_samples, save_samples, target_generations, token_counts
+    from k3post.spec.eagle3 import DraftVocab, Eagle3Draft
+    from k3post.spec.export import export_eagle3
+    from k3post.spec.mtp import load_mtp
+    from k3post.spec.train import evaluate_alpha, train_draft
+
+    d = cfg.draft
+    run = open_run(cfg.run.dir, cfg)
+    target_dir = draft_target(cfg, run)
+    tokenizer = load_tokenizer(target_dir)
+    target = load_policy(target_dir, cfg.qat)
+    xtml = XTML(tokenizer)
+    out = run / "draft"
+    data = out / "data.jsonl"
+    fams = d.families or [f.name for f in all_families()]
+    if not data.is_file():
+        engine = build_engine(target, tokenizer, role="draft data (target)", max_batch_size=32, seed=cfg.run.seed)
+        try:
+            save_samples(target_generations(engine, xtml, fams, n_per_family=d.n_per_family, efforts=d.efforts,
+                                            max_tokens=d.max_tokens, temperature=d.temperature, seed=cfg.run.seed), data)
+        finally:
+            close_engine(engine)
+    samples = load_samples(data)
+    held = samples[::10]  # every tenth episode is held out for the α-per-depth table
+    train = [s for k, s in enumerate(samples) if k % 10]
+    L = len(target.model.layers)
+    aux = tuple(d.aux_layers) or (1, L // 2, L)
+    vocab = None
+    if d.draft_vocab:
+        counts = token_counts(train)
+        vocab = DraftVocab.from_counts(torch.tensor([counts.get(i, 0) for i in range(len(tokenizer))]), d.draft_vocab)
+    draft = Eagle3Draft.from_target(target, aux, mtp=load_mtp(target_dir), draft_vocab=vocab)
+    before = evaluate_alpha(target, draft, held, d, tokenizer.pad_token_id)
+    metrics = MetricsLogger(run)
+    train_draft(target, draft, train, d, out, pad_id=tokenizer.pad_token_id, seed=cfg.run.seed, metrics=metrics)
+    metrics.close()
+    after = evaluate_alpha(target, draft, held, d, tokenizer.pad_token_id)
+    export = export_eagle3(draft, out / "final")
+    summary = {"target": str(target_dir), "aux_layers": list(aux), "loss": d.loss, "samples": len(train),
+               "held_out": len(held), "alpha_by_depth_before": before, "alpha_by_depth": after}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
+    print("held-out α by depth (before → after): " + ", ".join(f"{a:.3f}→{b:.3f}" for a, b in zip(before, after)))
+    return export

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from k3post.config.data import DataConfig
+from k3post.config.draft import DraftConfig
 from k3post.config.effort import EffortConfig
 from k3post.config.eval import EvalConfig
 from k3post.config.model import ModelConfig, TokenizerConfig
@@ -38,7 +39,7 @@ from k3post.yamlio import read_yaml_mapping
 
 __all__ = ["ConfigError", "RunConfig", "DemoConfig", "K3Config", "load_config", "to_yaml", "DataConfig", "EffortConfig",
            "EvalConfig", "ModelConfig", "TokenizerConfig", "MOPDConfig", "OptimConfig", "QATConfig", "RLConfig",
-           "EngineConfig", "RolloutConfig", "SFTConfig"]
+           "EngineConfig", "RolloutConfig", "SFTConfig", "DraftConfig"]
 
 
 class ConfigError(UserError):
@@ -80,6 +81,7 @@ class K3Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     mopd: MOPDConfig = field(default_factory=MOPDConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
 
 

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from k3post.config.draft import DRAFT_LOSSES
+
 __all__ = ["DRAFT_LOSSES", "ALPHA_FLOOR", "DraftLoss", "acceptance", "draft_loss"]
 
-DRAFT_LOSSES: tuple[str, ...] = ("lk_alpha", "lk_lambda", "kl")
 ALPHA_FLOOR = 1e-6
 """Smallest α inside −log α (LK_α stays ≤ −log 1e-6 ≈ 13.8 and its gradient finite)."""
 

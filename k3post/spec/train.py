@@ -1,0 +1,201 @@
+"""Train an EAGLE-3 draft for a frozen target (SPEC §6.2): one readable loop.
+
+    for step in steps:
+        batch         = draft samples (the target's own episodes), padded, seeded order
+        fused, final  = frozen target forward (QAT as the target runs it): [h_low ; h_mid ; h_high], h_final
+        p             = target logits = lm_head(norm(h_final))
+        q_0 … q_{N-1} = unrolled_logits(draft, fused, ids)          (training-time test, N = cfg.ttt_steps)
+        loss          = Σ_i decay^i · draft_loss(p[t+1+i], q_i[t]) over positions whose token t+2+i the target
+                        sampled (cfg.loss: LK_α, LK_λ or KL)
+        AdamW step on the draft (fc, midlayer, norm, lm_head; the shared embedding stays frozen)
+
+Checkpoints (``checkpoints/step-NNNNNN/draft.pt``: draft weights without the shared embedding, optimizer,
+step, RNG) are written atomically and ``latest`` last, so a killed run resumes exactly. Metrics (stage
+``draft``): the loss, α per depth (the expected acceptance rate Σ min(p, q) at temperature 1), the learning rate.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from k3post.checkpoint import rng_state, set_rng_state
+from k3post.config.draft import DraftConfig
+from k3post.metrics import MetricsLogger
+from k3post.spec.data import DraftSample
+from k3post.spec.eagle3 import Eagle3Draft, step_weights, target_features, unrolled_logits
+from k3post.spec.losses import draft_loss
+
+__all__ = ["DraftResult", "draft_batch", "draft_step_losses", "evaluate_alpha", "train_draft"]
+
+STAGE = "draft"
+
+
+@dataclass
+class DraftResult:
+    """The trained draft and its history (one row per logged step)."""
+
+    draft: Eagle3Draft
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def draft_batch(samples: Sequence[DraftSample], max_len: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids_BT, sampled_BT, real_BT): samples cut to ``max_len`` and right-padded with ``pad_id``; ``sampled``
+    marks tokens the target sampled, ``real`` the non-padding positions."""
+    T = min(max_len, max(len(s.ids) for s in samples))
+    ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
+    sampled = torch.zeros(len(samples), T, dtype=torch.bool)
+    real = torch.zeros(len(samples), T, dtype=torch.bool)
+    for b, s in enumerate(samples):
+        n = min(T, len(s.ids))
+        ids[b, :n] = torch.tensor(s.ids[:n])
+        sampled[b, :n] = torch.tensor(s.mask[:n])
+        real[b, :n] = True
+    return ids, sampled, real
+
+
+def draft_step_losses(
+    target: torch.nn.Module, draft: Eagle3Draft, ids_BT: torch.Tensor, sampled_BT: torch.Tensor, real_BT: torch.Tensor,
+    cfg: DraftConfig, pad_id: int,
+) -> list[Any]:
+    """`k3post.spec.losses.DraftLoss` of each unrolled step i (module doc): draft step i at t against the
+    target's distribution at t+1+i, where token t+2+i was sampled by the target."""
+    fused, final = target_features(target, ids_BT, draft.config.aux_layer_ids, attention_mask=real_BT.long())
+    with torch.no_grad():
+        p_BTV = target.lm_head(target.model.norm(final))
+    q_NBTW = unrolled_logits(draft, fused, ids_BT, steps=cfg.ttt_steps, pad_id=pad_id)
+    reduced = draft.lm_head.out_features != p_BTV.shape[-1]
+    T = ids_BT.shape[1]
+    out = []
+    for i in range(cfg.ttt_steps):
+        n = T - 2 - i  # positions t whose predicted token t+2+i exists
+        if n <= 0:
+            break
+        mask = sampled_BT[:, 2 + i:] & real_BT[:, 2 + i:]
+        out.append(draft_loss(p_BTV[:, 1 + i: 1 + i + n], q_NBTW[i][:, :n], mask, kind=cfg.loss, eta=cfg.eta,
+                              draft_ids=draft.target_ids if reduced else None))
+    return out
+
+
+@torch.no_grad()
+def evaluate_alpha(target: torch.nn.Module, draft: Eagle3Draft, samples: Sequence[DraftSample], cfg: DraftConfig,
+                   pad_id: int) -> list[float]:
+    """Held-out α per depth: the mean Σ min(p, q) at temperature 1 over the sampled positions of ``samples``."""
+    sums = [0.0] * cfg.ttt_steps
+    counts = [0] * cfg.ttt_steps
+    for k in range(0, len(samples), cfg.batch_size):
+        losses = draft_step_losses(target, draft, *draft_batch(samples[k:k + cfg.batch_size], cfg.max_len, pad_id),
+                                   cfg, pad_id)
+        for i, dl in enumerate(losses):
+            sums[i] += dl.alpha * dl.n
+            counts[i] += dl.n
+    return [s / c if c else float("nan") for s, c in zip(sums, counts)]
+
+
+def _lr(cfg: DraftConfig, step: int) -> float:
+    """Linear warmup, then cosine decay to ``lr * min_lr_ratio``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def _trainable(draft: Eagle3Draft) -> dict[str, torch.nn.Parameter]:
+    """The draft's own parameters (not the target's shared, frozen embedding)."""
+    return {n: p for n, p in draft.named_parameters() if not n.startswith("embed_tokens.")}
+
+
+def _save(root: Path, step: int, draft: Eagle3Draft, opt: torch.optim.Optimizer, keep: int) -> None:
+    final = root / f"step-{step:06d}"
+    tmp = root / f".tmp-step-{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {"step": step, "optimizer": opt.state_dict(), "rng": rng_state(),
+             "draft": {n: t for n, t in draft.state_dict().items() if not n.startswith("embed_tokens.")}}
+    torch.save(state, tmp / "draft.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    (root / "latest.tmp").write_text(final.name)
+    (root / "latest.tmp").replace(root / "latest")
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _latest(root: Path) -> Path | None:
+    f = root / "latest"
+    return root / f.read_text().strip() if f.exists() else None
+
+
+def train_draft(
+    target: torch.nn.Module,
+    draft: Eagle3Draft,
+    samples: Sequence[DraftSample],
+    cfg: DraftConfig,
+    out_dir: str | Path,
+    *,
+    pad_id: int,
+    seed: int = 0,
+    resume: bool = True,
+    metrics: MetricsLogger | None = None,
+) -> DraftResult:
+    """Train ``draft`` in place against the frozen ``target`` on ``samples`` (module doc); resume from the
+    newest checkpoint under ``out_dir/checkpoints`` when there is one."""
+    if not samples:
+        raise ValueError("no draft samples to train on")
+    target.eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    out = Path(out_dir)
+    ckpts = out / "checkpoints"
+    params = _trainable(draft)
+    opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    start = 0
+    latest = _latest(ckpts) if resume else None
+    if latest is not None:
+        state = torch.load(latest / "draft.pt", weights_only=False)
+        draft.load_state_dict(state["draft"], strict=False)
+        opt.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
+        start = int(state["step"])
+        if metrics is not None:
+            metrics.truncate(STAGE, start)
+    else:
+        torch.manual_seed(seed)
+    weights = step_weights(cfg.ttt_steps, cfg.step_decay)
+    result = DraftResult(draft)
+    bar = tqdm(total=cfg.steps, initial=start, desc=STAGE, disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0)
+    draft.train()
+    for step in range(start, cfg.steps):
+        order = random.Random(seed * 1_000_003 + step // max(1, len(samples) // cfg.batch_size)).sample(
+            range(len(samples)), len(samples))  # one shuffle per epoch, a pure function of (seed, epoch)
+        at = (step * cfg.batch_size) % len(samples)
+        batch = [samples[order[(at + j) % len(samples)]] for j in range(min(cfg.batch_size, len(samples)))]
+        for g in opt.param_groups:
+            g["lr"] = _lr(cfg, step)
+        losses = draft_step_losses(target, draft, *draft_batch(batch, cfg.max_len, pad_id), cfg, pad_id)
+        loss = sum(float(weights[i]) * dl.loss for i, dl in enumerate(losses))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.grad_clip)
+        opt.step()
+        row = {"loss": float(loss), "lr": _lr(cfg, step), **{f"alpha_{i}": dl.alpha for i, dl in enumerate(losses)}}
+        bar.update(1)
+        bar.set_postfix(loss=f"{row['loss']:.3f}", alpha_0=f"{row.get('alpha_0', float('nan')):.3f}")
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            result.history.append({"step": step + 1, **row})
+            if metrics is not None:
+                metrics.log(STAGE, step + 1, row)
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            _save(ckpts, step + 1, draft, opt, cfg.keep_checkpoints)
+    bar.close()
+    draft.eval()
+    return result
