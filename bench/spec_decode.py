@@ -39,8 +39,8 @@ from k3post.rollout.speculative import ModelDrafter, SpeculativeConfig  # noqa: 
 DRAFTER_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=32, moe_intermediate_size=64)
 
 
-class _TimedDrafter(ModelDrafter):
-    """A ModelDrafter that adds up the seconds spent in ``propose``."""
+class TimedPropose:
+    """Mixin for a Drafter class: adds up the seconds spent in ``propose`` (``class T(TimedPropose, ModelDrafter)``)."""
 
     seconds = 0.0
 
@@ -50,6 +50,10 @@ class _TimedDrafter(ModelDrafter):
             return super().propose(rows, k)
         finally:
             self.seconds += time.perf_counter() - t0
+
+
+class _TimedDrafter(TimedPropose, ModelDrafter):
+    """A ModelDrafter that adds up the seconds spent in ``propose``."""
 
 
 def _decode(engine: EmbeddedEngine, reqs: list[GenerationRequest]) -> tuple[float, dict[str, list[int]], int]:
