@@ -21,7 +21,8 @@ draft at k = 5, T = 1 vs plain decoding, decode tokens/s of the same requests, `
 forward over seconds per plain target decode step) excludes the admission / prefill step, model, tokenizer
 and engine construction, SFT, data generation and draft training. One torch thread, lean path.
 
-Defaults finish in about 5–10 minutes on a 2-core CPU; scale with ``--sft-steps --train-tasks --held-tasks
+Defaults took about 13 minutes on a shared 2-core CPU (docs/decisions.md; ``--draft-steps 50`` or
+``--seeds 2`` brings it under 10); scale with ``--sft-steps --train-tasks --held-tasks
 --draft-steps --seeds --gen-tokens``. Caveats: a ~1 M-parameter target trained for seconds, a CPU, a few seeds:
 the ratio is this setting's, not the paper's.
 
