@@ -218,7 +218,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 spec_train.train_draft(target, draft, train, cfg, work / f"draft-{s}-{loss}", pad_id=pad, seed=s,
                                        resume=False)
             train_s = time.perf_counter() - t0
-            alpha = spec_train.evaluate_alpha(target, draft, held, cfg, pad)
+            alpha = spec_train.evaluate_alpha(target, draft, held, cfg, pad)["t1"]  # Σ min(p, q), T = 1
             acc = {f"k{k}_t{t:g}": accept_length(target, tok, draft, prompts, k, t, args.gen_tokens)
                    for k in KS for t in TEMPERATURES}
             rows.append({"seed": s, "loss": loss, "alpha_by_depth": alpha, "accept_len": acc, "train_s": train_s,

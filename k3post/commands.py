@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -104,7 +106,6 @@ def _start_rl_run(cfg: K3Config) -> tuple[Path, Path]:
 
 def run_rl(cfg: K3Config) -> Path:
     """`k3post rl CONFIG`: one RL expert (rl.domain at rl.effort) from rl.init; returns its folder."""
-    from dataclasses import replace
 
     from k3post.experts import domain_budgets, load_policy
     from k3post.rl import build_group_scorer, domain_families, train_rl
@@ -164,8 +165,6 @@ def raise_if_failed(table: dict) -> None:
 
 def mopd_config_for_run(cfg: K3Config, experts_dir: Path) -> "MOPDConfig":
     """``cfg.mopd`` with every missing teacher taken from ``experts_dir/<domain>.<effort>``."""
-    from dataclasses import replace
-
     from k3post.mopd import expert_name
 
     m = cfg.mopd
@@ -236,9 +235,13 @@ def draft_target(cfg: K3Config, run: Path) -> Path:
                     "train the pipeline first or set draft.target")
 
 
-def run_draft(cfg: K3Config) -> Path:
-    """`k3post draft CONFIG`: an EAGLE-3 draft for the frozen target (`draft_target`; QAT as it runs), trained on
-    the target's own episodes (`k3post.spec`), exported as vLLM / SGLang load it; returns the export folder."""
+def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[str],
+                 metrics: MetricsLogger | None = None) -> dict:
+    """EAGLE-3 drafts for the frozen target in ``target_dir`` (QAT as it runs), one per loss in ``losses``, all on
+    the same data (the target's own episodes, `k3post.spec.data`; every tenth held out), steps and seed; each is
+    trained into ``run/draft/<loss>`` and exported (vLLM / SGLang layout) to ``run/draft/<loss>/final``.
+    Returns (and writes to ``run/draft/summary.json``) held-out acceptance by depth at temperature 1 and 0 before
+    and after training, and the expected acceptance length at k = 3 and 5 drafted tokens."""
     from k3post.envs.families import families as all_families
     from k3post.experts import load_policy
     from k3post.rollout.factory import build_engine, close_engine
@@ -246,26 +249,24 @@ def run_draft(cfg: K3Config) -> Path:
     from k3post.spec.eagle3 import DraftVocab, Eagle3Draft
     from k3post.spec.export import export_eagle3
     from k3post.spec.mtp import load_mtp
-    from k3post.spec.train import evaluate_alpha, train_draft
+    from k3post.spec.train import evaluate_alpha, expected_accept_length, train_draft
 
     d = cfg.draft
-    run = open_run(cfg.run.dir, cfg)
-    target_dir = draft_target(cfg, run)
     tokenizer = load_tokenizer(target_dir)
     target = load_policy(target_dir, cfg.qat)
-    xtml = XTML(tokenizer)
     out = run / "draft"
     data = out / "data.jsonl"
     fams = d.families or [f.name for f in all_families()]
     if not data.is_file():
         engine = build_engine(target, tokenizer, role="draft data (target)", max_batch_size=32, seed=cfg.run.seed)
         try:
-            save_samples(target_generations(engine, xtml, fams, n_per_family=d.n_per_family, efforts=d.efforts,
-                                            max_tokens=d.max_tokens, temperature=d.temperature, seed=cfg.run.seed), data)
+            save_samples(target_generations(engine, XTML(tokenizer), fams, n_per_family=d.n_per_family,
+                                            efforts=d.efforts, max_tokens=d.max_tokens, temperature=d.temperature,
+                                            seed=cfg.run.seed), data)
         finally:
             close_engine(engine)
     samples = load_samples(data)
-    held = samples[::10]  # every tenth episode is held out for the α-per-depth table
+    held = samples[::10]  # every tenth episode is held out for the acceptance-by-depth table
     train = [s for k, s in enumerate(samples) if k % 10]
     L = len(target.model.layers)
     aux = tuple(d.aux_layers) or (1, L // 2, L)
@@ -273,15 +274,38 @@ def run_draft(cfg: K3Config) -> Path:
     if d.draft_vocab:
         counts = token_counts(train)
         vocab = DraftVocab.from_counts(torch.tensor([counts.get(i, 0) for i in range(len(tokenizer))]), d.draft_vocab)
-    draft = Eagle3Draft.from_target(target, aux, mtp=load_mtp(target_dir), draft_vocab=vocab)
-    before = evaluate_alpha(target, draft, held, d, tokenizer.pad_token_id)
-    metrics = MetricsLogger(run)
-    train_draft(target, draft, train, d, out, pad_id=tokenizer.pad_token_id, seed=cfg.run.seed, metrics=metrics)
-    metrics.close()
-    after = evaluate_alpha(target, draft, held, d, tokenizer.pad_token_id)
-    export = export_eagle3(draft, out / "final")
-    summary = {"target": str(target_dir), "aux_layers": list(aux), "loss": d.loss, "samples": len(train),
-               "held_out": len(held), "alpha_by_depth_before": before, "alpha_by_depth": after}
+    mtp = load_mtp(target_dir)
+    pad = tokenizer.pad_token_id
+    where = target_dir.resolve()
+    inside = where.is_relative_to(run.resolve())
+    summary: dict = {"target": str(where.relative_to(run.resolve())) if inside else str(target_dir), "aux_layers": list(aux), "mtp_init": mtp is not None,
+                     "train_episodes": len(train), "held_out_episodes": len(held), "steps": d.steps,
+                     "ttt_steps": d.ttt_steps, "losses": {}}
+    for loss in losses:
+        lc = replace(d, loss=loss)
+        torch.manual_seed(cfg.run.seed)
+        draft = Eagle3Draft.from_target(target, aux, mtp=mtp, draft_vocab=vocab)
+        before = evaluate_alpha(target, draft, held, lc, pad)
+        res = train_draft(target, draft, train, lc, out / loss, pad_id=pad, seed=cfg.run.seed, metrics=metrics,
+                          stage=f"draft_{loss}")
+        after = evaluate_alpha(target, draft, held, lc, pad)
+        export_eagle3(draft, out / loss / "final")
+        summary["losses"][loss] = {
+            "acceptance_by_depth_before": before, "acceptance_by_depth": after,
+            "expected_accept_length": {t: {str(k): expected_accept_length(after[t], k) for k in (3, 5) if k <= d.ttt_steps}
+                                       for t in after},
+            "final_loss": res.history[-1]["loss"] if res.history else None,
+        }
+        print(f"  draft {loss:9}: held-out α by depth (T=1) " + ", ".join(f"{a:.3f}" for a in after["t1"]))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
-    print("held-out α by depth (before → after): " + ", ".join(f"{a:.3f}→{b:.3f}" for a, b in zip(before, after)))
-    return export
+    return summary
+
+
+def run_draft(cfg: K3Config) -> Path:
+    """`k3post draft CONFIG`: an EAGLE-3 draft (``draft.loss``) for the frozen target (`draft_target`), trained on
+    the target's own episodes; returns its export folder (the layout vLLM and SGLang load)."""
+    run = open_run(cfg.run.dir, cfg)
+    metrics = MetricsLogger(run)
+    train_drafts(cfg, run, draft_target(cfg, run), [cfg.draft.loss], metrics)
+    metrics.close()
+    return run / "draft" / cfg.draft.loss / "final"

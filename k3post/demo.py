@@ -37,7 +37,7 @@ from k3post.models import build_tiny_moe, count_parameters, load_model, save_mod
 from k3post.quant.qat import apply_qat
 from k3post.report import write_report
 from k3post.sft import train_sft
-from k3post.commands import default_corpus, distill, open_run, raise_if_failed
+from k3post.commands import default_corpus, distill, open_run, raise_if_failed, train_drafts
 from k3post.envs.families import families, get_family, lexicon as family_lexicon
 from k3post.envs.task import canonical_json
 from k3post.stats import format_rate, paired_change
@@ -298,6 +298,14 @@ def run_demo(cfg: K3Config) -> Path:
             print(f"  MOPD {r['domain']:8} @ {r['effort']:<4}: student {r['student_pass']:.3f} vs teacher {r['teacher_pass']:.3f}, "
                   f"T(y) {r['student_tokens']:.1f} vs {r['teacher_tokens']:.1f}")
         phase("mopd", t0)
+
+    # 8. Deployment: EAGLE-3 drafts for the final model (the MOPD student, else the SFT model), trained on its own
+    #    episodes, one per loss (LK_α, the K3 loss, against the KL baseline) on the same data, steps and seed
+    t0 = time.perf_counter()
+    if cfg.demo.drafts and cfg.draft.steps > 0:
+        target_dir = run / "mopd" / "final" if (run / "mopd" / "final" / "config.json").is_file() else run / "sft" / "final"
+        summary.update(draft=train_drafts(cfg, run, target_dir, cfg.demo.drafts, metrics))
+        phase("draft", t0)
 
     metrics.close()
     status = "failed" if table["failed"] else "done"  # a failed run resumes (and retries) when run again

@@ -187,7 +187,7 @@ def _synth_section(run: Path, summary: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-_STAGE_FILES = {"experts": "experts/table.json", "mopd": "mopd/summary.json"}
+_STAGE_FILES = {"experts": "experts/table.json", "mopd": "mopd/summary.json", "draft": "draft/summary.json"}
 
 
 def _stage_file(run: Path, summary: dict[str, Any], stage: str) -> Any:
@@ -349,7 +349,43 @@ def _grid_section(run: Path, summary: dict[str, Any]) -> str:
                       _table(["domain", *efforts], rows), _table(["domain", *names.values()], checks), *scale])
 
 
-SECTIONS = [_synth_section, _sft_section, _grid_section, _rl_section, _mopd_section]
+def _draft_section(run: Path, summary: dict[str, Any]) -> str:
+    """Deployment: the EAGLE-3 drafts, LK vs KL: held-out acceptance by depth at T = 1 and T = 0, the expected
+    acceptance length, and the loss curves."""
+    d = _stage_file(run, summary, "draft")
+    if not d or not d.get("losses"):
+        return ""
+    losses = d["losses"]
+    depth = len(next(iter(losses.values()))["acceptance_by_depth"]["t1"])
+    parts = ["<h2>Deployment: EAGLE-3 drafts (LK vs KL)</h2>",
+             f"<p class=muted>Drafts for {html.escape(str(d['target']))} (a path inside the run folder, or as given), fused "
+             f"target layers {d['aux_layers']} (k3post ids), {'from its MTP head' if d.get('mtp_init') else 'started from its last layer (no MTP head)'}; "
+             f"trained {d['steps']} steps on {d['train_episodes']} of the target's own episodes with a {d['ttt_steps']}-step "
+             f"training-time test; acceptance measured teacher-forced on {d['held_out_episodes']} held-out episodes: "
+             "T = 1 is Σ min(p, q), T = 0 is argmax agreement. Expected acceptance length = tokens per target forward "
+             "when drafting k tokens, 1 + α₀ + α₀α₁ + … (from these α, not a decoding run; "
+             "<code>bench/draft.py</code> measures it in the engine).</p>"]
+    rows = []
+    for loss, r in losses.items():
+        for t in ("t1", "t0"):
+            acc = r["acceptance_by_depth"][t]
+            before = r["acceptance_by_depth_before"][t]
+            rows.append([loss, t.replace("t", "T = "), *[f"{b:.3f} → {a:.3f}" for b, a in zip(before, acc)],
+                         *[f"{r['expected_accept_length'][t][str(k)]:.3f}" for k in (3, 5) if k <= depth]])
+    parts.append(_table(["loss", "temperature", *[f"depth {i} α (before → after)" for i in range(depth)],
+                         *[f"accept length k={k}" for k in (3, 5) if k <= depth]], rows))
+    series = {}
+    for loss in losses:
+        hist = read_metrics(run / "metrics.jsonl", f"draft_{loss}") if (run / "metrics.jsonl").exists() else []
+        if hist:
+            series[f"{loss} loss"] = ([r["step"] for r in hist], [r["loss"] for r in hist])
+    if series:
+        parts.append(_img(_plot_png(series, title="draft training loss", xlabel="step", ylabel="weighted loss"),
+                          "draft loss curves"))
+    return "\n".join(parts)
+
+
+SECTIONS = [_synth_section, _sft_section, _grid_section, _rl_section, _mopd_section, _draft_section]
 
 
 def write_report(run_dir: str | Path) -> Path:

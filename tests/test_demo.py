@@ -23,6 +23,10 @@ def _small(tmp_path, name="d"):
                        ("eval_max_tokens", 24))),
         "mopd.rl.steps=2", "mopd.rl.n_prompts=3", "mopd.rl.k=2", "mopd.rl.n_tasks=2", "mopd.rl.eval_n=2",
         "mopd.rl.max_tokens=24", "mopd.rl.eval_max_tokens=24", "mopd.rl.progress=false", "mopd.effort_mix.high=0",
+        # the EAGLE-3 drafts (LK_alpha and KL) at toy size
+        "draft.families=[general.arithmetic]", "draft.efforts=[low]", "draft.n_per_family=10", "draft.max_tokens=16",
+        "draft.steps=2", "draft.batch_size=2", "draft.ttt_steps=2", "draft.save_every=1", "draft.log_every=1",
+        "draft.progress=false",
     ]
 
 
@@ -66,6 +70,12 @@ def test_demo_small_writes_run_folder(tmp_path):
     assert [r["step"] for r in rows if r["stage"] == "mopd"] == [1, 2]
     assert (run / "mopd" / "final" / "model.safetensors").is_file()
     assert "Stage 2: RL experts" in html and "Stage 3: MOPD" in html
+    # Deployment: two drafts for the student on the same data, exported, in the report
+    assert sorted(summary["draft"]["losses"]) == ["kl", "lk_alpha"] and summary["draft"]["target"] == "mopd/final"
+    assert [r["step"] for r in rows if r["stage"] == "draft_lk_alpha"] == [1, 2]
+    for loss in ("kl", "lk_alpha"):
+        assert (run / "draft" / loss / "final" / "config.json").is_file(), loss
+    assert "EAGLE-3 drafts (LK vs KL)" in html
     # a finished run is never overwritten: the same command writes d-1. Run in a fresh process with another
     # hash seed (set / dict-of-str order), it must give the same results: every summary number, every metric
     # row and every model file, bit for bit (only wall-clock values differ)
@@ -78,7 +88,8 @@ def test_demo_small_writes_run_folder(tmp_path):
     assert _untimed(json.loads((again / "summary.json").read_text())) == _untimed(summary)
     assert _metric_rows(again) == _metric_rows(run)
     for rel in ("sft/final/model.safetensors", "sft_noqat/final/model.safetensors", "tokenizer/tokenizer.json",
-                "data/sft_train.jsonl", "mopd/final/model.safetensors", *(f"experts/{n}/model.safetensors" for n in experts)):
+                "data/sft_train.jsonl", "mopd/final/model.safetensors", *(f"experts/{n}/model.safetensors" for n in experts),
+                "draft/data.jsonl", "draft/lk_alpha/final/model.safetensors"):
         assert (again / rel).read_bytes() == (run / rel).read_bytes(), rel
 
 

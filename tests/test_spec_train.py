@@ -53,7 +53,8 @@ def test_draft_learns_the_target_and_leaves_it_frozen(world, tmp_path) -> None:
     a0 = evaluate_alpha(target, draft, held, cfg, tok.pad_token_id)
     res = train_draft(target, draft, train, cfg, tmp_path, pad_id=tok.pad_token_id)
     a1 = evaluate_alpha(target, draft, held, cfg, tok.pad_token_id)
-    assert a1[0] > a0[0] + 0.02, (a0, a1)
+    assert a1["t1"][0] > a0["t1"][0] + 0.02, (a0, a1)
+    assert all(0 <= a <= 1 for v in a1.values() for a in v)
     assert res.history[-1]["loss"] < res.history[0]["loss"]
     assert all(torch.equal(before_target[n], p) for n, p in target.state_dict().items())
 
@@ -95,6 +96,18 @@ def test_k3post_draft_command(world, tmp_path) -> None:
                  "qat.enabled=false"]) == 0
     out = tmp_path / "r" / "draft"
     summary = json.loads((out / "summary.json").read_text())
-    assert len(summary["alpha_by_depth"]) == 2 and summary["aux_layers"] == [1, 1, 2]
-    assert (out / "final" / "config.json").is_file()
-    assert (out / "checkpoints" / "latest").is_file()
+    got = summary["losses"]["lk_alpha"]
+    assert len(got["acceptance_by_depth"]["t1"]) == len(got["acceptance_by_depth"]["t0"]) == 2
+    assert summary["aux_layers"] == [1, 1, 2] and summary["mtp_init"] is False
+    assert (out / "lk_alpha" / "final" / "config.json").is_file()
+    assert (out / "lk_alpha" / "checkpoints" / "latest").is_file()
+
+
+def test_expected_accept_length() -> None:
+    """1 + α0 + α0·α1 + … (hand values): α = [0.5, 0.4, 0.2] → k=1: 1.5, k=2: 1.7, k=3: 1.74."""
+    from k3post.spec.train import expected_accept_length
+
+    assert [expected_accept_length([0.5, 0.4, 0.2], k) for k in (1, 2, 3)] == pytest.approx([1.5, 1.7, 1.74])
+    assert expected_accept_length([1.0] * 5, 5) == 6.0
+    with pytest.raises(ValueError, match="needs acceptance at 4 depths"):
+        expected_accept_length([0.5] * 3, 4)

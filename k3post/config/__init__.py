@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from k3post.config.data import DataConfig
-from k3post.config.draft import DraftConfig
+from k3post.config.draft import DRAFT_LOSSES, DraftConfig
 from k3post.config.effort import EffortConfig
 from k3post.config.eval import EvalConfig
 from k3post.config.model import ModelConfig, TokenizerConfig
@@ -66,6 +66,12 @@ class DemoConfig:
     """What `k3post demo` runs besides the pipeline itself."""
 
     compare_no_qat: bool = True  # also train the same SFT run without QAT and compare held-out pass rate
+    drafts: list[str] = field(default_factory=lambda: ["lk_alpha", "kl"])  # EAGLE-3 drafts for the MOPD student, one per loss (draft.*); [] skips the stage
+
+    def __post_init__(self) -> None:
+        bad = [x for x in self.drafts if x not in DRAFT_LOSSES]
+        if bad:
+            raise ValueError(f"demo.drafts: unknown draft losses {bad}; expected some of {DRAFT_LOSSES}")
 
 
 @dataclass

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,9 +32,9 @@ from k3post.config.draft import DraftConfig
 from k3post.metrics import MetricsLogger
 from k3post.spec.data import DraftSample
 from k3post.spec.eagle3 import Eagle3Draft, step_weights, target_features, unrolled_logits
-from k3post.spec.losses import draft_loss
+from k3post.spec.losses import acceptance, draft_loss
 
-__all__ = ["DraftResult", "draft_batch", "draft_step_losses", "evaluate_alpha", "train_draft"]
+__all__ = ["DraftResult", "draft_batch", "draft_step_losses", "evaluate_alpha", "expected_accept_length", "train_draft"]
 
 STAGE = "draft"
 
@@ -62,42 +62,69 @@ def draft_batch(samples: Sequence[DraftSample], max_len: int, pad_id: int) -> tu
     return ids, sampled, real
 
 
+def _aligned_steps(
+    target: torch.nn.Module, draft: Eagle3Draft, ids_BT: torch.Tensor, sampled_BT: torch.Tensor, real_BT: torch.Tensor,
+    cfg: DraftConfig, pad_id: int,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per unrolled step i: (the target's logits at t+1+i [B, n, V], the draft's step-i logits at t [B, n, W],
+    mask [B, n]: token t+2+i exists and the target sampled it), n = T − 2 − i."""
+    fused, final = target_features(target, ids_BT, draft.config.aux_layer_ids, attention_mask=real_BT.long())
+    with torch.no_grad():
+        p_BTV = target.lm_head(target.model.norm(final))
+    q_NBTW = unrolled_logits(draft, fused, ids_BT, steps=cfg.ttt_steps, pad_id=pad_id)
+    T = ids_BT.shape[1]
+    for i in range(cfg.ttt_steps):
+        n = T - 2 - i  # positions t whose predicted token t+2+i exists
+        if n <= 0:
+            return
+        yield p_BTV[:, 1 + i: 1 + i + n], q_NBTW[i][:, :n], sampled_BT[:, 2 + i:] & real_BT[:, 2 + i:]
+
+
+def _draft_ids(draft: Eagle3Draft, vocab: int) -> torch.Tensor | None:
+    """The target id of each draft class when the draft's vocabulary is reduced, else None."""
+    return draft.target_ids if draft.lm_head.out_features != vocab else None
+
+
 def draft_step_losses(
     target: torch.nn.Module, draft: Eagle3Draft, ids_BT: torch.Tensor, sampled_BT: torch.Tensor, real_BT: torch.Tensor,
     cfg: DraftConfig, pad_id: int,
 ) -> list[Any]:
     """`k3post.spec.losses.DraftLoss` of each unrolled step i (module doc): draft step i at t against the
     target's distribution at t+1+i, where token t+2+i was sampled by the target."""
-    fused, final = target_features(target, ids_BT, draft.config.aux_layer_ids, attention_mask=real_BT.long())
-    with torch.no_grad():
-        p_BTV = target.lm_head(target.model.norm(final))
-    q_NBTW = unrolled_logits(draft, fused, ids_BT, steps=cfg.ttt_steps, pad_id=pad_id)
-    reduced = draft.lm_head.out_features != p_BTV.shape[-1]
-    T = ids_BT.shape[1]
-    out = []
-    for i in range(cfg.ttt_steps):
-        n = T - 2 - i  # positions t whose predicted token t+2+i exists
-        if n <= 0:
-            break
-        mask = sampled_BT[:, 2 + i:] & real_BT[:, 2 + i:]
-        out.append(draft_loss(p_BTV[:, 1 + i: 1 + i + n], q_NBTW[i][:, :n], mask, kind=cfg.loss, eta=cfg.eta,
-                              draft_ids=draft.target_ids if reduced else None))
-    return out
+    return [draft_loss(p, q, mask, kind=cfg.loss, eta=cfg.eta, draft_ids=_draft_ids(draft, p.shape[-1]))
+            for p, q, mask in _aligned_steps(target, draft, ids_BT, sampled_BT, real_BT, cfg, pad_id)]
 
 
 @torch.no_grad()
 def evaluate_alpha(target: torch.nn.Module, draft: Eagle3Draft, samples: Sequence[DraftSample], cfg: DraftConfig,
-                   pad_id: int) -> list[float]:
-    """Held-out α per depth: the mean Σ min(p, q) at temperature 1 over the sampled positions of ``samples``."""
-    sums = [0.0] * cfg.ttt_steps
+                   pad_id: int) -> dict[str, list[float]]:
+    """Held-out acceptance per depth over the sampled positions of ``samples``, teacher-forced: ``t1`` the mean
+    α = Σ min(p, q) at temperature 1, ``t0`` how often the draft's argmax is the target's (the acceptance rule
+    at temperature 0)."""
+    sums = {"t1": [0.0] * cfg.ttt_steps, "t0": [0.0] * cfg.ttt_steps}
     counts = [0] * cfg.ttt_steps
     for k in range(0, len(samples), cfg.batch_size):
-        losses = draft_step_losses(target, draft, *draft_batch(samples[k:k + cfg.batch_size], cfg.max_len, pad_id),
-                                   cfg, pad_id)
-        for i, dl in enumerate(losses):
-            sums[i] += dl.alpha * dl.n
-            counts[i] += dl.n
-    return [s / c if c else float("nan") for s, c in zip(sums, counts)]
+        batch = draft_batch(samples[k:k + cfg.batch_size], cfg.max_len, pad_id)
+        for i, (p, q, mask) in enumerate(_aligned_steps(target, draft, *batch, cfg, pad_id)):
+            ids = _draft_ids(draft, p.shape[-1])
+            guess = q.argmax(-1) if ids is None else ids.to(q.device)[q.argmax(-1)]
+            sums["t1"][i] += float(acceptance(p, q, ids)[mask].sum())
+            sums["t0"][i] += float((guess == p.argmax(-1))[mask].sum())
+            counts[i] += int(mask.sum())
+    return {t: [s / c if c else float("nan") for s, c in zip(v, counts)] for t, v in sums.items()}
+
+
+def expected_accept_length(alpha_by_depth: Sequence[float], k: int) -> float:
+    """Tokens per target forward when drafting ``k`` tokens in a chain, from per-depth acceptance α_i (taken
+    as the chance that depth i is accepted given the ones before it): 1 + α_0 + α_0 α_1 + … (k terms after
+    the 1, which counts the corrected or bonus token every verify step emits)."""
+    if k > len(alpha_by_depth):
+        raise ValueError(f"k = {k} needs acceptance at {k} depths, have {len(alpha_by_depth)}")
+    total, run = 1.0, 1.0
+    for a in alpha_by_depth[:k]:
+        run *= a
+        total += run
+    return total
 
 
 def _lr(cfg: DraftConfig, step: int) -> float:
@@ -145,6 +172,7 @@ def train_draft(
     seed: int = 0,
     resume: bool = True,
     metrics: MetricsLogger | None = None,
+    stage: str = STAGE,
 ) -> DraftResult:
     """Train ``draft`` in place against the frozen ``target`` on ``samples`` (module doc); resume from the
     newest checkpoint under ``out_dir/checkpoints`` when there is one."""
@@ -166,12 +194,12 @@ def train_draft(
         set_rng_state(state["rng"])
         start = int(state["step"])
         if metrics is not None:
-            metrics.truncate(STAGE, start)
+            metrics.truncate(stage, start)
     else:
         torch.manual_seed(seed)
     weights = step_weights(cfg.ttt_steps, cfg.step_decay)
     result = DraftResult(draft)
-    bar = tqdm(total=cfg.steps, initial=start, desc=STAGE, disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0)
+    bar = tqdm(total=cfg.steps, initial=start, desc=stage, disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0)
     draft.train()
     for step in range(start, cfg.steps):
         order = random.Random(seed * 1_000_003 + step // max(1, len(samples) // cfg.batch_size)).sample(
@@ -187,13 +215,13 @@ def train_draft(
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.grad_clip)
         opt.step()
-        row = {"loss": float(loss), "lr": _lr(cfg, step), **{f"alpha_{i}": dl.alpha for i, dl in enumerate(losses)}}
+        row = {"loss": float(loss.detach()), "lr": _lr(cfg, step), **{f"alpha_{i}": dl.alpha for i, dl in enumerate(losses)}}
         bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.3f}", alpha_0=f"{row.get('alpha_0', float('nan')):.3f}")
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             result.history.append({"step": step + 1, **row})
             if metrics is not None:
-                metrics.log(STAGE, step + 1, row)
+                metrics.log(stage, step + 1, row)
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             _save(ckpts, step + 1, draft, opt, cfg.keep_checkpoints)
     bar.close()
