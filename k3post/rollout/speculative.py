@@ -236,13 +236,13 @@ class ModelDrafter:
         self.forwards = 0  # draft forwards (one per drafted position per round)
 
     def bind(self, max_sequences: int, max_len: int, vocab_size: int) -> None:
-        from k3post.rollout.embedded import EmbeddedEngine
+        from k3post.rollout.factory import build_engine  # engines are built in one place (the factory seam)
 
         n_draft = int(self.model.get_input_embeddings().num_embeddings)
         if n_draft > vocab_size:
             raise ValueError(f"ModelDrafter: the draft vocabulary ({n_draft}) is larger than the target's ({vocab_size})")
-        self._fwd = EmbeddedEngine(self.model, max_batch_size=max_sequences, max_model_len=max_len, stop_ids=(),
-                                   prefix_sharing=False, path=self.path)
+        self._fwd = build_engine(self.model, role="draft model", max_batch_size=max_sequences, max_model_len=max_len,
+                                 stop_ids=(), prefix_sharing=False, path=self.path)
         self._vocab = vocab_size
         self._free = list(range(max_sequences - 1, -1, -1))
         self._slot.clear()
