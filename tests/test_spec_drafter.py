@@ -166,3 +166,17 @@ def test_monte_carlo_two_steps_chi_square(models):
     q1_V = _eagle_probs(target, draft, [PROMPT], sp)[0]
     q2_VV = _eagle_probs(target, draft, [PROMPT + [y] for y in range(V)], sp)
     assert _chi2_pvalue(counts_VV.flatten(), (q1_V[:, None] * q2_VV).flatten()) < 1e-6
+
+
+def test_a_feature_gap_without_target_warns_and_is_counted(models, caplog):
+    """A row whose context has no target hidden states (after a KV import) and no target= to recompute them
+    drafts from zeros: never silently (a warning once, and the ``zero_filled`` count)."""
+    target, draft = models
+    d = _bound(draft)
+    row = DraftRow("gap", list(PROMPT), SamplingParams(temperature=1.0), 7, 0, None, 0)
+    with caplog.at_level("WARNING", logger="k3post.spec"):
+        d.propose([row], 2)
+    assert d.zero_filled == len(PROMPT) - 1 and "no target hidden states" in caplog.text
+    full = _bound(draft, target)
+    full.propose([row], 2)
+    assert full.zero_filled == 0 and full.rebuilds == 1

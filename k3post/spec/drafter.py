@@ -30,6 +30,7 @@ V target vocabulary, W draft vocabulary.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,8 @@ from torch import nn
 from k3post.rollout.engine import _inverse_cdf
 from k3post.rollout.speculative import STREAM_DRAFT, DraftRow, row_sampling_probs, stream_uniforms
 from k3post.spec.eagle3 import Eagle3Draft, target_features
+
+log = logging.getLogger("k3post.spec")
 
 __all__ = ["Eagle3Drafter"]
 
@@ -84,6 +87,7 @@ class Eagle3Drafter:
         self._rows: dict[str, _RowKV] = {}
         self.forwards = 0  # draft forwards (the context chunk and each drafted step count one)
         self.rebuilds = 0  # rows whose features were recomputed with the target
+        self.zero_filled = 0  # context positions drafted from zero features (a gap and no target to fill it)
 
     def bind(self, max_sequences: int, max_len: int, vocab_size: int) -> None:
         if int(self.draft.target_ids.max()) >= vocab_size:
@@ -118,6 +122,14 @@ class Eagle3Drafter:
             fused_1T3D, _ = target_features(self.target, ids_1T, self.draft.config.aux_layer_ids)
             fused_T3D = fused_1T3D[0, lo:hi].to(w.device, w.dtype)
             self.rebuilds += 1
+        elif not bool(have.all()):
+            missing = int((~have).sum())
+            if not self.zero_filled:  # a weaker draft is never chosen silently
+                log.warning("Eagle3Drafter: %d context position(s) of request %r have no target hidden states (a KV "
+                            "import or resume) and no target= to recompute them: they are zeros, so drafts are worse "
+                            "(the output distribution is unchanged); pass Eagle3Drafter(draft, target=...)",
+                            missing, r.key)
+            self.zero_filled += missing
         return fused_T3D
 
     # ------------------------------------------------------------------ the proposal
