@@ -460,7 +460,7 @@ def mopd_checks(
         order_ok  = per domain, the student's mean T(y) strictly increases low < high < max over its efforts
 
     Returns {"rows": rows with the ratios and checks, "order": {domain: {"tokens": {effort: T}, "ok"}},
-    "ok": every check}."""
+    "ok": every check, "teacher_pass_min": the threshold used}."""
     out_rows: list[dict[str, Any]] = []
     order: dict[str, dict[str, Any]] = {}
     for r in rows:
@@ -477,7 +477,7 @@ def mopd_checks(
         seq = [o["tokens"][e] for e in EFFORTS if e in o["tokens"]]
         o["ok"] = all(a < b for a, b in zip(seq, seq[1:]))
     ok = all(r["pass_ok"] is not False and r["tokens_ok"] for r in out_rows) and all(o["ok"] for o in order.values())
-    return {"rows": out_rows, "order": order, "ok": ok}
+    return {"rows": out_rows, "order": order, "ok": ok, "teacher_pass_min": teacher_pass_min}
 
 
 def _episodes(engine: Any, xtml: XTML, tasks: Sequence[Task], effort: str | None, max_tokens: int) -> dict[str, Any]:

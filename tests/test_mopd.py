@@ -15,6 +15,7 @@ import math
 import statistics
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -474,6 +475,14 @@ def test_mopd_checks_golden():
     weak = dict(domain="coding", effort="max", student_pass=0.0, teacher_pass=0.15, student_tokens=9, teacher_tokens=9)
     assert mopd_checks([weak])["rows"][0]["pass_ok"] is None and mopd_checks([weak])["ok"] is True
     assert mopd_checks([{**weak, "teacher_pass": 0.25}])["ok"] is False
+    # the threshold travels with the table, and the report labels a not-applicable row with it
+    table = mopd_checks([weak], teacher_pass_min=0.1)
+    assert table["teacher_pass_min"] == 0.1 and table["rows"][0]["pass_ok"] is False
+    from k3post.report import _mopd_section
+
+    html = _mopd_section(Path("/nonexistent"), {"mopd": {"table": mopd_checks([weak], teacher_pass_min=0.3), "steps": 1,
+                                                         "seconds": 1.0}})
+    assert "n/a (teacher &lt; 0.3)" in html
 
 
 def test_paired_ratio_golden():
