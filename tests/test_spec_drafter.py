@@ -180,3 +180,28 @@ def test_a_feature_gap_without_target_warns_and_is_counted(models, caplog):
     full = _bound(draft, target)
     full.propose([row], 2)
     assert full.zero_filled == 0 and full.rebuilds == 1
+
+
+def test_engine_draft_config_key(models, tmp_path):
+    """``engine.draft`` turns speculative decoding on through the factory: an EAGLE-3 export (as `k3post draft`
+    writes it) drives an Eagle3Drafter, another model folder a ModelDrafter; greedy tokens equal plain decoding;
+    a folder that is no model is a clear error."""
+    from k3post.config.rollout import EngineConfig
+    from k3post.errors import UserError
+    from k3post.models import save_model
+    from k3post.rollout.factory import build_engine
+    from k3post.spec.export import export_eagle3
+
+    target, draft = models
+    reqs = _requests(5, temperature=0.0)
+    plain = build_engine(target, max_batch_size=3, stop_ids=()).generate(reqs)
+    small = _target()  # a (same-vocabulary) causal LM as a classic draft model
+    for folder in (export_eagle3(draft, tmp_path / "eagle3"), save_model(small, tmp_path / "small")):
+        engine = build_engine(target, engine=EngineConfig(draft=str(folder), num_draft_tokens=2), max_batch_size=3,
+                              stop_ids=())
+        assert [r.output_ids for r in engine.generate(reqs)] == [r.output_ids for r in plain]
+        assert engine.stats["spec_target_forwards"] > 0
+    with pytest.raises(UserError, match="not a model folder"):
+        build_engine(target, engine=EngineConfig(draft=str(tmp_path)), max_batch_size=3)
+    with pytest.raises(ValueError, match="needs engine.kind=embedded"):
+        EngineConfig(kind="http", urls=["http://127.0.0.1:1"], draft="x")

@@ -54,6 +54,9 @@ class EngineConfig:
         forward: ``embedded`` only: the engine's forward, ``auto`` (the lean forward where it reproduces the
             model exactly, else the model's own forward over a KV cache), ``lean`` (an error where it cannot)
             or ``general`` (docs/post-train-your-own-model.md).
+        draft: ``embedded`` only: speculative decoding with this draft folder: an EAGLE-3 export of
+            `k3post draft` (``run/draft/<loss>/final``) or a small causal LM sharing the tokenizer; empty: off.
+        num_draft_tokens: tokens drafted and verified per row and round when ``draft`` is set.
     """
 
     kind: str = "embedded"
@@ -70,12 +73,18 @@ class EngineConfig:
     dialect: str = "k3post"
     server_slots: int = 0
     forward: str = "auto"
+    draft: str = ""
+    num_draft_tokens: int = 4
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINE_KINDS:
             raise ValueError(f"engine.kind must be one of {ENGINE_KINDS}, got {self.kind!r}")
         if self.forward not in ENGINE_FORWARDS:
             raise ValueError(f"engine.forward must be one of {ENGINE_FORWARDS}, got {self.forward!r}")
+        if self.draft and self.kind != "embedded":
+            raise ValueError(f"engine.draft (speculative decoding) needs engine.kind=embedded, got {self.kind!r}")
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"engine.num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.server_slots < 0:
             raise ValueError(f"engine.server_slots must be >= 0 (0: what the server reports), got {self.server_slots}")
         if self.launch < 0 or self.launch_threads < 0:

@@ -39,6 +39,33 @@ __all__ = ["RolloutConfig", "build_engine", "close_engine", "Rollout"]
 log = logging.getLogger(__name__)
 
 
+def _speculative(target: torch.nn.Module, cfg: EngineConfig) -> Any:
+    """`SpeculativeConfig` for ``cfg.draft``: an EAGLE-3 export (its config names ``LlamaForCausalLMEagle3``)
+    drives an `Eagle3Drafter` over ``target``'s embedding (features recomputed with ``target`` after a gap);
+    any other model folder a `ModelDrafter`. A folder that is neither is a UserError naming it."""
+    import json
+
+    from k3post.errors import UserError
+    from k3post.rollout.speculative import ModelDrafter, SpeculativeConfig
+
+    folder = Path(cfg.draft)
+    config = folder / "config.json"
+    if not config.is_file():
+        raise UserError(f"engine.draft: {folder} is not a model folder (config.json missing)")
+    if "LlamaForCausalLMEagle3" in json.loads(config.read_text()).get("architectures", []):
+        from k3post.spec.drafter import Eagle3Drafter
+        from k3post.spec.export import load_eagle3
+
+        drafter: Any = Eagle3Drafter(load_eagle3(folder, target.get_input_embeddings()), target)
+    else:
+        from k3post.models import load_model
+
+        drafter = ModelDrafter(load_model(folder).eval())
+    log.info("speculative decoding: %s drafts %d tokens a round (%s)", type(drafter).__name__, cfg.num_draft_tokens,
+             folder)
+    return SpeculativeConfig(drafter, cfg.num_draft_tokens)
+
+
 def build_engine(
     model: torch.nn.Module | str | Path,
     tokenizer: Any | None = None,
@@ -64,6 +91,11 @@ def build_engine(
     if cfg.kind == "embedded":
         from k3post.rollout.embedded import EmbeddedEngine
 
+        if cfg.draft:
+            from k3post.models import load_model
+
+            model = load_model(model) if isinstance(model, (str, Path)) else model
+            embedded = {"speculative": _speculative(model, cfg), **embedded}
         return EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size, max_model_len=max_model_len,
                               seed=seed, **{"path": cfg.forward, **embedded})
     if cfg.kind == "http":
