@@ -457,3 +457,20 @@ def test_cli_parser_and_bad_folder(tmp_path: Path) -> None:
     assert p.parse_args(["serve", "m"]).qat is True
     with pytest.raises(ValueError, match="no config.json"):
         build_server(tmp_path)
+
+
+def test_serve_with_a_draft_model(served: Served, tmp_path: Any) -> None:
+    """``k3post serve --draft DIR``: the engine decodes speculatively (here with the served model itself as a
+    classic draft model), and a greedy chat answer is the plain server's."""
+    from fastapi.testclient import TestClient
+
+    path = Path(served.app.state.server.config.model_path)
+    app = build_server(path, model_name=MODEL, max_batch_size=4, qat=False, seed=0, torch_threads=1, draft=str(path),
+                       num_draft_tokens=3)
+    engine = app.state.server.runner.engine
+    assert engine.speculative is not None and engine.speculative.num_draft_tokens == 3
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 12}
+    want = _post(served, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    with TestClient(app) as client:
+        got = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert got == want and engine.stats["spec_target_forwards"] > 0

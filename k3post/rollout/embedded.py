@@ -606,6 +606,11 @@ class EmbeddedEngine:
         return self._version
 
     @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The speculative-decoding setup (drafter, tokens a round), None when decoding plainly."""
+        return self._spec
+
+    @property
     def qat_enabled(self) -> bool:
         """True when the model's routed experts run the MX fake-quant (QAT) forward."""
         return any(hasattr(m, qat_module._CFG_ATTR) for m in self.model.modules())

@@ -44,6 +44,8 @@ def build_server(
     default_max_tokens: int | None = None,
     api_key: str | None = None,
     torch_threads: int | None = None,
+    draft: str | None = None,
+    num_draft_tokens: int = 4,
 ) -> "FastAPI":
     """Load ``model_dir`` (model + tokenizer) into an `EmbeddedEngine` and return the app.
 
@@ -60,7 +62,10 @@ def build_server(
         default_max_tokens: output cap of requests without ``max_tokens``.
         api_key: require ``Authorization: Bearer <api_key>`` on ``/v1/*``.
         torch_threads: torch CPU threads of the engine thread (None: torch's default).
+        draft: speculative decoding with this draft folder (an EAGLE-3 export of ``k3post draft`` or a small
+            causal LM; `k3post.config.rollout.EngineConfig.draft`), ``num_draft_tokens`` a round; None: off.
     """
+    from k3post.config.rollout import EngineConfig
     from k3post.quant.qat import QATConfig
     from k3post.rollout.factory import build_engine
     from k3post.serve.app import ServeConfig, create_app
@@ -78,8 +83,8 @@ def build_server(
     )
     tokenizer = load_tokenizer(path, require_xtml=True)
     engine = build_engine(
-        path, tokenizer, max_batch_size=max_batch_size, max_model_len=max_model_len,
-        qat=QATConfig() if qat else None, seed=seed,
+        path, tokenizer, engine=EngineConfig(draft=draft or "", num_draft_tokens=num_draft_tokens),
+        max_batch_size=max_batch_size, max_model_len=max_model_len, qat=QATConfig() if qat else None, seed=seed,
     )
     return create_app(EngineRunner(engine, torch_threads=torch_threads), tokenizer, config)
 
@@ -101,6 +106,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         ns.model_dir, model_name=ns.model_name, max_batch_size=ns.max_batch_size, max_model_len=ns.max_model_len,
         qat=ns.qat, seed=ns.seed, default_effort=ns.thinking_effort, default_max_tokens=ns.default_max_tokens,
         api_key=ns.api_key or os.environ.get("K3POST_API_KEY") or None, torch_threads=ns.threads,
+        draft=ns.draft, num_draft_tokens=ns.num_draft_tokens,
     )
     print(f"serving {app.state.server.config.model_name} on http://{ns.host}:{ns.port}/v1")
     serve(app, host=ns.host, port=ns.port, log_level=ns.log_level)
@@ -129,6 +135,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without a seed")
     p.add_argument("--thinking-effort", choices=_EFFORT_CHOICES, default=DEFAULT_EFFORT,
                    help="effort of requests that give none ('none' = instruct mode)")
+    p.add_argument("--draft", default=None, help="speculative decoding with this draft folder (an EAGLE-3 export "
+                   "of `k3post draft`, or a small causal LM sharing the tokenizer)")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens drafted per round with --draft")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="output cap for requests without max_tokens (default: the room left in the context)")
     p.add_argument("--api-key", default=None, help="require this Bearer key on /v1/* (or set K3POST_API_KEY)")
