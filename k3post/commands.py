@@ -1,11 +1,12 @@
-"""Command bodies behind `k3post sft` and `k3post init-model` (the demo has its own module)."""
+"""Command bodies behind `k3post sft`, `rl`, `experts`, `mopd`, `draft` and `init-model` (the demo has its own module)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import logging
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +24,8 @@ from k3post.xtml import XTML, text_segments
 
 if TYPE_CHECKING:
     from k3post.mopd import MOPDConfig
+
+log = logging.getLogger("k3post.commands")
 
 
 def default_corpus(n_per_family: int = 6, seed: int = 123, *, n_main: int = 60, main: str = "general.arithmetic") -> list[str]:
@@ -246,7 +249,7 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
     from k3post.experts import load_policy
     from k3post.rollout.factory import build_engine, close_engine
     from k3post.spec.data import load_samples, save_samples, target_generations, token_counts
-    from k3post.spec.eagle3 import DraftVocab, Eagle3Draft
+    from k3post.spec.eagle3 import DraftVocab, Eagle3Draft, engine_capturable
     from k3post.spec.export import export_eagle3
     from k3post.spec.mtp import load_mtp
     from k3post.spec.train import evaluate_alpha, expected_accept_length, train_draft
@@ -270,6 +273,10 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
     train = [s for k, s in enumerate(samples) if k % 10]
     L = len(target.model.layers)
     aux = tuple(d.aux_layers) or (1, L // 2, L)
+    if not engine_capturable(aux, L):  # said before training, not only at export
+        log.warning("draft.aux_layers %s include the final layer (id %d), which k3post's engine feeds the draft but "
+                    "stock vLLM / SGLang cannot capture; for those set draft.aux_layers=[1, %d, %d] (docs/decisions.md)",
+                    list(aux), L, L // 2, L - 1)
     vocab = None
     if d.draft_vocab:
         counts = token_counts(train)

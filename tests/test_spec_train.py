@@ -84,8 +84,9 @@ def test_resume_equals_an_uninterrupted_run(world, tmp_path, monkeypatch) -> Non
         assert torch.equal(a, b), n
 
 
-def test_k3post_draft_command(world, tmp_path) -> None:
-    """`k3post draft` on a saved target: data, training, held-out α table, vLLM/SGLang export."""
+def test_k3post_draft_command(world, tmp_path, caplog) -> None:
+    """`k3post draft` on a saved target: data, training, held-out α table, vLLM/SGLang export; before training it
+    says that the default final-layer feature cannot run on stock vLLM / SGLang."""
     from k3post.cli import main
 
     tok, target, _, _ = world
@@ -94,6 +95,7 @@ def test_k3post_draft_command(world, tmp_path) -> None:
                  "draft.families=[general.arithmetic]", "draft.n_per_family=6", "draft.efforts=[low]", "draft.max_tokens=16",
                  "draft.steps=4", "draft.batch_size=2", "draft.ttt_steps=2", "draft.progress=false", "draft.draft_vocab=200",
                  "qat.enabled=false"]) == 0
+    assert "stock vLLM / SGLang cannot capture; for those set draft.aux_layers=[1, 1, 1]" in caplog.text
     out = tmp_path / "r" / "draft"
     summary = json.loads((out / "summary.json").read_text())
     got = summary["losses"]["lk_alpha"]
