@@ -35,14 +35,17 @@ def save_checkpoint(
     write_extra: Callable[[Path], Any] | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep` checkpoints.
-    `write_extra(folder)` adds files to the checkpoint folder before it is renamed into place."""
+    `write_extra(folder)` adds files to the checkpoint folder before it is renamed into place. ``model`` None
+    writes no HF model folder (a module that is not a `PreTrainedModel` keeps its weights in ``state``)."""
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
+    tmp.mkdir(parents=True)
+    if model is not None:
+        model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if write_extra is not None:

@@ -51,8 +51,9 @@ class SFTResult:
     mtp: MTPHead | None = None  # the trained MTP head (save it with `save_mtp` beside the model)
 
 
-def lr_at(step: int, cfg: SFTConfig) -> float:
-    """Linear warmup to `lr` over `warmup_steps`, then cosine down to `lr * min_lr_ratio` at `steps`."""
+def lr_at(step: int, cfg: Any) -> float:
+    """Linear warmup to `lr` over `warmup_steps`, then cosine down to `lr * min_lr_ratio` at `steps` (``cfg``: any
+    config with those four fields, `SFTConfig` or `k3post.config.draft.DraftConfig`)."""
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     span = max(1, cfg.steps - cfg.warmup_steps)

@@ -65,17 +65,17 @@ def test_resume_equals_an_uninterrupted_run(world, tmp_path, monkeypatch) -> Non
     tok, target, train, _ = world
     full = _draft(target)
     train_draft(target, full, train, _cfg(), tmp_path / "full", pad_id=tok.pad_token_id)
-    save = T._save
+    save = T.save_checkpoint
 
     def killed_after_step_6(root, step, *a, **kw):
         save(root, step, *a, **kw)
         if step == 6:
             raise KeyboardInterrupt("killed")
 
-    monkeypatch.setattr(T, "_save", killed_after_step_6)
+    monkeypatch.setattr(T, "save_checkpoint", killed_after_step_6)
     with pytest.raises(KeyboardInterrupt):
         train_draft(target, _draft(target), train, _cfg(), tmp_path / "cut", pad_id=tok.pad_token_id)
-    monkeypatch.setattr(T, "_save", save)
+    monkeypatch.setattr(T, "save_checkpoint", save)
     resumed = _draft(target)
     cfg = _cfg()
     res = train_draft(target, resumed, train, cfg, tmp_path / "cut", pad_id=tok.pad_token_id)

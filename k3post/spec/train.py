@@ -9,16 +9,15 @@
                         sampled (cfg.loss: LK_α, LK_λ or KL)
         AdamW step on the draft (fc, midlayer, norm, lm_head; the shared embedding stays frozen)
 
-Checkpoints (``checkpoints/step-NNNNNN/draft.pt``: draft weights without the shared embedding, optimizer,
-step, RNG) are written atomically and ``latest`` last, so a killed run resumes exactly. Metrics (stage
+Checkpoints (`k3post.checkpoint.save_checkpoint`: ``checkpoints/step-NNNNNN/trainer_state.pt`` holds the draft
+weights without the shared embedding, the optimizer, step and RNG) are written atomically and ``latest`` last, so
+a killed run resumes exactly. Metrics (stage
 ``draft``): the loss, α per depth (the expected acceptance rate Σ min(p, q) at temperature 1), the learning rate.
 """
 
 from __future__ import annotations
 
-import math
 import random
-import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +26,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from k3post.checkpoint import rng_state, set_rng_state
+from k3post.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
 from k3post.config.draft import DraftConfig
 from k3post.metrics import MetricsLogger
+from k3post.sft import lr_at
 from k3post.spec.data import DraftSample
 from k3post.spec.eagle3 import Eagle3Draft, step_weights, target_features, unrolled_logits
 from k3post.spec.losses import acceptance, draft_loss
@@ -127,38 +127,9 @@ def expected_accept_length(alpha_by_depth: Sequence[float], k: int) -> float:
     return total
 
 
-def _lr(cfg: DraftConfig, step: int) -> float:
-    """Linear warmup, then cosine decay to ``lr * min_lr_ratio``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-
-
 def _trainable(draft: Eagle3Draft) -> dict[str, torch.nn.Parameter]:
     """The draft's own parameters (not the target's shared, frozen embedding)."""
     return {n: p for n, p in draft.named_parameters() if not n.startswith("embed_tokens.")}
-
-
-def _save(root: Path, step: int, draft: Eagle3Draft, opt: torch.optim.Optimizer, keep: int) -> None:
-    final = root / f"step-{step:06d}"
-    tmp = root / f".tmp-step-{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    state = {"step": step, "optimizer": opt.state_dict(), "rng": rng_state(),
-             "draft": {n: t for n, t in draft.state_dict().items() if not n.startswith("embed_tokens.")}}
-    torch.save(state, tmp / "draft.pt")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    (root / "latest.tmp").write_text(final.name)
-    (root / "latest.tmp").replace(root / "latest")
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _latest(root: Path) -> Path | None:
-    f = root / "latest"
-    return root / f.read_text().strip() if f.exists() else None
 
 
 def train_draft(
@@ -186,9 +157,9 @@ def train_draft(
     params = _trainable(draft)
     opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
     start = 0
-    latest = _latest(ckpts) if resume else None
+    latest = latest_checkpoint(ckpts) if resume else None
     if latest is not None:
-        state = torch.load(latest / "draft.pt", weights_only=False)
+        state = load_trainer_state(latest)
         draft.load_state_dict(state["draft"], strict=False)
         opt.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])
@@ -206,8 +177,9 @@ def train_draft(
             range(len(samples)), len(samples))  # one shuffle per epoch, a pure function of (seed, epoch)
         at = (step * cfg.batch_size) % len(samples)
         batch = [samples[order[(at + j) % len(samples)]] for j in range(min(cfg.batch_size, len(samples)))]
+        lr = lr_at(step, cfg)
         for g in opt.param_groups:
-            g["lr"] = _lr(cfg, step)
+            g["lr"] = lr
         losses = draft_step_losses(target, draft, *draft_batch(batch, cfg.max_len, pad_id), cfg, pad_id)
         loss = sum(float(weights[i]) * dl.loss for i, dl in enumerate(losses))
         opt.zero_grad(set_to_none=True)
@@ -215,7 +187,7 @@ def train_draft(
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.grad_clip)
         opt.step()
-        row = {"loss": float(loss.detach()), "lr": _lr(cfg, step), **{f"alpha_{i}": dl.alpha for i, dl in enumerate(losses)}}
+        row = {"loss": float(loss.detach()), "lr": lr, **{f"alpha_{i}": dl.alpha for i, dl in enumerate(losses)}}
         bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.3f}", alpha_0=f"{row.get('alpha_0', float('nan')):.3f}")
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
@@ -223,7 +195,9 @@ def train_draft(
             if metrics is not None:
                 metrics.log(stage, step + 1, row)
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            _save(ckpts, step + 1, draft, opt, cfg.keep_checkpoints)
+            own = {n: t for n, t in draft.state_dict().items() if not n.startswith("embed_tokens.")}  # not the target's
+            save_checkpoint(ckpts, step + 1, None, None, {"optimizer": opt.state_dict(), "draft": own},
+                            keep=cfg.keep_checkpoints)
     bar.close()
     draft.eval()
     return result
