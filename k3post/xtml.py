@@ -200,11 +200,6 @@ def _content_parts(content: Any, where: str) -> list[tuple[bool, str]]:
     raise ValueError(f"{where}: content must be a string, a list of content parts or None, got {type(content).__name__}")
 
 
-def _content_text(content: Any, where: str) -> str:
-    """OpenAI ``content`` as one string (image parts as the placeholder token, written literally)."""
-    return "".join(text for _, text in _content_parts(content, where))
-
-
 def _arg_type(value: Any, where: str) -> str:
     """The XTML argument type of a Python value."""
     if isinstance(value, str):
@@ -614,12 +609,12 @@ def _effort_of(effort: str | None, mode: str) -> str | None:
 def _build(
     messages: Sequence[Any],
     *,
-    tools: Sequence[Any] | None,
-    effort: str | None,
-    mode: str,
-    add_generation_prompt: bool,
-    tool_choice: Any,
-    response_format: Any,
+    tools: Sequence[Any] | None = None,
+    effort: str | None = None,
+    mode: str = "think",
+    add_generation_prompt: bool = False,
+    tool_choice: Any = None,
+    response_format: Any = None,
 ) -> _Builder:
     """Pieces of a full context (all four zones)."""
     _check_mode(mode)
@@ -687,12 +682,7 @@ def text_segments(messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[
     """The text segments of a context, in order: each is encoded on its own (`XTML.render`), so a tokenizer
     for XTML learns its merges from these (`k3post.tokenizer.train_tokenizer`). Keyword args are those
     of `render_text`."""
-    return [p.value for p in _build(messages, **{**_RENDER_DEFAULTS, **kwargs}).pieces if not p.special]
-
-
-_RENDER_DEFAULTS: dict[str, Any] = dict(
-    tools=None, effort=None, mode="think", add_generation_prompt=False, tool_choice=None, response_format=None
-)
+    return [p.value for p in _build(messages, **kwargs).pieces if not p.special]
 
 
 # --------------------------------------------------------------------------- results and events

@@ -102,8 +102,7 @@ def _expected_ids(enc: tiktoken.Encoding, **kw) -> list[int]:
     """The context's pieces, each special by its tiktoken id and each text segment by tiktoken's own
     ``encode_ordinary`` (what a K3 serving stack does with the shipped encoder's segments)."""
     ids: list[int] = []
-    for p in _build(**{"tools": None, "effort": None, "mode": "think", "add_generation_prompt": False,
-                       "tool_choice": None, "response_format": None, **kw}).pieces:
+    for p in _build(**kw).pieces:
         ids += [enc.encode_single_token(p.value)] if p.special else enc.encode_ordinary(p.value)
     return ids
 
