@@ -49,9 +49,9 @@ def _aux_row(target, draft, context: list[int], sp: SamplingParams, key: str = "
     return DraftRow(key, context, sp, seed, 0, fused[0, :-1].view(-1, 3, D), 0)
 
 
-def _bound(draft, target=None) -> Eagle3Drafter:
+def _bound(draft, target=None, rows: int = 4) -> Eagle3Drafter:
     d = Eagle3Drafter(draft, target)
-    d.bind(4, 64, V)
+    d.bind(rows, 64, V)
     return d
 
 
@@ -128,7 +128,7 @@ def test_greedy_speculative_equals_plain_decoding(models, path):
 def _eagle_probs(target, draft, contexts: list[list[int]], sp: SamplingParams) -> torch.Tensor:
     """The drafter's q of its first draft after each context (fresh rows): [B, V] float64."""
     rows = [_aux_row(target, draft, c, sp, key=f"c{i}") for i, c in enumerate(contexts)]
-    return _bound(draft).propose(rows, 1)[1][:, 0]
+    return _bound(draft, rows=len(rows)).propose(rows, 1)[1][:, 0]
 
 
 @pytest.mark.parametrize("sp", [SamplingParams(), SamplingParams(temperature=0.7, top_k=20, top_p=0.9)])
@@ -205,3 +205,25 @@ def test_engine_draft_config_key(models, tmp_path):
         build_engine(target, engine=EngineConfig(draft=str(tmp_path)), max_batch_size=3)
     with pytest.raises(ValueError, match="needs engine.kind=embedded"):
         EngineConfig(kind="http", urls=["http://127.0.0.1:1"], draft="x")
+
+
+def test_slots_are_bounded_reused_and_drafting_runs_to_the_length_limit(models):
+    """The drafter keeps one KV slot per live request: more live requests than it was bound for is a clear
+    error, a released slot is reused (and its old entries are not read: the new row drafts what a fresh
+    drafter drafts), and drafting k tokens at a context one short of max_len works (the drafted positions the
+    engine never verifies are clamped into the cache)."""
+    target, draft = models
+    sp = SamplingParams()
+    dr = Eagle3Drafter(draft, target)
+    dr.bind(2, 16, V)
+    dr.propose([_aux_row(target, draft, PROMPT, sp, key="a"), _aux_row(target, draft, PROMPT + [8], sp, key="b")], 3)
+    with pytest.raises(ValueError, match="more live requests than the 2"):
+        dr.propose([_aux_row(target, draft, PROMPT, sp, key="c")], 3)
+    dr.release("a")
+    ctx = [2, 60, 17, 33, 9, 41, 12]
+    d_1K, q_1KV = dr.propose([_aux_row(target, draft, ctx, sp, key="c")], 3)
+    d0_1K, q0_1KV = _bound(draft, target).propose([_aux_row(target, draft, ctx, sp, key="c")], 3)
+    assert torch.equal(d_1K, d0_1K) and (q_1KV - q0_1KV).abs().max().item() < 1e-6
+    long = (PROMPT * 4)[:15]  # n = max_len - 1: drafted steps reach positions 14 .. 18 > 15
+    d_1K, q_1KV = dr.propose([_aux_row(target, draft, long, sp, key="b")], 5)
+    assert q_1KV.shape == (1, 5, V) and torch.isfinite(q_1KV).all() and (q_1KV.sum(-1) - 1).abs().max() < 1e-6

@@ -325,3 +325,50 @@ def test_drafter_receives_target_hidden_states_of_aux_layers(models, path):
         want_NAD = torch.stack([grabbed[0][0], grabbed[1][0]], dim=1)[: len(got_NAD)]
         assert len(got_NAD) >= len(ids) - 4  # every position but those of the last round
         assert (got_NAD - want_NAD).abs().max().item() < 1e-4
+
+
+def test_row_sampling_probs_equals_sampling_probs_bit_for_bit():
+    """``row_sampling_probs`` (its shortcut when every row samples unfiltered, and the general path for a mixed
+    batch) gives ``sampling_probs``' float64 distributions exactly, row by row and position by position."""
+    g = torch.Generator().manual_seed(0)
+    logits_BSV = torch.randn(3, 4, 50, generator=g) * 3
+    for sps in ([SamplingParams(temperature=1.0), SamplingParams(temperature=0.7), SamplingParams(temperature=1.3,
+                                                                                                 top_k=50)],
+                [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0), SamplingParams(top_p=0.8)]):
+        got_BSV = spec_mod.row_sampling_probs(logits_BSV, sps)
+        for b, sp in enumerate(sps):
+            want_SV = sampling_probs(logits_BSV[b], torch.full((4,), sp.temperature), torch.full((4,), sp.top_k),
+                                     torch.full((4,), sp.top_p))
+            assert got_BSV.dtype == torch.float64 and torch.equal(got_BSV[b], want_SV)
+
+
+@pytest.mark.parametrize("aux", [(), (0, 1)])
+def test_lean_verify_forward_equals_the_chunk_forward(models, aux):
+    """The lean path's decode-shaped verify forward (one indexed K/V write per layer, attention over the slot
+    views) gives the chunk forward's logits at every verified position, the same hidden states after the aux
+    layers and the same cache entries, for rows at different positions and ragged chunks (a row shorter than
+    the rest is padded; its padded logits are not compared)."""
+    target = models[0]
+    engine = EmbeddedEngine(target, max_batch_size=3, stop_ids=(), path="lean")
+    engine._aux_layers = aux
+    for i, n in enumerate((4, 9, 6)):
+        engine.add_request(GenerationRequest(f"r{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=50, seed=i)))
+    for _ in range(3):
+        engine.step()
+    seqs = engine._running
+    chunks = [[s.context[-1], 11, 40, 2] for s in seqs[:2]] + [[seqs[2].context[-1], 7]]
+    starts = [s.n_cached for s in seqs]
+    with torch.inference_mode():
+        want_BTV = engine._forward_chunks(chunks, starts, [s.slot for s in seqs], all_positions=True)
+        want_aux = engine._captured
+        want_kv = [t[:, :, : max(starts) + 4].clone() for t in engine.cache.keys + engine.cache.values]
+        got_BTV = engine._verify_lean(seqs, chunks)
+        got_aux = engine._captured
+    for b, c in enumerate(chunks):
+        assert (got_BTV[b, : len(c)] - want_BTV[b, : len(c)]).abs().max().item() < 1e-5
+        if aux:
+            assert (got_aux[b, : len(c)] - want_aux[b, : len(c)]).abs().max().item() < 1e-5
+        for t_want, t_got in zip(want_kv, engine.cache.keys + engine.cache.values):
+            lo, hi = starts[b], starts[b] + len(c)
+            assert (t_got[b, :, lo:hi] - t_want[b, :, lo:hi]).abs().max().item() < 1e-5
+    assert got_BTV.shape[1] == 4 and (got_aux is None) == (not aux)

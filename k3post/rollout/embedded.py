@@ -1009,8 +1009,11 @@ class EmbeddedEngine:
         k_list = [min(k, self.max_model_len - len(s.context) - 1) for s in seqs]
         drafts = draft_BK.tolist()
         chunks = [[s.context[-1]] + d[:kb] for s, d, kb in zip(seqs, drafts, k_list)]
-        logits_BTV = self._forward_chunks(chunks, [s.n_cached for s in seqs], [s.slot for s in seqs],
-                                          all_positions=True)
+        if self._general is not None:
+            logits_BTV = self._forward_chunks(chunks, [s.n_cached for s in seqs], [s.slot for s in seqs],
+                                              all_positions=True)
+        else:
+            logits_BTV = self._verify_lean(seqs, chunks)
         assert logits_BTV is not None
         T = k + 1
         if logits_BTV.shape[1] < T:  # every row capped by max_model_len: pad (those positions are unused)
@@ -1337,6 +1340,46 @@ class EmbeddedEngine:
                 ])
             x_BD = self._mlp(w, li, self._o_proj(w, lw, li, x_BD, o_BF))
         return self._logits(w, x_BD)
+
+    def _verify_lean(self, seqs: list[_Seq], chunks: list[list[int]]) -> torch.Tensor:
+        """Logits [B, T, V] of a speculative round's verify forward on the lean path, decode-shaped: row b
+        (slot b) feeds ``chunks[b]`` (its pending token and drafts) at positions n_cached.. .
+
+        Like ``_decode_lean`` with T query positions per row instead of one: the B*T rows go through one
+        q/k/v GEMM, one q/k norm + rotary, one indexed K/V write per layer (``step_index`` over [B, T]
+        positions), attention over the slot cache views (no gather) under the causal mask
+        key <= n_cached + t, and the dense MoE on B*T rows. Rows shorter than T (capped by max_model_len)
+        are padded with their last token; their padded positions are clamped to max_model_len - 1, past
+        the row's valid positions (their K/V is overwritten before any read; their logits are unused).
+        The hidden states after ``aux_layers`` are captured [B, T, A, D] as on the chunk path."""
+        B, dev = len(seqs), self.device
+        assert all(s.slot == b for b, s in enumerate(seqs)), "the verify forward reads slots 0..B-1"
+        T = max(len(c) for c in chunks)
+        H, G, E = self._n_heads, self._n_kv, self._head_dim
+        NE, N = (H + G) * E, B * T
+        ids_BT = torch.tensor([c + [c[-1]] * (T - len(c)) for c in chunks], dtype=torch.long, device=dev)
+        start_B = torch.tensor([s.n_cached for s in seqs], dtype=torch.long, device=dev)
+        pos_BT = (start_B[:, None] + self._pos_P[:T][None, :]).clamp_(max=self.max_model_len - 1)
+        L = int(pos_BT.max()) + 1
+        self.cache.ensure_capacity(L)
+        keep_B1TL = (self._pos_P[:L][None, None, :] <= pos_BT[:, :, None])[:, None]
+        cos_N1E, sin_N1E = self._rotary(pos_BT.view(N))
+        index_NG = self.cache.step_index(pos_BT)
+        w = self._weights()
+        x_ND = self._embed_ids(w, ids_BT.view(N))
+        aux: dict[int, torch.Tensor] = {}
+        for li, lw in enumerate(w.layers):
+            qkv_NF = lw.qkv(_rms(x_ND, lw.in_norm, w.exact))
+            qk_NME = self._qk_rotary(w, lw, qkv_NF[:, :NE].view(N, H + G, E), cos_N1E, sin_N1E)
+            self.cache.write_step(li, index_NG, qk_NME[:, H:], qkv_NF[:, NE:].view(N, G, E))
+            k_BGLE, v_BGLE = self.cache.view(li, B, L)
+            o_BHTE = self._attend(qk_NME[:, :H].view(B, T, H, E).transpose(1, 2), k_BGLE, v_BGLE, keep_B1TL)
+            x_ND = self._mlp(w, li, self._o_proj(w, lw, li, x_ND, o_BHTE.transpose(1, 2).reshape(N, H * E)))
+            if li in self._aux_layers:
+                aux[li] = x_ND.view(B, T, -1)
+        if self._aux_layers:
+            self._captured = torch.stack([aux[i] for i in self._aux_layers], dim=2)
+        return self._logits(w, x_ND).view(B, T, -1)
 
     def _forward_chunks(
         self, chunks: list[list[int]], starts: list[int], slots: list[int], *, logits: bool = True,

@@ -82,20 +82,24 @@ class SlotKVCache:
         self.capacity = new_cap
         self._row_base_SH = None
 
-    def step_index(self, pos_B: torch.Tensor) -> torch.Tensor:
+    def step_index(self, pos_B: torch.Tensor, slots_B: torch.Tensor | None = None) -> torch.Tensor:
         """Row indices into the flattened [S*H*C, D] cache for writing position ``pos_B[b]``
-        of slot b (b = 0..B-1), for every kv head: [B*H], ordered (b, h), i.e.
-        ``(b*H + h)*C + pos_B[b]``. Valid until the capacity changes; compute once per
-        decode step, reuse per layer."""
+        of slot b (b = 0..B-1; slot ``slots_B[b]`` when given), for every kv head: [B*H],
+        ordered (b, h), i.e. ``(b*H + h)*C + pos_B[b]``. With T positions per slot (``pos_B``
+        [B, T]): [B*T*H], ordered (b, t, h). Valid until the capacity changes; compute once
+        per decode step, reuse per layer."""
         B = pos_B.shape[0]
         if self._row_base_SH is None:
             self._row_base_SH = (
                 torch.arange(self.num_slots * self.num_kv_heads, device=self.device) * self.capacity
             ).view(self.num_slots, self.num_kv_heads)
-        return (self._row_base_SH[:B] + pos_B[:, None]).view(-1)
+        base_BH = self._row_base_SH[:B] if slots_B is None else self._row_base_SH[slots_B]
+        if pos_B.dim() == 2:
+            return (base_BH[:, None, :] + pos_B[:, :, None]).view(-1)
+        return (base_BH + pos_B[:, None]).view(-1)
 
     def write_step(self, layer: int, index_BH: torch.Tensor, k_BHD: torch.Tensor, v_BHD: torch.Tensor) -> None:
-        """Write one position per slot 0..B-1 (``index_BH`` from ``step_index``)."""
+        """Write the positions ``index_BH`` names (from ``step_index``; k / v rows in its order)."""
         D = self.head_dim
         self.keys[layer].view(-1, D).index_copy_(0, index_BH, k_BHD.reshape(-1, D))
         self.values[layer].view(-1, D).index_copy_(0, index_BH, v_BHD.reshape(-1, D))

@@ -130,6 +130,10 @@ def row_sampling_probs(logits_BSV: torch.Tensor, sampling: Sequence[SamplingPara
     float64 [B, S, V]."""
     B, S, V = logits_BSV.shape
     dev = logits_BSV.device
+    if all(sp.temperature > 0 and (sp.top_k <= 0 or sp.top_k >= V) and sp.top_p >= 1.0 for sp in sampling):
+        # every row unfiltered: sampling_probs' ops on those rows (softmax(logits / T) in fp32, then float64)
+        temp_B11 = torch.tensor([float(sp.temperature) for sp in sampling], dtype=torch.float32, device=dev)
+        return torch.softmax(logits_BSV.float() / temp_B11[:, None, None], dim=-1).double()
     params_3B = torch.tensor([[sp.temperature for sp in sampling], [float(sp.top_k) for sp in sampling],
                               [sp.top_p for sp in sampling]], dtype=torch.float64, device=dev)
     params_3N = params_3B.repeat_interleave(S, dim=1)
