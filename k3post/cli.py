@@ -29,11 +29,13 @@ from pathlib import Path
 
 
 def _load(config: str | None, overrides: list[str]):  # noqa: ANN202
-    from k3post.config import load_config
+    from k3post.config import apply_sandbox_config, load_config
     from k3post.errors import user_input
 
     with user_input():  # the config's own checks (each component's __post_init__) validate the user's input
-        return load_config(config, overrides)
+        cfg = load_config(config, overrides)
+    apply_sandbox_config(cfg.sandbox)
+    return cfg
 
 
 def _split_config(args: list[str]) -> tuple[str | None, list[str]]:

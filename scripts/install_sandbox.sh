@@ -3,10 +3,13 @@
 # via apt-get when it is missing and we can, then report which isolation
 # backend really works here.
 #
-# Idempotent (does nothing when bwrap is already installed) and never fails
-# the install: where apt-get is unavailable, or we are not root, or the
-# package cannot be fetched, it prints a warning and exits 0; the sandbox then
-# falls back to `unshare` namespaces or, at worst, rlimits only (weak isolation).
+# Idempotent (does nothing when bwrap is already installed).  Exits 1 when
+# apt-get is available but bubblewrap cannot be installed (not root and no
+# passwordless sudo, or the package cannot be fetched): the sandbox refuses to
+# run model-written code without isolation, so an install without bwrap is a
+# failed install.  Where apt-get is unavailable it warns and exits 0; the
+# sandbox then uses `unshare` namespaces if they work, else refuses unless
+# sandbox.allow_weak_isolation=true (K3POST_ALLOW_WEAK_ISOLATION=1).
 set -u
 
 warn() { echo "install_sandbox: warning: $*" >&2; }
@@ -29,17 +32,25 @@ else
     if ! command -v apt-get >/dev/null 2>&1; then
         warn "apt-get not found; install bubblewrap with your package manager for full isolation"
     elif [ "$(id -u)" != "0" ] && [ -z "$SUDO" ]; then
-        warn "not root and no passwordless sudo; cannot apt-get install bubblewrap"
+        echo "install_sandbox: error: not root and no passwordless sudo; cannot apt-get install bubblewrap" >&2
+        echo "install_sandbox: run: sudo apt-get install bubblewrap" >&2
+        exit 1
     else
         info "installing bubblewrap with apt-get"
         export DEBIAN_FRONTEND=noninteractive
         # A stale package index is the usual reason for a failed install: retry after an update.
         if ! $SUDO apt-get install -y -q --no-install-recommends bubblewrap >/dev/null 2>&1; then
             $SUDO apt-get update -q >/dev/null 2>&1 || warn "apt-get update failed"
-            $SUDO apt-get install -y -q --no-install-recommends bubblewrap >/dev/null 2>&1 \
-                || warn "apt-get install bubblewrap failed"
+            if ! $SUDO apt-get install -y -q --no-install-recommends bubblewrap >/dev/null 2>&1; then
+                echo "install_sandbox: error: apt-get install bubblewrap failed" >&2
+                exit 1
+            fi
         fi
-        command -v bwrap >/dev/null 2>&1 && info "installed $(command -v bwrap)"
+        if ! command -v bwrap >/dev/null 2>&1; then
+            echo "install_sandbox: error: bubblewrap installed but bwrap is not on PATH" >&2
+            exit 1
+        fi
+        info "installed $(command -v bwrap)"
     fi
 fi
 
@@ -52,7 +63,8 @@ works = {b: probe_backend(b) for b in BACKENDS}
 best = next(b for b in BACKENDS if works[b])
 print("install_sandbox: backends: " + ", ".join(f"{b}={'ok' if ok else 'unavailable'}" for b, ok in works.items()))
 if best == "rlimit":
-    print("install_sandbox: WARNING: only the rlimit backend works; sandbox isolation is weak")
+    print("install_sandbox: WARNING: no namespace backend works here (containers often forbid them); the sandbox "
+          "refuses to run model-written code unless sandbox.allow_weak_isolation=true")
 else:
     print(f"install_sandbox: sandbox backend in use: {best}")
 EOF

@@ -33,13 +33,14 @@ from k3post.config.optim import OptimConfig
 from k3post.config.quant import QATConfig
 from k3post.config.rl import RLConfig
 from k3post.config.rollout import EngineConfig, RolloutConfig
+from k3post.config.sandbox import SandboxConfig, apply_sandbox_config
 from k3post.config.sft import SFTConfig
 from k3post.errors import UserError
 from k3post.yamlio import read_yaml_mapping
 
 __all__ = ["ConfigError", "RunConfig", "DemoConfig", "K3Config", "load_config", "to_yaml", "DataConfig", "EffortConfig",
            "EvalConfig", "ModelConfig", "TokenizerConfig", "MOPDConfig", "OptimConfig", "QATConfig", "RLConfig",
-           "EngineConfig", "RolloutConfig", "SFTConfig", "DraftConfig"]
+           "EngineConfig", "RolloutConfig", "SFTConfig", "DraftConfig", "SandboxConfig", "apply_sandbox_config"]
 
 
 class ConfigError(UserError):
@@ -89,6 +90,7 @@ class K3Config:
     mopd: MOPDConfig = field(default_factory=MOPDConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
 def _field_types(cls: type, prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -26,11 +26,22 @@ probed once per interpreter by actually running ``true`` inside it:
     ``chroot``-s into it.
 ``rlimit``
     resource limits, a dedicated uid (when the host is root) and process-group
-    killing only.  Filesystem and network are **not** isolated; a loud
-    warning is emitted.
+    killing only.  Filesystem and network are **not** isolated.
+
+The sandbox fails closed: when neither namespace backend works, ``"auto"``
+raises :class:`SandboxUnavailableError` (saying how to install bubblewrap)
+instead of dropping to ``rlimit``, unless weak isolation was allowed
+explicitly (``K3POST_ALLOW_WEAK_ISOLATION=1``, which the config key
+``sandbox.allow_weak_isolation=true`` sets).  Naming ``rlimit`` (argument,
+``K3POST_SANDBOX_BACKEND`` or ``sandbox.backend``) is such an explicit choice.
+A weak sandbox logs a warning on every run and flags every
+:class:`SandboxResult` with ``weak_isolation=True``.
 
 The backend can be forced with ``Sandbox(backend=...)`` or the environment
 variable ``K3POST_SANDBOX_BACKEND``.
+
+Resource limits are applied before the command starts or the run does not
+happen: a failed ``setrlimit`` raises :class:`RuntimeError` naming the limit.
 
 When the host process is root, every sandbox runs under its own unprivileged
 uid (allocated from :data:`UID_BASE`), because ``RLIMIT_NPROC`` is not
@@ -79,7 +90,9 @@ __all__ = [
     "Sandbox",
     "SandboxLimits",
     "SandboxResult",
+    "SandboxUnavailableError",
     "available_backends",
+    "weak_isolation_allowed",
     "probe_backend",
 ]
 
@@ -97,6 +110,8 @@ UID_POOL = 100_000
 INNER_UID = 1000
 
 _ENV_BACKEND = "K3POST_SANDBOX_BACKEND"
+#: Environment variable that allows the weak ``rlimit`` fallback (``1``/``true``/``yes``).
+ENV_ALLOW_WEAK = "K3POST_ALLOW_WEAK_ISOLATION"
 _TOKEN_VAR = "K3POST_SANDBOX_TOKEN"
 _OPT_BIN = "/opt/sandbox/bin"
 _INNER_PATH = f"{_OPT_BIN}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
@@ -203,6 +218,8 @@ class SandboxResult:
         wall_s: wall-clock seconds of the run (launch to reap).
         backend: isolation backend used.
         truncated: some output was discarded because of the cap.
+        weak_isolation: the run had rlimits only (no filesystem or network
+            isolation); set for the ``rlimit`` backend.
     """
 
     returncode: int
@@ -213,6 +230,7 @@ class SandboxResult:
     wall_s: float
     backend: str
     truncated: bool = False
+    weak_isolation: bool = False
 
     @property
     def ok(self) -> bool:
@@ -410,8 +428,18 @@ def _etc_files(etc_dir: str, uid: int) -> None:
         os.chmod(path, 0o644)
 
 
-def _bwrap_argv(workdir_fd: int, prefixes: list[str], etc_dir_fd: int, limits: SandboxLimits, python: str) -> list[str]:
-    """bubblewrap command line (without the user command) for one run."""
+_ETC_SYNTHETIC: tuple[str, ...] = ("passwd", "group", "hosts", "hostname")
+
+
+def _bwrap_argv(
+    workdir_fd: int, prefixes: list[str], etc_fds: Mapping[str, int], limits: SandboxLimits, python: str
+) -> list[str]:
+    """bubblewrap command line (without the user command) for one run.
+
+    Every fd handed to bwrap is one that bwrap closes after use (``--bind-fd``,
+    ``--ro-bind-data``): an fd that survived into the command would be a
+    handle on the host filesystem outside the view (``/proc/self/fd/N/..``).
+    """
     bwrap = shutil.which("bwrap") or "/usr/bin/bwrap"
     argv = [
         bwrap,
@@ -441,8 +469,8 @@ def _bwrap_argv(workdir_fd: int, prefixes: list[str], etc_dir_fd: int, limits: S
         host = f"/etc/{name}"
         if os.path.lexists(host):
             argv += ["--ro-bind-try", host, host]
-    for name in ("passwd", "group", "hosts", "hostname"):
-        argv += ["--ro-bind", f"/proc/self/fd/{etc_dir_fd}/{name}", f"/etc/{name}"]
+    for name in _ETC_SYNTHETIC:
+        argv += ["--ro-bind-data", str(etc_fds[name]), f"/etc/{name}"]
     argv += [
         "--proc",
         "/proc",
@@ -493,8 +521,7 @@ cd "$R"
 for d in $SBX_LINKS; do /usr/bin/ln -s "$(/usr/bin/readlink "/$d")" "$d"; done
 for d in $SBX_DIRS; do /usr/bin/mkdir -p "$d"; /usr/bin/mount --rbind "/$d" "$d"; /usr/bin/mount -o remount,bind,ro "$d" 2>/dev/null || true; done
 for f in $SBX_ETC; do /usr/bin/cp -a "/etc/$f" "etc/$f" 2>/dev/null || true; done
-/usr/bin/cp "/proc/self/fd/$SBX_ETCFD/passwd" "/proc/self/fd/$SBX_ETCFD/group" "/proc/self/fd/$SBX_ETCFD/hosts" \
-    "/proc/self/fd/$SBX_ETCFD/hostname" etc/
+/usr/bin/cp "$SBX_ETCDIR/passwd" "$SBX_ETCDIR/group" "$SBX_ETCDIR/hosts" "$SBX_ETCDIR/hostname" etc/
 for n in null zero full random urandom tty; do
     /usr/bin/touch "dev/$n"; /usr/bin/mount --bind "/dev/$n" "dev/$n"
 done
@@ -519,7 +546,7 @@ cd /
 /usr/bin/umount -l /.oldroot
 /usr/bin/rmdir /.oldroot
 /usr/bin/mount -o remount,bind,ro / 2>/dev/null || true
-unset SBX_ROOT SBX_TMPFS SBX_LINKS SBX_DIRS SBX_ETC SBX_ETCFD SBX_PREFIXES SBX_WORK SBX_PYTHON
+unset SBX_ROOT SBX_TMPFS SBX_LINKS SBX_DIRS SBX_ETC SBX_ETCDIR SBX_PREFIXES SBX_WORK SBX_PYTHON
 cd /sandbox
 # pid 1 of the namespace is a shell that waits for the command: the kernel
 # ignores SIGXCPU for a namespace init, and the namespace (with every detached
@@ -531,9 +558,13 @@ exec /usr/bin/setpriv --no-new-privs --inh-caps=-all --bounding-set=-all \
 
 
 def _unshare_argv(
-    root_mount: str, workdir: str, prefixes: list[str], etc_dir_fd: int, limits: SandboxLimits, python: str
+    root_mount: str, workdir: str, prefixes: list[str], etc_dir: str, limits: SandboxLimits, python: str
 ) -> tuple[list[str], dict[str, str]]:
-    """``unshare`` command line and setup environment for one run."""
+    """``unshare`` command line and setup environment for one run.
+
+    Paths only, no fds: an fd inherited by the command would be a handle on the host filesystem
+    outside the view (``/proc/self/fd/N/..``), and dash cannot close fds above 9.
+    """
     unshare = shutil.which("unshare") or "/usr/bin/unshare"
     links = [d for d in _ROOT_LINK_DIRS if os.path.islink(f"/{d}")]
     dirs = [d for d in _ROOT_LINK_DIRS if not os.path.islink(f"/{d}") and os.path.isdir(f"/{d}")]
@@ -544,7 +575,7 @@ def _unshare_argv(
         "SBX_LINKS": " ".join(links),
         "SBX_DIRS": " ".join(dirs),
         "SBX_ETC": " ".join(etc),
-        "SBX_ETCFD": str(etc_dir_fd),
+        "SBX_ETCDIR": etc_dir,
         "SBX_PREFIXES": " ".join(prefixes),
         # Bind sources must be paths (a bind from an fd opened in the host mount
         # namespace is refused), so the sandbox uid needs search permission on
@@ -578,6 +609,8 @@ def _unshare_argv(
 # --------------------------------------------------------------------------
 
 _probe_cache: dict[str, bool] = {}
+# Limit wrappers (``prlimit`` options, uid dropped or not) that applied cleanly once.
+_wrapper_ok: set[tuple[str, ...]] = set()
 _probe_lock = threading.Lock()
 
 
@@ -619,6 +652,15 @@ def available_backends() -> list[str]:
     return [b for b in BACKENDS if probe_backend(b)]
 
 
+class SandboxUnavailableError(RuntimeError):
+    """No isolating backend works here and weak isolation was not allowed."""
+
+
+def weak_isolation_allowed() -> bool:
+    """Whether :data:`ENV_ALLOW_WEAK` allows the ``rlimit`` fallback of ``backend="auto"``."""
+    return os.environ.get(ENV_ALLOW_WEAK, "").strip().lower() in ("1", "true", "yes")
+
+
 def _select_backend(requested: str) -> str:
     requested = requested.strip().lower()
     if requested == "auto":
@@ -626,10 +668,17 @@ def _select_backend(requested: str) -> str:
         if env_choice and env_choice != "auto":
             requested = env_choice
     if requested == "auto":
-        for name in BACKENDS:
+        for name in BACKENDS[:-1]:
             if probe_backend(name):
                 return name
-        raise AssertionError("unreachable: rlimit backend always works")
+        if weak_isolation_allowed():
+            return "rlimit"
+        raise SandboxUnavailableError(
+            "no isolating sandbox backend works on this machine (bwrap: unavailable, unshare: unavailable), so "
+            "model-written code will not run. Install bubblewrap: `bash scripts/install.sh` (or "
+            "`apt-get install bubblewrap`). To run it anyway with rlimits only (WEAK isolation: host files "
+            f"readable, network open), set sandbox.allow_weak_isolation=true or {ENV_ALLOW_WEAK}=1."
+        )
     if requested not in BACKENDS:
         raise ValueError(f"unknown sandbox backend {requested!r}; choose from {('auto',) + BACKENDS}")
     return requested
@@ -650,7 +699,10 @@ class Sandbox:
         limits: resource limits for every run.
         backend: ``"auto"`` (default; honours ``K3POST_SANDBOX_BACKEND``),
             ``"bwrap"``, ``"unshare"`` or ``"rlimit"``.  A forced namespace
-            backend that does not work here raises :class:`RuntimeError`.
+            backend that does not work here raises :class:`RuntimeError`;
+            ``"auto"`` where no namespace backend works raises
+            :class:`SandboxUnavailableError` unless weak isolation is allowed
+            (:func:`weak_isolation_allowed`).
         python: which interpreter ``python``/``python3`` run inside:
             ``"system"`` (default; ``/usr/bin/python3``, stdlib only) or
             ``"host"`` (this interpreter and its site-packages, bound
@@ -695,7 +747,7 @@ class Sandbox:
                 why = (
                     "rlimit backend requested"
                     if backend.strip().lower() != "auto" or os.environ.get(_ENV_BACKEND, "").strip()
-                    else "no namespace backend (bwrap / unshare) works here"
+                    else f"no namespace backend (bwrap / unshare) works here and {ENV_ALLOW_WEAK} allows that"
                 )
                 msg = (
                     f"k3post sandbox: {why}; using rlimits only, so isolation is WEAK: sandboxed code "
@@ -742,6 +794,7 @@ class Sandbox:
             os.symlink(self._python, self._private / "bin" / alias)
         self._nproc_slack = 0
         self._limits_cache: list[tuple[int, str, int, int]] = []
+        self._preexec_err = -1
         self._fix_ownership()
 
     # ------------------------------------------------------------------ files
@@ -766,7 +819,10 @@ class Sandbox:
         if ".." in pure.parts:
             raise ValueError(f"path traversal is not allowed in the sandbox: {raw!r}")
         root = self.workdir.resolve()
-        candidate = (root / pure).resolve()
+        try:
+            candidate = (root / pure).resolve()
+        except OSError as exc:  # e.g. a planted link into /proc/1/root: unresolvable means outside
+            raise ValueError(f"path {raw!r} resolves outside the sandbox working directory ({exc})") from exc
         if candidate != root and root not in candidate.parents:
             raise ValueError(f"path {raw!r} resolves outside the sandbox working directory")
         if must_exist and not candidate.exists():
@@ -952,17 +1008,38 @@ class Sandbox:
         argv.append("--")
         return argv
 
+    def _check_wrapper(self, wrapper: list[str]) -> None:
+        """Run ``true`` under ``wrapper`` once per distinct limit set: a limit ``prlimit`` cannot set is an error.
+
+        ``prlimit`` refuses to exec the command when a ``setrlimit`` fails, so a
+        run would only come back as exit status 1; checking with a trusted
+        command turns that into a :class:`RuntimeError` naming the limit (the
+        sandboxed program's own stderr is never parsed for it).
+        """
+        key = tuple(a for a in wrapper if not a.startswith(("--reuid=", "--regid=")))
+        if key in _wrapper_ok:
+            return
+        proc = subprocess.run([*wrapper, "true"], capture_output=True, text=True, timeout=30)
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"sandbox: could not apply the resource limits ({' '.join(wrapper)}): {proc.stderr.strip()[-500:]}"
+            )
+        _wrapper_ok.add(key)
+
     def _preexec(self) -> None:
         """Fallback child-side setup between fork and exec: rlimits (uid is set by Popen).
 
         Runs after the uid switch, so it must not import anything (the host
-        interpreter's files may be unreadable to the sandbox uid).
+        interpreter's files may be unreadable to the sandbox uid).  A failed
+        ``setrlimit`` writes the limit's name to :attr:`_preexec_err` and
+        raises, so ``Popen`` fails and :meth:`run` raises naming the limit.
         """
-        for res, _opt, soft, hard in self._limits_cache:
+        for res, opt, soft, hard in self._limits_cache:
             try:
                 resource.setrlimit(res, (soft, hard))
-            except (ValueError, OSError):
-                pass
+            except (ValueError, OSError) as exc:
+                os.write(self._preexec_err, f"RLIMIT_{opt[2:].upper()}={soft}:{hard}: {exc}".encode())
+                raise
 
     def _env(self, token: str, extra: Mapping[str, str] | None) -> dict[str, str]:
         if self.backend == "rlimit":
@@ -993,26 +1070,26 @@ class Sandbox:
     def _build(self, argv: list[str], env: dict[str, str]) -> tuple[_Launch, dict[str, str]]:
         if self.backend == "rlimit":
             return _Launch(argv=list(argv), cwd=str(self.workdir)), env
+        if self.backend == "unshare":
+            cmd, setup_env = _unshare_argv(
+                str(self._private / "root"), str(self.workdir), self._prefixes, str(self._private), self.limits,
+                self._python,
+            )
+            return _Launch(argv=cmd + list(argv), cwd="/"), {**env, **setup_env}
         opened: list[int] = []
         try:
             wfd = os.open(self.workdir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             opened.append(wfd)
-            efd = os.open(self._private, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-            opened.append(efd)
+            etc_fds: dict[str, int] = {}
+            for name in _ETC_SYNTHETIC:
+                etc_fds[name] = os.open(self._private / name, os.O_RDONLY | os.O_CLOEXEC)
+                opened.append(etc_fds[name])
         except OSError:
             for fd in opened:
                 os.close(fd)
             raise
-        if self.backend == "bwrap":
-            cmd = _bwrap_argv(wfd, self._prefixes, efd, self.limits, self._python) + list(argv)
-            launch_env = env
-        else:
-            cmd, setup_env = _unshare_argv(
-                str(self._private / "root"), str(self.workdir), self._prefixes, efd, self.limits, self._python
-            )
-            cmd = cmd + list(argv)
-            launch_env = {**env, **setup_env}
-        return _Launch(argv=cmd, cwd="/", pass_fds=tuple(opened), close_after=opened), launch_env
+        cmd = _bwrap_argv(wfd, self._prefixes, etc_fds, self.limits, self._python) + list(argv)
+        return _Launch(argv=cmd, cwd="/", pass_fds=tuple(opened), close_after=opened), env
 
     def run(
         self,
@@ -1068,14 +1145,24 @@ class Sandbox:
         self._nproc_slack = 0 if self._drop_uid is not None else _count_user_procs(os.getuid())
         popen_kwargs: dict[str, Any] = {}
         wrapper = self._wrapper_argv()
+        err_r = err_w = -1
         if wrapper is not None:
+            self._check_wrapper(wrapper)
             argv_full = wrapper + launch.argv
         else:
             argv_full = launch.argv
             self._limits_cache = self._rlimit_pairs()
+            err_r, err_w = os.pipe()
+            launch.close_after += [err_r, err_w]
+            self._preexec_err = err_w
             popen_kwargs["preexec_fn"] = self._preexec
             if self._drop_uid is not None:
                 popen_kwargs.update(user=self._drop_uid, group=self._drop_uid, extra_groups=[])
+        if self.weak_isolation:
+            logger.warning(
+                "k3post sandbox: WEAK isolation (rlimit backend): %s runs without filesystem or network isolation",
+                argv[0],
+            )
         start = time.monotonic()
         try:
             proc = subprocess.Popen(
@@ -1100,8 +1187,16 @@ class Sandbox:
                     killed_reason=None,
                     wall_s=time.monotonic() - start,
                     backend=self.backend,
+                    weak_isolation=True,
                 )
             raise
+        except subprocess.SubprocessError as exc:
+            if err_r < 0:
+                raise
+            os.close(err_w)
+            launch.close_after.remove(err_w)
+            why = os.read(err_r, 4096).decode(errors="replace") or str(exc)
+            raise RuntimeError(f"sandbox: setrlimit failed before the command started: {why}") from exc
         finally:
             for fd in launch.close_after:
                 try:
@@ -1262,6 +1357,7 @@ class Sandbox:
             wall_s=wall,
             backend=self.backend,
             truncated=truncated,
+            weak_isolation=self.weak_isolation,
         )
 
     @staticmethod
@@ -1287,6 +1383,11 @@ class Sandbox:
         return f"signal:{_signal_name(-rc)}"
 
     # -------------------------------------------------------------- lifecycle
+
+    @property
+    def weak_isolation(self) -> bool:
+        """True for the ``rlimit`` backend: no filesystem or network isolation."""
+        return self.backend == "rlimit"
 
     def _check_open(self) -> None:
         if self._closed:

@@ -178,11 +178,14 @@ class Verdict:
         reward: scalar reward (finite; families usually keep it in [0, 1]).
         components: named partial scores that make up ``reward`` (for logging and analysis).
         diagnostics: human-readable explanation (never shown to the policy during the episode).
+        weak_isolation: the verifier ran the policy's code in a sandbox without filesystem or network
+            isolation (``sandbox.allow_weak_isolation``); kept in the JSON form only when true.
     """
 
     reward: float
     components: Mapping[str, float] = field(default_factory=dict)
     diagnostics: str = ""
+    weak_isolation: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
@@ -199,12 +202,17 @@ class Verdict:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
-        return {"reward": self.reward, "components": dict(self.components), "diagnostics": self.diagnostics}
+        out = {"reward": self.reward, "components": dict(self.components), "diagnostics": self.diagnostics}
+        if self.weak_isolation:
+            out["weak_isolation"] = True
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Verdict":
         """Inverse of `to_dict`."""
-        return cls(data["reward"], data.get("components", {}), data.get("diagnostics", ""))
+        return cls(
+            data["reward"], data.get("components", {}), data.get("diagnostics", ""), bool(data.get("weak_isolation"))
+        )
 
 
 @dataclass

@@ -21,7 +21,7 @@ Endpoints:
   (``text_completion`` chunks).
 * ``GET /v1/models``, ``GET /v1/models/{id}``: the served model.
 * ``GET /health``: liveness plus the engine runner's counters (``peak_running``,
-  ``weight_version`` etc.).
+  ``weight_version`` etc.); with an API key set, liveness only (``{"status": "ok"}``).
 * The engine protocol with SGLang's names (``/generate`` on token ids with log-probs and
   versions, ``/abort_request``, ``/pause_generation``, ``/continue_generation``,
   ``/update_weights_from_disk``, ...): `k3post.serve.engine_api`.
@@ -67,14 +67,26 @@ Decisions (ours):
   (``parallel_tool_calls``, ``user``, ``metadata``, ...) are ignored.
 * ``system_fingerprint`` is ``k3post-v<policy version>`` of the engine.
 
+* **Limits** (`ServeLimits`, each a setting with a safe default; the error names it): request
+  body size (413 ``request_too_large``), prompts per ``/v1/completions`` request (400),
+  ``n`` (400), ``max_tokens`` (400; without ``max_tokens`` a request gets
+  ``ServeConfig.default_max_tokens``, 1024 by default, not the rest of the context), engine
+  requests in flight (429 ``server_busy`` with ``Retry-After``), seconds per request (504
+  ``timeout``; a stream ends with that error event). Prompt scoring (``echo``) runs in forwards
+  of at most ``echo_batch_tokens`` padded tokens, each its own call between engine steps, so
+  other clients' generation goes on in between.
+* **API key** compared in constant time (`hmac.compare_digest`).
+
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with HTTP 400
-for invalid requests, 401 for a wrong API key, 404 for an unknown model, 500 when the
-engine fails.
+for invalid requests, 401 for a wrong API key, 404 for an unknown model, 413 / 429 / 504 for
+the limits above, 500 when the engine fails.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hmac
 import json
 import math
 import time
@@ -87,14 +99,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from k3post.policy_step import sequence_logprobs
+from k3post.policy_step import micro_batches, sequence_logprobs
 from k3post.rollout.engine import GenerationRequest, GenerationResult, SamplingParams, request_seed
 from k3post.serve.runner import EngineRunner, ErrorEvent, FinishEvent, RunnerEvent, TokenEvent
 from k3post.tokenizer import decode, text_offsets
 from k3post.constants import DEFAULT_EFFORT
 from k3post.xtml import EFFORTS, XTML, TextDelta, ToolCall, ToolCallStart, XTMLParseError
 
-__all__ = ["ServeConfig", "APIError", "create_app", "EFFORT_CHOICES", "INSTRUCT_EFFORT"]
+__all__ = ["ServeConfig", "ServeLimits", "APIError", "create_app", "EFFORT_CHOICES", "INSTRUCT_EFFORT"]
 
 INSTRUCT_EFFORT = "none"
 """The ``thinking_effort`` value that selects instruct mode."""
@@ -102,8 +114,52 @@ INSTRUCT_EFFORT = "none"
 EFFORT_CHOICES: tuple[str, ...] = EFFORTS + (INSTRUCT_EFFORT,)
 """Accepted ``thinking_effort`` values: ``low``, ``high``, ``max`` (think mode) and ``none`` (instruct)."""
 
-MAX_N = 64
-"""Most choices (``n``) in one request."""
+@dataclass(frozen=True)
+class ServeLimits:
+    """Bounds that keep the server up under load and bad input (``k3post serve --limit KEY=VALUE``).
+
+    Fields:
+        max_body_bytes: largest request body (413).
+        max_prompts: most prompts in one ``/v1/completions`` request (400).
+        max_n: most choices ``n`` in one request (400).
+        max_tokens: most new tokens one choice may ask for (400).
+        max_inflight: most engine requests (choices) queued or running for HTTP clients at once;
+            a request that would exceed it is a 429 with ``Retry-After``.
+        request_timeout_s: wall-clock seconds a request may take (504; streams end with the error).
+        echo_batch_tokens: padded tokens per scoring forward of ``echo`` (one engine-thread call
+            each, so generation for other clients goes on between them).
+        retry_after_s: the ``Retry-After`` seconds of a 429.
+    """
+
+    max_body_bytes: int = 8 * 1024**2
+    max_prompts: int = 64
+    max_n: int = 16
+    max_tokens: int = 8192
+    max_inflight: int = 256
+    request_timeout_s: float = 600.0
+    echo_batch_tokens: int = 8192
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"ServeLimits.{f.name} must be a positive number, got {v!r}")
+
+    @classmethod
+    def parse(cls, items: Sequence[str]) -> "ServeLimits":
+        """From ``KEY=VALUE`` strings (``max_n=4``); an unknown key or bad value is a ValueError naming it."""
+        kinds = {f.name: (float if f.type in ("float", float) else int) for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for item in items:
+            key, sep, raw = item.partition("=")
+            if not sep or key not in kinds:
+                raise ValueError(f"--limit {item!r}: expected KEY=VALUE with KEY one of {sorted(kinds)}")
+            try:
+                values[key] = kinds[key](raw)
+            except ValueError:
+                raise ValueError(f"--limit {key}: {raw!r} is not a {kinds[key].__name__}") from None
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -115,17 +171,21 @@ class ServeConfig:
         default_effort: ``thinking_effort`` for requests that give none (``low`` | ``high`` |
             ``max`` | ``none`` for instruct mode); `k3post.constants.DEFAULT_EFFORT` (``max``) as the
             shipped K3 encoder.
-        default_max_tokens: cap on output tokens for requests without ``max_tokens``
-            (None: the room left under ``max_model_len``).
-        api_key: when set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>``.
+        default_max_tokens: cap on output tokens for requests without ``max_tokens`` (1024;
+            None: the room left under ``max_model_len``, which lets one request hold a slot for
+            the whole context).
+        api_key: when set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>`` and
+            ``/health`` reports liveness only.
         model_path: the served model folder (reported by ``/get_model_info``), when known.
+        limits: request bounds (`ServeLimits`).
     """
 
     model_name: str
     default_effort: str = DEFAULT_EFFORT
-    default_max_tokens: int | None = None
+    default_max_tokens: int | None = 1024
     api_key: str | None = None
     model_path: str | None = None
+    limits: ServeLimits = ServeLimits()
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -234,14 +294,24 @@ class _Sampling:
     stop_ids: frozenset[int]
 
 
+def _limited(body: Mapping[str, Any], key: str, limit: int, setting: str) -> int | None:
+    """``body[key]`` as an int >= 1; above ``limit`` a 400 naming the key and the server setting."""
+    v = _integer(body, key, lo=1)
+    if v is not None and v > limit:
+        raise APIError(f"'{key}'={v} exceeds this server's limit of {limit} (ServeLimits.{setting})", param=key,
+                       code="limit_exceeded")
+    return v
+
+
 def _sampling(body: Mapping[str, Any], *, prompt_len: int, max_model_len: int, vocab: int,
-              default_stop_ids: frozenset[int], default_max_tokens: int | None, prompt_param: str) -> _Sampling:
+              default_stop_ids: frozenset[int], default_max_tokens: int | None, prompt_param: str,
+              limits: ServeLimits) -> _Sampling:
     """The SamplingParams of each choice; 400s name the offending field."""
     _reject_unsupported(body)
     temperature = _number(body, "temperature", 1.0, lo=0.0)
     top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)
     top_k = _integer(body, "top_k", lo=-1) or 0
-    n = _integer(body, "n", lo=1, hi=MAX_N) or 1
+    n = _limited(body, "n", limits.max_n, "max_n") or 1
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise APIError(f"'seed' must be an integer, got {seed!r}", param="seed")
@@ -252,10 +322,10 @@ def _sampling(body: Mapping[str, Any], *, prompt_len: int, max_model_len: int, v
             f"of {max_model_len} tokens",
             param=prompt_param, code="context_length_exceeded",
         )
-    max_tokens = _integer(body, "max_completion_tokens", lo=1)
+    max_tokens = _limited(body, "max_completion_tokens", limits.max_tokens, "max_tokens")
     key = "max_completion_tokens"
     if max_tokens is None:
-        max_tokens, key = _integer(body, "max_tokens", lo=1), "max_tokens"
+        max_tokens, key = _limited(body, "max_tokens", limits.max_tokens, "max_tokens"), "max_tokens"
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(room, default_max_tokens)
     elif max_tokens > room:
@@ -354,31 +424,67 @@ def _render_param(message: str) -> str:
 # --------------------------------------------------------------------------- in-flight requests
 
 
-class _Inflight:
-    """The engine requests of one HTTP request (its n choices) and their event stream."""
+def _admit(srv: "_Server", k: int) -> None:
+    """Room for ``k`` more engine requests: a 429 (retry later) when the server is full, a 400 when
+    ``k`` alone is over the limit (retrying cannot help)."""
+    limit = srv.config.limits.max_inflight
+    if k > limit:
+        raise APIError(f"the request needs {k} engine requests (prompts x n), more than this server's limit of "
+                       f"{limit} in flight (ServeLimits.max_inflight)", code="limit_exceeded")
+    if srv.inflight + k > limit:
+        raise APIError(f"the server is busy: {srv.inflight} requests in flight, the limit is {limit} "
+                       "(ServeLimits.max_inflight); retry later", status=429, code="server_busy",
+                       type_="rate_limit_error")
 
-    def __init__(self, runner: EngineRunner, requests: list[GenerationRequest], *, stream: bool) -> None:
-        self.runner = runner
+
+class _Inflight:
+    """The engine requests of one HTTP request (its n choices) and their event stream.
+
+    Admission: more than ``limits.max_inflight`` engine requests in flight is a 429; the
+    request's wall clock starts here and ends it with a 504 after ``limits.request_timeout_s``.
+    """
+
+    def __init__(self, srv: "_Server", requests: list[GenerationRequest], *, stream: bool) -> None:
+        limits = srv.config.limits
+        _admit(srv, len(requests))
+        self.srv = srv
+        self.runner = srv.runner
         self.requests = requests
         self.sink: asyncio.Queue[RunnerEvent] = asyncio.Queue()
         self.pending = set(range(len(requests)))
+        self.deadline = time.monotonic() + limits.request_timeout_s
+        srv.inflight += len(requests)
+        self.counted = len(requests)
         for i, r in enumerate(requests):
-            runner.submit(r, self.sink, i, stream=stream)
+            self.runner.submit(r, self.sink, i, stream=stream)
+
+    def _release(self, k: int) -> None:
+        k = min(k, self.counted)
+        self.counted -= k
+        self.srv.inflight -= k
 
     async def events(self) -> AsyncIterator[RunnerEvent]:
-        """Events until every choice has finished, failed or been dropped."""
+        """Events until every choice has finished, failed or been dropped; a 504 at the deadline."""
         while self.pending:
-            ev = await self.sink.get()
+            try:
+                ev = await asyncio.wait_for(self.sink.get(), max(0.0, self.deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                self.close()
+                limit = self.srv.config.limits.request_timeout_s
+                raise APIError(f"the request took longer than {limit:g} s (ServeLimits.request_timeout_s)",
+                               status=504, code="timeout", type_="server_error") from None
             if ev.tag not in self.pending:  # dropped earlier
                 continue
             if isinstance(ev, (FinishEvent, ErrorEvent)):
                 self.pending.discard(ev.tag)
+                self._release(1)
             yield ev
 
     def drop(self, i: int) -> None:
         """Stop choice ``i`` early (a stop string matched)."""
         if i in self.pending:
             self.pending.discard(i)
+            self._release(1)
             self.runner.abort([self.requests[i].request_id])
 
     def close(self) -> None:
@@ -386,6 +492,7 @@ class _Inflight:
         if self.pending:
             self.runner.abort([self.requests[i].request_id for i in self.pending])
             self.pending.clear()
+        self._release(self.counted)
 
 
 def _raise_error_event(ev: ErrorEvent) -> None:
@@ -395,10 +502,23 @@ def _raise_error_event(ev: ErrorEvent) -> None:
     raise APIError(str(err), status=500, type_="server_error")
 
 
+def _too_large(limit: int) -> APIError:
+    return APIError(f"the request body is larger than {limit} bytes (ServeLimits.max_body_bytes)", status=413,
+                    code="request_too_large")
+
+
 async def json_body(request: Request) -> dict[str, Any]:
-    """The request's JSON object body; a 400 when it is not valid JSON or not an object."""
+    """The request's JSON object body; a 400 when it is not valid JSON or not an object, a 413 when
+    it is larger than ``ServeLimits.max_body_bytes`` (read in chunks: a body without
+    Content-Length is cut off at the limit, never buffered whole)."""
+    limit = request.app.state.server.config.limits.max_body_bytes
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise _too_large(limit)
     try:
-        body = await request.json()
+        body = json.loads(bytes(raw))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
@@ -427,6 +547,7 @@ class _Server:
         self.vocab = int(embed.num_embeddings) if embed is not None else len(tokenizer)
         self.default_stop_ids: frozenset[int] = frozenset(getattr(engine, "default_stop_ids", frozenset([self.xtml.eom_id])))
         self.created = int(time.time())
+        self.inflight = 0  # engine requests of HTTP clients queued or running (`_Inflight`)
 
     # ------------------------------------------------------------------ helpers
     def check_model(self, body: Mapping[str, Any]) -> None:
@@ -491,28 +612,36 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
 
     app.include_router(engine_router(srv))
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.payload(), status_code=exc.status)
-
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         err = APIError(f"internal error: {type(exc).__name__}: {exc}", status=500, type_="server_error")
         return JSONResponse(err.payload(), status_code=500)
 
     @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Any:
+    async def _auth_and_size(request: Request, call_next: Any) -> Any:
         key = config.api_key
         if key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {key}":
+            given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, f"Bearer {key}".encode("utf-8", "surrogateescape")):
                 err = APIError("invalid or missing API key", status=401, type_="authentication_error",
                                code="invalid_api_key")
                 return JSONResponse(err.payload(), status_code=401)
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > config.limits.max_body_bytes:  # refused before reading it
+            err = _too_large(config.limits.max_body_bytes)
+            return JSONResponse(err.payload(), status_code=413, headers={"Connection": "close"})
         return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        headers = {"Retry-After": str(config.limits.retry_after_s)} if exc.status == 429 else None
+        return JSONResponse(exc.payload(), status_code=exc.status, headers=headers)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = runner.running
+        if config.api_key:  # liveness only: no model name, sizes or counters for anonymous callers
+            return JSONResponse({"status": "ok" if ok else "stopped"}, status_code=200 if ok else 503)
         return JSONResponse({"status": "ok" if ok else "stopped", "model": config.model_name,
                              "max_model_len": srv.max_model_len, "engine": runner.stats()},
                             status_code=200 if ok else 503)
@@ -557,7 +686,7 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
         prompt = rendered.ids
         samp = _sampling(body, prompt_len=len(prompt), max_model_len=srv.max_model_len, vocab=srv.vocab,
                          default_stop_ids=srv.default_stop_ids, default_max_tokens=config.default_max_tokens,
-                         prompt_param="messages")
+                         prompt_param="messages", limits=config.limits)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         reqs = [GenerationRequest(f"{cid}-{i}", prompt, sampling=sp) for i, sp in enumerate(samp.params)]
@@ -573,12 +702,12 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
             return {"prompt_tokens": len(prompt), "completion_tokens": c, "total_tokens": len(prompt) + c}
 
         if stream:
-            inflight = _Inflight(runner, reqs, stream=True)
+            inflight = _Inflight(srv, reqs, stream=True)
             return StreamingResponse(
                 _chat_stream(srv, inflight, mode, base, want_logprobs, include_usage, finish_reason, usage),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             )
-        inflight = _Inflight(runner, reqs, stream=False)
+        inflight = _Inflight(srv, reqs, stream=False)
         results: dict[int, GenerationResult] = {}
         try:
             async for ev in inflight.events():
@@ -620,6 +749,9 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
         body = await json_body(request)
         srv.check_model(body)
         prompts = _prompts(body, srv)
+        if len(prompts) > config.limits.max_prompts:
+            raise APIError(f"'prompt' holds {len(prompts)} prompts; this server's limit is {config.limits.max_prompts} "
+                           "(ServeLimits.max_prompts)", param="prompt", code="limit_exceeded")
         if body.get("suffix"):
             raise APIError("'suffix' is not supported by this server", param="suffix", code="unsupported_parameter")
         lp = _integer(body, "logprobs", lo=0, hi=20)
@@ -643,14 +775,14 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
         for p, ids in enumerate(prompts):
             samp = _sampling(body, prompt_len=len(ids), max_model_len=srv.max_model_len, vocab=srv.vocab,
                              default_stop_ids=srv.default_stop_ids, default_max_tokens=config.default_max_tokens,
-                             prompt_param="prompt")
+                             prompt_param="prompt", limits=config.limits)
             stop_ids = samp.stop_ids
             for j, sp in enumerate(samp.params):
                 reqs.append(GenerationRequest(f"{cid}-{p}-{j}", ids, sampling=sp))
         base = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": config.model_name}
         n_prompt = sum(len(ids) for ids in prompts)
         # stop strings need the tokens as they come, so choices stream internally when there are any
-        inflight = _Inflight(runner, reqs, stream=stream or bool(stops))
+        inflight = _Inflight(srv, reqs, stream=stream or bool(stops))
         texts = [_CompletionText(srv, stops, stop_ids) for _ in reqs]
         gen = _completion_events(srv, inflight, texts, lp is not None)
         if stream:
@@ -701,10 +833,6 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
 # --------------------------------------------------------------------------- prompt scoring (echo)
 
 
-#: padded tokens per scoring forward of ``echo`` requests
-ECHO_BATCH_TOKENS = 8192
-
-
 async def _echo(srv: _Server, body: Mapping[str, Any], prompts: list[list[int]], want_logprobs: bool) -> dict[str, Any]:
     """``echo`` with ``max_tokens: 0``: each prompt scored by the served model in one prefill (the vLLM
     convention MOPD teachers and log-likelihood evaluations use): ``text`` is the prompt, ``logprobs``
@@ -719,7 +847,7 @@ async def _echo(srv: _Server, body: Mapping[str, Any], prompts: list[list[int]],
     for i, ids in enumerate(prompts):
         if len(ids) > srv.max_model_len:
             raise APIError(f"prompt {i} has {len(ids)} tokens, more than the model's {srv.max_model_len}", param="prompt")
-    scores = await srv.runner.call(lambda engine: sequence_logprobs(engine.model, prompts, ECHO_BATCH_TOKENS))
+    scores = await _score_in_steps(srv, prompts)
     choices = []
     for i, (ids, lps) in enumerate(zip(prompts, scores)):
         logprobs = None
@@ -731,6 +859,30 @@ async def _echo(srv: _Server, body: Mapping[str, Any], prompts: list[list[int]],
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": srv.config.model_name, "system_fingerprint": srv.fingerprint(), "choices": choices,
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}}
+
+
+async def _score_in_steps(srv: _Server, prompts: list[list[int]]) -> list[list[float]]:
+    """`sequence_logprobs` of ``prompts``, one engine-thread call per forward of at most
+    ``echo_batch_tokens`` padded tokens, so the engine steps other clients' generation in between;
+    counted in flight (429 when full) and bounded by ``request_timeout_s`` (504, checked between forwards)."""
+    limits = srv.config.limits
+    _admit(srv, len(prompts))
+    deadline = time.monotonic() + limits.request_timeout_s
+    scores: list[list[float]] = [[] for _ in prompts]
+    srv.inflight += len(prompts)
+    try:
+        for idx in micro_batches([len(p) for p in prompts], limits.echo_batch_tokens):
+            if time.monotonic() > deadline:
+                raise APIError(f"the request took longer than {limits.request_timeout_s:g} s "
+                               "(ServeLimits.request_timeout_s)", status=504, code="timeout", type_="server_error")
+            group = [prompts[i] for i in idx]
+            out = await srv.runner.call(
+                lambda engine, group=group: sequence_logprobs(engine.model, group, limits.echo_batch_tokens))
+            for i, lps in zip(idx, out):
+                scores[i] = lps
+    finally:
+        srv.inflight -= len(prompts)
+    return scores
 
 
 # --------------------------------------------------------------------------- chat streaming

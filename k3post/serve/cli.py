@@ -27,6 +27,8 @@ from k3post.errors import UserError
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from k3post.serve.app import ServeLimits
+
 __all__ = ["add_serve_parser", "build_server", "serve", "cmd_serve"]
 
 _EFFORT_CHOICES = ("low", "high", "max", "none")  # k3post.serve.app.EFFORT_CHOICES, without importing FastAPI
@@ -41,8 +43,9 @@ def build_server(
     qat: bool = True,
     seed: int = 0,
     default_effort: str = DEFAULT_EFFORT,
-    default_max_tokens: int | None = None,
+    default_max_tokens: int | None = 1024,
     api_key: str | None = None,
+    limits: "ServeLimits | None" = None,
     torch_threads: int | None = None,
     draft: str | None = None,
     num_draft_tokens: int = 4,
@@ -59,8 +62,9 @@ def build_server(
             activations), as in QAT training and RL rollouts (SPEC §5, §6.1).
         seed: engine seed (requests without ``seed``).
         default_effort: ``thinking_effort`` of requests that give none.
-        default_max_tokens: output cap of requests without ``max_tokens``.
+        default_max_tokens: output cap of requests without ``max_tokens`` (None: the room left).
         api_key: require ``Authorization: Bearer <api_key>`` on ``/v1/*``.
+        limits: request bounds (`k3post.serve.app.ServeLimits`; None: its safe defaults).
         torch_threads: torch CPU threads of the engine thread (None: torch's default).
         draft: speculative decoding with this draft folder (an EAGLE-3 export of ``k3post draft`` or a small
             causal LM; `k3post.config.rollout.EngineConfig.draft`), ``num_draft_tokens`` a round; None: off.
@@ -68,7 +72,7 @@ def build_server(
     from k3post.config.rollout import EngineConfig
     from k3post.quant.qat import QATConfig
     from k3post.rollout.factory import build_engine
-    from k3post.serve.app import ServeConfig, create_app
+    from k3post.serve.app import ServeConfig, ServeLimits, create_app
     from k3post.serve.runner import EngineRunner
     from k3post.tokenizer import load_tokenizer
 
@@ -80,6 +84,7 @@ def build_server(
     config = ServeConfig(
         model_name=model_name or path.resolve().name, default_effort=default_effort,
         default_max_tokens=default_max_tokens, api_key=api_key, model_path=str(path.resolve()),
+        limits=limits or ServeLimits(),
     )
     tokenizer = load_tokenizer(path, require_xtml=True)
     engine = build_engine(
@@ -102,11 +107,17 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise UserError(f"--port must be in [0, 65535], got {ns.port}")
     if ns.threads is not None and ns.threads < 1:
         raise UserError(f"--threads must be >= 1, got {ns.threads}")
+    from k3post.serve.app import ServeLimits
+
+    try:
+        limits = ServeLimits.parse(ns.limit)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     app = build_server(
         ns.model_dir, model_name=ns.model_name, max_batch_size=ns.max_batch_size, max_model_len=ns.max_model_len,
-        qat=ns.qat, seed=ns.seed, default_effort=ns.thinking_effort, default_max_tokens=ns.default_max_tokens,
+        qat=ns.qat, seed=ns.seed, default_effort=ns.thinking_effort, default_max_tokens=ns.default_max_tokens or None,
         api_key=ns.api_key or os.environ.get("K3POST_API_KEY") or None, torch_threads=ns.threads,
-        draft=ns.draft, num_draft_tokens=ns.num_draft_tokens,
+        draft=ns.draft, num_draft_tokens=ns.num_draft_tokens, limits=limits,
     )
     print(f"serving {app.state.server.config.model_name} on http://{ns.host}:{ns.port}/v1")
     serve(app, host=ns.host, port=ns.port, log_level=ns.log_level)
@@ -138,8 +149,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="speculative decoding with this draft folder (an EAGLE-3 export "
                    "of `k3post draft`, or a small causal LM sharing the tokenizer)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens drafted per round with --draft")
-    p.add_argument("--default-max-tokens", type=int, default=None,
-                   help="output cap for requests without max_tokens (default: the room left in the context)")
+    p.add_argument("--default-max-tokens", type=int, default=1024,
+                   help="output cap for requests without max_tokens (default 1024; 0: the room left in the context)")
+    p.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
+                   help="a request bound (repeatable): max_body_bytes, max_prompts, max_n, max_tokens, max_inflight, "
+                        "request_timeout_s, echo_batch_tokens, retry_after_s (k3post.serve.app.ServeLimits)")
     p.add_argument("--api-key", default=None, help="require this Bearer key on /v1/* (or set K3POST_API_KEY)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the engine thread")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

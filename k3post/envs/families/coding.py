@@ -188,8 +188,9 @@ def _verify_in_fresh_sandbox(files: Mapping[str, str], cases: Sequence[Mapping[s
         for path, text in files.items():
             sb.write_file(path, text)
         results, why = run_calls(sb, cases)
+        weak = sb.weak_isolation
     if results is None:
-        return Verdict(0.0, {"pass_rate": 0.0}, why)
+        return Verdict(0.0, {"pass_rate": 0.0}, why, weak)
     ok = _score(cases, results)
     rate = sum(ok) / len(ok)
     bad = [i for i, o in enumerate(ok) if not o]
@@ -198,7 +199,7 @@ def _verify_in_fresh_sandbox(files: Mapping[str, str], cases: Sequence[Mapping[s
         c, r = cases[bad[0]], results[bad[0]]
         got = decode_value(r["value"]) if r.get("ok") else r.get("error")
         diag += f"; first failure: {_call_text(c['func'], c['args'])} gave {got!r}, expected {decode_value(c['expected'])!r}"
-    return Verdict(1.0 if not bad else 0.0, {"pass_rate": rate}, diag)
+    return Verdict(1.0 if not bad else 0.0, {"pass_rate": rate}, diag, weak)
 
 
 # --------------------------------------------------------------------------- tools
