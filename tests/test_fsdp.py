@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from k3post.config import ConfigError, load_config
 from k3post.config.distributed import FSDPConfig
 from k3post.data import Sample, collate
 from k3post.distributed.fsdp import FSDPTrainer, launch_local
@@ -188,5 +189,10 @@ def test_fsdp_config_and_trainer_errors():
         FSDPConfig(ranks=0)
     with pytest.raises(ValueError, match="distributed.fsdp.mixed_precision must be one of"):
         FSDPConfig(mixed_precision="fp16")
+    assert load_config(overrides=["distributed.fsdp.ranks=2"]).distributed.fsdp.ranks == 2
+    with pytest.raises(ValueError, match="distributed.fsdp.ranks must be an int >= 1, got 0"):
+        load_config(overrides=["distributed.fsdp.ranks=0"])
+    with pytest.raises(ConfigError, match="did you mean 'distributed.fsdp.ranks'"):
+        load_config(overrides=["distributed.fsdp.rank=2"])
     with pytest.raises(ValueError, match="needs an initialised process group"):
         FSDPTrainer(_model(), ADAMW)
