@@ -32,8 +32,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +41,8 @@ import torch
 from k3post.algos.policy_loss import policy_loss
 
 __all__ = ["TokenSequence", "token_logprobs", "shared_prefix_logprobs", "sequence_logprobs", "micro_batches",
-           "plan_micro_batches", "policy_step"]
+           "plan_micro_batches", "clip_grad_norm", "policy_grads", "step_metrics",
+           "policy_step"]
 
 log = logging.getLogger(__name__)
 _NO_SHARED_PREFIX: set[str] = set()  # model classes already logged as using the full forward
@@ -274,6 +274,95 @@ def _collate(seqs: Sequence[TokenSequence], pad_id: int, version: int | None = N
     return out
 
 
+def clip_grad_norm(params: Sequence[torch.Tensor], grad_clip: float) -> float:
+    """The global L2 norm of the gradients of ``params``; with ``grad_clip`` > 0 they are scaled so that it is at
+    most ``grad_clip`` (``torch.nn.utils.clip_grad_norm_``). Sharded (DTensor) gradients give the norm over every
+    shard (a collective: every rank calls it)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    if hasattr(total, "full_tensor"):  # DTensor: the partial norms of the shards, reduced over the ranks
+        total = total.full_tensor()
+    if grad_clip > 0 and grads:
+        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, total)
+    return float(total)
+
+
+def policy_grads(
+    model: torch.nn.Module,
+    seqs: Sequence[TokenSequence],
+    groups: Sequence[tuple[list[int], int]],
+    *,
+    pad_id: int,
+    token_normalizer: float,
+    loss_kwargs: Mapping[str, Any] | None = None,
+    version: int | None = None,
+    before_backward: Callable[[int], None] | None = None,
+) -> dict[str, float]:
+    """Forward and backward of `policy_loss` over the micro-batches ``groups`` (from `plan_micro_batches`),
+    gradients accumulated into ``model``'s ``.grad`` (not zeroed here), each micro-batch's loss divided by
+    ``token_normalizer`` (the sampled tokens of the whole step, over every rank). ``before_backward(i)`` runs
+    before the i-th backward (a sharded trainer turns its gradient reduction on for the last one).
+
+    Returns sums to combine over ranks: ``loss``, ``forward_tokens``, ``gap_sum``, ``gap_n``, ``tokens``
+    (sampled tokens seen), ``sum/<metric>`` (policy_loss's metrics × their tokens), and maxima ``max/gap``,
+    ``max/max_abs_log_ratio``."""
+    kwargs = dict(loss_kwargs or {})
+    device = next(model.parameters()).device
+    out: dict[str, float] = {"loss": 0.0, "forward_tokens": 0.0, "gap_sum": 0.0, "gap_n": 0.0, "tokens": 0.0,
+                             "max/gap": 0.0, "max/max_abs_log_ratio": 0.0}
+    for i, (idx, prefix) in enumerate(groups):
+        batch = _collate([seqs[j] for j in idx], pad_id, version, device)
+        got = None
+        if prefix:
+            got = shared_prefix_logprobs(model, batch["ids"], batch["attn"], prefix, entropy_mask_BT=batch["mask"])
+            if got is None and type(model).__name__ not in _NO_SHARED_PREFIX:
+                _NO_SHARED_PREFIX.add(type(model).__name__)
+                log.warning("%s: its KV cache cannot be broadcast to the samples of a group; the trainer runs "
+                            "their shared prompt once per sample", type(model).__name__)
+        logp_BT, ent_BT = got if got is not None else token_logprobs(model, batch["ids"], batch["attn"],
+                                                                     entropy_mask_BT=batch["mask"])
+        B, T = batch["ids"].shape
+        out["forward_tokens"] += prefix + B * (T - prefix) if got is not None else B * T
+        with torch.no_grad():
+            gap_N = (logp_BT.detach() - batch["behavior"])[batch["fresh"]].abs()
+            if gap_N.numel():
+                out["gap_sum"] += float(gap_N.sum())
+                out["max/gap"] = max(out["max/gap"], float(gap_N.max()))
+                out["gap_n"] += gap_N.numel()
+        loss, m = policy_loss(
+            logp_BT, batch["behavior"], batch["adv"], batch["mask"], token_normalizer=float(token_normalizer),
+            entropy_BT=ent_BT, **kwargs,
+        )
+        if before_backward is not None:
+            before_backward(i)
+        loss.backward()
+        out["loss"] += float(loss.detach())
+        n = m["num_tokens"]
+        out["tokens"] += n
+        for k, v in m.items():
+            if k == "max_abs_log_ratio":
+                out["max/max_abs_log_ratio"] = max(out["max/max_abs_log_ratio"], v)
+            elif k != "num_tokens":
+                out[f"sum/{k}"] = out.get(f"sum/{k}", 0.0) + v * n
+    return out
+
+
+def step_metrics(sums: Mapping[str, float], *, n_total: int, n_seqs: int, micro_batches: int, grad_norm: float,
+                 version: int | None) -> dict[str, float]:
+    """`policy_step`'s metrics from the sums of `policy_grads` (of one rank, or added over all ranks)."""
+    out = {k.removeprefix("sum/"): v / n_total for k, v in sums.items() if k.startswith("sum/")}
+    out.update(
+        loss=sums["loss"], grad_norm=grad_norm, max_abs_log_ratio=sums["max/max_abs_log_ratio"],
+        num_tokens=float(n_total), num_sequences=float(n_seqs), micro_batches=float(micro_batches),
+        forward_tokens=float(sums["forward_tokens"]),
+    )
+    if version is not None:
+        n = sums["gap_n"]
+        out.update(rollout_gap_mean=sums["gap_sum"] / n if n else float("nan"), rollout_gap_max=sums["max/gap"],
+                   rollout_gap_tokens=float(n))
+    return out
+
+
 def policy_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -303,57 +392,12 @@ def policy_step(
     if not seqs:
         return {"num_tokens": 0.0, "num_sequences": 0.0}
     n_total = sum(s.num_trainable for s in seqs)
-    kwargs = dict(loss_kwargs or {})
-    device = next(model.parameters()).device
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    sums: dict[str, float] = {}
-    max_abs = 0.0
-    loss_total = 0.0
-    gap_sum, gap_max, gap_n = 0.0, 0.0, 0
-    forward_tokens = 0
     groups = plan_micro_batches(seqs, micro_batch_tokens, share_prefix=share_prefix)
-    for idx, prefix in groups:
-        batch = _collate([seqs[i] for i in idx], pad_id, version, device)
-        got = None
-        if prefix:
-            got = shared_prefix_logprobs(model, batch["ids"], batch["attn"], prefix, entropy_mask_BT=batch["mask"])
-            if got is None and type(model).__name__ not in _NO_SHARED_PREFIX:
-                _NO_SHARED_PREFIX.add(type(model).__name__)
-                log.warning("%s: its KV cache cannot be broadcast to the samples of a group; the trainer runs "
-                            "their shared prompt once per sample", type(model).__name__)
-        logp_BT, ent_BT = got if got is not None else token_logprobs(model, batch["ids"], batch["attn"],
-                                                                     entropy_mask_BT=batch["mask"])
-        B, T = batch["ids"].shape
-        forward_tokens += prefix + B * (T - prefix) if got is not None else B * T
-        with torch.no_grad():
-            gap_N = (logp_BT.detach() - batch["behavior"])[batch["fresh"]].abs()
-            if gap_N.numel():
-                gap_sum, gap_max, gap_n = gap_sum + float(gap_N.sum()), max(gap_max, float(gap_N.max())), gap_n + gap_N.numel()
-        loss, m = policy_loss(
-            logp_BT, batch["behavior"], batch["adv"], batch["mask"], token_normalizer=float(n_total),
-            entropy_BT=ent_BT, **kwargs,
-        )
-        loss.backward()
-        loss_total += float(loss.detach())
-        n = m["num_tokens"]
-        for k, v in m.items():
-            if k == "max_abs_log_ratio":
-                max_abs = max(max_abs, v)
-            elif k != "num_tokens":
-                sums[k] = sums.get(k, 0.0) + v * n
-    params = [p for p in model.parameters() if p.requires_grad]
-    if grad_clip > 0:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
-    else:
-        grad_norm = math.sqrt(sum(float((p.grad.float() ** 2).sum()) for p in params if p.grad is not None))
+    sums = policy_grads(model, seqs, groups, pad_id=pad_id, token_normalizer=n_total, loss_kwargs=loss_kwargs,
+                        version=version)
+    grad_norm = clip_grad_norm([p for p in model.parameters() if p.requires_grad], grad_clip)
     optimizer.step()
-    out = {k: v / n_total for k, v in sums.items()}
-    out.update(
-        loss=loss_total, grad_norm=grad_norm, max_abs_log_ratio=max_abs, num_tokens=float(n_total),
-        num_sequences=float(len(seqs)), micro_batches=float(len(groups)), forward_tokens=float(forward_tokens),
-    )
-    if version is not None:
-        out.update(rollout_gap_mean=gap_sum / gap_n if gap_n else float("nan"), rollout_gap_max=gap_max,
-                   rollout_gap_tokens=float(gap_n))
-    return out
+    return step_metrics(sums, n_total=n_total, n_seqs=len(seqs), micro_batches=len(groups), grad_norm=grad_norm,
+                        version=version)

@@ -24,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,7 @@ from k3post.config.sft import SFTConfig
 from k3post.checkpoint import latest_checkpoint, load_trainer_state, load_weights_into, save_checkpoint, set_rng_state
 from k3post.data import PackedBatch, Sample, collate, iter_microbatches
 from k3post.metrics import MetricsLogger
+from k3post.policy_step import clip_grad_norm
 from k3post.spec.mtp import MTPHead, capture_final_hidden, load_mtp, mtp_ce_sum, mtp_labels, save_mtp
 
 log = logging.getLogger("k3post.sft")
@@ -141,6 +142,46 @@ def masked_ce_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     return F.cross_entropy(logits_RLV.flatten(0, 1).float(), batch.labels_RL.flatten(), ignore_index=-100, reduction="sum")
 
 
+def sft_grads(
+    model: torch.nn.Module,
+    batches: Sequence[PackedBatch],
+    *,
+    n_tok: int,
+    precision: str = "fp32",
+    mtp: MTPHead | None = None,
+    mtp_weight: float = 0.0,
+    n_mtp: int = 0,
+    before_backward: Callable[[int], None] | None = None,
+) -> tuple[float, float]:
+    """Forward and backward of the SFT loss over ``batches`` (gradients accumulate; not zeroed here):
+
+        loss_b = CE_sum(batch b) / n_tok  [+ mtp_weight · MTP_CE_sum(b) / n_mtp]
+
+    ``n_tok`` / ``n_mtp``: the trained tokens of the whole optimizer step (over every rank, for a sharded
+    trainer), so the micro-batches' gradients add up to the token mean. ``precision`` "bf16" runs the forward
+    under CPU bf16 autocast. ``before_backward(i)`` runs before the i-th backward. Returns the summed CE and
+    MTP CE (not normalised)."""
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    total, mtp_total = 0.0, 0.0
+    for i, b in enumerate(batches):
+        if mtp is None:
+            with autocast:
+                loss_sum = masked_ce_sum(model, b)
+            loss = loss_sum / max(n_tok, 1)
+        else:
+            with autocast, capture_final_hidden(model) as final:
+                loss_sum = masked_ce_sum(model, b)
+                mtp_sum = mtp_ce_sum(mtp, model, b.input_ids_RL, b.position_ids_RL, b.labels_RL,
+                                     final.hidden_BTD, b.attention_mask_R1LL)
+            loss = loss_sum / max(n_tok, 1) + mtp_weight * mtp_sum / max(n_mtp, 1)
+            mtp_total += mtp_sum.item()
+        if before_backward is not None:
+            before_backward(i)
+        loss.backward()
+        total += loss_sum.item()
+    return total, mtp_total
+
+
 def train_sft(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -186,7 +227,6 @@ def train_sft(
             metrics.truncate(stage, start)
         log.info("resumed %s from %s (step %d)", stage, ckpt, start)
     model.train()
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
     bar = tqdm(total=cfg.steps, initial=start, desc=stage, disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0)
     t0, tokens_seen, loss_val = time.perf_counter(), 0, float("nan")
     window_t, window_tok, window_loss, window_n = time.perf_counter(), 0, 0.0, 0
@@ -198,25 +238,9 @@ def train_sft(
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        total, mtp_total = 0.0, 0.0
-        for b in batches:
-            if mtp is None:
-                with autocast:
-                    loss_sum = masked_ce_sum(model, b)
-                (loss_sum / max(n_tok, 1)).backward()
-            else:
-                with autocast, capture_final_hidden(model) as final:
-                    loss_sum = masked_ce_sum(model, b)
-                    mtp_sum = mtp_ce_sum(mtp, model, b.input_ids_RL, b.position_ids_RL, b.labels_RL,
-                                         final.hidden_BTD, b.attention_mask_R1LL)
-                (loss_sum / max(n_tok, 1) + cfg.mtp_weight * mtp_sum / max(n_mtp, 1)).backward()
-                mtp_total += mtp_sum.item()
-            total += loss_sum.item()
-        grad_norm = (
-            float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-            if cfg.grad_clip > 0
-            else float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
-        )
+        total, mtp_total = sft_grads(model, batches, n_tok=n_tok, precision=cfg.precision, mtp=mtp,
+                                     mtp_weight=cfg.mtp_weight, n_mtp=n_mtp)
+        grad_norm = clip_grad_norm(params, cfg.grad_clip)
         opt.step()
         loss_val = total / max(n_tok, 1)
         losses.append(loss_val)

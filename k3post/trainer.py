@@ -3,6 +3,7 @@ and RL share, `OptimConfig`, are in `k3post.config.optim`).
 
     trainer = Trainer(model, OptimConfig(lr=1e-4), device="cuda")   # the model moves to the device
     metrics = trainer.step(seqs, version=v)                          # one `policy_step`
+    metrics = trainer.sft_step(batches, lr=lr)                       # one SFT step (`k3post.sft.sft_grads`)
     for name, tensor in trainer.named_weights(): ...                 # what a weight sync sends
     trainer.state_dict() / trainer.load_state_dict(...)               # the optimizer (weights: checkpoint.py)
 
@@ -15,14 +16,15 @@ Shape legend: none here (`k3post.policy_step` holds the tensors).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from k3post.config.optim import OPTIMIZERS, OptimConfig
 from k3post.distributed.weight_sync import named_weights
-from k3post.policy_step import TokenSequence, policy_step
+from k3post.data import PackedBatch
+from k3post.policy_step import TokenSequence, clip_grad_norm, plan_micro_batches, policy_grads, step_metrics
 
 __all__ = ["OPTIMIZERS", "OptimConfig", "build_optimizer", "resolve_device", "Trainer"]
 
@@ -65,21 +67,62 @@ class Trainer:
         grad_clip: float = 1.0,
     ) -> None:
         self.device = resolve_device(device)
-        self.model = model.to(self.device)
+        self.model = self._wrap(model.to(self.device))
         self.optim_cfg = optim
-        self.optimizer = build_optimizer(model.parameters(), optim)
+        self.optimizer = build_optimizer(self.model.parameters(), optim)
         self.pad_id = pad_id
         self.loss_kwargs = dict(loss_kwargs or {})
         self.micro_batch_tokens = micro_batch_tokens
         self.grad_clip = grad_clip
 
-    def step(self, seqs: Sequence[TokenSequence], *, version: int | None = None) -> dict[str, float]:
-        """One optimizer step of `policy_step` over ``seqs``; leaves the model in eval mode (the
-        co-located engine decodes next)."""
-        out = policy_step(self.model, self.optimizer, seqs, pad_id=self.pad_id, loss_kwargs=self.loss_kwargs,
-                          micro_batch_tokens=self.micro_batch_tokens, grad_clip=self.grad_clip, version=version)
+    # what a data-parallel trainer (k3post.distributed.fsdp.FSDPTrainer) replaces
+    share_prefix = True  # `policy_step`'s shared-prompt forward
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model the optimizer trains (here: as given)."""
+        return model
+
+    def _data_parallel(self, items: Sequence[Any], grads: Callable[[Sequence[Any], Any], dict[str, float]]) -> dict[str, float]:
+        """``grads(share, before_backward)`` over this process's share of the step's micro-batches ``items`` (here:
+        all of them, no hook); returns its sums, added over every process."""
+        return grads(items, None)
+
+    def _finish(self) -> float:
+        """Clip, optimizer step, eval mode (the co-located engine decodes next); returns the gradient norm."""
+        grad_norm = clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], self.grad_clip)
+        self.optimizer.step()
         self.model.eval()
-        return out
+        return grad_norm
+
+    def step(self, seqs: Sequence[TokenSequence], *, version: int | None = None) -> dict[str, float]:
+        """One optimizer step of `policy_step` over ``seqs`` (its metrics); leaves the model in eval mode."""
+        seqs = [s for s in seqs if s.num_trainable > 0]
+        if not seqs:
+            return {"num_tokens": 0.0, "num_sequences": 0.0}
+        n_total = sum(s.num_trainable for s in seqs)
+        groups = plan_micro_batches(seqs, self.micro_batch_tokens, share_prefix=self.share_prefix)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = self._data_parallel(groups, lambda share, hook: policy_grads(
+            self.model, seqs, share, pad_id=self.pad_id, token_normalizer=n_total, loss_kwargs=self.loss_kwargs,
+            version=version, before_backward=hook))
+        return step_metrics(sums, n_total=n_total, n_seqs=len(seqs), micro_batches=len(groups),
+                            grad_norm=self._finish(), version=version)
+
+    def sft_step(self, batches: Sequence[PackedBatch], *, lr: float | None = None, precision: str = "fp32") -> dict[str, float]:
+        """One SFT optimizer step (`k3post.sft.sft_grads`, the token mean over ``batches``) at learning rate ``lr``
+        (None: unchanged). Returns loss, grad_norm, target_tokens."""
+        from k3post.sft import sft_grads
+
+        n_tok = sum(b.n_target_tokens for b in batches)
+        if lr is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = self._data_parallel(batches, lambda share, hook: {"loss": sft_grads(
+            self.model, share, n_tok=n_tok, precision=precision, before_backward=hook)[0]})["loss"]
+        return {"loss": total / max(n_tok, 1), "grad_norm": self._finish(), "target_tokens": float(n_tok)}
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, detached tensor) of every parameter (a tied one once) and persistent buffer, in the

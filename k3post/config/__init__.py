@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from k3post.config.data import DataConfig
+from k3post.config.distributed import DistributedConfig, FSDPConfig
 from k3post.config.draft import DRAFT_LOSSES, DraftConfig
 from k3post.config.effort import EffortConfig
 from k3post.config.eval import EvalConfig
@@ -40,7 +41,8 @@ from k3post.yamlio import read_yaml_mapping
 
 __all__ = ["ConfigError", "RunConfig", "DemoConfig", "K3Config", "load_config", "to_yaml", "DataConfig", "EffortConfig",
            "EvalConfig", "ModelConfig", "TokenizerConfig", "MOPDConfig", "OptimConfig", "QATConfig", "RLConfig",
-           "EngineConfig", "RolloutConfig", "SFTConfig", "DraftConfig", "SandboxConfig", "apply_sandbox_config"]
+           "EngineConfig", "RolloutConfig", "SFTConfig", "DraftConfig", "SandboxConfig", "apply_sandbox_config",
+           "DistributedConfig", "FSDPConfig"]
 
 
 class ConfigError(UserError):
@@ -91,6 +93,7 @@ class K3Config:
     draft: DraftConfig = field(default_factory=DraftConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 def _field_types(cls: type, prefix: str = "") -> Iterator[tuple[str, Any]]:
