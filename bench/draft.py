@@ -15,11 +15,16 @@ teacher forced); the acceptance length (tokens per target forward and row, bonus
 ``spec_acceptance_length``) of real speculative decoding with an ``Eagle3Drafter`` on the held-out prompts at
 k = 3, 5, 7 and temperature 0 and 1 (``--gen-tokens`` tokens at most; the EOM stop ends a reply).
 ``lk_over_kl_accept_len_t1``: per seed LK_α / KL acceptance length at T = 1, k = 5; the mean over seeds with a
-95% t-interval (n - 1 degrees of freedom). Timing (``spec_decode_speedup``: speculative with the seed-0 LK_α
-draft at k = 5, T = 1 vs plain decoding, decode tokens/s of the same requests, ``ignore_eos``, median of
-``--repeats`` interleaved rounds; ``draft_cost_vs_target``: seconds in ``Eagle3Drafter.propose`` per draft
-forward over seconds per plain target decode step) excludes the admission / prefill step, model, tokenizer
-and engine construction, SFT, data generation and draft training. One torch thread, lean path.
+95% t-interval (n - 1 degrees of freedom).
+
+Timing (``speed_grid``, with the seed-0 LK_α draft): decode tokens/s of speculative vs plain decoding of the same
+requests (the first ``batch`` held-out prompts, ``ignore_eos``, ``--gen-tokens`` each), median of ``--repeats``
+interleaved rounds, over batch 1 and 8 × temperature 1 and 0 × k 2, 3, 5 (``speed_grid`` in the JSON, each
+cell with its acceptance length, the draft's seconds per forward and the target's per verify round over a plain
+decode step). Headline ``spec_decode_speedup``: batch 1, k = 3, temperature 1 (speculative decoding is a
+latency technique: at batch 1 a verify forward of k + 1 positions costs about one decode step; at batch 8 on a
+CPU it costs ~2.4, since the work is compute-bound there). Excluded from timing: the admission / prefill step,
+model, tokenizer and engine construction, SFT, data generation and draft training. One torch thread, lean path.
 
 Defaults took about 13 minutes on a shared 2-core CPU (docs/decisions.md; ``--draft-steps 50`` or
 ``--seeds 2`` brings it under 10); scale with ``--sft-steps --train-tasks --held-tasks
@@ -48,7 +53,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleaved, machine_state, ratio_summary  # noqa: E402
-from spec_decode import TimedPropose, _decode  # noqa: E402
 
 import k3post.spec.train as spec_train  # noqa: E402
 from k3post.config.draft import DRAFT_LOSSES, DraftConfig  # noqa: E402
@@ -108,19 +112,23 @@ def _batch_hashes(out: list[str]) -> Iterator[None]:
         spec_train.draft_batch = real
 
 
-def build_target(work: Path, sft_steps: int, seed: int) -> tuple[torch.nn.Module, Any]:
+def build_target(work: Path, sft_steps: int, seed: int, layers: int = 0) -> tuple[torch.nn.Module, Any]:
     """The demo-size tiny MoE with a fresh tokenizer (``k3post.commands.init_model``), SFT-trained for
-    ``sft_steps`` on the arithmetic family's reference solutions."""
+    ``sft_steps`` on the arithmetic family's reference solutions; ``layers`` > 0 gives it that many decoder
+    layers instead of the preset's 4 (same width, same seed)."""
     from k3post.commands import init_model
     from k3post.data import load_sft_jsonl, write_jsonl
     from k3post.envs.episode import run_episode_sync
     from k3post.envs.families import EFFORTS, get_family
-    from k3post.models import load_model
+    from k3post.models import build_tiny_moe, load_model
     from k3post.sft import train_sft
     from k3post.tokenizer import load_tokenizer
 
     init_model(work / "init", seed=seed)
     tok, model = load_tokenizer(work / "init"), load_model(work / "init")
+    if layers:
+        model = build_tiny_moe(len(tok), seed=seed, num_hidden_layers=layers, pad_token_id=tok.pad_token_id,
+                               eos_token_id=model.config.eos_token_id)
     fam = get_family(FAMILY)
     recs = []
     for i, task in enumerate(fam.generate(200, seed=seed)):
@@ -140,8 +148,34 @@ def _prompt(s: DraftSample) -> list[int]:
     return s.ids[: s.mask.index(True)] if True in s.mask else s.ids
 
 
-class _TimedDrafter(TimedPropose, Eagle3Drafter):
+class TimedDrafter(Eagle3Drafter):
     """An Eagle3Drafter that adds up the seconds spent in ``propose``."""
+
+    seconds = 0.0
+
+    def propose(self, rows, k):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        try:
+            return super().propose(rows, k)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def decode_seconds(engine: EmbeddedEngine, reqs: list[GenerationRequest]) -> tuple[float, dict[str, list[int]], int]:
+    """(seconds of the decode steps, output ids by request, decode steps) of one run: the admission step (the
+    prefill) is run first and not timed."""
+    for r in reqs:
+        engine.add_request(r)
+    engine.step()
+    out: dict[str, list[int]] = {}
+    seconds, steps = 0.0, 0
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        done = engine.step()
+        seconds += time.perf_counter() - t0
+        steps += 1
+        out.update({d.request_id: d.output_ids for d in done})
+    return seconds, out, steps
 
 
 def accept_length(target: torch.nn.Module, tok: Any, draft: Eagle3Draft, prompts: list[list[int]], k: int,
@@ -154,33 +188,54 @@ def accept_length(target: torch.nn.Module, tok: Any, draft: Eagle3Draft, prompts
     return float(engine.stats["spec_acceptance_length"])
 
 
-def speed(target: torch.nn.Module, tok: Any, draft: Eagle3Draft, prompts: list[list[int]], k: int, max_tokens: int,
-          repeats: int) -> dict[str, float]:
-    """Speculative (``draft``, k, T = 1) vs plain decode tokens/s on the same requests (``ignore_eos``), and the
-    draft's forward time over a plain target decode step (module docstring for what is excluded)."""
-    reqs = [GenerationRequest(f"s{i}", p, SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
-                                                         seed=i)) for i, p in enumerate(prompts)]
-    n_tokens = len(reqs) * (max_tokens - 1)
-    last: dict[str, float] = {}
+SPEED_GRID = tuple((b, k, t) for b in (1, 8) for t in (1.0, 0.0) for k in (2, 3, 5))
+"""(batch, k, temperature) cells of ``speed_grid``; the headline ``spec_decode_speedup`` is (1, 3, 1.0)."""
 
-    def plain() -> float:
-        engine = EmbeddedEngine(target, tok, max_batch_size=len(reqs), path="lean")
-        seconds, _, steps = _decode(engine, reqs)
-        last["plain_step_s"] = seconds / steps
-        return seconds / engine.stats["decode_tokens"] * n_tokens
 
-    def spec() -> float:
-        drafter = _TimedDrafter(draft, target)
-        engine = EmbeddedEngine(target, tok, max_batch_size=len(reqs), path="lean",
-                                speculative=SpeculativeConfig(drafter, k))
-        seconds, _, _ = _decode(engine, reqs)
-        last["draft_forward_s"] = drafter.seconds / max(1, drafter.forwards)
-        return seconds / engine.stats["decode_tokens"] * n_tokens
+def speed_grid(target: torch.nn.Module, tok: Any, draft: Eagle3Draft, prompts: list[list[int]], max_tokens: int,
+               repeats: int, grid: tuple[tuple[int, int, float], ...] = SPEED_GRID) -> dict[str, Any]:
+    """Speculative (``draft``) vs plain decode tokens/s of the same requests (``ignore_eos``, exactly
+    ``max_tokens`` each, the first ``batch`` prompts, seeds 0 …) per (batch, k, temperature) cell, median of
+    ``repeats`` interleaved rounds (module docstring for what is excluded). Per cell: the speedup with its
+    paired min / max, the acceptance length, whether the tokens equal plain decoding's (temperature 0), the
+    draft's seconds per forward and the target's per verify round, both over a plain decode step."""
+    cells: dict[str, Any] = {}
+    for batch, k, temp in grid:
+        reqs = [GenerationRequest(f"s{i}", p, SamplingParams(temperature=temp, max_tokens=max_tokens,
+                                                             ignore_eos=True, seed=i))
+                for i, p in enumerate(prompts[:batch])]
+        last: dict[str, Any] = {}
 
-    times = interleaved({"plain": plain, "spec": spec}, repeats=repeats, warmup=1)
-    return {**ratio_summary("spec_decode_speedup", times["plain"], times["spec"]),
-            "draft_cost_vs_target": last["draft_forward_s"] / last["plain_step_s"],
-            "draft_forward_s": last["draft_forward_s"], "target_decode_step_s": last["plain_step_s"]}
+        def plain() -> float:
+            engine = EmbeddedEngine(target, tok, max_batch_size=len(reqs), path="lean")
+            seconds, last["plain_ids"], steps = decode_seconds(engine, reqs)
+            last["plain_step_s"] = seconds / steps
+            return seconds / engine.stats["decode_tokens"]
+
+        def spec() -> float:
+            drafter = TimedDrafter(draft, target)
+            engine = EmbeddedEngine(target, tok, max_batch_size=len(reqs), path="lean",
+                                    speculative=SpeculativeConfig(drafter, k))
+            seconds, last["spec_ids"], _ = decode_seconds(engine, reqs)
+            last["draft_forward_s"] = drafter.seconds / max(1, drafter.forwards)
+            last["verify_round_s"] = (seconds - drafter.seconds) / engine.stats["spec_target_forwards"]
+            last["accept_len"] = engine.stats["spec_acceptance_length"]
+            return seconds / engine.stats["decode_tokens"]
+
+        times = interleaved({"plain": plain, "spec": spec}, repeats=repeats, warmup=1)
+        r = ratio_summary("speedup", times["plain"], times["spec"])  # seconds per token: plain / spec
+        cells[f"b{batch}_k{k}_t{temp:g}"] = {
+            "speedup": r["speedup"], "min": r["speedup_min"], "max": r["speedup_max"],
+            "accept_len": last["accept_len"],
+            "draft_forward_over_decode_step": last["draft_forward_s"] / last["plain_step_s"],
+            "verify_round_over_decode_step": last["verify_round_s"] / last["plain_step_s"],
+            "plain_tokens_per_s": 1 / statistics.median(times["plain"]),
+            "same_tokens": last["plain_ids"] == last["spec_ids"] if temp == 0 else None,
+        }
+    head = cells.get("b1_k3_t1") or next(iter(cells.values()))
+    return {"spec_decode_speedup": head["speedup"], "spec_decode_speedup_min": head["min"],
+            "spec_decode_speedup_max": head["max"], "draft_cost_vs_target": head["draft_forward_over_decode_step"],
+            "grid": cells}
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -232,8 +287,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         per_seed = [by[s, num]["accept_len"][key] / by[s, "kl"]["accept_len"][key] for s in range(args.seeds)]
         return {**mean_ci95(per_seed), "per_seed": per_seed}
 
-    timing = speed(target, tok, drafts[0, "lk_alpha"], prompts[: args.speed_requests], 5, args.gen_tokens,
-                   args.repeats)
+    timing = speed_grid(target, tok, drafts[0, "lk_alpha"], prompts, args.gen_tokens, args.repeats,
+                        SPEED_GRID if args.speed_grid == "full" else ((1, 3, 1.0),))
     return {
         "lk_over_kl_accept_len_t1": ratios("lk_alpha", "k5_t1"),
         "lk_lambda_over_kl_accept_len_t1": ratios("lk_lambda", "k5_t1"),
@@ -247,6 +302,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "spec_decode_speedup_min": timing["spec_decode_speedup_min"],
         "spec_decode_speedup_max": timing["spec_decode_speedup_max"],
         "draft_cost_vs_target": timing["draft_cost_vs_target"],
+        "speed_grid": timing["grid"],
         "same_data": all(len({by[s, loss]["data_sha"] for loss in LOSSES}) == 1 for s in range(args.seeds)),
         "runs": rows,
         "setup": {**vars(args), "aux_layers": list(aux), "train_samples": len(train), "held_samples": len(held),
@@ -282,7 +338,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--gen-tokens", type=int, default=64)
-    ap.add_argument("--speed-requests", type=int, default=8)
+    ap.add_argument("--speed-grid", choices=("full", "headline"), default="full",
+                    help="full: batch 1 and 8 x T 1 and 0 x k 2, 3, 5; headline: batch 1, k 3, T 1 only")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="", help="folder for the work files (default: a temporary one)")
     return ap

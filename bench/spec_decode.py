@@ -1,22 +1,25 @@
-"""Benchmark: speculative decoding against plain decoding in the embedded engine, same target and requests.
+"""Benchmark: where speculative decoding pays on this CPU. Speculative vs plain decoding with a trained EAGLE-3
+draft, for targets of the demo width at several depths.
 
-Setup: the demo's tiny Qwen3-MoE target (``build_tiny_moe(512)``, preset "tiny": hidden 128, 4 layers, 8
-experts, ~1.05 M parameters) and a drafter 4x smaller (hidden 64, 2 layers, 2 heads, expert width 64,
-~0.26 M parameters, another seed), both freshly initialised (no checkpoint is trained here, so the
-acceptance is that of two random models: near-uniform distributions at temperature 1 overlap a lot, and a
-tied-embedding random model's argmax tends to repeat its input at temperature 0; a trained target with a
-trained drafter gives other numbers). ``--requests`` requests of ``--prompt-len`` random tokens sample
-exactly ``--new-tokens`` tokens each (``ignore_eos``), all in one batch, lean path, one torch thread.
+Speculative decoding pays when a draft forward costs a small fraction of a target decode step and a verify
+forward of k + 1 positions costs about one step. A one-layer EAGLE-3 draft against the demo target (4 layers)
+costs about half a decode step on this CPU (every op is per-call overhead at width 128); against deeper targets
+of the same width its share shrinks as 1/L, as it does for real targets (K3: 61 layers). So for each depth L in
+``--layers``, the same recipe as bench/draft.py:
 
-Timed: the decode steps only (every step after the admission step, whose prefill is excluded on both
-arms; model construction and the engine's set-up are excluded too). Reported: decode tokens/s of each arm
-(median over ``--repeats`` interleaved rounds), ``spec_decode_speedup`` = speculative / plain tokens/s,
-the acceptance rate (accepted / drafted) and length (tokens per target forward and row, bonus included),
-and the drafter's cost: seconds in ``ModelDrafter.propose`` per draft forward over seconds per plain
-target decode forward. The tokens differ between the arms at temperature 1 (other random streams, same
-law); at temperature 0 they are checked equal.
+    target   bench/draft.build_target: the demo-width tiny MoE with L layers, SFT on general.arithmetic
+             (``--sft-steps``, the same data and seed at every depth)
+    data     the target's own episodes at temperature 1 (``--train-tasks`` / ``--held-tasks`` tasks x 2 efforts)
+    draft    one LK_α draft, aux ids (1, L/2, L), ``--draft-steps`` steps (DraftConfig as bench/draft.py)
+    timing   bench/draft.speed_grid on the held-out prompts: batch 1 and 8 x temperature 1 and 0 x k 2, 3, 5,
+             decode tokens/s of speculative vs plain decoding, median of ``--repeats`` interleaved rounds
 
-Run: ``python bench/spec_decode.py [--requests 8 --prompt-len 32 --new-tokens 64 --k 4 --temperature 1]``.
+Excluded from timing: the admission / prefill step, model / tokenizer / engine construction, SFT, data and
+draft training. One torch thread, lean engine path. Final JSON line: ``spec_decode_speedup_L{L}`` (batch 1,
+k 3, T 1) and the best cell per depth, with every cell's numbers in ``grid_L{L}``. Caveats: ~1-3 M-parameter
+targets trained for a minute or two, one seed, a shared 2-core CPU; the acceptance lengths are those targets'.
+
+Run: ``python bench/spec_decode.py [--layers 4,12] [--sft-steps 150] [--draft-steps 80] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -24,111 +27,91 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved, machine_state, ratio_summary  # noqa: E402
+from common import machine_state  # noqa: E402
+from draft import FAMILY, SPEED_GRID, _prompt, build_target, speed_grid  # noqa: E402
 
-from k3post.models import build_tiny_moe, count_parameters  # noqa: E402
-from k3post.rollout import EmbeddedEngine, GenerationRequest, SamplingParams  # noqa: E402
-from k3post.rollout.speculative import ModelDrafter, SpeculativeConfig  # noqa: E402
-
-DRAFTER_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=32, moe_intermediate_size=64)
-
-
-class TimedPropose:
-    """Mixin for a Drafter class: adds up the seconds spent in ``propose`` (``class T(TimedPropose, ModelDrafter)``)."""
-
-    seconds = 0.0
-
-    def propose(self, rows, k):  # type: ignore[no-untyped-def]
-        t0 = time.perf_counter()
-        try:
-            return super().propose(rows, k)
-        finally:
-            self.seconds += time.perf_counter() - t0
+import k3post.spec.train as spec_train  # noqa: E402
+from k3post.config.draft import DraftConfig  # noqa: E402
+from k3post.models import count_parameters  # noqa: E402
+from k3post.rollout import EmbeddedEngine  # noqa: E402
+from k3post.spec.data import target_generations  # noqa: E402
+from k3post.spec.eagle3 import Eagle3Draft  # noqa: E402
+from k3post.xtml import XTML  # noqa: E402
 
 
-class _TimedDrafter(TimedPropose, ModelDrafter):
-    """A ModelDrafter that adds up the seconds spent in ``propose``."""
+def one_depth(args: argparse.Namespace, layers: int, work: Path) -> dict[str, Any]:
+    """Target, data, LK_α draft and the speed grid at one depth (module docstring)."""
+    t0 = time.perf_counter()
+    target, tok = build_target(work, args.sft_steps, args.seed, layers)
+    xtml = XTML(tok)
+    gen = EmbeddedEngine(target, tok, max_batch_size=32, seed=args.seed)
+    train = target_generations(gen, xtml, [FAMILY], n_per_family=args.train_tasks, efforts=["low", "max"],
+                               max_tokens=args.data_tokens, seed=args.seed)
+    held = target_generations(gen, xtml, [FAMILY], n_per_family=args.held_tasks, efforts=["low", "max"],
+                              max_tokens=args.data_tokens, seed=args.seed + 9_999)
+    cfg = DraftConfig(loss="lk_alpha", steps=args.draft_steps, batch_size=8, lr=3e-3, ttt_steps=7,
+                      warmup_steps=min(10, args.draft_steps), save_every=10 ** 9, log_every=10 ** 9, progress=False)
+    torch.manual_seed(args.seed)
+    draft = Eagle3Draft.from_target(target, (1, max(1, layers // 2), layers))
+    spec_train.train_draft(target, draft, train, cfg, work / "draft", pad_id=tok.pad_token_id, seed=args.seed,
+                           resume=False)
+    setup_s = time.perf_counter() - t0
+    grid = SPEED_GRID if args.grid == "full" else ((1, 3, 1.0),)
+    timing = speed_grid(target, tok, draft.eval(), [_prompt(s) for s in held], args.gen_tokens, args.repeats, grid)
+    best_key = max(timing["grid"], key=lambda c: timing["grid"][c]["speedup"])
+    return {"layers": layers, "target_params": count_parameters(target), "draft_params":
+            count_parameters(draft) - draft.embed_tokens.weight.numel(), "setup_s": setup_s, **timing,
+            "best_cell": best_key}
 
 
-def _decode(engine: EmbeddedEngine, reqs: list[GenerationRequest]) -> tuple[float, dict[str, list[int]], int]:
-    """(seconds of the decode steps, output ids by request, decode steps) of one run."""
-    for r in reqs:
-        engine.add_request(r)
-    engine.step()  # admission (prefill): excluded
-    out: dict[str, list[int]] = {}
-    seconds, steps = 0.0, 0
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        done = engine.step()
-        seconds += time.perf_counter() - t0
-        steps += 1
-        out.update({d.request_id: d.output_ids for d in done})
-    return seconds, out, steps
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for layers in [int(x) for x in args.layers.split(",")]:
+        res = one_depth(args, layers, work / f"L{layers}")
+        grid = res.pop("grid")
+        print(f"L={layers}: " + "  ".join(f"{c} {v['speedup']:.2f}x (len {v['accept_len']:.2f})"
+                                          for c, v in grid.items()), file=sys.stderr, flush=True)
+        out[f"spec_decode_speedup_L{layers}"] = res["spec_decode_speedup"]
+        out[f"best_L{layers}"] = {"cell": res["best_cell"], **grid[res["best_cell"]]}
+        out[f"grid_L{layers}"] = grid
+        out[f"setup_L{layers}"] = res
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", default="4,12", help="target depths, comma-separated (4 = the demo target)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sft-steps", type=int, default=150)
+    ap.add_argument("--train-tasks", type=int, default=48)
+    ap.add_argument("--held-tasks", type=int, default=8)
+    ap.add_argument("--data-tokens", type=int, default=96)
+    ap.add_argument("--draft-steps", type=int, default=80)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--grid", choices=("full", "headline"), default="full")
+    ap.add_argument("--out", default="", help="folder for the work files (default: a temporary one)")
+    return ap
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    target = build_tiny_moe(512, seed=0).eval()
-    draft = build_tiny_moe(512, seed=1, **DRAFTER_SHAPE).eval()
-    g = torch.Generator().manual_seed(0)
-    reqs = [GenerationRequest(f"r{i}", torch.randint(5, 512, (args.prompt_len,), generator=g).tolist(),
-                              SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens,
-                                             ignore_eos=True, seed=i)) for i in range(args.requests)]
-    n_tokens = args.requests * (args.new_tokens - 1)  # the first token of a plain run comes with the prefill
-    last: dict[str, object] = {}
-
-    def plain() -> float:
-        engine = EmbeddedEngine(target, max_batch_size=args.requests, max_model_len=1024, path="lean")
-        seconds, last["plain_ids"], last["plain_steps"] = _decode(engine, reqs)
-        last["plain_tps"] = engine.stats["decode_tokens"] / seconds
-        last["plain_step_s"] = seconds / last["plain_steps"]  # type: ignore[operator]
-        return seconds / engine.stats["decode_tokens"] * n_tokens
-
-    def spec() -> float:
-        drafter = _TimedDrafter(draft)
-        engine = EmbeddedEngine(target, max_batch_size=args.requests, max_model_len=1024, path="lean",
-                                speculative=SpeculativeConfig(drafter, args.k))
-        seconds, last["spec_ids"], _ = _decode(engine, reqs)
-        last["spec_tps"] = engine.stats["decode_tokens"] / seconds
-        last["stats"] = {k: v for k, v in engine.stats.items() if k.startswith("spec_")}
-        last["draft_forward_s"] = drafter.seconds / max(1, drafter.forwards)
-        last["target_verify_s"] = (seconds - drafter.seconds) / engine.stats["spec_target_forwards"]
-        return seconds / engine.stats["decode_tokens"] * n_tokens
-
-    times = interleaved({"plain": plain, "spec": spec}, repeats=args.repeats, warmup=1)
-    speed = ratio_summary("spec_decode_speedup", times["plain"], times["spec"])
-    st = last["stats"]
-    out = {
-        "machine": machine_state(),
-        "setup": vars(args) | {"target_params": count_parameters(target), "drafter_params": count_parameters(draft),
-                               "excluded": "admission / prefill step, model and engine construction"},
-        "plain_decode_tokens_per_s": round(float(last["plain_tps"]), 1),  # type: ignore[arg-type]
-        "spec_decode_tokens_per_s": round(float(last["spec_tps"]), 1),  # type: ignore[arg-type]
-        "target_verify_forward_s": last["target_verify_s"], "plain_decode_forward_s": last["plain_step_s"],
-        "same_tokens": last["plain_ids"] == last["spec_ids"],
-    }
-    print(json.dumps(out, indent=1))
-    print(json.dumps({
-        **{k: round(v, 3) for k, v in speed.items()},
-        "acceptance_rate": round(float(st["spec_acceptance_rate"]), 3),  # type: ignore[index]
-        "acceptance_length": round(float(st["spec_acceptance_length"]), 3),  # type: ignore[index]
-        "drafter_cost_per_target_forward": round(float(last["draft_forward_s"]) / float(last["plain_step_s"]), 3),  # type: ignore[arg-type]
-        "k": args.k, "temperature": args.temperature,
-    }))
+    args = parser().parse_args()
+    if args.out:
+        res = run(args, Path(args.out))
+    else:
+        with tempfile.TemporaryDirectory() as d:
+            res = run(args, Path(d))
+    print(json.dumps({"machine": machine_state(), "setup": vars(args)}))
+    print(json.dumps(res, default=float))
 
 
 if __name__ == "__main__":

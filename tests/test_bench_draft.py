@@ -27,8 +27,8 @@ def test_t_interval_golden():
 
 def test_bench_core_tiny(tmp_path):
     args = bench.parser().parse_args(["--sft-steps", "3", "--train-tasks", "3", "--held-tasks", "1", "--draft-steps",
-                                      "3", "--seeds", "2", "--gen-tokens", "6", "--repeats", "1", "--speed-requests",
-                                      "2", "--ttt-steps", "2", "--data-tokens", "24", "--batch-size", "2"])
+                                      "3", "--seeds", "2", "--gen-tokens", "6", "--repeats", "1", "--speed-grid",
+                                      "headline", "--ttt-steps", "2", "--data-tokens", "24", "--batch-size", "2"])
     res = bench.run(args, tmp_path)
     for key in ("lk_over_kl_accept_len_t1", "lk_lambda_over_kl_accept_len_t1", "alpha_by_depth", "spec_decode_speedup",
                 "draft_cost_vs_target"):
@@ -46,4 +46,7 @@ def test_bench_core_tiny(tmp_path):
     assert res["lk_over_kl_accept_len_t1"]["mean"] == pytest.approx(sum(want) / 2)
     assert all(1 <= v <= 8 for r in res["runs"] for v in r["accept_len"].values())  # k + 1 at most
     assert res["spec_decode_speedup"] > 0 and res["draft_cost_vs_target"] > 0
+    cell = res["speed_grid"]["b1_k3_t1"]
+    assert list(res["speed_grid"]) == ["b1_k3_t1"] and cell["speedup"] == res["spec_decode_speedup"]
+    assert 1 <= cell["accept_len"] <= 4 and cell["verify_round_over_decode_step"] > 0
     assert bench.table(res).splitlines()[0].startswith("| loss | α0 | α1 |")
