@@ -143,6 +143,18 @@ def build_target(work: Path, sft_steps: int, seed: int, layers: int = 0) -> tupl
     return model.eval(), tok
 
 
+def draft_data(target: torch.nn.Module, tok: Any, args: argparse.Namespace) -> tuple[list[DraftSample], list[DraftSample]]:
+    """(train, held-out) draft data: the target's own episodes at temperature 1 on ``FAMILY``, efforts low and max,
+    ``args.train_tasks`` / ``args.held_tasks`` tasks (another task seed for the held-out ones)."""
+    xtml = XTML(tok)
+    gen = EmbeddedEngine(target, tok, max_batch_size=32, seed=args.seed)
+    train = target_generations(gen, xtml, [FAMILY], n_per_family=args.train_tasks, efforts=["low", "max"],
+                               max_tokens=args.data_tokens, seed=args.seed)
+    held = target_generations(gen, xtml, [FAMILY], n_per_family=args.held_tasks, efforts=["low", "max"],
+                              max_tokens=args.data_tokens, seed=args.seed + 9_999)
+    return train, held
+
+
 def _prompt(s: DraftSample) -> list[int]:
     """An episode's prompt: its ids up to the first token the target sampled."""
     return s.ids[: s.mask.index(True)] if True in s.mask else s.ids
@@ -248,12 +260,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         target, tok = load_model(args.target).eval(), load_tokenizer(args.target)
     else:
         target, tok = build_target(work, args.sft_steps, args.seed)
-    xtml = XTML(tok)
-    gen = EmbeddedEngine(target, tok, max_batch_size=32, seed=args.seed)
-    train = target_generations(gen, xtml, [FAMILY], n_per_family=args.train_tasks, efforts=["low", "max"],
-                               max_tokens=args.data_tokens, seed=args.seed)
-    held = target_generations(gen, xtml, [FAMILY], n_per_family=args.held_tasks, efforts=["low", "max"],
-                              max_tokens=args.data_tokens, seed=args.seed + 9_999)
+    train, held = draft_data(target, tok, args)
     prompts = [_prompt(s) for s in held]
     L = len(target.model.layers)
     aux = (1, max(1, L // 2), L)

@@ -36,27 +36,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_state  # noqa: E402
-from draft import FAMILY, SPEED_GRID, _prompt, build_target, speed_grid  # noqa: E402
+from draft import SPEED_GRID, _prompt, build_target, draft_data, speed_grid  # noqa: E402
 
 import k3post.spec.train as spec_train  # noqa: E402
 from k3post.config.draft import DraftConfig  # noqa: E402
 from k3post.models import count_parameters  # noqa: E402
-from k3post.rollout import EmbeddedEngine  # noqa: E402
-from k3post.spec.data import target_generations  # noqa: E402
 from k3post.spec.eagle3 import Eagle3Draft  # noqa: E402
-from k3post.xtml import XTML  # noqa: E402
 
 
 def one_depth(args: argparse.Namespace, layers: int, work: Path) -> dict[str, Any]:
     """Target, data, LK_α draft and the speed grid at one depth (module docstring)."""
     t0 = time.perf_counter()
     target, tok = build_target(work, args.sft_steps, args.seed, layers)
-    xtml = XTML(tok)
-    gen = EmbeddedEngine(target, tok, max_batch_size=32, seed=args.seed)
-    train = target_generations(gen, xtml, [FAMILY], n_per_family=args.train_tasks, efforts=["low", "max"],
-                               max_tokens=args.data_tokens, seed=args.seed)
-    held = target_generations(gen, xtml, [FAMILY], n_per_family=args.held_tasks, efforts=["low", "max"],
-                              max_tokens=args.data_tokens, seed=args.seed + 9_999)
+    train, held = draft_data(target, tok, args)
     cfg = DraftConfig(loss="lk_alpha", steps=args.draft_steps, batch_size=8, lr=3e-3, ttt_steps=7,
                       warmup_steps=min(10, args.draft_steps), save_every=10 ** 9, log_every=10 ** 9, progress=False)
     torch.manual_seed(args.seed)
