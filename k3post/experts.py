@@ -87,7 +87,8 @@ def _tail(history: list[dict[str, float]], key: str, n: int = 3) -> float:
     return statistics.fmean(vals) if vals else float("nan")
 
 
-def _domain_worker(args: tuple[str, str, RLConfig, str, QATConfig | None, str | None]) -> dict[str, Any]:
+def _domain_worker(args: tuple[str, str, RLConfig, str, QATConfig | None, str | None], until: str | None = None
+                   ) -> dict[str, Any]:
     domain, sft_dir, cfg, out_dir, qat, metrics_dir = args
     torch.set_num_threads(1)
     if metrics_dir:  # the worker's warnings and engine launches go to the run's k3post.log too (appended)
@@ -96,10 +97,27 @@ def _domain_worker(args: tuple[str, str, RLConfig, str, QATConfig | None, str | 
         attach_run_log(metrics_dir)
     metrics = MetricsLogger(metrics_dir) if metrics_dir else None
     try:
-        return train_domain_experts(domain, sft_dir, cfg, out_dir, qat=qat, metrics=metrics)
+        return train_domain_experts(domain, sft_dir, cfg, out_dir, qat=qat, metrics=metrics, until=until)
     finally:
         if metrics is not None:
             metrics.close()
+
+
+def _expert_job(args: tuple[str, str, RLConfig, str, QATConfig | None, str | None], effort: str,
+                prev: dict[str, Any] | None) -> dict[str, Any]:
+    """One (domain, effort) expert as a job of its own (`train_experts` on a cluster): its domain's table
+    after this effort. ``prev``, the table after the domain's previous effort, holding a failure: this
+    expert starts from a failed one, so it is marked blocked, not trained."""
+    domain = args[0]
+    name = f"{domain}.{effort}"
+    if prev is not None and prev["failed"]:
+        blocker = next((n for n, f in prev["failed"].items() if "blocked_by" not in f), next(iter(prev["failed"])))
+        prev["failed"].setdefault(name, {"domain": domain, "effort": effort, "step": None,
+                                         "error": f"not trained: it starts from {blocker}, which failed",
+                                         "blocked_by": blocker})
+        _write_json(Path(args[3]) / f"table.{domain}.json", prev)
+        return prev
+    return _domain_worker(args, until=effort)
 
 
 def train_experts(
@@ -112,6 +130,7 @@ def train_experts(
     scorer: GroupScorer | None = None,
     processes: int = 1,
     metrics_dir: str | Path | None = None,
+    cluster: Any = None,
 ) -> dict[str, Any]:
     """Every (domain, effort) expert of ``cfg.domains`` × ``cfg.effort_control.curriculum``; returns
     the merged table (also written to ``table.json``; its domain × effort view with the targets checked,
@@ -120,11 +139,21 @@ def train_experts(
     The domains' chains are independent, so with ``processes`` > 1 they train in that many spawned
     processes (one torch thread each; metrics to ``metrics_dir`` through their own loggers, the
     JSONL file is shared under a file lock). A judge given as a live ``scorer`` object forces one
-    process; ``cfg.judge`` is built inside each worker instead."""
+    process; ``cfg.judge`` is built inside each worker instead.
+
+    With a ``cluster`` (`k3post.distributed.ray_cluster.RayCluster`) every expert is a Ray task of its own
+    (`_expert_job`): the domains' chains run in parallel on the trainer slots, each chain max → high → low
+    (a task starts when the previous effort's returned), metrics as with ``processes``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     domains = list(cfg.domains)
-    if processes > 1 and len(domains) > 1 and scorer is None:
+    if cluster is not None:
+        if scorer is not None:
+            raise ValueError("train_experts on a cluster builds each judge from cfg.judge: pass no live scorer")
+        jobs = [(d, str(sft_dir), cfg, str(out), qat, str(metrics_dir) if metrics_dir else None) for d in domains]
+        chains = [[(job, e) for e in cfg.effort_control.curriculum] for job in jobs]
+        tables = dict(zip(domains, cluster.run_chains(_expert_job, chains)))
+    elif processes > 1 and len(domains) > 1 and scorer is None:
         import multiprocessing as mp
 
         jobs = [  # scorers (judges) are built inside each worker from cfg.judge
@@ -169,9 +198,11 @@ def train_domain_experts(
     qat: QATConfig | None = None,
     metrics: MetricsLogger | None = None,
     scorer: GroupScorer | None = None,
+    until: str | None = None,
 ) -> dict[str, Any]:
     """Train the effort experts of one domain, ``cfg.effort_control.curriculum`` in order, from the
-    SFT checkpoint ``sft_dir`` (module doc); returns and writes ``table.<domain>.json``."""
+    SFT checkpoint ``sft_dir`` (module doc); returns and writes ``table.<domain>.json``. ``until``: stop
+    after that effort's expert (the later ones are left for another call; finished ones are kept)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(sft_dir)
@@ -194,7 +225,8 @@ def train_domain_experts(
         _write_json(table_path, table)
         return table
     blocked_by: str | None = None
-    for stage in stages:
+    todo = stages if until is None else stages[: efforts.index(until) + 1]
+    for stage in todo:
         dest = expert_dir(out, stage.expert)
         if stage.expert in table["experts"] and (dest / "config.json").is_file():
             log.info("expert %s already trained: %s", stage.expert, dest)

@@ -510,21 +510,14 @@ def _rl_run(model_dir: Path, tok: Any, engine: Any, lambda_: float, steps: int) 
     return groups, recs
 
 
-def test_rl_loop_over_two_servers_equals_in_process(rl_servers: list[Server], model_dir: Path, xtml_tokenizer: Any) -> None:
-    """`PolicyLoop` with ``rl.engine.kind = http`` over two server processes: at λ = 1 every step samples
-    the in-process run's tokens (the servers get the trainer's weights each step: the trained version's
-    train–rollout gap stays at kernel noise, the servers end at the loop's version); at λ = 0.7 every
-    trajectory is trained once, none lost or duplicated."""
-    from k3post.config.rollout import EngineConfig
-
-    http = EngineConfig(kind="http", urls=[s.url for s in rl_servers], backoff_s=0.05)
-    steps = 3
-    ref_groups, ref_recs = _rl_run(model_dir, xtml_tokenizer, EngineConfig(), 1.0, steps)
-    got_groups, got_recs = _rl_run(model_dir, xtml_tokenizer, http, 1.0, steps)
-    # the servers start one version past their own (the loop's first push puts the trainer's weights there)
+def _same_steps(got_groups: list, got_recs: list[dict], ref_groups: list, ref_recs: list[dict]) -> int:
+    """Asserts that every step of an RL run over servers trained the in-process run's trajectories (the same
+    ids, tokens, versions and, within tolerance, log-probs) with the trainer–rollout gap at kernel noise;
+    returns the version offset (1: the servers start one version past their own, the loop's first push
+    puts the trainer's weights there)."""
     off = int(got_recs[0]["version"] - ref_recs[0]["version"])
-    assert off == 1 and [r["version"] - off for r in got_recs] == [r["version"] for r in ref_recs] == [1.0, 2.0, 3.0]
-    for step, (gs, rs) in enumerate(zip(got_groups, ref_groups)):
+    assert off == 1 and [r["version"] - off for r in got_recs] == [r["version"] for r in ref_recs]
+    for step, (gs, rs) in enumerate(zip(got_groups, ref_groups, strict=True)):
         got, ref = _flat(gs), _flat(rs)
         assert sorted(got) == sorted(ref), step
         for tid in ref:
@@ -536,7 +529,23 @@ def test_rl_loop_over_two_servers_equals_in_process(rl_servers: list[Server], mo
             assert _max_lp_diff(got[tid], ref[tid]) < (TOL if step == 0 else 1e-3), (step, tid)
     for rec in got_recs:
         assert rec["train/rollout_gap_tokens"] > 0 and rec["train/rollout_gap_max"] < 1e-4, rec
-    assert {s.get("/get_weight_version")["weight_version"] for s in rl_servers} == {steps + off}
+    return off
+
+
+def test_rl_loop_over_two_servers_equals_in_process(rl_servers: list[Server], model_dir: Path, xtml_tokenizer: Any) -> None:
+    """`PolicyLoop` with ``rl.engine.kind = http`` over two server processes: at λ = 1 every step samples
+    the in-process run's tokens (the servers get the trainer's weights each step: the trained version's
+    train–rollout gap stays at kernel noise, the servers end at the loop's version); at λ = 0.7 every
+    trajectory is trained once, none lost or duplicated."""
+    from k3post.config.rollout import EngineConfig
+
+    http = EngineConfig(kind="http", urls=[s.url for s in rl_servers], backoff_s=0.05)
+    steps = 3
+    ref_groups, ref_recs = _rl_run(model_dir, xtml_tokenizer, EngineConfig(), 1.0, steps)
+    got_groups, got_recs = _rl_run(model_dir, xtml_tokenizer, http, 1.0, steps)
+    assert _same_steps(got_groups, got_recs, ref_groups, ref_recs) == 1
+    assert [r["version"] for r in ref_recs] == [1.0, 2.0, 3.0]
+    assert {s.get("/get_weight_version")["weight_version"] for s in rl_servers} == {steps + 1}
     # λ = 0.7: partial rollout over the servers; every dispatched trajectory trained exactly once. One
     # trajectory in flight at a time makes the pause deterministic: the 5th of 6 completes with the 6th
     # still waiting (with all 6 in flight, the servers may finish them all between two polls: CI saw that)

@@ -1,12 +1,15 @@
-"""Scale-out settings (`k3post.distributed.fsdp.FSDPTrainer` reads ``distributed.fsdp``)."""
+"""Scale-out settings (`k3post.distributed.fsdp.FSDPTrainer` reads ``distributed.fsdp``,
+`k3post.distributed.ray_cluster.RayCluster` the Ray keys)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["MIXED_PRECISIONS", "FSDPConfig", "DistributedConfig"]
+__all__ = ["MIXED_PRECISIONS", "LAYOUTS", "ROLES", "FSDPConfig", "RolesConfig", "DistributedConfig"]
 
 MIXED_PRECISIONS = ("fp32", "bf16")
+LAYOUTS = ("colocated", "disaggregated")
+ROLES = ("trainers", "engines", "env_workers", "teachers", "judges")
 
 
 @dataclass
@@ -34,8 +37,74 @@ class FSDPConfig:
                              f"got {self.mixed_precision!r}")
 
 
+def _count(key: str, value: object, least: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{key} must be an int >= {least}, got {value!r}")
+
+
+@dataclass
+class RolesConfig:
+    """How many members each role group of the Ray placement group has (one bundle slot each).
+
+    Fields:
+        trainers: trainer ranks; `k3post experts` runs one (domain, effort) job per trainer slot at a time.
+        engines: rollout engine servers (`EngineServerActor`, the ``k3post serve`` engine API).
+        env_workers: environment workers (tool sandboxes); reserved slots where the CPUs are.
+        teachers: MOPD teacher actors (`TeacherActor`), the experts spread over them.
+        judges: GRM judge engine servers; reserved slots.
+    """
+
+    trainers: int = 1
+    engines: int = 1
+    env_workers: int = 0
+    teachers: int = 0
+    judges: int = 0
+
+    def __post_init__(self) -> None:
+        for role in ROLES:
+            _count(f"distributed.roles.{role}", getattr(self, role), 1 if role == "trainers" else 0)
+
+
 @dataclass
 class DistributedConfig:
-    """Settings of the multi-process modes."""
+    """Settings of the multi-process modes.
+
+    Fields:
+        enabled: run the stage's roles as Ray actors and tasks in one placement group
+            (`k3post.distributed.ray_cluster`; needs the ``k3post[distributed]`` extra).
+        address: "local" starts a private Ray cluster on this machine; "auto" joins the one ``ray start``
+            began; anything else is a cluster address (``host:port`` or ``ray://host:port``).
+        num_cpus: CPUs of a "local" cluster (0: all of the machine's); ignored when joining a cluster.
+        layout: "colocated": trainer rank i, engine i and the other roles share bundle i (weights stay on
+            the node); "disaggregated": every role member has a bundle of its own.
+        cpus_per_bundle: CPUs of each bundle (fractions allowed: 0.5 packs two bundles on a CPU); the
+            members sharing a bundle split them.
+        engine_max_restarts: how often Ray restarts a killed engine-server actor (on the same port, with
+            the last weights it loaded); in-flight requests resume as continuations.
+        task_retries: Ray retries of an expert job whose worker died (the job resumes from its checkpoints).
+        roles: the size of each role group (`RolesConfig`).
+    """
 
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    enabled: bool = False
+    address: str = "local"
+    num_cpus: int = 0
+    layout: str = "colocated"
+    cpus_per_bundle: float = 1.0
+    engine_max_restarts: int = 3
+    task_retries: int = 1
+    roles: RolesConfig = field(default_factory=RolesConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"distributed.enabled must be true or false, got {self.enabled!r}")
+        if not isinstance(self.address, str) or not self.address:
+            raise ValueError(f"distributed.address must be 'local', 'auto' or a cluster address, got {self.address!r}")
+        _count("distributed.num_cpus", self.num_cpus, 0)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"distributed.layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if isinstance(self.cpus_per_bundle, bool) or not isinstance(self.cpus_per_bundle, (int, float)) \
+                or not 0 < self.cpus_per_bundle < float("inf"):
+            raise ValueError(f"distributed.cpus_per_bundle must be a number > 0, got {self.cpus_per_bundle!r}")
+        _count("distributed.engine_max_restarts", self.engine_max_restarts, 0)
+        _count("distributed.task_retries", self.task_retries, 0)

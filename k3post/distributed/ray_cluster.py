@@ -1,0 +1,356 @@
+"""Ray orchestration (``distributed.enabled = true``; the ``k3post[distributed]`` extra): one placement group
+of bundles, role groups placed on it, and the actors the stages use through their usual seams.
+
+    with RayCluster(cfg.distributed) as cluster:              ray.init + one placement group (`plan_placement`)
+        train_experts(sft, rl, out, cluster=cluster)          the nine (domain, effort) jobs as chained Ray tasks
+        pool = RayTeacherPool(cluster, experts)               MOPD teachers, each on a bundle of its own
+        urls = cluster.engine_servers(model_dir)              engine servers: `Rollout` talks to them over http
+
+**Role groups** (`k3post.config.distributed.RolesConfig`): trainers, engines, env_workers, teachers, judges.
+``layout = colocated``: trainer rank i and engine i share bundle i (the weights stay on the node); the other
+roles have bundles of their own. ``disaggregated``: every member has a bundle of its own. A bundle has
+``cpus_per_bundle`` CPUs, split evenly between the members sharing it.
+
+**The stage loops do not change.** An engine server is an `EngineServerActor` running the ``k3post serve``
+engine API on a port of its node; the stage's `Rollout` is an ``engine.kind = http`` client of its URL
+(`engine_config`). Teachers answer `TeacherPool.score` calls (`RayTeacherPool` is a `TeacherPool` for
+`k3post.mopd.opd_signal`). Expert jobs call `k3post.experts.train_domain_experts` in a Ray worker.
+
+**Faults.** A killed engine-server actor is restarted by Ray (``engine_max_restarts``) on the same port with
+the weights it last loaded (each loaded version is kept in the actor's state folder); the `HTTPEngine`
+client retries the calls that failed meanwhile, resubmitting each in-flight request from its last known
+continuation, so counter-based sampling draws the tokens it would have drawn (none lost, none twice).
+An expert job whose worker dies is retried ``task_retries`` times and resumes from its checkpoints.
+
+Shape legend: none (no tensors here).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from k3post.config.distributed import ROLES, DistributedConfig
+from k3post.config.rollout import EngineConfig
+
+__all__ = ["Placement", "plan_placement", "RayCluster", "EngineServerActor", "TeacherActor", "RayTeacherPool"]
+
+log = logging.getLogger(__name__)
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding k3post/: Ray workers import this tree
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The placement group's bundles and, per role, each member's (bundle index, CPUs)."""
+
+    bundles: list[dict[str, float]]
+    slots: dict[str, list[tuple[int, float]]]
+
+    @property
+    def cpus(self) -> float:
+        return sum(b["CPU"] for b in self.bundles)
+
+
+def plan_placement(cfg: DistributedConfig) -> Placement:
+    """Bundles and role slots of ``cfg`` (module doc):
+
+        colocated:      n = max(trainers, engines) shared bundles, trainer i and engine i on bundle i;
+                        then env_workers, teachers, judges, one bundle each
+        disaggregated:  one bundle per member of every role, in the order of `ROLES`
+    Each member gets ``cpus_per_bundle / (members on its bundle)`` CPUs."""
+    size = {r: getattr(cfg.roles, r) for r in ROLES}
+    members: list[list[tuple[str, int]]] = []  # per bundle: (role, member index)
+    own = list(ROLES)
+    if cfg.layout == "colocated":
+        shared = max(size["trainers"], size["engines"])
+        members = [[(r, i) for r in ("trainers", "engines") if i < size[r]] for i in range(shared)]
+        own = [r for r in ROLES if r not in ("trainers", "engines")]
+    for r in own:
+        members += [[(r, i)] for i in range(size[r])]
+    slots: dict[str, list[tuple[int, float]]] = {r: [(-1, 0.0)] * size[r] for r in ROLES}
+    for b, occupants in enumerate(members):
+        for r, i in occupants:
+            slots[r][i] = (b, cfg.cpus_per_bundle / len(occupants))
+    return Placement([{"CPU": float(cfg.cpus_per_bundle)} for _ in members], slots)
+
+
+def _init_kwargs(cfg: DistributedConfig) -> dict[str, Any]:
+    """`ray.init` arguments: the workers import the same k3post tree as this process (PYTHONPATH)."""
+    path = os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    kw: dict[str, Any] = {"runtime_env": {"env_vars": {"PYTHONPATH": path}}, "include_dashboard": False,
+                          "logging_level": logging.WARNING}
+    if cfg.address == "local":
+        if cfg.num_cpus:
+            kw["num_cpus"] = cfg.num_cpus
+    else:
+        kw["address"] = cfg.address
+    return kw
+
+
+class RayCluster:
+    """A connection to Ray and the run's placement group (module doc); a context manager.
+
+    Joins the Ray session already open in this process, if any (it is then left open on `close`), else
+    starts one per ``cfg.address``. ``startup_s``: seconds from the constructor's start until the placement
+    group was ready (Ray start-up overhead). ValueError when the group needs more CPUs than the cluster has."""
+
+    def __init__(self, cfg: DistributedConfig, *, ready_timeout_s: float = 120.0) -> None:
+        t0 = time.perf_counter()
+        self.cfg = cfg
+        self.placement = plan_placement(cfg)
+        self.owns_ray = not ray.is_initialized()
+        if self.owns_ray:
+            ray.init(**_init_kwargs(cfg))
+        have = float(ray.cluster_resources().get("CPU", 0.0))
+        if self.placement.cpus > have + 1e-9:
+            if self.owns_ray:
+                ray.shutdown()
+            raise ValueError(f"distributed: the placement group needs {self.placement.cpus:g} CPUs "
+                             f"({len(self.placement.bundles)} bundles x distributed.cpus_per_bundle "
+                             f"{cfg.cpus_per_bundle:g}), the cluster has {have:g}")
+        self.pg = placement_group(self.placement.bundles, strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=ready_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.startup_s = time.perf_counter() - t0
+        self._actors: list[Any] = []
+        log.info("ray: %d bundles (%s layout, %g CPUs) ready in %.1f s", len(self.placement.bundles), cfg.layout,
+                 self.placement.cpus, self.startup_s)
+
+    def size(self, role: str) -> int:
+        return len(self.placement.slots[role])
+
+    def options(self, role: str, member: int) -> dict[str, Any]:
+        """``.options(...)`` placing a task or actor on member ``member`` (modulo the group size) of ``role``."""
+        slots = self.placement.slots[role]
+        if not slots:
+            raise ValueError(f"distributed.roles.{role} is 0: nothing can be placed in that role")
+        bundle, cpus = slots[member % len(slots)]
+        return {"num_cpus": cpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=self.pg, placement_group_bundle_index=bundle)}
+
+    def run_chains(self, fn: Callable[..., Any], chains: Sequence[Sequence[tuple[Any, ...]]]) -> list[Any]:
+        """Chain c runs ``fn(*args, prev)`` for each ``args`` of ``chains[c]`` in order (``prev``: the previous
+        call's result, None first) as Ray tasks on trainer slot c; the chains run in parallel. Returns each
+        chain's last result."""
+        task = ray.remote(fn)
+        last = []
+        for c, chain in enumerate(chains):
+            prev: Any = None
+            for args in chain:  # an ObjectRef argument is resolved first: the chain's order
+                prev = task.options(**self.options("trainers", c), max_retries=self.cfg.task_retries).remote(*args, prev)
+            last.append(prev)
+        return ray.get(last)
+
+    def engine_servers(self, model_dir: str | Path, state_root: str | Path, *, n: int | None = None,
+                       **server: Any) -> list[Any]:
+        """``n`` (default ``roles.engines``) `EngineServerActor` s for ``model_dir`` on the engine slots,
+        restarted up to ``engine_max_restarts`` times; ``state_root/engine-<i>`` keeps each one's port and
+        weights. ``server``: `EngineServerActor` settings. Returns the actor handles (`urls` gives the URLs)."""
+        n = self.size("engines") if n is None else n
+        actors = [EngineServerActor.options(**self.options("engines", i), max_restarts=self.cfg.engine_max_restarts,
+                                            max_task_retries=-1)
+                  .remote(str(model_dir), str(Path(state_root) / f"engine-{i}"), **server) for i in range(n)]
+        self._actors += actors
+        return actors
+
+    def close(self) -> None:
+        """Kill the actors started here, remove the placement group, shut Ray down if this object started it."""
+        for a in getattr(self, "_actors", []):
+            ray.kill(a, no_restart=True)
+        if getattr(self, "pg", None) is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+        if self.owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def __enter__(self) -> RayCluster:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def urls(actors: Sequence[Any]) -> list[str]:
+    """The base URLs of engine-server actors."""
+    return ray.get([a.url.remote() for a in actors])
+
+
+def engine_config(actors: Sequence[Any], base: EngineConfig | None = None, *, restart_s: float = 30.0) -> EngineConfig:
+    """``base`` as an http client of ``actors``' servers, with enough retries (backoff 0.5 s doubling to 4 s)
+    to outlast ``restart_s`` seconds of an actor's restart."""
+    base = base if base is not None else EngineConfig()
+    retries, waited, backoff = 0, 0.0, 0.5
+    while waited < restart_s:
+        waited += min(backoff * 2**retries, 8 * backoff)
+        retries += 1
+    return replace(base, kind="http", urls=urls(actors), retries=max(base.retries, retries), backoff_s=backoff,
+                   launch=0)
+
+
+# --------------------------------------------------------------------------- engine servers
+
+
+def _port_in(state: Path, host: str) -> int:
+    """The port this server used before (a restart binds it again), else a free one, recorded."""
+    f = state / "port"
+    if f.is_file():
+        return int(f.read_text())
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = int(s.getsockname()[1])
+    f.write_text(str(port))
+    return port
+
+
+def _keep_loaded_weights(engine: Any, state: Path) -> None:
+    """Restore the newest weight version kept in ``state/weights`` into ``engine`` (a restart), then keep
+    every version the engine loads from now on there (one version: ``DiskSync(keep=1)``)."""
+    from k3post.distributed.weight_sync import DiskSync, apply_weights, engine_qat, latest_on_disk, load_from_disk, named_weights
+
+    root = state / "weights"
+    latest = latest_on_disk(root) if root.is_dir() else None
+    if latest is not None:
+        manifest, items = load_from_disk(latest)
+        apply_weights(engine, items, manifest.version, qat=manifest.qat)
+        log.warning("engine server restarted: weights of version %d restored from %s", manifest.version, latest)
+    sync = DiskSync(root, shard_mb=512, qat=engine_qat(engine), keep=1)
+    update = engine.update_weights
+
+    def update_and_keep(named: Any, version: int | None = None) -> int:
+        new = int(update(named, version=version))
+        sync.push(named_weights(engine.model), new)
+        return new
+    engine.update_weights = update_and_keep
+
+
+@ray.remote(num_cpus=0)
+class EngineServerActor:
+    """One ``k3post serve`` engine server (the engine API of `k3post.serve.engine_api`) inside a Ray actor,
+    on a port of its node (module doc: restarts keep the port and the weights)."""
+
+    def __init__(self, model_dir: str, state_dir: str, *, max_batch_size: int = 32, max_model_len: int | None = None,
+                 qat: bool = False, seed: int = 0, threads: int = 1, ready_timeout_s: float = 120.0) -> None:
+        import torch
+        import uvicorn
+
+        from k3post.serve.cli import build_server
+
+        torch.set_num_threads(threads)
+        state = Path(state_dir)
+        state.mkdir(parents=True, exist_ok=True)
+        self.restarts = sum(1 for _ in state.glob("start-*"))
+        (state / f"start-{self.restarts}").write_text(str(os.getpid()))
+        host = ray.util.get_node_ip_address()
+        port = _port_in(state, host)
+        app = build_server(model_dir, max_batch_size=max_batch_size, max_model_len=max_model_len, qat=qat, seed=seed,
+                           torch_threads=threads)
+        self.engine = app.state.server.runner.engine
+        _keep_loaded_weights(self.engine, state)
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        threading.Thread(target=self.server.run, daemon=True, name="engine-server").start()
+        deadline = time.monotonic() + ready_timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine server on {host}:{port} did not start within {ready_timeout_s} s")
+            time.sleep(0.05)
+        self._url = f"http://{host}:{port}"
+
+    def url(self) -> str:
+        return self._url
+
+    def info(self) -> dict[str, Any]:
+        """pid, restarts so far (0 on the first start), the engine's weight version."""
+        return {"pid": os.getpid(), "restarts": self.restarts, "version": int(self.engine.version), "url": self._url}
+
+
+# --------------------------------------------------------------------------- MOPD teachers
+
+
+@ray.remote(num_cpus=0)
+class TeacherActor:
+    """A `k3post.mopd.TeacherPool` of some experts in a Ray actor: log-prob scoring on its own bundle."""
+
+    def __init__(self, experts: dict[str, str], **pool: Any) -> None:
+        import torch
+
+        from k3post.mopd import TeacherPool
+
+        torch.set_num_threads(1)
+        self.pool = TeacherPool(experts, **pool)
+
+    def score(self, expert: str, ids: list[list[int]], positions: list[list[int]]) -> list[list[float]]:
+        return self.pool.score(expert, ids, positions)
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.pool.stats)
+
+
+class RayTeacherPool:
+    """The `k3post.mopd.TeacherPool` interface over `TeacherActor` s: the experts (sorted by name) are
+    dealt round-robin over the ``teachers`` slots, one actor per slot used, each with ``max_resident``
+    of its experts in memory. `score_all` asks every actor at once. `model` loads an expert in this
+    process (the evaluation samples it here). ``stats`` sums the actors' counters and this process's."""
+
+    def __init__(self, cluster: RayCluster, experts: Mapping[str, str], *, max_resident: int = 3,
+                 dtype: str = "float32", qat: Any = None, batch_tokens: int = 8192) -> None:
+        from k3post.mopd import TeacherPool
+
+        n = cluster.size("teachers")
+        if n == 0:
+            raise ValueError("distributed.roles.teachers is 0: MOPD on Ray places each teacher on a teachers bundle")
+        names = sorted(experts)
+        kw = {"max_resident": max_resident, "dtype": dtype, "qat": qat, "batch_tokens": batch_tokens}
+        self._local = TeacherPool(experts, **{**kw, "max_resident": 1})  # checks every spec here, first
+        self.experts = dict(experts)
+        groups = [{e: experts[e] for e in names[i::n]} for i in range(min(n, len(names)))]
+        self._actors = [TeacherActor.options(**cluster.options("teachers", i)).remote(g, **kw) for i, g in enumerate(groups)]
+        self._owner = {e: a for g, a in zip(groups, self._actors) for e in g}
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.experts)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        out = dict(self._local.stats)
+        for s in ray.get([a.stats.remote() for a in self._actors]):
+            for k, v in s.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def _owner_of(self, expert: str) -> Any:
+        if expert not in self._owner:
+            raise ValueError(f"no teacher for expert {expert!r}; configured: {self.names}")
+        return self._owner[expert]
+
+    def score(self, expert: str, ids: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]) -> list[list[float]]:
+        return ray.get(self._owner_of(expert).score.remote(expert, [list(s) for s in ids], [list(p) for p in positions]))
+
+    def score_all(self, jobs: Mapping[str, tuple[Sequence[Sequence[int]], Sequence[Sequence[int]]]]) -> dict[str, list[list[float]]]:
+        refs = {e: self._owner_of(e).score.remote(e, [list(s) for s in ids], [list(p) for p in pos])
+                for e, (ids, pos) in jobs.items()}
+        return dict(zip(refs, ray.get(list(refs.values()))))
+
+    def model(self, expert: str) -> Any:
+        return self._local.model(expert)
+
+    def close(self) -> None:
+        self._local.close()
+        for a in self._actors:
+            ray.kill(a, no_restart=True)
+        self._actors = []
