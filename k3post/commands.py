@@ -7,7 +7,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -145,7 +145,13 @@ def run_experts(cfg: K3Config) -> Path:
     run, init = _start_rl_run(cfg)
     metrics = MetricsLogger(run)
     out = run / "experts"
-    table = train_experts(init, cfg.rl, out, qat=cfg.qat, metrics=metrics)
+    if cfg.distributed.enabled:  # every expert a Ray task, the domains in parallel
+        from k3post.distributed.ray_cluster import RayCluster
+
+        with RayCluster(cfg.distributed) as cluster:
+            table = train_experts(init, cfg.rl, out, qat=cfg.qat, cluster=cluster, metrics_dir=run)
+    else:
+        table = train_experts(init, cfg.rl, out, qat=cfg.qat, metrics=metrics)
     metrics.close()
     # (also in grid.json, written by train_experts) each cell: pass after RL [Wilson 95%], SFT pass, paired
     # verdict (↑ higher, = no significant change, ↓ lower), mean T(y), final budget-violation rate; then each
@@ -191,8 +197,15 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
     m = mopd_config_for_run(cfg, run / "experts")
     tokenizer = load_tokenizer(init)
     student = load_policy(init, cfg.qat)
-    pool = TeacherPool(m.experts, max_resident=m.max_resident, dtype=m.teacher_dtype, qat=cfg.qat,
-                       batch_tokens=m.teacher_batch_tokens)  # one pool: the teachers stay resident for the evaluation
+    teachers = dict(max_resident=m.max_resident, dtype=m.teacher_dtype, qat=cfg.qat, batch_tokens=m.teacher_batch_tokens)
+    cluster = None
+    if cfg.distributed.enabled:  # the teachers as Ray actors on their own bundles
+        from k3post.distributed.ray_cluster import RayCluster, RayTeacherPool
+
+        cluster = RayCluster(cfg.distributed)
+        pool: Any = RayTeacherPool(cluster, m.experts, **teachers)
+    else:
+        pool = TeacherPool(m.experts, **teachers)  # one pool: the teachers stay resident for the evaluation
     try:
         res = train_mopd(student, tokenizer, m, run / "mopd", metrics=metrics, teacher_qat=cfg.qat, pool=pool)
         save_model(student, run / "mopd" / "final", tokenizer)
@@ -207,6 +220,8 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
         teacher_stats = dict(pool.stats)  # training and evaluation together
     finally:
         pool.close()
+        if cluster is not None:
+            cluster.close()
     out = {"steps": res.steps, "seconds": res.seconds, "teacher_stats": teacher_stats, "rollout_gap": rollout_gap(res.history),
            "opd_reward_curve": [h.get("opd_reward", float("nan")) for h in res.history],
            "reverse_kl_curve": [h.get("reverse_kl", float("nan")) for h in res.history], "table": table}

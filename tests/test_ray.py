@@ -28,8 +28,9 @@ from test_rl import _save, _two_domains, warm_policy  # noqa: E402,F401
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# 2 trainer slots (the domains' chains), 1 engine, 2 teachers: 5 bundles of 0.4 CPU fill the 2 CPUs
-CLUSTER = DistributedConfig(enabled=True, num_cpus=2, layout="disaggregated", cpus_per_bundle=0.4,
+# 2 trainer slots (the domains' chains), 1 engine, 2 teachers: 5 bundles of 0.3 CPU; the CLI test's group takes
+# 0.5 of the other 0.5 CPUs
+CLUSTER = DistributedConfig(enabled=True, num_cpus=2, layout="disaggregated", cpus_per_bundle=0.3,
                             engine_max_restarts=2, roles=RolesConfig(trainers=2, engines=1, teachers=2))
 
 
@@ -129,6 +130,31 @@ def test_experts_on_ray_equal_the_local_run(warm_policy, cluster, tmp_path):
         assert any(not torch.equal(a[k], sft[k]) for k in a), name  # trained
     rows = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
     assert {r["stage"] for r in rows} >= {f"rl/{n}" for n in names}  # the workers' metrics reached the run's log
+
+
+def test_cli_experts_with_distributed_enabled_runs_on_ray(warm_policy, cluster, tmp_path, monkeypatch):
+    """`k3post experts CONFIG distributed.enabled=true`: Ray workers train the experts into the run's folder
+    (this process cannot: its `train_domain_experts` raises)."""
+    import k3post.experts
+    from k3post.cli import main
+
+    def not_here(*a, **kw):
+        raise AssertionError("an expert was trained in the driver process")
+
+    monkeypatch.setattr(k3post.experts, "train_domain_experts", not_here)
+    model, tok = warm_policy
+    init = _save(model, tok, tmp_path / "init")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("run: {name: r}\n")
+    args = [f"run.root={tmp_path}", "run.name=r", f"rl.init={init}", "rl.steps=1", "rl.n_tasks=2", "rl.n_prompts=1",
+            "rl.k=2", "rl.eval_n=2", "rl.max_tokens=16", "rl.eval_max_tokens=16", "rl.families=[general.arithmetic]",
+            "rl.domains=[general]", "rl.effort_control.curriculum=[max,low]", "rl.progress=false", "qat.enabled=false",
+            "distributed.enabled=true", "distributed.cpus_per_bundle=0.25", "distributed.roles.trainers=2",
+            "distributed.roles.engines=0"]
+    assert main(["experts", str(cfg), *args]) == 0
+    table = json.loads((tmp_path / "r" / "experts" / "table.json").read_text())
+    assert sorted(table["experts"]) == ["general.low", "general.max"] and table["failed"] == {}
+    assert (tmp_path / "r" / "experts" / "general.low" / "model.safetensors").is_file()
 
 
 def test_mopd_with_two_teachers_on_ray_equals_local(xtml_tokenizer, folders, cluster, tmp_path):
