@@ -128,9 +128,21 @@ def run_rl(cfg: K3Config) -> Path:
     scorer = build_group_scorer(rl, init, tokenizer, fams, qat=cfg.qat.enabled)
     metrics = MetricsLogger(run)
     name = f"{rl.domain}.{rl.effort}"
-    res = train_rl(model, tokenizer, rl, run / "rl" / name, budgets=budgets, scorer=scorer, metrics=metrics,
-                   stage=f"rl/{name}")
-    metrics.close()
+    cluster = None
+    if cfg.distributed.enabled and cfg.distributed.roles.engines > 0:  # the rollouts on engine-server actors
+        from k3post.distributed.ray_cluster import RayCluster, engine_config
+
+        cluster = RayCluster(cfg.distributed)
+        actors = cluster.engine_servers(init, run / "engines", max_batch_size=rl.slots, max_model_len=rl.max_model_len,
+                                        qat=cfg.qat.enabled, seed=rl.seed)
+        rl = replace(rl, engine=engine_config(actors, rl.engine))
+    try:
+        res = train_rl(model, tokenizer, rl, run / "rl" / name, budgets=budgets, scorer=scorer, metrics=metrics,
+                       stage=f"rl/{name}")
+    finally:
+        metrics.close()
+        if cluster is not None:
+            cluster.close()
     final = save_model(model, run / "rl" / name / "final", tokenizer)
     ov = res.eval.get("overall", {})
     print(f"RL {name}: {res.steps} steps in {res.seconds:.0f} s; held-out pass rate {ov.get('pass_rate', float('nan')):.3f}, "

@@ -132,6 +132,19 @@ def test_experts_on_ray_equal_the_local_run(warm_policy, cluster, tmp_path):
     assert {r["stage"] for r in rows} >= {f"rl/{n}" for n in names}  # the workers' metrics reached the run's log
 
 
+def _cli(warm_policy, tmp_path: Path, command: str, *overrides: str) -> list[str]:
+    """``k3post COMMAND`` arguments for a tiny run "r" under ``tmp_path`` from the warm policy, with
+    ``distributed.enabled=true`` and ``overrides``."""
+    model, tok = warm_policy
+    init = _save(model, tok, tmp_path / "init")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("run: {name: r}\n")
+    return [command, str(cfg), f"run.root={tmp_path}", "run.name=r", f"rl.init={init}", "rl.n_tasks=2",
+            "rl.n_prompts=1", "rl.k=2", "rl.eval_n=2", "rl.max_tokens=16", "rl.eval_max_tokens=16",
+            "rl.families=[general.arithmetic]", "rl.progress=false", "qat.enabled=false", "distributed.enabled=true",
+            *overrides]
+
+
 def test_cli_experts_with_distributed_enabled_runs_on_ray(warm_policy, cluster, tmp_path, monkeypatch):
     """`k3post experts CONFIG distributed.enabled=true`: Ray workers train the experts into the run's folder
     (this process cannot: its `train_domain_experts` raises)."""
@@ -142,19 +155,30 @@ def test_cli_experts_with_distributed_enabled_runs_on_ray(warm_policy, cluster, 
         raise AssertionError("an expert was trained in the driver process")
 
     monkeypatch.setattr(k3post.experts, "train_domain_experts", not_here)
-    model, tok = warm_policy
-    init = _save(model, tok, tmp_path / "init")
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("run: {name: r}\n")
-    args = [f"run.root={tmp_path}", "run.name=r", f"rl.init={init}", "rl.steps=1", "rl.n_tasks=2", "rl.n_prompts=1",
-            "rl.k=2", "rl.eval_n=2", "rl.max_tokens=16", "rl.eval_max_tokens=16", "rl.families=[general.arithmetic]",
-            "rl.domains=[general]", "rl.effort_control.curriculum=[max,low]", "rl.progress=false", "qat.enabled=false",
-            "distributed.enabled=true", "distributed.cpus_per_bundle=0.25", "distributed.roles.trainers=2",
-            "distributed.roles.engines=0"]
-    assert main(["experts", str(cfg), *args]) == 0
+    assert main(_cli(warm_policy, tmp_path, "experts", "rl.steps=1", "rl.domains=[general]",
+                     "rl.effort_control.curriculum=[max,low]", "distributed.cpus_per_bundle=0.25",
+                     "distributed.roles.trainers=2", "distributed.roles.engines=0")) == 0
     table = json.loads((tmp_path / "r" / "experts" / "table.json").read_text())
     assert sorted(table["experts"]) == ["general.low", "general.max"] and table["failed"] == {}
     assert (tmp_path / "r" / "experts" / "general.low" / "model.safetensors").is_file()
+
+
+def test_cli_rl_with_distributed_enabled_samples_on_an_engine_actor(warm_policy, cluster, tmp_path):
+    """`k3post rl CONFIG distributed.enabled=true` (colocated: trainer 0 and engine 0 on one bundle): the
+    rollouts run on an `EngineServerActor` that receives every step's weights (its kept version is the
+    loop's last), and the trained model is written."""
+    from k3post.cli import main
+    from k3post.metrics import read_metrics
+    from k3post.models import load_model
+
+    assert main(_cli(warm_policy, tmp_path, "rl", "rl.steps=2", "distributed.cpus_per_bundle=0.5",
+                     "distributed.roles.engines=1")) == 0
+    run = tmp_path / "r"
+    rows = read_metrics(run / "metrics.jsonl", "rl/general.max")
+    assert [r["step"] for r in rows] == [1, 2] and [r["version"] for r in rows] == [2.0, 3.0]  # servers start 1 ahead
+    kept = sorted(p.name for p in (run / "engines" / "engine-0" / "weights").iterdir() if p.name.startswith("v"))
+    assert kept == ["v00000003"]  # the actor loaded the initial push and both steps' weights
+    assert load_model(run / "rl" / "general.max" / "final") is not None
 
 
 def test_mopd_with_two_teachers_on_ray_equals_local(xtml_tokenizer, folders, cluster, tmp_path):
