@@ -64,6 +64,7 @@ class LoopConfig(Protocol):
     k: int
     lambda_: float
     save_every: int
+    keep_last: int
     progress: bool
     micro_batch_tokens: int
     grad_clip: float
@@ -153,7 +154,7 @@ class PolicyLoop:
             "optimizer": self.trainer.state_dict()["optimizer"], "scheduler": rollout["scheduler"],
             "kv_pool": rollout["kv_pool"], "engine_version": rollout["engine_version"], "cursor": self.cursor,
             "history": self.history, "config": asdict(self.cfg),  # type: ignore[call-overload]
-        })
+        }, keep_last=self.cfg.keep_last)
 
     def load(self, ckpt: Path) -> None:
         """Restore a checkpoint written by `save` (into a loop built with the same config)."""

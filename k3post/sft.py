@@ -271,7 +271,7 @@ def train_sft(
                 tokenizer,
                 {"optimizer": opt.state_dict(), "data": stream.state(), "losses": losses, "mtp_losses": mtp_losses,
                  "config": vars(cfg)},
-                keep=cfg.keep_checkpoints,
+                keep_last=cfg.keep_last,
                 write_extra=None if mtp is None else (lambda folder: save_mtp(mtp, folder)),
             )
     bar.close()
