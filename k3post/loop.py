@@ -201,6 +201,8 @@ def train_policy(
             if metrics is not None:
                 metrics.truncate(stage, pl.step_no)
             log.info("resumed %s from %s (step %d)", stage, ckpt, pl.step_no)
+        elif resume and metrics is not None:  # a run killed before its first checkpoint may have logged rows
+            metrics.truncate(stage, 0)
         bar = tqdm(total=cfg.steps, initial=pl.step_no, desc=stage, disable=not cfg.progress, dynamic_ncols=True,
                    mininterval=1.0)
         end = cfg.steps if stop_after is None else min(cfg.steps, pl.step_no + stop_after)
