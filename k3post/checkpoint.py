@@ -139,14 +139,22 @@ def _rotate(root: Path, newest: Path, keep_last: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
-    """The newest complete checkpoint folder, or None."""
+def latest_checkpoint(ckpt_root: str | Path, *, keep_last: int | None = None) -> Path | None:
+    """The newest complete checkpoint folder, or None. With ``keep_last`` (a run about to resume) it also
+    finishes the cleanup a killed run left: temp folders of a cut write and the checkpoints beyond
+    ``keep_last`` a kill during the rotation left (without another save they would stay)."""
     root = Path(ckpt_root)
     pointer = root / "latest"
     if not pointer.is_file():
         return None
     path = root / pointer.read_text().strip()
-    return path if (path / "trainer_state.pt").is_file() else None
+    if not (path / "trainer_state.pt").is_file():
+        return None
+    if keep_last is not None:
+        for stale in root.glob(".tmp-step-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        _rotate(root, path, keep_last)
+    return path
 
 
 def load_trainer_state(ckpt: str | Path) -> dict[str, Any]:

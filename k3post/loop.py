@@ -194,7 +194,7 @@ def train_policy(
     pl = PolicyLoop(model, tokenizer, cfg, signal=signal, effort_fn=effort_fn)
     try:
         resumed_from = None
-        ckpt = latest_checkpoint(ckpt_root) if resume else None
+        ckpt = latest_checkpoint(ckpt_root, keep_last=cfg.keep_last) if resume else None
         if ckpt is not None:
             pl.load(ckpt)
             resumed_from = pl.step_no

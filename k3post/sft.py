@@ -212,7 +212,7 @@ def train_sft(
     start, stream, losses, mtp_losses = 0, _DataStream(samples, cfg, seed), [], []
     window_loss, window_n = 0.0, 0  # token-weighted loss sum and tokens since the last logged row
     resumed_from = None
-    ckpt = latest_checkpoint(ckpt_root) if resume else None
+    ckpt = latest_checkpoint(ckpt_root, keep_last=cfg.keep_last) if resume else None
     if ckpt is not None:
         state = load_trainer_state(ckpt)
         load_weights_into(model, ckpt)

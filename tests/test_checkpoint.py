@@ -72,6 +72,23 @@ def test_keep_last_bounds_the_folders_and_deletes_only_after_the_new_one_is_comp
     assert load_trainer_state(latest_checkpoint(root))["x"] == 6
 
 
+def test_a_resume_finishes_the_cleanup_of_a_run_killed_in_its_rotation(tmp_path, monkeypatch):
+    """Killed after `latest` names step 3 but before the rotation (found by bench/chaos.py on RL: the last
+    checkpoint of a run, so no later save rotated, and 3 folders stayed with keep_last 2): the resume's
+    `latest_checkpoint(keep_last=2)` deletes step 1 and a cut write's temp folder; a plain read changes nothing."""
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        save_checkpoint(root, step, None, None, {}, keep_last=2)
+    monkeypatch.setattr(ck, "_rotate", lambda *a: None)  # the kill
+    save_checkpoint(root, 3, None, None, {}, keep_last=2)
+    monkeypatch.undo()
+    (root / ".tmp-step-000004").mkdir()
+    before = _steps(root)
+    assert latest_checkpoint(root).name == "step-000003" and _steps(root) == before
+    assert latest_checkpoint(root, keep_last=2).name == "step-000003"
+    assert _steps(root) == ["step-000002", "step-000003"]
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_keep_last_is_validated(bad, tmp_path):
     from k3post.config import load_config

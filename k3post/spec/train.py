@@ -157,7 +157,7 @@ def train_draft(
     params = _trainable(draft)
     opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
     start = 0
-    latest = latest_checkpoint(ckpts) if resume else None
+    latest = latest_checkpoint(ckpts, keep_last=cfg.keep_last) if resume else None
     if latest is not None:
         state = load_trainer_state(latest)
         draft.load_state_dict(state["draft"], strict=False)
