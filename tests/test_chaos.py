@@ -37,5 +37,5 @@ def test_synth_killed_once_loses_nothing(tmp_path):
 @pytest.mark.slow
 def test_every_stage_survives_five_random_kills(tmp_path):
     """SFT, RL (λ = 0.5, 3 slots for 6 samples, KV pool: paused trajectories), MOPD, synth, review: >= 5
-    seeded random SIGKILLs each; about 10 minutes on 2 CPU cores."""
+    seeded random SIGKILLs each; about 5 minutes on 2 CPU cores."""
     _check(bench.run_chaos(tmp_path, list(bench.STAGES), kills=5, seed=0, budget_s=1800), 5)
