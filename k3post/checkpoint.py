@@ -5,19 +5,26 @@ Layout under a stage's folder::
     checkpoints/step-000200/   model.safetensors, config.json, tokenizer files, trainer_state.pt
     checkpoints/latest         text file naming the newest complete checkpoint
 
-A checkpoint is written to a temporary folder and renamed into place, and `latest` is updated last, so a
-kill at any moment leaves the previous checkpoint intact and loadable.
+A checkpoint is written to a temporary folder, fsynced and renamed into place, `latest` is updated after it,
+and older checkpoints are deleted only then (``keep_last`` of them stay), so a kill at any moment leaves
+`latest` naming a complete checkpoint (tests/test_checkpoint.py kills inside the write; bench/chaos.py kills
+each stage at random points).
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
+
+from k3post.config.optim import check_keep_last
 
 
 def rng_state() -> dict[str, Any]:
@@ -30,47 +37,124 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a quota, a lost mount). The message names the folder,
+    the step and the last complete checkpoint, which is left intact."""
+
+
+def _step_of(folder: Path) -> int:
+    return int(folder.name.split("-", 1)[1])
+
+
+def fsync_path(path: Path) -> None:
+    """fsync one file or folder (a folder: its entries, so a rename into it is durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """fsync every file under ``folder`` and the folders themselves (a power cut after the rename then
+    finds whole files; a SIGKILL alone loses nothing the kernel already holds)."""
+    for f in sorted(folder.rglob("*"), reverse=True):
+        fsync_path(f)
+    fsync_path(folder)
+
+
+def _chaos_pause(point: str) -> None:
+    """Tests of kill -9 (tests/test_checkpoint.py, bench/chaos.py) stop a write in the middle:
+    ``K3POST_CHAOS_PAUSE=<point>:<seconds>`` sleeps there. Points: ``ckpt.mid_write`` (the model files are
+    written, ``trainer_state.pt`` is not) and ``ckpt.before_latest`` (renamed into place, ``latest`` not yet
+    moved)."""
+    spec = os.environ.get("K3POST_CHAOS_PAUSE", "")
+    name, _, seconds = spec.partition(":")
+    if name == point:
+        time.sleep(float(seconds or 3600))
+
+
 def save_checkpoint(
-    ckpt_root: str | Path, step: int, model: Any, tokenizer: Any, state: dict[str, Any], *, keep: int = 2,
+    ckpt_root: str | Path, step: int, model: Any, tokenizer: Any, state: dict[str, Any], *, keep_last: int = 2,
     write_extra: Callable[[Path], Any] | None = None,
 ) -> Path:
-    """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep` checkpoints.
+    """Write checkpoint `step` atomically, point `latest` at it, then keep the newest `keep_last` checkpoints.
     `write_extra(folder)` adds files to the checkpoint folder before it is renamed into place. ``model`` None
-    writes no HF model folder (a module that is not a `PreTrainedModel` keeps its weights in ``state``)."""
+    writes no HF model folder (a module that is not a `PreTrainedModel` keeps its weights in ``state``).
+
+    Order: every file into ``.tmp-step-N`` (fsynced), rename to ``step-N``, write ``latest.tmp`` and rename
+    it over ``latest``, and only then delete older checkpoints, so a kill at any point leaves ``latest``
+    naming a complete checkpoint. A write that fails for lack of space (or any other OSError) removes the
+    partial folder and raises `CheckpointWriteError` naming the folder and the last complete checkpoint."""
+    check_keep_last(keep_last, "keep_last")
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    if model is not None:
-        model.save_pretrained(tmp, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    if write_extra is not None:
-        write_extra(tmp)
-    torch.save({**state, "step": step, "rng": rng_state()}, tmp / "trainer_state.pt")
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    latest_tmp = root / "latest.tmp"
-    latest_tmp.write_text(final.name)
-    latest_tmp.replace(root / "latest")
-    ckpts = sorted(p for p in root.glob("step-*") if p.is_dir())
-    for old in ckpts[: max(0, len(ckpts) - keep)]:
-        shutil.rmtree(old)
+    for stale in root.glob(".tmp-step-*"):  # a killed write's leftovers (one writer per folder)
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        if model is not None:
+            model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if write_extra is not None:
+            write_extra(tmp)
+        _chaos_pause("ckpt.mid_write")
+        torch.save({**state, "step": step, "rng": rng_state()}, tmp / "trainer_state.pt")
+        _fsync_tree(tmp)
+        if final.exists():  # a killed run wrote this step but never pointed `latest` at it: replaced
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _chaos_pause("ckpt.before_latest")
+        latest_tmp = root / "latest.tmp"
+        with latest_tmp.open("w") as fh:
+            fh.write(final.name)
+            fh.flush()
+            os.fsync(fh.fileno())
+        latest_tmp.replace(root / "latest")
+        fsync_path(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = latest_checkpoint(root)
+        why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "the write failed"
+        raise CheckpointWriteError(
+            e.errno, f"cannot write checkpoint {final.name} into {root}: {why} ({e.strerror or e}); "
+            + (f"the last complete checkpoint, {last}, is intact and a rerun resumes from it"
+               if last is not None else "no earlier checkpoint exists") + "; free space and run the command again",
+        ) from e
+    _rotate(root, final, keep_last)
     return final
 
 
-def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
-    """The newest complete checkpoint folder, or None."""
+def _rotate(root: Path, newest: Path, keep_last: int) -> None:
+    """Delete every complete checkpoint but the ``keep_last`` newest up to ``newest`` (which `latest` names);
+    a folder of a later step (left by a killed run that resumed from an earlier checkpoint) goes too."""
+    step = _step_of(newest)
+    ckpts = sorted((p for p in root.glob("step-*") if p.is_dir()), key=_step_of)
+    kept = [p for p in ckpts if _step_of(p) <= step][-keep_last:]
+    for old in ckpts:
+        if old not in kept:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(ckpt_root: str | Path, *, keep_last: int | None = None) -> Path | None:
+    """The newest complete checkpoint folder, or None. With ``keep_last`` (a run about to resume) it also
+    finishes the cleanup a killed run left: temp folders of a cut write and the checkpoints beyond
+    ``keep_last`` a kill during the rotation left (without another save they would stay)."""
     root = Path(ckpt_root)
     pointer = root / "latest"
     if not pointer.is_file():
         return None
     path = root / pointer.read_text().strip()
-    return path if (path / "trainer_state.pt").is_file() else None
+    if not (path / "trainer_state.pt").is_file():
+        return None
+    if keep_last is not None:
+        for stale in root.glob(".tmp-step-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        _rotate(root, path, keep_last)
+    return path
 
 
 def load_trainer_state(ckpt: str | Path) -> dict[str, Any]:

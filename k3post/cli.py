@@ -158,11 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k3post: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - not the user's input: say so, and where the traceback is
-        path = write_traceback(e, sys.argv[1:] if argv is None else argv)
+        try:
+            where = f"the full traceback is in {write_traceback(e, sys.argv[1:] if argv is None else argv)}"
+        except OSError as e2:  # a full disk fails the traceback file too: the one line must still come out
+            where = f"the traceback could not be written ({e2.strerror or e2}); rerun with -v to see it"
         if ns.verbose:
             raise
         print(f"k3post: failed: {type(e).__name__}: {e}\n"
-              f"k3post: this is not an input error; the full traceback is in {path}", file=sys.stderr)
+              f"k3post: this is not an input error; {where}", file=sys.stderr)
         return 1
     finally:
         detach_run_log()

@@ -64,6 +64,7 @@ class LoopConfig(Protocol):
     k: int
     lambda_: float
     save_every: int
+    keep_last: int
     progress: bool
     micro_batch_tokens: int
     grad_clip: float
@@ -153,7 +154,7 @@ class PolicyLoop:
             "optimizer": self.trainer.state_dict()["optimizer"], "scheduler": rollout["scheduler"],
             "kv_pool": rollout["kv_pool"], "engine_version": rollout["engine_version"], "cursor": self.cursor,
             "history": self.history, "config": asdict(self.cfg),  # type: ignore[call-overload]
-        })
+        }, keep_last=self.cfg.keep_last)
 
     def load(self, ckpt: Path) -> None:
         """Restore a checkpoint written by `save` (into a loop built with the same config)."""
@@ -193,13 +194,15 @@ def train_policy(
     pl = PolicyLoop(model, tokenizer, cfg, signal=signal, effort_fn=effort_fn)
     try:
         resumed_from = None
-        ckpt = latest_checkpoint(ckpt_root) if resume else None
+        ckpt = latest_checkpoint(ckpt_root, keep_last=cfg.keep_last) if resume else None
         if ckpt is not None:
             pl.load(ckpt)
             resumed_from = pl.step_no
             if metrics is not None:
                 metrics.truncate(stage, pl.step_no)
             log.info("resumed %s from %s (step %d)", stage, ckpt, pl.step_no)
+        elif resume and metrics is not None:  # a run killed before its first checkpoint may have logged rows
+            metrics.truncate(stage, 0)
         bar = tqdm(total=cfg.steps, initial=pl.step_no, desc=stage, disable=not cfg.progress, dynamic_ncols=True,
                    mininterval=1.0)
         end = cfg.steps if stop_after is None else min(cfg.steps, pl.step_no + stop_after)

@@ -210,8 +210,9 @@ def train_sft(
         params, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), weight_decay=cfg.weight_decay, eps=1e-8
     )
     start, stream, losses, mtp_losses = 0, _DataStream(samples, cfg, seed), [], []
+    window_loss, window_n = 0.0, 0  # token-weighted loss sum and tokens since the last logged row
     resumed_from = None
-    ckpt = latest_checkpoint(ckpt_root) if resume else None
+    ckpt = latest_checkpoint(ckpt_root, keep_last=cfg.keep_last) if resume else None
     if ckpt is not None:
         state = load_trainer_state(ckpt)
         load_weights_into(model, ckpt)
@@ -223,13 +224,16 @@ def train_sft(
         stream = _DataStream(samples, cfg, seed, **state["data"])
         losses = list(state.get("losses", []))
         mtp_losses = list(state.get("mtp_losses", []))
+        window_loss, window_n = state.get("log_window", (0.0, 0))  # the logged loss averages since the last log
         if metrics is not None:
             metrics.truncate(stage, start)
         log.info("resumed %s from %s (step %d)", stage, ckpt, start)
+    elif resume and metrics is not None:  # a run killed before its first checkpoint may have logged rows
+        metrics.truncate(stage, 0)
     model.train()
     bar = tqdm(total=cfg.steps, initial=start, desc=stage, disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0)
     t0, tokens_seen, loss_val = time.perf_counter(), 0, float("nan")
-    window_t, window_tok, window_loss, window_n = time.perf_counter(), 0, 0.0, 0
+    window_t, window_tok = time.perf_counter(), 0
     for step in range(start, cfg.steps):
         batches = [collate(samples, stream.next(), cfg.max_len, pad_id) for _ in range(cfg.grad_accum)]
         n_tok = sum(b.n_target_tokens for b in batches)
@@ -270,8 +274,8 @@ def train_sft(
                 model,
                 tokenizer,
                 {"optimizer": opt.state_dict(), "data": stream.state(), "losses": losses, "mtp_losses": mtp_losses,
-                 "config": vars(cfg)},
-                keep=cfg.keep_checkpoints,
+                 "log_window": (window_loss, window_n), "config": vars(cfg)},
+                keep_last=cfg.keep_last,
                 write_extra=None if mtp is None else (lambda folder: save_mtp(mtp, folder)),
             )
     bar.close()

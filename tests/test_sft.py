@@ -137,6 +137,44 @@ def test_resume_gives_identical_losses(tok, xtml, tmp_path):
         assert torch.equal(p1, p2)
 
 
+@pytest.mark.parametrize("killed_at", [3, 6])
+def test_metrics_after_a_kill_equal_an_uninterrupted_run(tok, xtml, tmp_path, monkeypatch, killed_at):
+    """Logged every 2 steps, checkpointed every 3, killed inside the save of step 3 (no checkpoint yet; the
+    row of step 2 is on disk) or of step 6 (resumes from 3, between two logged rows). The rerun's metrics
+    rows equal the uninterrupted run's (apart from wall-clock fields). Before the fix the first case kept
+    the killed run's step-2 row twice and the second logged at step 4 the loss of step 4 alone, not of
+    steps 3-4."""
+    import k3post.sft as sft
+    from k3post.metrics import MetricsLogger, read_metrics
+
+    path = _write(tmp_path, _records(40))
+    samples, _ = load_sft_jsonl(path, xtml, max_len=512)
+    cfg = SFTConfig(steps=8, rows_per_batch=2, max_len=512, save_every=3, log_every=2, warmup_steps=2, progress=False, lr=2e-3)
+
+    def rows(run):
+        return [{k: v for k, v in r.items() if k not in ("time", "tokens_per_s")} for r in read_metrics(run / "metrics.jsonl")]
+
+    def train(run):
+        m = MetricsLogger(run, tensorboard=False)
+        train_sft(_model(tok), tok, samples, cfg, run / "sft", metrics=m)
+
+    train(tmp_path / "full")
+    real = sft.save_checkpoint
+
+    def killed(root, step, *a, **kw):
+        if step == killed_at:
+            raise KeyboardInterrupt  # the process dies inside the write
+        return real(root, step, *a, **kw)
+
+    monkeypatch.setattr(sft, "save_checkpoint", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "part")
+    monkeypatch.setattr(sft, "save_checkpoint", real)
+    train(tmp_path / "part")
+    assert [r["step"] for r in rows(tmp_path / "part")] == [2, 4, 6, 8]
+    assert rows(tmp_path / "part") == rows(tmp_path / "full")
+
+
 def _train_until(model, tok, samples, cfg, out, stop_after):
     """Run the trainer and 'kill' it right after the checkpoint at `stop_after` by raising from the save hook."""
     import k3post.sft as sft

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from k3post.config.optim import check_keep_last
 from k3post.constants import EFFORTS
 
 __all__ = ["DRAFT_LOSSES", "DraftConfig"]
@@ -45,11 +46,12 @@ class DraftConfig:
     batch_size: int = 8
     max_len: int = 768
     save_every: int = 30
-    keep_checkpoints: int = 2
+    keep_last: int = 2  # checkpoints kept on disk (>= 1); older ones are deleted after a newer one is complete
     log_every: int = 10
     progress: bool = True
 
     def __post_init__(self) -> None:
+        check_keep_last(self.keep_last, "draft.keep_last")
         if self.loss not in DRAFT_LOSSES:
             raise ValueError(f"draft.loss must be one of {DRAFT_LOSSES}, got {self.loss!r}")
         bad = [e for e in self.efforts if e not in EFFORTS]

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["OPTIMIZERS", "OptimConfig"]
+__all__ = ["OPTIMIZERS", "OptimConfig", "check_keep_last"]
 
 OPTIMIZERS = ("adamw", "sgd")
+
+
+def check_keep_last(value: int, key: str) -> None:
+    """ValueError naming ``key`` unless ``value`` is an int >= 1 (a stage's checkpoints kept on disk,
+    `k3post.checkpoint.save_checkpoint`)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be an integer >= 1 (checkpoints kept on disk), got {value!r}")
 
 
 @dataclass

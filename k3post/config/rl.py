@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from k3post.config.effort import EffortConfig
-from k3post.config.optim import OptimConfig
+from k3post.config.optim import OptimConfig, check_keep_last
 from k3post.config.rollout import EngineConfig, RolloutConfig
 from k3post.constants import DOMAINS, EFFORTS
 
@@ -87,6 +87,7 @@ class RLConfig:
         "coding": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 32, "max_tokens": 384, "eval_max_tokens": 384},
     })
     save_every: int = 10
+    keep_last: int = 2  # checkpoints kept on disk (>= 1); older ones are deleted after a newer one is complete
     seed: int = 0
     progress: bool = True
     device: str = "cpu"
@@ -94,6 +95,7 @@ class RLConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
+        check_keep_last(self.keep_last, "rl.keep_last")
         if self.effort not in EFFORTS:
             raise ValueError(f"rl.effort must be one of {EFFORTS}, got {self.effort!r}")
         stage_keys = [k for k in self.domain_overrides if "." in k]

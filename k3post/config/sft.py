@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from k3post.config.optim import check_keep_last
+
 __all__ = ["SFTConfig"]
 
 
@@ -25,9 +27,12 @@ class SFTConfig:
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables
     precision: str = "fp32"  # fp32 | bf16 (bf16 autocast over fp32 master weights)
     save_every: int = 200  # checkpoint every N steps (and at the end)
-    keep_checkpoints: int = 2
+    keep_last: int = 2  # checkpoints kept on disk (>= 1); older ones are deleted after a newer one is complete
     log_every: int = 10
     on_bad_sample: str = "error"  # error | skip (skips are counted and logged)
     mode: str = "think"  # XTML mode: think | instruct
     progress: bool = True  # tqdm progress bar
     mtp_weight: float = 0.0  # weight of the MTP head's next-next-token loss (k3post.spec.mtp); 0 = no MTP head
+
+    def __post_init__(self) -> None:
+        check_keep_last(self.keep_last, "sft.keep_last")

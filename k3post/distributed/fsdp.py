@@ -28,7 +28,7 @@ layer's forward FSDP has swapped the all-gathered (full) expert tensors in, so t
 the reduction dim see whole rows.
 
 Checkpoints follow `k3post.checkpoint`'s layout (``step-NNNNNN/`` renamed into place, ``latest`` written
-last, the newest ``keep`` kept); the weights and optimizer are a DCP folder ``dcp/`` inside it, keyed by
+last, the newest ``keep_last`` kept); the weights and optimizer are a DCP folder ``dcp/`` inside it, keyed by
 parameter name, so a checkpoint written by N ranks loads on M ranks (resharded on load).
 
 Shape legend: none here (`k3post.policy_step` holds the tensors).
@@ -198,7 +198,7 @@ class FSDPTrainer(Trainer):
     # ----------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self, ckpt_root: str | Path, step: int, *, tokenizer: Any = None,
-                        state: Mapping[str, Any] | None = None, keep: int = 2) -> Path:
+                        state: Mapping[str, Any] | None = None, keep_last: int = 2) -> Path:
         """Checkpoint ``step`` in `k3post.checkpoint`'s layout: every rank writes its shards of the weights
         and the optimizer (DCP) into a staging folder, rank 0 moves it into the checkpoint as ``dcp/``
         beside ``trainer_state.pt`` (``state`` + step + world size + rank 0's RNG) and renames the whole into
@@ -214,7 +214,7 @@ class FSDPTrainer(Trainer):
         final = root / f"step-{step:06d}"
         if self.rank == 0:
             final = save_checkpoint(root, step, None, tokenizer, {**dict(state or {}), "world_size": self.world},
-                                    keep=keep, write_extra=lambda tmp: staging.rename(tmp / "dcp"))
+                                    keep_last=keep_last, write_extra=lambda tmp: staging.rename(tmp / "dcp"))
         dist.barrier()
         return final
 

@@ -55,6 +55,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from k3post.checkpoint import fsync_path
 from k3post.quant import qat as qat_module
 from k3post.quant.qat import QATConfig
 
@@ -461,14 +462,6 @@ class InProcessSync:
 # --------------------------------------------------------------------------- disk
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as fh:
@@ -524,15 +517,15 @@ class DiskSync:
                 path = tmp / f"shard-{i:05d}.safetensors"
                 save_file({t.name: lookup[t.name].detach().to("cpu").contiguous() for t in spec.tensors}, str(path),
                           metadata={"format": FORMAT, "version": str(version)})
-                _fsync(path)
+                fsync_path(path)
                 files.append({"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)})
             data = Manifest(version, self.qat, tuple(specs)).to_json()
             data["files"] = files
             (tmp / MANIFEST).write_text(json.dumps(data, indent=1), encoding="utf-8")
-            _fsync(tmp / MANIFEST)
-            _fsync(tmp)
+            fsync_path(tmp / MANIFEST)
+            fsync_path(tmp)
             os.rename(tmp, final)
-            _fsync(self.root)
+            fsync_path(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -157,7 +157,7 @@ def train_draft(
     params = _trainable(draft)
     opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
     start = 0
-    latest = latest_checkpoint(ckpts) if resume else None
+    latest = latest_checkpoint(ckpts, keep_last=cfg.keep_last) if resume else None
     if latest is not None:
         state = load_trainer_state(latest)
         draft.load_state_dict(state["draft"], strict=False)
@@ -197,7 +197,7 @@ def train_draft(
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             own = {n: t for n, t in draft.state_dict().items() if not n.startswith("embed_tokens.")}  # not the target's
             save_checkpoint(ckpts, step + 1, None, None, {"optimizer": opt.state_dict(), "draft": own},
-                            keep=cfg.keep_checkpoints)
+                            keep_last=cfg.keep_last)
     bar.close()
     draft.eval()
     return result
