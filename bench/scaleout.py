@@ -145,7 +145,7 @@ def main() -> None:
                                eos_token_id=XTML(tok).eom_id)
         model_dir = save_model(model, Path(tmp) / "model", tok)
         result.update(weight_sync(args))
-        print("weight sync (ms per MB): " + ", ".join(f"{k[16:]} {v:.1f}" for k, v in result.items()
+        print("weight sync (ms per MB): " + ", ".join(f"{k[15:]} {v:.1f}" for k, v in result.items()
                                                       if k.startswith("sync_ms_per_mb_")), flush=True)
         result.update(rl_arms(model_dir, args))
     for k in ("ranks1", "ranks2", "servers1", "servers2"):

@@ -216,10 +216,13 @@ class FSDPTrainer(Trainer):
             (logits.float().sum() * 0.0).backward()
 
     def _reduce(self, sums: Mapping[str, float]) -> dict[str, float]:
-        """Sums added over the ranks, ``max/`` keys maximised."""
-        keys = sorted(sums)
-        add = torch.tensor([0.0 if k.startswith("max/") else sums[k] for k in keys], dtype=torch.float64)
-        top = torch.tensor([sums[k] if k.startswith("max/") else 0.0 for k in keys], dtype=torch.float64)
+        """Sums added over the ranks, ``max/`` keys maximised (a key a rank lacks counts as 0, or −inf for a max)."""
+        # a rank without micro-batches (or without tokens of some kind) has fewer keys: agree on the union first
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, sorted(sums))
+        keys = sorted(set().union(*every))
+        add = torch.tensor([0.0 if k.startswith("max/") else sums.get(k, 0.0) for k in keys], dtype=torch.float64)
+        top = torch.tensor([sums.get(k, -math.inf) if k.startswith("max/") else 0.0 for k in keys], dtype=torch.float64)
         dist.all_reduce(add)
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
         return {k: float(top[i] if k.startswith("max/") else add[i]) for i, k in enumerate(keys)}
