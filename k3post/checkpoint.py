@@ -5,6 +5,10 @@ Layout under a stage's folder::
     checkpoints/step-000200/   model.safetensors, config.json, tokenizer files, trainer_state.pt
     checkpoints/latest         text file naming the newest complete checkpoint
 
+A sharded trainer (`k3post.distributed.fsdp.FSDPTrainer`) writes no HF model folder: its weights and
+optimizer are a ``dcp/`` folder (torch.distributed.checkpoint, keyed by parameter name) beside
+``trainer_state.pt``, which `load_dcp` reads on any number of ranks, one process included.
+
 A checkpoint is written to a temporary folder, fsynced and renamed into place, `latest` is updated after it,
 and older checkpoints are deleted only then (``keep_last`` of them stay), so a kill at any moment leaves
 `latest` naming a complete checkpoint (tests/test_checkpoint.py kills inside the write; bench/chaos.py kills
@@ -180,3 +184,15 @@ def load_weights_into(model: torch.nn.Module, ckpt: str | Path) -> None:
             if v.shape != src[k].shape:
                 raise ValueError(f"{ckpt}: tensor {k} has shape {tuple(src[k].shape)}, the model expects {tuple(v.shape)}")
             v.copy_(src[k])
+
+
+def load_dcp(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: str | Path) -> None:
+    """Load a ``dcp/`` folder (weights and optimizer, keyed by parameter name, written by any number of ranks)
+    into ``model`` and ``optimizer``, sharded or not: each process reads the slices it holds."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    sd = {"model": msd, "optimizer": osd}
+    dcp.load(sd, checkpoint_id=Path(folder))
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])

@@ -44,13 +44,28 @@ def _split_config(args: list[str]) -> tuple[str | None, list[str]]:
     return None, args
 
 
+def _on_ranks(fn, cfg, command: str):  # noqa: ANN001, ANN202
+    """``fn(cfg)`` in this process, or as rank 0 of ``distributed.fsdp.ranks`` trainer ranks."""
+    from k3post.errors import UserError
+
+    ranks = cfg.distributed.fsdp.ranks
+    if ranks > 1 and command in ("demo", "draft"):
+        raise UserError(f"distributed.fsdp.ranks={ranks}: k3post {command} trains no sharded model; use 1 rank")
+    if ranks > 1 and command == "sft" and cfg.sft.mtp_weight > 0:
+        raise UserError(f"sft.mtp_weight={cfg.sft.mtp_weight}: the MTP head is not supported with "
+                        f"distributed.fsdp.ranks={ranks} (set sft.mtp_weight=0 or distributed.fsdp.ranks=1)")
+    from k3post.distributed.ranks import on_ranks
+
+    return on_ranks(cfg.distributed.fsdp, fn, cfg)
+
+
 def cmd_demo(ns: argparse.Namespace) -> int:
     from k3post.demo import run_demo
 
     config, overrides = _split_config(ns.args)
     if config is None and Path("configs/demo.yaml").exists():
         config = "configs/demo.yaml"
-    run_demo(_load(config, overrides))
+    _on_ranks(run_demo, _load(config, overrides), "demo")
     return 0
 
 
@@ -60,7 +75,7 @@ def cmd_sft(ns: argparse.Namespace) -> int:
     config, overrides = _split_config(ns.args)
     if config is None:
         raise ValueError("usage: k3post sft CONFIG [key=value ...]")
-    run_sft(_load(config, overrides))
+    _on_ranks(run_sft, _load(config, overrides), "sft")
     return 0
 
 
@@ -72,7 +87,8 @@ def cmd_rl(ns: argparse.Namespace) -> int:
         raise ValueError(f"usage: k3post {ns.command} CONFIG [key=value ...]")
     from k3post.commands import run_draft, run_mopd
 
-    {"experts": run_experts, "rl": run_rl, "mopd": run_mopd, "draft": run_draft}[ns.command](_load(config, overrides))
+    fn = {"experts": run_experts, "rl": run_rl, "mopd": run_mopd, "draft": run_draft}[ns.command]
+    _on_ranks(fn, _load(config, overrides), ns.command)
     return 0
 
 

@@ -35,14 +35,14 @@ from typing import Any, Protocol
 import torch
 from tqdm import tqdm
 
-from k3post.checkpoint import latest_checkpoint, load_trainer_state, load_weights_into, save_checkpoint
+from k3post.checkpoint import latest_checkpoint
 from k3post.envs.task import Task
 from k3post.errors import StepFailed
 from k3post.metrics import MetricsLogger
 from k3post.policy_step import TokenSequence
 from k3post.rollout.factory import Rollout, RolloutConfig
 from k3post.rollout.trajectory import Group, outcome_metrics
-from k3post.trainer import OptimConfig, Trainer
+from k3post.trainer import OptimConfig, build_trainer
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +93,10 @@ class PolicyLoop:
     ) -> None:
         self.cfg, self.tokenizer, self.signal = cfg, tokenizer, signal
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.trainer = Trainer(model, cfg.optim_config(), device=cfg.device, pad_id=pad_id,
-                               loss_kwargs=cfg.loss_kwargs(), micro_batch_tokens=cfg.micro_batch_tokens,
-                               grad_clip=cfg.grad_clip)
-        self.model = self.trainer.model
+        self.trainer = build_trainer(model, cfg.optim_config(), device=cfg.device, pad_id=pad_id,
+                                     loss_kwargs=cfg.loss_kwargs(), micro_batch_tokens=cfg.micro_batch_tokens,
+                                     grad_clip=cfg.grad_clip)
+        self.model = model  # trained in place (a sharded trainer copies its weights back after every step)
         self.rollout = Rollout(self.model, tokenizer, cfg.rollout_config(), effort_fn=effort_fn)
         self.step_no, self.cursor = 0, 0
         self.history: list[dict[str, float]] = []
@@ -150,18 +150,15 @@ class PolicyLoop:
     def save(self, ckpt_root: Path) -> Path:
         """Checkpoint: weights, optimizer, rollout state (paused trajectories, KV pool tensors, version)."""
         rollout = self.rollout.state_dict()
-        return save_checkpoint(ckpt_root, self.step_no, self.model, self.tokenizer, {
-            "optimizer": self.trainer.state_dict()["optimizer"], "scheduler": rollout["scheduler"],
-            "kv_pool": rollout["kv_pool"], "engine_version": rollout["engine_version"], "cursor": self.cursor,
-            "history": self.history, "config": asdict(self.cfg),  # type: ignore[call-overload]
+        return self.trainer.save_checkpoint(ckpt_root, self.step_no, tokenizer=self.tokenizer, state={
+            "scheduler": rollout["scheduler"], "kv_pool": rollout["kv_pool"], "engine_version": rollout["engine_version"],
+            "cursor": self.cursor, "history": self.history, "config": asdict(self.cfg),  # type: ignore[call-overload]
         }, keep_last=self.cfg.keep_last)
 
     def load(self, ckpt: Path) -> None:
-        """Restore a checkpoint written by `save` (into a loop built with the same config)."""
-        state = load_trainer_state(ckpt)
-        load_weights_into(self.model, ckpt)
+        """Restore a checkpoint written by `save` (into a loop built with the same config; any trainer rank count)."""
+        state = self.trainer.load_checkpoint(ckpt)
         self.rollout.refresh_weights()
-        self.trainer.load_state_dict(state)
         self.rollout.load_state_dict(state)
         self.step_no, self.cursor, self.history = int(state["step"]), int(state["cursor"]), list(state["history"])
 

@@ -6,7 +6,8 @@ The loop, as the algorithm box reads::
         for micro-batch in grad_accum packed micro-batches:
             loss += CE(model(packed rows), next tokens where loss_mask) / N_tokens(step)
             [sft.mtp_weight > 0]  loss += mtp_weight * CE(MTP head, token t+2) / N_mtp_tokens(step)
-        clip grads; AdamW step; warmup+cosine LR
+        clip grads; AdamW step; warmup+cosine LR          `k3post.trainer.Trainer.sft_step` (build_trainer: one
+                                                          process, or sharded over distributed.fsdp.ranks)
         log; checkpoint every `save_every`
 
 The loss is a token mean over the whole optimizer step (all micro-batches), so gradient accumulation gives
@@ -31,11 +32,12 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from k3post.config.sft import SFTConfig
-from k3post.checkpoint import latest_checkpoint, load_trainer_state, load_weights_into, save_checkpoint, set_rng_state
+from k3post.checkpoint import latest_checkpoint, set_rng_state
+from k3post.config.optim import OptimConfig
 from k3post.data import PackedBatch, Sample, collate, iter_microbatches
 from k3post.metrics import MetricsLogger
-from k3post.policy_step import clip_grad_norm
-from k3post.spec.mtp import MTPHead, capture_final_hidden, load_mtp, mtp_ce_sum, mtp_labels, save_mtp
+from k3post.spec.mtp import MTPHead, capture_final_hidden, load_mtp, mtp_ce_sum, save_mtp
+from k3post.trainer import build_trainer
 
 log = logging.getLogger("k3post.sft")
 
@@ -205,20 +207,16 @@ def train_sft(
     ckpt_root = out / "checkpoints"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     mtp = _new_mtp_head(model, seed) if cfg.mtp_weight > 0 else None
-    params = list(model.parameters()) + (list(mtp.parameters()) if mtp is not None else [])
-    opt = torch.optim.AdamW(
-        params, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), weight_decay=cfg.weight_decay, eps=1e-8
-    )
+    trainer = build_trainer(model, OptimConfig(lr=cfg.lr, betas=list(cfg.betas), eps=1e-8, weight_decay=cfg.weight_decay),
+                            device=next(model.parameters()).device, pad_id=pad_id, grad_clip=cfg.grad_clip, extra=mtp)
     start, stream, losses, mtp_losses = 0, _DataStream(samples, cfg, seed), [], []
     window_loss, window_n = 0.0, 0  # token-weighted loss sum and tokens since the last logged row
     resumed_from = None
     ckpt = latest_checkpoint(ckpt_root, keep_last=cfg.keep_last) if resume else None
     if ckpt is not None:
-        state = load_trainer_state(ckpt)
-        load_weights_into(model, ckpt)
+        state = trainer.load_checkpoint(ckpt)
         if mtp is not None:
             _load_mtp_into(mtp, ckpt)
-        opt.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])
         start = resumed_from = int(state["step"])
         stream = _DataStream(samples, cfg, seed, **state["data"])
@@ -237,19 +235,12 @@ def train_sft(
     for step in range(start, cfg.steps):
         batches = [collate(samples, stream.next(), cfg.max_len, pad_id) for _ in range(cfg.grad_accum)]
         n_tok = sum(b.n_target_tokens for b in batches)
-        n_mtp = sum(int((mtp_labels(b.labels_RL, b.position_ids_RL) != -100).sum()) for b in batches) if mtp else 0
         lr = lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        total, mtp_total = sft_grads(model, batches, n_tok=n_tok, precision=cfg.precision, mtp=mtp,
-                                     mtp_weight=cfg.mtp_weight, n_mtp=n_mtp)
-        grad_norm = clip_grad_norm(params, cfg.grad_clip)
-        opt.step()
-        loss_val = total / max(n_tok, 1)
+        m = trainer.sft_step(batches, lr=lr, precision=cfg.precision, mtp_weight=cfg.mtp_weight)
+        loss_val, grad_norm = m["loss"], m["grad_norm"]
         losses.append(loss_val)
         if mtp is not None:
-            mtp_losses.append(mtp_total / max(n_mtp, 1))
+            mtp_losses.append(m["mtp_loss"])
         step_tokens = sum(int(b.input_ids_RL.numel()) for b in batches)
         tokens_seen += step_tokens
         window_tok += step_tokens
@@ -268,13 +259,10 @@ def train_sft(
             bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tps:,.0f}")
         bar.update(1)
         if done % cfg.save_every == 0 or done == cfg.steps:
-            save_checkpoint(
-                ckpt_root,
-                done,
-                model,
-                tokenizer,
-                {"optimizer": opt.state_dict(), "data": stream.state(), "losses": losses, "mtp_losses": mtp_losses,
-                 "log_window": (window_loss, window_n), "config": vars(cfg)},
+            trainer.save_checkpoint(
+                ckpt_root, done, tokenizer=tokenizer,
+                state={"data": stream.state(), "losses": losses, "mtp_losses": mtp_losses,
+                       "log_window": (window_loss, window_n), "config": vars(cfg)},
                 keep_last=cfg.keep_last,
                 write_extra=None if mtp is None else (lambda folder: save_mtp(mtp, folder)),
             )

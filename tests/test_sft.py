@@ -177,9 +177,9 @@ def test_metrics_after_a_kill_equal_an_uninterrupted_run(tok, xtml, tmp_path, mo
 
 def _train_until(model, tok, samples, cfg, out, stop_after):
     """Run the trainer and 'kill' it right after the checkpoint at `stop_after` by raising from the save hook."""
-    import k3post.sft as sft
+    import k3post.checkpoint as ck  # the trainer writes through k3post.checkpoint.save_checkpoint
 
-    real = sft.save_checkpoint
+    real = ck.save_checkpoint
 
     class Killed(Exception):
         pass
@@ -190,12 +190,12 @@ def _train_until(model, tok, samples, cfg, out, stop_after):
             raise Killed
         return path
 
-    sft.save_checkpoint = save_then_die
+    ck.save_checkpoint = save_then_die
     try:
         with pytest.raises(Killed):
             train_sft(model, tok, samples, cfg, out)
     finally:
-        sft.save_checkpoint = real
+        ck.save_checkpoint = real
 
 
 @pytest.mark.parametrize("qat", [False, True], ids=["fp32", "mxfp4-qat"])

@@ -31,11 +31,19 @@ Checkpoints follow `k3post.checkpoint`'s layout (``step-NNNNNN/`` renamed into p
 last, the newest ``keep_last`` kept); the weights and optimizer are a DCP folder ``dcp/`` inside it, keyed by
 parameter name, so a checkpoint written by N ranks loads on M ranks (resharded on load).
 
+Driven by rank 0 (`k3post.distributed.ranks`: a stage command on N ranks). Built with ``lead`` (rank 0) or
+``mirror`` (every rank), the trainer trains a deep copy of the caller's model and keeps the caller's model
+(rank 0's) a full copy of the trained weights: after every optimizer step and checkpoint load the ranks
+all-gather the weights and rank 0 copies them in place, so a co-located engine decoding with it sees the
+update as it would the single-process optimizer's, and `named_weights` on rank 0 reads it (no collective).
+``lead(command)`` sends each collective call to the other ranks before rank 0 runs it.
+
 Shape legend: none here (`k3post.policy_step` holds the tensors).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -54,11 +62,10 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     get_state_dict,
     set_optimizer_state_dict,
-    set_state_dict,
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from k3post.checkpoint import load_trainer_state, save_checkpoint
+from k3post import checkpoint
 from k3post.config.distributed import MIXED_PRECISIONS
 from k3post.config.optim import OptimConfig
 from k3post.distributed.weight_sync import named_weights
@@ -118,7 +125,11 @@ class FSDPTrainer(Trainer):
     share_prefix = False  # one forward per micro-batch: every rank runs the same collectives
 
     def __init__(self, model: torch.nn.Module, optim: OptimConfig, *, mixed_precision: str = "fp32",
-                 cpu_offload: bool = False, **trainer_kwargs: Any) -> None:
+                 cpu_offload: bool = False, mirror: bool = False, lead: Callable[[tuple[Any, ...]], None] | None = None,
+                 **trainer_kwargs: Any) -> None:
+        if trainer_kwargs.get("extra") is not None:
+            raise ValueError("sft.mtp_weight > 0: the MTP head is not supported with distributed.fsdp.ranks > 1 "
+                             "(set sft.mtp_weight=0 or distributed.fsdp.ranks=1)")
         if not dist.is_initialized():
             raise ValueError("FSDPTrainer needs an initialised process group (launch_local, or torchrun and "
                              "torch.distributed.init_process_group)")
@@ -126,7 +137,41 @@ class FSDPTrainer(Trainer):
             raise ValueError(f"distributed.fsdp.mixed_precision must be one of {MIXED_PRECISIONS}, got {mixed_precision!r}")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.mixed_precision, self.cpu_offload = mixed_precision, cpu_offload
-        super().__init__(model, optim, **trainer_kwargs)
+        self._lead_fn, self._mirrors = lead, mirror or lead is not None
+        self.mirror = model if self._mirrors and self.rank == 0 else None  # the caller's model, kept full
+        super().__init__(copy.deepcopy(model) if self.mirror is not None else model, optim, **trainer_kwargs)
+
+    def _lead(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """On the leading rank: have the other ranks run ``self.name(*args, **kwargs)`` too."""
+        if self._lead_fn is not None:
+            self._lead_fn(("call", name, args, kwargs))
+
+    def _finish(self) -> float:
+        grad_norm = super()._finish()
+        self._refresh_mirror()
+        return grad_norm
+
+    def _refresh_mirror(self) -> None:
+        """Every rank all-gathers the weights; rank 0 copies them into the caller's model (in place)."""
+        if not self._mirrors:
+            return
+        full = self._gather()
+        if self.mirror is not None:
+            with torch.no_grad():
+                for (name, src), (dst_name, dst) in zip(full, named_weights(self.mirror)):
+                    assert name == dst_name, (name, dst_name)
+                    dst.copy_(src)
+
+    def step(self, seqs: Sequence[Any], *, version: int | None = None) -> dict[str, float]:
+        self._lead("step", seqs, version=version)
+        return super().step(seqs, version=version)
+
+    def sft_step(self, batches: Sequence[Any], *, lr: float | None = None, precision: str = "fp32",
+                 mtp_weight: float = 0.0) -> dict[str, float]:
+        if mtp_weight > 0:
+            raise ValueError("sft.mtp_weight > 0: the MTP head is not supported with distributed.fsdp.ranks > 1")
+        self._lead("sft_step", batches, lr=lr, precision=precision)
+        return super().sft_step(batches, lr=lr, precision=precision)
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``fully_shard`` every decoder layer, then the root; gradients summed over the ranks."""
@@ -171,10 +216,13 @@ class FSDPTrainer(Trainer):
             (logits.float().sum() * 0.0).backward()
 
     def _reduce(self, sums: Mapping[str, float]) -> dict[str, float]:
-        """Sums added over the ranks, ``max/`` keys maximised."""
-        keys = sorted(sums)
-        add = torch.tensor([0.0 if k.startswith("max/") else sums[k] for k in keys], dtype=torch.float64)
-        top = torch.tensor([sums[k] if k.startswith("max/") else 0.0 for k in keys], dtype=torch.float64)
+        """Sums added over the ranks, ``max/`` keys maximised (a key a rank lacks counts as 0, or −inf for a max)."""
+        # a rank without micro-batches (or without tokens of some kind) has fewer keys: agree on the union first
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, sorted(sums))
+        keys = sorted(set().union(*every))
+        add = torch.tensor([0.0 if k.startswith("max/") else sums.get(k, 0.0) for k in keys], dtype=torch.float64)
+        top = torch.tensor([sums.get(k, -math.inf) if k.startswith("max/") else 0.0 for k in keys], dtype=torch.float64)
         dist.all_reduce(add)
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
         return {k: float(top[i] if k.startswith("max/") else add[i]) for i, k in enumerate(keys)}
@@ -184,7 +232,11 @@ class FSDPTrainer(Trainer):
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every parameter (a tied one once) and persistent buffer, in the model's
         order, as `Trainer.named_weights`: sharded parameters are all-gathered (``DTensor.full_tensor``, on
-        every rank), so the tensors are copies, not the live shards."""
+        every rank), so the tensors are copies, not the live shards. With a mirror, rank 0 alone returns the
+        mirror's tensors (refreshed after every step: no collective)."""
+        return named_weights(self.mirror) if self.mirror is not None else self._gather()
+
+    def _gather(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in named_weights(self.model)]
 
     def state_dict(self) -> dict[str, Any]:
@@ -198,11 +250,13 @@ class FSDPTrainer(Trainer):
     # ----------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self, ckpt_root: str | Path, step: int, *, tokenizer: Any = None,
-                        state: Mapping[str, Any] | None = None, keep_last: int = 2) -> Path:
+                        state: Mapping[str, Any] | None = None, keep_last: int = 2,
+                        write_extra: Callable[[Path], Any] | None = None) -> Path:
         """Checkpoint ``step`` in `k3post.checkpoint`'s layout: every rank writes its shards of the weights
         and the optimizer (DCP) into a staging folder, rank 0 moves it into the checkpoint as ``dcp/``
         beside ``trainer_state.pt`` (``state`` + step + world size + rank 0's RNG) and renames the whole into
-        place. Returns the checkpoint folder."""
+        place (``write_extra(folder)`` adds rank 0's files). Returns the checkpoint folder."""
+        self._lead("save_checkpoint", ckpt_root, step, keep_last=keep_last)
         root = Path(ckpt_root)
         staging = root / f".dcp-step-{step:06d}"
         if self.rank == 0 and staging.exists():
@@ -213,27 +267,35 @@ class FSDPTrainer(Trainer):
         dist.barrier()
         final = root / f"step-{step:06d}"
         if self.rank == 0:
-            final = save_checkpoint(root, step, None, tokenizer, {**dict(state or {}), "world_size": self.world},
-                                    keep_last=keep_last, write_extra=lambda tmp: staging.rename(tmp / "dcp"))
+            final = checkpoint.save_checkpoint(root, step, None, tokenizer, {**dict(state or {}), "world_size": self.world},
+                                               keep_last=keep_last,
+                                               write_extra=lambda tmp: self._write_rank0(tmp, staging, write_extra))
         dist.barrier()
         return final
 
     def load_checkpoint(self, ckpt: str | Path) -> dict[str, Any]:
         """Restore weights and optimizer from a checkpoint of `save_checkpoint`, written by any number of
         ranks; returns its ``trainer_state.pt`` (the caller restores RNG and data position from it)."""
+        self._lead("load_checkpoint", ckpt)
         ckpt = Path(ckpt)
         if not (ckpt / "dcp" / ".metadata").is_file():
-            raise ValueError(f"{ckpt}: not a sharded checkpoint (no dcp/.metadata)")
-        msd, osd = get_state_dict(self.model, self.optimizer)
-        sd = {"model": msd, "optimizer": osd}
-        dcp.load(sd, checkpoint_id=ckpt / "dcp")
-        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
-        return load_trainer_state(ckpt)
+            raise ValueError(f"{ckpt}: not a sharded checkpoint (no dcp/.metadata); a single-process checkpoint "
+                             "resumes with distributed.fsdp.ranks=1")
+        checkpoint.load_dcp(self.model, self.optimizer, ckpt / "dcp")
+        self._refresh_mirror()
+        return checkpoint.load_trainer_state(ckpt)
+
+    @staticmethod
+    def _write_rank0(folder: Path, staging: Path, write_extra: Callable[[Path], Any] | None) -> None:
+        staging.rename(folder / "dcp")
+        if write_extra is not None:
+            write_extra(folder)
 
     def export_hf(self, out_dir: str | Path, tokenizer: Any = None) -> Path:
         """The consolidated model as a Hugging Face folder (``save_pretrained``: config.json + safetensors,
         the tokenizer when given) that `k3post.models.load_model` reads. The full state dict is gathered to
         rank 0's CPU, written into a temporary folder and renamed into place."""
+        self._lead("export_hf", out_dir)
         out = Path(out_dir)
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
