@@ -31,3 +31,4 @@ class SFTConfig:
     mode: str = "think"  # XTML mode: think | instruct
     progress: bool = True  # tqdm progress bar
     mtp_weight: float = 0.0  # weight of the MTP head's next-next-token loss (k3post.spec.mtp); 0 = no MTP head
+    mtp_start_fraction: float = 0.0  # the MTP loss is on from step int(fraction * steps); earlier: no loss, no gradient to the head
