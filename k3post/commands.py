@@ -18,7 +18,7 @@ from k3post.metrics import MetricsLogger
 from k3post.models import build_tiny_moe, load_model, save_model
 from k3post.quant.qat import apply_qat
 from k3post.sft import train_sft
-from k3post.spec.mtp import save_mtp
+from k3post.spec.mtp import MTPHead, load_mtp, save_mtp
 from k3post.tokenizer import ensure_xtml_tokens, load_tokenizer, train_tokenizer
 from k3post.xtml import XTML, text_segments
 
@@ -278,7 +278,6 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
     from k3post.spec.data import load_samples, save_samples, target_generations, token_counts
     from k3post.spec.eagle3 import DraftVocab, Eagle3Draft, engine_capturable
     from k3post.spec.export import export_eagle3
-    from k3post.spec.mtp import load_mtp
     from k3post.spec.train import evaluate_alpha, expected_accept_length, train_draft
 
     d = cfg.draft
@@ -308,11 +307,10 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
     if d.draft_vocab:
         counts = token_counts(train)
         vocab = DraftVocab.from_counts(torch.tensor([counts.get(i, 0) for i in range(len(tokenizer))]), d.draft_vocab)
-    mtp = load_mtp(target_dir)
+    mtp, mtp_from = _draft_mtp(d.mtp, target_dir, run)
     pad = tokenizer.pad_token_id
-    where = target_dir.resolve()
-    inside = where.is_relative_to(run.resolve())
-    summary: dict = {"target": str(where.relative_to(run.resolve())) if inside else str(target_dir), "aux_layers": list(aux), "mtp_init": mtp is not None,
+    summary: dict = {"target": _run_relative(target_dir, run), "aux_layers": list(aux),
+                     "mtp_init": mtp_from and _run_relative(mtp_from, run),
                      "train_episodes": len(train), "held_out_episodes": len(held), "steps": d.steps,
                      "ttt_steps": d.ttt_steps, "losses": {}}
     for loss in losses:
@@ -333,6 +331,31 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
         print(f"  draft {loss:9}: held-out α by depth (T=1) " + ", ".join(f"{a:.3f}" for a in after["t1"]))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
     return summary
+
+
+def _run_relative(path: str | Path, run: Path) -> str:
+    """``path`` relative to the run folder when it lies inside it, else as given."""
+    where, root = Path(path).resolve(), run.resolve()
+    return str(where.relative_to(root)) if where.is_relative_to(root) else str(path)
+
+
+def _draft_mtp(setting: str, target_dir: Path, run: Path) -> tuple[MTPHead | None, str | None]:
+    """The MTP head a draft starts from (``draft.mtp``) and where it came from: a named folder (an error when it
+    has none), else the target's own, else the run's SFT model's (SFT trained it, `sft.mtp_weight`; the target may
+    be that model after RL and MOPD), or none (``"none"``, or no head anywhere: the draft starts from the
+    target's last layer)."""
+    if setting == "none":
+        return None, None
+    if setting:
+        head = load_mtp(setting)
+        if head is None:
+            raise UserError(f"draft.mtp: {setting} has no MTP head (mtp.safetensors, written by SFT with sft.mtp_weight > 0)")
+        return head, setting
+    for folder in (target_dir, run / "sft" / "final"):
+        head = load_mtp(folder)
+        if head is not None:
+            return head, str(folder)
+    return None, None
 
 
 def run_draft(cfg: K3Config) -> Path:

@@ -29,6 +29,7 @@ import torch
 
 from k3post.errors import UserError
 from k3post.config import K3Config
+from k3post.config.sft import SFTConfig
 from k3post.data import load_sft_jsonl, write_jsonl
 from k3post.evaluate import evaluate_family
 from k3post.experts import train_experts
@@ -37,6 +38,7 @@ from k3post.models import build_tiny_moe, count_parameters, load_model, save_mod
 from k3post.quant.qat import apply_qat
 from k3post.report import write_report
 from k3post.sft import train_sft
+from k3post.spec.mtp import save_mtp
 from k3post.commands import default_corpus, distill, open_run, raise_if_failed, train_drafts
 from k3post.envs.families import families, get_family, lexicon as family_lexicon
 from k3post.envs.task import canonical_json
@@ -82,6 +84,14 @@ def _sft_summary(res: Any, stats: Any, n_quantized: int) -> dict[str, Any]:
     }
 
 
+def demo_sft(cfg: K3Config) -> SFTConfig:
+    """The demo's SFT settings: ``sft.*`` with the MTP head of ``demo.mtp_weight`` / ``demo.mtp_start_fraction``
+    (both SFT runs, so the QAT comparison stays like with like); an ``sft.mtp_weight`` set by the user wins."""
+    if cfg.sft.mtp_weight > 0:
+        return cfg.sft
+    return replace(cfg.sft, mtp_weight=cfg.demo.mtp_weight, mtp_start_fraction=cfg.demo.mtp_start_fraction)
+
+
 def _baseline_worker(cfg: K3Config, run: Path, init_dir: Path, train_file: Path, out: Any) -> None:
     """Child process: the same SFT run as the parent's, from the same initial weights, without QAT."""
     try:
@@ -89,7 +99,7 @@ def _baseline_worker(cfg: K3Config, run: Path, init_dir: Path, train_file: Path,
         tokenizer = load_tokenizer(init_dir)
         model = load_model(init_dir)
         samples, stats = load_sft_jsonl(train_file, XTML(tokenizer), max_len=cfg.sft.max_len, on_bad_sample=cfg.sft.on_bad_sample, mode=cfg.sft.mode)
-        sft_cfg = replace(cfg.sft, progress=False)
+        sft_cfg = replace(demo_sft(cfg), progress=False)
         metrics = MetricsLogger(run)
         res = train_sft(model, tokenizer, samples, sft_cfg, run / "sft_noqat", seed=cfg.run.seed, metrics=metrics, stage="sft_noqat")
         metrics.close()
@@ -241,8 +251,10 @@ def run_demo(cfg: K3Config) -> Path:
         baseline_proc = _start_baseline(cfg, run, init_dir, train_file)
         torch.set_num_threads(1)
     quantized = apply_qat(model, cfg.qat) if cfg.qat.enabled else []
-    res = train_sft(model, tokenizer, samples, cfg.sft, run / "sft", seed=cfg.run.seed, metrics=metrics, stage="sft")
+    res = train_sft(model, tokenizer, samples, demo_sft(cfg), run / "sft", seed=cfg.run.seed, metrics=metrics, stage="sft")
     save_model(model, run / "sft" / "final", tokenizer)
+    if res.mtp is not None:  # the draft stage starts from it (draft.mtp)
+        save_mtp(res.mtp, run / "sft" / "final")
     summary.update(sft=_sft_summary(res, stats, len(quantized)))
     if baseline_proc is not None:
         summary.update(sft_noqat=_join_baseline(*baseline_proc))

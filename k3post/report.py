@@ -359,7 +359,7 @@ def _draft_section(run: Path, summary: dict[str, Any]) -> str:
     depth = len(next(iter(losses.values()))["acceptance_by_depth"]["t1"])
     parts = ["<h2>Deployment: EAGLE-3 drafts (LK vs KL)</h2>",
              f"<p class=muted>Drafts for {html.escape(str(d['target']))} (a path inside the run folder, or as given), fused "
-             f"target layers {d['aux_layers']} (k3post ids), {'from its MTP head' if d.get('mtp_init') else 'started from its last layer (no MTP head)'}; "
+             f"target layers {d['aux_layers']} (k3post ids), {('from the MTP head in ' + html.escape(str(d['mtp_init']))) if d.get('mtp_init') else 'started from its last layer (no MTP head)'}; "
              f"trained {d['steps']} steps on {d['train_episodes']} of the target's own episodes with a {d['ttt_steps']}-step "
              f"training-time test; acceptance measured teacher-forced on {d['held_out_episodes']} held-out episodes: "
              "T = 1 is Σ min(p, q), T = 0 is argmax agreement. Expected acceptance length = tokens per target forward "

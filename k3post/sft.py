@@ -5,7 +5,8 @@ The loop, as the algorithm box reads::
     for step in steps:
         for micro-batch in grad_accum packed micro-batches:
             loss += CE(model(packed rows), next tokens where loss_mask) / N_tokens(step)
-            [sft.mtp_weight > 0]  loss += mtp_weight * CE(MTP head, token t+2) / N_mtp_tokens(step)
+            [sft.mtp_weight > 0, step >= sft.mtp_start_fraction * sft.steps]
+                                  loss += mtp_weight * CE(MTP head, token t+2) / N_mtp_tokens(step)
         clip grads; AdamW step; warmup+cosine LR          `k3post.trainer.Trainer.sft_step` (build_trainer: one
                                                           process, or sharded over distributed.fsdp.ranks)
         log; checkpoint every `save_every`
@@ -15,7 +16,9 @@ the same update as one big batch. QAT (MXFP4 expert weights, MXFP8 expert inputs
 step when the run's `qat.enabled` is true. Resume restores weights, AdamW moments, the LR schedule, RNG
 states and the data position, so the losses after a resume equal an uninterrupted run's. The MTP head
 (`k3post.spec.mtp`, only when `sft.mtp_weight > 0`) trains beside the model, its parameters after the model's
-in the one AdamW, and is checkpointed as `mtp.safetensors` in each checkpoint folder.
+in the one AdamW, and is checkpointed as `mtp.safetensors` in each checkpoint folder. Before
+step int(`sft.mtp_start_fraction` x `sft.steps`) the head gets no loss and no gradient (AdamW skips it), so those steps are the plain
+SFT steps exactly; starting it late buys an MTP head for a fraction of its cost (the demo: the last 20% of its steps).
 """
 
 from __future__ import annotations
@@ -203,6 +206,9 @@ def train_sft(
         raise ValueError("sft.steps, sft.rows_per_batch, sft.grad_accum, sft.pack_len and sft.max_len must be positive")
     if cfg.mtp_weight < 0:
         raise ValueError(f"sft.mtp_weight must be >= 0, got {cfg.mtp_weight}")
+    if not 0 <= cfg.mtp_start_fraction < 1:
+        raise ValueError(f"sft.mtp_start_fraction must be in [0, 1), got {cfg.mtp_start_fraction}")
+    mtp_start = int(cfg.mtp_start_fraction * cfg.steps)
     out = Path(out_dir)
     ckpt_root = out / "checkpoints"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -236,10 +242,11 @@ def train_sft(
         batches = [collate(samples, stream.next(), cfg.max_len, pad_id) for _ in range(cfg.grad_accum)]
         n_tok = sum(b.n_target_tokens for b in batches)
         lr = lr_at(step, cfg)
-        m = trainer.sft_step(batches, lr=lr, precision=cfg.precision, mtp_weight=cfg.mtp_weight)
+        step_mtp = mtp if step >= mtp_start else None  # before the start: the plain SFT step exactly
+        m = trainer.sft_step(batches, lr=lr, precision=cfg.precision, mtp_weight=cfg.mtp_weight if step_mtp else 0.0)
         loss_val, grad_norm = m["loss"], m["grad_norm"]
         losses.append(loss_val)
-        if mtp is not None:
+        if step_mtp is not None:
             mtp_losses.append(m["mtp_loss"])
         step_tokens = sum(int(b.input_ids_RL.numel()) for b in batches)
         tokens_seen += step_tokens
@@ -253,7 +260,7 @@ def train_sft(
             window_t, window_tok, window_loss, window_n = now, 0, 0.0, 0
             if metrics is not None:
                 row = {"loss": mean_loss, "step_loss": loss_val, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "target_tokens": n_tok}
-                if mtp is not None:
+                if step_mtp is not None:
                     row["mtp_loss"] = mtp_losses[-1]
                 metrics.log(stage, done, row)
             bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tps:,.0f}")

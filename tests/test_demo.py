@@ -76,6 +76,10 @@ def test_demo_small_writes_run_folder(tmp_path):
     for loss in ("kl", "lk_alpha"):
         assert (run / "draft" / loss / "final" / "config.json").is_file(), loss
     assert "EAGLE-3 drafts (LK vs KL)" in html
+    # the MTP head the demo's SFT trains in its last 20% of steps (demo.mtp_*) is where the drafts start
+    assert (run / "sft" / "final" / "mtp.safetensors").is_file() and summary["draft"]["mtp_init"] == "sft/final"
+    assert [r.get("mtp_loss", 0) > 0 for r in rows if r["stage"] in ("sft", "sft_noqat")] == [True, True]
+    assert "from the MTP head in sft/final" in html
     # a finished run is never overwritten: the same command writes d-1. Run in a fresh process with another
     # hash seed (set / dict-of-str order), it must give the same results: every summary number, every metric
     # row and every model file, bit for bit (only wall-clock values differ)

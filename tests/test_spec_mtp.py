@@ -142,3 +142,29 @@ def test_mtp_weight_zero_trains_as_before(tok, tmp_path):
     assert res.mtp is None and res.mtp_losses == []
     assert not (tmp_path / "out" / "checkpoints" / "step-000005" / "mtp.safetensors").exists()
     assert res.losses == pytest.approx(_BEFORE_MTP, rel=1e-6)
+
+
+def test_mtp_start_fraction_trains_plain_sft_until_then_and_resumes_across_it(tok, tmp_path):
+    """sft.mtp_start_fraction = 0.5 of 6 steps: steps 0-2 are the plain SFT steps exactly (weights and losses equal a run without a head,
+    the head's weights untouched: it got no gradient), steps 3-5 train the head (3 MTP losses; its weights move);
+    a run stopped at step 2 and resumed crosses the start and ends bit-equal to an uninterrupted one; a fraction
+    outside [0, 1) is refused naming the key."""
+    samples = _samples(tok, tmp_path, 60)
+    cfg = SFTConfig(steps=6, rows_per_batch=2, max_len=512, save_every=2, warmup_steps=2, progress=False, lr=2e-3,
+                    mtp_weight=0.3, mtp_start_fraction=0.5, keep_last=3)
+    plain = train_sft(_model(tok), tok, samples, SFTConfig(**{**vars(cfg), "mtp_weight": 0.0}), tmp_path / "plain")
+    late = train_sft(_model(tok), tok, samples, cfg, tmp_path / "late")
+    # step 3's main loss is measured before its update, the first with an MTP gradient in the trunk
+    assert late.losses[:4] == plain.losses[:4] and late.losses[4] != plain.losses[4]
+    assert len(late.mtp_losses) == 3
+    at_2 = load_mtp(tmp_path / "late" / "checkpoints" / "step-000002")
+    from k3post.sft import _new_mtp_head
+    fresh = _new_mtp_head(_model(tok), 0)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), at_2.state_dict().values()))
+    assert not all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), late.mtp.state_dict().values()))
+    _train_until(_model(tok), tok, samples, cfg, tmp_path / "part", stop_after=2)
+    resumed = train_sft(_model(tok, seed=123), tok, samples, cfg, tmp_path / "part")
+    assert resumed.resumed_from == 2 and resumed.losses == late.losses and resumed.mtp_losses == late.mtp_losses
+    assert all(torch.equal(a, b) for a, b in zip(late.mtp.parameters(), resumed.mtp.parameters()))
+    with pytest.raises(ValueError, match="sft.mtp_start_fraction"):
+        train_sft(_model(tok), tok, samples, SFTConfig(**{**vars(cfg), "mtp_start_fraction": 1.0}), tmp_path / "bad")

@@ -100,7 +100,7 @@ def test_k3post_draft_command(world, tmp_path, caplog) -> None:
     summary = json.loads((out / "summary.json").read_text())
     got = summary["losses"]["lk_alpha"]
     assert len(got["acceptance_by_depth"]["t1"]) == len(got["acceptance_by_depth"]["t0"]) == 2
-    assert summary["aux_layers"] == [1, 1, 2] and summary["mtp_init"] is False
+    assert summary["aux_layers"] == [1, 1, 2] and summary["mtp_init"] is None
     assert (out / "lk_alpha" / "final" / "config.json").is_file()
     assert (out / "lk_alpha" / "checkpoints" / "latest").is_file()
 
@@ -113,3 +113,27 @@ def test_expected_accept_length() -> None:
     assert expected_accept_length([1.0] * 5, 5) == 6.0
     with pytest.raises(ValueError, match="needs acceptance at 4 depths"):
         expected_accept_length([0.5] * 3, 4)
+
+
+def test_draft_mtp_resolution(world, tmp_path) -> None:
+    """draft.mtp: empty finds the target's own head, else the run's SFT model's (the demo's MOPD student has none;
+    its SFT model does); "none" skips it; a named folder without a head is an error naming the key."""
+    from k3post.commands import _draft_mtp
+    from k3post.errors import UserError
+    from k3post.spec.mtp import MTPHead, save_mtp
+
+    _, target, _, _ = world
+    run, student = tmp_path / "run", tmp_path / "run" / "mopd" / "final"
+    student.mkdir(parents=True)
+    assert _draft_mtp("", student, run) == (None, None)
+    head = MTPHead.from_target(target)
+    (run / "sft" / "final").mkdir(parents=True)
+    save_mtp(head, run / "sft" / "final")
+    got, where = _draft_mtp("", student, run)
+    assert where == str(run / "sft" / "final")
+    assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), head.state_dict().values()))
+    save_mtp(MTPHead.from_target(target), student)
+    assert _draft_mtp("", student, run)[1] == str(student)  # the target's own head first
+    assert _draft_mtp("none", student, run) == (None, None)
+    with pytest.raises(UserError, match="draft.mtp: .* has no MTP head"):
+        _draft_mtp(str(tmp_path), student, run)

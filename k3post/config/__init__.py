@@ -70,11 +70,17 @@ class DemoConfig:
 
     compare_no_qat: bool = True  # also train the same SFT run without QAT and compare held-out pass rate
     drafts: list[str] = field(default_factory=lambda: ["lk_alpha", "kl"])  # EAGLE-3 drafts for the MOPD student, one per loss (draft.*); [] skips the stage
+    mtp_weight: float = 0.3  # the demo's SFT runs train an MTP head (as sft.mtp_weight, which is off by default)
+    mtp_start_fraction: float = 0.8  # ... from this fraction of sft.steps on (as sft.mtp_start_fraction)
 
     def __post_init__(self) -> None:
         bad = [x for x in self.drafts if x not in DRAFT_LOSSES]
         if bad:
             raise ValueError(f"demo.drafts: unknown draft losses {bad}; expected some of {DRAFT_LOSSES}")
+        if self.mtp_weight < 0:
+            raise ValueError(f"demo.mtp_weight must be >= 0, got {self.mtp_weight}")
+        if not 0 <= self.mtp_start_fraction < 1:
+            raise ValueError(f"demo.mtp_start_fraction must be in [0, 1), got {self.mtp_start_fraction}")
 
 
 @dataclass

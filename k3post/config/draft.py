@@ -26,6 +26,7 @@ class DraftConfig:
     minute per draft on 2 cores); the report's 7-step unroll (EAGLE-3) is ``ttt_steps=7``."""
 
     target: str = ""  # target model folder; empty: the run's MOPD student, else its SFT model
+    mtp: str = ""  # MTP head to start from: a folder with mtp.safetensors; empty: the target's, else the run's SFT model's; "none": the target's last layer
     families: list[str] = field(default_factory=list)  # empty: every built-in family
     efforts: list[str] = field(default_factory=lambda: list(EFFORTS))
     n_per_family: int = 4

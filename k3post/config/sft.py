@@ -33,6 +33,7 @@ class SFTConfig:
     mode: str = "think"  # XTML mode: think | instruct
     progress: bool = True  # tqdm progress bar
     mtp_weight: float = 0.0  # weight of the MTP head's next-next-token loss (k3post.spec.mtp); 0 = no MTP head
+    mtp_start_fraction: float = 0.0  # the MTP loss is on from step int(fraction * steps); earlier: no loss, no gradient to the head
 
     def __post_init__(self) -> None:
         check_keep_last(self.keep_last, "sft.keep_last")
