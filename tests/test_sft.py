@@ -144,7 +144,7 @@ def test_metrics_after_a_kill_equal_an_uninterrupted_run(tok, xtml, tmp_path, mo
     rows equal the uninterrupted run's (apart from wall-clock fields). Before the fix the first case kept
     the killed run's step-2 row twice and the second logged at step 4 the loss of step 4 alone, not of
     steps 3-4."""
-    import k3post.sft as sft
+    import k3post.checkpoint as checkpoint
     from k3post.metrics import MetricsLogger, read_metrics
 
     path = _write(tmp_path, _records(40))
@@ -159,17 +159,17 @@ def test_metrics_after_a_kill_equal_an_uninterrupted_run(tok, xtml, tmp_path, mo
         train_sft(_model(tok), tok, samples, cfg, run / "sft", metrics=m)
 
     train(tmp_path / "full")
-    real = sft.save_checkpoint
+    real = checkpoint.save_checkpoint
 
     def killed(root, step, *a, **kw):
         if step == killed_at:
             raise KeyboardInterrupt  # the process dies inside the write
         return real(root, step, *a, **kw)
 
-    monkeypatch.setattr(sft, "save_checkpoint", killed)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", killed)  # the trainer writes through it
     with pytest.raises(KeyboardInterrupt):
         train(tmp_path / "part")
-    monkeypatch.setattr(sft, "save_checkpoint", real)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", real)
     train(tmp_path / "part")
     assert [r["step"] for r in rows(tmp_path / "part")] == [2, 4, 6, 8]
     assert rows(tmp_path / "part") == rows(tmp_path / "full")
