@@ -234,11 +234,33 @@ def _arg_text(value: Any, type_: str, where: str) -> str:
         raise ValueError(f"{where}: argument value is not JSON-serialisable: {e}") from e
 
 
+def _non_standard(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range for a JSON number")
+    return value
+
+
+def _strict_json(text: str) -> Any:
+    """json.loads of model- or user-written text, by the JSON standard: NaN / Infinity (and 1e999) are a
+    ValueError (the renderer refuses them, and json.dumps would write them back as invalid JSON), and so is nesting too
+    deep for the parser (a RecursionError otherwise). A syntax error is a json.JSONDecodeError (a
+    ValueError with ``.pos``)."""
+    try:
+        return json.loads(text, parse_constant=_non_standard, parse_float=_finite)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 def _decode_arg(text: str, type_: str) -> Any:
     """Python value of an argument body; ValueError (with .pos where known) if invalid."""
     if type_ == "string":
         return text
-    value = json.loads(text)
+    value = _strict_json(text)
     ok = {
         "number": isinstance(value, (int, float)) and not isinstance(value, bool),
         "boolean": isinstance(value, bool),
@@ -284,8 +306,8 @@ def parse_tool_arguments(call: Mapping[str, Any] | str) -> dict[str, Any]:
     if raw.strip() == "":
         return {}
     try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as e:
+        value = _strict_json(raw)
+    except ValueError as e:
         raise ValueError(f"tool call arguments are not valid JSON: {e}") from e
     if not isinstance(value, dict):
         raise ValueError("tool call arguments are not a JSON object")
@@ -448,7 +470,7 @@ def _render_assistant(b: _Builder, m: Mapping[str, Any], i: int, mode: str, bind
                 else:
                     try:
                         parsed = json.loads(args)
-                    except json.JSONDecodeError:
+                    except (ValueError, RecursionError):  # not JSON, an over-long integer, nested too deeply
                         parsed = None
                     if isinstance(parsed, dict):
                         args = parsed

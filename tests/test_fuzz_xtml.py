@@ -308,3 +308,32 @@ def test_long_bad_header_is_not_quadratic(x: XTML) -> None:
     assert (res.ok, res.position) == (False, len(ids) - 2) and "expected a space" in res.message, res
     assert time.perf_counter() - t0 < 1.0  # was 4000 decodes of up to 4000 tokens
     assert len(res.message) < 200  # the header is shortened in the message, not quoted whole
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [("[" * 50_000, "nested too deeply"), ("NaN", "NaN is not valid JSON"), ("1e999", "out of range"),
+     ("-Infinity", "not valid JSON"), ("1" * 5000, "4300 digits")],
+    ids=["deep", "nan", "1e999", "-inf", "long-int"],
+)  # fmt: skip
+def test_model_written_argument_bodies_fail_as_parse_errors(x: XTML, body: str, fragment: str) -> None:
+    """An argument body nested deeper than the JSON parser recurses raised RecursionError out of parse /
+    stream / validate; NaN / Infinity were accepted and written back as invalid JSON arguments. Both are
+    an XTMLParseError at the body's first token now."""
+    head = encode_text(x.tokenizer, "r")
+    call = ids_of_parts(x, [C, "think", S, O, "tools", S, O, 'call tool="f" index="1"', S,
+                            O, 'argument key="a" type="number"', S])  # fmt: skip
+    ids = head + call + encode_text(x.tokenizer, body) + ids_of_parts(x, [C, "argument", S])
+    check_all(x, ids)
+    with pytest.raises(XTMLParseError, match=fragment) as e:
+        x.parse(ids, after_prefix=True)
+    assert e.value.position == len(head) + len(call)
+    # as a JSON-fallback argument string handed to the renderer: kept verbatim, not a crash
+    calls = [{"function": {"name": "f", "arguments": body}}]
+    r = x.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": calls}])
+    assert x.validate(r.ids).ok
+
+
+def ids_of_parts(x: XTML, parts: list[str]) -> list[int]:
+    """A special token string is its id, anything else encoded text."""
+    return [t for p in parts for t in ([x._ids[p]] if p in x._ids else encode_text(x.tokenizer, p))]
