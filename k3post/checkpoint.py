@@ -171,18 +171,35 @@ def load_weights_into(model: torch.nn.Module, ckpt: str | Path) -> None:
     The folder is read through ``from_pretrained`` because transformers may store weights in a
     different layout than it holds them in memory (fused MoE experts are saved per expert).
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    loaded = AutoModelForCausalLM.from_pretrained(Path(ckpt), dtype=next(model.parameters()).dtype, local_files_only=True)
+    try:
+        loaded, info = AutoModelForCausalLM.from_pretrained(
+            Path(ckpt), dtype=next(model.parameters()).dtype, local_files_only=True, output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported below, by name
+        )
+    except (OSError, RuntimeError, ValueError, SafetensorError) as e:  # a truncated file, no weights file
+        raise ValueError(f"{ckpt}: cannot load the checkpoint's weights: {str(e).strip().splitlines()[-1]}") from e
+    # from_pretrained fills a tensor the files lack with fresh random values and drops one the model lacks:
+    # both are a broken checkpoint here, never a silent re-initialisation (issue 20)
+    missing, unexpected = sorted(info.get("missing_keys") or []), sorted(info.get("unexpected_keys") or [])
+    if missing or unexpected:
+        raise ValueError(f"{ckpt}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    mismatched = sorted(info.get("mismatched_keys") or [])  # (key, shape in the files, shape in the model)
+    if mismatched:
+        key, got, want = mismatched[0]
+        raise ValueError(f"{ckpt}: tensor {key} has shape {tuple(got)}, the model expects {tuple(want)}")
     src = loaded.state_dict()
     dst = model.state_dict()
     if set(src) != set(dst):
         missing, unexpected = sorted(set(dst) - set(src)), sorted(set(src) - set(dst))
         raise ValueError(f"{ckpt}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    for k, v in dst.items():  # every shape checked before any copy: a refused checkpoint leaves the model as it was
+        if v.shape != src[k].shape:
+            raise ValueError(f"{ckpt}: tensor {k} has shape {tuple(src[k].shape)}, the model expects {tuple(v.shape)}")
     with torch.no_grad():
         for k, v in dst.items():
-            if v.shape != src[k].shape:
-                raise ValueError(f"{ckpt}: tensor {k} has shape {tuple(src[k].shape)}, the model expects {tuple(v.shape)}")
             v.copy_(src[k])
 
 

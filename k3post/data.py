@@ -57,6 +57,37 @@ class LoadStats:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
 
 
+class MalformedLineError(ValueError):
+    """A JSONL line that is not one JSON value in UTF-8; the message names ``file:line``."""
+
+
+def json_line(line: bytes, where: str) -> Any:
+    """The JSON value of one JSONL line (bytes, so invalid UTF-8 is reported, not raised by the reader).
+
+    Raises `MalformedLineError` naming ``where`` (``file:line``) for invalid UTF-8, malformed JSON, nesting
+    too deep for the parser and integers too long to convert (Python's 4,300-digit limit)."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MalformedLineError(f"{where}: not valid UTF-8 at byte {e.start}") from None
+    try:
+        return json.loads(text.rstrip("\r\n"))  # the column of an error is then in the line, not after it
+    except json.JSONDecodeError as e:
+        raise MalformedLineError(f"{where}: malformed JSON at column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise MalformedLineError(f"{where}: malformed JSON: nested too deeply") from None
+    except ValueError as e:  # e.g. an integer of more than 4,300 digits
+        raise MalformedLineError(f"{where}: malformed JSON: {e}") from None
+
+
+def _spec_name(spec: Any) -> Any:
+    """The name of an OpenAI function spec (``{"function": {"name": ...}}`` or ``{"name": ...}``); None if absent."""
+    if not isinstance(spec, dict):
+        return None
+    inner = spec.get("function") or spec
+    return inner.get("name") if isinstance(inner, dict) else None
+
+
 def check_record(rec: Any) -> None:
     """Structural checks the XTML renderer does not make: roles, declared tools. Raises ValueError."""
     from k3post.xtml import is_tool_declaration
@@ -69,7 +100,7 @@ def check_record(rec: Any) -> None:
     tools = rec.get("tools") or []
     if not isinstance(tools, list):
         raise ValueError("key 'tools' must be a list of OpenAI function specs or null")
-    declared = {(t.get("function") or t).get("name") for t in tools if isinstance(t, dict)}
+    declared = {_spec_name(t) for t in tools}
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise ValueError(f"messages[{i}] must be an object")
@@ -77,8 +108,13 @@ def check_record(rec: Any) -> None:
         if role not in ROLES:
             raise ValueError(f"messages[{i}]: unknown role {role!r}; expected one of {ROLES}")
         if is_tool_declaration(m):  # mid-session tool declaration adds tools from here on
-            declared |= {(t.get("function") or t).get("name") for t in m.get("tools") or []}
-        for j, call in enumerate(m.get("tool_calls") or []):
+            declared |= {_spec_name(t) for t in m.get("tools") or []}
+        calls = m.get("tool_calls") or []
+        if not isinstance(calls, list):
+            raise ValueError(f"messages[{i}].tool_calls must be a list, got {type(calls).__name__}")
+        for j, call in enumerate(calls):
+            if not isinstance(call, dict) or not isinstance(call.get("function") or {}, dict):
+                raise ValueError(f"messages[{i}].tool_calls[{j}] must be an object with a 'function' object")
             name = (call.get("function") or {}).get("name")
             if name not in declared:
                 raise ValueError(f"messages[{i}].tool_calls[{j}]: call to undeclared tool {name!r}; declared: {sorted(n for n in declared if n)}")
@@ -103,7 +139,7 @@ def load_sft_jsonl(
         raise DataError(f"{p}: SFT data file not found")
     samples: list[Sample] = []
     stats = LoadStats()
-    with p.open(encoding="utf-8") as fh:
+    with p.open("rb") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
@@ -111,9 +147,9 @@ def load_sft_jsonl(
             where = f"{p}:{lineno}"
             try:
                 try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: malformed JSON at column {e.colno}: {e.msg}", "malformed_json") from e
+                    rec = json_line(line, where)
+                except MalformedLineError as e:
+                    raise DataError(str(e), "malformed_json") from e
                 try:
                     check_record(rec)
                     ids, mask = render_record(xtml, rec, mode)

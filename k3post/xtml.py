@@ -163,6 +163,11 @@ def _compact_json(obj: Any) -> str:
         raise ValueError(f"value is not JSON-serialisable: {e}") from e
 
 
+def _shown(text: str, limit: int = 80) -> str:
+    """repr of text for an error message, shortened in the middle past ``limit`` characters."""
+    return repr(text) if len(text) <= limit else f"{text[: limit // 2]!r}...{text[-limit // 2 :]!r}"
+
+
 def _check_mode(mode: str) -> None:
     """ValueError unless mode is 'think' or 'instruct'."""
     if mode not in MODES:
@@ -229,11 +234,33 @@ def _arg_text(value: Any, type_: str, where: str) -> str:
         raise ValueError(f"{where}: argument value is not JSON-serialisable: {e}") from e
 
 
+def _non_standard(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range for a JSON number")
+    return value
+
+
+def _strict_json(text: str) -> Any:
+    """json.loads of model- or user-written text, by the JSON standard: NaN / Infinity (and 1e999) are a
+    ValueError (the renderer refuses them, and json.dumps would write them back as invalid JSON), and so is nesting too
+    deep for the parser (a RecursionError otherwise). A syntax error is a json.JSONDecodeError (a
+    ValueError with ``.pos``)."""
+    try:
+        return json.loads(text, parse_constant=_non_standard, parse_float=_finite)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 def _decode_arg(text: str, type_: str) -> Any:
     """Python value of an argument body; ValueError (with .pos where known) if invalid."""
     if type_ == "string":
         return text
-    value = json.loads(text)
+    value = _strict_json(text)
     ok = {
         "number": isinstance(value, (int, float)) and not isinstance(value, bool),
         "boolean": isinstance(value, bool),
@@ -242,7 +269,7 @@ def _decode_arg(text: str, type_: str) -> Any:
         "array": isinstance(value, list),
     }[type_]
     if not ok:
-        raise ValueError(f"argument value {text!r} is not of type {type_}")
+        raise ValueError(f"argument value {_shown(text)} is not of type {type_}")
     return value
 
 
@@ -279,8 +306,8 @@ def parse_tool_arguments(call: Mapping[str, Any] | str) -> dict[str, Any]:
     if raw.strip() == "":
         return {}
     try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as e:
+        value = _strict_json(raw)
+    except ValueError as e:
         raise ValueError(f"tool call arguments are not valid JSON: {e}") from e
     if not isinstance(value, dict):
         raise ValueError("tool call arguments are not a JSON object")
@@ -443,7 +470,7 @@ def _render_assistant(b: _Builder, m: Mapping[str, Any], i: int, mode: str, bind
                 else:
                     try:
                         parsed = json.loads(args)
-                    except json.JSONDecodeError:
+                    except (ValueError, RecursionError):  # not JSON, an over-long integer, nested too deeply
                         parsed = None
                     if isinstance(parsed, dict):
                         args = parsed
@@ -799,33 +826,33 @@ def _parse_header(text: str) -> tuple[str, dict[str, str], dict[str, int]]:
     """(tag, attrs, attr char offsets) of header text; _HeaderError(offset, msg) if malformed."""
     m = _NAME.match(text)
     if not m:
-        raise _HeaderError(0, f"missing or invalid tag name in header {text!r}")
+        raise _HeaderError(0, f"missing or invalid tag name in header {_shown(text)}")
     tag = m.group()
     i = m.end()
     attrs: dict[str, str] = {}
     offsets: dict[str, int] = {}
     while i < len(text):
         if text[i] != " ":
-            raise _HeaderError(i, f"bad attribute syntax in header {text!r}: expected a space")
+            raise _HeaderError(i, f"bad attribute syntax in header {_shown(text)}: expected a space")
         i += 1
         start = i
         m = _NAME.match(text, i)
         if not m:
-            raise _HeaderError(i, f"bad attribute syntax in header {text!r}: invalid attribute name")
+            raise _HeaderError(i, f"bad attribute syntax in header {_shown(text)}: invalid attribute name")
         key = m.group()
         i = m.end()
         if text[i : i + 2] != '="':
-            raise _HeaderError(i, f'bad attribute syntax in header {text!r}: expected =" after {key}')
+            raise _HeaderError(i, f'bad attribute syntax in header {_shown(text)}: expected =" after {key}')
         i += 2
         buf: list[str] = []
         while True:
             if i >= len(text):
-                raise _HeaderError(start, f"bad attribute syntax in header {text!r}: unterminated value of {key}")
+                raise _HeaderError(start, f"bad attribute syntax in header {_shown(text)}: unterminated value of {key}")
             c = text[i]
             if c == "&":
                 entity = next((e for e in _ENTITIES if text.startswith(e, i)), None)
                 if entity is None:
-                    raise _HeaderError(i, f"bad attribute syntax in header {text!r}: '&' must start &amp; or &quot;")
+                    raise _HeaderError(i, f"bad attribute syntax in header {_shown(text)}: '&' must start &amp; or &quot;")
                 buf.append(_ENTITIES[entity])
                 i += len(entity)
                 continue
@@ -842,7 +869,16 @@ def _parse_header(text: str) -> tuple[str, dict[str, str], dict[str, int]]:
 
 
 class _TextStream:
-    """Incremental decoder: emits only complete characters (multi-byte safe)."""
+    """Incremental decoder: emits only complete characters (multi-byte safe), in linear time.
+
+    Text is held while it ends in U+FFFD (a character may still be completing). A character is at most
+    4 bytes, so at most its last 3 bytes (3 tokens) can still change: when more than `_HOLD` tokens are
+    held, everything but the last `_KEEP` is emitted, if decoding it apart gives the same text (so a run
+    of bytes that never forms a character costs O(1) a token, not the whole run; issue 20).
+    """
+
+    _HOLD = 8
+    _KEEP = 4
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
@@ -851,15 +887,22 @@ class _TextStream:
         self.read = 0
         self.emitted: list[str] = []
 
+    def _emit(self, delta: str, prefix: int, read: int) -> str:
+        self.prefix, self.read = prefix, read
+        self.emitted.append(delta)
+        return delta
+
     def push(self, tid: int) -> str:
         self.ids.append(tid)
         prefix_text = decode(self.tokenizer, self.ids[self.prefix : self.read])
         new_text = decode(self.tokenizer, self.ids[self.prefix :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text) :]
-            self.prefix, self.read = self.read, len(self.ids)
-            self.emitted.append(delta)
-            return delta
+            return self._emit(new_text[len(prefix_text) :], self.read, len(self.ids))
+        cut = len(self.ids) - self._KEEP
+        if cut - self.prefix > self._HOLD - self._KEEP and cut > self.read:
+            head = decode(self.tokenizer, self.ids[self.prefix : cut])
+            if head.startswith(prefix_text) and head + decode(self.tokenizer, self.ids[cut:]) == new_text:
+                return self._emit(head[len(prefix_text) :], cut, cut)
         return ""
 
     def flush(self) -> str:
@@ -954,10 +997,16 @@ class _Machine:
 
     def _char_pos(self, ids: list[int], first: int, offset: int) -> int:
         """Position of the token of ``ids`` (starting at ``first``) holding char ``offset``."""
-        for k in range(1, len(ids) + 1):
-            if len(decode(self.x.tokenizer, ids[:k])) > offset:
-                return first + k - 1
-        return first + max(len(ids) - 1, 0)
+        lo, hi = 1, len(ids)  # the decoded length grows with k: bisect (a long header stays O(n log n))
+        if hi == 0 or len(decode(self.x.tokenizer, ids)) <= offset:
+            return first + max(len(ids) - 1, 0)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(decode(self.x.tokenizer, ids[:mid])) > offset:
+                hi = mid
+            else:
+                lo = mid + 1
+        return first + lo - 1
 
     # ------------------------------------------------------------------ feeding
     def feed(self, tid: int) -> list[Event]:
@@ -966,7 +1015,10 @@ class _Machine:
             raise self.error
         pos = self.pos
         self.pos += 1
-        kind = self.x._kind.get(int(tid))
+        tid = int(tid)
+        if not 0 <= tid < self.x.vocab_size:
+            raise self._fail(pos, f"id {tid} is not a token of the tokenizer (vocabulary size {self.x.vocab_size})")
+        kind = self.x._kind.get(tid)
         events: list[Event] = []
         if kind == PAD_TOKEN:
             if self.state == "done":
@@ -979,10 +1031,10 @@ class _Machine:
                 self.start_header = True
             else:
                 self._push_implicit(events, pos, channel=True)
-            return events + self._feed_body(int(tid), kind, pos)
+            return events + self._feed_body(tid, kind, pos)
         if st in ("open_hdr", "close_hdr"):
             if kind is None:
-                self.hdr_ids.append(int(tid))
+                self.hdr_ids.append(tid)
                 return events
             if kind != SEP:
                 raise self._fail(pos, f"header not terminated by {SEP} (got {kind})")
@@ -1000,7 +1052,7 @@ class _Machine:
             return events
         if st == "done":
             raise self._fail(pos, f"content after {EOM}")
-        return self._feed_body(int(tid), kind, pos)
+        return self._feed_body(tid, kind, pos)
 
     def _push_implicit(self, events: list[Event], pos: int, *, channel: bool) -> None:
         self.stack.append(_Frame("message", {"role": "assistant"}, pos))
@@ -1071,7 +1123,7 @@ class _Machine:
         except _HeaderError as e:
             raise self._fail(at(e.offset), e.message) from None
         if tag not in KNOWN_TAGS:
-            raise self._fail(first, f"unknown tag {tag!r}")
+            raise self._fail(first, f"unknown tag {_shown(tag)}")
         if self.start_header:
             self.start_header = False
             if tag in CHANNELS:
@@ -1176,7 +1228,7 @@ class _Machine:
         text, first = self._header_text(sep_pos)
         top = self.stack[-1]
         if text != top.tag:
-            raise self._fail(first, f"mismatched close tag: expected {top.tag!r}, got {text!r}")
+            raise self._fail(first, f"mismatched close tag: expected {top.tag!r}, got {_shown(text)}")
         body = decode(self.x.tokenizer, top.text_ids) if top.tag in _TEXT_ONLY else ""
         self.stack.pop()
         parent = self.stack[-1]
@@ -1277,6 +1329,7 @@ class XTML:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)  # ids outside [0, vocab_size) are malformed input, not text
         ids = special_ids(tokenizer)
         self.open_id, self.close_id, self.sep_id, self.eom_id = (ids[t] for t in SPECIAL_TOKENS)
         self.pad_id = ids[PAD_TOKEN]
@@ -1429,7 +1482,7 @@ class XTML:
         context = False
         if ids and ids[0] == self.open_id:
             j = 1
-            while j < len(ids) and ids[j] not in self._kind:
+            while j < len(ids) and ids[j] not in self._kind and 0 <= ids[j] < self.vocab_size:
                 j += 1
             context = re.match(r"message(\s|$)", decode(self.tokenizer, ids[1:j])) is not None
         m = _Machine(self, context=context, mode=mode, stream=False)
@@ -1464,6 +1517,9 @@ class XTML:
         it dropped a ``developer`` message or re-sorted tool results.
         """
         ids = [int(t) for t in ids]
+        bad = next((k for k, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token {bad}: id {ids[bad]} is not a token of the tokenizer (vocabulary size {self.vocab_size})")
         midx: list[int] = []
         mask: list[bool] = []
         count = 0

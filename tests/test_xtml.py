@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 
 from k3post.tokenizer import decode, encode_text
+from xtml_strategies import assistant_msg, conversations, texts
 from k3post.constants import DEFAULT_EFFORT
 from k3post.xtml import (
     OMIT_EFFORT,
@@ -837,47 +838,6 @@ def test_extend_reproduces_full_render(x: XTML) -> None:
 
 
 # --------------------------------------------------------------------------- properties
-
-# Text that often spells special tokens, quotes, backslashes and split multi-byte chars.
-texts = st.lists(
-    st.one_of(st.text(max_size=10), st.sampled_from([O, C, S, E, "<|pad|>", '"', "\\", "𝄞", "ꙮ", "\n"])),
-    max_size=4,
-).map("".join)
-json_leaf = st.none() | st.booleans() | st.integers(-(10**12), 10**12) | st.floats(allow_nan=False, allow_infinity=False) | texts
-json_value = st.recursive(
-    json_leaf,
-    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(texts, kids, max_size=3),
-    max_leaves=6,
-)
-call_args = st.dictionaries(texts, json_value, max_size=4)
-tool_call = st.builds(
-    lambda name, args: {"type": "function", "function": {"name": name, "arguments": args}},
-    texts.filter(bool),
-    call_args,
-)
-assistant_msg = st.builds(
-    lambda r, c, calls: {"role": "assistant", "reasoning_content": r, "content": c, "tool_calls": calls},
-    texts,
-    texts,
-    st.lists(tool_call, max_size=3),
-)
-
-
-@st.composite
-def conversations(draw: Any) -> list[dict[str, Any]]:
-    msgs: list[dict[str, Any]] = []
-    if draw(st.booleans()):
-        msgs.append({"role": "system", "content": draw(texts)})
-    for _ in range(draw(st.integers(1, 3))):
-        name = {"name": draw(texts)} if draw(st.booleans()) else {}
-        msgs.append({"role": "user", "content": draw(texts), **name})
-        a = draw(assistant_msg)
-        msgs.append(a)
-        for k in range(len(a["tool_calls"])):
-            if draw(st.booleans()):
-                msgs.append({"role": "tool", "index": k + 1, "content": draw(texts)})
-    return msgs
-
 
 def _normalise(m: dict[str, Any], mode: str) -> dict[str, Any]:
     return {

@@ -517,7 +517,10 @@ def load_skill_file(path: str | os.PathLike[str]) -> SkillConfig:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"skill file not found: {p}")
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p}: not valid UTF-8 at byte {e.start}") from None
     meta: dict[str, str] = {}
     body = text
     if text.startswith("---"):

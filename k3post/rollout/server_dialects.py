@@ -74,8 +74,9 @@ Shape legend: none (token lists and JSON bodies).
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,22 @@ DIALECTS = ("k3post", "sglang", "vllm")
 class DialectError(RuntimeError):
     """A server's answer does not have the shape its dialect promises; the message names the
     server URL, the endpoint, the request and the field."""
+
+
+def _parses_answers(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A parser of server answers (``fn(self, url, ...)``) raises only `DialectError`: a TypeError /
+    ValueError / KeyError / AttributeError / IndexError from a value of the wrong type anywhere in the
+    answer (a null logprob, a string id, a list where a mapping belongs) becomes one naming the server
+    and the parser (tests/test_fuzz_dialects.py, issue 20)."""
+
+    @functools.wraps(fn)
+    def parse(self: Any, url: str, *args: Any, **kw: Any) -> Any:
+        try:
+            return fn(self, url, *args, **kw)
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            raise DialectError(f"{url}: malformed answer ({fn.__name__}: {type(e).__name__}: {e})") from e
+
+    return parse
 
 
 @dataclass(frozen=True)
@@ -170,6 +187,7 @@ class K3postDialect:
     def info_calls(self) -> list[Call]:
         return [Call("GET", "/get_model_info")]
 
+    @_parses_answers
     def parse_info(self, url: str, answers: Mapping[str, Any], *, server_slots: int | None = None) -> dict[str, Any]:
         """The k3post model info as it is (``weight_version``, ``max_batch_size``,
         ``max_model_len``, ``qat``)."""
@@ -188,6 +206,7 @@ class SGLangDialect:
     def info_calls(self) -> list[Call]:
         return [Call("GET", "/get_model_info"), Call("GET", "/get_server_info")]
 
+    @_parses_answers
     def parse_info(self, url: str, answers: Mapping[str, Any], *, server_slots: int | None = None) -> dict[str, Any]:
         """k3post-shaped info from SGLang's ``/get_model_info`` and ``/get_server_info``:
         ``max_model_len`` = ``context_length`` (else ``max_req_input_len`` + 1), ``max_batch_size``
@@ -217,6 +236,7 @@ class SGLangDialect:
                 "return_logprob": True}
         return Call("POST", "/generate", body)
 
+    @_parses_answers
     def parse_generate(self, url: str, rid: str, d: Any, version: int) -> Piece:
         """The new tokens of one ``/generate`` answer; ``version`` (the client's) is used only
         when the answer carries no weight version."""
@@ -269,6 +289,7 @@ class SGLangDialect:
         return [Call("POST", "/update_weights_from_disk",
                      {"model_path": path, "weight_version": str(version), "flush_cache": True})]
 
+    @_parses_answers
     def update_failure(self, url: str, call: Call, status: int, d: Any) -> str | None:
         """None when a weight-update call succeeded, else the server's reason."""
         if status == 200 and (not isinstance(d, Mapping) or d.get("success", True)):
@@ -289,6 +310,7 @@ class VLLMDialect:
     def info_calls(self) -> list[Call]:
         return [Call("GET", "/v1/models")]
 
+    @_parses_answers
     def parse_info(self, url: str, answers: Mapping[str, Any], *, server_slots: int | None = None) -> dict[str, Any]:
         """k3post-shaped info from ``/v1/models`` (the first model); ``max_batch_size`` =
         ``server_slots`` (vLLM does not report it); version 0 until k3post loads weights."""
@@ -314,6 +336,7 @@ class VLLMDialect:
         }
         return Call("POST", "/v1/completions", body, {"X-Request-Id": wire_rid})
 
+    @_parses_answers
     def parse_stream_line(self, url: str, rid: str, line: str, version: int) -> Piece | None:
         """One server-sent-event line of a streamed completion: its delta tokens (stamped
         ``version``), None for blank lines, comments and ``[DONE]``."""
@@ -368,6 +391,7 @@ class VLLMDialect:
                 Call("POST", "/update_weights", {"update_info": {"path": path}}),
                 Call("POST", "/finish_weight_update", {"weight_version": str(version)})]
 
+    @_parses_answers
     def update_failure(self, url: str, call: Call, status: int, d: Any) -> str | None:
         if status == 200:
             return None

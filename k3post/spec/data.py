@@ -11,14 +11,13 @@ written atomically (`k3post.data.write_jsonl`) so a killed run re-generates or r
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3post.data import write_jsonl
+from k3post.data import json_line, write_jsonl
 from k3post.envs.families.streams import train_tasks
 from k3post.rollout.evaluation import run_episodes
 
@@ -75,10 +74,10 @@ def save_samples(samples: Sequence[DraftSample], path: str | Path) -> Path:
 def load_samples(path: str | Path) -> list[DraftSample]:
     """Read a file `save_samples` wrote; a bad line is a ValueError naming ``file:line``."""
     out = []
-    with Path(path).open(encoding="utf-8") as fh:
+    with Path(path).open("rb") as fh:
         for k, line in enumerate(fh, start=1):
+            r = json_line(line, f"{path}:{k}")
             try:
-                r = json.loads(line)
                 out.append(DraftSample([int(i) for i in r["ids"]], [bool(m) for m in r["mask"]],
                                        str(r.get("family", "")), str(r.get("effort", ""))))
             except (ValueError, KeyError, TypeError) as e:

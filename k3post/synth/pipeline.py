@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3post.data import MalformedLineError, json_line
 from k3post.envs.env import count_tokens
 from k3post.envs.episode import run_episode, run_episode_sync
 from k3post.envs.task import DOMAINS, Task
@@ -209,14 +210,15 @@ def read_jsonl(path: str | Path, *, repair: bool = False) -> list[dict[str, Any]
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            if repair and lineno == len(lines):  # no trailing newline: the write was cut short
-                log.warning("%s:%d: dropping a torn last line (%s)", p, lineno, e.msg)
+            rec = json_line(line, f"{p}:{lineno}")
+        except MalformedLineError as e:
+            # no trailing newline: the write was cut short (possibly inside a multi-byte character)
+            if repair and lineno == len(lines):
+                log.warning("dropping a torn last line (%s)", e)
                 with p.open("r+b") as fh:
                     fh.truncate(start)
                 break
-            raise ValueError(f"{p}:{lineno}: malformed JSON at column {e.colno}: {e.msg}") from e
+            raise
         if not isinstance(rec, dict):
             raise ValueError(f"{p}:{lineno}: a record must be a JSON object, got {type(rec).__name__}")
         out.append(rec)
