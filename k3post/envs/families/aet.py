@@ -342,6 +342,7 @@ class AETFamily(FamilyBase):
     (returning `task_from`'s result), `work_turns` and `overfit_turns`.
     """
 
+    kind: str = "aet"  # recipes may pick these out (configs/full.yaml trains the earlier families only)
     budget: int = 3
     penalty: float = 0.5
     spec_file: str = "GOAL.md"  # the file the max-effort solver reads first
