@@ -34,7 +34,8 @@ def test_full_recipe_config_loads_and_sizes_every_domain_for_the_targets():
     from k3post.envs.families.streams import domain_families
 
     cfg = load_config(str(FULL), [])
-    assert set(cfg.rl.families) == {f.name for f in families()}
+    # the AET families (issue 21) came after this recipe was measured; it trains every other family
+    assert set(cfg.rl.families) == {f.name for f in families() if getattr(f, "kind", "") != "aet"}
     assert cfg.rl.judge == "policy" and not cfg.demo.compare_no_qat
     for d in cfg.rl.domains:
         n = cfg.rl.for_domain(d).eval_n * len(domain_families(d, cfg.rl.families, with_judge=True))

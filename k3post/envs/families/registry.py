@@ -65,7 +65,7 @@ def register_family(family: TaskFamily) -> TaskFamily:
 
 def _load_builtin() -> None:
     # importing the modules registers their families
-    from k3post.envs.families import agents, coding, general  # noqa: F401
+    from k3post.envs.families import aet_families, agents, coding, general  # noqa: F401
 
 
 def get_family(name: str) -> TaskFamily:
