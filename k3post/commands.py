@@ -33,10 +33,10 @@ def default_corpus(n_per_family: int = 6, seed: int = 123, *, n_main: int = 60, 
     reference trajectories of every built-in family at every effort (`n_main` tasks of `main`,
     `n_per_family` of the others), tools and effort messages included."""
     from k3post.envs.episode import run_episode_sync
-    from k3post.envs.families import EFFORTS, families
+    from k3post.envs.families import EFFORTS, default_families
 
     corpus = []
-    for fam in families():
+    for fam in default_families():
         for task in fam.generate(n_main if fam.name == main else n_per_family, seed=seed):
             for effort in EFFORTS:
                 ep = run_episode_sync(fam.reference_policy(task, effort), fam.make_env(task), task)
@@ -272,7 +272,7 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
     trained into ``run/draft/<loss>`` and exported (vLLM / SGLang layout) to ``run/draft/<loss>/final``.
     Returns (and writes to ``run/draft/summary.json``) held-out acceptance by depth at temperature 1 and 0 before
     and after training, and the expected acceptance length at k = 3 and 5 drafted tokens."""
-    from k3post.envs.families import families as all_families
+    from k3post.envs.families import default_families
     from k3post.experts import load_policy
     from k3post.rollout.factory import build_engine, close_engine
     from k3post.spec.data import load_samples, save_samples, target_generations, token_counts
@@ -285,7 +285,7 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
     target = load_policy(target_dir, cfg.qat)
     out = run / "draft"
     data = out / "data.jsonl"
-    fams = d.families or [f.name for f in all_families()]
+    fams = d.families or [f.name for f in default_families()]
     if not data.is_file():
         engine = build_engine(target, tokenizer, role="draft data (target)", max_batch_size=32, seed=cfg.run.seed)
         try:

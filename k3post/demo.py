@@ -40,7 +40,7 @@ from k3post.report import write_report
 from k3post.sft import train_sft
 from k3post.spec.mtp import save_mtp
 from k3post.commands import default_corpus, distill, open_run, raise_if_failed, train_drafts
-from k3post.envs.families import families, get_family, lexicon as family_lexicon
+from k3post.envs.families import default_families, get_family, lexicon as family_lexicon
 from k3post.envs.task import canonical_json
 from k3post.stats import format_rate, paired_change
 from k3post.synth import VerifyConfig, build_sft_dataset, mix
@@ -154,7 +154,7 @@ def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = 
         [main], d.efforts, d.n_train, cfg.run.seed, run / "data" / "main.jsonl", tokenizer, difficulty=d.difficulty, config=verify
     )
     by_count: dict[int, list[Any]] = {}  # the other families, grouped by their number of tasks
-    for f in families():
+    for f in default_families():
         if f.name != main.name and d.tasks_of(f.name) > 0:
             by_count.setdefault(d.tasks_of(f.name), []).append(f)
     rest_paths = []

@@ -30,12 +30,12 @@ def test_full_recipe_config_loads_and_sizes_every_domain_for_the_targets():
     """Every domain's "before" row and experts are evaluated on >= 100 held-out tasks (the SFT target's n), the
     per-turn caps leave room for the references (checked when RL starts), and all seven families train."""
     from k3post.config import load_config
-    from k3post.envs.families import families
+    from k3post.envs.families import default_families
     from k3post.envs.families.streams import domain_families
 
     cfg = load_config(str(FULL), [])
     # the AET families (issue 21) came after this recipe was measured; it trains every other family
-    assert set(cfg.rl.families) == {f.name for f in families() if getattr(f, "kind", "") != "aet"}
+    assert set(cfg.rl.families) == {f.name for f in default_families()}
     assert cfg.rl.judge == "policy" and not cfg.demo.compare_no_qat
     for d in cfg.rl.domains:
         n = cfg.rl.for_domain(d).eval_n * len(domain_families(d, cfg.rl.families, with_judge=True))

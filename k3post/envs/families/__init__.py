@@ -1,5 +1,13 @@
 """Built-in task families for the three domains (general, agents, coding). See registry.py."""
 
-from k3post.envs.families.registry import EFFORTS, TaskFamily, families, get_family, lexicon, register_family
+from k3post.envs.families.registry import (
+    EFFORTS,
+    TaskFamily,
+    default_families,
+    families,
+    get_family,
+    lexicon,
+    register_family,
+)
 
-__all__ = ["EFFORTS", "TaskFamily", "families", "get_family", "lexicon", "register_family"]
+__all__ = ["EFFORTS", "TaskFamily", "default_families", "families", "get_family", "lexicon", "register_family"]

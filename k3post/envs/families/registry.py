@@ -87,6 +87,13 @@ def families(domain: str | None = None) -> list[TaskFamily]:
     return [f for n, f in sorted(_FAMILIES.items()) if domain is None or f.domain == domain]
 
 
+def default_families(domain: str | None = None) -> list[TaskFamily]:
+    """``families(domain)`` without the opt-in kinds: what the demo's tokenizer corpus, SFT mix and draft data use
+    when no list is given. The verify-in-the-loop (AET) families (``kind = "aet"``) are opt-in: their episodes
+    run sandboxed verifiers, and they came after the demo's and the full recipe's numbers were measured."""
+    return [f for f in families(domain) if getattr(f, "kind", "") != "aet"]
+
+
 def lexicon(domain: str | None = None) -> list[str]:
     """The words of every registered family's ``lexicon()`` (those of ``domain`` only, if given), each
     once, in family-name order: what `k3post.tokenizer.lexicon_corpus` makes into few-token names."""
