@@ -112,7 +112,10 @@ def test_sft_command_on_two_ranks_equals_one_process(sft_runs, init_dir):
     ckpt = sft_runs / "two" / "sft" / "checkpoints" / "step-000004"
     assert (ckpt / "dcp" / ".metadata").is_file() and not (ckpt / "model.safetensors").exists()
     final_one, final_two = _weights(sft_runs / "one" / "sft" / "final"), _weights(sft_runs / "two" / "sft" / "final")
-    assert _max_diff(final_one, final_two) < 2e-6
+    # fp32 reduction order: besides the ranks' sum, a GEMM's order depends on the intra-op thread count, which
+    # for the in-process run is whatever earlier tests left (3.3e-7 run alone, 3.5e-6 in the full suite: AdamW
+    # at lr 2e-3 turns last-bit gradient differences into weight differences of up to ~lr * 1e-3)
+    assert _max_diff(final_one, final_two) < 1e-5
     assert _max_diff(final_one, _weights(init_dir)) > 1e-3  # the steps moved the weights
 
 

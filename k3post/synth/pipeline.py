@@ -140,10 +140,13 @@ def find_family(name: str) -> Any:
 
 
 def builtin_families(domain: str | None = None) -> list[Any]:
-    """All built-in families (of ``domain``), sorted by name; domain modules that fail to import are skipped with a warning."""
+    """The built-in families (of ``domain``) synthesis uses by default, sorted by name: ``default_families``, i.e.
+    without the opt-in kinds (AET: their reference episodes are near-duplicates of each other by design, the same
+    program over other data; name them to synthesise them). Domain modules that fail to import are skipped with
+    a warning."""
     reg = _registry()
     try:
-        return list(reg.families(domain))
+        return list(reg.default_families(domain))
     except ImportError as e:
         log.warning("not every built-in family module imports (%s); using those that do", e)
     for d in DOMAINS if domain is None else (domain,):
@@ -152,7 +155,8 @@ def builtin_families(domain: str | None = None) -> list[Any]:
         except ImportError as e:
             log.warning("skipping %s families: %s", d, e)
     fams = getattr(reg, "_FAMILIES", {})
-    return [f for n, f in sorted(fams.items()) if domain is None or f.domain == domain]
+    return [f for n, f in sorted(fams.items())
+            if (domain is None or f.domain == domain) and getattr(f, "kind", "") != "aet"]
 
 
 def _resolve_families(families: Sequence[Any] | None) -> list[Any]:
