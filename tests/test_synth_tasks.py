@@ -141,6 +141,10 @@ def test_each_funnel_stage_rejects_what_it_should() -> None:
         {"id": "single_doc_comparison", "type": "comparison", "question": "Of Alpha Labs and Beta Works, which one was founded by Ann Reed?",
          "answer": "Alpha Labs", "evidence": ["d1", "d2"],
          "program": {"type": "comparison", "items": ["Alpha Labs", "Beta Works"], "preds": ["was founded by"], "target": "Ann Reed"}},
+        # Xland's page lists both cities: it answers "how many of Mora and Kesh are cities in Xland" alone,
+        # although no program over its facts does (they run city → country, the page says country → cities)
+        {"id": "one_page_lists_all", "type": "aggregation", "question": "Of Mora and Kesh, how many is a city in Xland?", "answer": "2",
+         "evidence": ["d5", "d6"], "program": {"type": "aggregation", "items": ["Mora", "Kesh"], "preds": ["is a city in"], "target": "Xland"}},
         _mh("leaks", "Alpha Labs", ["was founded by", "was born in"], "Mora", ["d1", "d3"], "Alpha Labs's founder was born in Mora or Kesh?"),
         _mh("duplicate_question", "Alpha Labs", ["was founded by", "was born in"], "Mora", ["d3", "d1"], "What is X2? X1 was born in X2. Alpha Labs was founded by X1."),
         _mh("duplicate_content", "Alpha Labs", ["was founded by", "was born in"], "Mora", ["d3", "d1"], "Which city was Alpha Labs' founder born in?"),
@@ -156,17 +160,29 @@ def test_each_funnel_stage_rejects_what_it_should() -> None:
         "ambiguous": ("unique", "ambiguous"),
         "single_doc": ("multi_doc", "single_doc"),
         "single_doc_comparison": ("multi_doc", "single_doc"),
+        "one_page_lists_all": ("multi_doc", "one_doc_names_all"),
         "leaks": ("multi_doc", "answer_in_question"),
         "duplicate_question": ("novel", "duplicate"),
         "duplicate_content": ("novel", "duplicate"),
     }
     f = funnel.to_dict()
-    assert (f["total"], f["kept"], f["rejected"]) == (10, 2, 8)
+    assert (f["total"], f["kept"], f["rejected"]) == (11, 2, 9)
     assert [(s["name"], s["seen"], s["kept"]) for s in f["stages"]] == [
-        ("supported", 10, 8), ("unique", 8, 7), ("multi_doc", 7, 4), ("retrievable", 4, 4), ("novel", 4, 2)]
+        ("supported", 11, 9), ("unique", 9, 8), ("multi_doc", 8, 4), ("retrievable", 4, 4), ("novel", 4, 2)]
     # an existing set counts for the duplicate check
     kept2, rej2, _ = verify_candidates(DOCS, [good], existing=[good])
     assert not kept2 and rej2[0]["reason"] == "duplicate"
+
+
+def test_retrievable_rejects_evidence_the_search_tool_does_not_show() -> None:
+    # three companies named after the city outrank the city's own page for the query "Mora" (top 3 shown)
+    docs = {"d1": {"title": "Mora", "text": "Mora is a city in Xland."}, "d5": {"title": "Xland", "text": "Xland is a country."},
+            **{f"d{k}": {"title": f"Mora Mora {s}", "text": f"Mora Mora {s} is a company. Mora Mora {s} is headquartered in Mora."}
+               for k, s in ((2, "Labs"), (3, "Works"), (4, "Press"))}}
+    cand = _mh("hidden_page", "Mora Mora Labs", ["is headquartered in", "is a city in"], "Xland", ["d2", "d1"])
+    kept, rejected, _ = verify_candidates(docs, [cand])
+    assert not kept and (rejected[0]["stage"], rejected[0]["reason"]) == ("retrievable", "not_retrievable")
+    assert "d1" in rejected[0]["detail"]
 
 
 def test_answers_golden() -> None:

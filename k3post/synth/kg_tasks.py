@@ -15,8 +15,8 @@
    candidate carries a small *program* over facts, so its answer can be recomputed from any set of documents.
 3. **Verification funnel** (`verify_candidates`), stops at the first reject, counts per stage and reason:
    ``supported`` (the program run on the evidence documents alone gives the answer, among others at most), ``unique`` (run on the
-   whole corpus it gives exactly that one answer), ``multi_doc`` (no single document gives it, and the
-   question does not contain it), ``retrievable`` (searching each evidence document's title finds it in the
+   whole corpus it gives exactly that one answer), ``multi_doc`` (no single document gives it, none
+   names every entity of the question and the answer, and the question does not contain the answer), ``retrievable`` (searching each evidence document's title finds it in the
    top 3, as the search tool shows), ``novel`` (no earlier task with the same question or the same type,
    answer and evidence).
 
@@ -307,10 +307,19 @@ class Fact:
     doc: str
 
 
+def _mention_re(docs: Docs) -> re.Pattern[str]:
+    titles = sorted((v["title"] for v in docs.values()), key=len, reverse=True)
+    return re.compile(r"\b(" + "|".join(re.escape(t) for t in titles) + r")\b")
+
+
+def _mentions(docs: Docs, text: str) -> list[str]:
+    """The document titles ``text`` mentions (longest match first), in order."""
+    return [m.group(0) for m in _mention_re(docs).finditer(text)]
+
+
 def extract_facts(docs: Docs) -> list[Fact]:
     """Entity-linked triples of every document (see the module docstring)."""
-    titles = sorted((v["title"] for v in docs.values()), key=len, reverse=True)
-    mention = re.compile(r"\b(" + "|".join(re.escape(t) for t in titles) + r")\b")
+    mention = _mention_re(docs)
     facts = []
     for did in sorted(docs):
         title, text = docs[did]["title"], docs[did]["text"]
@@ -392,7 +401,9 @@ def _walk(docs: Docs, store: FactStore, start: str, hops: int, rng: random.Rando
             return None
         evidence.append(did)
         local = store.restrict([did])
-        options = [p for p in local.preds(path[-1]) if len(local.chain(path[-1], [p])) == 1]
+        # one next entity, not one already on the path (a city → its country → its cities → the same city)
+        options = [p for p in local.preds(path[-1]) if len(local.chain(path[-1], [p])) == 1
+                   and not local.chain(path[-1], [p]) & set(path)]
         if not options:
             return None
         p = rng.choice(options)
@@ -498,6 +509,13 @@ def _stage_multi_doc(c: Mapping[str, Any], store: FactStore, docs: Docs, seen: d
     for did in sorted(docs):
         if answers(c["program"], store.restrict([did])) == {c["answer"]}:
             return StageResult(REJECT, "single_doc", f"{did} alone answers it")
+    # facts the programs do not read (a country page listing its cities answers "how many of A, B are cities
+    # of X"): a document that names every entity of the question, and the answer, may answer it alone
+    named = set(_mentions(docs, c["question"])) | ({c["answer"]} & {v["title"] for v in docs.values()})
+    if len(named) >= 2:
+        for did in sorted(docs):
+            if named <= set(_mentions(docs, docs[did]["text"])) | {docs[did]["title"]}:
+                return StageResult(REJECT, "one_doc_names_all", f"{did} names {sorted(named)}")
     return StageResult(KEEP)
 
 
