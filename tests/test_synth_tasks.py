@@ -90,11 +90,6 @@ def test_dag_merges_duplicates_drops_ungrounded_and_not_finer_and_stops_at_atomi
 
 
 def test_dag_merge_adds_an_edge_from_a_second_parent_and_max_depth_stops_growth() -> None:
-    ex = ScriptedExplorer({"company": ["software company"], "engineer": ["Ann Reed"], "software company": ["Alpha Labs"],
-                           "Ann Reed": ["never asked"]})
-    dag = grow_dag({**DOCS, "d3": {"title": "Ann Reed", "text": "Ann Reed is an engineer. Ann Reed works at a software company."}},
-                   ["company", "engineer"], ex)
-    assert dag.counts["merged"] == 0 and "Ann Reed" not in ex.asked
     # the same single document reached twice is one node with two parents
     ex2 = ScriptedExplorer({"city": ["Mora", "city in Xland"], "city in Xland": ["Mora", "Kesh"]})
     dag2 = grow_dag(DOCS, ["city"], ex2)
@@ -168,7 +163,7 @@ def test_each_funnel_stage_rejects_what_it_should() -> None:
     f = funnel.to_dict()
     assert (f["total"], f["kept"], f["rejected"]) == (11, 2, 9)
     assert [(s["name"], s["seen"], s["kept"]) for s in f["stages"]] == [
-        ("supported", 11, 9), ("unique", 9, 8), ("multi_doc", 8, 4), ("retrievable", 4, 4), ("novel", 4, 2)]
+        ("supported", 11, 9), ("unique", 9, 8), ("multi_doc", 8, 4), ("retrievable", 4, 4), ("novel", 4, 2), ("verifies", 2, 2)]
     # an existing set counts for the duplicate check
     kept2, rej2, _ = verify_candidates(DOCS, [good], existing=[good])
     assert not kept2 and rej2[0]["reason"] == "duplicate"
@@ -251,6 +246,7 @@ def test_cli_end_to_end_on_a_small_corpus(tmp_path: Path, capsys: pytest.Capture
     # user errors: one line, exit 2
     assert main(["synth-tasks", "--out", str(run), "--explorer-url", "http://127.0.0.1:9"]) == 2
     assert main(["synth-tasks", "--out", str(run), "--corpus", str(tmp_path / "missing.jsonl")]) == 2
+    assert main(["synth-tasks", "--out", str(run), "--corpus", str(corpus), "--seeds", "quantum bakery"]) == 2
     assert main(["tasks", "sample", "agents.search", "--synth-tasks", str(corpus)]) == 2
     assert "missing" in capsys.readouterr().err
 

@@ -18,7 +18,7 @@
    whole corpus it gives exactly that one answer), ``multi_doc`` (no single document gives it, none
    names every entity of the question and the answer, and the question does not contain the answer), ``retrievable`` (searching each evidence document's title finds it in the
    top 3, as the search tool shows), ``novel`` (no earlier task with the same question or the same type,
-   answer and evidence).
+   answer and evidence), ``verifies`` (as an `agents.search` task, its reference solver scores 1).
 
 Facts are ``(subject, predicate, object)`` triples read from the corpus by entity linking: a sentence of the
 document titled S that mentions another document's title O gives ``(S, words before the first mention, O)``.
@@ -48,7 +48,7 @@ __all__ = [
 
 Docs = Mapping[str, Mapping[str, str]]  # doc id → {"title", "text", ...}
 TASK_TYPES = ("multi_hop", "comparison", "aggregation")
-FUNNEL_STAGES = ("supported", "unique", "multi_doc", "retrievable", "novel")
+FUNNEL_STAGES = ("supported", "unique", "multi_doc", "retrievable", "novel", "verifies")
 
 
 # =========================================================================== corpus
@@ -536,8 +536,19 @@ def _stage_novel(c: Mapping[str, Any], store: FactStore, docs: Docs, seen: dict[
     return StageResult(KEEP)
 
 
+def _stage_verifies(c: Mapping[str, Any], store: FactStore, docs: Docs, seen: dict[str, set]) -> StageResult:
+    from k3post.envs.episode import run_episode_sync
+    from k3post.envs.families.agents import SEARCH
+
+    task = SEARCH.synth_task({**c, "docs": dict(docs)}, str(c["id"]))
+    ep = run_episode_sync(SEARCH.reference_policy(task, "low"), SEARCH.make_env(task), task)
+    if ep.verdict is None or ep.verdict.reward != 1.0:
+        return StageResult(REJECT, "reference_fails", ep.verdict.diagnostics if ep.verdict else f"no verdict (truncation: {ep.truncation})")
+    return StageResult(KEEP)
+
+
 _STAGES = {"supported": _stage_supported, "unique": _stage_unique, "multi_doc": _stage_multi_doc,
-           "retrievable": _stage_retrievable, "novel": _stage_novel}
+           "retrievable": _stage_retrievable, "novel": _stage_novel, "verifies": _stage_verifies}
 
 
 def verify_candidates(docs: Docs, candidates: Sequence[Mapping[str, Any]], *, existing: Sequence[Mapping[str, Any]] = ()
