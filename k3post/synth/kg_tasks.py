@@ -197,7 +197,8 @@ class CorpusExplorer:
 
 class EndpointExplorer:
     """An explorer behind an OpenAI-compatible ``/v1/chat/completions`` endpoint: it is shown the concept and
-    evidence snippets and answers one sub-concept per line (bullets / numbering stripped)."""
+    evidence snippets and answers one sub-concept per line (bullets / numbering stripped). ``propose`` runs its
+    own event loop (``asyncio.run``): call it outside a running loop, as `grow_dag` does."""
 
     PROMPT = ("You build a concept hierarchy over a document collection. Concept: {concept}\n"
               "Evidence from the collection:\n{evidence}\n"

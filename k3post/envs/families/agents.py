@@ -242,7 +242,7 @@ class SearchFamily(FamilyBase):
         m = task.metadata
         ans = m["answer"]
         if ans.isdigit():
-            guess, every = str(int(ans) + 1), ", ".join(str(k) for k in range(len(m["synth"]["program"]["items"]) + 1))
+            guess, every = str(int(ans) + 1), ", ".join(str(k) for k in range(len(m["synth"].get("program", {}).get("items", ())) + 2))
         else:
             titles = sorted(d["title"] for d in m["docs"].values())
             guess = next(t for t in titles if normalize_answer(t) != normalize_answer(ans))
