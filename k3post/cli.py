@@ -10,6 +10,7 @@
     k3post export CKPT OUT [--format mxfp4|bf16] packed MXFP4 experts + bf16 rest, or all bf16
     k3post tasks list | sample FAMILY            the built-in task families
     k3post synth --family F --effort E --n N --out data.jsonl   SFT trajectories from a teacher, verified
+    k3post synth-tasks --out DIR [--corpus docs.jsonl]   KG-guided search tasks (concept DAG → tasks → funnel)
     k3post review list|show|accept|reject|edit   the human review queue of flagged samples
     k3post mix ...                              mix datasets by domain / effort weights
     k3post serve MODEL_DIR [--port 8000]         OpenAI-compatible server (chat, completions, models)
@@ -35,6 +36,11 @@ def _load(config: str | None, overrides: list[str]):  # noqa: ANN202
     with user_input():  # the config's own checks (each component's __post_init__) validate the user's input
         cfg = load_config(config, overrides)
     apply_sandbox_config(cfg.sandbox)
+    if cfg.data.search_tasks:  # agents.search draws from a synthesised set (k3post synth-tasks)
+        from k3post.envs.families.agents import SEARCH
+
+        with user_input():
+            SEARCH.use_synth_tasks(cfg.data.search_tasks)
     return cfg
 
 
@@ -147,9 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     from k3post.envs.families.cli import add_tasks_parser
 
     add_tasks_parser(sub)
-    from k3post.synth.cli import add_mix_parser, add_review_parser, add_synth_parser
+    from k3post.synth.cli import add_mix_parser, add_review_parser, add_synth_parser, add_synth_tasks_parser
 
     add_synth_parser(sub)
+    add_synth_tasks_parser(sub)
     add_review_parser(sub)
     add_mix_parser(sub)
     from k3post.serve.cli import add_serve_parser

@@ -177,14 +177,36 @@ def _synth_section(run: Path, summary: dict[str, Any]) -> str:
              "<p class=muted>Reference teachers over every built-in family and effort; each sample passes "
              "structure → outcome → quality → judge. Uncertain samples wait in the review queue "
              "(<code>k3post review list</code>) and are not trained on until accepted.</p>"]
+    parts.append(_funnel_table(f))
+    parts.append(_table(["family", "training samples"], sorted(synth["samples_by_family"].items())))
+    return "\n".join(parts)
+
+
+def _funnel_table(f: dict[str, Any]) -> str:
+    """A `k3post.synth.verify.Funnel.to_dict` as a table: per stage in / kept / rejected / uncertain / reasons."""
     rows = []
     for st in f["stages"]:
         reasons = "; ".join(f"{k}: {v}" for k, v in {**st["reject_reasons"], **st["uncertain_reasons"]}.items())
         rows.append([st["name"], st["seen"], st["kept"], st["rejected"], st["uncertain"], reasons])
     rows.append(["final", f["total"], f["kept"], f["rejected"], f["uncertain"], ""])
-    parts.append(_table(["stage", "in", "kept", "rejected", "uncertain", "reasons"], rows))
-    parts.append(_table(["family", "training samples"], sorted(synth["samples_by_family"].items())))
-    return "\n".join(parts)
+    return _table(["stage", "in", "kept", "rejected", "uncertain", "reasons"], rows)
+
+
+def _kg_section(run: Path, summary: dict[str, Any]) -> str:
+    """KG-guided task synthesis (``k3post synth-tasks`` wrote ``kg_funnel.json`` into the run folder)."""
+    path = run / "kg_funnel.json"
+    if not path.is_file():
+        return ""
+    kg = json.loads(path.read_text())
+    d = kg["dag"]
+    return "\n".join([
+        "<h2>KG-guided task synthesis</h2>",
+        f"<p>Concept DAG: {d['nodes']} nodes ({d['atomic']} atomic, {d['seeds']} seeds), {d['edges']} edges, depth "
+        f"{d['max_depth']}; of {d['proposed']} proposed sub-concepts {d['merged']} merged into existing nodes, "
+        f"{d['ungrounded']} not grounded in the corpus, {d['not_finer']} not finer than their parent.</p>",
+        _funnel_table(kg["funnel"]),
+        _table(["task type", "kept"], sorted(kg["kept_by_type"].items())),
+    ])
 
 
 _STAGE_FILES = {"experts": "experts/table.json", "mopd": "mopd/summary.json", "draft": "draft/summary.json"}
@@ -385,7 +407,7 @@ def _draft_section(run: Path, summary: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-SECTIONS = [_synth_section, _sft_section, _grid_section, _rl_section, _mopd_section, _draft_section]
+SECTIONS = [_synth_section, _kg_section, _sft_section, _grid_section, _rl_section, _mopd_section, _draft_section]
 
 
 def write_report(run_dir: str | Path) -> Path:

@@ -13,12 +13,11 @@ import asyncio
 import json
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+from chat_stub import ChatStub
 
 from k3post.envs import (
     Environment,
@@ -555,46 +554,20 @@ def test_pause_and_resume_in_a_fresh_process_gives_the_same_verdict(tmp_path: Pa
 # --------------------------------------------------------------------------- OpenAI-compatible endpoint
 
 
-class _ChatServer:
-    """A tiny local OpenAI-compatible server: answers with the kv solver, records requests."""
+def _ChatServer() -> ChatStub:
+    """A tiny local OpenAI-compatible server: answers with the kv solver (HTTP 500 for model "broken")."""
+    srv: ChatStub
 
-    def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
-        outer = self
+    def reply(body: dict[str, Any]) -> tuple[int, Any]:
+        if body["model"] == "broken":
+            return 500, b"overloaded"
+        out = kv_solver(body["messages"], body.get("tools", []))
+        msg = {"role": "assistant", "content": out["content"], "reasoning_content": "thinking..."}
+        msg["tool_calls"] = [dict(c, id=f"srv{len(srv.requests)}") for c in out["tool_calls"]]
+        return 200, {"choices": [{"message": msg}], "usage": {"completion_tokens": 7}}
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server API
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
-                if body["model"] == "broken":
-                    self.send_response(500)
-                    self.end_headers()
-                    self.wfile.write(b"overloaded")
-                    return
-                reply = kv_solver(body["messages"], body.get("tools", []))
-                msg = {"role": "assistant", "content": reply["content"], "reasoning_content": "thinking..."}
-                msg["tool_calls"] = [dict(c, id=f"srv{len(outer.requests)}") for c in reply["tool_calls"]]
-                data = json.dumps({"choices": [{"message": msg}], "usage": {"completion_tokens": 7}}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> "_ChatServer":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    srv = ChatStub(reply)
+    return srv
 
 
 def test_openai_policy_against_a_local_server() -> None:

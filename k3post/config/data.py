@@ -24,6 +24,8 @@ class DataConfig:
     # empty keeps one sample per task and effort
     effort_mix: dict[str, float] = field(default_factory=lambda: {"*/max": 0.6, "*/high": 0.25, "*/low": 0.15})
     corpus_per_family: int = 6  # tasks per family (x3 efforts) in the tokenizer's training corpus
+    # a kg_tasks.jsonl of `k3post synth-tasks`: agents.search draws its tasks from it instead of generated graphs
+    search_tasks: str = ""
 
     def __post_init__(self) -> None:
         from k3post.envs.families.registry import get_family  # torch-free (the task families only)

@@ -28,7 +28,7 @@ from typing import Any
 from k3post.constants import EFFORTS as _EFFORTS
 from k3post.errors import UserError
 
-__all__ = ["add_synth_parser", "add_review_parser", "add_mix_parser", "cmd_synth", "cmd_review", "cmd_mix"]
+__all__ = ["add_synth_parser", "add_synth_tasks_parser", "cmd_synth_tasks", "add_review_parser", "add_mix_parser", "cmd_synth", "cmd_review", "cmd_mix"]
 
 
 
@@ -102,6 +102,16 @@ def _families(names: list[str]) -> list[Any]:
     return list(seen.values())
 
 
+def _api_key(env_name: str | None) -> str | None:
+    """The API key held by environment variable ``env_name`` (None when no name is given)."""
+    if not env_name:
+        return None
+    key = os.environ.get(env_name)
+    if not key:
+        raise UserError(f"--api-key-env {env_name}: that environment variable is not set")
+    return key
+
+
 def _teacher_factory(ns: argparse.Namespace) -> Any:
     from k3post.synth.teachers import EndpointTeacher, LocalModelTeacher, ReferenceTeacher, SamplingParams
 
@@ -110,11 +120,7 @@ def _teacher_factory(ns: argparse.Namespace) -> Any:
     if ns.teacher_url:
         if not ns.teacher_model:
             raise UserError("--teacher-url needs --teacher-model (the model name the server serves)")
-        key = None
-        if ns.api_key_env:
-            key = os.environ.get(ns.api_key_env)
-            if not key:
-                raise UserError(f"--api-key-env {ns.api_key_env}: that environment variable is not set")
+        key = _api_key(ns.api_key_env)
         teacher = EndpointTeacher(
             ns.teacher_url, ns.teacher_model, api_key=key, concurrency=ns.concurrency, retries=ns.retries,
             backoff_s=ns.backoff, temperature=ns.temperature, max_tokens=ns.max_tokens,
@@ -165,6 +171,56 @@ def cmd_synth(ns: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- review
+
+
+# --------------------------------------------------------------------------- synth-tasks
+
+
+def add_synth_tasks_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``k3post synth-tasks``: concept DAG → node combinations → evidence → tasks → verification funnel."""
+    p = subparsers.add_parser("synth-tasks", help="KG-guided synthesis of verifiable search tasks over a local corpus")
+    p.add_argument("--out", required=True, help="folder for kg_dag.json, kg_tasks.jsonl, kg_rejected.jsonl, kg_funnel.json")
+    p.add_argument("--n", type=int, default=60, help="candidate tasks to synthesise (before the funnel)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus", help="JSONL corpus, one {id, title, text} per line (default: a seeded built-in corpus)")
+    p.add_argument("--seeds", action="append", help="seed concepts, comma-separated or repeated (default: the corpus's definition heads)")
+    p.add_argument("--max-depth", type=int, default=4, help="deepest concept level grown")
+    e = p.add_argument_group("explorer (default: the offline corpus explorer)")
+    e.add_argument("--explorer-url", help="OpenAI-compatible server root, e.g. http://127.0.0.1:8000")
+    e.add_argument("--explorer-model", help="model name for --explorer-url")
+    e.add_argument("--api-key-env", help="name of an environment variable holding the endpoint's API key")
+    p.set_defaults(fn=cmd_synth_tasks)
+    return p
+
+
+def cmd_synth_tasks(ns: argparse.Namespace) -> int:
+    """Run ``k3post synth-tasks``; prints the DAG size and the funnel."""
+    from k3post.synth.kg_tasks import EndpointExplorer, synth_tasks
+
+    if ns.n < 1:
+        raise UserError(f"--n must be a positive integer, got {ns.n}")
+    if ns.corpus and not Path(ns.corpus).is_file():
+        raise UserError(f"--corpus {ns.corpus}: file not found")
+    explorer = None
+    if ns.explorer_url:
+        if not ns.explorer_model:
+            raise UserError("--explorer-url needs --explorer-model (the model name the server serves)")
+        explorer = EndpointExplorer(ns.explorer_url, ns.explorer_model, api_key=_api_key(ns.api_key_env))
+    elif ns.explorer_model:
+        raise UserError("--explorer-model needs --explorer-url")
+    try:
+        s = synth_tasks(ns.out, n=ns.n, seed=ns.seed, corpus=ns.corpus, seeds=_split(ns.seeds), explorer=explorer,
+                        max_depth=ns.max_depth)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    d = s["dag"]
+    print(f"concept DAG: {d['nodes']} nodes ({d['atomic']} atomic, {d['seeds']} seeds), {d['edges']} edges, depth {d['max_depth']}; "
+          f"proposals {d['proposed']}: {d['merged']} merged, {d['ungrounded']} ungrounded, {d['not_finer']} not finer")
+    for st in s["funnel"]["stages"]:
+        reasons = ", ".join(f"{k} {v}" for k, v in st["reject_reasons"].items())
+        print(f"  {st['name']:<12} in {st['seen']:>4}  kept {st['kept']:>4}" + (f"  rejected: {reasons}" if reasons else ""))
+    print(f"kept {s['kept']} of {s['funnel']['total']} tasks {s['kept_by_type']} → {Path(ns.out) / 'kg_tasks.jsonl'}")
+    return 0
 
 
 def add_review_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -113,11 +113,40 @@ class SearchFamily(FamilyBase):
     max_difficulty = 3
     id_prefix = "search"
 
+    synth_records: list[dict[str, Any]] | None = None  # set by `use_synth_tasks`: draw from these instead
+
     def lexicon(self) -> tuple[str, ...]:
         """The words its entity names are built from (`k3post.envs.families.kg.lexicon`)."""
         return kg_lexicon()
 
+    def use_synth_tasks(self, path: str | None) -> None:
+        """Draw tasks from a synthesised set (``kg_tasks.jsonl`` of ``k3post synth-tasks``) instead of
+        generating them; None goes back to generated graphs. ``data.search_tasks`` and
+        ``k3post tasks sample --synth-tasks`` set it."""
+        if not path:
+            self.synth_records = None
+            return
+        from k3post.synth.pipeline import read_jsonl
+
+        recs = read_jsonl(path)
+        for k, r in enumerate(recs, 1):
+            missing = {"id", "type", "question", "answer", "evidence", "docs"} - set(r)
+            if missing:
+                raise ValueError(f"{path}:{k}: not a synthesised search task (missing {sorted(missing)})")
+        if not recs:
+            raise ValueError(f"{path}: no synthesised tasks")
+        self.synth_records = recs
+
+    def synth_task(self, rec: dict[str, Any], task_id: str) -> Task:
+        """A task of this family from one synthesised record: its question over its corpus."""
+        meta = {"docs": rec["docs"], "answer": rec["answer"], "path_docs": list(rec["evidence"]),
+                "synth": {k: rec[k] for k in ("id", "type", "program", "concepts", "keywords") if k in rec}}
+        msgs = [{"role": "system", "content": _SEARCH_SYSTEM}, {"role": "user", "content": rec["question"]}]
+        return self._task(task_id, msgs, meta)
+
     def _make(self, rng: random.Random, difficulty: int, task_id: str) -> Task | None:
+        if self.synth_records is not None:
+            return self.synth_task(rng.choice(self.synth_records), task_id)
         kg = build_graph(rng, size=difficulty)
         hops = 2 if difficulty == 1 else 3
         chain = rng.choice([c for c in CHAINS if len(c.relations) == hops])
@@ -152,7 +181,8 @@ class SearchFamily(FamilyBase):
             initial_state=lambda t: {"searches": [], "opened": []},
             submit_tool="submit",
             end_on_text=True,
-            limits=EpisodeLimits(max_turns=16),
+            # a synthesised task may need more documents than a generated chain: search + open each, then submit
+            limits=EpisodeLimits(max_turns=max(16, 2 * len(task.metadata["path_docs"]) + 4)),
         )
 
     def _kg(self, task: Task) -> KnowledgeGraph:
@@ -162,6 +192,8 @@ class SearchFamily(FamilyBase):
     def reference_turns(self, task: Task, effort: str) -> list[dict[str, Any]]:
         """search → open for each hop, then submit; reasoning quotes the sentence each hop used."""
         m = task.metadata
+        if "synth" in m:
+            return self._synth_reference(task, effort)
         kg = self._kg(task)
         rels, path, pdocs = m["relations"], m["path"], m["path_docs"]
         names = [kg.name(e) for e in path]
@@ -189,9 +221,47 @@ class SearchFamily(FamilyBase):
         turns.append(assistant("", think, [tool_call("call_submit", "submit", {"answer": ans})]))
         return turns
 
+    def _synth_reference(self, task: Task, effort: str) -> list[dict[str, Any]]:
+        """A synthesised task: search each evidence document's title, open it, submit the answer."""
+        m = task.metadata
+        docs, ans, kind = m["docs"], m["answer"], m["synth"]["type"]
+        turns: list[dict[str, Any]] = []
+        for i, did in enumerate(m["path_docs"]):
+            title = docs[did]["title"]
+            think = {"max": f"A {kind.replace('_', '-')} question. Document {i + 1} of {len(m['path_docs'])}: look up {title}.",
+                     "high": f"Look up {title}.", "low": ""}[effort]
+            turns.append(assistant("", think, [tool_call(f"call_s{i}", "search", {"query": title})]))
+            turns.append(assistant("", {"max": f"{did} is the page of {title}. Open it.", "high": f"Open {did}.", "low": ""}[effort],
+                                   [tool_call(f"call_o{i}", "open", {"doc_id": did})]))
+        think = {"max": f"The documents together give the answer: {ans}.", "high": f"Answer: {ans}.", "low": ""}[effort]
+        turns.append(assistant("", think, [tool_call("call_submit", "submit", {"answer": ans})]))
+        return turns
+
+    def _synth_wrong(self, task: Task) -> dict[str, list[dict[str, Any]]]:
+        """Hacks on a synthesised task: empty, copied question, claim, a guess, every candidate at once."""
+        m = task.metadata
+        ans = m["answer"]
+        if ans.isdigit():
+            guess, every = str(int(ans) + 1), ", ".join(str(k) for k in range(len(m["synth"].get("program", {}).get("items", ())) + 2))
+        else:
+            titles = sorted(d["title"] for d in m["docs"].values())
+            guess = next(t for t in titles if normalize_answer(t) != normalize_answer(ans))
+            items = m["synth"].get("program", {}).get("items") or [m["docs"][d]["title"] for d in m["path_docs"]]
+            every = ", ".join(dict.fromkeys([*items, ans]))
+        ref = self._synth_reference(task, "low")
+
+        def submit(answer: str) -> dict[str, Any]:
+            return assistant("", "", [tool_call("call_submit", "submit", {"answer": answer})])
+
+        return {"empty": [assistant("")], "empty_submit": [submit("")], "copied_prompt": [submit(prompt_text(task))],
+                "claims_success": [assistant(_CLAIM)], "guess_without_search": [submit(guess)],
+                "all_candidates": ref[:-1] + [submit(every)], "wrong_after_search": ref[:-1] + [submit(guess)]}
+
     def wrong_turns(self, task: Task) -> dict[str, list[dict[str, Any]]]:
         """Empty, copied question, success claim, a same-type guess, the first hop's entity, every candidate."""
         m = task.metadata
+        if "synth" in m:
+            return self._synth_wrong(task)
         kg = self._kg(task)
         path = m["path"]
         ans_type = kg.entities[path[-1]]["type"]

@@ -80,6 +80,15 @@ def cmd_tasks_list(ns: argparse.Namespace) -> int:
 
 def cmd_tasks_sample(ns: argparse.Namespace) -> int:
     """``k3post tasks sample FAMILY``."""
+    if ns.synth_tasks:
+        if ns.family != "agents.search":
+            raise UserError("--synth-tasks: only agents.search draws from a synthesised set")
+        from k3post.envs.families.agents import SEARCH
+
+        try:
+            SEARCH.use_synth_tasks(ns.synth_tasks)
+        except ValueError as e:
+            raise UserError(str(e)) from None
     print(sample_text(ns.family, seed=ns.seed, effort=ns.effort, difficulty=ns.difficulty))
     return 0
 
@@ -96,5 +105,6 @@ def add_tasks_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--effort", choices=EFFORTS, default="max")
     sm.add_argument("--difficulty", type=int, default=1)
+    sm.add_argument("--synth-tasks", help="agents.search only: draw from this kg_tasks.jsonl (k3post synth-tasks)")
     sm.set_defaults(fn=cmd_tasks_sample)
     return p
