@@ -178,6 +178,11 @@ def test_workflow_and_research_families_are_opt_in() -> None:
 
     names = {f.name for f in families()}
     assert set(IDS) <= names and not set(IDS) & {f.name for f in default_families()}
+    # nor do their words reach the tokenizer's lexicon (the demo's tokenizer stays as measured)
+    from k3post.envs.families import lexicon
+
+    assert not {"Coastal", "Tamsev", "Pelwen", "Widgets"} & set(lexicon())
+    assert {"Coastal", "Tamsev"} <= set(DATA_REPORT.lexicon()) | set(CONTRACTS.lexicon())
 
 
 @pytest.mark.slow

@@ -98,9 +98,10 @@ def default_families(domain: str | None = None) -> list[TaskFamily]:
 
 
 def lexicon(domain: str | None = None) -> list[str]:
-    """The words of every registered family's ``lexicon()`` (those of ``domain`` only, if given), each
-    once, in family-name order: what `k3post.tokenizer.lexicon_corpus` makes into few-token names."""
+    """The words of every default family's ``lexicon()`` (`default_families`; those of ``domain`` only, if
+    given), each once, in family-name order: what `k3post.tokenizer.lexicon_corpus` makes into few-token
+    names. The opt-in kinds stay out so that registering them leaves the demo's tokenizer as measured."""
     words: dict[str, None] = {}
-    for f in families(domain):
+    for f in default_families(domain):
         words.update(dict.fromkeys(getattr(f, "lexicon", lambda: ())()))
     return list(words)
