@@ -54,6 +54,18 @@ else
     fi
 fi
 
+# pandas for the sandbox's system Python (/usr/bin/python3, stdlib only otherwise): the agents.data_report
+# family's analysis runs there. A warning, not a failure, where it cannot be installed (only that family needs it).
+if ! /usr/bin/python3 -c "import pandas" >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = "0" ] || [ -n "${SUDO:-}" ]; }; then
+        info "installing python3-pandas for the sandbox with apt-get"
+        DEBIAN_FRONTEND=noninteractive ${SUDO:-} apt-get install -y -q --no-install-recommends python3-pandas >/dev/null 2>&1 \
+            || warn "apt-get install python3-pandas failed; agents.data_report cannot run its analysis in the sandbox"
+    else
+        warn "no pandas for /usr/bin/python3; install python3-pandas for agents.data_report"
+    fi
+fi
+
 # Report what really works (namespaces are often forbidden inside containers).
 PY=${PYTHON:-python3}
 if "$PY" -c "import k3post.envs.sandbox" >/dev/null 2>&1; then

@@ -46,7 +46,7 @@ from k3post.envs.families.registry import register_family
 from k3post.envs.task import FinalState, Task, Verdict, register_verifier
 from k3post.envs.tools import ToolContext, ToolSpec
 
-__all__ = ["SearchFamily", "AssistantFamily", "SEARCH_TOOLS"]
+__all__ = ["SearchFamily", "AssistantFamily", "SEARCH_TOOLS", "hop_path"]
 
 _CLAIM = "All tests passed. The task is complete."
 
@@ -103,6 +103,21 @@ _SEARCH_SYSTEM = (
 )
 
 
+def hop_path(kg: KnowledgeGraph, start: str, chain: Any) -> tuple[list[str], list[str]] | None:
+    """(entities on the path from ``start`` along ``chain.relations``, the document of each hop) when every
+    entity is distinct and each hop's page is among the top 3 hits of a search for its name; else None."""
+    path = kg.follow(start, chain.relations)
+    if len(set(path)) < len(path):
+        return None  # e.g. a person who works at the company they founded: a degenerate chain
+    docs_on_path = []
+    for eid in path[:-1]:  # the reference finds each hop's page among the top 3 hits
+        did = kg.doc_of(eid)
+        if did not in [d for d, _ in bm25_search(kg.docs, kg.name(eid), k=3)]:
+            return None
+        docs_on_path.append(did)
+    return path, docs_on_path
+
+
 class SearchFamily(FamilyBase):
     """``agents.search``: 2-3-hop questions over a corpus generated from a small knowledge graph."""
 
@@ -151,15 +166,10 @@ class SearchFamily(FamilyBase):
         hops = 2 if difficulty == 1 else 3
         chain = rng.choice([c for c in CHAINS if len(c.relations) == hops])
         starts = [e for e, v in kg.entities.items() if v["type"] == chain.start]
-        path = kg.follow(rng.choice(starts), chain.relations)
-        if len(set(path)) < len(path):
-            return None  # e.g. a person who works at the company they founded: a degenerate chain
-        docs_on_path = []
-        for eid in path[:-1]:  # the reference finds each hop's page among the top 3 hits
-            did = kg.doc_of(eid)
-            if did not in [d for d, _ in bm25_search(kg.docs, kg.name(eid), k=3)]:
-                return None
-            docs_on_path.append(did)
+        hop = hop_path(kg, rng.choice(starts), chain)
+        if hop is None:
+            return None
+        path, docs_on_path = hop
         question = chain.question.format(x=kg.name(path[0]))
         meta = {
             "docs": kg.docs,

@@ -49,6 +49,9 @@ class TaskFamily(Protocol):
 
 _FAMILIES: dict[str, TaskFamily] = {}
 
+OPT_IN_KINDS = ("aet", "workflow", "research")
+"""Family ``kind`` values left out of `default_families`: AET (issue 21), professional workflows and deep research."""
+
 
 def register_family(family: TaskFamily) -> TaskFamily:
     """Add a family; its name must be `<domain>.<name>` with a known domain and unique."""
@@ -65,7 +68,7 @@ def register_family(family: TaskFamily) -> TaskFamily:
 
 def _load_builtin() -> None:
     # importing the modules registers their families
-    from k3post.envs.families import aet_families, agents, coding, general  # noqa: F401
+    from k3post.envs.families import aet_families, agents, coding, general, research, workflows  # noqa: F401
 
 
 def get_family(name: str) -> TaskFamily:
@@ -89,15 +92,16 @@ def families(domain: str | None = None) -> list[TaskFamily]:
 
 def default_families(domain: str | None = None) -> list[TaskFamily]:
     """``families(domain)`` without the opt-in kinds: what the demo's tokenizer corpus, SFT mix and draft data use
-    when no list is given. The verify-in-the-loop (AET) families (``kind = "aet"``) are opt-in: their episodes
-    run sandboxed verifiers, and they came after the demo's and the full recipe's numbers were measured."""
-    return [f for f in families(domain) if getattr(f, "kind", "") != "aet"]
+    when no list is given. The families of the `OPT_IN_KINDS` are opt-in: the verify-in-the-loop (AET) ones run
+    sandboxed verifiers, and they all came after the demo's and the full recipe's numbers were measured."""
+    return [f for f in families(domain) if getattr(f, "kind", "") not in OPT_IN_KINDS]
 
 
 def lexicon(domain: str | None = None) -> list[str]:
-    """The words of every registered family's ``lexicon()`` (those of ``domain`` only, if given), each
-    once, in family-name order: what `k3post.tokenizer.lexicon_corpus` makes into few-token names."""
+    """The words of every default family's ``lexicon()`` (`default_families`; those of ``domain`` only, if
+    given), each once, in family-name order: what `k3post.tokenizer.lexicon_corpus` makes into few-token
+    names. The opt-in kinds stay out so that registering them leaves the demo's tokenizer as measured."""
     words: dict[str, None] = {}
-    for f in families(domain):
+    for f in default_families(domain):
         words.update(dict.fromkeys(getattr(f, "lexicon", lambda: ())()))
     return list(words)
