@@ -301,5 +301,5 @@ def test_aet_families_are_opt_in_for_the_default_pipeline():
     from k3post.envs.families import default_families, families
 
     left_out = {f.name for f in families()} - {f.name for f in default_families()}
-    assert left_out == {"coding.aet_cli", "agents.aet_datadir", "agents.aet_config"}
-    assert all(getattr(f, "kind", "") != "aet" for f in default_families())
+    assert left_out == {"coding.aet_cli", "agents.aet_datadir", "agents.aet_config", "coding.kernel"}
+    assert all(getattr(f, "kind", "") not in ("aet", "kernel") for f in default_families())
