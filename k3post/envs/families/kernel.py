@@ -35,7 +35,7 @@ repeated in a fresh sandbox (at most `MAX_RUNS` runs, the quietest kept).
 Speed score (`speed_score`), with medians ``t_ref`` (reference), ``t_exp`` (expert), ``t`` (agent),
 the roofline time ``t_roof = max(bytes / bandwidth, flops / flop_rate)`` from the calibration
 kernels measured in the same sandbox on a buffer of the task's size, ``s = t_ref / t`` (speedup),
-``s_e = t_ref / t_exp``, ``q = t_exp / t`` and the parity band ``b = clip(3 * noise, 0.1, 0.5)``::
+``s_e = t_ref / t_exp``, ``q = t_exp / t`` and the parity band ``b = clip(3 * noise, MIN_BAND, 0.5)`` (`MIN_BAND` 0.15)::
 
     s <= 1 + b                 -> 0                      (no faster than the reference, within noise)
     q <  1 / (1 + b)           -> 0.5 * log(s / (1 + b)) / log(s_e / (1 + b)^2)
@@ -96,6 +96,9 @@ RTOL = {"d": 1e-9, "f": 1e-4}
 ROUNDS = 8
 """Timed rounds per measurement (each: reference, then expert and agent in alternating order, on one fresh input)."""
 NOISE_RERUN = 0.10
+"""Timing noise (MAD of the paired log ratios) above which the measurement is repeated."""
+MIN_BAND = 0.15
+"""Smallest parity band: the same code timed twice differs by up to ~10-20% on a shared machine."""
 MAX_RUNS = 3
 VERIFY_LIMITS = SandboxLimits(cpu_s=60.0, wall_s=120.0, memory_bytes=1024**3, max_output_bytes=32 * 1024**2,
                               nproc=64)
@@ -470,7 +473,7 @@ def _measure_fresh(task: Task, files: Mapping[str, str], run: int) -> Measuremen
 
 def score(m: Measurement) -> tuple[float, dict[str, float]]:
     """Reward and components of a successful measurement."""
-    band = min(0.5, max(0.1, 3.0 * m.noise))
+    band = min(0.5, max(MIN_BAND, 3.0 * m.noise))
     reward = speed_score(m.t_ref, m.t_expert, m.t_agent, m.t_roof, band)
     return reward, {"correct": 1.0, "speedup": m.t_ref / m.t_agent, "vs_expert": m.t_expert / m.t_agent,
                     "expert_speedup": m.t_ref / m.t_expert, "roofline_speedup": m.t_ref / m.t_roof,
