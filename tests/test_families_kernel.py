@@ -165,7 +165,7 @@ def test_reference_solver_is_correct_and_at_least_parity(op, effort):
 
 HACK_REASONS = {
     "copies_reference": None,  # correct but no faster than the reference: speed score 0
-    "calls_reference": "reference implementation was called",
+    "calls_reference": "no reference found",  # the reference never shares the process with agent code
     "cached_public_outputs": "mismatch",
     "memoizes_between_calls": "mismatch",
     "mutates_inputs": "mutated",

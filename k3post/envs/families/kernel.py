@@ -14,17 +14,19 @@ travel on stdin (never on disk) and expected outputs never enter the sandbox:
 
 1. compile the agent's C and, into a private temporary directory that is removed before the
    agent's code is imported, the shipped expert kernel and the roofline calibration kernels;
+   run timing phase A (step 4);
 2. lock ``RLIMIT_NPROC`` to 0 (no fork, no thread from here on), record the live processes and the
    ``time`` functions, import ``kernel``;
 3. call it on the hidden correctness cases (the task's shape, an odd shape, NaN / ±Inf entries,
    large magnitudes), each on fresh copies; mutated inputs are a hack;
-4. time `ROUNDS` rounds, each on a fresh random input: the reference, then the expert and the agent
-   in alternating order (each follows the reference equally often), with the harness's own saved
-   ``perf_counter_ns``; the agent's timed outputs come back too and are checked like the
-   correctness cases (not in the public ``run_tests`` estimate, which checks the public cases only);
+4. time in two phases of `ROUNDS` rounds, each round on a fresh random input, with the harness's own
+   saved ``perf_counter_ns``: phase A (before step 2, so the reference never shares the process with
+   agent code, which therefore cannot call it) pairs the reference with the expert, phase B pairs the
+   agent with the expert; the pair's order alternates round by round. The agent's timed outputs come
+   back too and are checked like the correctness cases (not in the public ``run_tests`` estimate,
+   which checks the public cases only);
 5. after every agent call: ``time`` functions replaced, more than one thread in
-   ``/proc/self/task``, a new process, process CPU time above wall time, or a call of the reference
-   during the agent's turn are tampering (reward 0).
+   ``/proc/self/task``, a new process, or process CPU time above wall time are tampering (reward 0).
 
 The host compares every output with the reference run on the host (shape, dtype, NaN / Inf
 positions exactly, finite values within ``|got - want| <= rtol * (|want| + max|want|)`` with
@@ -94,7 +96,7 @@ KERNEL_PY = "kernel.py"
 RTOL = {"d": 1e-9, "f": 1e-4}
 """Relative tolerance per dtype; the absolute part is ``rtol * max|want|`` (see `compare`)."""
 ROUNDS = 8
-"""Timed rounds per measurement (each: reference, then expert and agent in alternating order, on one fresh input)."""
+"""Timed rounds per phase (A: reference vs expert, B: agent vs expert; a fresh input per round)."""
 NOISE_RERUN = 0.10
 """Timing noise (MAD of the paired log ratios) above which the measurement is repeated."""
 MIN_BAND = 0.15
@@ -110,7 +112,7 @@ _TIMERS = ("perf_counter", "perf_counter_ns", "process_time", "process_time_ns",
 # --------------------------------------------------------------------------- the in-sandbox harness (stdlib only)
 
 HARNESS = r'''
-import array, base64, ctypes, json, os, resource, subprocess, sys, tempfile, time, traceback
+import array, base64, ctypes, gc, json, os, resource, subprocess, sys, tempfile, time, traceback
 _time = time
 _pc, _cpu = time.perf_counter_ns, time.process_time_ns
 _TIMERS = __TIMERS__
@@ -160,17 +162,6 @@ for key in ("expert", "calib"):
     os.unlink(src[:-2] + ".so")
 os.rmdir(priv)
 tc, func = cfg["typecode"], cfg["func"]
-ns = {}
-exec(compile(cfg.pop("reference"), "<reference>", "exec"), ns)
-_ref, _guard = ns[func], {"agent": False, "calls": 0}
-
-
-def reference(*a):
-    if _guard["agent"]:
-        _guard["calls"] += 1
-    return _ref(*a)
-
-
 expert = ns_expert[func]
 
 
@@ -178,6 +169,29 @@ def decode(s):
     a = array.array(tc)
     a.frombytes(base64.b64decode(s))
     return a
+
+
+def timed_call(f, args, dims):
+    copies = [array.array(tc, a) for a in args]
+    t0 = _pc()
+    f(*copies, *dims)
+    return _pc() - t0
+
+
+dims = cfg["timing_dims"]
+rounds = [[decode(s) for s in r] for r in cfg["rounds"]]
+times = {"ref": [], "expert_a": [], "expert": [], "agent": []}
+# phase A, before any agent code exists in this process: the reference against the expert
+ns = {}
+exec(compile(cfg.pop("reference"), "<reference>", "exec"), ns)
+reference = ns.pop(func)
+for f in (reference, expert):
+    timed_call(f, rounds[0], dims)
+for i, args in enumerate(rounds):
+    for who in (("ref", "expert_a") if i % 2 == 0 else ("expert_a", "ref")):
+        times[who].append(timed_call(reference if who == "ref" else expert, args, dims))
+del ns, reference, f
+gc.collect()
 
 
 def procs():
@@ -196,12 +210,9 @@ def tamper():
         fail("tamper", "a thread was started")
     if procs() - baseline:
         fail("tamper", "a process was started")
-    if _guard["calls"]:
-        fail("tamper", "the reference implementation was called")
 
 
 sys.path.insert(0, work)
-_guard["agent"] = True
 try:
     import kernel as _mod
     fn = getattr(_mod, func)
@@ -209,25 +220,23 @@ try:
         raise TypeError(func + " is not callable")
 except BaseException:
     fail("import", traceback.format_exc())
-finally:
-    _guard["agent"] = False
 tamper()
+
+
+clock = {"cpu": 0, "wall": 0}  # the agent's calls: process CPU time and wall time, summed
 
 
 def call_agent(args, dims):
     copies = [array.array(tc, a) for a in args]
-    _guard["agent"] = True
     c0, t0 = _cpu(), _pc()
     try:
         out = fn(*copies, *dims)
         t1, c1 = _pc(), _cpu()
     except BaseException:
         fail("runtime", traceback.format_exc())
-    finally:
-        _guard["agent"] = False
     tamper()
-    if c1 - c0 > 1.5 * (t1 - t0) + 2_000_000:
-        fail("tamper", "process CPU time exceeded wall time (parallel work)")
+    clock["cpu"] += c1 - c0
+    clock["wall"] += t1 - t0
     if any(c.tobytes() != a.tobytes() for c, a in zip(copies, args)):
         fail("mutated", "the kernel modified its input buffers")
     try:
@@ -241,27 +250,21 @@ outputs = []
 for case in cfg["cases"]:
     res, _ = call_agent([decode(s) for s in case["args"]], case["dims"])
     outputs.append(base64.b64encode(res.tobytes()).decode())
-dims = cfg["timing_dims"]
-rounds = [[decode(s) for s in r] for r in cfg["rounds"]]
-for f in (reference, expert):
-    f(*[array.array(tc, a) for a in rounds[0]], *dims)
+# phase B: the agent against the expert, alternating which goes first
+timed_call(expert, rounds[0], dims)
 call_agent(rounds[0], dims)
-times = {"ref": [], "expert": [], "agent": []}
 timed = []
 for i, args in enumerate(rounds):
-    order = ["ref", "expert", "agent"] if i % 2 == 0 else ["ref", "agent", "expert"]
-    for who in order:
+    for who in (("expert", "agent") if i % 2 == 0 else ("agent", "expert")):
         if who == "agent":
             res, dt = call_agent(args, dims)
             if cfg["return_timed"]:
                 timed.append(base64.b64encode(res.tobytes()).decode())
         else:
-            f = reference if who == "ref" else expert
-            copies = [array.array(tc, a) for a in args]
-            t0 = _pc()
-            f(*copies, *dims)
-            dt = _pc() - t0
+            dt = timed_call(expert, args, dims)
         times[who].append(dt)
+if clock["cpu"] > 1.5 * clock["wall"] + 20_000_000:  # summed: single readings of the CPU clock are coarse
+    fail("tamper", "process CPU time exceeded wall time (parallel work)")
 cal = libs["calib"]
 cal.k3_fma.restype = ctypes.c_double
 n = max(1024, cfg["bytes"] // 8)
@@ -435,12 +438,14 @@ def measure(task: Task, sandbox: Sandbox, *, run: int = 0, public: bool = False,
         return Measurement("tamper", "reported times exceed the sandbox's wall time", weak_isolation=weak)
     if min(min(v) for v in times.values()) <= 0:
         return Measurement("tamper", "a non-positive time was reported", weak_isolation=weak)
+    # phase A pairs the reference with the expert, phase B the agent with the expert: the agent's time is
+    # put on phase A's scale through the median paired ratio q = t_expert / t_agent of phase B
     logq = [math.log(e / a) for e, a in zip(times["expert"], times["agent"])]
     mid = statistics.median(logq)
-    n_bytes = cfg["bytes"]
-    t_roof = max(n_bytes / out["bandwidth"], op.flops(dims) / out["flop_rate"])
-    return Measurement(None, "", statistics.median(times["ref"]), statistics.median(times["expert"]),
-                       statistics.median(times["agent"]), t_roof, statistics.median(abs(x - mid) for x in logq), weak)
+    t_expert = statistics.median(times["expert_a"])
+    t_roof = max(cfg["bytes"] / out["bandwidth"], op.flops(dims) / out["flop_rate"])
+    return Measurement(None, "", statistics.median(times["ref"]), t_expert, t_expert / math.exp(mid), t_roof,
+                       statistics.median(abs(x - mid) for x in logq), weak)
 
 
 def _kernel_files(state: Any) -> dict[str, str]:
@@ -652,9 +657,10 @@ class KernelFamily(FamilyBase):
         table = {a[0].tobytes().hex(): list(_expected(op, a, d, tc)) for a, d in public_cases}
         cached = (f"import array\n_T = {table!r}\n\n\ndef {op.name}({', '.join(op.args + op.dims)}):\n"
                   f"    return array.array('{tc}', _T.get({first}.tobytes().hex(), [0.0] * ({op.out_expr})))\n")
-        calls_ref = (f"import gc\n\n\ndef {op.name}(*args):\n"
+        calls_ref = (f"import gc\n\n\ndef {op.name}(*args):\n"  # any function compiled from the reference source
                      "    for o in gc.get_objects():\n"
-                     f"        if callable(o) and getattr(o, '__name__', '') == 'reference':\n"
+                     "        code = getattr(o, '__code__', None)\n"
+                     f"        if code is not None and (code.co_filename == '<reference>' or o.__name__ in ('reference', '_ref')):\n"
                      "            return o(*args)\n"
                      "    raise RuntimeError('no reference found')\n")
         hunt = ("import glob, os\n_found = []\n"
