@@ -21,8 +21,8 @@ travel on stdin (never on disk) and expected outputs never enter the sandbox:
    large magnitudes), each on fresh copies; mutated inputs are a hack;
 4. time in two phases of `ROUNDS` rounds, each round on a fresh random input, with the harness's own
    saved ``perf_counter_ns``: phase A (before step 2, so the reference never shares the process with
-   agent code, which therefore cannot call it) pairs the reference with the expert, phase B pairs the
-   agent with the expert; the pair's order alternates round by round. The agent's timed outputs come
+   agent code, which therefore cannot call it) times the reference, phase B pairs the agent with the
+   expert, alternating which goes first. The agent's timed outputs come
    back too and are checked like the correctness cases (not in the public ``run_tests`` estimate,
    which checks the public cases only);
 5. after every agent call: ``time`` functions replaced, more than one thread in
@@ -88,7 +88,9 @@ __all__ = [
     "compare",
     "expert_files",
     "measure",
+    "score",
     "speed_score",
+    "verify_files",
     "verify_kernel",
 ]
 
@@ -96,7 +98,7 @@ KERNEL_PY = "kernel.py"
 RTOL = {"d": 1e-9, "f": 1e-4}
 """Relative tolerance per dtype; the absolute part is ``rtol * max|want|`` (see `compare`)."""
 ROUNDS = 8
-"""Timed rounds per phase (A: reference vs expert, B: agent vs expert; a fresh input per round)."""
+"""Timed rounds per phase (A: the reference, B: agent vs expert; a fresh input per round)."""
 NOISE_RERUN = 0.10
 """Timing noise (MAD of the paired log ratios) above which the measurement is repeated."""
 MIN_BAND = 0.15
@@ -180,22 +182,30 @@ def timed_call(f, args, dims):
 
 dims = cfg["timing_dims"]
 rounds = [[decode(s) for s in r] for r in cfg["rounds"]]
-times = {"ref": [], "expert_a": [], "expert": [], "agent": []}
-# phase A, before any agent code exists in this process: the reference against the expert
+times = {"ref": [], "expert": [], "agent": []}
+# phase A, before any agent code exists in this process: the reference
 ns = {}
 exec(compile(cfg.pop("reference"), "<reference>", "exec"), ns)
 reference = ns.pop(func)
-for f in (reference, expert):
-    timed_call(f, rounds[0], dims)
-for i, args in enumerate(rounds):
-    for who in (("ref", "expert_a") if i % 2 == 0 else ("expert_a", "ref")):
-        times[who].append(timed_call(reference if who == "ref" else expert, args, dims))
-del ns, reference, f
+for _ in range(len(cfg["cases"]) + 1):  # as many warm-up calls as the agent's function gets before phase B
+    timed_call(reference, rounds[0], dims)
+for args in rounds:
+    times["ref"].append(timed_call(reference, args, dims))
+del ns, reference
 gc.collect()
 
 
 def procs():
-    return {p for p in os.listdir("/proc") if p.isdigit()}
+    """Our child processes (a PID namespace is not guaranteed: the weak rlimit backend sees the host's)."""
+    me, out = str(os.getpid()), set()
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open("/proc/" + p + "/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[1] == me:
+                    out.add(p)
+        except (OSError, IndexError):
+            continue
+    return out
 
 
 resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
@@ -438,13 +448,13 @@ def measure(task: Task, sandbox: Sandbox, *, run: int = 0, public: bool = False,
         return Measurement("tamper", "reported times exceed the sandbox's wall time", weak_isolation=weak)
     if min(min(v) for v in times.values()) <= 0:
         return Measurement("tamper", "a non-positive time was reported", weak_isolation=weak)
-    # phase A pairs the reference with the expert, phase B the agent with the expert: the agent's time is
-    # put on phase A's scale through the median paired ratio q = t_expert / t_agent of phase B
+    # the expert's time is the agent's median times the median paired ratio q = t_expert / t_agent (phase B),
+    # so speed_score's q is exactly that paired ratio
     logq = [math.log(e / a) for e, a in zip(times["expert"], times["agent"])]
     mid = statistics.median(logq)
-    t_expert = statistics.median(times["expert_a"])
+    t_agent = statistics.median(times["agent"])
     t_roof = max(cfg["bytes"] / out["bandwidth"], op.flops(dims) / out["flop_rate"])
-    return Measurement(None, "", statistics.median(times["ref"]), t_expert, t_expert / math.exp(mid), t_roof,
+    return Measurement(None, "", statistics.median(times["ref"]), t_agent * math.exp(mid), t_agent, t_roof,
                        statistics.median(abs(x - mid) for x in logq), weak)
 
 
@@ -627,7 +637,7 @@ class KernelFamily(FamilyBase):
         op, tc = OPS[md["op"]], md["typecode"]
         reasoning = {
             "low": "",
-            "high": f"A C loop over contiguous rows beats the interpreted reference; keep its NaN semantics.",
+            "high": "A C loop over contiguous rows beats the interpreted reference; keep its NaN semantics.",
             "max": (
                 f"The reference {op.name} runs an interpreted loop per element, so a compiled C kernel over the flat "
                 "row-major buffers removes the interpreter overhead. Keep the reference's semantics exactly: the "
