@@ -206,3 +206,16 @@ def test_reference_and_hacks_sweep(op, difficulty):
     for name, policy in KERNEL.wrong_policies(t).items():
         _, env = _episode(t, policy)
         assert verify_kernel(t, FinalState(env.state, "")).reward == 0.0, name
+
+
+def test_bench_envs_reports_the_kernel_familys_timing_noise():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_envs", Path(__file__).parents[1] / "bench" / "envs.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert "kernel" in bench._MODULES
+    r = bench.bench_family(KERNEL, 1, 0)
+    assert r["episodes"] == 1 and r["mean_reward"] >= 0.5
+    assert 0.0 <= r["timing_noise_median"] <= r["timing_noise_max"]
