@@ -46,9 +46,11 @@ def test_speed_score_golden_values():
     f = lambda t: speed_score(100.0, 1.0, t, 0.01, 0.1)  # noqa: E731
     assert f(1.0) == 0.5  # parity
     assert f(1.05) == 0.5 and f(1 / 1.05) == 0.5  # inside the band
-    assert f(100.0) == 0.0 and f(200.0) == 0.0 and f(100 / 1.09) == 0.0  # no faster than the reference (band)
-    # s = 10: 0.5 * ln(10 / 1.1) / ln(100 / 1.1^2) = 0.5 * (ln 10 - ln 1.1) / (2 (ln 10 - ln 1.1)) = 0.25
-    assert f(10.0) == pytest.approx(0.25, abs=1e-12)
+    assert f(100.0) == 0.0 and f(200.0) == 0.0 and f(100 / 1.49) == 0.0  # under the reference gate 1.5
+    # s = 10, gate g = 1.5: 0.5 * ln(10 / 1.5) / ln(100 / (1.5 * 1.1)) = 0.5 * 1.897120 / 4.104395 = 0.231108
+    assert f(10.0) == pytest.approx(0.231108, abs=1e-6)
+    # gate 1 (no gate but the band): 0.5 * ln(10 / 1.1) / ln(100 / 1.1^2) = 0.5 * (ln 10 - ln 1.1) / (2 (ln 10 - ln 1.1))
+    assert speed_score(100.0, 1.0, 10.0, 0.01, 0.1, gate=1.0) == pytest.approx(0.25, abs=1e-12)
     # q = 10: 0.5 + 0.5 * ln(10 / 1.1) / ln(100 / 1.1) = 0.5 + 0.5 * 2.207275 / 4.509860 = 0.744716
     assert f(0.1) == pytest.approx(0.744716, abs=1e-6)
     assert f(0.01) == 1.0 and f(0.001) == 1.0  # at / past the roofline
@@ -63,7 +65,7 @@ def test_speed_score_is_monotone_in_the_speedup(band):
     times = [100.0 * 10 ** (-k / 40) for k in range(200)]  # agent time from 100 (s = 1) down to 1e-3
     scores = [speed_score(100.0, 1.0, t, 0.02, band) for t in times]
     assert all(b >= a for a, b in zip(scores, scores[1:]))
-    assert scores[0] == 0.0 and scores[1] == 0.0 and scores[-1] == 1.0 and 0.5 in scores
+    assert scores[0] == 0.0 and scores[7] == 0.0  # s = 1.496 < gate 1.5 and scores[-1] == 1.0 and 0.5 in scores
 
 
 def test_compare_is_dtype_aware_and_exact_on_nan_inf():

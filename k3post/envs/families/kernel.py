@@ -39,13 +39,15 @@ the roofline time ``t_roof = max(bytes / bandwidth, flops / flop_rate)`` from th
 kernels measured in the same sandbox on a buffer of the task's size, ``s = t_ref / t`` (speedup),
 ``s_e = t_ref / t_exp``, ``q = t_exp / t`` and the parity band ``b = clip(3 * noise, MIN_BAND, 0.5)`` (`MIN_BAND` 0.15)::
 
-    s <= 1 + b                 -> 0                      (no faster than the reference, within noise)
-    q <  1 / (1 + b)           -> 0.5 * log(s / (1 + b)) / log(s_e / (1 + b)^2)
+    s <= g                     -> 0                      (not clearly faster than the reference)
+    q <  1 / (1 + b)           -> 0.5 * log(s / g) / log(s_e / (g * (1 + b)))
     1 / (1 + b) <= q <= 1 + b  -> 0.5                    (parity with the expert)
     q >  1 + b                 -> 0.5 + 0.5 * min(1, log(q / (1 + b)) / log(R / (1 + b))),
                                   R = max(t_exp / t_roof, (1 + b)^2)
 
-so the reward is continuous and non-decreasing in the measured speedup, 0.5 at parity with the
+with the reference gate ``g = max(REF_GATE, 1 + b)`` (`REF_GATE` 1.5: the reference and the agent are
+timed in different phases, and the same Python code measured up to ~1.2x apart across them), so the
+reward is continuous and non-decreasing in the measured speedup, 0.5 at parity with the
 shipped expert and 1 at the roofline (which includes no Python call overhead, so it is approached,
 not reached). The reference solver ships the expert itself and scores exactly 0.5: the "reference
 solvers score 1" standard does not fit a speed-graded reward (docs/decisions.md).
@@ -101,6 +103,8 @@ ROUNDS = 8
 """Timed rounds per phase (A: the reference, B: agent vs expert; a fresh input per round)."""
 NOISE_RERUN = 0.10
 """Timing noise (MAD of the paired log ratios) above which the measurement is repeated."""
+REF_GATE = 1.5
+"""Speedups over the reference up to this score 0 (see `speed_score`)."""
 MIN_BAND = 0.15
 """Smallest parity band: the same code timed twice differs by up to ~10-20% on a shared machine."""
 MAX_RUNS = 3
@@ -350,19 +354,22 @@ def compare(got: Sequence[float], want: Sequence[float], tc: str) -> str | None:
 # --------------------------------------------------------------------------- the score
 
 
-def speed_score(t_ref: float, t_expert: float, t_agent: float, t_roof: float, band: float = 0.1) -> float:
+def speed_score(t_ref: float, t_expert: float, t_agent: float, t_roof: float, band: float = 0.1,
+                gate: float = REF_GATE) -> float:
     """The speed part of the reward (module docstring): 0.5 at parity with the expert, 1 at the roofline.
 
-    Args: median seconds of the reference, the expert and the agent, the roofline time, and the parity
-    band ``b`` (relative). Non-decreasing in ``t_ref / t_agent`` for fixed other times.
+    Args: median seconds of the reference, the expert and the agent, the roofline time, the parity band
+    ``b`` (relative) and the reference gate ``g`` (speedups up to ``max(g, 1 + b)`` score 0).
+    Non-decreasing in ``t_ref / t_agent`` for fixed other times.
     """
-    if min(t_ref, t_expert, t_agent, t_roof) <= 0 or band < 0:
-        raise ValueError("speed_score needs positive times and a non-negative band")
+    if min(t_ref, t_expert, t_agent, t_roof) <= 0 or band < 0 or gate < 1:
+        raise ValueError("speed_score needs positive times, a non-negative band and a gate >= 1")
     s, s_e, q, hi = t_ref / t_agent, t_ref / t_expert, t_expert / t_agent, 1.0 + band
-    if s <= hi or s_e <= hi * hi:
+    g = max(gate, hi)
+    if s <= g or s_e <= g * hi:
         return 0.0
     if q < 1.0 / hi:
-        return 0.5 * min(1.0, math.log(s / hi) / math.log(s_e / (hi * hi)))
+        return 0.5 * min(1.0, math.log(s / g) / math.log(s_e / (g * hi)))
     if q <= hi:
         return 0.5
     r = max(t_expert / t_roof, hi * hi)
