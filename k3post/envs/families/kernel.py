@@ -26,7 +26,9 @@ travel on stdin (never on disk) and expected outputs never enter the sandbox:
    back too and are checked like the correctness cases (not in the public ``run_tests`` estimate,
    which checks the public cases only);
 5. after every agent call: ``time`` functions replaced, more than one thread in
-   ``/proc/self/task``, a new process, or process CPU time above wall time are tampering (reward 0).
+   ``/proc/self/task`` or a child process are tampering (reward 0), and so is process CPU time above
+   wall time summed over the agent's calls. The reference gets as many warm-up calls as the agent's
+   function before it is timed (CPython specialises a function's bytecode after a few calls).
 
 The host compares every output with the reference run on the host (shape, dtype, NaN / Inf
 positions exactly, finite values within ``|got - want| <= rtol * (|want| + max|want|)`` with
