@@ -12,7 +12,10 @@ verification included. It also times ``--sandbox-runs`` sandboxed ``python -c pa
 
     {"episodes_per_s": {family: float}, "mean_reward": {family: float}, "episodes": {family: int},
      "sandbox_exec_median_ms": float, "sandbox_exec_p95_ms": float, "sandbox_backend": str,
-     "notes": [str]}
+     "timing_noise": {family: {"median": float, "max": float}}, "notes": [str]}
+
+``timing_noise`` is there for families whose verdicts time code (``coding.kernel``): the median
+absolute deviation of the paired log time ratios (agent vs expert) of the measurement kept.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from k3post.envs.families import registry
 from k3post.envs.families.registry import EFFORTS, TaskFamily
 from k3post.envs.sandbox import Sandbox, SandboxLimits
 
-_MODULES = ("general", "agents", "coding", "aet_families", "workflows", "research")
+_MODULES = ("general", "agents", "coding", "aet_families", "workflows", "research", "kernel")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -78,12 +81,19 @@ def bench_family(fam: TaskFamily, n_tasks: int, seed: int) -> dict[str, float]:
     per = [fam.generate(len(range(j, n_tasks, k)), seed=seed, difficulty=d) for j, d in enumerate(levels)]
     tasks = [per[i % k][i // k] for i in range(n_tasks)]
     rewards: list[float] = []
+    noise: list[float] = []
     t0 = time.perf_counter()
     for i, task in enumerate(tasks):
         ep = run_episode_sync(fam.reference_policy(task, EFFORTS[i % 3]), fam.make_env(task), task)
         rewards.append(float(ep.reward) if ep.reward is not None else 0.0)
+        if ep.verdict is not None and "noise" in ep.verdict.components:
+            noise.append(float(ep.verdict.components["noise"]))
     dt = time.perf_counter() - t0
-    return {"episodes_per_s": len(tasks) / dt, "mean_reward": sum(rewards) / max(1, len(rewards)), "episodes": len(tasks)}
+    out = {"episodes_per_s": len(tasks) / dt, "mean_reward": sum(rewards) / max(1, len(rewards)), "episodes": len(tasks)}
+    if noise:  # families that time code (coding.kernel): the timing noise their verdicts measured
+        out["timing_noise_median"] = statistics.median(noise)
+        out["timing_noise_max"] = max(noise)
+    return out
 
 
 def bench_sandbox(runs: int) -> dict[str, Any]:
@@ -132,6 +142,11 @@ def main() -> None:
         out["episodes_per_s"][fam.name] = round(r["episodes_per_s"], 3)
         out["mean_reward"][fam.name] = round(r["mean_reward"], 4)
         out["episodes"][fam.name] = r["episodes"]
+        if "timing_noise_median" in r:
+            out.setdefault("timing_noise", {})[fam.name] = {
+                "median": round(r["timing_noise_median"], 4), "max": round(r["timing_noise_max"], 4)}
+            print(f"{'':32s} timing noise (MAD of log time ratios) median {r['timing_noise_median']:.3f}, "
+                  f"max {r['timing_noise_max']:.3f}", flush=True)
     out.update(bench_sandbox(args.sandbox_runs))
     out["notes"] = notes
     print(json.dumps(out))

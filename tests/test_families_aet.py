@@ -304,6 +304,7 @@ def test_aet_families_are_opt_in_for_the_default_pipeline():
 
     left_out = {f.name for f in families()} - {f.name for f in default_families()}
     assert left_out == {"coding.aet_cli", "agents.aet_datadir", "agents.aet_config",  # kind "aet"
-                        "agents.data_report", "agents.contracts", "agents.deep_research"}  # kinds "workflow", "research"
-    assert OPT_IN_KINDS == ("aet", "workflow", "research")
+                        "agents.data_report", "agents.contracts", "agents.deep_research",  # "workflow", "research"
+                        "coding.kernel", "general.visual"}  # "kernel", "visual"
+    assert OPT_IN_KINDS == ("aet", "workflow", "research", "kernel", "visual")
     assert all(getattr(f, "kind", "") not in OPT_IN_KINDS for f in default_families())

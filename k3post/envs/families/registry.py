@@ -49,8 +49,9 @@ class TaskFamily(Protocol):
 
 _FAMILIES: dict[str, TaskFamily] = {}
 
-OPT_IN_KINDS = ("aet", "workflow", "research")
-"""Family ``kind`` values left out of `default_families`: AET (issue 21), professional workflows and deep research."""
+OPT_IN_KINDS = ("aet", "workflow", "research", "kernel", "visual")
+"""Family ``kind`` values left out of `default_families`: AET, professional workflows and deep research (issue 21),
+kernel optimisation and visual reasoning (issue 22)."""
 
 
 def register_family(family: TaskFamily) -> TaskFamily:
@@ -68,7 +69,7 @@ def register_family(family: TaskFamily) -> TaskFamily:
 
 def _load_builtin() -> None:
     # importing the modules registers their families
-    from k3post.envs.families import aet_families, agents, coding, general, research, workflows  # noqa: F401
+    from k3post.envs.families import aet_families, agents, coding, general, kernel, research, workflows  # noqa: F401
 
 
 def get_family(name: str) -> TaskFamily:
@@ -90,10 +91,14 @@ def families(domain: str | None = None) -> list[TaskFamily]:
     return [f for n, f in sorted(_FAMILIES.items()) if domain is None or f.domain == domain]
 
 
+"""Family kinds left out of `default_families` (named explicitly to be used)."""
+
+
 def default_families(domain: str | None = None) -> list[TaskFamily]:
     """``families(domain)`` without the opt-in kinds: what the demo's tokenizer corpus, SFT mix and draft data use
     when no list is given. The families of the `OPT_IN_KINDS` are opt-in: the verify-in-the-loop (AET) ones run
-    sandboxed verifiers, and they all came after the demo's and the full recipe's numbers were measured."""
+    sandboxed verifiers, the kernel family compiles and times code, and they all came after the demo's and the
+    full recipe's numbers were measured."""
     return [f for f in families(domain) if getattr(f, "kind", "") not in OPT_IN_KINDS]
 
 

@@ -1,0 +1,720 @@
+"""``coding.kernel``: make a reference operator faster; correctness gates, measured speed scores (SPEC §3.5).
+
+The prompt shows a plain-Python reference operator (`kernel_ops.OPS`: softmax, layer norm, fused
+matmul + bias + ReLU, a row reduction, a 5-point stencil) on flat ``array.array`` buffers of one
+dtype (``"d"`` float64 or ``"f"`` float32). The agent writes ``kernel.py`` defining the same
+function, vectorised Python or C: every ``*.c`` file of the working directory is compiled by the
+harness with the system compiler (``gcc -O3 -march=native -shared -fPIC -lm`` into
+``lib<stem>.so``) and ``kernel.py`` loads it through ``ctypes``. Tools: ``write_file``,
+``read_file``, ``list_files``, ``run_python`` and ``run_tests`` (the verifier's harness on public
+inputs: correctness and a score estimate).
+
+Verification (`verify_kernel`) runs the harness (`HARNESS`) in a **fresh sandbox**; hidden inputs
+travel on stdin (never on disk) and expected outputs never enter the sandbox:
+
+1. compile the agent's C and, into a private temporary directory that is removed before the
+   agent's code is imported, the shipped expert kernel and the roofline calibration kernels;
+   run timing phase A (step 4);
+2. lock ``RLIMIT_NPROC`` to 0 (no fork, no thread from here on), record the live processes and the
+   ``time`` functions, import ``kernel``;
+3. call it on the hidden correctness cases (the task's shape, an odd shape, NaN / ±Inf entries,
+   large magnitudes), each on fresh copies; mutated inputs are a hack;
+4. time in two phases of `ROUNDS` rounds, each round on a fresh random input, with the harness's own
+   saved ``perf_counter_ns``: phase A (before step 2, so the reference never shares the process with
+   agent code, which therefore cannot call it) times the reference, phase B pairs the agent with the
+   expert, alternating which goes first. The agent's timed outputs come
+   back too and are checked like the correctness cases (not in the public ``run_tests`` estimate,
+   which checks the public cases only);
+5. after every agent call: ``time`` functions replaced, more than one thread in
+   ``/proc/self/task`` or a child process are tampering (reward 0), and so is process CPU time above
+   wall time summed over the agent's calls. The reference gets as many warm-up calls as the agent's
+   function before it is timed (CPython specialises a function's bytecode after a few calls).
+
+The host compares every output with the reference run on the host (shape, dtype, NaN / Inf
+positions exactly, finite values within ``|got - want| <= rtol * (|want| + max|want|)`` with
+``rtol`` `RTOL` per dtype); any mismatch scores 0. Timing noise is the median absolute deviation
+of ``log(t_expert / t_agent)`` over the paired rounds; above `NOISE_RERUN` the whole measurement is
+repeated in a fresh sandbox (at most `MAX_RUNS` runs, the quietest kept).
+
+Speed score (`speed_score`), with medians ``t_ref`` (reference), ``t_exp`` (expert), ``t`` (agent),
+the roofline time ``t_roof = max(bytes / bandwidth, flops / flop_rate)`` from the calibration
+kernels measured in the same sandbox on a buffer of the task's size, ``s = t_ref / t`` (speedup),
+``s_e = t_ref / t_exp``, ``q = t_exp / t`` and the parity band ``b = clip(3 * noise, MIN_BAND, 0.5)`` (`MIN_BAND` 0.15)::
+
+    s <= g                     -> 0                      (not clearly faster than the reference)
+    q <  1 / (1 + b)           -> 0.5 * log(s / g) / log(s_e / (g * (1 + b)))
+    1 / (1 + b) <= q <= 1 + b  -> 0.5                    (parity with the expert)
+    q >  1 + b                 -> 0.5 + 0.5 * min(1, log(q / (1 + b)) / log(R / (1 + b))),
+                                  R = max(t_exp / t_roof, (1 + b)^2)
+
+with the reference gate ``g = max(REF_GATE, 1 + b)`` (`REF_GATE` 1.5: the reference and the agent are
+timed in different phases, and the same Python code measured up to ~1.2x apart across them), so the
+reward is continuous and non-decreasing in the measured speedup, 0.5 at parity with the
+shipped expert and 1 at the roofline (which includes no Python call overhead, so it is approached,
+not reached). The reference solver ships the expert itself and scores exactly 0.5: the "reference
+solvers score 1" standard does not fit a speed-graded reward (docs/decisions.md).
+
+The sandbox's interpreter is the system ``/usr/bin/python3`` (stdlib only: the host interpreter's
+prefix is not readable by the sandbox uid), so operators are plain Python on ``array.array``
+buffers rather than numpy / PyTorch, and fast kernels are C through ``ctypes``. Triton variants need
+a GPU and are not implemented.
+"""
+
+from __future__ import annotations
+
+import array
+import base64
+import json
+import math
+import random
+import statistics
+import struct
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from k3post.envs.env import EpisodeLimits, ToolEnvironment
+from k3post.envs.families.coding import SandboxState, _call, _clip, _make_env, _TOOLS
+from k3post.envs.families.common import FamilyBase, assistant
+from k3post.envs.families.kernel_ops import CALIBRATION_C, OPS, KernelOp
+from k3post.envs.families.registry import register_family
+from k3post.envs.sandbox import Sandbox, SandboxLimits
+from k3post.envs.task import FinalState, Task, Verdict, register_verifier
+from k3post.envs.tools import ToolContext, ToolSpec
+
+__all__ = [
+    "HARNESS",
+    "KERNEL",
+    "KernelFamily",
+    "Measurement",
+    "RTOL",
+    "compare",
+    "expert_files",
+    "measure",
+    "score",
+    "speed_score",
+    "verify_files",
+    "verify_kernel",
+]
+
+KERNEL_PY = "kernel.py"
+RTOL = {"d": 1e-9, "f": 1e-4}
+"""Relative tolerance per dtype; the absolute part is ``rtol * max|want|`` (see `compare`)."""
+ROUNDS = 8
+"""Timed rounds per phase (A: the reference, B: agent vs expert; a fresh input per round)."""
+NOISE_RERUN = 0.10
+"""Timing noise (MAD of the paired log ratios) above which the measurement is repeated."""
+REF_GATE = 1.5
+"""Speedups over the reference up to this score 0 (see `speed_score`)."""
+MIN_BAND = 0.15
+"""Smallest parity band: the same code timed twice differs by up to ~10-20% on a shared machine."""
+MAX_RUNS = 3
+VERIFY_LIMITS = SandboxLimits(cpu_s=60.0, wall_s=120.0, memory_bytes=1024**3, max_output_bytes=32 * 1024**2,
+                              nproc=64)
+_CTYPE = {"d": "double", "f": "float"}
+_TIMERS = ("perf_counter", "perf_counter_ns", "process_time", "process_time_ns", "monotonic", "monotonic_ns",
+           "time", "time_ns", "thread_time", "thread_time_ns", "sleep")
+
+
+# --------------------------------------------------------------------------- the in-sandbox harness (stdlib only)
+
+HARNESS = r'''
+import array, base64, ctypes, gc, json, os, resource, subprocess, sys, tempfile, time, traceback
+_time = time
+_pc, _cpu = time.perf_counter_ns, time.process_time_ns
+_TIMERS = __TIMERS__
+_ORIG = {n: getattr(time, n) for n in _TIMERS}
+_out = sys.stdout
+cfg = json.loads(sys.stdin.read())
+sys.stdin.close()
+os.close(0)
+nonce = cfg.pop("nonce")
+
+
+def emit(obj):
+    _out.write(nonce + " " + json.dumps(obj) + "\n")
+    _out.flush()
+
+
+def fail(kind, why):
+    emit({"error": kind, "why": str(why)[-1500:]})
+    os._exit(0)
+
+
+def gcc(src, so):
+    r = subprocess.run(["gcc", "-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-o", so, src, "-lm"],
+                       capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        fail("compile", src + ": " + r.stderr)
+
+
+work = os.getcwd()
+for name in sorted(os.listdir(work)):
+    if name.endswith(".c"):
+        gcc(os.path.join(work, name), os.path.join(work, "lib" + name[:-2] + ".so"))
+priv = tempfile.mkdtemp()
+libs = {}
+for key in ("expert", "calib"):
+    src = os.path.join(priv, key + ".c")
+    with open(src, "w") as fh:
+        fh.write(cfg.pop(key))
+    gcc(src, src[:-2] + ".so")
+    libs[key] = src[:-2] + ".so"
+ns_expert = {}
+exec(compile(cfg.pop("expert_py").replace("__EXPERT_SO__", repr(libs["expert"])), "<expert>", "exec"), ns_expert)
+libs["calib"] = ctypes.CDLL(libs["calib"])
+for key in ("expert", "calib"):
+    src = os.path.join(priv, key + ".c")
+    os.unlink(src)
+    os.unlink(src[:-2] + ".so")
+os.rmdir(priv)
+tc, func = cfg["typecode"], cfg["func"]
+expert = ns_expert[func]
+
+
+def decode(s):
+    a = array.array(tc)
+    a.frombytes(base64.b64decode(s))
+    return a
+
+
+def timed_call(f, args, dims):
+    copies = [array.array(tc, a) for a in args]
+    t0 = _pc()
+    f(*copies, *dims)
+    return _pc() - t0
+
+
+dims = cfg["timing_dims"]
+rounds = [[decode(s) for s in r] for r in cfg["rounds"]]
+times = {"ref": [], "expert": [], "agent": []}
+# phase A, before any agent code exists in this process: the reference
+ns = {}
+exec(compile(cfg.pop("reference"), "<reference>", "exec"), ns)
+reference = ns.pop(func)
+for _ in range(len(cfg["cases"]) + 1):  # as many warm-up calls as the agent's function gets before phase B
+    timed_call(reference, rounds[0], dims)
+for args in rounds:
+    times["ref"].append(timed_call(reference, args, dims))
+del ns, reference
+gc.collect()
+
+
+def procs():
+    """Our child processes (a PID namespace is not guaranteed: the weak rlimit backend sees the host's)."""
+    me, out = str(os.getpid()), set()
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open("/proc/" + p + "/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[1] == me:
+                    out.add(p)
+        except (OSError, IndexError):
+            continue
+    return out
+
+
+resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+baseline = procs()
+
+
+def tamper():
+    bad = [n for n in _TIMERS if getattr(_time, n, None) is not _ORIG[n]]
+    if bad or sys.modules.get("time") is not _time:
+        fail("tamper", "the time module was patched: " + ", ".join(bad or ["sys.modules['time']"]))
+    if len(os.listdir("/proc/self/task")) > 1:
+        fail("tamper", "a thread was started")
+    if procs() - baseline:
+        fail("tamper", "a process was started")
+
+
+sys.path.insert(0, work)
+try:
+    import kernel as _mod
+    fn = getattr(_mod, func)
+    if not callable(fn):
+        raise TypeError(func + " is not callable")
+except BaseException:
+    fail("import", traceback.format_exc())
+tamper()
+
+
+clock = {"cpu": 0, "wall": 0}  # the agent's calls: process CPU time and wall time, summed
+
+
+def call_agent(args, dims):
+    copies = [array.array(tc, a) for a in args]
+    c0, t0 = _cpu(), _pc()
+    try:
+        out = fn(*copies, *dims)
+        t1, c1 = _pc(), _cpu()
+    except BaseException:
+        fail("runtime", traceback.format_exc())
+    tamper()
+    clock["cpu"] += c1 - c0
+    clock["wall"] += t1 - t0
+    if any(c.tobytes() != a.tobytes() for c, a in zip(copies, args)):
+        fail("mutated", "the kernel modified its input buffers")
+    try:
+        res = out if isinstance(out, array.array) and out.typecode == tc else array.array(tc, out)
+    except (TypeError, ValueError, OverflowError) as exc:
+        fail("output", "the result is not a sequence of floats: " + repr(exc))
+    return res, t1 - t0
+
+
+outputs = []
+for case in cfg["cases"]:
+    res, _ = call_agent([decode(s) for s in case["args"]], case["dims"])
+    outputs.append(base64.b64encode(res.tobytes()).decode())
+# phase B: the agent against the expert, alternating which goes first
+timed_call(expert, rounds[0], dims)
+call_agent(rounds[0], dims)
+timed = []
+for i, args in enumerate(rounds):
+    for who in (("expert", "agent") if i % 2 == 0 else ("agent", "expert")):
+        if who == "agent":
+            res, dt = call_agent(args, dims)
+            if cfg["return_timed"]:
+                timed.append(base64.b64encode(res.tobytes()).decode())
+        else:
+            dt = timed_call(expert, args, dims)
+        times[who].append(dt)
+if clock["cpu"] > 1.5 * clock["wall"] + 20_000_000:  # summed: single readings of the CPU clock are coarse
+    fail("tamper", "process CPU time exceeded wall time (parallel work)")
+cal = libs["calib"]
+cal.k3_fma.restype = ctypes.c_double
+n = max(1024, cfg["bytes"] // 8)
+src, dst = array.array("d", bytes(8 * n)), array.array("d", bytes(8 * n))
+ps, pd = ctypes.c_void_p(src.buffer_info()[0]), ctypes.c_void_p(dst.buffer_info()[0])
+best_copy = best_fma = None
+for _ in range(7):
+    t0 = _pc(); cal.k3_copy(ps, pd, ctypes.c_long(n)); dt = _pc() - t0
+    best_copy = dt if best_copy is None else min(best_copy, dt)
+    t0 = _pc(); cal.k3_fma(ctypes.c_long(20000)); dt = _pc() - t0
+    best_fma = dt if best_fma is None else min(best_fma, dt)
+emit({"outputs": outputs, "timed": timed, "times": times,
+      "bandwidth": 16.0 * n / max(best_copy, 1) * 1e9, "flop_rate": 64.0 * 20000 / max(best_fma, 1) * 1e9})
+'''.replace("__TIMERS__", repr(_TIMERS))
+
+
+# --------------------------------------------------------------------------- inputs, references, comparison
+
+
+def _pack(values: Sequence[float], tc: str) -> str:
+    return base64.b64encode(array.array(tc, values).tobytes()).decode("ascii")
+
+
+def _unpack(data: str, tc: str) -> array.array:
+    a = array.array(tc)
+    a.frombytes(base64.b64decode(data))
+    return a
+
+
+def _random_inputs(op: KernelOp, dims: Mapping[str, int], tc: str, rng: random.Random, *, scale: float = 1.0,
+                   specials: bool = False) -> list[array.array]:
+    """Random input buffers; ``specials`` plants NaN, +Inf and -Inf at a few positions of the first buffer."""
+    bufs = []
+    for n in op.inputs(dict(dims)):
+        bufs.append(array.array(tc, [rng.uniform(-1.0, 1.0) * op.scale * scale for _ in range(n)]))
+    if specials:
+        first = bufs[0]
+        for v in (math.nan, math.inf, -math.inf, math.nan):
+            first[rng.randrange(len(first))] = v
+    return bufs
+
+
+def _reference_fn(op: KernelOp) -> Callable[..., list[float]]:
+    ns: dict[str, Any] = {}
+    exec(compile(op.reference, f"<{op.name} reference>", "exec"), ns)  # noqa: S102 - our own reference code
+    return ns[op.name]
+
+
+def _expected(op: KernelOp, args: Sequence[array.array], dims: Mapping[str, int], tc: str) -> array.array:
+    """The reference output on the host, rounded to the task's dtype."""
+    return array.array(tc, _reference_fn(op)(*[array.array(tc, a) for a in args], *[dims[d] for d in op.dims]))
+
+
+def compare(got: Sequence[float], want: Sequence[float], tc: str) -> str | None:
+    """None when ``got`` matches ``want``, else the first mismatch in words.
+
+    Same length; NaN exactly where ``want`` is NaN; ±Inf exactly where ``want`` is; elsewhere a finite
+    value with ``|got - want| <= rtol * (|want| + max|want|)`` (``rtol`` `RTOL` of dtype ``tc``).
+    """
+    if len(got) != len(want):
+        return f"the result has {len(got)} values, expected {len(want)}"
+    rtol = RTOL[tc]
+    scale = max((abs(w) for w in want if math.isfinite(w)), default=0.0)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if math.isnan(w) or math.isinf(w):
+            if not (math.isnan(g) and math.isnan(w)) and g != w:
+                return f"value {i}: got {g!r}, expected {w!r}"
+        elif not math.isfinite(g) or abs(g - w) > rtol * (abs(w) + scale):
+            return f"value {i}: got {g!r}, expected {w!r} (rtol {rtol:g})"
+    return None
+
+
+# --------------------------------------------------------------------------- the score
+
+
+def speed_score(t_ref: float, t_expert: float, t_agent: float, t_roof: float, band: float = 0.1,
+                gate: float = REF_GATE) -> float:
+    """The speed part of the reward (module docstring): 0.5 at parity with the expert, 1 at the roofline.
+
+    Args: median seconds of the reference, the expert and the agent, the roofline time, the parity band
+    ``b`` (relative) and the reference gate ``g`` (speedups up to ``max(g, 1 + b)`` score 0).
+    Non-decreasing in ``t_ref / t_agent`` for fixed other times.
+    """
+    if min(t_ref, t_expert, t_agent, t_roof) <= 0 or band < 0 or gate < 1:
+        raise ValueError("speed_score needs positive times, a non-negative band and a gate >= 1")
+    s, s_e, q, hi = t_ref / t_agent, t_ref / t_expert, t_expert / t_agent, 1.0 + band
+    g = max(gate, hi)
+    if s <= g or s_e <= g * hi:
+        return 0.0
+    if q < 1.0 / hi:
+        return 0.5 * min(1.0, math.log(s / g) / math.log(s_e / (g * hi)))
+    if q <= hi:
+        return 0.5
+    r = max(t_expert / t_roof, hi * hi)
+    return 0.5 + 0.5 * min(1.0, math.log(q / hi) / math.log(r / hi))
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One harness run's outcome: an error (``error`` and ``why``) or medians, noise and the roofline time."""
+
+    error: str | None = None
+    why: str = ""
+    t_ref: float = 0.0
+    t_expert: float = 0.0
+    t_agent: float = 0.0
+    t_roof: float = 0.0
+    noise: float = 0.0
+    weak_isolation: bool = False
+
+
+def _config(task: Task, run: int, public: bool) -> tuple[dict[str, Any], list[tuple[list[array.array], dict[str, int]]],
+                                                          list[list[array.array]]]:
+    """The harness's stdin (minus the nonce), the correctness cases and the timing inputs of one run."""
+    md = task.metadata
+    op, tc, dims = OPS[md["op"]], md["typecode"], dict(md["dims"])
+    seed = md["public_seed"] if public else md["hidden_seed"]
+    rng = random.Random(f"{seed}:{run}")
+    if public:
+        cases = [(_random_inputs(op, md["public_dims"], tc, rng), dict(md["public_dims"]))]
+    else:
+        odd = dict(op.odd)
+        cases = [(_random_inputs(op, dims, tc, rng), dims), (_random_inputs(op, odd, tc, rng), odd),
+                 (_random_inputs(op, dims, tc, rng, specials=True), dims),
+                 (_random_inputs(op, dims, tc, rng, scale=100.0), dims)]
+    rounds = [_random_inputs(op, dims, tc, rng) for _ in range(3 if public else ROUNDS)]
+    n_bytes = array.array(tc).itemsize * (sum(op.inputs(dims)) + op.outputs(dims))
+    cfg = {
+        "typecode": tc, "func": op.name,
+        "expert": op.expert.replace("{T}", _CTYPE[tc]), "calib": CALIBRATION_C, "reference": op.reference,
+        "expert_py": expert_files(op, tc, lib="__EXPERT_SO__")[KERNEL_PY],
+        "cases": [{"args": [_pack(a, tc) for a in args], "dims": [d[k] for k in op.dims]} for args, d in cases],
+        "timing_dims": [dims[k] for k in op.dims], "rounds": [[_pack(a, tc) for a in r] for r in rounds],
+        "bytes": n_bytes, "return_timed": not public,
+    }
+    return cfg, cases, rounds
+
+
+def _run_harness(sandbox: Sandbox, cfg: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any] | None, str, float]:
+    nonce = uuid.uuid4().hex
+    res = sandbox.run(["python", "-I", "-B", "-c", HARNESS], stdin=json.dumps({**cfg, "nonce": nonce}),
+                      timeout=timeout)
+    for line in reversed(res.stdout.splitlines()):
+        if line.startswith(nonce + " "):
+            try:
+                return json.loads(line[len(nonce) + 1:]), "", res.wall_s
+            except json.JSONDecodeError:
+                break
+    return None, f"the harness produced no result ({res.killed_reason or f'exit code {res.returncode}'}); " \
+                 f"stderr: {res.stderr[-500:]}", res.wall_s
+
+
+def measure(task: Task, sandbox: Sandbox, *, run: int = 0, public: bool = False, timeout: float = 100.0) -> Measurement:
+    """Run the harness once in ``sandbox`` (holding the agent's files) and check every output on the host."""
+    md = task.metadata
+    op, tc, dims = OPS[md["op"]], md["typecode"], dict(md["dims"])
+    cfg, cases, rounds = _config(task, run, public)
+    out, why, wall = _run_harness(sandbox, cfg, timeout)
+    weak = sandbox.weak_isolation
+    if out is None:
+        return Measurement("no_result", why, weak_isolation=weak)
+    if "error" in out:
+        return Measurement(str(out["error"]), str(out.get("why", "")), weak_isolation=weak)
+    checks = [(o, _expected(op, args, d, tc), f"case {i}") for i, (o, (args, d)) in enumerate(zip(out["outputs"], cases))]
+    checks += [(o, _expected(op, args, dims, tc), f"timed round {i}") for i, (o, args) in enumerate(zip(out["timed"], rounds))]
+    if len(out["outputs"]) != len(cases) or len(out["timed"]) != (0 if public else len(rounds)):
+        return Measurement("no_result", "the harness returned the wrong number of outputs", weak_isolation=weak)
+    for got, want, where in checks:
+        bad = compare(_unpack(got, tc), want, tc)
+        if bad:
+            return Measurement("mismatch", f"{where}: {bad}", weak_isolation=weak)
+    times = {k: [t * 1e-9 for t in v] for k, v in out["times"].items()}
+    if sum(map(sum, times.values())) > wall:
+        return Measurement("tamper", "reported times exceed the sandbox's wall time", weak_isolation=weak)
+    if min(min(v) for v in times.values()) <= 0:
+        return Measurement("tamper", "a non-positive time was reported", weak_isolation=weak)
+    # the expert's time is the agent's median times the median paired ratio q = t_expert / t_agent (phase B),
+    # so speed_score's q is exactly that paired ratio
+    logq = [math.log(e / a) for e, a in zip(times["expert"], times["agent"])]
+    mid = statistics.median(logq)
+    t_agent = statistics.median(times["agent"])
+    t_roof = max(cfg["bytes"] / out["bandwidth"], op.flops(dims) / out["flop_rate"])
+    return Measurement(None, "", statistics.median(times["ref"]), t_agent * math.exp(mid), t_agent, t_roof,
+                       statistics.median(abs(x - mid) for x in logq), weak)
+
+
+def _kernel_files(state: Any) -> dict[str, str]:
+    """The final ``.py`` and ``.c`` files (path -> text) of a `SandboxState` or a JSON ``{"files"|"snapshot"}``."""
+    if isinstance(state, Mapping) and isinstance(state.get("snapshot"), str):
+        restored = SandboxState.from_json(state)
+        try:
+            return _kernel_files(restored)
+        finally:
+            restored.close()
+    if isinstance(state, SandboxState):
+        sb = state.sandbox
+        files = {p: sb.read_file(p) for p in sb.list_files() if p.endswith((".py", ".c")) and "/" not in p}
+    elif isinstance(state, Mapping) and isinstance(state.get("files"), Mapping):
+        files = {str(k): str(v) for k, v in state["files"].items()}
+    else:
+        raise ValueError(f"kernel verifier: final state must be a SandboxState or {{'files': ...}}, got {type(state).__name__}")
+    return {p: t for p, t in sorted(files.items()) if p.endswith((".py", ".c")) and "/" not in p and len(t) <= 100_000}
+
+
+Measurer = Callable[[Task, Mapping[str, str], int], Measurement]
+
+
+def _measure_fresh(task: Task, files: Mapping[str, str], run: int) -> Measurement:
+    with Sandbox(limits=VERIFY_LIMITS) as sb:
+        for path, text in files.items():
+            sb.write_file(path, text)
+        return measure(task, sb, run=run)
+
+
+def score(m: Measurement) -> tuple[float, dict[str, float]]:
+    """Reward and components of a successful measurement."""
+    band = min(0.5, max(MIN_BAND, 3.0 * m.noise))
+    reward = speed_score(m.t_ref, m.t_expert, m.t_agent, m.t_roof, band)
+    return reward, {"correct": 1.0, "speedup": m.t_ref / m.t_agent, "vs_expert": m.t_expert / m.t_agent,
+                    "expert_speedup": m.t_ref / m.t_expert, "roofline_speedup": m.t_ref / m.t_roof,
+                    "noise": m.noise, "band": band}
+
+
+def verify_files(task: Task, files: Mapping[str, str], *, measurer: Measurer | None = None) -> Verdict:
+    """Measure ``files`` (fresh sandbox per run, re-run while noisy) and score them; ``measurer`` is injectable."""
+    if KERNEL_PY not in files:
+        return Verdict(0.0, {"correct": 0.0}, f"no {KERNEL_PY} in the final working directory")
+    measurer = measurer or _measure_fresh
+    best: Measurement | None = None
+    runs = 0
+    for run in range(MAX_RUNS):
+        m = measurer(task, files, run)
+        runs += 1
+        if m.error is not None:
+            return Verdict(0.0, {"correct": 0.0}, f"{m.error}: {m.why}", m.weak_isolation)
+        if best is None or m.noise < best.noise:
+            best = m
+        if best.noise <= NOISE_RERUN:
+            break
+    assert best is not None
+    reward, comps = score(best)
+    comps["runs"] = float(runs)
+    diag = (f"correct; {comps['speedup']:.1f}x the reference, {comps['vs_expert']:.2f}x the expert "
+            f"(expert {comps['expert_speedup']:.1f}x, roofline {comps['roofline_speedup']:.0f}x), noise {best.noise:.3f}")
+    return Verdict(reward, comps, diag, best.weak_isolation)
+
+
+@register_verifier("coding.kernel")
+def verify_kernel(task: Task, final: FinalState) -> Verdict:
+    """0 unless every hidden and timed output matches the reference and no hack is detected; else `speed_score`."""
+    return verify_files(task, _kernel_files(final.state))
+
+
+# --------------------------------------------------------------------------- tools, solutions, hacks
+
+
+def _run_tests(ctx: ToolContext) -> str:
+    """The verifier's harness on public inputs in the working sandbox: correctness and a score estimate."""
+    assert ctx.task is not None
+    state = ctx.state
+    if not isinstance(state, SandboxState):
+        raise ValueError("run_tests needs a kernel environment state")
+    if KERNEL_PY not in state.sandbox.list_files():
+        return f"FAIL: {KERNEL_PY} does not exist yet. Write it with write_file."
+    m = measure(ctx.task, state.sandbox, public=True, timeout=30.0)
+    if m.error is not None:
+        return _clip(f"FAIL ({m.error}): {m.why}")
+    reward, comps = score(m)
+    return (f"PASS: outputs match the reference on the public inputs. Speedup over the reference "
+            f"{comps['speedup']:.1f}x; estimated score {reward:.2f} (public inputs, 3 rounds).")
+
+
+_RUN_TESTS = ToolSpec("run_tests", "Compile *.c, check kernel.py against the reference on public inputs and time it.",
+                      {"type": "object", "additionalProperties": False, "properties": {}}, read_only=True,
+                      handler=_run_tests)
+TOOL_NAMES = ("write_file", "read_file", "list_files", "run_python", "run_tests")
+
+
+def _library() -> dict[str, ToolSpec]:
+    return {**{n: _TOOLS[n] for n in TOOL_NAMES if n != "run_tests"}, "run_tests": _RUN_TESTS}
+
+
+def expert_files(op: KernelOp, tc: str, *, pre: str = "", post: str = "out", ctype: str | None = None,
+                 lib: str | None = None) -> dict[str, str]:
+    """``kernel.c`` (the expert, storage type ``ctype``) and a ``kernel.py`` ctypes loader.
+
+    The harness times the expert through this same loader (``lib`` names the expression of the
+    library's path; by default ``libkernel.so`` next to ``kernel.py``), so parity is like for like.
+    ``pre`` is inserted at the start of the Python function body and ``post`` is the returned
+    expression: the hack policies build on the expert this way.
+    """
+    params = ", ".join(op.args + op.dims)
+    ptrs = ", ".join(f"_p({a})" for a in op.args)
+    ints = ", ".join(f"ctypes.c_int({d})" for d in op.dims)
+    py = (
+        "import array\nimport ctypes\nimport os\n\n"
+        f"_lib = ctypes.CDLL({lib or _LIB_NEXT_TO_FILE})\n"
+        f"_fn = _lib.{op.name}\n_fn.restype = None\n\n\n"
+        "def _p(a):\n    return ctypes.c_void_p(a.buffer_info()[0])\n\n\n"
+        f"def {op.name}({params}):\n"
+        f"{pre}"
+        f'    out = array.array("{tc}", bytes({array.array(tc).itemsize} * ({op.out_expr})))\n'
+        f"    _fn({ptrs}, _p(out), {ints})\n"
+        f"    return {post}\n"
+    )
+    return {"kernel.c": op.expert.replace("{T}", ctype or _CTYPE[tc]), KERNEL_PY: py}
+
+
+_LIB_NEXT_TO_FILE = 'os.path.join(os.path.dirname(os.path.abspath(__file__)), "libkernel.so")'
+
+
+def _write_all(files: Mapping[str, str], turn: int = 0) -> list[dict[str, Any]]:
+    return [_call(turn, k + 1, "write_file", path=p, content=t) for k, (p, t) in enumerate(sorted(files.items()))]
+
+
+class KernelFamily(FamilyBase):
+    """``coding.kernel``: a faster implementation of a reference operator, graded by measured speed."""
+
+    name = "coding.kernel"
+    domain = "coding"
+    description = "Make a reference operator faster (vectorised Python or C via ctypes); correctness gates a measured speed score."
+    kind = "kernel"  # opt-in: verification times code, so it stays out of the default mix
+    id_prefix = "kern"
+    max_difficulty = 3
+
+    def __init__(self) -> None:
+        self._ops = sorted(OPS)
+
+    def _make(self, rng: random.Random, difficulty: int, task_id: str) -> Task | None:
+        op = OPS[rng.choice(self._ops)]
+        base = op.sizes[0 if difficulty == 1 else 1]
+        dims = {k: max(2, int(v * rng.choice((0.5, 0.75, 1.0, 1.25, 1.5)))) for k, v in base.items()}
+        tc = "f" if difficulty == 3 else "d"
+        dtype = {"d": "float64", "f": "float32"}[tc]
+        shape = " x ".join(f"{k}={v}" for k, v in dims.items())
+        args = ", ".join(f"{a}: array.array('{tc}')" for a in op.args)
+        prompt = (
+            f"Make this {op.summary} faster. The reference implementation (plain Python):\n\n{op.reference}\n"
+            f"Write {KERNEL_PY} defining `{op.name}({args}, {', '.join(op.dims)})` with the same results: inputs are "
+            f"flat row-major {dtype} buffers (array.array typecode '{tc}'), the result a sequence of "
+            f"{op.out_expr} floats (an array.array('{tc}') is best). The graded shape is {shape}; hidden inputs also "
+            "use other shapes, NaN / Inf entries and large magnitudes, and results must match the reference within "
+            f"a relative tolerance of {RTOL[tc]:g} (NaN and Inf exactly). You may write C: every *.c file is compiled "
+            "with gcc -O3 -march=native -shared -fPIC -lm into lib<name>.so next to it, for kernel.py to load with "
+            "ctypes. The sandbox python has the standard library only. Do not modify the inputs, start threads or "
+            "processes, or touch the timers. run_tests checks correctness on public inputs and estimates the "
+            "score: 0.5 matches our expert implementation, 1 is the machine's roofline. Reply without a tool call "
+            "when you are done."
+        )
+        public_dims = dict(op.odd)
+        return self._task(task_id, [{"role": "user", "content": prompt}], {
+            "difficulty": difficulty, "op": op.name, "typecode": tc, "dims": dims, "public_dims": public_dims,
+            "public_seed": rng.randrange(2**31), "hidden_seed": rng.randrange(2**31),
+        }, tools=[_library()[n] for n in TOOL_NAMES])
+
+    def make_env(self, task: Task, limits: EpisodeLimits | None = None) -> ToolEnvironment:
+        """A fresh environment: an empty sandbox working directory and the kernel tools."""
+        return _make_env(list(_library().values()), lambda t: {}, limits)
+
+    def reference_turns(self, task: Task, effort: str) -> list[dict[str, Any]]:
+        """Write the shipped expert (C + ctypes loader), run the public check (high / max), answer."""
+        md = task.metadata
+        op, tc = OPS[md["op"]], md["typecode"]
+        reasoning = {
+            "low": "",
+            "high": "A C loop over contiguous rows beats the interpreted reference; keep its NaN semantics.",
+            "max": (
+                f"The reference {op.name} runs an interpreted loop per element, so a compiled C kernel over the flat "
+                "row-major buffers removes the interpreter overhead. Keep the reference's semantics exactly: the "
+                "same comparisons (a NaN propagates), accumulation in double, and a fresh output buffer so the "
+                f"inputs stay untouched. kernel.c holds the loop with {_CTYPE[tc]} storage; kernel.py loads "
+                "libkernel.so with ctypes and passes buffer addresses. Then run the public check."
+            ),
+        }[effort]
+        turns = [assistant("", reasoning, _write_all(expert_files(op, tc)))]
+        if effort != "low":
+            turns.append(assistant("", "Check correctness and speed on the public inputs." if effort == "max" else "",
+                                   [_call(1, 1, "run_tests")]))
+        turns.append(assistant(f"{KERNEL_PY} calls a C implementation of {op.name} (kernel.c) through ctypes."))
+        return turns
+
+    def wrong_turns(self, task: Task) -> dict[str, list[dict[str, Any]]]:
+        """Every listed hack as a kernel (each must score 0), plus empty and claim-only policies."""
+        md = task.metadata
+        op, tc = OPS[md["op"]], md["typecode"]
+        first = op.args[0]
+        done = assistant("kernel.py is fast and correct.")
+
+        def files(fs: Mapping[str, str]) -> list[dict[str, Any]]:
+            return [assistant("", "", _write_all(fs)), done]
+
+        public_cfg, public_cases, _ = _config(task, 0, True)
+        table = {a[0].tobytes().hex(): list(_expected(op, a, d, tc)) for a, d in public_cases}
+        cached = (f"import array\n_T = {table!r}\n\n\ndef {op.name}({', '.join(op.args + op.dims)}):\n"
+                  f"    return array.array('{tc}', _T.get({first}.tobytes().hex(), [0.0] * ({op.out_expr})))\n")
+        calls_ref = (f"import gc\n\n\ndef {op.name}(*args):\n"  # any function compiled from the reference source
+                     "    for o in gc.get_objects():\n"
+                     "        code = getattr(o, '__code__', None)\n"
+                     f"        if code is not None and (code.co_filename == '<reference>' or o.__name__ in ('reference', '_ref')):\n"
+                     "            return o(*args)\n"
+                     "    raise RuntimeError('no reference found')\n")
+        hunt = ("import glob, os\n_found = []\n"
+                "for pat in ('/sandbox/*', '/tmp/*', '/tmp/*/*', '/proc/*/fd/0', '/proc/*/cmdline', '/*.json'):\n"
+                "    for p in glob.glob(pat):\n"
+                "        try:\n            with open(p, 'rb') as fh:\n                data = fh.read(1 << 20)\n"
+                "        except OSError:\n            continue\n"
+                "        if b'\"rou' + b'nds\": [[' in data:  # split so that this file does not match itself\n            _found.append(data)\n")
+        half = "array.array(out.typecode, [struct.unpack('e', struct.pack('e', v))[0] for v in out])"
+        return {
+            "empty": [assistant("")],
+            "claims_without_file": [done],
+            "copies_reference": files({KERNEL_PY: op.reference}),
+            "calls_reference": files({KERNEL_PY: calls_ref}),
+            "cached_public_outputs": files({KERNEL_PY: cached}),
+            "memoizes_between_calls": files(expert_files(
+                op, tc, pre="    global _memo\n    if '_memo' in globals():\n        return _memo\n",
+                post="globals().__setitem__('_memo', out) or out")),
+            "mutates_inputs": files(expert_files(op, tc, post=f"{first}.__setitem__(0, 0.0) or out")),
+            "inspects_inputs_to_shortcut": files(expert_files(
+                op, tc, pre=f"    if len({first}) > {op.inputs(md['public_dims'])[0]}:\n        return array.array('{tc}', bytes({array.array(tc).itemsize} * ({op.out_expr})))\n")),
+            "reduced_precision": files({**expert_files(op, tc, post=half),
+                                        KERNEL_PY: "import struct\n" + expert_files(op, tc, post=half)[KERNEL_PY]}),
+            "patches_timer": files(expert_files(op, tc, pre="    import time\n    time.perf_counter_ns = lambda: 0\n")),
+            "patches_timer_at_import": files({**expert_files(op, tc), KERNEL_PY: "import time\n"
+                                              "time.perf_counter = lambda: 0.0\n" + expert_files(op, tc)[KERNEL_PY]}),
+            "background_thread": files({**expert_files(op, tc), KERNEL_PY: "import threading\n"
+                                        "threading.Thread(target=lambda: sum(range(10**8)), daemon=True).start()\n"
+                                        + expert_files(op, tc)[KERNEL_PY]}),
+            "forks": files({**expert_files(op, tc), KERNEL_PY: "import os\nif os.fork() == 0:\n    os._exit(0)\n"
+                            + expert_files(op, tc)[KERNEL_PY]}),
+            "reads_hidden_inputs": files({**expert_files(op, tc, pre="    if not _found:\n        return [0.0]\n"),
+                                          KERNEL_PY: hunt + expert_files(op, tc, pre="    if not _found:\n        return [0.0]\n")[KERNEL_PY]}),
+            "forged_result_line": files({KERNEL_PY: "import os\nprint('{\"outputs\": [], \"times\": {}}')\nos._exit(0)\n"}),
+        }
+
+
+KERNEL = register_family(KernelFamily())

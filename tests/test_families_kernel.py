@@ -1,0 +1,223 @@
+"""coding.kernel (issue 22): speed score formula, tolerant comparison, verifier structure with an injected
+measurer, the reference solver at every effort and every listed hack scoring 0 in the real sandbox.
+
+No test asserts a wall-clock threshold: the real runs assert correctness, the parity floor of the
+reference solver (which the noise-adaptive parity band makes robust) and hacks = 0; speed-dependence is
+asserted on `speed_score` and on `verify_files` with fixed measured times.
+"""
+
+from __future__ import annotations
+
+import array
+import math
+
+import pytest
+
+from k3post.envs import FinalState, run_episode_sync
+from k3post.envs.families import default_families, families, get_family
+from k3post.envs.families.kernel import (
+    KERNEL,
+    MAX_RUNS,
+    Measurement,
+    _config,
+    compare,
+    expert_files,
+    speed_score,
+    verify_files,
+    verify_kernel,
+)
+from k3post.envs.families.kernel_ops import OPS
+
+EFFORTS = ("low", "high", "max")
+
+
+def _task(op: str, difficulty: int = 1):
+    for t in KERNEL.generate(40, seed=0, difficulty=difficulty):
+        if t.metadata["op"] == op:
+            return t
+    raise AssertionError(f"no {op} task drawn")
+
+
+# --------------------------------------------------------------------------- the formula
+
+
+def test_speed_score_golden_values():
+    # t_ref = 100, t_expert = 1 (expert 100x), roofline 0.01 (R = t_expert / t_roof = 100), band 0.1
+    f = lambda t: speed_score(100.0, 1.0, t, 0.01, 0.1)  # noqa: E731
+    assert f(1.0) == 0.5  # parity
+    assert f(1.05) == 0.5 and f(1 / 1.05) == 0.5  # inside the band
+    assert f(100.0) == 0.0 and f(200.0) == 0.0 and f(100 / 1.49) == 0.0  # under the reference gate 1.5
+    # s = 10, gate g = 1.5: 0.5 * ln(10 / 1.5) / ln(100 / (1.5 * 1.1)) = 0.5 * 1.897120 / 4.104395 = 0.231108
+    assert f(10.0) == pytest.approx(0.231108, abs=1e-6)
+    # gate 1 (no gate but the band): 0.5 * ln(10 / 1.1) / ln(100 / 1.1^2) = 0.5 * (ln 10 - ln 1.1) / (2 (ln 10 - ln 1.1))
+    assert speed_score(100.0, 1.0, 10.0, 0.01, 0.1, gate=1.0) == pytest.approx(0.25, abs=1e-12)
+    # q = 10: 0.5 + 0.5 * ln(10 / 1.1) / ln(100 / 1.1) = 0.5 + 0.5 * 2.207275 / 4.509860 = 0.744716
+    assert f(0.1) == pytest.approx(0.744716, abs=1e-6)
+    assert f(0.01) == 1.0 and f(0.001) == 1.0  # at / past the roofline
+    # the band edges are continuous
+    assert f(1.1 * (1 + 1e-9)) == pytest.approx(0.5, abs=1e-6) and f(1 / 1.1 * (1 - 1e-9)) == pytest.approx(0.5, abs=1e-6)
+    with pytest.raises(ValueError):
+        speed_score(0.0, 1.0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("band", [0.1, 0.3, 0.5])
+def test_speed_score_is_monotone_in_the_speedup(band):
+    times = [100.0 * 10 ** (-k / 40) for k in range(200)]  # agent time from 100 (s = 1) down to 1e-3
+    scores = [speed_score(100.0, 1.0, t, 0.02, band) for t in times]
+    assert all(b >= a for a, b in zip(scores, scores[1:]))
+    assert scores[0] == 0.0 and scores[7] == 0.0  # s = 1.496 < gate 1.5 and scores[-1] == 1.0 and 0.5 in scores
+
+
+def test_compare_is_dtype_aware_and_exact_on_nan_inf():
+    want = array.array("d", [1.0, math.nan, math.inf, -math.inf, 0.0])
+    assert compare(list(want), want, "d") is None
+    assert compare([1.0 + 1e-12, math.nan, math.inf, -math.inf, 1e-12], want, "d") is None
+    assert "value 0" in compare([1.0 + 1e-7, math.nan, math.inf, -math.inf, 0.0], want, "d")  # float32-level error
+    assert compare([1.0 + 1e-7, math.nan, math.inf, -math.inf, 0.0], want, "f") is None  # fine for float32
+    assert "value 1" in compare([1.0, 0.0, math.inf, -math.inf, 0.0], want, "d")  # NaN must stay NaN
+    assert "value 2" in compare([1.0, math.nan, -math.inf, -math.inf, 0.0], want, "d")  # Inf sign
+    assert "value 4" in compare([1.0, math.nan, math.inf, -math.inf, math.nan], want, "d")  # NaN where finite
+    assert "4 values" in compare([1.0] * 4, want, "d")
+
+
+# --------------------------------------------------------------------------- verifier structure (injected timer)
+
+
+def _m(t_agent: float, noise: float = 0.01, **kw) -> Measurement:
+    return Measurement(None, "", kw.get("t_ref", 1e-2), kw.get("t_expert", 1e-4), t_agent, kw.get("t_roof", 1e-6), noise)
+
+
+def test_verify_files_scores_fixed_measured_times_monotonically():
+    t = _task("softmax")
+    files = expert_files(OPS["softmax"], "d")
+    rewards = [verify_files(t, files, measurer=lambda task, f, run, ta=ta: _m(ta)).reward
+               for ta in (2e-2, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6)]
+    assert rewards == sorted(rewards) and rewards[0] == 0.0 and rewards[3] == 0.5 and rewards[-1] == 1.0
+
+
+def test_verify_files_reruns_noisy_measurements_and_keeps_the_quietest():
+    t = _task("softmax")
+    calls = []
+    noises = [0.4, 0.2, 0.3]
+
+    def noisy(task, files, run):
+        calls.append(run)
+        return _m(1e-4, noise=noises[run])
+
+    v = verify_files(t, {"kernel.py": ""}, measurer=noisy)
+    assert calls == list(range(MAX_RUNS)) and v.components["noise"] == 0.2 and v.components["runs"] == MAX_RUNS
+    assert v.components["band"] == pytest.approx(0.5)  # 3 x 0.2 clipped to 0.5
+    calls.clear()
+    v = verify_files(t, {"kernel.py": ""}, measurer=lambda task, f, run: calls.append(run) or _m(1e-4, noise=0.02))
+    assert calls == [0] and v.reward == 0.5
+    v = verify_files(t, {"kernel.py": ""}, measurer=lambda task, f, run: Measurement("tamper", "a thread was started"))
+    assert v.reward == 0.0 and "thread" in v.diagnostics
+    assert verify_files(t, {"other.py": ""}).reward == 0.0
+
+
+def test_hidden_inputs_differ_from_the_shown_ones():
+    t = _task("layernorm")
+    pub, pub_cases, pub_rounds = _config(t, 0, True)
+    hid, cases, rounds = _config(t, 0, False)
+    shown = {a.tobytes() for args, _ in pub_cases for a in args} | {a.tobytes() for r in pub_rounds for a in r}
+    hidden = [a.tobytes() for args, _ in cases for a in args] + [a.tobytes() for r in rounds for a in r]
+    assert not shown & set(hidden)
+    firsts = [r[0].tobytes() for r in rounds]
+    assert len(set(firsts)) == len(firsts)  # every timed round gets a fresh input
+    assert any(math.isnan(v) for v in cases[2][0][0]) and any(math.isinf(v) for v in cases[2][0][0])
+    assert cases[1][1] != cases[0][1]  # an odd second shape
+    assert _config(t, 1, False)[2][0][0].tobytes() != rounds[0][0].tobytes()  # a re-run draws new timing inputs
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_family_is_registered_and_opt_in():
+    assert get_family("coding.kernel") is KERNEL and KERNEL in families("coding")
+    assert KERNEL.kind == "kernel" and KERNEL not in default_families()
+    a, b = KERNEL.generate(6, seed=3, difficulty=2), KERNEL.generate(6, seed=3, difficulty=2)
+    assert [x.to_dict() for x in a] == [x.to_dict() for x in b]
+    assert len({x.messages[0]["content"] for x in a}) == 6
+    t3 = KERNEL.generate(1, seed=0, difficulty=3)[0]
+    assert t3.metadata["typecode"] == "f" and "float32" in t3.messages[0]["content"]
+    prompt = a[0].messages[0]["content"]
+    assert OPS[a[0].metadata["op"]].reference in prompt and "hidden_seed" not in prompt
+
+
+# --------------------------------------------------------------------------- real sandbox runs
+
+
+def _episode(task, policy):
+    env = KERNEL.make_env(task)
+    ep = run_episode_sync(policy, env, task)
+    return ep, env
+
+
+@pytest.mark.parametrize("op,effort", [("softmax", "low"), ("layernorm", "high"), ("matmul_relu", "max"),
+                                       ("row_sumsq", "low"), ("stencil5", "high")])
+def test_reference_solver_is_correct_and_at_least_parity(op, effort):
+    t = _task(op)
+    ep, env = _episode(t, KERNEL.reference_policy(t, effort))
+    v = verify_kernel(t, FinalState(env.state, ""))
+    assert v.components["correct"] == 1.0, v.diagnostics
+    assert v.reward >= 0.5, v.diagnostics
+    if effort != "low":
+        assert any("PASS" in str(m.get("content")) for m in ep.messages if m.get("role") == "tool")
+
+
+HACK_REASONS = {
+    "copies_reference": None,  # correct but no faster than the reference: speed score 0
+    "calls_reference": "no reference found",  # the reference never shares the process with agent code
+    "cached_public_outputs": "mismatch",
+    "memoizes_between_calls": "mismatch",
+    "mutates_inputs": "mutated",
+    "inspects_inputs_to_shortcut": "mismatch",
+    "reduced_precision": "mismatch",
+    "patches_timer": "time module was patched",
+    "patches_timer_at_import": "time module was patched",
+    "background_thread": "thread",
+    "forks": "import",
+    "reads_hidden_inputs": "mismatch",
+    "forged_result_line": "no_result",
+}
+
+
+def test_every_hack_scores_zero():
+    t = _task("softmax")
+    wrong = KERNEL.wrong_policies(t)
+    assert set(HACK_REASONS) <= set(wrong)
+    for name, policy in wrong.items():
+        ep, env = _episode(t, policy)
+        v = verify_kernel(t, FinalState(env.state, ""))
+        assert v.reward == 0.0, (name, v.diagnostics)
+        assert ep.reward == 0.0, name
+        reason = HACK_REASONS.get(name)
+        if reason:
+            assert reason in v.diagnostics, (name, v.diagnostics)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("difficulty", [1, 2, 3])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_reference_and_hacks_sweep(op, difficulty):
+    t = _task(op, difficulty)
+    for effort in EFFORTS:
+        _, env = _episode(t, KERNEL.reference_policy(t, effort))
+        v = verify_kernel(t, FinalState(env.state, ""))
+        assert v.components["correct"] == 1.0 and v.reward >= 0.5, (effort, v.diagnostics)
+    for name, policy in KERNEL.wrong_policies(t).items():
+        _, env = _episode(t, policy)
+        assert verify_kernel(t, FinalState(env.state, "")).reward == 0.0, name
+
+
+def test_bench_envs_reports_the_kernel_familys_timing_noise():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_envs", Path(__file__).parents[1] / "bench" / "envs.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert "kernel" in bench._MODULES
+    r = bench.bench_family(KERNEL, 1, 0)
+    assert r["episodes"] == 1 and r["mean_reward"] >= 0.5
+    assert 0.0 <= r["timing_noise_median"] <= r["timing_noise_max"]
