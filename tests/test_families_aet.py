@@ -297,9 +297,9 @@ def test_tasks_list_and_sample(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_aet_families_are_opt_in_for_the_default_pipeline():
     """The demo's tokenizer corpus, SFT mix and draft data use ``default_families``: every registered family but
-    the AET ones (opt-in: name them), so the demo's numbers stay those measured before they existed."""
+    the AET ones and the visual one (opt-in: name them), so the demo's numbers stay those measured before they existed."""
     from k3post.envs.families import default_families, families
 
     left_out = {f.name for f in families()} - {f.name for f in default_families()}
-    assert left_out == {"coding.aet_cli", "agents.aet_datadir", "agents.aet_config"}
-    assert all(getattr(f, "kind", "") != "aet" for f in default_families())
+    assert left_out == {"coding.aet_cli", "agents.aet_datadir", "agents.aet_config", "general.visual"}
+    assert all(getattr(f, "kind", "") not in ("aet", "visual") for f in default_families())

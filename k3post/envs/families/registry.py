@@ -48,6 +48,7 @@ class TaskFamily(Protocol):
 
 
 _FAMILIES: dict[str, TaskFamily] = {}
+OPT_IN_KINDS = ("aet", "visual")  # family kinds left out of `default_families`
 
 
 def register_family(family: TaskFamily) -> TaskFamily:
@@ -65,7 +66,7 @@ def register_family(family: TaskFamily) -> TaskFamily:
 
 def _load_builtin() -> None:
     # importing the modules registers their families
-    from k3post.envs.families import aet_families, agents, coding, general  # noqa: F401
+    from k3post.envs.families import aet_families, agents, coding, general, visual  # noqa: F401
 
 
 def get_family(name: str) -> TaskFamily:
@@ -90,8 +91,9 @@ def families(domain: str | None = None) -> list[TaskFamily]:
 def default_families(domain: str | None = None) -> list[TaskFamily]:
     """``families(domain)`` without the opt-in kinds: what the demo's tokenizer corpus, SFT mix and draft data use
     when no list is given. The verify-in-the-loop (AET) families (``kind = "aet"``) are opt-in: their episodes
-    run sandboxed verifiers, and they came after the demo's and the full recipe's numbers were measured."""
-    return [f for f in families(domain) if getattr(f, "kind", "") != "aet"]
+    run sandboxed verifiers, and they came after the demo's and the full recipe's numbers were measured; so did
+    the visual-reasoning family (``kind = "visual"``), whose prompts carry images."""
+    return [f for f in families(domain) if getattr(f, "kind", "") not in OPT_IN_KINDS]
 
 
 def lexicon(domain: str | None = None) -> list[str]:
