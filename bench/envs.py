@@ -30,7 +30,7 @@ from k3post.envs.families import registry
 from k3post.envs.families.registry import EFFORTS, TaskFamily
 from k3post.envs.sandbox import Sandbox, SandboxLimits
 
-_MODULES = ("general", "agents", "coding", "aet_families")
+_MODULES = ("general", "agents", "coding", "aet_families", "visual")
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -54,6 +54,19 @@ else
     fi
 fi
 
+# Pillow for the sandbox's /usr/bin/python3: the visual family's python tool (imgtools.py) runs there.
+if [ -x /usr/bin/python3 ] && ! /usr/bin/python3 -c "import PIL" >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = "0" ] || [ -n "${SUDO:-}" ]; }; then
+        info "installing python3-pil for the sandbox's python with apt-get"
+        export DEBIAN_FRONTEND=noninteractive
+        ${SUDO:-} apt-get install -y -q --no-install-recommends python3-pil >/dev/null 2>&1 \
+            || { ${SUDO:-} apt-get update -q >/dev/null 2>&1; ${SUDO:-} apt-get install -y -q --no-install-recommends python3-pil >/dev/null 2>&1; } \
+            || warn "apt-get install python3-pil failed: general.visual's python tool will fail to import imgtools"
+    else
+        warn "/usr/bin/python3 has no Pillow (install python3-pil): general.visual's python tool needs it"
+    fi
+fi
+
 # Report what really works (namespaces are often forbidden inside containers).
 PY=${PYTHON:-python3}
 if "$PY" -c "import k3post.envs.sandbox" >/dev/null 2>&1; then
