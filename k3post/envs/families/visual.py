@@ -51,6 +51,7 @@ DATA_COLORS = ("#1f5fbf", "#d62728", "#2ca02c", "#9467bd", "#e377c2")
 RUN_LIMITS = SandboxLimits(cpu_s=10.0, wall_s=20.0, memory_bytes=1024**3, max_output_bytes=64 * 1024)
 MAX_IMAGES = 4  # returned per python call
 MAX_IMAGE_BYTES = 256 * 1024
+TOLERANCE_SCALE = {1: 1.0, 2: 0.8, 3: 0.6}  # harder: tighter tolerance (and more bars / points, noisier scatter)
 TOOLKIT = Path(__file__).with_name("visual_image.py")
 _NUMBER = re.compile(r"^\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*(?:°|deg|degrees?)?\s*$")
 
@@ -147,10 +148,11 @@ def _nice_ticks(lo: float, hi: float) -> tuple[list[float], list[float]]:
 
 
 def _draw(rng: random.Random, kind: str, difficulty: int) -> tuple[dict[str, Any], str, float, float] | None:
-    """``(spec, question, answer, tolerance)``."""
+    """``(spec, question, answer, tolerance at difficulty 1)``."""
     color = rng.choice(DATA_COLORS)
     if kind == "bar":
-        labels = rng.sample(CATEGORIES[:8] if rng.random() < 0.5 else CATEGORIES[8:], 3 + difficulty if difficulty < 2 else 4)
+        n = 3 + difficulty
+        labels = rng.sample(CATEGORIES[8:] if n <= 4 and rng.random() < 0.5 else CATEGORIES[:8], n)
         values = [rng.randint(8, 95) for _ in labels]
         i = rng.randrange(len(labels))
         return {"kind": kind, "color": color, "labels": labels, "values": values}, (
@@ -485,6 +487,7 @@ class VisualFamily(FamilyBase):
         if drawn is None:
             return None
         spec, question, answer, tol = drawn
+        tol = round(tol * TOLERANCE_SCALE[difficulty], 3)
         modality = rng.choice(("vision", "text"))
         png, layer = render(spec)
         b64 = base64.b64encode(png).decode("ascii")
