@@ -20,15 +20,16 @@ if [ "$(uname -s)" != "Linux" ]; then
     exit 0
 fi
 
+SUDO=""
+if [ "$(id -u)" != "0" ]; then
+    if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+        SUDO="sudo -n"
+    fi
+fi
+
 if command -v bwrap >/dev/null 2>&1; then
     info "bubblewrap already installed: $(command -v bwrap)"
 else
-    SUDO=""
-    if [ "$(id -u)" != "0" ]; then
-        if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
-            SUDO="sudo -n"
-        fi
-    fi
     if ! command -v apt-get >/dev/null 2>&1; then
         warn "apt-get not found; install bubblewrap with your package manager for full isolation"
     elif [ "$(id -u)" != "0" ] && [ -z "$SUDO" ]; then
@@ -56,11 +57,11 @@ fi
 
 # Pillow for the sandbox's /usr/bin/python3: the visual family's python tool (imgtools.py) runs there.
 if [ -x /usr/bin/python3 ] && ! /usr/bin/python3 -c "import PIL" >/dev/null 2>&1; then
-    if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = "0" ] || [ -n "${SUDO:-}" ]; }; then
+    if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = "0" ] || [ -n "$SUDO" ]; }; then
         info "installing python3-pil for the sandbox's python with apt-get"
         export DEBIAN_FRONTEND=noninteractive
-        ${SUDO:-} apt-get install -y -q --no-install-recommends python3-pil >/dev/null 2>&1 \
-            || { ${SUDO:-} apt-get update -q >/dev/null 2>&1; ${SUDO:-} apt-get install -y -q --no-install-recommends python3-pil >/dev/null 2>&1; } \
+        $SUDO apt-get install -y -q --no-install-recommends python3-pil >/dev/null 2>&1 \
+            || { $SUDO apt-get update -q >/dev/null 2>&1; $SUDO apt-get install -y -q --no-install-recommends python3-pil >/dev/null 2>&1; } \
             || warn "apt-get install python3-pil failed: general.visual's python tool will fail to import imgtools"
     else
         warn "/usr/bin/python3 has no Pillow (install python3-pil): general.visual's python tool needs it"

@@ -104,11 +104,12 @@ def test_reference_solver_scores_1_on_every_kind_and_modality(cover: dict[tuple[
 
 @needs_sandbox_pillow
 def test_reference_solver_reads_the_image_not_the_hidden_data(cover: dict[tuple[str, str], Task]) -> None:
-    """Replacing the generating data and the answer in the metadata leaves the reference's submission unchanged:
-    it answers from its measurements of the pixels (and the visible labels)."""
+    """Replacing all the metadata but what the tools measure (the PNG and its text labels) leaves the reference's
+    submission unchanged: it reads the question from the prompt and answers from its measurements."""
     for key, t in cover.items():
         d = t.to_dict()
-        d["metadata"] = dict(d["metadata"], answer=-999.0, spec={"kind": key[0], "poisoned": True})
+        keep = {k: d["metadata"][k] for k in ("png", "text_layer")}
+        d["metadata"] = dict(keep, answer=-999.0, tolerance=0.001, spec={}, kind="?", modality="?", question="?")
         poisoned = Task.from_dict(d)
         a = _run(FAM.reference_policy(t, "low"), t).verdict.diagnostics.split(",")[0]  # "answered <x>"
         b = _run(FAM.reference_policy(poisoned, "low"), poisoned)

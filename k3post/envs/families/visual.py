@@ -389,11 +389,24 @@ def _observations(messages: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _solve(task: Task, obs: dict[str, Any]) -> tuple[float, list[str]]:
-    """The answer computed from the measurements, with the reasoning steps that quote them."""
-    kind = task.metadata["kind"]
+_QUESTION_KINDS = (("bar labelled", "bar"), ("value of the series", "line"), ("slope", "scatter"),
+                   ("parabola", "function"), ("angle", "angle"))
+
+
+def _read_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> tuple[str, str, bool]:
+    """``(question, kind, vision)`` as the model sees them: the user message's text and the offered tools."""
+    content = next(m["content"] for m in messages if m.get("role") == "user")
+    text = content if isinstance(content, str) else "\n".join(p["text"] for p in content if p.get("type") == "text")
+    question = next(line for line in text.splitlines() if line.endswith("?"))
+    kind = next(k for cue, k in _QUESTION_KINDS if cue in question)
+    names = {t.get("function", t).get("name") for t in tools}
+    return question, kind, "python" in names
+
+
+def _solve(q: str, kind: str, obs: dict[str, Any]) -> tuple[float, list[str]]:
+    """The answer to question ``q`` about a ``kind`` figure computed from the measurements, with the reasoning
+    steps that quote them."""
     layer, data = obs["t"], obs["m"]
-    q = task.metadata["question"]
     if kind == "angle":
         dots = [(b["cx"], b["cy"]) for b in data]
         pos = {}
@@ -431,17 +444,16 @@ def _solve(task: Task, obs: dict[str, Any]) -> tuple[float, list[str]]:
 
 
 class ReferencePolicy:
-    """Measures the image with the tools and answers from the measurements (never from the task metadata,
-    which it reads only for the question text and modality the prompt also states)."""
+    """Reads the question and the offered tools from the transcript, measures the image with the tools and answers
+    from the measurements; it never reads the task's metadata."""
 
-    def __init__(self, task: Task, effort: str) -> None:
-        self.task, self.effort = task, check_effort(effort)
+    def __init__(self, effort: str) -> None:
+        self.effort = check_effort(effort)
 
     def __call__(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
         k = sum(1 for m in messages if m.get("role") == "assistant")
         obs = _observations(messages)
-        vision = self.task.metadata["modality"] == "vision"
-        kind = self.task.metadata["kind"]
+        question, kind, vision = _read_prompt(messages, tools)
         if k == 0:
             calls = [tool_call("c", "measure", {"op": "colors"}), tool_call("t", "measure", {"op": "text"})]
             if vision:
@@ -456,7 +468,7 @@ class ReferencePolicy:
             color = obs["c"][0]["color"]
             args: dict[str, Any] = {"color": color}
             if kind == "line":
-                year = re.search(r"in (\d{4})", self.task.metadata["question"]).group(1)
+                year = re.search(r"in (\d{4})", question).group(1)
                 args["x"] = round(next(t["x"] for t in obs["t"] if t["text"] == year))
             op = {"bar": "blobs", "scatter": "blobs", "angle": "blobs", "line": "column", "function": "extremes"}[kind]
             if vision:
@@ -464,7 +476,7 @@ class ReferencePolicy:
             else:
                 call = tool_call("m", "measure", {"op": op, **args})
             return assistant("", f"The data colour is {color}; measure it with '{op}'.", [call])
-        answer, steps = _solve(self.task, obs)
+        answer, steps = _solve(question, kind, obs)
         reasoning = steps[-1] if self.effort == "low" else "\n".join(steps if self.effort == "max" else steps[-2:])
         return assistant("", reasoning, [tool_call("s", "submit", {"answer": f"{answer:g}"})])
 
@@ -509,7 +521,7 @@ class VisualFamily(FamilyBase):
 
     def reference_policy(self, task: Task, effort: str) -> ReferencePolicy:
         self._check_task(task)
-        return ReferencePolicy(task, effort)
+        return ReferencePolicy(effort)
 
     def wrong_turns(self, task: Task) -> dict[str, list[dict[str, Any]]]:
         want, tol = task.metadata["answer"], task.metadata["tolerance"]
