@@ -230,3 +230,12 @@ def test_visual_is_listed_but_opt_in_for_the_demo() -> None:
 
     assert "general.visual" in list_text("general")
     assert FAM.kind == "visual" and FAM not in default_families()
+
+
+@needs_sandbox_pillow
+def test_tasks_sample_renders_a_visual_task() -> None:
+    from k3post.envs.families.cli import sample_text
+
+    seed = next(s for s in range(20) if FAM.generate(1, seed=s)[0].metadata["modality"] == "vision")
+    out = sample_text("general.visual", seed=seed, effort="low")
+    assert "## verdict: reward 1" in out and IMAGE_TOKEN in out and 'tool="python"' in out
