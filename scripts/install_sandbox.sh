@@ -20,15 +20,16 @@ if [ "$(uname -s)" != "Linux" ]; then
     exit 0
 fi
 
+SUDO=""
+if [ "$(id -u)" != "0" ]; then
+    if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+        SUDO="sudo -n"
+    fi
+fi
+
 if command -v bwrap >/dev/null 2>&1; then
     info "bubblewrap already installed: $(command -v bwrap)"
 else
-    SUDO=""
-    if [ "$(id -u)" != "0" ]; then
-        if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
-            SUDO="sudo -n"
-        fi
-    fi
     if ! command -v apt-get >/dev/null 2>&1; then
         warn "apt-get not found; install bubblewrap with your package manager for full isolation"
     elif [ "$(id -u)" != "0" ] && [ -z "$SUDO" ]; then
@@ -54,17 +55,25 @@ else
     fi
 fi
 
-# pandas for the sandbox's system Python (/usr/bin/python3, stdlib only otherwise): the agents.data_report
-# family's analysis runs there. A warning, not a failure, where it cannot be installed (only that family needs it).
-if ! /usr/bin/python3 -c "import pandas" >/dev/null 2>&1; then
-    if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = "0" ] || [ -n "${SUDO:-}" ]; }; then
-        info "installing python3-pandas for the sandbox with apt-get"
-        DEBIAN_FRONTEND=noninteractive ${SUDO:-} apt-get install -y -q --no-install-recommends python3-pandas >/dev/null 2>&1 \
-            || warn "apt-get install python3-pandas failed; agents.data_report cannot run its analysis in the sandbox"
-    else
-        warn "no pandas for /usr/bin/python3; install python3-pandas for agents.data_report"
+# Python packages for the sandbox's system Python (/usr/bin/python3, stdlib only otherwise), from Debian:
+# pandas for agents.data_report's analysis, Pillow for general.visual's image tool. A warning, not a failure,
+# where one cannot be installed (only that family needs it).
+sandbox_python_package() {  # MODULE DEBIAN_PACKAGE FAMILY
+    if [ ! -x /usr/bin/python3 ] || /usr/bin/python3 -c "import $1" >/dev/null 2>&1; then
+        return 0
     fi
-fi
+    if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = "0" ] || [ -n "${SUDO:-}" ]; }; then
+        info "installing $2 for the sandbox's python with apt-get"
+        DEBIAN_FRONTEND=noninteractive ${SUDO:-} apt-get install -y -q --no-install-recommends "$2" >/dev/null 2>&1 \
+            || { ${SUDO:-} apt-get update -q >/dev/null 2>&1
+                 DEBIAN_FRONTEND=noninteractive ${SUDO:-} apt-get install -y -q --no-install-recommends "$2" >/dev/null 2>&1; } \
+            || warn "apt-get install $2 failed: $3 cannot run its sandboxed Python"
+    else
+        warn "/usr/bin/python3 has no $1 (install $2): $3 needs it"
+    fi
+}
+sandbox_python_package pandas python3-pandas agents.data_report
+sandbox_python_package PIL python3-pil general.visual
 
 # Report what really works (namespaces are often forbidden inside containers).
 PY=${PYTHON:-python3}

@@ -297,7 +297,7 @@ def test_tasks_list_and_sample(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_aet_families_are_opt_in_for_the_default_pipeline():
     """The demo's tokenizer corpus, SFT mix and draft data use ``default_families``: every registered family but
-    the opt-in kinds (AET, workflow, research: name them), so the demo's numbers stay those measured before they existed."""
+    the opt-in kinds (AET, workflow, research, kernel, visual: name them), so the demo's numbers stay those measured before they existed."""
     from k3post.envs.families import default_families, families
 
     from k3post.envs.families.registry import OPT_IN_KINDS

@@ -388,11 +388,14 @@ def to_openai_chat(
 
     Mid-session ``tool-declare`` messages are folded into the tool list (the API has no
     such message); dict arguments become JSON strings; keys the API does not know are
-    dropped (``reasoning_content`` is kept when ``keep_reasoning``).
+    dropped (``reasoning_content`` is kept when ``keep_reasoning``). Image parts of tool results (the visual
+    family's ``python`` tool) move into one user message after the run of tool messages, since the API takes
+    images in user messages only.
     """
     from k3post.xtml import is_tool_declaration  # here: the envs import no tokenizer stack
 
     out: list[dict[str, Any]] = []
+    pending_images: list[dict[str, Any]] = []  # image parts of tool results, sent in a user message after them
     for m in messages:
         if is_tool_declaration(m):
             continue
@@ -412,8 +415,25 @@ def to_openai_chat(
                 msg.pop("tool_calls", None)
         if msg.get("role") == "tool":
             msg.pop("name", None)
+            pending_images.extend(_split_tool_images(msg))
+        elif pending_images:
+            out.append({"role": "user", "content": pending_images})
+            pending_images = []
         out.append(msg)
+    if pending_images:
+        out.append({"role": "user", "content": pending_images})
     return out, offered_tools(messages, tools)
+
+
+def _split_tool_images(msg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Remove the image parts of a tool message (the chat API takes images in user messages only) and return
+    them; the tool message keeps its text."""
+    content = msg.get("content")
+    if not isinstance(content, list) or not any(isinstance(p, Mapping) and p.get("type") in ("image", "image_url") for p in content):
+        return []
+    images = [p for p in content if isinstance(p, Mapping) and p.get("type") in ("image", "image_url")]
+    msg["content"] = "".join(p if isinstance(p, str) else p.get("text", "") for p in content if p not in images)
+    return images
 
 
 class OpenAIPolicy:
