@@ -141,7 +141,7 @@ def find_family(name: str) -> Any:
 
 def builtin_families(domain: str | None = None) -> list[Any]:
     """The built-in families (of ``domain``) synthesis uses by default, sorted by name: ``default_families``, i.e.
-    without the opt-in kinds (AET: their reference episodes are near-duplicates of each other by design, the same
+    without the opt-in kinds (`OPT_IN_KINDS`; AET reference episodes are near-duplicates of each other by design, the same
     program over other data; name them to synthesise them). Domain modules that fail to import are skipped with
     a warning."""
     reg = _registry()
@@ -156,7 +156,7 @@ def builtin_families(domain: str | None = None) -> list[Any]:
             log.warning("skipping %s families: %s", d, e)
     fams = getattr(reg, "_FAMILIES", {})
     return [f for n, f in sorted(fams.items())
-            if (domain is None or f.domain == domain) and getattr(f, "kind", "") != "aet"]
+            if (domain is None or f.domain == domain) and getattr(f, "kind", "") not in getattr(reg, "OPT_IN_KINDS", ())]
 
 
 def _resolve_families(families: Sequence[Any] | None) -> list[Any]:
