@@ -4,7 +4,8 @@ would grow if something leaked, and printing each quantity's slope after warm-up
     python bench/soak.py                         # 1,000 steps; a line per sample, slopes, then one JSON line
     python bench/soak.py --steps 200 --budget-s 600
 
-The run is the real loop (`k3post.loop.PolicyLoop`, the body `train_policy` drives) on general.arithmetic with
+The run is the real loop (`k3post.loop.PolicyLoop`, the body `train_policy` drives) on general.arithmetic
+(``--families``: others of one domain) with
 partial rollout on: λ = 0.5 and 3 engine slots for 2 prompts × 2 samples, so trajectories are paused every step
 and their KV goes through the engine and the KV pool; a checkpoint every ``save_every`` steps with
 ``keep_last``; metrics into metrics.jsonl and TensorBoard, as a run writes them.
@@ -120,9 +121,10 @@ def _budgets(tasks: list[Any]) -> Any:
 
 def run_soak(steps: int, work: str | Path, *, sample_every: int = 10, warmup: int | None = None, save_every: int = 5,
              keep_last: int = 2, kv_pool_mb: int = 4, budget_s: float | None = None, seed: int = 0,
-             echo: bool = False) -> dict[str, Any]:
-    """RL for ``steps`` steps in ``work`` (module doc); stops early after ``budget_s`` seconds. Returns the
-    samples, the slopes per 100 steps after ``warmup`` (default steps // 5) and the counts' maxima."""
+             families: tuple[str, ...] = ("general.arithmetic",), echo: bool = False) -> dict[str, Any]:
+    """RL for ``steps`` steps in ``work`` (module doc) on ``families`` (one domain's); stops early after
+    ``budget_s`` seconds. Returns the samples, the slopes per 100 steps after ``warmup`` (default
+    steps // 5) and the counts' maxima."""
     import torch
 
     from k3post.config.effort import EffortConfig
@@ -148,10 +150,10 @@ def run_soak(steps: int, work: str | Path, *, sample_every: int = 10, warmup: in
     torch.manual_seed(seed)
     tok = train_tokenizer(default_corpus(1, n_main=10), vocab_size=320)
     model = build_tiny_moe(len(tok), seed=seed, pad_token_id=tok.pad_token_id, eos_token_id=XTML(tok).eom_id, **_TINY)
-    cfg = RLConfig(domain="general", families=["general.arithmetic"], steps=steps, n_prompts=2, k=2, slots=3, n_tasks=8,
+    cfg = RLConfig(domain=families[0].split(".")[0], families=list(families), steps=steps, n_prompts=2, k=2, slots=3, n_tasks=8,
                    max_tokens=24, lambda_=0.5, kv_pool_mb=kv_pool_mb, save_every=save_every, keep_last=keep_last,
                    progress=False, lr=1e-3, seed=seed, effort_control=EffortConfig(tau_max=1.0, max_cap=1.0))
-    tasks = train_tasks(["general.arithmetic"], cfg.n_tasks, difficulty=cfg.difficulty, seed=seed)
+    tasks = train_tasks(cfg.families, cfg.n_tasks, difficulty=cfg.difficulty, seed=seed)
     metrics = MetricsLogger(work)
     ckpt_root = work / "checkpoints"
     pl = PolicyLoop(model, tok, cfg, signal=rl_signal(_budgets(tasks), cfg))
@@ -201,11 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-every", type=int, default=5)
     ap.add_argument("--keep-last", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=1800.0, help="stop after this many seconds (report the steps reached)")
+    ap.add_argument("--families", default="general.arithmetic",
+                    help="comma-separated families of one domain (e.g. coding.write_function: sandboxed runs)")
     ap.add_argument("--work", default="", help="run folder (default: a temporary one, removed)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="k3post-soak-") as tmp:
         out = run_soak(args.steps, args.work or tmp, sample_every=args.sample_every, warmup=args.warmup,
-                       save_every=args.save_every, keep_last=args.keep_last, budget_s=args.budget_s, echo=True)
+                       save_every=args.save_every, keep_last=args.keep_last, budget_s=args.budget_s,
+                       families=tuple(args.families.split(",")), echo=True)
     print(f"steps {out['steps']}/{out['steps_asked']} in {out['seconds']:.0f} s, warm-up {out['warmup']} steps, "
           f"{out['paused_total']:.0f} trajectories paused")
     for k, v in out["slopes_per_100_steps"].items():
