@@ -326,3 +326,6 @@ def test_a_torn_last_decision_record_is_left_out_and_cut_off_by_the_next_decisio
     q.log_path.write_bytes(whole + b"{oops\n" + q.log_path.read_bytes()[len(whole):])
     with pytest.raises(ValueError, match=r"decisions.jsonl:2: malformed JSON at column 2.*malformed decision record"):
         q.log()
+    q.log_path.write_bytes(whole + b'{"id": "\xff"}\n')  # invalid UTF-8 was a UnicodeDecodeError before issue 20
+    with pytest.raises(ValueError, match=r"decisions.jsonl:2: not valid UTF-8 at byte 8.*malformed decision record"):
+        q.log()

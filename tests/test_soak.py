@@ -68,12 +68,16 @@ def test_two_hundred_rl_steps_leak_nothing(tmp_path):
     must catch are larger: one paused trajectory's KV kept per step is ~75 KB (7 MiB per 100 steps) and one
     stale weight plan per step (the whole model's fused copy) more still. Measured on the 1,000-step run:
     see docs/decisions.md.
-    Open fds and live tensors: no growth at all after warm-up (their slopes are exactly 0 on every run
-    measured; a bound of 0.5 per 100 steps still fails on one leaked fd or tensor every 200 steps)."""
+    Open fds: constant after warm-up (max − min ≤ 1, slope ≤ 0.5 per 100 steps: one leaked fd every 200
+    steps fails it). Live tensors move with the KV entries in the pool (4 tensors each for 2 layers, up to 4
+    entries: a spread of 16 at most, which gives a slope noise of ~1 per 100 steps over 15 samples); bound:
+    spread ≤ 32 and slope ≤ 5 per 100 steps, so more than one tensor leaked every 20 steps fails it."""
     out = bench.run_soak(200, tmp_path, sample_every=10, warmup=50, save_every=5, keep_last=2)
     assert out["steps"] == 200
     _check_bounded(out)
     s = out["slopes_per_100_steps"]
+    after = [x for x in out["samples"] if x["step"] > out["warmup"]]
+    spread = {k: max(x[k] for x in after) - min(x[k] for x in after) for k in ("fds", "live_tensors")}
     assert s["rss_mib"] < 4.0, s
-    assert abs(s["fds"]) <= 0.5, s
-    assert abs(s["live_tensors"]) <= 0.5, s
+    assert abs(s["fds"]) <= 0.5 and spread["fds"] <= 1, (s, spread)
+    assert abs(s["live_tensors"]) <= 5.0 and spread["live_tensors"] <= 32, (s, spread)
