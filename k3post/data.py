@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from k3post.config.data import DataConfig  # noqa: F401  (re-exported: `from k3post.data import DataConfig`)
 from k3post.errors import UserError
+from k3post.jsonl import MalformedLineError, json_line  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from k3post.xtml import XTML
@@ -55,29 +56,6 @@ class LoadStats:
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
-
-
-class MalformedLineError(ValueError):
-    """A JSONL line that is not one JSON value in UTF-8; the message names ``file:line``."""
-
-
-def json_line(line: bytes, where: str) -> Any:
-    """The JSON value of one JSONL line (bytes, so invalid UTF-8 is reported, not raised by the reader).
-
-    Raises `MalformedLineError` naming ``where`` (``file:line``) for invalid UTF-8, malformed JSON, nesting
-    too deep for the parser and integers too long to convert (Python's 4,300-digit limit)."""
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise MalformedLineError(f"{where}: not valid UTF-8 at byte {e.start}") from None
-    try:
-        return json.loads(text.rstrip("\r\n"))  # the column of an error is then in the line, not after it
-    except json.JSONDecodeError as e:
-        raise MalformedLineError(f"{where}: malformed JSON at column {e.colno}: {e.msg}") from None
-    except RecursionError:
-        raise MalformedLineError(f"{where}: malformed JSON: nested too deeply") from None
-    except ValueError as e:  # e.g. an integer of more than 4,300 digits
-        raise MalformedLineError(f"{where}: malformed JSON: {e}") from None
 
 
 def _spec_name(spec: Any) -> Any:

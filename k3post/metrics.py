@@ -10,12 +10,15 @@ from typing import Any, Mapping
 
 from filelock import FileLock
 
+from k3post.jsonl import read_values, repair_tail
+
 
 class MetricsLogger:
     """Append `{"stage", "step", "time", **values}` rows to ``metrics.jsonl`` and mirror scalars to TensorBoard.
 
     On resume, `truncate(stage, step)` drops rows of that stage logged after the checkpoint's step so the
-    file reads as one uninterrupted run.
+    file reads as one uninterrupted run. A row a kill cut short (a torn last line) is left out by readers
+    and cut off before the next row is appended (`k3post.jsonl`).
     """
 
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True) -> None:
@@ -31,8 +34,10 @@ class MetricsLogger:
 
     def log(self, stage: str, step: int, values: Mapping[str, Any]) -> None:
         row = {"stage": stage, "step": step, "time": round(time.time(), 3), **values}
-        with self._lock, self.path.open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+        with self._lock:
+            repair_tail(self.path)
+            with self.path.open("a", encoding="utf-8") as fh:
+                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
         if self._tb is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
@@ -56,9 +61,6 @@ class MetricsLogger:
 
 
 def read_metrics(path: str | Path, stage: str | None = None) -> list[dict[str, Any]]:
-    """Rows of a metrics.jsonl file, optionally of one stage."""
-    p = Path(path)
-    if not p.exists():
-        return []
-    rows = [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [r for r in rows if stage is None or r.get("stage") == stage]
+    """Rows of a metrics.jsonl file, optionally of one stage (a torn last row, cut short by a kill, is left
+    out; any other malformed line is a `k3post.jsonl.MalformedLineError` naming the file and line)."""
+    return [r for r in read_values(path) if stage is None or r.get("stage") == stage]

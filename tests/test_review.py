@@ -240,3 +240,92 @@ def test_only_accepted_or_unflagged_samples_reach_training(tmp_path: Path) -> No
     assert sorted(r["id"] for r in recs if r["family"] == "general.writing") == [first]
     summary = json.loads((tmp_path / "sft.funnel.json").read_text())
     assert summary["accepted_from_review"] == 1 and summary["written"] == 3
+
+
+class _Killed(BaseException):
+    """Stands in for a SIGKILL at one point of an edit: what is on disk stays as it is there."""
+
+
+def _edit_killed_at(q: ReviewQueue, sid: str, editor: str, where: Any, name: str, mp: pytest.MonkeyPatch) -> None:
+    """Run an edit whose ``where.name`` is killed (raises `_Killed`) when called."""
+    def killed(*args: Any) -> None:
+        raise _Killed
+
+    with mp.context() as m:
+        m.setattr(where, name, killed)
+        with pytest.raises(_Killed):
+            q.edit(sid, editor=editor, reviewer="ana", note="removed filler")
+
+
+def _fixing_editor(tmp_path: Path, sample: dict[str, Any]) -> str:
+    fixed = sample["messages"][-1]["content"].replace(", a great choice for everyone.", ".")
+    return _editor(tmp_path, f"msgs[-1]['content'] = {fixed!r}\njson.dump(msgs, open(path, 'w'))\n")
+
+
+def test_an_edit_killed_before_its_log_record_changes_nothing_and_its_retry_succeeds(
+        tmp_path: Path, blurbs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log record is the edit's one commit point: a kill before it leaves the item file as it was (before
+    issue 20 the item file was rewritten first, so the item read as pending with the edited messages and the
+    retry failed with "the messages were not changed")."""
+    q = _queue(tmp_path, blurbs[:1])
+    sid = blurbs[0]["id"]
+    before = (q.items_dir / f"{sid}.json").read_bytes()
+    editor = _fixing_editor(tmp_path, blurbs[0])
+    _edit_killed_at(q, sid, editor, ReviewQueue, "_append", monkeypatch)
+    assert (q.items_dir / f"{sid}.json").read_bytes() == before and q.get(sid)["status"] == "pending"
+    entry = q.edit(sid, editor=editor, reviewer="ana")
+    assert entry["decision"] == "edit" and [d["decision"] for d in q.log()] == ["edit"]
+    assert q.get(sid)["sample"]["messages"][-1]["content"].endswith(".")
+
+
+def test_an_edit_killed_after_its_log_record_is_complete(
+        tmp_path: Path, blurbs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kill between the log record and the item file's rewrite: the item reads as accepted with the edited
+    sample and its edit history (both from the record); a retry is told it is already decided; the export
+    holds the edited sample."""
+    q = _queue(tmp_path, blurbs[:1])
+    sid = blurbs[0]["id"]
+    original = blurbs[0]["messages"]
+    editor = _fixing_editor(tmp_path, blurbs[0])
+    from k3post.synth import review
+
+    _edit_killed_at(q, sid, editor, review, "_atomic_write", monkeypatch)
+    assert json.loads((q.items_dir / f"{sid}.json").read_text())["sample"]["messages"] == original  # not rewritten
+    item = q.get(sid)
+    assert item["status"] == "accepted" and not item["sample"]["messages"][-1]["content"].endswith("everyone.")
+    assert item["sample"]["reverified"]["status"] == "keep"
+    assert [e["previous_messages"] for e in item["edits"]] == [original] and item["edits"][0]["reviewer"] == "ana"
+    with pytest.raises(ValueError, match=rf"{sid} was already accepted \(edit\) by ana"):
+        q.edit(sid, editor=editor, reviewer="ana")
+    exported = read_jsonl(q.export(tmp_path / "accepted.jsonl"))
+    assert [r["messages"] for r in exported] == [item["sample"]["messages"]]
+    # a forced second edit rewrites the item file with both edits in its history
+    q.edit(sid, editor=_editor(tmp_path, "msgs[-1]['content'] = msgs[-1]['content'].rstrip('.') + '!'\njson.dump(msgs, open(path, 'w'))\n"),
+           reviewer="bo", force=True)
+    stored = json.loads((q.items_dir / f"{sid}.json").read_text())
+    assert [e["reviewer"] for e in stored["edits"]] == ["ana", "bo"] and stored["sample"] == q.get(sid)["sample"]
+
+
+def test_a_torn_last_decision_record_is_left_out_and_cut_off_by_the_next_decision(
+        tmp_path: Path, blurbs: list[dict[str, Any]]) -> None:
+    """A kill inside the append of a record (records carrying an edited sample pass 4 KB, past one atomic
+    write) leaves a torn last line, here cut inside a multi-byte character: readers leave it out (it was
+    never committed), the next append first cuts it off. A malformed line that ends in a newline is still an
+    error naming the file and line."""
+    q = _queue(tmp_path, blurbs[:2])
+    a, b = q.ids()
+    q.decide(a, "accept", reviewer="ana")
+    whole = q.log_path.read_bytes()
+    record = json.dumps({"id": b, "decision": "reject", "reviewer": "bø", "note": "x" * 5000}, ensure_ascii=False)
+    torn = record.encode()[: record.encode().index("ø".encode()) + 1]  # ends inside "ø"
+    q.log_path.write_bytes(whole + torn)
+    assert [d["id"] for d in q.log()] == [a] and q.get(b)["status"] == "pending"
+    q.decide(b, "reject", reviewer="bo", note="salesy")
+    assert q.log_path.read_bytes().startswith(whole) and q.log_path.read_bytes().count(b"\n") == 2
+    assert [(d["id"], d["reviewer"]) for d in q.log()] == [(a, "ana"), (b, "bo")]
+    q.log_path.write_bytes(whole + b"{oops\n" + q.log_path.read_bytes()[len(whole):])
+    with pytest.raises(ValueError, match=r"decisions.jsonl:2: malformed JSON at column 2.*malformed decision record"):
+        q.log()
+    q.log_path.write_bytes(whole + b'{"id": "\xff"}\n')  # invalid UTF-8 was a UnicodeDecodeError before issue 20
+    with pytest.raises(ValueError, match=r"decisions.jsonl:2: not valid UTF-8 at byte 8.*malformed decision record"):
+        q.log()

@@ -182,6 +182,38 @@ def test_api_key_constant_time_and_health_reveals_only_liveness(model_dir: Path,
     assert len(compared) == 5 and compared[0] == (b"Bearer sekret", b"Bearer sekret")
 
 
+def test_the_api_key_guards_the_engine_api_too(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 20: with a key set, the engine API (which pauses the engine and loads weights from a path) needs it
+    as /v1/* does; `HTTPEngine` sends it (argument, or K3POST_API_KEY)."""
+    from k3post.rollout.http_engine import HTTPEngine
+
+    async def go(c: httpx.AsyncClient, runner: Any) -> None:
+        anon = httpx.AsyncClient(transport=c._transport, base_url="http://t")
+        for method, path in (("GET", "/get_model_info"), ("POST", "/pause_generation"), ("POST", "/flush_cache"),
+                             ("POST", "/update_weights_from_disk"), ("POST", "/generate"), ("GET", "/docs")):
+            r = await anon.request(method, path, json={})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+        await anon.aclose()
+        assert (await c.get("/get_model_info")).status_code == 200
+
+    _run(model_dir, go)
+    app = build_server(model_dir, model_name="m", max_batch_size=4, qat=False, torch_threads=1, api_key=KEY,
+                       limits=LIMITS)
+    runner = app.state.server.runner
+    runner.start()
+    try:
+        monkeypatch.delenv("K3POST_API_KEY", raising=False)
+        with pytest.raises(Exception, match="get_model_info answered 401.*invalid or missing API key"):
+            HTTPEngine(["http://t"], transport=httpx.ASGITransport(app=app), max_retries=0)
+        with HTTPEngine(["http://t"], transport=httpx.ASGITransport(app=app), api_key=KEY) as eng:
+            assert eng.version == 0
+        monkeypatch.setenv("K3POST_API_KEY", KEY)
+        with HTTPEngine(["http://t"], transport=httpx.ASGITransport(app=app)) as eng:
+            assert eng.version == 0
+    finally:
+        runner.stop()
+
+
 def test_serve_limits_parse() -> None:
     assert ServeLimits.parse(["max_n=4", "request_timeout_s=2.5"]) == ServeLimits(max_n=4, request_timeout_s=2.5)
     with pytest.raises(ValueError, match="max_nn"):

@@ -60,6 +60,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -163,6 +164,9 @@ class HTTPEngine:
         server_slots: requests one SGLang / vLLM server runs at once when it does not report it
             (vLLM never does: its ``--max-num-seqs``).
         transport: the httpx transport (tests replay recorded servers through ``httpx.MockTransport``).
+        api_key: sent as ``Authorization: Bearer <api_key>`` on every call (a ``k3post serve --api-key``
+            server wants it on the engine API too; SGLang / vLLM servers started with a key on theirs);
+            default: the ``K3POST_API_KEY`` environment variable, when set.
     """
 
     kv_transfer = False
@@ -189,6 +193,7 @@ class HTTPEngine:
         default_stop_ids: Sequence[int] | None = None,
         server_slots: int | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
     ) -> None:
         if isinstance(urls, str) or not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
             raise ValueError(f"urls must be a non-empty list of http(s):// base URLs, got {urls!r}")
@@ -233,7 +238,9 @@ class HTTPEngine:
         self._thread.start()
         timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=60.0, pool=None)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        self._client: httpx.AsyncClient = self._call(self._make_client(timeout, limits, transport))
+        key = api_key if api_key is not None else os.environ.get("K3POST_API_KEY") or None
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        self._client: httpx.AsyncClient = self._call(self._make_client(timeout, limits, transport, headers))
         try:
             self._connect()
         except BaseException:
@@ -261,8 +268,9 @@ class HTTPEngine:
     # ------------------------------------------------------------------ plumbing
     @staticmethod
     async def _make_client(timeout: httpx.Timeout, limits: httpx.Limits,
-                           transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
-        return httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+                           transport: httpx.AsyncBaseTransport | None,
+                           headers: dict[str, str] | None) -> httpx.AsyncClient:
+        return httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport, headers=headers)
 
     def _call(self, coro: Any) -> Any:
         """Run a coroutine on the client's event loop and wait for its result."""

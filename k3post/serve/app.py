@@ -174,7 +174,8 @@ class ServeConfig:
         default_max_tokens: cap on output tokens for requests without ``max_tokens`` (1024;
             None: the room left under ``max_model_len``, which lets one request hold a slot for
             the whole context).
-        api_key: when set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>`` and
+        api_key: when set, every route but ``/health`` (``/v1/*`` and the engine API, which can
+            pause the engine and replace its weights) needs ``Authorization: Bearer <api_key>``, and
             ``/health`` reports liveness only.
         model_path: the served model folder (reported by ``/get_model_info``), when known.
         limits: request bounds (`ServeLimits`).
@@ -620,7 +621,7 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
     @app.middleware("http")
     async def _auth_and_size(request: Request, call_next: Any) -> Any:
         key = config.api_key
-        if key and request.url.path.startswith("/v1/"):
+        if key and request.url.path != "/health":  # the engine API too: it can replace the weights
             given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, f"Bearer {key}".encode("utf-8", "surrogateescape")):
                 err = APIError("invalid or missing API key", status=401, type_="authentication_error",

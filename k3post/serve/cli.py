@@ -63,7 +63,7 @@ def build_server(
         seed: engine seed (requests without ``seed``).
         default_effort: ``thinking_effort`` of requests that give none.
         default_max_tokens: output cap of requests without ``max_tokens`` (None: the room left).
-        api_key: require ``Authorization: Bearer <api_key>`` on ``/v1/*``.
+        api_key: require ``Authorization: Bearer <api_key>`` on every route but ``/health``.
         limits: request bounds (`k3post.serve.app.ServeLimits`; None: its safe defaults).
         torch_threads: torch CPU threads of the engine thread (None: torch's default).
         draft: speculative decoding with this draft folder (an EAGLE-3 export of ``k3post draft`` or a small
@@ -154,7 +154,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
                    help="a request bound (repeatable): max_body_bytes, max_prompts, max_n, max_tokens, max_inflight, "
                         "request_timeout_s, echo_batch_tokens, retry_after_s (k3post.serve.app.ServeLimits)")
-    p.add_argument("--api-key", default=None, help="require this Bearer key on /v1/* (or set K3POST_API_KEY)")
+    p.add_argument("--api-key", default=None, help="require this Bearer key on every route but /health: the OpenAI "
+                   "API and the engine API (or set K3POST_API_KEY; engine.kind=http clients send it)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the engine thread")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(fn=cmd_serve)

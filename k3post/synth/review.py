@@ -5,7 +5,10 @@ Layout of a queue folder::
     QUEUE/
       items/<id>.json      one item per sample: {"id", "sample", "flags", "added", "edits": [...]}
       decisions.jsonl      append-only log: {"id", "decision": accept|reject|edit, "reviewer", "note",
-                           "time", "previous"}; the source of truth for an item's status
+                           "time", "previous"} (an edit also carries the edited "sample" and the
+                           "previous_messages"); the source of truth for an item's status and, after
+                           an edit, its sample: appending the record is the one step that commits a
+                           decision, so a kill before it changes nothing and a kill after it loses nothing
       edits/               scratch files of edits in progress (kept when an edit fails)
       .lock                a `filelock` lock held for every read-check-write
 
@@ -39,6 +42,7 @@ from typing import Any
 from filelock import FileLock
 
 from k3post.errors import UserError
+from k3post.jsonl import MalformedLineError, read_values, repair_tail
 
 __all__ = ["ReviewQueue", "DECISIONS", "STATUSES", "default_reviewer", "reverify", "render_item_plain", "render_item_rich"]
 
@@ -118,17 +122,11 @@ class ReviewQueue:
         raise UserError(f"{self.root}: {ref!r} is ambiguous, it matches {hits[:5]}{' ...' if len(hits) > 5 else ''}")
 
     def log(self) -> list[dict[str, Any]]:
-        """Every decision, in order."""
-        if not self.log_path.exists():
-            return []
-        out = []
-        for lineno, line in enumerate(self.log_path.read_text(encoding="utf-8").splitlines(), 1):
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{self.log_path}:{lineno}: malformed decision record: {e.msg}") from e
-        return out
+        """Every decision, in order (a last record a kill cut short was never committed: left out)."""
+        try:
+            return read_values(self.log_path)
+        except MalformedLineError as e:
+            raise UserError(f"{e} (a malformed decision record)") from e
 
     def _read_item(self, item_id: str) -> dict[str, Any]:
         p = self.items_dir / f"{item_id}.json"
@@ -142,6 +140,13 @@ class ReviewQueue:
     def _with_status(self, item: dict[str, Any], decisions: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         mine = [d for d in decisions if d.get("id") == item["id"]]
         item["decisions"] = mine
+        edits = [d for d in mine if d.get("decision") == "edit" and "sample" in d]
+        if edits:  # an edit's log record is its commit point: the item file may not have been rewritten yet
+            item["sample"] = copy.deepcopy(edits[-1]["sample"])
+            known = {(e.get("time"), e.get("reviewer")) for e in item.get("edits", [])}
+            item["edits"] = list(item.get("edits", [])) + [
+                {"time": d["time"], "reviewer": d["reviewer"], "previous_messages": d["previous_messages"]}
+                for d in edits if (d["time"], d["reviewer"]) not in known]
         item["status"] = _STATUS_OF[mine[-1]["decision"]] if mine else "pending"
         return item
 
@@ -176,6 +181,8 @@ class ReviewQueue:
         return item_id
 
     def _append(self, entry: Mapping[str, Any]) -> None:
+        """Append one decision record (under the lock): the single step that commits a decision."""
+        repair_tail(self.log_path)
         with self.log_path.open("a", encoding="utf-8") as fh:
             fh.write(json.dumps(entry, ensure_ascii=False) + "\n")
             fh.flush()
@@ -273,17 +280,20 @@ class ReviewQueue:
                     f"{item_id} changed while you edited it ({last['decision']} by {last['reviewer']} at {last['time']}); "
                     f"nothing saved, your edit is kept at {path}"
                 )
+            if replayed is not None:
+                sample["reverified"] = replayed
+            # the record carries the edited sample, so appending it is the one step that commits the edit;
+            # the item file is rewritten after it (a kill in between: `_with_status` reads the sample from the log)
             entry = {"id": item_id, "decision": "edit", "reviewer": reviewer or default_reviewer(), "note": note,
-                     "time": _now(), "previous": now["status"], "checks": checks}
+                     "time": _now(), "previous": now["status"], "checks": checks, "sample": sample,
+                     "previous_messages": old_messages}
             stored = {k: v for k, v in now.items() if k not in ("status", "decisions")}
             stored["edits"] = list(stored.get("edits", [])) + [
                 {"time": entry["time"], "reviewer": entry["reviewer"], "previous_messages": old_messages}
             ]
-            if replayed is not None:
-                sample["reverified"] = replayed
             stored["sample"] = sample
-            _atomic_write(self.items_dir / f"{item_id}.json", stored)
             self._append(entry)
+            _atomic_write(self.items_dir / f"{item_id}.json", stored)
         path.unlink(missing_ok=True)
         return entry
 
