@@ -17,7 +17,7 @@ Sampled every ``sample_every`` steps:
     kv_pool_entries    entries / bytes in the CPU KV pool (its budget bounds the bytes)
     kv_pool_bytes
     engine_*           what the engine holds between steps: paused requests, KV kept for finished requests,
-                       queued / running requests, and live weight plans (`_Weights`, the forward's view of one
+                       queued / running requests, and the weight plans its attributes hold (`_Weights`, the forward's view of one
                        weight version: the per-version cache)
     sched_*            the scheduler's and agent loop's maps: admitted groups, engine-resident paused KV,
                        requests in flight, environments, per-trajectory turn KV
@@ -81,17 +81,26 @@ def slope_per_100(steps: list[int], ys: list[float]) -> float:
 
 
 def _probe(pl: Any, ckpt_root: Path) -> dict[str, float]:
-    """What the loop's objects hold now (module doc)."""
+    """What the loop's objects hold now (module doc). Weight plans are counted as the ones the engine's own
+    attributes reach (its current plan, and any container attribute holding plans), not process-wide, so
+    engines left alive by others in the same process (a test session) do not count."""
     import torch
 
     from k3post.rollout.embedded import _Weights
+
+    def own_plans(engine: Any) -> int:
+        found: set[int] = set()
+        for value in vars(engine).values():
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple, set)) \
+                else (value,)
+            found.update(id(v) for v in items if isinstance(v, _Weights))
+        return len(found)
 
     gc.collect()
     with warnings.catch_warnings():  # isinstance on torch's deprecated module proxies warns
         warnings.simplefilter("ignore")
         objs = gc.get_objects()
         live_tensors = sum(1 for o in objs if isinstance(o, torch.Tensor))
-        plans = sum(1 for o in objs if isinstance(o, _Weights))
         del objs
     eng, sched, loop, pool = pl.rollout.engine, pl.rollout.scheduler, pl.rollout.loop, pl.rollout.pool
     folders = [p for p in ckpt_root.iterdir() if p.is_dir()] if ckpt_root.is_dir() else []
@@ -100,7 +109,7 @@ def _probe(pl: Any, ckpt_root: Path) -> dict[str, float]:
         "kv_pool_entries": float(len(pool)), "kv_pool_bytes": float(pool.nbytes),
         "engine_paused": float(eng.num_paused), "engine_kept_kv": float(eng.num_kept_kv),
         "engine_queued": float(eng.num_queued), "engine_running": float(eng.num_running),
-        "engine_weight_plans": float(plans),
+        "engine_weight_plans": float(own_plans(eng)),
         "sched_groups": float(len(sched._groups)), "sched_resident": float(len(sched._resident)),
         "sched_submitted": float(len(sched._submitted)), "sched_kv_expected": float(len(sched._kv_expected)),
         "loop_envs": float(len(loop._envs)), "loop_turn_kv": float(len(loop._turn_kv)),
