@@ -211,7 +211,8 @@ def _run_leader(fsdp: FSDPConfig, followers: Followers, fn: Callable[..., Any], 
     except Exception as e:
         # a collective that failed (RuntimeError, DistError) may be a follower's death Ray or the OS has not
         # reported yet: wait for it a little; any other error is rank 0's own
-        e.lost_ranks = [] if done else followers.lost(wait_s=10.0 if isinstance(e, RuntimeError) else 0.0)  # type: ignore[attr-defined]
+        lost = [] if done else followers.lost(wait_s=10.0 if isinstance(e, RuntimeError) else 0.0)
+        e.lost_ranks = lost  # type: ignore[attr-defined]
         raise
     finally:
         if not done:
