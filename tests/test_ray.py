@@ -1,5 +1,8 @@
-"""Ray orchestration (k3post/distributed/ray_cluster.py) on a local 2-CPU Ray cluster: the placement plan,
-the nine-experts jobs and MOPD teachers on Ray against the local run, and a killed engine-server actor.
+"""Ray orchestration (k3post/distributed/ray_cluster.py, env_workers.py) on a local 2-CPU Ray cluster: the
+placement plan; the nine-experts jobs, MOPD teachers, `k3post rl` and `k3post mopd` with trainer ranks as Ray
+actors and environments on env workers, against the local / single-process runs; and the faults: a killed
+engine-server actor, a killed trainer rank (restart from the last checkpoint, or a clear failure), a killed
+environment worker (episodes resumed from their saved state, or counted failed with a reason).
 
 Shape legend: none (token lists and tables).
 """
@@ -345,22 +348,15 @@ def test_cli_rl_two_trainer_ranks_and_an_engine_actor_equals_one_rank(rl_runs):
     assert max(r["train/grad_norm"] for r in two) > 1e-3  # steps that trained
 
 
-def test_a_killed_trainer_rank_restarts_from_the_last_checkpoint(warm_policy, rl_runs, tmp_path, monkeypatch):
-    """The same 2-rank run with rank 1's actor killed (`ray.kill`) as step 2 starts, after step 1's checkpoint:
-    rank 0's next collective fails at once, it sees rank 1 died, starts a new rank-1 actor and runs the stage
-    again (``distributed.fsdp.max_restarts=1``), which resumes from the step-1 DCP checkpoint (the second attempt
-    trains steps 2 and 3 only). The job ends as the uninterrupted run: the same rollouts and metric rows, the
-    trainer's numbers within fp32 rounding (`_same_rows`), final weights within 1e-6 (measured: 1.2e-7). SGD
-    has no state: the DCP optimizer restore is tested in tests/test_fsdp.py."""
-    from k3post.cli import main
+def _kill_rank_1_in_step_2(monkeypatch) -> tuple[list, list[int]]:
+    """`ray.kill` the first attempt's rank-1 actor as rank 0 sends step 2's trainer call. Returns (each
+    attempt's `RayFollowers`, the attempt number of every trainer step call)."""
     from k3post.distributed.ranks import Leader
     from k3post.distributed.ray_cluster import RayFollowers
-    from k3post.metrics import read_metrics
-    from k3post.models import load_model
 
-    _ray_only(monkeypatch)
-    started, tell, steps = [], Leader.tell, []
-    start = RayFollowers.start
+    started: list = []
+    steps: list[int] = []
+    start, tell = RayFollowers.start, Leader.tell
 
     def record(self, *a, **kw):
         started.append(self)
@@ -369,12 +365,28 @@ def test_a_killed_trainer_rank_restarts_from_the_last_checkpoint(warm_policy, rl
     def tell_and_kill(self, command):
         if command[:2] == ("call", "step"):
             steps.append(len(started))
-            if len(started) == 1 and len(steps) == 2:  # step 2 of the first attempt
+            if steps == [1, 1]:
                 ray.kill(started[0].actors[0], no_restart=True)
         return tell(self, command)
 
     monkeypatch.setattr(RayFollowers, "start", record)
     monkeypatch.setattr(Leader, "tell", tell_and_kill)
+    return started, steps
+
+
+def test_a_killed_trainer_rank_restarts_from_the_last_checkpoint(warm_policy, rl_runs, tmp_path, monkeypatch):
+    """The same 2-rank run with rank 1's actor killed (`ray.kill`) as step 2 starts, after step 1's checkpoint:
+    rank 0's next collective fails at once, it sees rank 1 died, starts a new rank-1 actor and runs the stage
+    again (``distributed.fsdp.max_restarts=1``), which resumes from the step-1 DCP checkpoint (the second attempt
+    trains steps 2 and 3 only). The job ends as the uninterrupted run: the same rollouts and metric rows, the
+    trainer's numbers within fp32 rounding (`_same_rows`), final weights within 1e-6 (measured: 1.2e-7). SGD
+    has no state: the DCP optimizer restore is tested in tests/test_fsdp.py."""
+    from k3post.cli import main
+    from k3post.metrics import read_metrics
+    from k3post.models import load_model
+
+    _ray_only(monkeypatch)
+    started, steps = _kill_rank_1_in_step_2(monkeypatch)
     assert main(_cli(warm_policy, tmp_path, "rl", *RANKS_ARGS, *ON_RAY, "distributed.fsdp.max_restarts=1")) == 0
     assert len(started) == 2 and steps == [1, 1, 2, 2], steps  # killed in step 2; the restart ran steps 2 and 3
     run = tmp_path / "r"
@@ -393,27 +405,14 @@ def test_a_trainer_rank_lost_for_good_fails_the_command_naming_it(warm_policy, c
     """With ``distributed.fsdp.max_restarts=0`` the killed rank is not replaced: `k3post rl` fails with one line
     that names the rank and says a rerun resumes (exit 1), after the step-1 checkpoint was written."""
     from k3post.cli import main
-    from k3post.distributed.ranks import Leader
-    from k3post.distributed.ray_cluster import RayFollowers
 
     _ray_only(monkeypatch)
-    started, tell, steps = [], Leader.tell, []
-    start = RayFollowers.start
-    monkeypatch.setattr(RayFollowers, "start", lambda self, *a, **kw: (started.append(self), start(self, *a, **kw))[1])
-
-    def tell_and_kill(self, command):
-        if command[:2] == ("call", "step"):
-            steps.append(1)
-            if len(steps) == 2:
-                ray.kill(started[0].actors[0], no_restart=True)
-        return tell(self, command)
-
-    monkeypatch.setattr(Leader, "tell", tell_and_kill)
+    started, steps = _kill_rank_1_in_step_2(monkeypatch)
     assert main(_cli(warm_policy, tmp_path, "rl", *RANKS_ARGS, *ON_RAY, "distributed.fsdp.max_restarts=0")) == 1
     err = capsys.readouterr().err
     assert re.search(r"k3post: failed: RuntimeError: trainer rank 1 \(.*\) died and distributed.fsdp.max_restarts=0 "
                      r"restarts are used up; running the command again resumes from the last checkpoint", err), err
-    assert len(started) == 1
+    assert len(started) == 1 and steps == [1, 1]
     assert (tmp_path / "r" / "rl" / "general.max" / "checkpoints" / "step-000001" / "dcp").is_dir()
 
 
@@ -424,9 +423,10 @@ ENV_FAMILY = "coding.bugfix"  # 4 turns a reference episode: read, run the tests
 
 @pytest.fixture(scope="module")
 def bugfix_episodes(xtml_tokenizer):
-    """(tasks, script, local trajectories): 3 coding.bugfix tasks x 2 samples whose turns are the family's
-    reference solution (a `ScriptedEngine` replays them through the real `AgentLoop`), run with the
-    environments in this process: the reference the env-worker runs must equal."""
+    """(run, local trajectories): ``run(env_factory)`` runs 3 coding.bugfix tasks x 2 samples whose turns are the
+    family's reference solution (a `ScriptedEngine` replays them through the real `AgentLoop`, the environments
+    built by ``env_factory``); ``local``: that run with the environments in this process, which the env-worker
+    runs must equal."""
     from scripted_engine import ScriptedEngine
     from test_agent_loop_fuzz import Adversary
 
