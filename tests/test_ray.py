@@ -78,7 +78,11 @@ def test_distributed_config_names_the_key():
                               ("distributed.roles.trainers=0", "distributed.roles.trainers must be an int >= 1, got 0"),
                               ("distributed.cpus_per_bundle=0", "distributed.cpus_per_bundle must be a number > 0"),
                               ("distributed.engine_max_restarts=-1", "distributed.engine_max_restarts must be an int >= 0"),
-                              ("distributed.roles.teacher=2", "did you mean 'distributed.roles.teachers'")]:
+                              ("distributed.roles.teacher=2", "did you mean 'distributed.roles.teachers'"),
+                              ("distributed.fsdp.timeout_s=0", "distributed.fsdp.timeout_s must be a number > 0, got 0"),
+                              ("distributed.fsdp.max_restarts=-1", "distributed.fsdp.max_restarts must be an int >= 0"),
+                              ("distributed.env_retries=-1", "distributed.env_retries must be an int >= 0, got -1"),
+                              ("distributed.env_max_restarts=x", "bad value for .distributed.env_max_restarts.: Value .x. of type .str. could not")]:
         with pytest.raises(ValueError, match=message):
             load_config(overrides=[override])
 
