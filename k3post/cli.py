@@ -62,7 +62,22 @@ def _on_ranks(fn, cfg, command: str):  # noqa: ANN001, ANN202
                         f"distributed.fsdp.ranks={ranks} (set sft.mtp_weight=0 or distributed.fsdp.ranks=1)")
     from k3post.distributed.ranks import on_ranks
 
-    return on_ranks(cfg.distributed.fsdp, fn, cfg)
+    d = cfg.distributed
+    if not d.enabled or command in ("demo", "draft") or (command == "sft" and ranks == 1):
+        return on_ranks(d.fsdp, fn, cfg)
+    if command == "experts" and ranks > 1:
+        raise UserError(f"distributed.fsdp.ranks={ranks}: k3post experts on Ray (distributed.enabled=true) trains each "
+                        "expert in a Ray task of one process; use distributed.fsdp.ranks=1 (one expert per trainer "
+                        "slot), or distributed.enabled=false to shard one expert at a time over the ranks")
+    if ranks > d.roles.trainers:
+        raise UserError(f"distributed.fsdp.ranks={ranks} needs a trainer slot per rank on Ray, but "
+                        f"distributed.roles.trainers is {d.roles.trainers}; set distributed.roles.trainers={ranks}")
+    from k3post.distributed.env_workers import remote_environments
+    from k3post.distributed.ray_cluster import RayCluster, RayFollowers
+
+    # one placement group for the whole command: trainer ranks > 0, engine servers, env workers, teachers
+    with RayCluster(d) as cluster, remote_environments(cluster, sandbox=cfg.sandbox):
+        return on_ranks(d.fsdp, fn, cfg, followers=lambda: RayFollowers(cluster))
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,21 +129,22 @@ def run_rl(cfg: K3Config) -> Path:
     scorer = build_group_scorer(rl, init, tokenizer, fams, qat=cfg.qat.enabled)
     metrics = MetricsLogger(run)
     name = f"{rl.domain}.{rl.effort}"
-    cluster = None
-    if cfg.distributed.enabled and cfg.distributed.roles.engines > 0:  # the rollouts on engine-server actors
-        from k3post.distributed.ray_cluster import RayCluster, engine_config
+    with ExitStack() as stack:
+        stack.callback(metrics.close)
+        if cfg.distributed.enabled and cfg.distributed.roles.engines > 0:  # the rollouts on engine-server actors
+            import shutil
 
-        cluster = RayCluster(cfg.distributed)
-        actors = cluster.engine_servers(init, run / "engines", max_batch_size=rl.slots, max_model_len=rl.max_model_len,
-                                        qat=cfg.qat.enabled, seed=rl.seed)
-        rl = replace(rl, engine=engine_config(actors, rl.engine))
-    try:
+            from k3post.distributed.ray_cluster import cluster_for, engine_config
+
+            cluster = stack.enter_context(cluster_for(cfg.distributed))
+            # a server's folder (port, weights kept for Ray's restarts) lives as long as this attempt's actors
+            shutil.rmtree(run / "engines", ignore_errors=True)
+            actors = cluster.engine_servers(init, run / "engines", max_batch_size=rl.slots,
+                                            max_model_len=rl.max_model_len, qat=cfg.qat.enabled, seed=rl.seed)
+            stack.callback(cluster.kill, actors)
+            rl = replace(rl, engine=engine_config(actors, rl.engine))
         res = train_rl(model, tokenizer, rl, run / "rl" / name, budgets=budgets, scorer=scorer, metrics=metrics,
                        stage=f"rl/{name}")
-    finally:
-        metrics.close()
-        if cluster is not None:
-            cluster.close()
     final = save_model(model, run / "rl" / name / "final", tokenizer)
     ov = res.eval.get("overall", {})
     print(f"RL {name}: {res.steps} steps in {res.seconds:.0f} s; held-out pass rate {ov.get('pass_rate', float('nan')):.3f}, "
@@ -158,9 +160,9 @@ def run_experts(cfg: K3Config) -> Path:
     metrics = MetricsLogger(run)
     out = run / "experts"
     if cfg.distributed.enabled:  # every expert a Ray task, the domains in parallel
-        from k3post.distributed.ray_cluster import RayCluster
+        from k3post.distributed.ray_cluster import cluster_for
 
-        with RayCluster(cfg.distributed) as cluster:
+        with cluster_for(cfg.distributed) as cluster:
             table = train_experts(init, cfg.rl, out, qat=cfg.qat, cluster=cluster, metrics_dir=run)
     else:
         table = train_experts(init, cfg.rl, out, qat=cfg.qat, metrics=metrics)
@@ -210,15 +212,14 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
     tokenizer = load_tokenizer(init)
     student = load_policy(init, cfg.qat)
     teachers = dict(max_resident=m.max_resident, dtype=m.teacher_dtype, qat=cfg.qat, batch_tokens=m.teacher_batch_tokens)
-    cluster = None
-    if cfg.distributed.enabled:  # the teachers as Ray actors on their own bundles
-        from k3post.distributed.ray_cluster import RayCluster, RayTeacherPool
+    with ExitStack() as stack:
+        if cfg.distributed.enabled:  # the teachers as Ray actors on their own bundles
+            from k3post.distributed.ray_cluster import RayTeacherPool, cluster_for
 
-        cluster = RayCluster(cfg.distributed)
-        pool: Any = RayTeacherPool(cluster, m.experts, **teachers)
-    else:
-        pool = TeacherPool(m.experts, **teachers)  # one pool: the teachers stay resident for the evaluation
-    try:
+            pool: Any = RayTeacherPool(stack.enter_context(cluster_for(cfg.distributed)), m.experts, **teachers)
+        else:
+            pool = TeacherPool(m.experts, **teachers)  # one pool: the teachers stay resident for the evaluation
+        stack.callback(pool.close)
         res = train_mopd(student, tokenizer, m, run / "mopd", metrics=metrics, teacher_qat=cfg.qat, pool=pool)
         save_model(student, run / "mopd" / "final", tokenizer)
         engine = build_engine(student, tokenizer, engine=m.rl.engine, role="MOPD student (final)",
@@ -230,10 +231,6 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
         finally:
             close_engine(engine)
         teacher_stats = dict(pool.stats)  # training and evaluation together
-    finally:
-        pool.close()
-        if cluster is not None:
-            cluster.close()
     out = {"steps": res.steps, "seconds": res.seconds, "teacher_stats": teacher_stats, "rollout_gap": rollout_gap(res.history),
            "opd_reward_curve": [h.get("opd_reward", float("nan")) for h in res.history],
            "reverse_kl_curve": [h.get("reverse_kl", float("nan")) for h in res.history], "table": table}

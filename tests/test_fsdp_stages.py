@@ -130,6 +130,42 @@ def test_sft_two_rank_checkpoint_resumes_on_one_rank_through_the_cli(sft_runs):
     assert _max_diff(_weights(sft_runs / "two" / "sft" / "final"), _weights(sft_runs / "resumed" / "sft" / "final")) < 2e-6
 
 
+def test_a_killed_local_rank_is_replaced_and_the_run_resumes(sft_runs, init_dir, sft_data, tmp_path, monkeypatch):
+    """The 2-rank SFT run with rank 1's process SIGKILLed as step 3 starts (after the step-2 checkpoint): rank 0's
+    next collective fails, it sees rank 1 exited, spawns a new rank 1 and runs the command again, which resumes
+    from the step-2 DCP checkpoint (``distributed.fsdp.max_restarts=1``, the default). The losses and final
+    weights equal the uninterrupted 2-rank run bit for bit (same ranks, same reduction order)."""
+    import os
+    import signal
+
+    from k3post.distributed.ranks import Followers, Leader
+
+    started, steps = [], []
+    start, tell = Followers.start, Leader.tell
+
+    def record(self, *a, **kw):
+        started.append(self)
+        return start(self, *a, **kw)
+
+    def tell_and_kill(self, command):
+        if command[:2] == ("call", "sft_step"):
+            steps.append(len(started))
+            if steps == [1, 1, 1]:
+                os.kill(started[0].procs.processes[0].pid, signal.SIGKILL)
+        return tell(self, command)
+
+    monkeypatch.setattr(Followers, "start", record)
+    monkeypatch.setattr(Leader, "tell", tell_and_kill)
+    assert _run(tmp_path, "sft", "killed", 2, f"model.path={init_dir}", f"sft.train_file={sft_data}", *SFT_ARGS) == 0
+    assert len(started) == 2 and steps == [1, 1, 1, 2, 2], steps  # the restart ran steps 3 and 4
+    log = (tmp_path / "killed" / "k3post.log").read_text()
+    assert "rank 1 (pid" in log and "exit code -9" in log and "resumed sft from" in log and "step-000002" in log
+    two = read_metrics(sft_runs / "two" / "metrics.jsonl", "sft")
+    got = read_metrics(tmp_path / "killed" / "metrics.jsonl", "sft")
+    assert [r["step_loss"] for r in got] == [r["step_loss"] for r in two] and len(got) == 4
+    assert _max_diff(_weights(sft_runs / "two" / "sft" / "final"), _weights(tmp_path / "killed" / "sft" / "final")) == 0.0
+
+
 def test_mtp_head_on_two_ranks_is_refused_naming_the_key(init_dir, sft_data, tmp_path, capsys):
     args = [f"model.path={init_dir}", f"sft.train_file={sft_data}", *SFT_ARGS, "sft.mtp_weight=0.3"]
     assert _run(tmp_path, "sft", "mtp", 2, *args) == 2

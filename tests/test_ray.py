@@ -1,5 +1,8 @@
-"""Ray orchestration (k3post/distributed/ray_cluster.py) on a local 2-CPU Ray cluster: the placement plan,
-the nine-experts jobs and MOPD teachers on Ray against the local run, and a killed engine-server actor.
+"""Ray orchestration (k3post/distributed/ray_cluster.py, env_workers.py) on a local 2-CPU Ray cluster: the
+placement plan; the nine-experts jobs, MOPD teachers, `k3post rl` and `k3post mopd` with trainer ranks as Ray
+actors and environments on env workers, against the local / single-process runs; and the faults: a killed
+engine-server actor, a killed trainer rank (restart from the last checkpoint, or a clear failure), a killed
+environment worker (episodes resumed from their saved state, or counted failed with a reason).
 
 Shape legend: none (token lists and tables).
 """
@@ -8,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import time
 from pathlib import Path
 
@@ -28,10 +32,10 @@ from test_rl import _save, _two_domains, warm_policy  # noqa: E402,F401
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# 2 trainer slots (the domains' chains), 1 engine, 2 teachers: 5 bundles of 0.3 CPU; the CLI test's group takes
-# 0.5 of the other 0.5 CPUs
-CLUSTER = DistributedConfig(enabled=True, num_cpus=2, layout="disaggregated", cpus_per_bundle=0.3,
-                            engine_max_restarts=2, roles=RolesConfig(trainers=2, engines=1, teachers=2))
+# 2 trainer slots (the domains' chains), 1 engine, 2 env workers, 2 teachers: 7 bundles of 0.2 CPU; a CLI test's
+# group takes at most 0.5 of the other 0.6 CPUs
+CLUSTER = DistributedConfig(enabled=True, num_cpus=2, layout="disaggregated", cpus_per_bundle=0.2,
+                            engine_max_restarts=2, roles=RolesConfig(trainers=2, engines=1, env_workers=2, teachers=2))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +78,11 @@ def test_distributed_config_names_the_key():
                               ("distributed.roles.trainers=0", "distributed.roles.trainers must be an int >= 1, got 0"),
                               ("distributed.cpus_per_bundle=0", "distributed.cpus_per_bundle must be a number > 0"),
                               ("distributed.engine_max_restarts=-1", "distributed.engine_max_restarts must be an int >= 0"),
-                              ("distributed.roles.teacher=2", "did you mean 'distributed.roles.teachers'")]:
+                              ("distributed.roles.teacher=2", "did you mean 'distributed.roles.teachers'"),
+                              ("distributed.fsdp.timeout_s=0", "distributed.fsdp.timeout_s must be a number > 0, got 0"),
+                              ("distributed.fsdp.max_restarts=-1", "distributed.fsdp.max_restarts must be an int >= 0"),
+                              ("distributed.env_retries=-1", "distributed.env_retries must be an int >= 0, got -1"),
+                              ("distributed.env_max_restarts=x", "bad value for .distributed.env_max_restarts.: Value .x. of type .str. could not")]:
         with pytest.raises(ValueError, match=message):
             load_config(overrides=[override])
 
@@ -147,7 +155,7 @@ def _cli(warm_policy, tmp_path: Path, command: str, *overrides: str) -> list[str
 
 def test_cli_experts_with_distributed_enabled_runs_on_ray(warm_policy, cluster, tmp_path, monkeypatch):
     """`k3post experts CONFIG distributed.enabled=true`: Ray workers train the experts into the run's folder
-    (this process cannot: its `train_domain_experts` raises)."""
+    (this process cannot: its `train_domain_experts` raises), their episodes' environments on an env worker."""
     import k3post.experts
     from k3post.cli import main
 
@@ -156,11 +164,14 @@ def test_cli_experts_with_distributed_enabled_runs_on_ray(warm_policy, cluster, 
 
     monkeypatch.setattr(k3post.experts, "train_domain_experts", not_here)
     assert main(_cli(warm_policy, tmp_path, "experts", "rl.steps=1", "rl.domains=[general]",
-                     "rl.effort_control.curriculum=[max,low]", "distributed.cpus_per_bundle=0.25",
-                     "distributed.roles.trainers=2", "distributed.roles.engines=0")) == 0
+                     "rl.effort_control.curriculum=[max,low]", "distributed.cpus_per_bundle=0.15",
+                     "distributed.roles.trainers=2", "distributed.roles.engines=0", "distributed.roles.env_workers=1")) == 0
     table = json.loads((tmp_path / "r" / "experts" / "table.json").read_text())
     assert sorted(table["experts"]) == ["general.low", "general.max"] and table["failed"] == {}
     assert (tmp_path / "r" / "experts" / "general.low" / "model.safetensors").is_file()
+    # the expert jobs' episodes ran on the env worker (its calls), none in the driver (0 episodes here)
+    assert re.search(r"env workers: \{'episodes': 0, 'retries': 0, 'lost': 0\} here; calls served per worker since "
+                     r"its last start: \[[1-9]\d*\]", (tmp_path / "r" / "k3post.log").read_text())
 
 
 def test_cli_rl_with_distributed_enabled_samples_on_an_engine_actor(warm_policy, cluster, tmp_path):
@@ -246,28 +257,331 @@ def test_a_killed_engine_actor_restarts_and_its_trajectories_resume(cluster, mod
     assert after["version"] == steps + off  # restored at the kill's version, then two more pushes
 
 
-def test_cli_rl_two_trainer_ranks_and_an_engine_actor_equals_one_rank(warm_policy, cluster, tmp_path):
-    """Issue 19's CI item: `k3post rl` with 2 FSDP trainer ranks (`distributed.fsdp.ranks=2`, local gloo ranks)
-    sampling on one engine-server actor on the Ray cluster, against the same run with 1 trainer rank (λ = 1:
-    synchronous): the same rollouts (rewards, token counts), loss and gradient norm within fp32 reduction
-    tolerance at a step with a real gradient, and final weights within 1e-5."""
+# --------------------------------------------------------------------------- trainer ranks as Ray actors
+
+# λ = 1, SGD (AdamW would turn step 1's rounding-level gradients, all-equal rewards there, into lr-sized steps);
+# colocated: trainer rank r and the engine share bundle 0 / rank 1 has bundle 1, the env worker bundle 2
+# (3 x 0.15 CPU next to the module's 1.5)
+RANKS_ARGS = ("rl.steps=3", "rl.save_every=1", "rl.lambda_=1.0", "rl.k=4", "rl.n_prompts=2", "rl.max_tokens=80",
+              "rl.optimizer=sgd", "rl.lr=0.5", "distributed.cpus_per_bundle=0.15", "distributed.roles.engines=1",
+              "distributed.roles.trainers=2")
+ON_RAY = ("distributed.fsdp.ranks=2", "distributed.roles.env_workers=1")
+
+
+def _same_rows(got, ref, *, skip=()):
+    """Metric rows of two runs of the same rollouts: every field equal but wall-clock ones (and ``skip``), the
+    trainer's within fp32 rounding (an engine server batches the HTTP requests as they arrive, so its
+    behaviour log-probs, and the loss through the importance ratio, can differ in the last bits; sharded
+    trainers add the ranks' gradients in another order; the tokens cannot differ)."""
+    assert [r["step"] for r in got] == [r["step"] for r in ref]
+    for a, b in zip(got, ref):
+        keys = {k for k in a.keys() | b.keys() if not k.endswith("_s") and k != "time" and k not in skip}
+        assert keys <= a.keys() & b.keys(), (a, b)
+        for k in keys:
+            if k.startswith("train/"):
+                assert abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(b[k])), (k, a, b)
+            else:
+                assert a[k] == b[k], (k, a, b)
+
+
+def _ray_only(monkeypatch):
+    """Fail the test when this process starts a local trainer rank or runs a policy's episode in a local
+    environment (the families' scripted reference solutions, run once to check the turn caps, are local)."""
+    import k3post.distributed.ranks
+    from k3post.rollout.agent_loop import AgentLoop
+
+    def no_local(*a, **kw):
+        raise AssertionError("a local trainer rank was started in the driver")
+
+    monkeypatch.setattr(k3post.distributed.ranks.Followers, "start", no_local)
+    start = AgentLoop.start
+
+    def start_remote(self, traj):
+        start(self, traj)
+        assert type(self._envs[traj.traj_id]).__name__ == "RemoteEnvironment", "an episode in a local environment"
+
+    monkeypatch.setattr(AgentLoop, "start", start_remote)
+
+
+def test_trainer_ranks_on_ray_config_errors_name_the_keys(warm_policy, tmp_path, capsys):
+    """Refused before anything starts (exit 2, one line naming the keys): more ranks than trainer slots, and
+    `k3post experts` on Ray with ranks > 1 (each expert job is one process there)."""
     from k3post.cli import main
+
+    assert main(_cli(warm_policy, tmp_path, "rl", "distributed.fsdp.ranks=2", "distributed.roles.trainers=1")) == 2
+    assert "distributed.fsdp.ranks=2 needs a trainer slot per rank on Ray, but distributed.roles.trainers is 1; " \
+           "set distributed.roles.trainers=2" in capsys.readouterr().err
+    assert main(_cli(warm_policy, tmp_path, "experts", "distributed.fsdp.ranks=2", "distributed.roles.trainers=2")) == 2
+    assert "k3post experts on Ray (distributed.enabled=true) trains each expert in a Ray task of one process" \
+           in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def rl_runs(warm_policy, cluster, tmp_path_factory):
+    """`k3post rl` (3 steps, a checkpoint each) with 1 trainer rank in this process, and with 2 trainer ranks
+    (rank 1 a `TrainerRankActor`) and an env worker: {"one": run folder, "two": run folder}."""
+    from k3post.cli import main
+
+    root = tmp_path_factory.mktemp("rl_runs")
+    assert main(_cli(warm_policy, root / "one", "rl", *RANKS_ARGS)) == 0
+    with pytest.MonkeyPatch.context() as mp:
+        _ray_only(mp)
+        assert main(_cli(warm_policy, root / "two", "rl", *RANKS_ARGS, *ON_RAY)) == 0
+    return {"one": root / "one" / "r", "two": root / "two" / "r"}
+
+
+def test_cli_rl_two_trainer_ranks_and_an_engine_actor_equals_one_rank(rl_runs):
+    """Issue 19's CI item: `k3post rl` with 2 FSDP trainer ranks (`distributed.fsdp.ranks=2`: this process is
+    rank 0, rank 1 a Ray actor on trainer bundle 1; no local rank was started), rollouts on one engine-server
+    actor and environments on one env-worker actor (none built in this process), against the same run with 1
+    trainer rank (λ = 1: synchronous): the same rollouts (rewards, token counts), loss and gradient norm within
+    fp32 reduction tolerance at the steps with a real gradient, and final weights within 1e-5."""
     from k3post.metrics import read_metrics
     from k3post.models import load_model
 
-    # SGD: AdamW would turn step 1's rounding-level gradients (all-equal rewards there) into lr-sized steps
-    args = ("rl.steps=2", "rl.lambda_=1.0", "rl.k=4", "rl.n_prompts=2", "rl.max_tokens=80", "rl.optimizer=sgd", "rl.lr=0.5",
-            "distributed.cpus_per_bundle=0.5", "distributed.roles.engines=1")
-    assert main(_cli(warm_policy, tmp_path / "one", "rl", *args)) == 0
-    assert main(_cli(warm_policy, tmp_path / "two", "rl", *args, "distributed.fsdp.ranks=2")) == 0
-    one = read_metrics(tmp_path / "one" / "r" / "metrics.jsonl", "rl/general.max")
-    two = read_metrics(tmp_path / "two" / "r" / "metrics.jsonl", "rl/general.max")
-    assert [r["step"] for r in two] == [1, 2]
+    one = read_metrics(rl_runs["one"] / "metrics.jsonl", "rl/general.max")
+    two = read_metrics(rl_runs["two"] / "metrics.jsonl", "rl/general.max")
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3]
     for a, b in zip(one, two):
         assert a["reward"] == b["reward"] and a["train/num_tokens"] == b["train/num_tokens"], (a, b)  # same rollouts
         assert abs(a["train/loss"] - b["train/loss"]) <= 1e-5 * max(1.0, abs(a["train/loss"])), (a, b)
         assert abs(a["train/grad_norm"] - b["train/grad_norm"]) <= 1e-4 * max(1.0, abs(a["train/grad_norm"])), (a, b)
-    w1 = load_model(tmp_path / "one" / "r" / "rl" / "general.max" / "final").state_dict()
-    w2 = load_model(tmp_path / "two" / "r" / "rl" / "general.max" / "final").state_dict()
+    w1 = load_model(rl_runs["one"] / "rl" / "general.max" / "final").state_dict()
+    w2 = load_model(rl_runs["two"] / "rl" / "general.max" / "final").state_dict()
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5
-    assert two[-1]["train/grad_norm"] > 1e-3  # a step that trained
+    assert max(r["train/grad_norm"] for r in two) > 1e-3  # steps that trained
+
+
+def _kill_rank_1_in_step_2(monkeypatch) -> tuple[list, list[int]]:
+    """`ray.kill` the first attempt's rank-1 actor as rank 0 sends step 2's trainer call. Returns (each
+    attempt's `RayFollowers`, the attempt number of every trainer step call)."""
+    from k3post.distributed.ranks import Leader
+    from k3post.distributed.ray_cluster import RayFollowers
+
+    started: list = []
+    steps: list[int] = []
+    start, tell = RayFollowers.start, Leader.tell
+
+    def record(self, *a, **kw):
+        started.append(self)
+        return start(self, *a, **kw)
+
+    def tell_and_kill(self, command):
+        if command[:2] == ("call", "step"):
+            steps.append(len(started))
+            if steps == [1, 1]:
+                ray.kill(started[0].actors[0], no_restart=True)
+        return tell(self, command)
+
+    monkeypatch.setattr(RayFollowers, "start", record)
+    monkeypatch.setattr(Leader, "tell", tell_and_kill)
+    return started, steps
+
+
+def test_a_killed_trainer_rank_restarts_from_the_last_checkpoint(warm_policy, rl_runs, tmp_path, monkeypatch):
+    """The same 2-rank run with rank 1's actor killed (`ray.kill`) as step 2 starts, after step 1's checkpoint:
+    rank 0's next collective fails at once, it sees rank 1 died, starts a new rank-1 actor and runs the stage
+    again (``distributed.fsdp.max_restarts=1``), which resumes from the step-1 DCP checkpoint (the second attempt
+    trains steps 2 and 3 only). The job ends as the uninterrupted run: the same rollouts and metric rows, the
+    trainer's numbers within fp32 rounding (`_same_rows`), final weights within 1e-6 (measured: 1.2e-7). SGD
+    has no state: the DCP optimizer restore is tested in tests/test_fsdp.py."""
+    from k3post.cli import main
+    from k3post.metrics import read_metrics
+    from k3post.models import load_model
+
+    _ray_only(monkeypatch)
+    started, steps = _kill_rank_1_in_step_2(monkeypatch)
+    assert main(_cli(warm_policy, tmp_path, "rl", *RANKS_ARGS, *ON_RAY, "distributed.fsdp.max_restarts=1")) == 0
+    assert len(started) == 2 and steps == [1, 1, 2, 2], steps  # killed in step 2; the restart ran steps 2 and 3
+    run = tmp_path / "r"
+    log = (run / "k3post.log").read_text()
+    assert "trainer rank 1 (" in log and "resumed rl/general.max from" in log and "step-000001" in log
+    got = read_metrics(run / "metrics.jsonl", "rl/general.max")
+    ref = read_metrics(rl_runs["two"] / "metrics.jsonl", "rl/general.max")
+    assert [r["step"] for r in got] == [1, 2, 3]
+    _same_rows(got, ref)
+    w = load_model(run / "rl" / "general.max" / "final").state_dict()
+    w_ref = load_model(rl_runs["two"] / "rl" / "general.max" / "final").state_dict()
+    assert max((w[k] - w_ref[k]).abs().max().item() for k in w_ref) < 1e-6
+
+
+def test_a_trainer_rank_lost_for_good_fails_the_command_naming_it(warm_policy, cluster, tmp_path, monkeypatch, capsys):
+    """With ``distributed.fsdp.max_restarts=0`` the killed rank is not replaced: `k3post rl` fails with one line
+    that names the rank and says a rerun resumes (exit 1), after the step-1 checkpoint was written."""
+    from k3post.cli import main
+
+    _ray_only(monkeypatch)
+    started, steps = _kill_rank_1_in_step_2(monkeypatch)
+    assert main(_cli(warm_policy, tmp_path, "rl", *RANKS_ARGS, *ON_RAY, "distributed.fsdp.max_restarts=0")) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"k3post: failed: RuntimeError: trainer rank 1 \(.*\) died and distributed.fsdp.max_restarts=0 "
+                     r"restarts are used up; running the command again resumes from the last checkpoint", err), err
+    assert len(started) == 1 and steps == [1, 1]
+    assert (tmp_path / "r" / "rl" / "general.max" / "checkpoints" / "step-000001" / "dcp").is_dir()
+
+
+# --------------------------------------------------------------------------- environment workers
+
+ENV_FAMILY = "coding.bugfix"  # 4 turns a reference episode: read, run the tests in the sandbox, fix, submit
+
+
+@pytest.fixture(scope="module")
+def bugfix_episodes(xtml_tokenizer):
+    """(run, local trajectories): ``run(env_factory)`` runs 3 coding.bugfix tasks x 2 samples whose turns are the
+    family's reference solution (a `ScriptedEngine` replays them through the real `AgentLoop`, the environments
+    built by ``env_factory``); ``local``: that run with the environments in this process, which the env-worker
+    runs must equal."""
+    from scripted_engine import ScriptedEngine
+    from test_agent_loop_fuzz import Adversary
+
+    from k3post.envs.episode import run_episode_sync
+    from k3post.envs.families.registry import get_family
+    from k3post.rollout.evaluation import local_env
+    from k3post.xtml import XTML
+
+    xtml = XTML(xtml_tokenizer)
+    fam = get_family(ENV_FAMILY)
+    tasks = fam.generate(3, seed=5)
+    adv = Adversary(xtml_tokenizer, xtml, {})
+    turns = {t.id: [adv.completion(m) for m in run_episode_sync(fam.reference_policy(t, "low"), fam.make_env(t), t,
+                                                                 verify=False).messages if m["role"] == "assistant"]
+             for t in tasks}
+
+    def script(req):  # request "g<task>/s<sample>#t<turn>": that turn of the task's reference solution
+        task = tasks[int(req.request_id.split("/")[0][1:])]
+        return turns[task.id][min(int(req.request_id.split("#t")[1]), len(turns[task.id]) - 1)]
+
+    def run(env_factory):
+        from k3post.rollout.evaluation import run_episodes
+
+        engine = ScriptedEngine(script, eom_id=xtml.eom_id, max_batch_size=8)
+        return [t for ts in run_episodes(engine, xtml, tasks, effort="low", max_tokens=4096, samples=2,
+                                         env_factory=env_factory) for t in ts]
+
+    local = run(local_env)
+    assert [t.reward for t in local] == [1.0] * 6 and all(t.turns == 4 for t in local)  # real multi-turn episodes
+    return run, local
+
+
+def _kill_at(monkeypatch, pool, call: int) -> list[int]:
+    """Kill env worker 0 (Ray restarts it) just before the ``call``-th environment step of the run."""
+    from k3post.distributed.env_workers import RemoteEnvironment
+
+    calls: list[int] = []
+    step = RemoteEnvironment.step
+
+    async def step_then_kill(self, message, **kw):
+        calls.append(self.worker)
+        if len(calls) == call:
+            ray.kill(pool.actors[0], no_restart=False)
+        return await step(self, message, **kw)
+
+    monkeypatch.setattr(RemoteEnvironment, "step", step_then_kill)
+    return calls
+
+
+def _same_episode(a, b) -> None:
+    assert (a.traj_id, a.token_ids, a.trainable, a.reward, a.finish, a.verdict, a.info) == \
+           (b.traj_id, b.token_ids, b.trainable, b.reward, b.finish, b.verdict, b.info), a.traj_id
+
+
+def test_a_killed_env_worker_resumes_its_episodes_from_their_saved_state(bugfix_episodes, cluster, monkeypatch):
+    """6 episodes on 2 env workers (round-robin: 3 each), worker 0 killed before the 4th environment step,
+    with every episode between turns (none finished): Ray restarts it empty; each of its 3 episodes finds it
+    dead or without the episode, is loaded from the state saved after its last step on worker 1 and its
+    step retried there. Every episode equals the in-process run: tokens, reward, verdict, per-turn info."""
+    from k3post.distributed.env_workers import EnvWorkerPool
+    from k3post.rollout.trajectory import outcome_metrics
+
+    run, local = bugfix_episodes
+    pool = EnvWorkerPool.start(cluster)
+    try:
+        assert pool.retries == 2 and len(pool.actors) == 2
+        calls = _kill_at(monkeypatch, pool, call=4)
+        got = run(pool.environment)
+        info = pool.info()
+    finally:
+        pool.close()
+    assert len(calls) > 4 and info[0]["restarted"] and not info[1]["restarted"]
+    assert pool.stats == {"episodes": 6, "retries": 3, "lost": 0}
+    assert len(got) == len(local) == 6
+    for a, b in zip(got, local):
+        _same_episode(a, b)
+    assert outcome_metrics(got)["malformed_episodes"] == 0
+
+
+def test_a_killed_env_worker_without_retries_fails_its_episodes_with_a_reason(bugfix_episodes, cluster, monkeypatch):
+    """The same kill with ``distributed.env_retries=0``: worker 0's 3 episodes end "malformed" with reason
+    ``env_lost`` (reward 0, the verdict naming the worker and the key), counted in the step metrics; the
+    other 3 equal the in-process run. Episodes in = episodes out: none dropped."""
+    from k3post.distributed.env_workers import EnvWorkerPool
+    from k3post.rollout.trajectory import outcome_metrics
+
+    run, local = bugfix_episodes
+    pool = EnvWorkerPool.start(cluster)
+    try:
+        pool.retries = 0
+        _kill_at(monkeypatch, pool, call=4)
+        got = run(pool.environment)
+    finally:
+        pool.close()
+    assert len(got) == len(local) == 6
+    lost = [t for t in got if t.malformed == "env_lost"]
+    assert [t.traj_id for t in lost] == ["g0/s0", "g1/s0", "g2/s0"]  # round-robin: worker 0 had every other episode
+    for t in lost:
+        assert t.finish == "malformed" and t.reward == 0.0 and t.token_ids and t.turns < 4  # lost mid-episode
+        assert re.search(r"env worker 0 \(a step of task '.*'\) was lost: .*distributed.env_retries=0 retries used",
+                         t.verdict["diagnostics"]), t.verdict
+    for a, b in zip(got, local):
+        if a.malformed is None:
+            _same_episode(a, b)
+    assert outcome_metrics(got)["malformed/env_lost"] == 3.0 and pool.stats["lost"] == 3
+
+
+# --------------------------------------------------------------------------- MOPD end to end on Ray
+
+
+def test_cli_mopd_on_ray_equals_one_process(warm_policy, folders, cluster, tmp_path):
+    """`k3post mopd` with ``distributed.enabled=true``: 2 trainer ranks (rank 1 a Ray actor: no local rank was
+    started), the two experts on two `TeacherActor` s, every episode's environment on an env worker, against the same command with Ray off on one
+    process (λ = 1, SGD): the same rollouts and teacher signal (OPD reward, token counts), the trainer's numbers
+    within fp32 rounding, final student weights within 1e-5, the same evaluation table. The student is the warm
+    policy, the teachers two other models (test_mopd's t1, t2), so the OPD signal is far from zero. One process
+    runs the shared-prompt forward, the ranks one forward a micro-batch: their forward-token and micro-batch
+    counts differ by design."""
+    from k3post.cli import main
+    from k3post.metrics import read_metrics
+    from k3post.models import load_model
+
+    model, tok = warm_policy
+    init = _save(model, tok, tmp_path / "init")
+    (tmp_path / "m.yaml").write_text(
+        f"run: {{name: r}}\nqat: {{enabled: false}}\nmopd:\n  experts: {{general.high: {folders['t1']}, "
+        f"general.max: {folders['t2']}}}\n"
+        "  effort_mix: {low: 0.0, high: 0.5, max: 0.5}\n  domains: [general]\n"
+        "  families: {general: [general.arithmetic]}\n  max_resident: 1\n"
+        "  rl: {steps: 2, n_prompts: 2, k: 2, n_tasks: 4, max_tokens: 24, lambda_: 1.0, optimizer: sgd, lr: 0.05,\n"
+        "       save_every: 1, eval_n: 2, eval_max_tokens: 16, progress: false}\n")
+
+    def mopd(name: str, *overrides: str) -> Path:
+        assert main(["mopd", str(tmp_path / "m.yaml"), f"run.root={tmp_path / name}", f"rl.init={init}", *overrides]) == 0
+        return tmp_path / name / "r"
+
+    one = mopd("one")
+    with pytest.MonkeyPatch.context() as mp:
+        _ray_only(mp)
+        two = mopd("two", "distributed.enabled=true", "distributed.fsdp.ranks=2", "distributed.roles.trainers=2",
+                   "distributed.roles.engines=0", "distributed.roles.teachers=2", "distributed.roles.env_workers=1",
+                   "distributed.cpus_per_bundle=0.1")
+    a, b = read_metrics(one / "metrics.jsonl", "mopd"), read_metrics(two / "metrics.jsonl", "mopd")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
+    _same_rows(b, a, skip=("train/micro_batches", "train/forward_tokens"))
+    assert min(abs(r["opd_reward"]) for r in a) > 0.1  # a real teacher signal
+    wa = load_model(one / "mopd" / "final").state_dict()
+    wb = load_model(two / "mopd" / "final").state_dict()
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+    sa, sb = (json.loads((r / "mopd" / "summary.json").read_text()) for r in (one, two))
+    assert sa["table"] == sb["table"] and sa["teacher_stats"]["sequences"] == sb["teacher_stats"]["sequences"]
+    log = (two / "k3post.log").read_text()
+    assert re.search(r"env workers: \{'episodes': [1-9]\d*, 'retries': 0, 'lost': 0\} here; calls served per worker "
+                     r"since its last start: \[[1-9]\d*\]", log)

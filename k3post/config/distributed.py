@@ -23,11 +23,19 @@ class FSDPConfig:
             parameters are cast), gradients reduced in fp32, fp32 master weights and optimizer state.
         cpu_offload: keep the sharded parameters, gradients and optimizer state on the CPU
             (``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
+        timeout_s: seconds a trainer collective (all-gather, reduce-scatter, barrier) may wait for the
+            other ranks before it fails; a rank that dies is noticed at once (its connection closes), this
+            bounds a rank that hangs.
+        max_restarts: how often a command restarts its trainer ranks after one of them died (rank 0, this
+            process, starts new ranks and runs the stage again, which resumes from its last checkpoint);
+            0: the command fails and a rerun resumes. Not used under torchrun (its ``--max-restarts`` is).
     """
 
     ranks: int = 1
     mixed_precision: str = "fp32"
     cpu_offload: bool = False
+    timeout_s: float = 1800.0
+    max_restarts: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.ranks, int) or isinstance(self.ranks, bool) or self.ranks < 1:
@@ -35,6 +43,8 @@ class FSDPConfig:
         if self.mixed_precision not in MIXED_PRECISIONS:
             raise ValueError(f"distributed.fsdp.mixed_precision must be one of {MIXED_PRECISIONS}, "
                              f"got {self.mixed_precision!r}")
+        _positive("distributed.fsdp.timeout_s", self.timeout_s)
+        _count("distributed.fsdp.max_restarts", self.max_restarts, 0)
 
 
 def _count(key: str, value: object, least: int) -> None:
@@ -42,14 +52,22 @@ def _count(key: str, value: object, least: int) -> None:
         raise ValueError(f"{key} must be an int >= {least}, got {value!r}")
 
 
+def _positive(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{key} must be a number > 0, got {value!r}")
+
+
 @dataclass
 class RolesConfig:
     """How many members each role group of the Ray placement group has (one bundle slot each).
 
     Fields:
-        trainers: trainer ranks; `k3post experts` runs one (domain, effort) job per trainer slot at a time.
+        trainers: trainer slots: with ``fsdp.ranks`` = N > 1, rank r > 0 is a `TrainerRankActor` on slot r
+            (slot 0 is this process's, rank 0; so at least N slots); `k3post experts` runs one (domain, effort)
+            job per slot at a time.
         engines: rollout engine servers (`EngineServerActor`, the ``k3post serve`` engine API).
-        env_workers: environment workers (tool sandboxes); reserved slots where the CPUs are.
+        env_workers: environment workers (`EnvWorkerActor`): every episode's environment (its tools, sandbox
+            and verifier) runs in one of them; 0 runs them in the rollout's process.
         teachers: MOPD teacher actors (`TeacherActor`), the experts spread over them.
         judges: GRM judge engine servers; reserved slots.
     """
@@ -82,6 +100,10 @@ class DistributedConfig:
         engine_max_restarts: how often Ray restarts a killed engine-server actor (on the same port, with
             the last weights it loaded); in-flight requests resume as continuations.
         task_retries: Ray retries of an expert job whose worker died (the job resumes from its checkpoints).
+        env_max_restarts: how often Ray restarts a killed environment worker.
+        env_retries: how often one episode's environment call is retried, from the episode's state saved
+            after its last step, when its worker died (on the restarted worker or another one); past that the
+            episode ends "malformed" with reason ``env_lost`` (counted in ``malformed/env_lost``).
         roles: the size of each role group (`RolesConfig`).
     """
 
@@ -93,6 +115,8 @@ class DistributedConfig:
     cpus_per_bundle: float = 1.0
     engine_max_restarts: int = 3
     task_retries: int = 1
+    env_max_restarts: int = 3
+    env_retries: int = 2
     roles: RolesConfig = field(default_factory=RolesConfig)
 
     def __post_init__(self) -> None:
@@ -103,8 +127,8 @@ class DistributedConfig:
         _count("distributed.num_cpus", self.num_cpus, 0)
         if self.layout not in LAYOUTS:
             raise ValueError(f"distributed.layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if isinstance(self.cpus_per_bundle, bool) or not isinstance(self.cpus_per_bundle, (int, float)) \
-                or not 0 < self.cpus_per_bundle < float("inf"):
-            raise ValueError(f"distributed.cpus_per_bundle must be a number > 0, got {self.cpus_per_bundle!r}")
+        _positive("distributed.cpus_per_bundle", self.cpus_per_bundle)
         _count("distributed.engine_max_restarts", self.engine_max_restarts, 0)
         _count("distributed.task_retries", self.task_retries, 0)
+        _count("distributed.env_max_restarts", self.env_max_restarts, 0)
+        _count("distributed.env_retries", self.env_retries, 0)

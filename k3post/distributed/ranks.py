@@ -15,9 +15,15 @@ The other ranks only serve trainer calls:
 
 Commands travel as pickled objects over a gloo group of their own (token ids and small metadata; the
 weights travel over the trainer's process group). Launch: with ``distributed.fsdp.ranks`` = N, this
-process is rank 0 and spawns N - 1 local ranks (gloo on CPU, NCCL for CUDA tensors), or, under torchrun
-(``RANK`` / ``WORLD_SIZE`` set, e.g. several nodes), every process runs the command line and ranks > 0
-follow. A failing rank 0 terminates the local ranks; a failing rank breaks rank 0's next collective.
+process is rank 0 and starts N - 1 follower ranks (gloo on CPU, NCCL for CUDA tensors): local processes
+(`Followers`), or with ``distributed.enabled`` Ray actors on the placement group's trainer bundles
+(`k3post.distributed.ray_cluster.RayFollowers`); both run `serve_rank`. Under torchrun (``RANK`` /
+``WORLD_SIZE`` set, e.g. several nodes) every process runs the command line and ranks > 0 follow.
+
+Faults. A failing rank 0 stops the followers. A follower that dies breaks rank 0's next collective at once
+(gloo: "Connection closed by peer"); one that hangs fails it after ``distributed.fsdp.timeout_s``. When a
+follower died, rank 0 starts new followers and runs the stage again, which resumes from its last checkpoint
+(DCP: any rank count), up to ``distributed.fsdp.max_restarts`` times.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +43,7 @@ import torch.distributed as dist
 from k3post.config.distributed import FSDPConfig
 from k3post.config.optim import OptimConfig
 
-__all__ = ["Leader", "leading", "on_ranks"]
+__all__ = ["Followers", "Leader", "leading", "on_ranks", "serve_rank"]
 
 log = logging.getLogger("k3post.ranks")
 
@@ -119,70 +127,145 @@ def _backend() -> str:
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _init(rank: int, world: int, init_method: str) -> Any:
-    """Join the process group; returns the command group."""
+_CONTROL_TIMEOUT = datetime.timedelta(days=7)  # the followers wait on the command group through whole rollouts
+
+
+def _init(rank: int, world: int, init_method: str, timeout_s: float) -> Any:
+    """Join the process group (collectives time out after ``timeout_s``); returns the command group."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     dist.init_process_group(_backend(), init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(hours=2))
-    return dist.new_group(backend="gloo")
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
 
 
-def _follower_entry(i: int, world: int, init_method: str, fsdp: FSDPConfig, threads: int) -> None:
-    rank = i + 1
+def serve_rank(rank: int, world: int, init_method: str, fsdp: FSDPConfig, threads: int) -> None:
+    """A follower rank's whole life: join the group at ``init_method``, serve rank 0's trainer commands until
+    ``stop``, leave. What a local rank process and a Ray `TrainerRankActor` both run."""
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(threads)
-    control = _init(rank, world, init_method)
+    control = _init(rank, world, init_method, fsdp.timeout_s)
     try:
         follow(control, fsdp)
     finally:
         dist.destroy_process_group()
 
 
-def on_ranks(fsdp: FSDPConfig, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` with ``fsdp.ranks`` trainer ranks (module doc); returns its result on rank 0 (None on a
-    torchrun follower). One rank: just ``fn(*args)``."""
+def _follower_entry(i: int, world: int, init_method: str, fsdp: FSDPConfig, threads: int) -> None:
+    serve_rank(i + 1, world, init_method, fsdp, threads)
+
+
+class Followers:
+    """Ranks 1..N-1 of one attempt: started, watched, stopped. This class runs them as local processes
+    (spawned); `k3post.distributed.ray_cluster.RayFollowers` as Ray actors on the trainer bundles."""
+
+    host = "127.0.0.1"  # where rank 0 listens for the rendezvous
+
+    def start(self, world: int, init_method: str, fsdp: FSDPConfig, threads: int) -> None:
+        self.procs = torch.multiprocessing.start_processes(_follower_entry, args=(world, init_method, fsdp, threads),
+                                                           nprocs=world - 1, join=False, start_method="spawn")
+
+    def lost(self, wait_s: float) -> list[str]:
+        """The followers that died (one line each), waiting up to ``wait_s`` for a death to show."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [f"rank {i + 1} (pid {p.pid}, exit code {p.exitcode})"
+                    for i, p in enumerate(self.procs.processes) if p.exitcode is not None]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.1)
+
+    def join(self) -> None:
+        """After ``stop``: wait for every follower to exit (raises when one failed)."""
+        while not self.procs.join():
+            pass
+
+    def terminate(self) -> None:
+        for p in self.procs.processes:
+            if p.is_alive():
+                p.terminate()
+
+
+def _run_leader(fsdp: FSDPConfig, followers: Followers, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """One attempt: start the followers, run ``fn(*args)`` as rank 0, stop them. A failure is re-raised
+    with ``lost_ranks`` (the followers that died, one line each) set on the exception."""
     global _LEADER
+    world = fsdp.ranks
+    with socket.socket() as s:  # a port on the address the followers reach rank 0 at
+        s.bind((followers.host, 0))
+        init = f"tcp://{followers.host}:{s.getsockname()[1]}"
+    followers.start(world, init, fsdp, max(1, torch.get_num_threads() // world))
+    done = False
+    try:
+        control = _init(0, world, init, fsdp.timeout_s)
+        try:
+            _LEADER = leader = Leader(fsdp, control)
+            out = fn(*args)
+            leader.tell(("stop",))
+            done = True
+        finally:
+            _LEADER = None
+            dist.destroy_process_group()
+        followers.join()
+        return out
+    except Exception as e:
+        # a collective that failed (RuntimeError, DistError) may be a follower's death Ray or the OS has not
+        # reported yet: wait for it a little; any other error is rank 0's own
+        lost = [] if done else followers.lost(wait_s=10.0 if isinstance(e, RuntimeError) else 0.0)
+        e.lost_ranks = lost  # type: ignore[attr-defined]
+        raise
+    finally:
+        if not done:
+            followers.terminate()
+
+
+def on_ranks(fsdp: FSDPConfig, fn: Callable[..., Any], *args: Any,
+             followers: Callable[[], Followers] = Followers) -> Any:
+    """``fn(*args)`` with ``fsdp.ranks`` trainer ranks (module doc); returns its result on rank 0 (None on a
+    torchrun follower). One rank: just ``fn(*args)``. ``followers`` makes each attempt's ranks 1..N-1
+    (local processes by default; Ray actors: `k3post.distributed.ray_cluster.RayFollowers`). When one of them
+    dies, rank 0 starts new ones and runs ``fn`` again (it resumes from the stage's last checkpoint), up to
+    ``fsdp.max_restarts`` times; then the error says which rank was lost."""
     if fsdp.ranks == 1:
         return fn(*args)
     if _LEADER is not None or dist.is_initialized():
         raise RuntimeError("on_ranks: this process already is in a process group")
-    procs = None
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (one process per rank, any nodes)
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if world != fsdp.ranks:
-            raise ValueError(f"distributed.fsdp.ranks is {fsdp.ranks} but torchrun started WORLD_SIZE={world} processes")
-        control = _init(rank, world, "env://")
-    else:  # this process is rank 0 and spawns the others
-        from k3post.distributed.fsdp import free_port
-
-        rank, world, init = 0, fsdp.ranks, f"tcp://127.0.0.1:{free_port()}"
-        threads = max(1, torch.get_num_threads() // world)
-        procs = torch.multiprocessing.start_processes(_follower_entry, args=(world, init, fsdp, threads),
-                                                      nprocs=world - 1, join=False, start_method="spawn")
-        control = _init(0, world, init)
-    if rank != 0:
+        return _under_torchrun(fsdp, fn, args)
+    for attempt in range(fsdp.max_restarts + 1):
         try:
-            follow(control, fsdp)
-        finally:
-            dist.destroy_process_group()
-        return None
-    _LEADER = leader = Leader(fsdp, control)
-    log.info("trainer ranks: %d (rank 0 runs the command)", world)
-    done = False
+            log.info("trainer ranks: %d (rank 0 runs the command)%s", fsdp.ranks,
+                     f", restart {attempt} of {fsdp.max_restarts}" if attempt else "")
+            return _run_leader(fsdp, followers(), fn, args)
+        except Exception as e:
+            lost = getattr(e, "lost_ranks", [])
+            if not lost:
+                raise
+            if attempt == fsdp.max_restarts:
+                raise RuntimeError(f"trainer {'; '.join(lost)} died and distributed.fsdp.max_restarts="
+                                   f"{fsdp.max_restarts} restarts are used up; running the command again resumes "
+                                   f"from the last checkpoint ({type(e).__name__}: {e})") from e
+            log.warning("trainer %s died (%s: %s); starting new trainer ranks, the stage resumes from its last "
+                        "checkpoint (restart %d of distributed.fsdp.max_restarts=%d)", "; ".join(lost),
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "", attempt + 1, fsdp.max_restarts)
+    raise AssertionError("unreachable")
+
+
+def _under_torchrun(fsdp: FSDPConfig, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """Every process of a torchrun job runs the command line: rank 0 runs ``fn``, the others follow."""
+    global _LEADER
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != fsdp.ranks:
+        raise ValueError(f"distributed.fsdp.ranks is {fsdp.ranks} but torchrun started WORLD_SIZE={world} processes")
+    control = _init(rank, world, "env://", fsdp.timeout_s)
     try:
+        if rank != 0:
+            follow(control, fsdp)
+            return None
+        _LEADER = leader = Leader(fsdp, control)
         out = fn(*args)
         leader.tell(("stop",))
-        done = True
+        return out
     finally:
         _LEADER = None
-        if procs is not None:
-            if done:
-                while not procs.join():
-                    pass
-            else:
-                for p in procs.processes:
-                    if p.is_alive():
-                        p.terminate()
         dist.destroy_process_group()
-    return out

@@ -2,25 +2,37 @@
 of bundles, role groups placed on it, and the actors the stages use through their usual seams.
 
     with RayCluster(cfg.distributed) as cluster:              ray.init + one placement group (`plan_placement`)
+        on_ranks(fsdp, fn, cfg, followers=lambda: RayFollowers(cluster))   trainer ranks > 0 as `TrainerRankActor` s
         train_experts(sft, rl, out, cluster=cluster)          the nine (domain, effort) jobs as chained Ray tasks
         pool = RayTeacherPool(cluster, experts)               MOPD teachers, each on a bundle of its own
         urls = cluster.engine_servers(model_dir)              engine servers: `Rollout` talks to them over http
+        remote_environments(cluster)                          env workers (`k3post.distributed.env_workers`)
+
+The CLI opens one `RayCluster` for a command (`k3post sft|rl|experts|mopd ... distributed.enabled=true`); the
+stage code finds it with `cluster_for`, so every role of the command is in the one placement group.
 
 **Role groups** (`k3post.config.distributed.RolesConfig`): trainers, engines, env_workers, teachers, judges.
 ``layout = colocated``: trainer rank i and engine i share bundle i (the weights stay on the node); the other
 roles have bundles of their own. ``disaggregated``: every member has a bundle of its own. A bundle has
 ``cpus_per_bundle`` CPUs, split evenly between the members sharing it.
 
-**The stage loops do not change.** An engine server is an `EngineServerActor` running the ``k3post serve``
-engine API on a port of its node; the stage's `Rollout` is an ``engine.kind = http`` client of its URL
-(`engine_config`). Teachers answer `TeacherPool.score` calls (`RayTeacherPool` is a `TeacherPool` for
-`k3post.mopd.opd_signal`). Expert jobs call `k3post.experts.train_domain_experts` in a Ray worker.
+**The stage loops do not change.** Trainer rank r > 0 is a `TrainerRankActor` on trainer slot r running
+`k3post.distributed.ranks.serve_rank` (the same follower loop as a local rank process); rank 0 is the driver,
+which runs the stage and hands it the sharded trainer (`k3post.trainer.build_trainer`). An engine server is an
+`EngineServerActor` running the ``k3post serve`` engine API on a port of its node; the stage's `Rollout` is an
+``engine.kind = http`` client of its URL (`engine_config`). Teachers answer `TeacherPool.score` calls
+(`RayTeacherPool` is a `TeacherPool` for `k3post.mopd.opd_signal`). Expert jobs call
+`k3post.experts.train_domain_experts` in a Ray worker. Environments run in `EnvWorkerActor` s behind
+`k3post.rollout.evaluation.make_env`.
 
 **Faults.** A killed engine-server actor is restarted by Ray (``engine_max_restarts``) on the same port with
 the weights it last loaded (each loaded version is kept in the actor's state folder); the `HTTPEngine`
 client retries the calls that failed meanwhile, resubmitting each in-flight request from its last known
 continuation, so counter-based sampling draws the tokens it would have drawn (none lost, none twice).
-An expert job whose worker dies is retried ``task_retries`` times and resumes from its checkpoints.
+An expert job whose worker dies is retried ``task_retries`` times and resumes from its checkpoints. A
+trainer-rank actor is not restarted by Ray: rank 0 notices the death at its next collective and restarts the
+whole rank group, the stage resuming from its last checkpoint (``distributed.fsdp.max_restarts``,
+`k3post.distributed.ranks.on_ranks`). A killed environment worker: `k3post.distributed.env_workers`.
 
 Shape legend: none (no tensors here).
 """
@@ -32,7 +44,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -41,10 +54,11 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from k3post.config.distributed import ROLES, DistributedConfig
+from k3post.config.distributed import ROLES, DistributedConfig, FSDPConfig
 from k3post.config.rollout import EngineConfig
 
-__all__ = ["Placement", "plan_placement", "RayCluster", "EngineServerActor", "TeacherActor", "RayTeacherPool"]
+__all__ = ["Placement", "plan_placement", "cluster_for", "RayCluster", "RayFollowers", "TrainerRankActor",
+           "EngineServerActor", "TeacherActor", "RayTeacherPool"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +113,21 @@ def _init_kwargs(cfg: DistributedConfig) -> dict[str, Any]:
     return kw
 
 
+_ACTIVE: list[RayCluster] = []  # the clusters open as context managers in this process, innermost last
+
+
+@contextmanager
+def cluster_for(cfg: DistributedConfig) -> Iterator[RayCluster]:
+    """The run's cluster: the one this process has open as a context manager (the CLI opens it before the
+    trainer ranks start, so the stage places its actors in the same placement group), else a new one of
+    ``cfg``, closed at the end."""
+    if _ACTIVE:
+        yield _ACTIVE[-1]
+        return
+    with RayCluster(cfg) as cluster:
+        yield cluster
+
+
 class RayCluster:
     """A connection to Ray and the run's placement group (module doc); a context manager.
 
@@ -128,6 +157,7 @@ class RayCluster:
             raise
         self.startup_s = time.perf_counter() - t0
         self._actors: list[Any] = []
+        self.env_pool: Any = None  # the env workers' pool while `remote_environments` runs
         log.info("ray: %d bundles (%s layout, %g CPUs) ready in %.1f s", len(self.placement.bundles), cfg.layout,
                  self.placement.cpus, self.startup_s)
 
@@ -145,14 +175,16 @@ class RayCluster:
 
     def run_chains(self, fn: Callable[..., Any], chains: Sequence[Sequence[tuple[Any, ...]]]) -> list[Any]:
         """Chain c runs ``fn(*args, prev)`` for each ``args`` of ``chains[c]`` in order (``prev``: the previous
-        call's result, None first) as Ray tasks on trainer slot c; the chains run in parallel. Returns each
-        chain's last result."""
-        task = ray.remote(fn)
+        call's result, None first) as Ray tasks on trainer slot c; the chains run in parallel; with env workers
+        started (`k3post.distributed.env_workers.remote_environments`) the tasks' environments run on them.
+        Returns each chain's last result."""
+        task = ray.remote(_with_envs)
         last = []
         for c, chain in enumerate(chains):
             prev: Any = None
             for args in chain:  # an ObjectRef argument is resolved first: the chain's order
-                prev = task.options(**self.options("trainers", c), max_retries=self.cfg.task_retries).remote(*args, prev)
+                prev = task.options(**self.options("trainers", c), max_retries=self.cfg.task_retries).remote(
+                    self.env_pool, fn, *args, prev)
             last.append(prev)
         return ray.get(last)
 
@@ -178,11 +210,30 @@ class RayCluster:
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
 
+    def kill(self, actors: Sequence[Any]) -> None:
+        """Kill ``actors`` (started here) for good, before the cluster closes."""
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        self._actors = [a for a in self._actors if all(a is not b for b in actors)]
+
     def __enter__(self) -> RayCluster:
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         self.close()
+
+
+def _with_envs(env_pool: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a Ray task, its environments on ``env_pool``'s workers when there is one."""
+    if env_pool is None:
+        return fn(*args)
+    from k3post.rollout.evaluation import env_placement
+
+    with env_placement(env_pool.environment):
+        return fn(*args)
 
 
 def urls(actors: Sequence[Any]) -> list[str]:
@@ -200,6 +251,64 @@ def engine_config(actors: Sequence[Any], base: EngineConfig | None = None, *, re
         retries += 1
     return replace(base, kind="http", urls=urls(actors), retries=max(base.retries, retries), backoff_s=backoff,
                    launch=0)
+
+
+# --------------------------------------------------------------------------- trainer ranks
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class TrainerRankActor:
+    """Trainer rank r > 0 of a command on Ray: `k3post.distributed.ranks.serve_rank` in an actor on trainer
+    slot r (it joins rank 0's process group and follows its trainer until ``stop``). Not restarted by Ray:
+    rank 0 restarts the whole group (`k3post.distributed.ranks.on_ranks`)."""
+
+    def serve(self, rank: int, world: int, init_method: str, fsdp: FSDPConfig, threads: int) -> None:
+        from k3post.distributed.ranks import serve_rank
+
+        serve_rank(rank, world, init_method, fsdp, threads)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayFollowers:
+    """`k3post.distributed.ranks.Followers` as `TrainerRankActor` s: rank r on the cluster's trainer slot r
+    (slot 0 is rank 0's: the driver). Rank 0 listens on this node's IP."""
+
+    def __init__(self, cluster: RayCluster) -> None:
+        self.cluster = cluster
+        self.host = ray.util.get_node_ip_address()
+        self.actors: list[Any] = []
+        self.refs: list[Any] = []
+
+    def start(self, world: int, init_method: str, fsdp: FSDPConfig, threads: int) -> None:
+        have = self.cluster.size("trainers")
+        if have < world:
+            raise ValueError(f"distributed.fsdp.ranks={world} needs a trainer slot per rank, but "
+                             f"distributed.roles.trainers is {have}")
+        self.actors = [TrainerRankActor.options(**self.cluster.options("trainers", r)).remote() for r in range(1, world)]
+        self.refs = [a.serve.remote(r, world, init_method, fsdp, threads) for r, a in enumerate(self.actors, 1)]
+
+    def lost(self, wait_s: float) -> list[str]:
+        """The ranks whose actor died (its ``serve`` call ended in an error), waiting up to ``wait_s``."""
+        ready, _ = ray.wait(self.refs, num_returns=1, timeout=wait_s)
+        dead = []
+        for r, ref in enumerate(self.refs, 1):
+            if ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                    dead.append(f"rank {r} (its actor returned before the command ended)")
+                except Exception as e:  # noqa: BLE001 - which error says how it died
+                    dead.append(f"rank {r} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        return dead
+
+    def join(self) -> None:
+        ray.get(self.refs)
+        self.terminate()
+
+    def terminate(self) -> None:
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
 
 
 # --------------------------------------------------------------------------- engine servers

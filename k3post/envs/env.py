@@ -36,6 +36,7 @@ from k3post.envs.task import FinalState, Task, Verdict, run_verifier
 from k3post.envs.tools import ToolContext, ToolSpec, call_tool
 
 __all__ = [
+    "EnvironmentLost",
     "EpisodeLimits",
     "StepResult",
     "Environment",
@@ -71,6 +72,12 @@ def count_tokens(message: Mapping[str, Any]) -> int:
             args = fn.get("arguments", "")
             parts.append(args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
     return sum(len(p.split()) for p in parts)
+
+
+class EnvironmentLost(RuntimeError):
+    """The process holding an episode's environment was lost and the episode could not be resumed from its
+    saved state (`k3post.distributed.env_workers`); the agent loop ends it "malformed" with reason
+    ``env_lost``."""
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ Design decisions:
   reason (`MALFORMED_REASONS`): ids that are not a valid XTML assistant message, a message
   the env rejects, an env or verifier that raises on it, a reply that cannot be rendered.
   All get reward 0.0 and a verdict saying why (the env is not asked to verify an unfinished
-  episode). Tool calls with bad names or arguments are the env's business: it answers with
+  episode); so does an episode whose environment worker was lost for good (``env_lost``). Tool calls with bad names or arguments are the env's business: it answers with
   error observations and the episode goes on.
 * **One parse per turn.** The sampled ids are parsed as a completion after the generation
   prefix (`XTML.stream`), i.e. exactly as they read inside the context; the env answers the
@@ -64,7 +64,7 @@ import traceback
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from k3post.envs.env import Environment
+from k3post.envs.env import Environment, EnvironmentLost
 from k3post.envs.task import Task, Verdict
 from k3post.envs.tools import openai_tools
 from k3post.rollout.engine import (
@@ -346,6 +346,9 @@ class AgentLoop:
         except ValueError as e:  # the env refused the message itself (not a tool error)
             self._end_unverified(traj, "malformed", f"turn {traj.turns}: the env rejected the message: {e}", "env_rejected")
             return True
+        except EnvironmentLost as e:  # its worker died and the retries from the saved state are used up
+            self._env_defect(traj, "env_lost", "the environment was lost", e)
+            return True
         except Exception as e:  # noqa: BLE001 - an env defect must not end a training run
             self._env_defect(traj, "env_error", "env.step raised", e)
             return True
@@ -354,6 +357,9 @@ class AgentLoop:
         if result.done:
             try:
                 verdict = env.verify()
+            except EnvironmentLost as e:
+                self._env_defect(traj, "env_lost", "the environment was lost", e)
+                return True
             except Exception as e:  # noqa: BLE001 - as above
                 self._env_defect(traj, "verifier_error", "env.verify raised", e)
                 return True

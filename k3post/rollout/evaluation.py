@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from k3post.envs.families.registry import get_family
@@ -24,12 +25,32 @@ from k3post.rollout.trajectory import Trajectory
 from k3post.stats import wilson_interval
 from k3post.xtml import OMIT_EFFORT, XTML
 
-__all__ = ["run_episodes", "evaluate_episodes", "summarize_trajectories", "make_env", "reference_turn_tokens"]
+__all__ = ["run_episodes", "evaluate_episodes", "summarize_trajectories", "make_env", "local_env", "env_placement",
+           "reference_turn_tokens"]
+
+
+_PLACEMENT: list[Callable[[Task], Any]] = []  # env factories installed by `env_placement`, innermost last
+
+
+def local_env(task: Task) -> Any:
+    """A fresh environment for ``task`` from its registered family, in this process."""
+    return get_family(task.family).make_env(task)
 
 
 def make_env(task: Task) -> Any:
-    """A fresh environment for ``task`` from its registered family."""
-    return get_family(task.family).make_env(task)
+    """A fresh environment for ``task``: in this process (`local_env`), or where `env_placement` put the
+    environments (Ray environment workers: `k3post.distributed.env_workers`)."""
+    return _PLACEMENT[-1](task) if _PLACEMENT else local_env(task)
+
+
+@contextmanager
+def env_placement(factory: Callable[[Task], Any]) -> Iterator[None]:
+    """Within the block, `make_env` builds environments with ``factory`` (task -> environment)."""
+    _PLACEMENT.append(factory)
+    try:
+        yield
+    finally:
+        _PLACEMENT.remove(factory)
 
 
 def reference_turn_tokens(xtml: XTML, tasks: Sequence[Task], effort: str, *, mode: str = "think") -> int:
@@ -41,7 +62,7 @@ def reference_turn_tokens(xtml: XTML, tasks: Sequence[Task], effort: str, *, mod
     longest = 0
     for task in tasks:
         family = get_family(task.family)
-        ep = run_episode_sync(family.reference_policy(task, effort), make_env(task), task, verify=False)
+        ep = run_episode_sync(family.reference_policy(task, effort), local_env(task), task, verify=False)  # scripted: here
         r = xtml.render(ep.messages, tools=ep.tools or None, effort=effort, mode=mode)
         run = 0
         for m in [*r.loss_mask, False]:  # the loss mask's runs are the assistant turns

@@ -40,13 +40,16 @@ __all__ = ["TrajectoryStatus", "TRAJECTORY_STATUSES", "MALFORMED_REASONS", "Traj
 TrajectoryStatus = Literal["running", "paused", "done"]
 TRAJECTORY_STATUSES: tuple[str, ...] = ("running", "paused", "done")
 
-MALFORMED_REASONS: tuple[str, ...] = ("xtml", "env_rejected", "env_error", "verifier_error", "unrenderable_reply")
+MALFORMED_REASONS: tuple[str, ...] = ("xtml", "env_rejected", "env_error", "verifier_error", "unrenderable_reply",
+                                      "env_lost")
 """Why an episode ended "malformed": ``xtml`` the sampled turn is not a valid XTML assistant message (a
 dropped or cut-off call, duplicate or missing indices, a special token out of place, an empty turn);
 ``env_rejected`` the env refused the message with a ValueError; ``env_error`` / ``verifier_error`` the env's
 step / verifier raised anything else on it; ``unrenderable_reply`` the env's reply could not be rendered
 after the turn (`XTML.extend`). The last three are environment defects that the policy's output exposed:
-the episode still ends with reward 0 (a long run goes on), and they are logged with their traceback."""
+the episode still ends with reward 0 (a long run goes on), and they are logged with their traceback.
+``env_lost``: the environment worker holding the episode died and the episode could not be resumed from
+its saved state within ``distributed.env_retries`` (`k3post.distributed.env_workers`); reward 0 too."""
 
 
 @dataclass
