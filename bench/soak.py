@@ -23,8 +23,10 @@ Sampled every ``sample_every`` steps:
                        requests in flight, environments, per-trajectory turn KV
     live_tensors       torch tensors reachable by the garbage collector
     ckpt_folders       checkpoint folders on disk (must equal keep_last once keep_last saves happened)
-    history_bytes      the loop's per-step history (pickled): it grows by design (one metrics row a step,
-                       saved in every checkpoint for an exact resume), so it is reported, not bounded
+    ckpt_state_bytes   the newest checkpoint's trainer_state.pt, and (pickled) its parts: ``ckpt_sched_bytes``
+                       the scheduler's state (paused and undispatched trajectories: it moves with them),
+                       ``ckpt_loop_bytes`` the rest but the KV pool's tensors (optimizer, RNG, step, cursor,
+                       config: constant; the per-step rows are in metrics.jsonl only, `k3post.loop`)
 
 A slope is the least-squares line through the samples after ``warmup`` steps, per 100 steps.
 
@@ -115,8 +117,24 @@ def _probe(pl: Any, ckpt_root: Path) -> dict[str, float]:
         "loop_envs": float(len(loop._envs)), "loop_turn_kv": float(len(loop._turn_kv)),
         "live_tensors": float(live_tensors),
         "ckpt_folders": float(len(folders)),
-        "history_bytes": float(len(pickle.dumps(pl.history))),
+        **_state_bytes(ckpt_root),
     }
+
+
+def _state_bytes(ckpt_root: Path) -> dict[str, float]:
+    """Sizes of the newest checkpoint's trainer state (module doc; zeros before the first checkpoint)."""
+    import torch
+
+    from k3post.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(ckpt_root)
+    if ckpt is None:
+        return {"ckpt_state_bytes": 0.0, "ckpt_sched_bytes": 0.0, "ckpt_loop_bytes": 0.0}
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    rest = {k: v for k, v in state.items() if k not in ("scheduler", "kv_pool")}
+    return {"ckpt_state_bytes": float((ckpt / "trainer_state.pt").stat().st_size),
+            "ckpt_sched_bytes": float(len(pickle.dumps(state["scheduler"]))),
+            "ckpt_loop_bytes": float(len(pickle.dumps(rest)))}
 
 
 def _budgets(tasks: list[Any]) -> Any:
