@@ -84,3 +84,35 @@ def test_two_hundred_rl_steps_leak_nothing(tmp_path):
     assert s["rss_mib"] < 4.0, s
     assert abs(s["fds"]) <= 0.5 and spread["fds"] <= 1, (s, spread)
     assert abs(s["live_tensors"]) <= 5.0 and spread["live_tensors"] <= 32, (s, spread)
+
+
+@pytest.mark.slow
+def test_tool_using_families_leak_no_process_fd_or_sandbox_folder(tmp_path):
+    """agents.search and coding.write_function for 60 RL steps (~2 min with the 150 SFT steps that teach the
+    tiny model its two tasks' reference calls): every episode goes through the real agent loop (turn KV carried
+    between turns), environments, bubblewrap sandboxes and the coding verifier's fresh sandbox.
+
+    It must really have called tools (the SFT makes it; measured 7 tool calls per 2 episodes, every coding
+    episode a write_file and a run_tests, every episode passing), and then: no process left behind at any
+    sample or after the loop closes (the same descendants as before: none are zombies), no sandbox folder left
+    after the loop closes and at most the live environments' between steps (2 per coding environment), open
+    fds constant after warm-up, the bounds of `_check_bounded`, and the RSS slope under the single-turn test's
+    tripwire."""
+    out = bench.run_soak(60, tmp_path, sample_every=5, warmup=15, save_every=5, keep_last=2, tools=True,
+                         families=("agents.search", "coding.write_function"), sft_steps=150, tool_tasks=1)
+    assert out["steps"] == 60
+    e = out["episodes"]
+    assert e["episodes"] >= 100 and e["tool_calls"] >= 2 * e["episodes"] and e["code_runs"] >= 0.25 * e["episodes"], e
+    assert e["passed"] >= 0.5 * e["episodes"], e  # the verifiers ran on real submissions
+    assert out["sandboxes"]["made"] >= 60 and out["sandboxes"]["runs"] >= 60, out["sandboxes"]
+    assert out["engine_stats"]["kv_kept"] > 0 and out["engine_stats"]["kv_reused_tokens"] > 0, out["engine_stats"]
+    _check_bounded(out)
+    before = out["processes"]["before"]
+    assert out["processes"]["after"] == before, out["processes"]
+    assert all(s["child_procs"] <= before[0] and s["zombies"] <= before[1] for s in out["samples"])
+    assert out["sandbox_dirs_after"] == 0
+    assert all(s["sandbox_dirs"] <= 2 * s["loop_envs"] for s in out["samples"]), [
+        (s["sandbox_dirs"], s["loop_envs"]) for s in out["samples"]]
+    after = [s for s in out["samples"] if s["step"] > out["warmup"]]
+    assert max(s["fds"] for s in after) - min(s["fds"] for s in after) <= 1
+    assert out["slopes_per_100_steps"]["rss_mib"] < 4.0, out["slopes_per_100_steps"]
