@@ -601,8 +601,8 @@ def _main(args: argparse.Namespace, tmp: str) -> None:
     if not args.no_train_rl_check:
         res = train_rl(copy.deepcopy(base), tok, cfg, os.path.join(tmp, "rl"), budgets=budget_table(tasks, args.max_tokens),
                        resume=False, evaluate=False)
-        check = statistics.median(h["step_s"] for h in res.history[w:])
-        print(f"check: train_rl itself, {len(res.history)} steps, median step_s after the warm-up {check:.3f} s "
+        check = statistics.median(res.metrics.series("step_s")[w:])
+        print(f"check: train_rl itself, {res.steps} steps, median step_s after the warm-up {check:.3f} s "
               f"(the bench's k3post arm: {steps['k3post_step_s_median']:.3f} s)")
 
     result: dict[str, Any] = {

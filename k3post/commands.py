@@ -231,9 +231,9 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
         finally:
             close_engine(engine)
         teacher_stats = dict(pool.stats)  # training and evaluation together
-    out = {"steps": res.steps, "seconds": res.seconds, "teacher_stats": teacher_stats, "rollout_gap": rollout_gap(res.history),
-           "opd_reward_curve": [h.get("opd_reward", float("nan")) for h in res.history],
-           "reverse_kl_curve": [h.get("reverse_kl", float("nan")) for h in res.history], "table": table}
+    out = {"steps": res.steps, "seconds": res.seconds, "teacher_stats": teacher_stats, "rollout_gap": rollout_gap(res.metrics),
+           "opd_reward_curve": res.metrics.series("opd_reward"), "reverse_kl_curve": res.metrics.series("reverse_kl"),
+           "table": table}
     (run / "mopd" / "summary.json").write_text(json.dumps(out, indent=1, default=float))
     return out
 

@@ -82,8 +82,9 @@ def domain_budgets(engine: Any, xtml: XTML, cfg: RLConfig, path: str | Path) -> 
     )
 
 
-def _tail(history: list[dict[str, float]], key: str, n: int = 3) -> float:
-    vals = [h[key] for h in history[-n:] if key in h and h[key] == h[key]]
+def _tail(rows: list[dict[str, float]], key: str) -> float:
+    """The mean of ``key`` over ``rows`` (a run's last steps), NaN values left out."""
+    vals = [h[key] for h in rows if key in h and h[key] == h[key]]
     return statistics.fmean(vals) if vals else float("nan")
 
 
@@ -290,6 +291,7 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
     tmp.rename(dest)
     before = table["before"][stage.domain][stage.effort]
     after = res.eval["overall"]
+    last = res.metrics.tail(3)
     if before["overall"]["task_ids"] != after["task_ids"]:  # the paired test needs the same held-out tasks, in the same order
         raise RuntimeError(f"{stage.expert}: the SFT and expert evaluations ran different tasks")
     table["experts"][stage.expert] = {
@@ -300,11 +302,11 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
         "sft_mean_effort_tokens": before["overall"]["mean_effort_tokens"],
         "change": paired_change(before["overall"]["passed"], after["passed"]),
         "eval": res.eval,
-        "final_violation_rate": _tail(res.history, "budget_violation_rate"),
-        "rollout_gap": rollout_gap(res.history),
-        "final_effort_ratio": _tail(res.history, "effort_ratio"),
-        "reward_curve": [h.get("reward", float("nan")) for h in res.history],
-        "effort_tokens_curve": [h.get("effort_tokens", float("nan")) for h in res.history],
+        "final_violation_rate": _tail(last, "budget_violation_rate"),
+        "rollout_gap": rollout_gap(res.metrics),
+        "final_effort_ratio": _tail(last, "effort_ratio"),
+        "reward_curve": res.metrics.series("reward"),
+        "effort_tokens_curve": res.metrics.series("effort_tokens"),
         "seconds": time.perf_counter() - t0,
     }
     ch = table["experts"][stage.expert]["change"]

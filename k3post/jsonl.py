@@ -6,7 +6,7 @@ committed (its writer died before finishing the append), so readers leave it out
 the log's lock, cuts it off before appending (`repair_tail`); otherwise the next row would be glued to it.
 A malformed line anywhere else, or a last line that ends in a newline, is an error naming ``file:line``.
 
-    rows = read_values(path)              # readers: tolerate a torn last line
+    rows = read_values(path)              # readers: tolerate a torn last line (iter_values: one line at a time)
     with lock:
         repair_tail(path)                 # writers: cut it off (or end a whole last row with its newline)
         append(path, row)
@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MalformedLineError", "json_line", "read_values", "repair_tail"]
+__all__ = ["MalformedLineError", "json_line", "iter_values", "read_values", "repair_tail"]
 
 
 class MalformedLineError(ValueError):
@@ -49,24 +50,30 @@ def json_line(line: bytes, where: str) -> Any:
         raise MalformedLineError(f"{where}: malformed JSON: {e}") from None
 
 
-def read_values(path: str | Path) -> list[Any]:
-    """The JSON value of every non-blank line of ``path`` ([] when it does not exist). A torn last line
-    (module doc) is left out, with a warning; any other malformed line raises `MalformedLineError`."""
+def iter_values(path: str | Path) -> Iterator[Any]:
+    """The JSON value of every non-blank line of ``path``, read one line at a time (nothing when it does not
+    exist). A torn last line (module doc) is left out, with a warning; any other malformed line raises
+    `MalformedLineError`."""
     p = Path(path)
     if not p.exists():
-        return []
-    lines = p.read_bytes().split(b"\n")  # after a final newline the last piece is b""
-    out = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(json_line(line, f"{p}:{lineno}"))
-        except MalformedLineError as e:
-            if lineno < len(lines):  # ends in a newline: written whole, so really malformed
-                raise
-            log.warning("leaving out a torn last line, a write cut short (%s)", e)
-    return out
+        return
+    with p.open("rb") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json_line(line, f"{p}:{lineno}")
+            except MalformedLineError as e:
+                if line.endswith(b"\n"):  # written whole, so really malformed
+                    raise
+                log.warning("leaving out a torn last line, a write cut short (%s)", e)
+                return
+            yield value
+
+
+def read_values(path: str | Path) -> list[Any]:
+    """`iter_values` as a list ([] when ``path`` does not exist)."""
+    return list(iter_values(path))
 
 
 def repair_tail(path: str | Path) -> None:

@@ -19,15 +19,22 @@ undispatched trajectories with their env / sandbox state, the prompt queue, the 
 engine version; sampling is counter-based, so a resumed run reproduces the uninterrupted one (tested by
 killing a run).
 
+Per-step rows: each step's metrics go to the run's metrics.jsonl (made durable before each checkpoint) and
+nowhere else: the loop keeps no per-step history in memory or in checkpoints, so a long run's memory and
+checkpoints do not grow with its steps (issue 20). A consumer of the whole series reads it back from the
+file (`StageLog`: curves, `rollout_gap`, the last steps' values).
+
 Shape legend: none here (the math lives in k3post/algos and k3post/policy_step.py).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,7 +45,7 @@ from tqdm import tqdm
 from k3post.checkpoint import latest_checkpoint
 from k3post.envs.task import Task
 from k3post.errors import StepFailed
-from k3post.metrics import MetricsLogger
+from k3post.metrics import MetricsLogger, iter_metrics
 from k3post.policy_step import TokenSequence
 from k3post.rollout.factory import Rollout, RolloutConfig
 from k3post.rollout.trajectory import Group, outcome_metrics
@@ -46,7 +53,7 @@ from k3post.trainer import OptimConfig, build_trainer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Signal", "LoopConfig", "PolicyLoop", "train_policy", "rollout_gap"]
+__all__ = ["Signal", "LoopConfig", "PolicyLoop", "StageLog", "train_policy", "rollout_gap"]
 
 # a step runs at most this many partial-rollout iterations to complete a group (each completes >= λ·N·K samples)
 _MAX_EMPTY_ITERATIONS = 64
@@ -99,7 +106,6 @@ class PolicyLoop:
         self.model = model  # trained in place (a sharded trainer copies its weights back after every step)
         self.rollout = Rollout(self.model, tokenizer, cfg.rollout_config(), effort_fn=effort_fn)
         self.step_no, self.cursor = 0, 0
-        self.history: list[dict[str, float]] = []
         self.last_groups: list[Group] = []  # the groups the last step trained on
 
     @property
@@ -115,8 +121,8 @@ class PolicyLoop:
         """One step: top the prompt queue up to N from the stream cycling over ``tasks``, run
         partial-rollout iterations until at least one group has completed (with few prompts and λ < 1
         an iteration can end before any group has all K samples; the weights do not change in between),
-        the signal, one trainer step, the weight push. Returns (and records) the step's metrics, with
-        the time of each part."""
+        the signal, one trainer step, the weight push. Returns the step's metrics, with the time of each
+        part (the caller logs them: nothing per step is kept here)."""
         t0 = time.perf_counter()
         groups: list[Group] = []
         iterations = 0
@@ -143,7 +149,6 @@ class PolicyLoop:
                "kv_hit_rate": self.rollout.kv_hit_rate(), "paused": float(len(self.rollout.paused())),
                "mean_staleness": statistics.fmean(stale) if stale else 0.0,
                **outcome_metrics([t for g in groups for t in g.trajectories])}
-        self.history.append(rec)
         self.last_groups = groups
         return rec
 
@@ -152,15 +157,19 @@ class PolicyLoop:
         rollout = self.rollout.state_dict()
         return self.trainer.save_checkpoint(ckpt_root, self.step_no, tokenizer=self.tokenizer, state={
             "scheduler": rollout["scheduler"], "kv_pool": rollout["kv_pool"], "engine_version": rollout["engine_version"],
-            "cursor": self.cursor, "history": self.history, "config": asdict(self.cfg),  # type: ignore[call-overload]
+            "cursor": self.cursor, "config": asdict(self.cfg),  # type: ignore[call-overload]
         }, keep_last=self.cfg.keep_last)
 
-    def load(self, ckpt: Path) -> None:
-        """Restore a checkpoint written by `save` (into a loop built with the same config; any trainer rank count)."""
+    def load(self, ckpt: Path) -> list[dict[str, float]] | None:
+        """Restore a checkpoint written by `save` (into a loop built with the same config; any trainer rank
+        count). Returns the per-step rows a checkpoint of an older k3post carried (its ``history``: steps 1..
+        its step), which the loop no longer keeps; None for a current checkpoint."""
         state = self.trainer.load_checkpoint(ckpt)
         self.rollout.refresh_weights()
         self.rollout.load_state_dict(state)
-        self.step_no, self.cursor, self.history = int(state["step"]), int(state["cursor"]), list(state["history"])
+        self.step_no, self.cursor = int(state["step"]), int(state["cursor"])
+        legacy = state.get("history")
+        return None if legacy is None else list(legacy)
 
     def close(self) -> None:
         self.rollout.close()
@@ -179,27 +188,31 @@ def train_policy(
     stage: str = "rl",
     resume: bool = True,
     stop_after: int | None = None,
-) -> tuple[int, list[dict[str, float]], int | None, PolicyLoop]:
+) -> tuple[int, StageLog, int | None, PolicyLoop]:
     """The loop of the module doc over a prompt stream cycling through ``tasks``, trained with
-    ``signal``; each prompt is rendered at ``effort_fn(task)`` (default: the config's effort). Returns
-    (final step, per-step history, the step resumed from, the loop); the caller evaluates with
-    ``loop.engine`` / ``loop.loop`` and closes it. ``stop_after`` ends this call after that many steps
-    (tests kill and resume)."""
+    ``signal``; each prompt is rendered at ``effort_fn(task)`` (default: the config's effort). Each step's
+    row goes to ``metrics`` under ``stage`` (default: ``out_dir/metrics.jsonl``, without TensorBoard); a run
+    that starts from step 0 first drops the stage's rows there, a resumed one those after its checkpoint.
+    Returns (final step, the stage's rows as a `StageLog`, the step resumed from, the loop); the caller
+    evaluates with ``loop.engine`` / ``loop.loop`` and closes it. ``stop_after`` ends this call after that
+    many steps (tests kill and resume)."""
     if not tasks:
         raise ValueError("train_policy needs at least one training task")
     ckpt_root = Path(out_dir) / "checkpoints"
+    own_metrics = metrics is None
+    sink = MetricsLogger(out_dir, tensorboard=False) if metrics is None else metrics
     pl = PolicyLoop(model, tokenizer, cfg, signal=signal, effort_fn=effort_fn)
     try:
         resumed_from = None
         ckpt = latest_checkpoint(ckpt_root, keep_last=cfg.keep_last) if resume else None
         if ckpt is not None:
-            pl.load(ckpt)
+            legacy = pl.load(ckpt)
             resumed_from = pl.step_no
-            if metrics is not None:
-                metrics.truncate(stage, pl.step_no)
+            sink.truncate(stage, pl.step_no)
+            _check_rows(sink, stage, pl.step_no, legacy)
             log.info("resumed %s from %s (step %d)", stage, ckpt, pl.step_no)
-        elif resume and metrics is not None:  # a run killed before its first checkpoint may have logged rows
-            metrics.truncate(stage, 0)
+        else:  # a run killed before its first checkpoint (or one started over) may have logged rows
+            sink.truncate(stage, 0)
         bar = tqdm(total=cfg.steps, initial=pl.step_no, desc=stage, disable=not cfg.progress, dynamic_ncols=True,
                    mininterval=1.0)
         end = cfg.steps if stop_after is None else min(cfg.steps, pl.step_no + stop_after)
@@ -208,25 +221,102 @@ def train_policy(
                 rec = pl.step(tasks)
             except Exception as e:  # name the stage and the step; the cause is chained
                 raise StepFailed(stage, pl.step_no + 1, e) from e
-            if metrics is not None:
-                metrics.log(stage, pl.step_no, rec)
+            sink.log(stage, pl.step_no, rec)
             bar.update(1)
             bar.set_postfix({k: f"{rec[k]:.2f}" for k in ("reward", "effort_tokens", "opd_reward") if k in rec})
             if pl.step_no % cfg.save_every == 0 or pl.step_no == cfg.steps:
+                sink.sync()  # the rows up to the checkpoint's step are as durable as the checkpoint
                 pl.save(ckpt_root)
         bar.close()
     except BaseException:
         pl.close()
         raise
-    return pl.step_no, pl.history, resumed_from, pl
+    finally:
+        if own_metrics:
+            sink.close()
+    return pl.step_no, StageLog(sink.path, stage, pl.step_no), resumed_from, pl
 
 
-def rollout_gap(history: Sequence[Mapping[str, float]], prefix: str = "train/") -> dict[str, float]:
+def _check_rows(metrics: MetricsLogger, stage: str, step: int, legacy: Sequence[Mapping[str, float]] | None) -> None:
+    """After a resume at ``step``: the stage's rows of steps 1..step should all be in ``metrics``. Missing
+    ones are put back from ``legacy`` (the history a checkpoint of an older k3post carried) when it has
+    them, else named in a warning (the curves and summaries then leave those steps out)."""
+    have = {int(r["step"]) for r in iter_metrics(metrics.path, stage)}
+    missing = sorted(set(range(1, step + 1)) - have)
+    if not missing:
+        return
+    if legacy is not None and len(legacy) >= step:
+        metrics.replace_stage(stage, [(i + 1, row) for i, row in enumerate(legacy[:step])])
+        log.info("%s: put the rows of steps 1..%d back into %s from the checkpoint's history (an older "
+                 "k3post kept them there)", stage, step, metrics.path)
+        return
+    log.warning("%s: %s has no rows for %d of steps 1..%d (%s): the run's curves and summaries leave those "
+                "steps out", stage, metrics.path, len(missing), step, _ranges(missing))
+
+
+def _ranges(steps: Sequence[int]) -> str:
+    """"1-3, 7" for [1, 2, 3, 7]."""
+    out: list[str] = []
+    for s in steps:
+        if out and out[-1].split("-")[-1] == str(s - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{s}"
+        else:
+            out.append(str(s))
+    return ", ".join(out)
+
+
+_ROW_KEYS = ("stage", "step", "time")  # what `MetricsLogger.log` adds to a step's values
+
+
+class StageLog:
+    """The per-step rows of one stage of a run: the rows of ``stage`` with steps 1..``steps`` in the
+    metrics file at ``path``, read back when asked, one row at a time. Each row is the values the loop's
+    step returned (`PolicyLoop.step`), without the logger's stage / step / time. Nothing is cached: a long
+    run's series is never held whole unless a caller asks for it (`rows`)."""
+
+    def __init__(self, path: str | Path, stage: str, steps: int) -> None:
+        self.path, self.stage, self.steps = Path(path), stage, steps
+
+    def items(self) -> Iterator[tuple[int, dict[str, float]]]:
+        """(step, row) in file order (the step order of one run)."""
+        for r in iter_metrics(self.path, self.stage):
+            step = int(r.get("step", 0))
+            if 1 <= step <= self.steps:
+                yield step, {k: v for k, v in r.items() if k not in _ROW_KEYS}
+
+    def __iter__(self) -> Iterator[dict[str, float]]:
+        return (row for _, row in self.items())
+
+    def rows(self) -> list[dict[str, float]]:
+        return list(self)
+
+    def series(self, key: str) -> list[float]:
+        """``key`` of every step 1..steps, NaN where a step's row lacks it or has no row."""
+        out, nxt = [], 1
+        for step, row in self.items():
+            out += [math.nan] * (step - nxt)
+            out.append(row.get(key, math.nan))
+            nxt = step + 1
+        return out + [math.nan] * (self.steps + 1 - nxt)
+
+    def tail(self, n: int) -> list[dict[str, float]]:
+        """The last ``n`` rows."""
+        return list(deque(self, maxlen=n))
+
+
+def rollout_gap(history: Iterable[Mapping[str, float]], prefix: str = "train/") -> dict[str, float]:
     """The train–rollout log-prob gap over a run's steps (`policy_step`'s ``rollout_gap_*``): the token-weighted
     mean and the max of |log π_trainer − log π_engine| over the sampled tokens each step trained with the
-    weights that sampled them, and how many tokens that was."""
-    n = sum(h.get(f"{prefix}rollout_gap_tokens", 0.0) for h in history)
-    total = sum(h[f"{prefix}rollout_gap_mean"] * h[f"{prefix}rollout_gap_tokens"] for h in history
-                if h.get(f"{prefix}rollout_gap_tokens", 0.0) > 0)
-    return {"mean": total / n if n else float("nan"), "max": max((h.get(f"{prefix}rollout_gap_max", 0.0) for h in history),
-                                                             default=float("nan")), "tokens": n}
+    weights that sampled them, and how many tokens that was. ``history``: the steps' rows (a `StageLog`),
+    read once."""
+    n: float = 0
+    total: float = 0
+    top: float | None = None
+    for h in history:
+        tokens = h.get(f"{prefix}rollout_gap_tokens", 0.0)
+        n += tokens
+        if tokens > 0:
+            total += h[f"{prefix}rollout_gap_mean"] * tokens
+        gap_max = h.get(f"{prefix}rollout_gap_max", 0.0)
+        top = gap_max if top is None else max(top, gap_max)
+    return {"mean": total / n if n else float("nan"), "max": float("nan") if top is None else top, "tokens": n}

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from filelock import FileLock
 
-from k3post.jsonl import read_values, repair_tail
+from k3post.jsonl import iter_values, repair_tail
 
 
 class MetricsLogger:
@@ -18,7 +20,9 @@ class MetricsLogger:
 
     On resume, `truncate(stage, step)` drops rows of that stage logged after the checkpoint's step so the
     file reads as one uninterrupted run. A row a kill cut short (a torn last line) is left out by readers
-    and cut off before the next row is appended (`k3post.jsonl`).
+    and cut off before the next row is appended (`k3post.jsonl`). `sync` makes the rows logged so far
+    durable (a training loop calls it before each checkpoint: the file, not the checkpoint, holds the
+    per-step rows, `k3post.loop.StageLog`).
     """
 
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True) -> None:
@@ -46,12 +50,31 @@ class MetricsLogger:
     def truncate(self, stage: str, after_step: int) -> None:
         """Remove `stage` rows with step > `after_step` (rewritten atomically)."""
         with self._lock:
-            if not self.path.exists():
-                return
-            keep = [r for r in read_metrics(self.path) if not (r.get("stage") == stage and r.get("step", 0) > after_step)]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in keep), encoding="utf-8")
-            tmp.replace(self.path)
+            if self.path.exists():
+                self._rewrite([r for r in iter_metrics(self.path)
+                               if not (r.get("stage") == stage and r.get("step", 0) > after_step)])
+
+    def replace_stage(self, stage: str, rows: Sequence[tuple[int, Mapping[str, Any]]]) -> None:
+        """Replace every `stage` row by ``rows`` ((step, values) in step order, appended after the other
+        stages' rows; no ``time``), rewritten atomically, without TensorBoard."""
+        with self._lock:
+            keep = [r for r in iter_metrics(self.path) if r.get("stage") != stage]
+            self._rewrite(keep + [{"stage": stage, "step": step, **values} for step, values in rows])
+
+    def sync(self) -> None:
+        """fsync the rows logged so far (under the lock: no half-appended row is made durable mid-write)."""
+        with self._lock:
+            if self.path.exists():
+                _fsync(self.path)
+
+    def _rewrite(self, rows: list[dict[str, Any]]) -> None:
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        with tmp.open("w", encoding="utf-8") as fh:
+            fh.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            fh.flush()
+            os.fsync(fh.fileno())
+        tmp.replace(self.path)
+        _fsync(self.dir)
 
     def close(self) -> None:
         if self._tb is not None:
@@ -63,4 +86,15 @@ class MetricsLogger:
 def read_metrics(path: str | Path, stage: str | None = None) -> list[dict[str, Any]]:
     """Rows of a metrics.jsonl file, optionally of one stage (a torn last row, cut short by a kill, is left
     out; any other malformed line is a `k3post.jsonl.MalformedLineError` naming the file and line)."""
-    return [r for r in read_values(path) if stage is None or r.get("stage") == stage]
+    return list(iter_metrics(path, stage))
+
+
+def iter_metrics(path: str | Path, stage: str | None = None) -> Iterator[dict[str, Any]]:
+    """`read_metrics`, one row at a time (a long run's file is not held in memory)."""
+    return (r for r in iter_values(path) if stage is None or r.get("stage") == stage)
+
+
+def _fsync(path: Path) -> None:
+    from k3post.checkpoint import fsync_path  # torch is imported there; most readers of this module need neither
+
+    fsync_path(path)

@@ -66,7 +66,7 @@ from k3post.metrics import MetricsLogger
 from k3post.models import load_model
 from k3post.policy_step import TokenSequence, sequence_logprobs
 from k3post.quant.qat import QATConfig, apply_qat
-from k3post.loop import Signal, train_policy
+from k3post.loop import Signal, StageLog, train_policy
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.engine import request_seed, token_uniform
@@ -83,10 +83,11 @@ __all__ = ["MOPDConfig", "MOPDResult", "TeacherPool", "expert_name", "effort_sam
 
 @dataclass
 class MOPDResult:
-    """What one MOPD run returns: the final step, per-step history, the teacher pool's counters."""
+    """What one MOPD run returns: the final step, its per-step rows (read back from the metrics file), the
+    teacher pool's counters."""
 
     steps: int
-    history: list[dict[str, float]]
+    metrics: StageLog
     teacher_stats: dict[str, int]
     resumed_from: int | None
     seconds: float
@@ -429,7 +430,7 @@ def train_mopd(
         pool = TeacherPool(cfg.experts, max_resident=cfg.max_resident, dtype=cfg.teacher_dtype, qat=teacher_qat,
                            batch_tokens=cfg.teacher_batch_tokens)
     try:
-        step, history, resumed_from, pl = train_policy(
+        step, rows, resumed_from, pl = train_policy(
             student, tokenizer, replace(cfg.rl, max_tokens=max(cfg.rl.for_domain(d).max_tokens for d in cfg.domains)),
             out_dir, tasks=tasks, signal=opd_signal(pool, cfg, XTML(tokenizer)),
             effort_fn=effort_sampler(cfg.effort_mix, cfg.rl.seed), metrics=metrics, stage="mopd", resume=resume,
@@ -439,7 +440,7 @@ def train_mopd(
     finally:
         if own:
             pool.close()
-    return MOPDResult(step, history, dict(pool.stats), resumed_from, time.perf_counter() - t_start)
+    return MOPDResult(step, rows, dict(pool.stats), resumed_from, time.perf_counter() - t_start)
 
 
 # --------------------------------------------------------------------------- evaluation

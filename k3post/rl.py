@@ -42,7 +42,7 @@ from k3post.envs.families.registry import get_family
 from k3post.envs.families.streams import domain_families, eval_tasks, train_tasks
 from k3post.metrics import MetricsLogger
 from k3post.models import load_model
-from k3post.loop import PolicyLoop, Signal, rollout_gap, train_policy
+from k3post.loop import PolicyLoop, Signal, StageLog, rollout_gap, train_policy
 from k3post.policy_step import TokenSequence
 from k3post.rewards.effort import BudgetTable, group_override
 from k3post.rewards.grm import EngineJudge, GroupGRM, PolicyJudge, estimate_l0, trajectory_candidate
@@ -58,10 +58,11 @@ __all__ = ["RLConfig", "RLResult", "GroupScorer", "Signal", "PolicyLoop", "domai
 
 @dataclass
 class RLResult:
-    """What one RL run returns: the final step, per-step history and the held-out evaluation."""
+    """What one RL run returns: the final step, its per-step rows (read back from the metrics file) and the
+    held-out evaluation."""
 
     steps: int
-    history: list[dict[str, float]]
+    metrics: StageLog
     eval: dict[str, Any]
     resumed_from: int | None
     seconds: float
@@ -163,7 +164,7 @@ def train_rl(
     if missing:
         raise ValueError(f"the budget table lacks b0 for {len(missing)} training tasks (e.g. {missing[:3]}); run estimate_budgets")
     check_turn_caps(cfg, tokenizer, fams)
-    step, history, resumed_from, pl = train_policy(
+    step, rows, resumed_from, pl = train_policy(
         model, tokenizer, cfg, out_dir, tasks=tasks, signal=rl_signal(budgets, cfg, scorer), metrics=metrics,
         stage=stage, resume=resume, stop_after=stop_after,
     )
@@ -174,7 +175,7 @@ def train_rl(
                                             effort=cfg.effort, max_tokens=cfg.eval_max_tokens)
     finally:
         pl.close()
-    return RLResult(step, history, result_eval, resumed_from, time.perf_counter() - t_start)
+    return RLResult(step, rows, result_eval, resumed_from, time.perf_counter() - t_start)
 
 
 def _score(

@@ -154,3 +154,38 @@ def test_negative_lexicon_repeats_fails_at_load_naming_the_key():
 
     with pytest.raises(ValueError, match="tokenizer.lexicon_repeats must be an integer >= 0, got -1"):
         load_config(None, ["tokenizer.lexicon_repeats=-1"])
+
+
+def test_range_semantics():
+    """`Range`: closed and open bounds, NaN never inside, ±inf only with inf_ok, bools are not numbers."""
+    from k3post.config.ranges import Range
+
+    ge0, unit_open_low = Range(ge=0), Range(gt=0, le=1)
+    assert ge0.contains(0) and ge0.contains(0.0) and not ge0.contains(-1e-12)
+    assert not ge0.contains(float("nan")) and not ge0.contains(float("inf")) and not ge0.contains(True)
+    assert not unit_open_low.contains(0) and unit_open_low.contains(1) and not unit_open_low.contains(1.0000001)
+    band = Range(le=0, inf_ok=True)
+    assert band.contains(float("-inf")) and not band.contains(float("inf")) and not band.contains(float("nan"))
+    assert (str(ge0), str(unit_open_low), str(Range(ge=0, lt=1)), str(band)) == (
+        ">= 0", "in (0, 1]", "in [0, 1)", "<= 0 (inf allowed)")
+
+
+def test_defaults_and_shipped_configs_are_in_range():
+    from k3post.config.ranges import check_ranges
+
+    check_ranges(K3Config())
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        load_config(path)  # raises on a value outside its range
+
+
+def test_a_range_error_names_where_the_value_was_set(tmp_path):
+    """The file when the file set it, the override when an override did; an override that fixes a file's bad
+    value loads (the last layer wins, as for every key)."""
+    p = tmp_path / "c.yaml"
+    p.write_text("sft:\n  lr: -0.5\n  warmup_steps: 3\n")
+    with pytest.raises(ConfigError, match=rf"^{p}: sft.lr must be a number >= 0, got -0.5$"):
+        load_config(p)
+    with pytest.raises(ConfigError, match=r"^override 'sft.warmup_steps=-1': sft.warmup_steps must be an integer >= 0, got -1$"):
+        load_config(p, ["sft.lr=0.1", "sft.warmup_steps=-1"])
+    assert load_config(p, ["sft.lr=0.1"]).sft.lr == 0.1
+    assert load_config(None, ["rl.clip_eps_low=.inf", "rl.log_ratio_min=-.inf"]).rl.log_ratio_min == float("-inf")

@@ -172,38 +172,66 @@ def _wait_steps(s: Server, n: int) -> int:
     return int(steps)
 
 
+def _wait_admitted(s: Server, n: int) -> None:
+    """Until the engine holds ``n`` requests (queued or running); admission runs while generation is paused."""
+    deadline = time.time() + 60
+    while (h := s.get("/health")["engine"])["num_queued"] + h["num_running"] < n:
+        assert time.time() < deadline
+        time.sleep(0.05)
+
+
 def test_abort_returns_partial_and_pause_continue(servers: dict[str, Server], model_dir: Path) -> None:
+    """Abort returns the partial output; pause stops stepping with the request's state kept, continue goes on
+    from it (the same tokens as an uninterrupted run) and finishes.
+
+    Nothing races generation: each request is submitted while generation is paused, the abort is sent while
+    paused (so its partial output is exactly what was sampled), and a running request is paused 20 steps
+    into 1,500 (the only wait on a running engine: ~1,480 steps of margin, where the old version paused a
+    150-token request 5 steps in and failed under CPU load when it finished first)."""
     a = servers["A"]
     local = _local(model_dir)
-    long = SamplingParams(max_tokens=1500, seed=9, ignore_eos=True)
-    steps0 = a.get("/health")["engine"]["steps"]
-    t, box = _in_thread(lambda: _generate(a, PROMPT, long, rid="long-1"))
-    _wait_steps(a, steps0 + 20)
-    assert a.post("/abort_request", {"rid": "long-1"}).json() == {"success": True}
-    t.join(60)
-    d = box["result"]
-    n = len(d["output_ids"])
-    assert d["meta_info"]["finish_reason"]["type"] == "abort" and 20 <= n < 1500
-    [ref] = local.generate([GenerationRequest("p", PROMPT, SamplingParams(max_tokens=n, seed=9, ignore_eos=True))])
-    assert d["output_ids"] == ref.output_ids and _lp(d) == ref.output_logprobs
-    assert a.post("/abort_request", {"rid": "no-such-request"}).status_code == 200  # finished or unknown: ignored
+    try:
+        long = SamplingParams(max_tokens=1500, seed=9, ignore_eos=True)
+        assert a.post("/pause_generation").json() == {"success": True}
+        steps0 = a.get("/health")["engine"]["steps"]
+        t, box = _in_thread(lambda: _generate(a, PROMPT, long, rid="long-1"))
+        _wait_admitted(a, 1)
+        assert a.post("/continue_generation").json() == {"success": True}
+        _wait_steps(a, steps0 + 20)
+        # pause mid-generation: no step runs, the request stays in its slot
+        assert a.post("/pause_generation").json() == {"success": True}
+        h1 = a.get("/health")["engine"]
+        time.sleep(0.5)
+        h2 = a.get("/health")["engine"]
+        assert h1["generation_paused"] and h1["steps"] == h2["steps"] and h2["num_running"] == 1 and t.is_alive()
+        # continue from that state for 20 more steps, then abort it while paused
+        assert a.post("/continue_generation").json() == {"success": True}
+        _wait_steps(a, h2["steps"] + 20)
+        assert a.post("/pause_generation").json() == {"success": True}
+        assert a.post("/abort_request", {"rid": "long-1"}).json() == {"success": True}
+        t.join(60)
+        d = box["result"]
+        n = len(d["output_ids"])
+        assert d["meta_info"]["finish_reason"]["type"] == "abort" and 40 <= n < 1500, (d["meta_info"], n)
+        [ref] = local.generate([GenerationRequest("p", PROMPT, SamplingParams(max_tokens=n, seed=9, ignore_eos=True))])
+        assert d["output_ids"] == ref.output_ids and _lp(d) == ref.output_logprobs
+        assert a.post("/abort_request", {"rid": "no-such-request"}).status_code == 200  # finished or unknown: ignored
 
-    # pause: no step runs, the request keeps its state; continue: it finishes with the same tokens
-    sp = SamplingParams(max_tokens=150, seed=10, ignore_eos=True)
-    steps0 = a.get("/health")["engine"]["steps"]
-    t, box = _in_thread(lambda: _generate(a, PROMPT, sp))
-    _wait_steps(a, steps0 + 5)
-    assert a.post("/pause_generation").json() == {"success": True}
-    h1 = a.get("/health")["engine"]
-    time.sleep(0.5)
-    h2 = a.get("/health")["engine"]
-    assert h1["generation_paused"] and h1["steps"] == h2["steps"] and h2["num_running"] == 1 and t.is_alive()
-    assert a.post("/continue_generation").json() == {"success": True}
-    t.join(60)
-    [ref] = local.generate([GenerationRequest("q", PROMPT, sp)])
-    assert box["result"]["output_ids"] == ref.output_ids and _lp(box["result"]) == ref.output_logprobs
-    assert not a.get("/health")["engine"]["generation_paused"]
-    assert a.post("/flush_cache").json()["success"] is True
+        # submitted while paused: queued, no step runs; continue: it finishes with the uninterrupted tokens
+        sp = SamplingParams(max_tokens=150, seed=10, ignore_eos=True)
+        steps1 = a.get("/health")["engine"]["steps"]
+        t, box = _in_thread(lambda: _generate(a, PROMPT, sp))
+        _wait_admitted(a, 1)
+        time.sleep(0.5)
+        assert a.get("/health")["engine"]["steps"] == steps1 and t.is_alive()
+        assert a.post("/continue_generation").json() == {"success": True}
+        t.join(60)
+        [ref] = local.generate([GenerationRequest("q", PROMPT, sp)])
+        assert box["result"]["output_ids"] == ref.output_ids and _lp(box["result"]) == ref.output_logprobs
+        assert not a.get("/health")["engine"]["generation_paused"]
+        assert a.post("/flush_cache").json()["success"] is True
+    finally:  # never leave the shared server paused for the tests after this one
+        a.post("/continue_generation")
 
 
 def _named(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -69,3 +69,36 @@ def test_metrics_after_a_row_torn_by_a_kill(tmp_path: Path) -> None:
     rows = read_metrics(m.path)
     assert [(r["step"], r["reward"]) for r in rows] == [(1, 0.5), (2, 0.75)]
     assert m.path.read_bytes().count(b"\n") == 2
+
+
+def test_a_stage_log_reads_its_stage_back_in_step_order_and_marks_missing_steps(tmp_path: Path, caplog) -> None:
+    """`k3post.loop.StageLog`: one stage's rows (without the logger's stage / step / time), steps 1..steps only;
+    `series` is NaN at a step without a row; a torn last row is left out like any reader's. `rollout_gap` of
+    the rows by hand: (0.1·10 + 0.3·30) / 40 = 0.25, max 0.9. A resume whose file lacks rows names them."""
+    import math
+
+    from k3post.loop import StageLog, _check_rows, rollout_gap
+
+    m = MetricsLogger(tmp_path, tensorboard=False)
+    gap = {1: (0.1, 10.0, 0.5), 2: (0.3, 30.0, 0.9), 4: (0.0, 0.0, 0.0), 6: (9.0, 9.0, 9.0)}
+    for step in (1, 2, 4, 6):
+        mean, tokens, top = gap[step]
+        m.log("rl", step, {"x": float(step), "train/rollout_gap_mean": mean, "train/rollout_gap_tokens": tokens,
+                           "train/rollout_gap_max": top})
+        m.log("other", step, {"x": -1.0})
+    with m.path.open("ab") as fh:
+        fh.write(b'{"stage": "rl", "step": 5, "x": 5.')  # a kill mid-append
+    log = StageLog(m.path, "rl", 5)  # the run's final step is 5: step 6's row is not this run's
+    assert [s for s, _ in log.items()] == [1, 2, 4]
+    assert log.rows()[0] == {"x": 1.0, "train/rollout_gap_mean": 0.1, "train/rollout_gap_tokens": 10.0,
+                             "train/rollout_gap_max": 0.5}
+    xs = log.series("x")
+    assert xs[:2] == [1.0, 2.0] and math.isnan(xs[2]) and xs[3] == 4.0 and math.isnan(xs[4]) and len(xs) == 5
+    assert [r["x"] for r in log.tail(2)] == [2.0, 4.0]
+    g = rollout_gap(log)
+    assert g["mean"] == pytest.approx(0.25) and g["max"] == 0.9 and g["tokens"] == 40.0
+    assert math.isnan(rollout_gap([])["mean"]) and math.isnan(rollout_gap([])["max"])
+    m.truncate("rl", 5)
+    with caplog.at_level("WARNING", logger="k3post.loop"):
+        _check_rows(m, "rl", 5, None)
+    assert "has no rows for 2 of steps 1..5 (3, 5)" in caplog.text

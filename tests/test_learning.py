@@ -168,9 +168,9 @@ def _budgets(tasks, b0) -> BudgetTable:
 
 
 def _train_rl(world, model, cfg, tasks, budgets, tmp):
-    _, history, _, loop = train_policy(model, world["tok"], cfg, tmp, tasks=tasks, signal=rl_signal(budgets, cfg))
+    _, rows, _, loop = train_policy(model, world["tok"], cfg, tmp, tasks=tasks, signal=rl_signal(budgets, cfg))
     loop.close()
-    return history
+    return rows
 
 
 @pytest.fixture(scope="module")

@@ -111,10 +111,17 @@ CONFIG_BAD = [
     (b"- 1\n", "top level must be a mapping, got list"),
     (b"sft:\n  lrr: 1\n", "unknown config key 'sft.lrr' (did you mean 'sft.lr'?)"),
     (b"sft: 3\n", "'sft' is a section; give it a mapping, not 3"),
+    (b"sft:\n  lr: -1.0\n", "sft.lr must be a number >= 0, got -1.0"),
+    (b"rl:\n  lambda_: 1.5\n", "rl.lambda_ must be in (0, 1], got 1.5"),
+    (b"mopd:\n  rl:\n    k: 0\n", "mopd.rl.k must be an integer >= 1, got 0"),
+    (b"eval:\n  temperature: .nan\n", "eval.temperature must be a number >= 0, got nan"),
+    (b"data:\n  difficulty: 0\n", "data.difficulty must be an integer >= 1, got 0"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("text, message", CONFIG_BAD, ids=["dup-section", "dup-key", "utf8", "list", "unknown", "section"])
+@pytest.mark.parametrize("text, message", CONFIG_BAD, ids=["dup-section", "dup-key", "utf8", "list", "unknown", "section",
+                                                           "range-lr", "range-lambda", "range-nested", "range-nan",
+                                                           "range-int"])
 def test_config_file(tmp_path: Path, text: bytes, message: str, capsys: pytest.CaptureFixture[str]) -> None:
     """load_config and the command line (``k3post sft CONFIG``: exit 2, one line, no run folder made)."""
     path = tmp_path / "cfg.yaml"
@@ -123,8 +130,29 @@ def test_config_file(tmp_path: Path, text: bytes, message: str, capsys: pytest.C
     with pytest.raises(ConfigError) as e:
         load_config(path)
     assert str(e.value).startswith(f"{path}: {message}"), str(e.value)
-    assert main(["sft", str(path), f"run.dir={tmp_path / 'run'}"]) == 2
+    assert main(["sft", str(path), f"run.root={tmp_path}", "run.name=run"]) == 2
     assert capsys.readouterr().err.startswith(f"k3post: error: {path}: {message}")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rl.keep_last=0", "rl.keep_last must be an integer >= 1 (checkpoints kept on disk), got 0"),
+    ("sft.keep_last=-3", "sft.keep_last must be an integer >= 1 (checkpoints kept on disk), got -3"),
+    ("rl.domain_overrides.agents.steps=-2", "rl.domain_overrides.agents.steps must be an integer >= 0, got -2"),
+    ("rl.domain_overrides.coding.lambda_=0", "rl.domain_overrides.coding.lambda_ must be in (0, 1], got 0.0"),
+    ("sft.steps=0", "override 'sft.steps=0': sft.steps must be an integer >= 1, got 0"),
+])  # fmt: skip
+def test_config_ranges_on_the_command_line(tmp_path: Path, override: str, message: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Out-of-range overrides: the error names the key, the range and the value (exit 2, no run folder)."""
+    with pytest.raises(ValueError) as e:
+        load_config(None, [override])
+    assert str(e.value) == message
+    path = tmp_path / "cfg.yaml"
+    path.write_text("run: {name: r}\n")
+    before = snapshot(tmp_path)
+    assert main(["sft", str(path), override, f"run.root={tmp_path}"]) == 2
+    assert capsys.readouterr().err == f"k3post: error: {message}\n"
     assert snapshot(tmp_path) == before
 
 
@@ -249,3 +277,25 @@ def test_checkpoint_tensors(tmp_path: Path, tiny_ckpt: Path, name: str, edit: An
     raises_unchanged(tmp_path, ValueError, f"{bad}: {message}", load_weights_into, model, bad)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     load_weights_into(model, tiny_ckpt)  # the intact folder still loads
+
+
+# --------------------------------------------------------------------------- usage errors of the other commands
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["synth", "--family", "general.arithmetc", "--n", "1", "--out", "{tmp}/s.jsonl"],
+     "--family: unknown task family 'general.arithmetc' (did you mean 'general.arithmetic'?); known: ["),
+    (["tasks", "sample", "coding.write_functio"],
+     "unknown task family 'coding.write_functio' (did you mean 'coding.write_function'?); known: ["),
+    (["tasks", "sample", "coding.write_function", "--difficulty", "9"], "difficulty must be an int in 1..3, got 9"),
+    (["mix", "--in", "{tmp}/missing.jsonl", "--out", "{tmp}/m.jsonl"], "{tmp}/missing.jsonl: file not found"),
+])  # fmt: skip
+def test_usage_errors_exit_2_and_write_nothing(tmp_path: Path, argv: list[str], message: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown family, a difficulty the family lacks, a missing input: exit 2 with the one line (not 1,
+    "this is not an input error"), and nothing written."""
+    before = snapshot(tmp_path)
+    assert main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("k3post: error: " + message.replace("{tmp}", str(tmp_path))), err
+    assert snapshot(tmp_path) == before

@@ -388,8 +388,8 @@ def test_train_mopd_resumes_exactly_after_a_kill(xtml_tokenizer, folders, tmp_pa
     a = copy.deepcopy(start)
     ra = train_mopd(a, tok, cfg, tmp_path / "a")
     assert ra.steps == 4 and ra.resumed_from is None
-    assert sum(h["paused"] for h in ra.history) > 0, "nothing was paused: resume would not be exercised"
-    assert all(h["expert/general.high"] > 0 for h in ra.history[:1]) and sum(h["expert/general.max"] for h in ra.history) > 0
+    assert sum(ra.metrics.series("paused")) > 0, "nothing was paused: resume would not be exercised"
+    assert ra.metrics.series("expert/general.high")[0] > 0 and sum(ra.metrics.series("expert/general.max")) > 0
     assert ra.teacher_stats["evictions"] > 0
     assert any(not torch.equal(p, q) for p, q in zip(a.parameters(), start.parameters()))
 
@@ -398,7 +398,7 @@ def test_train_mopd_resumes_exactly_after_a_kill(xtml_tokenizer, folders, tmp_pa
     b2 = copy.deepcopy(start)
     rb = train_mopd(b2, tok, cfg, tmp_path / "b")
     assert rb.resumed_from == 2 and rb.steps == 4
-    assert _strip(rb.history) == _strip(ra.history)
+    assert _strip(rb.metrics) == _strip(ra.metrics)
     for (n, p), q in zip(a.named_parameters(), b2.parameters()):
         assert torch.equal(p, q), n
 

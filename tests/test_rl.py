@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from dataclasses import replace
 import math
 
@@ -68,27 +69,45 @@ def _strip(history):
 def test_rl_trains_and_resumes_exactly_after_a_kill(warm_policy, tmp_path):
     """4 steps straight vs 2 steps, a fresh process-like restart (new model object from the same
     start weights), then 2 more: the same per-step metrics and bit-identical final weights. λ = 0.5
-    with 40-token turns pauses trajectories, so the resumed run needs the saved scheduler + KV pool."""
+    with 40-token turns pauses trajectories, so the resumed run needs the saved scheduler + KV pool.
+    The per-step rows are in metrics.jsonl, not in the checkpoint; a checkpoint of an older k3post (its rows
+    also in ``history``) still resumes: the history is ignored, or puts back rows the file lacks."""
     model0, tok = warm_policy
     cfg = _cfg()
     budgets = _budgets(model0, tok, cfg)
     a = copy.deepcopy(model0)
     ra = train_rl(a, tok, cfg, tmp_path / "a", budgets=budgets, evaluate=False)
     assert ra.steps == 4
-    trained = sum(h["train/num_sequences"] for h in ra.history)
+    trained = sum(ra.metrics.series("train/num_sequences"))
     assert trained > 0, "no group had reward variance: the test would prove nothing"
-    assert sum(h["paused"] for h in ra.history) > 0, "nothing was paused: resume would not be exercised"
+    assert sum(ra.metrics.series("paused")) > 0, "nothing was paused: resume would not be exercised"
     assert any(not torch.equal(p, q) for p, q in zip(a.parameters(), model0.parameters()))
 
     b = copy.deepcopy(model0)
     rb1 = train_rl(b, tok, cfg, tmp_path / "b", budgets=budgets, stop_after=2, evaluate=False)
     assert rb1.steps == 2
+    ckpt = tmp_path / "b" / "checkpoints" / "step-000002"
+    assert "history" not in torch.load(ckpt / "trainer_state.pt", weights_only=False)  # rows live in metrics.jsonl only
+    shutil.copytree(tmp_path / "b", tmp_path / "old")
+    for run in ("b", "old"):  # as an older k3post wrote it: the per-step rows also in the checkpoint
+        _as_old_checkpoint(tmp_path / run / "checkpoints" / "step-000002", rb1.metrics.rows())
+    (tmp_path / "old" / "metrics.jsonl").unlink()  # a run of an older k3post without a metrics logger
     b2 = copy.deepcopy(model0)  # the "new process": start weights, everything else from the checkpoint
     rb2 = train_rl(b2, tok, cfg, tmp_path / "b", budgets=budgets, evaluate=False)
     assert rb2.resumed_from == 2 and rb2.steps == 4
-    assert _strip(rb2.history) == _strip(ra.history)
+    assert _strip(rb2.metrics) == _strip(ra.metrics)
     for (n, p), q in zip(a.named_parameters(), b2.parameters()):
         assert torch.equal(p, q), n
+    old = train_rl(copy.deepcopy(model0), tok, cfg, tmp_path / "old", budgets=budgets, evaluate=False)
+    assert old.resumed_from == 2 and _strip(old.metrics) == _strip(ra.metrics)  # steps 1-2 put back from its history
+    assert [s for s, _ in old.metrics.items()] == [1, 2, 3, 4]
+
+
+def _as_old_checkpoint(ckpt, rows):
+    """Rewrite ``ckpt``'s trainer state as k3post wrote it before issue 20's fix: with ``history``, the
+    loop's per-step rows."""
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    torch.save({**state, "history": rows}, ckpt / "trainer_state.pt")
 
 
 def test_train_rollout_gap_with_qat_is_kernel_noise(warm_policy, tmp_path, monkeypatch):
@@ -109,7 +128,7 @@ def test_train_rollout_gap_with_qat_is_kernel_noise(warm_policy, tmp_path, monke
     def gaps(tag):
         m = copy.deepcopy(model0)
         apply_qat(m, QATConfig())
-        hist = train_rl(m, tok, cfg, tmp_path / tag, budgets=budgets, evaluate=False).history
+        hist = train_rl(m, tok, cfg, tmp_path / tag, budgets=budgets, evaluate=False).metrics.rows()
         assert all(h["train/rollout_gap_tokens"] == h["train/num_tokens"] > 0 for h in hist)  # λ = 1: all on-policy
         return rollout_gap(hist)
 
@@ -611,6 +630,6 @@ def test_every_step_trains_on_at_least_one_group(warm_policy, tmp_path):
     cfg = _cfg(n_prompts=2, k=4, lambda_=0.125, steps=3, max_tokens=96)
     budgets = _budgets(model0, tok, cfg)
     res = train_rl(copy.deepcopy(model0), tok, cfg, tmp_path / "r", budgets=budgets, evaluate=False)
-    assert [h["version"] for h in res.history] == [1.0, 2.0, 3.0]
-    assert all(h["groups"] >= 1 for h in res.history)
-    assert sum(h["iterations"] for h in res.history) > len(res.history), "no step needed a second iteration"
+    assert res.metrics.series("version") == [1.0, 2.0, 3.0]
+    assert all(g >= 1 for g in res.metrics.series("groups"))
+    assert sum(res.metrics.series("iterations")) > res.steps, "no step needed a second iteration"

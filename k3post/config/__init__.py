@@ -5,7 +5,9 @@ Each component owns a small typed dataclass in a module of this package (``confi
 ...; the stage modules re-export them). No module here imports torch or a stage, so loading a config
 file loads no model code. This module assembles them into one :class:`K3Config` and loads it with
 OmegaConf structured configs, which type-check every value. An unknown or mistyped key is a
-``ConfigError`` naming the key, the file it came from and the closest valid key.
+``ConfigError`` naming the key, the file it came from and the closest valid key; a value outside its
+field's declared range (`k3post.config.ranges`: ``sft.lr >= 0``, ``rl.lambda_`` in (0, 1], ...) one naming
+the key, the range, the value and where it was set.
 
     cfg = load_config("configs/demo.yaml", ["sft.lr=3e-4", "run.name=try2"])
 """
@@ -32,6 +34,7 @@ from k3post.config.model import ModelConfig, TokenizerConfig
 from k3post.config.mopd import MOPDConfig
 from k3post.config.optim import OptimConfig
 from k3post.config.quant import QATConfig
+from k3post.config.ranges import RangeError, check_ranges
 from k3post.config.rl import RLConfig
 from k3post.config.rollout import EngineConfig, RolloutConfig
 from k3post.config.sandbox import SandboxConfig, apply_sandbox_config
@@ -182,7 +185,8 @@ def _dotlist_tree(overrides: Sequence[str]) -> list[tuple[str, dict]]:
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> K3Config:
     """Load defaults ← YAML file ← dotted overrides into a typed :class:`K3Config`.
 
-    Raises ConfigError naming the file (or override) and key for unknown keys, wrong types and bad YAML.
+    Raises ConfigError naming the file (or override) and key for unknown keys, wrong types, values outside
+    their range and bad YAML.
     """
     valid = _valid_keys(K3Config)
     merged = OmegaConf.structured(K3Config)
@@ -199,7 +203,21 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"{source}: bad value for '{key}': {e.msg if hasattr(e, 'msg') else e}") from e
     obj = OmegaConf.to_object(merged)
     assert isinstance(obj, K3Config)
+    try:
+        check_ranges(obj)
+    except RangeError as e:
+        where = next((source for source, tree in reversed(layers) if _sets(tree, e.key)), "the defaults")
+        raise ConfigError(f"{where}: {e}") from None
     return obj
+
+
+def _sets(tree: Any, dotted: str) -> bool:
+    """True when the mapping ``tree`` holds the dotted key."""
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return False
+        tree = tree[part]
+    return True
 
 
 def to_yaml(cfg: K3Config) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from k3post.config.ranges import ranged
+
 __all__ = ["DataConfig"]
 
 
@@ -12,18 +14,18 @@ class DataConfig:
     """The demo's SFT data: reference-teacher trajectories through the synthesis + verification pipeline."""
 
     eval_family: str = "general.arithmetic"  # single-turn family the held-out pass rate is measured on
-    n_train: int = 1500  # training tasks of eval_family (each solved at every effort)
-    n_per_family: int = 2  # training tasks of every other built-in family (each at every effort)
+    n_train: int = ranged(1500, ge=0)  # training tasks of eval_family (each solved at every effort)
+    n_per_family: int = ranged(2, ge=0)  # training tasks of every other built-in family (each at every effort)
     # training tasks of the families named here instead of n_per_family: coding.write_function gets enough
     # samples for the SFT model to pass some of its tasks, so coding RL starts with reward variance
     family_tasks: dict[str, int] = field(default_factory=lambda: {"coding.write_function": 100})
-    n_eval: int = 400  # held-out eval_family tasks, disjoint from training (400: a +5-point change is detectable)
-    difficulty: int = 1
+    n_eval: int = ranged(400, ge=0)  # held-out eval_family tasks, disjoint from training (400: a +5-point change is detectable)
+    difficulty: int = ranged(1, ge=1)
     efforts: list[str] = field(default_factory=lambda: ["max", "high", "low"])
     # share of each effort among eval_family's training samples (k3post.synth.mix; `*/max` style keys);
     # empty keeps one sample per task and effort
     effort_mix: dict[str, float] = field(default_factory=lambda: {"*/max": 0.6, "*/high": 0.25, "*/low": 0.15})
-    corpus_per_family: int = 6  # tasks per family (x3 efforts) in the tokenizer's training corpus
+    corpus_per_family: int = ranged(6, ge=0)  # tasks per family (x3 efforts) in the tokenizer's training corpus
     # a kg_tasks.jsonl of `k3post synth-tasks`: agents.search draws its tasks from it instead of generated graphs
     search_tasks: str = ""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from k3post.config.optim import check_keep_last
+from k3post.config.ranges import ranged
 from k3post.constants import EFFORTS
 
 __all__ = ["DRAFT_LOSSES", "DraftConfig"]
@@ -40,9 +41,9 @@ class DraftConfig:
     step_decay: float = 0.8
     steps: int = 60
     lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
+    min_lr_ratio: float = ranged(0.1, ge=0, le=1)
+    warmup_steps: int = ranged(10, ge=0)
+    weight_decay: float = ranged(0.0, ge=0)
     grad_clip: float = 1.0
     batch_size: int = 8
     max_len: int = 768

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from k3post.config.ranges import ranged
+
 __all__ = ["TokenizerConfig", "ModelConfig"]
 
 
@@ -12,7 +14,7 @@ class TokenizerConfig:
     """How the run gets its tokenizer."""
 
     path: str | None = None  # a saved tokenizer folder; None trains a byte-level BPE on the task corpus
-    vocab_size: int = 1024  # BPE vocabulary size when training one (special tokens included)
+    vocab_size: int = ranged(1024, ge=1)  # BPE vocabulary size when training one (special tokens included)
     # False lets BPE merges span words, so the text every sample repeats (XTML headers, the
     # thinking-effort body) shrinks to a few tokens; measured on the demo data: 140 → 95 tokens per sample
     word_boundaries: bool = False
@@ -31,5 +33,5 @@ class ModelConfig:
 
     path: str | None = None  # a local HF model folder (safetensors); None builds `preset` from scratch
     preset: str = "tiny"  # a key of k3post.models.PRESETS, used when path is None
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = ranged(2048, ge=1)
     dtype: str = "float32"  # master weight dtype: float32 | bfloat16

@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from k3post.config.ranges import ranged
 from k3post.config.rl import RLConfig
 from k3post.constants import DOMAINS, EFFORTS
 
@@ -52,7 +53,7 @@ class MOPDConfig:
     w_orm: float = 0.0
     max_resident: int = 3
     teacher_dtype: str = "float32"
-    teacher_batch_tokens: int = 8192
+    teacher_batch_tokens: int = ranged(8192, ge=1)
     teacher_sees_effort: bool = True  # departure from SPEC §4, see docs/decisions.md
     rl: RLConfig = field(default_factory=lambda: RLConfig(steps=24, n_prompts=6, k=4))
 

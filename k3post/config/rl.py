@@ -9,6 +9,7 @@ from typing import Any
 
 from k3post.config.effort import EffortConfig
 from k3post.config.optim import OptimConfig, check_keep_last
+from k3post.config.ranges import check_range, field_range, ranged
 from k3post.config.rollout import EngineConfig, RolloutConfig
 from k3post.constants import DOMAINS, EFFORTS
 
@@ -49,29 +50,29 @@ class RLConfig:
     domain: str = "general"
     effort: str = "max"
     families: list[str] = field(default_factory=lambda: ["general.arithmetic", "agents.search", "coding.write_function"])
-    steps: int = 40
-    n_prompts: int = 8
-    k: int = 8
-    lambda_: float = 0.7
-    max_staleness: int = 4
-    temperature: float = 1.0
-    max_tokens: int = 128
-    max_model_len: int = 2048
-    slots: int = 32
-    kv_pool_mb: int = 64
-    difficulty: int = 1
-    n_tasks: int = 320
-    eval_n: int = 400
-    eval_max_tokens: int = 128
-    lr: float = 1e-4
-    weight_decay: float = 0.0
+    steps: int = ranged(40, ge=0)  # 0: the demo skips the stage
+    n_prompts: int = ranged(8, ge=1)
+    k: int = ranged(8, ge=1)
+    lambda_: float = ranged(0.7, gt=0, le=1)
+    max_staleness: int = ranged(4, ge=0)
+    temperature: float = ranged(1.0, ge=0)
+    max_tokens: int = ranged(128, ge=1)
+    max_model_len: int = ranged(2048, ge=1)
+    slots: int = ranged(32, ge=1)
+    kv_pool_mb: int = ranged(64, ge=0)
+    difficulty: int = ranged(1, ge=1)
+    n_tasks: int = ranged(320, ge=1)
+    eval_n: int = ranged(400, ge=0)
+    eval_max_tokens: int = ranged(128, ge=1)
+    lr: float = ranged(1e-4, ge=0)
+    weight_decay: float = ranged(0.0, ge=0)
     grad_clip: float = 1.0
-    micro_batch_tokens: int = 8192
-    log_ratio_min: float = -math.log(2.0)
-    log_ratio_max: float = math.log(2.0)
-    tau: float = 0.01
-    clip_eps_low: float = math.inf
-    clip_eps_high: float = math.inf
+    micro_batch_tokens: int = ranged(8192, ge=1)
+    log_ratio_min: float = ranged(-math.log(2.0), le=0, inf_ok=True)
+    log_ratio_max: float = ranged(math.log(2.0), ge=0, inf_ok=True)
+    tau: float = ranged(0.01, ge=0)
+    clip_eps_low: float = ranged(math.inf, ge=0, inf_ok=True)
+    clip_eps_high: float = ranged(math.inf, ge=0, inf_ok=True)
     stop_gradient_ratio: bool = False
     sequence_ratio: bool = False
     seq_mean: bool = False
@@ -79,14 +80,14 @@ class RLConfig:
     skip_zero_variance: bool = False
     judge: str = ""
     judge_model: str = ""
-    grm_sigma: float = 1.5
+    grm_sigma: float = ranged(1.5, gt=0)
     effort_control: EffortConfig = field(default_factory=EffortConfig)
     domains: list[str] = field(default_factory=lambda: ["general", "agents", "coding"])
     domain_overrides: dict[str, dict[str, float]] = field(default_factory=lambda: {
         "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16, "max_tokens": 192, "eval_max_tokens": 192},
         "coding": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 32, "max_tokens": 384, "eval_max_tokens": 384},
     })
-    save_every: int = 10
+    save_every: int = ranged(10, ge=1)
     keep_last: int = 2  # checkpoints kept on disk (>= 1); older ones are deleted after a newer one is complete
     seed: int = 0
     progress: bool = True
@@ -117,7 +118,7 @@ class RLConfig:
 
     def _overrides(self, domain: str) -> dict[str, int | float]:
         """``domain_overrides[domain]`` cast to the fields' types (ValueError naming a non-numeric or
-        non-integer setting)."""
+        non-integer setting, or one outside the field's range)."""
         types = {f.name: type(getattr(self, f.name)) for f in fields(self)}
         over: dict[str, int | float] = {}
         for key, value in dict(self.domain_overrides.get(domain, {})).items():
@@ -126,6 +127,7 @@ class RLConfig:
             if types[key] is int and float(value) != int(value):
                 raise ValueError(f"rl.domain_overrides.{domain}.{key}: must be an integer, got {value}")
             over[key] = types[key](value)
+            check_range(f"rl.domain_overrides.{domain}.{key}", over[key], field_range(type(self), key))
         return over
 
     def rollout_config(self) -> RolloutConfig:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from k3post.config.optim import check_keep_last
+from k3post.config.ranges import ranged
 
 __all__ = ["SFTConfig"]
 
@@ -14,26 +15,26 @@ class SFTConfig:
     """Stage 1 trainer settings."""
 
     train_file: str | None = None  # SFT JSONL; None in the demo (it writes its own)
-    max_len: int = 2048  # longest sample; a longer one is an error (or a counted skip)
-    pack_len: int = 256  # packed row length; a sample longer than this gets a row of its own
-    rows_per_batch: int = 8  # packed rows per micro-batch (a micro-batch holds <= rows_per_batch * pack_len tokens)
-    grad_accum: int = 1  # micro-batches per optimizer step
-    steps: int = 1500  # optimizer steps
-    lr: float = 5e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 30
-    weight_decay: float = 0.0
+    max_len: int = ranged(2048, ge=1)  # longest sample; a longer one is an error (or a counted skip)
+    pack_len: int = ranged(256, ge=1)  # packed row length; a sample longer than this gets a row of its own
+    rows_per_batch: int = ranged(8, ge=1)  # packed rows per micro-batch (a micro-batch holds <= rows_per_batch * pack_len tokens)
+    grad_accum: int = ranged(1, ge=1)  # micro-batches per optimizer step
+    steps: int = ranged(1500, ge=1)  # optimizer steps
+    lr: float = ranged(5e-3, ge=0)
+    min_lr_ratio: float = ranged(0.1, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = ranged(30, ge=0)
+    weight_decay: float = ranged(0.0, ge=0)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables
     precision: str = "fp32"  # fp32 | bf16 (bf16 autocast over fp32 master weights)
-    save_every: int = 200  # checkpoint every N steps (and at the end)
+    save_every: int = ranged(200, ge=1)  # checkpoint every N steps (and at the end)
     keep_last: int = 2  # checkpoints kept on disk (>= 1); older ones are deleted after a newer one is complete
-    log_every: int = 10
+    log_every: int = ranged(10, ge=1)
     on_bad_sample: str = "error"  # error | skip (skips are counted and logged)
     mode: str = "think"  # XTML mode: think | instruct
     progress: bool = True  # tqdm progress bar
-    mtp_weight: float = 0.0  # weight of the MTP head's next-next-token loss (k3post.spec.mtp); 0 = no MTP head
-    mtp_start_fraction: float = 0.0  # the MTP loss is on from step int(fraction * steps); earlier: no loss, no gradient to the head
+    mtp_weight: float = ranged(0.0, ge=0)  # weight of the MTP head's next-next-token loss (k3post.spec.mtp); 0 = no MTP head
+    mtp_start_fraction: float = ranged(0.0, ge=0, lt=1)  # the MTP loss is on from step int(fraction * steps); earlier: no loss, no gradient to the head
 
     def __post_init__(self) -> None:
         check_keep_last(self.keep_last, "sft.keep_last")

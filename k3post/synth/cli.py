@@ -93,7 +93,10 @@ def _families(names: list[str]) -> list[Any]:
         elif n in DOMAINS:
             out += builtin_families(n)
         else:
-            out.append(find_family(n))
+            try:
+                out.append(find_family(n))
+            except ValueError as e:  # the user's --family: a usage error (exit 2), not a failure
+                raise UserError(f"--family: {e}") from None
     if not out:
         raise UserError(f"--family {','.join(names)}: no task family selected")
     seen: dict[str, Any] = {}

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from k3post.errors import UserError
+from k3post.errors import UserError, user_input
 from k3post.yamlio import read_yaml_mapping
 
 __all__ = ["MixConfig", "group_key", "group_weight", "allocate", "mix", "mix_files", "load_mix_config"]
@@ -123,9 +123,10 @@ def mix_files(
     if not inputs:
         raise UserError("mix: no input files given")
     samples: list[dict[str, Any]] = []
-    for p in inputs:
-        samples += read_jsonl(p)
-    mixed = mix(samples, weights, n, seed)
+    with user_input():  # a missing or malformed input file, a bad weight: the user's input (exit 2)
+        for p in inputs:
+            samples += read_jsonl(p)
+        mixed = mix(samples, weights, n, seed)
     return write_jsonl_atomic(mixed, out), dict(sorted(Counter(group_key(s) for s in mixed).items()))
 
 

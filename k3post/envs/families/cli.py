@@ -47,8 +47,11 @@ def sample_text(family: str, *, seed: int = 0, effort: str = "max", difficulty: 
     """One task of ``family`` and its reference trajectory at ``effort``, rendered as XTML text."""
     if effort not in EFFORTS:
         raise UserError(f"unknown effort {effort!r}; expected one of {EFFORTS}")
-    fam = get_family(family)
-    task = fam.generate(1, seed=seed, difficulty=difficulty)[0]
+    try:  # an unknown family, a difficulty it does not have: the user's input (exit 2)
+        fam = get_family(family)
+        task = fam.generate(1, seed=seed, difficulty=difficulty)[0]
+    except ValueError as e:
+        raise UserError(str(e)) from None
     ep = run_episode_sync(fam.reference_policy(task, effort), fam.make_env(task), task)
     n_prompt = next((i for i, m in enumerate(ep.messages) if m.get("role") == "assistant"), len(ep.messages))
     tools = ep.tools or None
