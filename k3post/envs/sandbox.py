@@ -1393,6 +1393,25 @@ class Sandbox:
         if self._closed:
             raise ValueError("sandbox is closed")
 
+    def wait_gone(self, timeout: float = 5.0) -> int:
+        """Block until no process of this sandbox's private uid is alive (a root host; elsewhere it returns at once).
+
+        A run's process tree is killed before :meth:`run` returns, but the kernel tears processes down
+        asynchronously and a large one (a browser with many processes) takes a moment to disappear. Processes
+        still there at ``timeout`` are SIGKILLed again; returns how many were left then (0: all gone in time).
+        """
+        uid = self._drop_uid
+        if uid is None:
+            return 0
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not _count_user_procs(uid):
+                return 0
+            time.sleep(0.01)
+        left = _scan_procs(None, uid)
+        _kill_pids(left)
+        return len(left)
+
     def close(self) -> None:
         """Release resources; removes the working directory if it was created here."""
         if getattr(self, "_closed", True):
