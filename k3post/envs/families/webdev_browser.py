@@ -192,9 +192,22 @@ T = cfg["timeouts"]
 t_start = time.monotonic()
 
 
+emit_lock = threading.Lock()
+
+
 def emit(obj):
-    _out.write(nonce + " " + json.dumps(obj) + "\n")
-    _out.flush()
+    """One nonce-tagged JSON line; the watchdog may emit while the main thread still mutates the state."""
+    for _ in range(20):
+        try:
+            line = json.dumps(obj)
+            break
+        except RuntimeError:  # a dict changed size during the dump
+            time.sleep(0.005)
+    else:
+        line = json.dumps({"setup_failed": "could not serialise the report"})
+    with emit_lock:
+        _out.write(nonce + " " + line + "\n")
+        _out.flush()
 
 
 state = {"runs": [], "startup": {"console": [], "network": [], "canary": []}, "browser": [], "peak_rss": 0}
@@ -209,7 +222,6 @@ def finish(error=None, why=""):
         state["error"], state["why"] = error, str(why)[-2000:]
     state["seconds"] = time.monotonic() - t_start
     emit(state)
-    _out.flush()
     os._exit(0)
 
 
@@ -407,7 +419,7 @@ def _probe_once(name, args, settle):
 
 
 def find(sel):
-    els = [e for e in drv.find_elements(By.CSS_SELECTOR, sel)]
+    els = drv.find_elements(By.CSS_SELECTOR, sel)
     if not els:
         raise LookupError("no element matches %s" % sel)
     return els[0]
