@@ -64,8 +64,11 @@ __all__ = [
     "BrowserUnavailableError",
     "WebdevFamily",
     "generic_hacks",
+    "hidden_values",
     "judge",
     "plan",
+    "preview_report",
+    "scenarios",
     "verify_files",
     "verify_webdev",
 ]
