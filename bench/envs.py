@@ -33,7 +33,7 @@ from k3post.envs.families import registry
 from k3post.envs.families.registry import EFFORTS, TaskFamily
 from k3post.envs.sandbox import Sandbox, SandboxLimits
 
-_MODULES = ("general", "agents", "coding", "aet_families", "workflows", "research", "kernel", "visual")
+_MODULES = ("general", "agents", "coding", "aet_families", "workflows", "research", "kernel", "visual", "webdev")
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q torch==2.13.0
-"$PY" -m pip install -q -e '.[dev,distributed,visual]'  # distributed: Ray, so CI runs tests/test_ray.py; visual: matplotlib + Pillow (general.visual)
-# bubblewrap for the code sandbox: fails the install where apt-get exists but cannot provide it
-# (skipped with a warning where apt-get is unavailable)
+"$PY" -m pip install -q -e '.[dev,distributed,visual,web]'  # distributed: Ray, so CI runs tests/test_ray.py; visual: matplotlib + Pillow (general.visual); web: Pillow (coding.webdev's screenshots)
+# bubblewrap for the code sandbox, and chromium + chromium-driver + python3-selenium for coding.webdev: fails the
+# install where apt-get exists but cannot provide them (skipped with a warning where apt-get is unavailable)
 bash scripts/install_sandbox.sh

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up the code sandbox (k3post/envs/sandbox.py): install bubblewrap (bwrap)
-# via apt-get when it is missing and we can, then report which isolation
-# backend really works here.
+# via apt-get when it is missing and we can (and headless Chromium for
+# coding.webdev), then report which isolation backend really works here.
 #
 # Idempotent (does nothing when bwrap is already installed).  Exits 1 when
 # apt-get is available but bubblewrap cannot be installed (not root and no
@@ -27,26 +27,36 @@ if [ "$(id -u)" != "0" ]; then
     fi
 fi
 
+export DEBIAN_FRONTEND=noninteractive
+apt_install() {  # PACKAGE...: apt-get install, retried once after an update (a stale index is the usual failure)
+    $SUDO apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1 && return 0
+    $SUDO apt-get update -q >/dev/null 2>&1 || warn "apt-get update failed"
+    $SUDO apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1
+}
+
+install_or_fail() {  # WHAT PACKAGE...: apt-get install, or exit 1 (only a warning where apt-get is missing)
+    what=$1
+    shift
+    if ! command -v apt-get >/dev/null 2>&1; then
+        warn "apt-get not found; install $* with your package manager ($what)"
+    elif [ "$(id -u)" != "0" ] && [ -z "$SUDO" ]; then
+        echo "install_sandbox: error: not root and no passwordless sudo; cannot apt-get install $*" >&2
+        echo "install_sandbox: run: sudo apt-get install $*" >&2
+        exit 1
+    else
+        info "installing $* with apt-get ($what)"
+        if ! apt_install "$@"; then
+            echo "install_sandbox: error: apt-get install $* failed" >&2
+            exit 1
+        fi
+    fi
+}
+
 if command -v bwrap >/dev/null 2>&1; then
     info "bubblewrap already installed: $(command -v bwrap)"
 else
-    if ! command -v apt-get >/dev/null 2>&1; then
-        warn "apt-get not found; install bubblewrap with your package manager for full isolation"
-    elif [ "$(id -u)" != "0" ] && [ -z "$SUDO" ]; then
-        echo "install_sandbox: error: not root and no passwordless sudo; cannot apt-get install bubblewrap" >&2
-        echo "install_sandbox: run: sudo apt-get install bubblewrap" >&2
-        exit 1
-    else
-        info "installing bubblewrap with apt-get"
-        export DEBIAN_FRONTEND=noninteractive
-        # A stale package index is the usual reason for a failed install: retry after an update.
-        if ! $SUDO apt-get install -y -q --no-install-recommends bubblewrap >/dev/null 2>&1; then
-            $SUDO apt-get update -q >/dev/null 2>&1 || warn "apt-get update failed"
-            if ! $SUDO apt-get install -y -q --no-install-recommends bubblewrap >/dev/null 2>&1; then
-                echo "install_sandbox: error: apt-get install bubblewrap failed" >&2
-                exit 1
-            fi
-        fi
+    install_or_fail "full isolation of the code sandbox" bubblewrap
+    if command -v apt-get >/dev/null 2>&1; then
         if ! command -v bwrap >/dev/null 2>&1; then
             echo "install_sandbox: error: bubblewrap installed but bwrap is not on PATH" >&2
             exit 1
@@ -64,16 +74,30 @@ sandbox_python_package() {  # MODULE DEBIAN_PACKAGE FAMILY
     fi
     if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = "0" ] || [ -n "${SUDO:-}" ]; }; then
         info "installing $2 for the sandbox's python with apt-get"
-        DEBIAN_FRONTEND=noninteractive ${SUDO:-} apt-get install -y -q --no-install-recommends "$2" >/dev/null 2>&1 \
-            || { ${SUDO:-} apt-get update -q >/dev/null 2>&1
-                 DEBIAN_FRONTEND=noninteractive ${SUDO:-} apt-get install -y -q --no-install-recommends "$2" >/dev/null 2>&1; } \
-            || warn "apt-get install $2 failed: $3 cannot run its sandboxed Python"
+        apt_install "$2" || warn "apt-get install $2 failed: $3 cannot run its sandboxed Python"
     else
         warn "/usr/bin/python3 has no $1 (install $2): $3 needs it"
     fi
 }
 sandbox_python_package pandas python3-pandas agents.data_report
 sandbox_python_package PIL python3-pil general.visual
+
+# Headless Chromium for coding.webdev (k3post/envs/families/webdev_browser.py): Debian's chromium and
+# chromium-driver, driven by Debian's python3-selenium from the sandbox's /usr/bin/python3. Like bubblewrap, a failed
+# install where apt-get exists but cannot provide them fails this script: the browser checks run in CI.
+if [ -x /usr/lib/chromium/chromium ] && command -v chromedriver >/dev/null 2>&1 \
+        && { [ ! -x /usr/bin/python3 ] || /usr/bin/python3 -c "import selenium.webdriver" >/dev/null 2>&1; }; then
+    info "headless Chromium already installed: $(/usr/lib/chromium/chromium --version 2>/dev/null)"
+else
+    install_or_fail "coding.webdev's headless browser" chromium chromium-driver python3-selenium
+    if command -v apt-get >/dev/null 2>&1; then
+        if [ ! -x /usr/lib/chromium/chromium ] || ! command -v chromedriver >/dev/null 2>&1; then
+            echo "install_sandbox: error: chromium installed but /usr/lib/chromium/chromium or chromedriver is missing" >&2
+            exit 1
+        fi
+        info "installed $(/usr/lib/chromium/chromium --version 2>/dev/null)"
+    fi
+fi
 
 # Report what really works (namespaces are often forbidden inside containers).
 PY=${PYTHON:-python3}

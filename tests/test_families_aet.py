@@ -297,7 +297,8 @@ def test_tasks_list_and_sample(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_aet_families_are_opt_in_for_the_default_pipeline():
     """The demo's tokenizer corpus, SFT mix and draft data use ``default_families``: every registered family but
-    the opt-in kinds (AET, workflow, research, kernel, visual: name them), so the demo's numbers stay those measured before they existed."""
+    the opt-in kinds (AET, workflow, research, kernel, visual, webdev: name them), so the demo's numbers stay those measured
+    before they existed."""
     from k3post.envs.families import default_families, families
 
     from k3post.envs.families.registry import OPT_IN_KINDS
@@ -305,6 +306,6 @@ def test_aet_families_are_opt_in_for_the_default_pipeline():
     left_out = {f.name for f in families()} - {f.name for f in default_families()}
     assert left_out == {"coding.aet_cli", "agents.aet_datadir", "agents.aet_config",  # kind "aet"
                         "agents.data_report", "agents.contracts", "agents.deep_research",  # "workflow", "research"
-                        "coding.kernel", "general.visual"}  # "kernel", "visual"
-    assert OPT_IN_KINDS == ("aet", "workflow", "research", "kernel", "visual")
+                        "coding.kernel", "general.visual", "coding.webdev"}  # "kernel", "visual", "webdev"
+    assert OPT_IN_KINDS == ("aet", "workflow", "research", "kernel", "visual", "webdev")
     assert all(getattr(f, "kind", "") not in OPT_IN_KINDS for f in default_families())

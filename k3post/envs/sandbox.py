@@ -793,6 +793,7 @@ class Sandbox:
         for alias in ("python", "python3"):
             os.symlink(self._python, self._private / "bin" / alias)
         self._nproc_slack = 0
+        self._last_token: str | None = None
         self._limits_cache: list[tuple[int, str, int, int]] = []
         self._preexec_err = -1
         self._fix_ownership()
@@ -1136,6 +1137,7 @@ class Sandbox:
         stdin_bytes = stdin.encode("utf-8") if isinstance(stdin, str) else stdin
 
         token = uuid.uuid4().hex
+        self._last_token = token
         full_env = self._env(token, env)
         self._fix_ownership()
         launch, launch_env = self._build(argv, full_env)
@@ -1392,6 +1394,27 @@ class Sandbox:
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("sandbox is closed")
+
+    def wait_gone(self, timeout: float = 5.0) -> int:
+        """Block until no process of this sandbox's private uid (a root host), or else of its last run (found by the
+        run's environment token), is alive.
+
+        A run's process tree is killed before :meth:`run` returns, but the kernel tears processes down
+        asynchronously and a large one (a browser with many processes) takes a moment to disappear. Processes
+        still there at ``timeout`` are SIGKILLed again; returns how many were left then (0: all gone in time).
+        """
+        uid = self._drop_uid
+        token = None if uid is not None or self._last_token is None else f"{_TOKEN_VAR}={self._last_token}".encode()
+        if uid is None and token is None:
+            return 0
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not (_count_user_procs(uid) if uid is not None else _scan_procs(token, None)):
+                return 0
+            time.sleep(0.01)
+        left = _scan_procs(token, uid)
+        _kill_pids(left)
+        return len(left)
 
     def close(self) -> None:
         """Release resources; removes the working directory if it was created here."""

@@ -120,6 +120,25 @@ class SandboxState:
         self.sandbox.close()
 
 
+def final_text_files(state: Any, keep: Callable[[str], bool], who: str) -> dict[str, str]:
+    """The files (path -> text, sorted) whose path passes ``keep``, of a `SandboxState`, its JSON form
+    ``{"snapshot": ...}`` or ``{"files": {path: text}}``; ``who`` names the caller in the error."""
+    if isinstance(state, Mapping) and isinstance(state.get("snapshot"), str):
+        restored = SandboxState.from_json(state)
+        try:
+            return final_text_files(restored, keep, who)
+        finally:
+            restored.close()
+    if isinstance(state, SandboxState):
+        sb = state.sandbox
+        files = {p: sb.read_file(p) for p in sb.list_files() if keep(p)}
+    elif isinstance(state, Mapping) and isinstance(state.get("files"), Mapping):
+        files = {str(k): str(v) for k, v in state["files"].items()}
+    else:
+        raise ValueError(f"{who}: final state must be a SandboxState or {{'files': ...}}, got {type(state).__name__}")
+    return {p: t for p, t in sorted(files.items()) if keep(p)}
+
+
 def _is_source(path: str) -> bool:
     parts = PurePosixPath(path).parts
     return path.endswith(".py") and "__pycache__" not in parts

@@ -75,7 +75,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from k3post.envs.env import EpisodeLimits, ToolEnvironment
-from k3post.envs.families.coding import SandboxState, _call, _clip, _make_env, _TOOLS
+from k3post.envs.families.coding import SandboxState, _call, _clip, _make_env, _TOOLS, final_text_files
 from k3post.envs.families.common import FamilyBase, assistant
 from k3post.envs.families.kernel_ops import CALIBRATION_C, OPS, KernelOp
 from k3post.envs.families.registry import register_family
@@ -469,20 +469,8 @@ def measure(task: Task, sandbox: Sandbox, *, run: int = 0, public: bool = False,
 
 def _kernel_files(state: Any) -> dict[str, str]:
     """The final ``.py`` and ``.c`` files (path -> text) of a `SandboxState` or a JSON ``{"files"|"snapshot"}``."""
-    if isinstance(state, Mapping) and isinstance(state.get("snapshot"), str):
-        restored = SandboxState.from_json(state)
-        try:
-            return _kernel_files(restored)
-        finally:
-            restored.close()
-    if isinstance(state, SandboxState):
-        sb = state.sandbox
-        files = {p: sb.read_file(p) for p in sb.list_files() if p.endswith((".py", ".c")) and "/" not in p}
-    elif isinstance(state, Mapping) and isinstance(state.get("files"), Mapping):
-        files = {str(k): str(v) for k, v in state["files"].items()}
-    else:
-        raise ValueError(f"kernel verifier: final state must be a SandboxState or {{'files': ...}}, got {type(state).__name__}")
-    return {p: t for p, t in sorted(files.items()) if p.endswith((".py", ".c")) and "/" not in p and len(t) <= 100_000}
+    files = final_text_files(state, lambda p: p.endswith((".py", ".c")) and "/" not in p, "kernel verifier")
+    return {p: t for p, t in files.items() if len(t) <= 100_000}
 
 
 Measurer = Callable[[Task, Mapping[str, str], int], Measurement]

@@ -49,9 +49,9 @@ class TaskFamily(Protocol):
 
 _FAMILIES: dict[str, TaskFamily] = {}
 
-OPT_IN_KINDS = ("aet", "workflow", "research", "kernel", "visual")
+OPT_IN_KINDS = ("aet", "workflow", "research", "kernel", "visual", "webdev")
 """Family ``kind`` values left out of `default_families`: AET, professional workflows and deep research (issue 21),
-kernel optimisation and visual reasoning (issue 22)."""
+kernel optimisation, visual reasoning and web development (issue 22)."""
 
 
 def register_family(family: TaskFamily) -> TaskFamily:
@@ -69,7 +69,7 @@ def register_family(family: TaskFamily) -> TaskFamily:
 
 def _load_builtin() -> None:
     # importing the modules registers their families
-    from k3post.envs.families import aet_families, agents, coding, general, kernel, research, visual, workflows  # noqa: F401
+    from k3post.envs.families import aet_families, agents, coding, general, kernel, research, visual, webdev, workflows  # noqa: F401
 
 
 def get_family(name: str) -> TaskFamily:
@@ -97,7 +97,8 @@ def families(domain: str | None = None) -> list[TaskFamily]:
 def default_families(domain: str | None = None) -> list[TaskFamily]:
     """``families(domain)`` without the opt-in kinds: what the demo's tokenizer corpus, SFT mix and draft data use
     when no list is given. The families of the `OPT_IN_KINDS` are opt-in: the verify-in-the-loop (AET) ones run
-    sandboxed verifiers, the kernel family compiles and times code, the visual one carries images, and they all came after the demo's and the
+    sandboxed verifiers, the kernel family compiles and times code, the visual one carries images, the web one drives a
+    browser, and they all came after the demo's and the
     full recipe's numbers were measured."""
     return [f for f in families(domain) if getattr(f, "kind", "") not in OPT_IN_KINDS]
 

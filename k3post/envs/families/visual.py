@@ -326,16 +326,12 @@ def image_part(png_b64: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_b64}"}}
 
 
-class VisualEnv(ToolEnvironment):
-    """A `ToolEnvironment` whose ``python`` results carry the saved images as ``image_url`` parts."""
+class ImageToolEnvironment(ToolEnvironment):
+    """A `ToolEnvironment` whose tool results can carry images: a handler puts base64 PNGs in
+    ``ctx.env.pending[ctx.call_id]`` and its tool message comes back with them as ``image_url`` parts."""
 
-    def __init__(self) -> None:
-        super().__init__(
-            [PYTHON, MEASURE, SUBMIT],
-            initial_state=lambda task: {"images": {}},
-            submit_tool="submit",
-            limits=EpisodeLimits(max_turns=12),
-        )
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.pending: dict[str, list[str]] = {}
 
     async def respond(self, message: dict[str, Any], *, external_calls: int = 0) -> StepResult:
@@ -347,6 +343,18 @@ class VisualEnv(ToolEnvironment):
                 m["content"] = [{"type": "text", "text": m["content"]}, *(image_part(b) for b in images)]
         self.pending = {}
         return result
+
+
+class VisualEnv(ImageToolEnvironment):
+    """The visual family's environment: ``python`` results carry the saved images as ``image_url`` parts."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            [PYTHON, MEASURE, SUBMIT],
+            initial_state=lambda task: {"images": {}},
+            submit_tool="submit",
+            limits=EpisodeLimits(max_turns=12),
+        )
 
 
 # ------------------------------------------------------------------ reference solver
