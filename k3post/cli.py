@@ -72,10 +72,14 @@ def _on_ranks(fn, cfg, command: str):  # noqa: ANN001, ANN202
     if ranks > d.roles.trainers:
         raise UserError(f"distributed.fsdp.ranks={ranks} needs a trainer slot per rank on Ray, but "
                         f"distributed.roles.trainers is {d.roles.trainers}; set distributed.roles.trainers={ranks}")
+    if command in ("rl", "experts"):
+        from k3post.commands import check_judge_slots
+
+        check_judge_slots(cfg)  # before Ray starts
     from k3post.distributed.env_workers import remote_environments
     from k3post.distributed.ray_cluster import RayCluster, RayFollowers
 
-    # one placement group for the whole command: trainer ranks > 0, engine servers, env workers, teachers
+    # one placement group for the whole command: trainer ranks > 0, engine servers, env workers, teachers, judges
     with RayCluster(d) as cluster, remote_environments(cluster, sandbox=cfg.sandbox):
         return on_ranks(d.fsdp, fn, cfg, followers=lambda: RayFollowers(cluster))
 

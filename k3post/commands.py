@@ -24,6 +24,7 @@ from k3post.tokenizer import ensure_xtml_tokens, load_tokenizer, train_tokenizer
 from k3post.xtml import XTML, text_segments
 
 if TYPE_CHECKING:
+    from k3post.config.rollout import EngineConfig
     from k3post.mopd import MOPDConfig
 
 log = logging.getLogger("k3post.commands")
@@ -108,13 +109,53 @@ def _start_rl_run(cfg: K3Config) -> tuple[Path, Path]:
     return run, init
 
 
+def check_judge_slots(cfg: K3Config) -> None:
+    """A UserError, before anything runs, when judge slots are asked for a judge that cannot use them."""
+    n = cfg.distributed.roles.judges
+    if cfg.distributed.enabled and n > 0 and cfg.rl.judge.startswith(("http://", "https://")):
+        raise UserError(f"distributed.roles.judges={n}, but rl.judge is a URL ({cfg.rl.judge}): that judge is served "
+                        "elsewhere, so nothing would run on the judges bundles; set distributed.roles.judges=0, or "
+                        "rl.judge to a model folder (or 'policy') to serve it there")
+
+
+def _judge_servers(stack: ExitStack, cluster: Any, cfg: K3Config, init: Path, run: Path, judged: bool
+                   ) -> "EngineConfig | None":
+    """With ``distributed.roles.judges`` = N > 0 and a judged family in the run: the judge model of ``rl.judge``
+    served by N frozen engine-server actors on the judges bundles (killed when ``stack`` closes; their state,
+    the port a restart binds again, in ``run/judges``); returns their ``http`` `EngineConfig`, the GRM
+    scorers' judge engine. None (the judge decodes in the scorer's process) when N is 0 or nothing is judged."""
+    import shutil
+
+    from k3post.config.rollout import EngineConfig
+    from k3post.distributed.ray_cluster import engine_config
+    from k3post.rl import judge_model_dir
+
+    n = cfg.distributed.roles.judges
+    if n == 0:
+        return None
+    if not judged:
+        log.warning("distributed.roles.judges=%d: no family of this run is judged (rl.judge %r), so the judges bundles "
+                    "stay empty", n, cfg.rl.judge)
+        return None
+    model_dir = judge_model_dir(cfg.rl, init)
+    shutil.rmtree(run / "judges", ignore_errors=True)  # an earlier attempt's ports
+    actors = cluster.engine_servers(model_dir, run / "judges", role="judges", max_batch_size=cfg.rl.slots,
+                                    qat=cfg.qat.enabled, seed=cfg.rl.seed)
+    stack.callback(cluster.kill, actors)
+    judge = engine_config(actors, EngineConfig(timeout_s=cfg.rl.engine.timeout_s))
+    log.info("GRM judge %s: %d engine server(s) on the judges bundles %s: %s", model_dir, n,
+             [b for b, _ in cluster.placement.slots["judges"]], judge.urls)
+    return judge
+
+
 def run_rl(cfg: K3Config) -> Path:
     """`k3post rl CONFIG`: one RL expert (rl.domain at rl.effort) from rl.init; returns its folder."""
 
     from k3post.experts import domain_budgets, load_policy
-    from k3post.rl import build_group_scorer, domain_families, train_rl
+    from k3post.rl import build_group_scorer, domain_families, judged_families, train_rl
     from k3post.rollout.factory import build_engine, close_engine
 
+    check_judge_slots(cfg)
     run, init = _start_rl_run(cfg)
     tokenizer = load_tokenizer(init)
     model = load_policy(init, cfg.qat)
@@ -126,17 +167,23 @@ def run_rl(cfg: K3Config) -> Path:
         budgets = domain_budgets(engine, XTML(tokenizer), rl, run / f"budgets.{rl.domain}.json")
     finally:
         close_engine(engine)
-    scorer = build_group_scorer(rl, init, tokenizer, fams, qat=cfg.qat.enabled)
     metrics = MetricsLogger(run)
     name = f"{rl.domain}.{rl.effort}"
+    roles = cfg.distributed.roles
     with ExitStack() as stack:
         stack.callback(metrics.close)
-        if cfg.distributed.enabled and cfg.distributed.roles.engines > 0:  # the rollouts on engine-server actors
-            import shutil
-
+        cluster = None
+        if cfg.distributed.enabled and (roles.engines > 0 or roles.judges > 0):
             from k3post.distributed.ray_cluster import cluster_for, engine_config
 
             cluster = stack.enter_context(cluster_for(cfg.distributed))
+        judge = None if cluster is None else _judge_servers(stack, cluster, cfg, init, run, bool(judged_families(rl, fams)))
+        scorer = build_group_scorer(rl, init, tokenizer, fams, qat=cfg.qat.enabled, judge_engine=judge)
+        if scorer is not None:
+            stack.callback(scorer.close)  # type: ignore[attr-defined]
+        if cluster is not None and roles.engines > 0:  # the rollouts on engine-server actors
+            import shutil
+
             # a server's folder (port, weights kept for Ray's restarts) lives as long as this attempt's actors
             shutil.rmtree(run / "engines", ignore_errors=True)
             actors = cluster.engine_servers(init, run / "engines", max_batch_size=rl.slots,
@@ -155,15 +202,19 @@ def run_rl(cfg: K3Config) -> Path:
 def run_experts(cfg: K3Config) -> Path:
     """`k3post experts CONFIG`: the nine (domain, effort) experts from rl.init; returns the experts folder."""
     from k3post.experts import expert_grid, format_expert_grid, train_experts
+    from k3post.rl import domain_families, judged_families
 
+    check_judge_slots(cfg)
     run, init = _start_rl_run(cfg)
     metrics = MetricsLogger(run)
     out = run / "experts"
-    if cfg.distributed.enabled:  # every expert a Ray task, the domains in parallel
+    if cfg.distributed.enabled:  # every expert a Ray task, the domains in parallel, the judge on its actors
         from k3post.distributed.ray_cluster import cluster_for
 
-        with cluster_for(cfg.distributed) as cluster:
-            table = train_experts(init, cfg.rl, out, qat=cfg.qat, cluster=cluster, metrics_dir=run)
+        judged = any(judged_families(cfg.rl, domain_families(d, cfg.rl.families, with_judge=True)) for d in cfg.rl.domains)
+        with cluster_for(cfg.distributed) as cluster, ExitStack() as stack:
+            judge = _judge_servers(stack, cluster, cfg, init, run, judged)
+            table = train_experts(init, cfg.rl, out, qat=cfg.qat, cluster=cluster, metrics_dir=run, judge_engine=judge)
     else:
         table = train_experts(init, cfg.rl, out, qat=cfg.qat, metrics=metrics)
     metrics.close()

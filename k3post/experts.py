@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from k3post.config.rollout import EngineConfig
 from k3post.constants import DOMAINS, EFFORTS
 from k3post.errors import StepFailed
 from k3post.metrics import MetricsLogger
@@ -88,9 +89,12 @@ def _tail(rows: list[dict[str, float]], key: str) -> float:
     return statistics.fmean(vals) if vals else float("nan")
 
 
-def _domain_worker(args: tuple[str, str, RLConfig, str, QATConfig | None, str | None], until: str | None = None
-                   ) -> dict[str, Any]:
-    domain, sft_dir, cfg, out_dir, qat, metrics_dir = args
+_Job = tuple[str, str, RLConfig, str, "QATConfig | None", "str | None", "EngineConfig | None"]
+"""One domain's expert job: (domain, sft_dir, cfg, out_dir, qat, metrics_dir, judge_engine)."""
+
+
+def _domain_worker(args: _Job, until: str | None = None) -> dict[str, Any]:
+    domain, sft_dir, cfg, out_dir, qat, metrics_dir, judge_engine = args
     torch.set_num_threads(1)
     if metrics_dir:  # the worker's warnings and engine launches go to the run's k3post.log too (appended)
         from k3post.errors import attach_run_log
@@ -98,14 +102,14 @@ def _domain_worker(args: tuple[str, str, RLConfig, str, QATConfig | None, str | 
         attach_run_log(metrics_dir)
     metrics = MetricsLogger(metrics_dir) if metrics_dir else None
     try:
-        return train_domain_experts(domain, sft_dir, cfg, out_dir, qat=qat, metrics=metrics, until=until)
+        return train_domain_experts(domain, sft_dir, cfg, out_dir, qat=qat, metrics=metrics, until=until,
+                                    judge_engine=judge_engine)
     finally:
         if metrics is not None:
             metrics.close()
 
 
-def _expert_job(args: tuple[str, str, RLConfig, str, QATConfig | None, str | None], effort: str,
-                prev: dict[str, Any] | None) -> dict[str, Any]:
+def _expert_job(args: _Job, effort: str, prev: dict[str, Any] | None) -> dict[str, Any]:
     """One (domain, effort) expert as a job of its own (`train_experts` on a cluster): its domain's table
     after this effort. ``prev``, the table after the domain's previous effort, holding a failure: this
     expert starts from a failed one, so it is marked blocked, not trained."""
@@ -132,6 +136,7 @@ def train_experts(
     processes: int = 1,
     metrics_dir: str | Path | None = None,
     cluster: Any = None,
+    judge_engine: EngineConfig | None = None,
 ) -> dict[str, Any]:
     """Every (domain, effort) expert of ``cfg.domains`` × ``cfg.effort_control.curriculum``; returns
     the merged table (also written to ``table.json``; its domain × effort view with the targets checked,
@@ -144,25 +149,30 @@ def train_experts(
 
     With a ``cluster`` (`k3post.distributed.ray_cluster.RayCluster`) every expert is a Ray task of its own
     (`_expert_job`): the domains' chains run in parallel on the trainer slots, each chain max → high → low
-    (a task starts when the previous effort's returned), metrics as with ``processes``."""
+    (a task starts when the previous effort's returned), metrics as with ``processes``.
+
+    ``judge_engine``: the ``http`` `EngineConfig` of the servers holding the judge model (the judge actors of
+    ``distributed.roles.judges``): every domain's GRM judge decodes there (`build_group_scorer`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     domains = list(cfg.domains)
     if cluster is not None:
         if scorer is not None:
             raise ValueError("train_experts on a cluster builds each judge from cfg.judge: pass no live scorer")
-        jobs = [(d, str(sft_dir), cfg, str(out), qat, str(metrics_dir) if metrics_dir else None) for d in domains]
+        jobs = [(d, str(sft_dir), cfg, str(out), qat, str(metrics_dir) if metrics_dir else None, judge_engine)
+                for d in domains]
         chains = [[(job, e) for e in cfg.effort_control.curriculum] for job in jobs]
         tables = dict(zip(domains, cluster.run_chains(_expert_job, chains)))
     elif processes > 1 and len(domains) > 1 and scorer is None:
         import multiprocessing as mp
 
         jobs = [  # scorers (judges) are built inside each worker from cfg.judge
-(d, str(sft_dir), cfg, str(out), qat, str(metrics_dir) if metrics_dir else None) for d in domains]
+            (d, str(sft_dir), cfg, str(out), qat, str(metrics_dir) if metrics_dir else None, judge_engine) for d in domains]
         with mp.get_context("spawn").Pool(min(processes, len(domains)), maxtasksperchild=1) as pool:
             tables = dict(zip(domains, pool.map(_domain_worker, jobs, chunksize=1)))
     else:
-        tables = {d: train_domain_experts(d, sft_dir, cfg, out, qat=qat, metrics=metrics, scorer=scorer) for d in domains}
+        tables = {d: train_domain_experts(d, sft_dir, cfg, out, qat=qat, metrics=metrics, scorer=scorer,
+                                          judge_engine=judge_engine) for d in domains}
     merged: dict[str, Any] = {"experts": {}, "before": {}, "budgets": {}, "failed": {}}
     for d in domains:
         for key in merged:
@@ -200,10 +210,13 @@ def train_domain_experts(
     metrics: MetricsLogger | None = None,
     scorer: GroupScorer | None = None,
     until: str | None = None,
+    judge_engine: EngineConfig | None = None,
 ) -> dict[str, Any]:
     """Train the effort experts of one domain, ``cfg.effort_control.curriculum`` in order, from the
     SFT checkpoint ``sft_dir`` (module doc); returns and writes ``table.<domain>.json``. ``until``: stop
-    after that effort's expert (the later ones are left for another call; finished ones are kept)."""
+    after that effort's expert (the later ones are left for another call; finished ones are kept).
+    Without a live ``scorer``, the domain's GRM judge is built from ``cfg.judge`` (on the servers of
+    ``judge_engine`` when given, `build_group_scorer`) and closed at the end."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(sft_dir)
@@ -215,10 +228,11 @@ def train_domain_experts(
     table["failed"] = {}  # failures of an earlier run are retried
     efforts = list(cfg.effort_control.curriculum)
     stages = list(Curriculum([domain], cfg.effort_control))
+    own_scorer = scorer is None
     try:
         if scorer is None:
             scorer = build_group_scorer(cfg, sft_dir, tok, domain_families(domain, cfg.families, with_judge=True),
-                                        qat=bool(qat is not None and qat.enabled))
+                                        qat=bool(qat is not None and qat.enabled), judge_engine=judge_engine)
         fams = domain_families(domain, cfg.families, with_judge=scorer is not None)
     except Exception as e:  # noqa: BLE001 - the domain's judge could not be built: every cell of it failed
         for stage in stages:
@@ -227,22 +241,26 @@ def train_domain_experts(
         return table
     blocked_by: str | None = None
     todo = stages if until is None else stages[: efforts.index(until) + 1]
-    for stage in todo:
-        dest = expert_dir(out, stage.expert)
-        if stage.expert in table["experts"] and (dest / "config.json").is_file():
-            log.info("expert %s already trained: %s", stage.expert, dest)
-            continue
-        if blocked_by is not None:  # it starts from the expert that failed
-            table["failed"][stage.expert] = {"domain": stage.domain, "effort": stage.effort, "step": None,
-                                             "error": f"not trained: it starts from {blocked_by}, which failed",
-                                             "blocked_by": blocked_by}
-            continue
-        try:
-            _train_stage(stage, table, sft_dir, cfg, out, tok, xtml, fams, efforts, qat, metrics, scorer)
-        except Exception as e:  # noqa: BLE001 - one failed cell must not take the other domains down
-            table["failed"][stage.expert] = _failure(stage, e, out / f"{stage.expert}.run")
-            blocked_by = stage.expert
-        _write_json(table_path, table)
+    try:
+        for stage in todo:
+            dest = expert_dir(out, stage.expert)
+            if stage.expert in table["experts"] and (dest / "config.json").is_file():
+                log.info("expert %s already trained: %s", stage.expert, dest)
+                continue
+            if blocked_by is not None:  # it starts from the expert that failed
+                table["failed"][stage.expert] = {"domain": stage.domain, "effort": stage.effort, "step": None,
+                                                 "error": f"not trained: it starts from {blocked_by}, which failed",
+                                                 "blocked_by": blocked_by}
+                continue
+            try:
+                _train_stage(stage, table, sft_dir, cfg, out, tok, xtml, fams, efforts, qat, metrics, scorer)
+            except Exception as e:  # noqa: BLE001 - one failed cell must not take the other domains down
+                table["failed"][stage.expert] = _failure(stage, e, out / f"{stage.expert}.run")
+                blocked_by = stage.expert
+            _write_json(table_path, table)
+    finally:
+        if own_scorer and scorer is not None:
+            scorer.close()  # type: ignore[attr-defined]
     _write_json(table_path, table)
     return table
 

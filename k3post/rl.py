@@ -38,6 +38,7 @@ import torch
 
 from k3post.algos.advantages import group_advantages_from_groups
 from k3post.config.rl import RLConfig, loss_kwargs
+from k3post.config.rollout import EngineConfig
 from k3post.envs.families.registry import get_family
 from k3post.envs.families.streams import domain_families, eval_tasks, train_tasks
 from k3post.metrics import MetricsLogger
@@ -54,7 +55,8 @@ from k3post.xtml import XTML
 log = logging.getLogger(__name__)
 
 __all__ = ["RLConfig", "RLResult", "GroupScorer", "Signal", "PolicyLoop", "domain_families", "train_tasks", "eval_tasks", "loss_kwargs",
-           "rl_signal", "train_policy", "train_rl", "check_turn_caps", "rollout_gap"]
+           "rl_signal", "train_policy", "train_rl", "check_turn_caps", "rollout_gap", "build_group_scorer",
+           "judged_families", "judge_model_dir"]
 
 @dataclass
 class RLResult:
@@ -72,37 +74,63 @@ GroupScorer = Callable[[Group], list[float]]
 """Rewards of the K samples of a finished group for a non-verifiable family (the GRM)."""
 
 
+def judged_families(cfg: RLConfig, family_names: Sequence[str]) -> list[str]:
+    """The families among ``family_names`` the GRM judges: the non-verifiable ones, when ``cfg.judge`` is set."""
+    return [f for f in family_names if not get_family(f).verifiable] if cfg.judge else []
+
+
+def judge_model_dir(cfg: RLConfig, cold_start: str | Path) -> Path | None:
+    """The model folder ``cfg.judge`` names ("policy": the cold-start model), None when it is a URL."""
+    if cfg.judge.startswith(("http://", "https://")):
+        return None
+    path = Path(cold_start) if cfg.judge == "policy" else Path(cfg.judge)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"rl.judge: {path} is not a model folder (config.json missing)")
+    return path
+
+
 def build_group_scorer(
-    cfg: RLConfig, cold_start: str | Path, tokenizer: Any, family_names: Sequence[str], *, qat: bool = False
+    cfg: RLConfig, cold_start: str | Path, tokenizer: Any, family_names: Sequence[str], *, qat: bool = False,
+    judge_engine: EngineConfig | None = None,
 ) -> GroupScorer | None:
     """The GRM scorer of ``cfg.judge`` for the non-verifiable families among ``family_names`` (None
     when there are none or no judge is set). ℓ0 of each such family is the median response length
-    (`trajectory_candidate`) of the cold-start model on 16 of its training tasks at ``cfg.effort``."""
-    judged = [f for f in family_names if not get_family(f).verifiable]
-    if not judged or not cfg.judge:
+    (`trajectory_candidate`) of the cold-start model on 16 of its training tasks at ``cfg.effort``.
+    ``judge_engine``: an ``http`` `EngineConfig` of servers holding the judge model (the judge actors of
+    ``distributed.roles.judges``, `k3post.distributed.ray_cluster`): the judge decodes there, not in
+    ``cfg.engine``; ℓ0 is measured here as always."""
+    judged = judged_families(cfg, family_names)
+    if not judged:
         return None
-    if cfg.judge.startswith(("http://", "https://")):
+    path = judge_model_dir(cfg, cold_start)
+    if path is None:
+        if judge_engine is not None:
+            raise ValueError(f"rl.judge is a URL ({cfg.judge}): it has no judge servers of this run to decode on")
         if not cfg.judge_model:
             raise ValueError("rl.judge is a URL: set rl.judge_model to the served model's name")
         judge: Any = PolicyJudge.from_url(cfg.judge, cfg.judge_model)
     else:
-        path = Path(cold_start) if cfg.judge == "policy" else Path(cfg.judge)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"rl.judge: {path} is not a model folder (config.json missing)")
-        judge = EngineJudge.from_checkpoint(path, qat=qat, max_batch_size=cfg.slots, seed=cfg.seed, engine=cfg.engine)
+        judge = EngineJudge.from_checkpoint(path, qat=qat, max_batch_size=cfg.slots, seed=cfg.seed,
+                                            engine=judge_engine or cfg.engine, served=judge_engine is not None)
     xtml = XTML(tokenizer)
-    engine = build_engine(load_model(cold_start), tokenizer, engine=cfg.engine, role="GRM length baseline (cold-start model)",
-                          max_batch_size=cfg.slots, seed=cfg.seed)
-    l0 = {}
+    scorer = GroupGRM(judge, xtml, sigma=cfg.grm_sigma, seed=cfg.seed)
     try:
-        for fam in judged:
-            per_task = run_episodes(engine, xtml, train_tasks([fam], 16, difficulty=cfg.difficulty, seed=cfg.seed),
-                                    effort=cfg.effort, max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=cfg.seed)
-            l0[fam] = estimate_l0([trajectory_candidate(ts[0], xtml).length or 0 for ts in per_task])
-    finally:
-        close_engine(engine)
-    log.info("GRM judge %s, l0 %s", cfg.judge, l0)
-    return GroupGRM(judge, xtml, l0=l0, sigma=cfg.grm_sigma, seed=cfg.seed)
+        engine = build_engine(load_model(cold_start), tokenizer, engine=cfg.engine,
+                              role="GRM length baseline (cold-start model)", max_batch_size=cfg.slots, seed=cfg.seed)
+        try:
+            for fam in judged:
+                per_task = run_episodes(engine, xtml, train_tasks([fam], 16, difficulty=cfg.difficulty, seed=cfg.seed),
+                                        effort=cfg.effort, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                                        seed=cfg.seed)
+                scorer.l0[fam] = estimate_l0([trajectory_candidate(ts[0], xtml).length or 0 for ts in per_task])
+        finally:
+            close_engine(engine)
+    except BaseException:
+        scorer.close()
+        raise
+    log.info("GRM judge %s (%s), l0 %s", cfg.judge, f"on its servers {judge_engine.urls}" if judge_engine is not None
+             else f"on an rl.engine of kind {cfg.engine.kind}" if path is not None else "behind its URL", scorer.l0)
+    return scorer
 
 
 def group_rewards(group: Group, scorer: GroupScorer | None) -> list[float]:

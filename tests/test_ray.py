@@ -1,8 +1,9 @@
 """Ray orchestration (k3post/distributed/ray_cluster.py, env_workers.py) on a local 2-CPU Ray cluster: the
 placement plan; the nine-experts jobs, MOPD teachers, `k3post rl` and `k3post mopd` with trainer ranks as Ray
-actors and environments on env workers, against the local / single-process runs; and the faults: a killed
-engine-server actor, a killed trainer rank (restart from the last checkpoint, or a clear failure), a killed
-environment worker (episodes resumed from their saved state, or counted failed with a reason).
+actors, environments on env workers and GRM judges on judge actors, against the local / single-process runs;
+and the faults: a killed engine-server actor, a killed trainer rank (restart from the last checkpoint, or a
+clear failure), a killed environment worker (episodes resumed from their saved state, or counted failed with a
+reason), a killed judge actor.
 
 Shape legend: none (token lists and tables).
 """
@@ -155,7 +156,9 @@ def _cli(warm_policy, tmp_path: Path, command: str, *overrides: str) -> list[str
 
 def test_cli_experts_with_distributed_enabled_runs_on_ray(warm_policy, cluster, tmp_path, monkeypatch):
     """`k3post experts CONFIG distributed.enabled=true`: Ray workers train the experts into the run's folder
-    (this process cannot: its `train_domain_experts` raises), their episodes' environments on an env worker."""
+    (this process cannot: its `train_domain_experts` raises), their episodes' environments on an env worker,
+    the judged family's GRM judge (the cold-start model) on one judge actor that the command started once on the
+    judges bundle: both expert jobs built their judge over its URL."""
     import k3post.experts
     from k3post.cli import main
 
@@ -165,31 +168,20 @@ def test_cli_experts_with_distributed_enabled_runs_on_ray(warm_policy, cluster, 
     monkeypatch.setattr(k3post.experts, "train_domain_experts", not_here)
     assert main(_cli(warm_policy, tmp_path, "experts", "rl.steps=1", "rl.domains=[general]",
                      "rl.effort_control.curriculum=[max,low]", "distributed.cpus_per_bundle=0.15",
-                     "distributed.roles.trainers=2", "distributed.roles.engines=0", "distributed.roles.env_workers=1")) == 0
+                     "distributed.roles.trainers=2", "distributed.roles.engines=0", "distributed.roles.env_workers=1",
+                     "rl.families=[general.arithmetic,general.writing]", "rl.judge=policy",
+                     "distributed.roles.judges=1")) == 0
     table = json.loads((tmp_path / "r" / "experts" / "table.json").read_text())
     assert sorted(table["experts"]) == ["general.low", "general.max"] and table["failed"] == {}
     assert (tmp_path / "r" / "experts" / "general.low" / "model.safetensors").is_file()
     # the expert jobs' episodes ran on the env worker (its calls), none in the driver (0 episodes here)
+    log = (tmp_path / "r" / "k3post.log").read_text()
     assert re.search(r"env workers: \{'episodes': 0, 'retries': 0, 'lost': 0\} here; calls served per worker since "
-                     r"its last start: \[[1-9]\d*\]", (tmp_path / "r" / "k3post.log").read_text())
-
-
-def test_cli_rl_with_distributed_enabled_samples_on_an_engine_actor(warm_policy, cluster, tmp_path):
-    """`k3post rl CONFIG distributed.enabled=true` (colocated: trainer 0 and engine 0 on one bundle): the
-    rollouts run on an `EngineServerActor` that receives every step's weights (its kept version is the
-    loop's last), and the trained model is written."""
-    from k3post.cli import main
-    from k3post.metrics import read_metrics
-    from k3post.models import load_model
-
-    assert main(_cli(warm_policy, tmp_path, "rl", "rl.steps=2", "distributed.cpus_per_bundle=0.5",
-                     "distributed.roles.engines=1")) == 0
-    run = tmp_path / "r"
-    rows = read_metrics(run / "metrics.jsonl", "rl/general.max")
-    assert [r["step"] for r in rows] == [1, 2] and [r["version"] for r in rows] == [2.0, 3.0]  # servers start 1 ahead
-    kept = sorted(p.name for p in (run / "engines" / "engine-0" / "weights").iterdir() if p.name.startswith("v"))
-    assert kept == ["v00000003"]  # the actor loaded the initial push and both steps' weights
-    assert load_model(run / "rl" / "general.max" / "final") is not None
+                     r"its last start: \[[1-9]\d*\]", log)
+    # bundles: trainers 0, 1, env worker 2, judge 3; one judge server started by the command, used by both jobs
+    [url] = re.findall(r"GRM judge \S+: 1 engine server\(s\) on the judges bundles \[3\]: \['(http://[^']+)'\]", log)
+    assert len(re.findall(rf"GRM judge policy \(on its servers \['{re.escape(url)}'\]\)", log)) == 2
+    assert [f.name for f in (tmp_path / "r" / "judges" / "judge-0").glob("start-*")] == ["start-0"]
 
 
 def test_mopd_with_two_teachers_on_ray_equals_local(xtml_tokenizer, folders, cluster, tmp_path):
@@ -303,10 +295,18 @@ def _ray_only(monkeypatch):
     monkeypatch.setattr(AgentLoop, "start", start_remote)
 
 
-def test_trainer_ranks_on_ray_config_errors_name_the_keys(warm_policy, tmp_path, capsys):
-    """Refused before anything starts (exit 2, one line naming the keys): more ranks than trainer slots, and
-    `k3post experts` on Ray with ranks > 1 (each expert job is one process there)."""
+def test_ray_role_config_errors_name_the_keys(warm_policy, tmp_path, capsys, caplog):
+    """Refused before anything starts (exit 2, one line naming the keys): more ranks than trainer slots,
+    `k3post experts` on Ray with ranks > 1 (each expert job is one process there), and judge slots for a judge
+    behind a URL (`k3post rl` and `experts`: nothing could run on them). Judge slots in a run with nothing to
+    judge start no server and say so; a judge engine for a URL judge, or a "served" engine without servers, is
+    an error."""
     from k3post.cli import main
+    from k3post.commands import _judge_servers
+    from k3post.config.rl import RLConfig
+    from k3post.config.rollout import EngineConfig
+    from k3post.rl import build_group_scorer
+    from k3post.rollout.factory import build_engine
 
     assert main(_cli(warm_policy, tmp_path, "rl", "distributed.fsdp.ranks=2", "distributed.roles.trainers=1")) == 2
     assert "distributed.fsdp.ranks=2 needs a trainer slot per rank on Ray, but distributed.roles.trainers is 1; " \
@@ -314,6 +314,22 @@ def test_trainer_ranks_on_ray_config_errors_name_the_keys(warm_policy, tmp_path,
     assert main(_cli(warm_policy, tmp_path, "experts", "distributed.fsdp.ranks=2", "distributed.roles.trainers=2")) == 2
     assert "k3post experts on Ray (distributed.enabled=true) trains each expert in a Ray task of one process" \
            in capsys.readouterr().err
+    url = ("rl.judge=http://127.0.0.1:9/v1", "rl.judge_model=j", "distributed.roles.judges=1")
+    for command in ("rl", "experts"):
+        assert main(_cli(warm_policy, tmp_path, command, *url)) == 2
+        assert "distributed.roles.judges=1, but rl.judge is a URL (http://127.0.0.1:9/v1): that judge is served " \
+               "elsewhere, so nothing would run on the judges bundles; set distributed.roles.judges=0" \
+               in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()  # refused before the run folder was made
+    cfg = load_config(overrides=["distributed.enabled=true", "distributed.roles.judges=2"])
+    with caplog.at_level("WARNING"):
+        assert _judge_servers(None, None, cfg, tmp_path, tmp_path, judged=False) is None  # nothing started
+    assert "distributed.roles.judges=2: no family of this run is judged (rl.judge '')" in caplog.text
+    with pytest.raises(ValueError, match="rl.judge is a URL .*: it has no judge servers of this run"):
+        build_group_scorer(RLConfig(judge="http://127.0.0.1:9/v1", judge_model="j"), tmp_path, None,
+                           ["general.writing"], judge_engine=EngineConfig(kind="http", urls=["http://127.0.0.1:9"]))
+    with pytest.raises(ValueError, match="the GRM judge is served by servers of its own, but engine.kind is 'embedded'"):
+        build_engine(tmp_path, None, role="GRM judge", served=True)
 
 
 @pytest.fixture(scope="module")
@@ -335,13 +351,18 @@ def test_cli_rl_two_trainer_ranks_and_an_engine_actor_equals_one_rank(rl_runs):
     rank 0, rank 1 a Ray actor on trainer bundle 1; no local rank was started), rollouts on one engine-server
     actor and environments on one env-worker actor (none built in this process), against the same run with 1
     trainer rank (λ = 1: synchronous): the same rollouts (rewards, token counts), loss and gradient norm within
-    fp32 reduction tolerance at the steps with a real gradient, and final weights within 1e-5."""
+    fp32 reduction tolerance at the steps with a real gradient, and final weights within 1e-5. The engine actor
+    (colocated: on bundle 0 with trainer rank 0) received every step's weights: its kept version is the loop's
+    last."""
     from k3post.metrics import read_metrics
     from k3post.models import load_model
 
     one = read_metrics(rl_runs["one"] / "metrics.jsonl", "rl/general.max")
     two = read_metrics(rl_runs["two"] / "metrics.jsonl", "rl/general.max")
     assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3]
+    assert [r["version"] for r in two] == [2.0, 3.0, 4.0]  # the servers start 1 ahead (the initial push)
+    kept = sorted(p.name for p in (rl_runs["two"] / "engines" / "engine-0" / "weights").iterdir() if p.name.startswith("v"))
+    assert kept == ["v00000004"]  # the actor loaded the initial push and the three steps' weights
     for a, b in zip(one, two):
         assert a["reward"] == b["reward"] and a["train/num_tokens"] == b["train/num_tokens"], (a, b)  # same rollouts
         assert abs(a["train/loss"] - b["train/loss"]) <= 1e-5 * max(1.0, abs(a["train/loss"])), (a, b)
@@ -536,6 +557,123 @@ def test_a_killed_env_worker_without_retries_fails_its_episodes_with_a_reason(bu
         if a.malformed is None:
             _same_episode(a, b)
     assert outcome_metrics(got)["malformed/env_lost"] == 3.0 and pool.stats["lost"] == 3
+
+
+# --------------------------------------------------------------------------- GRM judges on their bundles
+
+# general.writing (non-verifiable), the cold-start model as the judge; K = 3: 3 pairs a group, each judged (the warm
+# policy never writes a valid judgement: judged, retried, then a tie) or decided by the length guard
+JUDGED = ("rl.steps=1", "rl.families=[general.writing]", "rl.judge=policy", "rl.k=3", "rl.slots=8")
+
+
+def _record_judgements(monkeypatch) -> list:
+    """Every GRM call of this process: [(rewards, comparisons, [judge trajectory per judgement episode])]."""
+    import dataclasses
+
+    from k3post.rewards.grm import EngineJudge, GroupGRM
+
+    calls: list = []
+    run, score = EngineJudge.run, GroupGRM.__call__
+
+    def run_and_keep(self, tasks):
+        loop_run = self.loop.run
+
+        def keep(trajs):
+            out = loop_run(trajs)
+            calls[-1][2].extend(out)
+            return out
+        self.loop.run = keep
+        try:
+            return run(self, tasks)
+        finally:
+            del self.loop.run
+
+    def score_and_keep(self, group):
+        calls.append([None, None, []])
+        rewards = score(self, group)
+        calls[-1][:2] = rewards, [dataclasses.asdict(c) for c in self.last.comparisons]
+        return rewards
+
+    monkeypatch.setattr(EngineJudge, "run", run_and_keep)
+    monkeypatch.setattr(GroupGRM, "__call__", score_and_keep)
+    return calls
+
+
+def test_cli_rl_judge_actor_equals_the_in_process_judge_and_survives_a_kill(warm_policy, cluster, tmp_path, monkeypatch):
+    """`k3post rl` on a judged family with ``distributed.roles.judges=1`` (rollouts embedded, as in the reference
+    run, so only the judge moves): the judge model is served by one frozen `EngineServerActor` on the judges bundle
+    (Ray's accounting: that bundle is taken, the trainer bundle is not; the actor runs in the command's placement
+    group), which refuses a weight push (400, version unchanged). It is killed by Ray as the first judgement's
+    requests go out: Ray restarts it on the same URL, the http engine retries, and the run equals the same
+    command with the judge in this process (Ray off): the same GRM rewards and comparisons (every verdict), the
+    judge's sampled tokens equal, its log-probs within 1e-5 (measured: 2.86e-6, 6 judge episodes, 1398 sampled tokens; the server batches the
+    requests as they arrive, so the last bits of a log-prob can differ, never the token), the same metric rows."""
+    import httpx
+
+    from k3post.cli import main
+    from k3post.distributed import ray_cluster
+    from k3post.metrics import read_metrics
+    from k3post.rollout.http_engine import HTTPEngine
+
+    with pytest.MonkeyPatch.context() as mp:
+        ref_calls = _record_judgements(mp)
+        assert main(_cli(warm_policy, tmp_path / "one", "rl", *JUDGED, "distributed.enabled=false")) == 0
+    calls = _record_judgements(monkeypatch)
+    seen: dict = {}
+    servers, step = ray_cluster.RayCluster.engine_servers, HTTPEngine.step
+
+    def servers_and_keep(self, *a, role="engines", **kw):
+        actors = servers(self, *a, role=role, **kw)
+        seen.setdefault(role, []).extend(actors)
+        seen["slots"], seen["pg"] = self.placement.slots, self.pg.id.hex()
+        return actors
+
+    def step_then_kill(self, *a, **kw):
+        if "engine" not in seen:  # the judge's first step: its requests are in flight
+            [actor] = seen["judges"]
+            seen["engine"], seen["info"] = self, ray.get(actor.info.remote())
+            seen["free"] = ray.available_resources()
+            seen["push"] = httpx.post(f"{seen['info']['url']}/update_weights_from_disk",
+                                      json={"model_path": str(tmp_path / "two" / "init")}, timeout=60)
+            seen["version"] = ray.get(actor.info.remote())["version"]
+            ray.kill(actor, no_restart=False)
+        return step(self, *a, **kw)
+
+    monkeypatch.setattr(ray_cluster.RayCluster, "engine_servers", servers_and_keep)
+    monkeypatch.setattr(HTTPEngine, "step", step_then_kill)
+    assert main(_cli(warm_policy, tmp_path / "two", "rl", *JUDGED, "distributed.roles.engines=0",
+                     "distributed.roles.judges=1", "distributed.cpus_per_bundle=0.2")) == 0
+    assert "info" in seen, "the judge never decoded on its actor"
+    # placed: bundle 0 the trainer slot (this process: nothing placed), bundle 1 the judge's
+    info, pg = seen["info"], seen["pg"]
+    assert "engines" not in seen and seen["slots"]["judges"] == [(1, 0.2)]
+    assert info["placement_group"] == pg and info["frozen"] and info["version"] == 0
+    assert seen["free"][f"bundle_group_0_{pg}"] == 1000.0 and seen["free"][f"bundle_group_1_{pg}"] < 1000.0
+    assert f"CPU_group_1_{pg}" not in seen["free"]  # its 0.2 CPU taken by the judge
+    assert seen["push"].status_code == 400 and "frozen model" in seen["push"].json()["message"]
+    assert seen["version"] == 0
+    # killed and restarted once on the same port, the scoring call retried
+    state = tmp_path / "two" / "r" / "judges" / "judge-0"
+    assert sorted(f.name for f in state.glob("start-*")) == ["start-0", "start-1"]
+    assert seen["engine"].stats["retries"] > 0 and seen["engine"].stats["dead_servers"] == 0
+    assert seen["engine"].urls == [info["url"]]
+    # the same judgements as the in-process judge
+    assert len(calls) == len(ref_calls) >= 1
+    worst = 0.0
+    for (r, comps, trajs), (r_ref, comps_ref, trajs_ref) in zip(calls, ref_calls):
+        assert r == r_ref and comps == comps_ref
+        assert len(trajs) == len(trajs_ref) > 0
+        for a, b in zip(trajs, trajs_ref):
+            assert (a.traj_id, a.token_ids, a.finish, a.verdict) == (b.traj_id, b.token_ids, b.finish, b.verdict)
+            worst = max([worst, *(abs(x - y) for x, y in zip(a.logprobs, b.logprobs))])
+    trajs = [t for _, _, ts in calls for t in ts]
+    print(f"judge log-probs, actor vs in-process: max |diff| {worst:.3g}; {len(trajs)} judge episodes, "
+          f"{sum(map(sum, (t.trainable for t in trajs)))} sampled tokens ({sum(len(t.token_ids) for t in trajs)} in all)")
+    assert worst <= 1e-5
+    assert any(c["decided_by"] == "judge" for _, comps, _ in calls for c in comps)  # the judge was asked
+    one = read_metrics(tmp_path / "one" / "r" / "metrics.jsonl", "rl/general.max")
+    two = read_metrics(tmp_path / "two" / "r" / "metrics.jsonl", "rl/general.max")
+    _same_rows(two, one)
 
 
 # --------------------------------------------------------------------------- MOPD end to end on Ray

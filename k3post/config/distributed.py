@@ -69,7 +69,10 @@ class RolesConfig:
         env_workers: environment workers (`EnvWorkerActor`): every episode's environment (its tools, sandbox
             and verifier) runs in one of them; 0 runs them in the rollout's process.
         teachers: MOPD teacher actors (`TeacherActor`), the experts spread over them.
-        judges: GRM judge engine servers; reserved slots.
+        judges: GRM judge engine servers (`EngineServerActor` s that refuse weight updates): with ``rl.judge`` a
+            model folder (or "policy"), `k3post rl` and `k3post experts` serve the judge on them and every GRM
+            scorer decodes there over http; 0 decodes the judge in the scorer's process. With ``rl.judge`` a URL
+            it must be 0 (an error names both keys).
     """
 
     trainers: int = 1

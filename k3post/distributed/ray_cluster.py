@@ -6,6 +6,7 @@ of bundles, role groups placed on it, and the actors the stages use through thei
         train_experts(sft, rl, out, cluster=cluster)          the nine (domain, effort) jobs as chained Ray tasks
         pool = RayTeacherPool(cluster, experts)               MOPD teachers, each on a bundle of its own
         urls = cluster.engine_servers(model_dir)              engine servers: `Rollout` talks to them over http
+        judges = cluster.engine_servers(judge_dir, role="judges")   GRM judges: frozen engine servers, scored over http
         remote_environments(cluster)                          env workers (`k3post.distributed.env_workers`)
 
 The CLI opens one `RayCluster` for a command (`k3post sft|rl|experts|mopd ... distributed.enabled=true`); the
@@ -23,10 +24,13 @@ which runs the stage and hands it the sharded trainer (`k3post.trainer.build_tra
 ``engine.kind = http`` client of its URL (`engine_config`). Teachers answer `TeacherPool.score` calls
 (`RayTeacherPool` is a `TeacherPool` for `k3post.mopd.opd_signal`). Expert jobs call
 `k3post.experts.train_domain_experts` in a Ray worker. Environments run in `EnvWorkerActor` s behind
-`k3post.rollout.evaluation.make_env`.
+`k3post.rollout.evaluation.make_env`. A GRM judge (``rl.judge`` a model folder, ``distributed.roles.judges`` > 0)
+is the same `EngineServerActor`, frozen (it refuses weight updates), on a judges bundle; every GRM scorer of
+the command is an `EngineJudge` over the ``http`` engine of those servers (`k3post.rl.build_group_scorer`).
 
 **Faults.** A killed engine-server actor is restarted by Ray (``engine_max_restarts``) on the same port with
-the weights it last loaded (each loaded version is kept in the actor's state folder); the `HTTPEngine`
+the weights it last loaded (each loaded version is kept in the actor's state folder; a judge's are its
+checkpoint's); the `HTTPEngine`
 client retries the calls that failed meanwhile, resubmitting each in-flight request from its last known
 continuation, so counter-based sampling draws the tokens it would have drawn (none lost, none twice).
 An expert job whose worker dies is retried ``task_retries`` times and resumes from its checkpoints. A
@@ -188,15 +192,19 @@ class RayCluster:
             last.append(prev)
         return ray.get(last)
 
-    def engine_servers(self, model_dir: str | Path, state_root: str | Path, *, n: int | None = None,
-                       **server: Any) -> list[Any]:
-        """``n`` (default ``roles.engines``) `EngineServerActor` s for ``model_dir`` on the engine slots,
-        restarted up to ``engine_max_restarts`` times; ``state_root/engine-<i>`` keeps each one's port and
-        weights. ``server``: `EngineServerActor` settings. Returns the actor handles (`urls` gives the URLs)."""
-        n = self.size("engines") if n is None else n
-        actors = [EngineServerActor.options(**self.options("engines", i), max_restarts=self.cfg.engine_max_restarts,
+    def engine_servers(self, model_dir: str | Path, state_root: str | Path, *, role: str = "engines",
+                       n: int | None = None, **server: Any) -> list[Any]:
+        """``n`` (default: the role's size) `EngineServerActor` s for ``model_dir`` on the slots of ``role``,
+        restarted up to ``engine_max_restarts`` times; ``state_root/<member>-<i>`` (``engine-0``, ``judge-0``)
+        keeps each one's port (and weights). ``role``: "engines" serve the policy (they take its weight
+        pushes); any other role ("judges") serves a frozen model: its servers refuse weight updates.
+        ``server``: `EngineServerActor` settings. Returns the actor handles (`urls` gives the URLs)."""
+        n = self.size(role) if n is None else n
+        member = role.removesuffix("s")
+        actors = [EngineServerActor.options(**self.options(role, i), max_restarts=self.cfg.engine_max_restarts,
                                             max_task_retries=-1)
-                  .remote(str(model_dir), str(Path(state_root) / f"engine-{i}"), **server) for i in range(n)]
+                  .remote(str(model_dir), str(Path(state_root) / f"{member}-{i}"), frozen=role != "engines", **server)
+                  for i in range(n)]
         self._actors += actors
         return actors
 
@@ -347,13 +355,24 @@ def _keep_loaded_weights(engine: Any, state: Path) -> None:
     engine.update_weights = update_and_keep
 
 
+def _refuse_weights(engine: Any) -> None:
+    """Make ``engine`` (a frozen model's: a GRM judge) refuse every weight update: the engine API's weight
+    routes (disk and broadcast alike load through ``update_weights``) answer 400 and it keeps its weights."""
+
+    def refuse(named: Any, version: int | None = None) -> int:
+        raise ValueError("this engine server holds a frozen model (a GRM judge): it takes no weight updates")
+    engine.update_weights = refuse
+
+
 @ray.remote(num_cpus=0)
 class EngineServerActor:
     """One ``k3post serve`` engine server (the engine API of `k3post.serve.engine_api`) inside a Ray actor,
-    on a port of its node (module doc: restarts keep the port and the weights)."""
+    on a port of its node (module doc: restarts keep the port and the weights). ``frozen``: it serves a model
+    that is not trained (a GRM judge): weight updates are refused, a restart reloads ``model_dir``."""
 
     def __init__(self, model_dir: str, state_dir: str, *, max_batch_size: int = 32, max_model_len: int | None = None,
-                 qat: bool = False, seed: int = 0, threads: int = 1, ready_timeout_s: float = 120.0) -> None:
+                 qat: bool = False, seed: int = 0, threads: int = 1, ready_timeout_s: float = 120.0,
+                 frozen: bool = False) -> None:
         import torch
         import uvicorn
 
@@ -369,7 +388,11 @@ class EngineServerActor:
         app = build_server(model_dir, max_batch_size=max_batch_size, max_model_len=max_model_len, qat=qat, seed=seed,
                            torch_threads=threads)
         self.engine = app.state.server.runner.engine
-        _keep_loaded_weights(self.engine, state)
+        self.frozen = frozen
+        if frozen:
+            _refuse_weights(self.engine)
+        else:
+            _keep_loaded_weights(self.engine, state)
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
         threading.Thread(target=self.server.run, daemon=True, name="engine-server").start()
         deadline = time.monotonic() + ready_timeout_s
@@ -383,8 +406,10 @@ class EngineServerActor:
         return self._url
 
     def info(self) -> dict[str, Any]:
-        """pid, restarts so far (0 on the first start), the engine's weight version."""
-        return {"pid": os.getpid(), "restarts": self.restarts, "version": int(self.engine.version), "url": self._url}
+        """pid, restarts so far (0 on the first start), the engine's weight version, whether it is frozen, and
+        the id of the placement group it runs in (Ray's runtime context)."""
+        return {"pid": os.getpid(), "restarts": self.restarts, "version": int(self.engine.version), "url": self._url,
+                "frozen": self.frozen, "placement_group": ray.get_runtime_context().get_placement_group_id()}
 
 
 # --------------------------------------------------------------------------- MOPD teachers

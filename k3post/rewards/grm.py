@@ -592,10 +592,12 @@ class EngineJudge:
         max_batch_size: int = 32,
         max_model_len: int | None = None,
         engine: Any = None,
+        served: bool = False,
         **kwargs: Any,
     ) -> "EngineJudge":
         """Load a local checkpoint folder (model + XTML tokenizer) into the engine of ``engine`` (an
-        `EngineConfig`; default: embedded; over ``http`` the judge gets launched servers of its own).
+        `EngineConfig`; default: embedded; over ``http`` the judge gets launched servers of its own, or with
+        ``served`` uses the servers in ``engine.urls``, started for this checkpoint: the judge actors on Ray).
 
         ``qat`` runs the experts MX fake-quantized (as the policy's rollouts do); other keyword
         arguments go to the constructor.
@@ -610,7 +612,7 @@ class EngineJudge:
             raise ValueError(f"{path}: not a model folder (no config.json)")
         tok = load_tokenizer(path, require_xtml=True)
         eng = build_engine(path, tok, engine=engine, role="GRM judge", max_batch_size=max_batch_size,
-                           max_model_len=max_model_len, qat=QATConfig() if qat else None)
+                           max_model_len=max_model_len, served=served, qat=QATConfig() if qat else None)
         return cls(eng, XTML(tok), **kwargs)
 
     def run(self, tasks: Sequence[Task]) -> list[Verdict]:
@@ -937,3 +939,9 @@ class GroupGRM:
         self.last = res
         self.stats.add(res.stats)
         return res.rewards_K
+
+    def close(self) -> None:
+        """Release the judge backend (its engine or HTTP client), when it holds any."""
+        close = getattr(self.judge, "close", None)
+        if callable(close):
+            close()

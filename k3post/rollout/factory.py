@@ -75,6 +75,7 @@ def build_engine(
     max_batch_size: int = 32,
     max_model_len: int | None = None,
     seed: int = 0,
+    served: bool = False,
     **embedded: Any,
 ) -> SteppableEngine:
     """The engine of ``engine`` (default: embedded) for ``model`` (a module, or a model folder).
@@ -85,9 +86,14 @@ def build_engine(
     policy uses ``engine.urls`` when given; every other engine runs on ``engine.launch`` local servers of
     its own (`k3post.serve.launch.LocalServers`, stopped when the engine is closed), and without
     ``launch`` a frozen model over ``http`` is a ValueError: the policy's servers do not hold its weights.
+    ``served``: the servers in ``engine.urls`` were started for this very model (the GRM judge's actors on
+    Ray, `k3post.distributed.ray_cluster`): a frozen model's client uses them, launching nothing.
     ``embedded``: further `EmbeddedEngine` settings (``qat``, ``stop_ids``, ...); launched servers take
     ``qat`` only (the default MX scheme, as ``k3post serve --qat`` runs)."""
     cfg = engine if engine is not None else EngineConfig()
+    if served and not (cfg.kind == "http" and cfg.urls):
+        raise ValueError(f"the {role} is served by servers of its own, but engine.kind is {cfg.kind!r} with urls "
+                         f"{list(cfg.urls)}: pass their http engine config")
     if cfg.kind == "embedded":
         from k3post.rollout.embedded import EmbeddedEngine
 
@@ -102,7 +108,7 @@ def build_engine(
         from k3post.rollout.http_engine import HTTPEngine
 
         servers = None
-        if role == "policy" and cfg.urls:
+        if (role == "policy" or served) and cfg.urls:
             urls = list(cfg.urls)
         elif cfg.launch > 0:
             servers = _launch_servers(model, tokenizer, cfg, role, max_batch_size, max_model_len, embedded)
