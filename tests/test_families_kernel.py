@@ -9,7 +9,9 @@ asserted on `speed_score` and on `verify_files` with fixed measured times.
 from __future__ import annotations
 
 import array
+import hashlib
 import math
+import random
 
 import pytest
 
@@ -19,7 +21,8 @@ from k3post.envs.families.kernel import (
     KERNEL,
     MAX_RUNS,
     Measurement,
-    _config,
+    _hidden_cases,
+    _public_cases,
     compare,
     expert_files,
     speed_score,
@@ -115,18 +118,48 @@ def test_verify_files_reruns_noisy_measurements_and_keeps_the_quietest():
     assert verify_files(t, {"other.py": ""}).reward == 0.0
 
 
-def test_hidden_inputs_differ_from_the_shown_ones():
+def test_hidden_cases_cover_odd_shapes_and_specials():
     t = _task("layernorm")
-    pub, pub_cases, pub_rounds = _config(t, 0, True)
-    hid, cases, rounds = _config(t, 0, False)
-    shown = {a.tobytes() for args, _ in pub_cases for a in args} | {a.tobytes() for r in pub_rounds for a in r}
-    hidden = [a.tobytes() for args, _ in cases for a in args] + [a.tobytes() for r in rounds for a in r]
-    assert not shown & set(hidden)
-    firsts = [r[0].tobytes() for r in rounds]
-    assert len(set(firsts)) == len(firsts)  # every timed round gets a fresh input
+    cases = _hidden_cases(t, random.Random(0))
     assert any(math.isnan(v) for v in cases[2][0][0]) and any(math.isinf(v) for v in cases[2][0][0])
     assert cases[1][1] != cases[0][1]  # an odd second shape
-    assert _config(t, 1, False)[2][0][0].tobytes() != rounds[0][0].tobytes()  # a re-run draws new timing inputs
+    assert _public_cases(t)[0][0][0].tobytes() == _public_cases(t)[0][0][0].tobytes()  # the public case is fixed
+
+
+_RECORDER = """import array, hashlib, os
+_log = os.path.join(os.path.dirname(os.path.abspath(__file__)), "seen.txt")
+with open(_log, "a") as fh:
+    fh.write("loaded\\n")
+
+
+def layernorm(x, gamma, beta, rows, cols):
+    with open(_log, "a") as fh:
+        fh.write(hashlib.sha256(x.tobytes()).hexdigest() + "\\n")
+    return _ref(x, gamma, beta, rows, cols)
+"""
+
+
+def test_inputs_are_drawn_after_the_submission_is_loaded_and_fresh_on_every_run():
+    """Every input the agent's child sees arrives after it has loaded, and no input repeats across runs."""
+    from k3post.envs.families.kernel import measure
+    from k3post.envs.sandbox import Sandbox
+
+    t = _task("layernorm")
+    src = _RECORDER + OPS["layernorm"].reference.replace("def layernorm(", "def _ref(")
+    seen = []
+    for run in range(2):
+        with Sandbox() as sb:
+            sb.write_file("kernel.py", src)
+            m = measure(t, sb, run=run)
+            assert m.error is None, m.why
+            lines = sb.read_file("seen.txt").split()
+        assert lines[0] == "loaded" and "loaded" not in lines[1:]
+        seen.append(lines[1:])
+    public = hashlib.sha256(_public_cases(t)[0][0][0].tobytes()).hexdigest()
+    for run_seen in seen:
+        assert len(set(run_seen)) == len(run_seen)  # a fresh input for every call of a run
+        assert public not in run_seen
+    assert not set(seen[0]) & set(seen[1])  # a re-run draws new inputs
 
 
 # --------------------------------------------------------------------------- registry
@@ -173,12 +206,12 @@ HACK_REASONS = {
     "mutates_inputs": "mutated",
     "inspects_inputs_to_shortcut": "mismatch",
     "reduced_precision": "mismatch",
-    "patches_timer": "time module was patched",
-    "patches_timer_at_import": "time module was patched",
+    "patches_timer": None,  # the reference's speed: the verifier's clock is in another process
+    "patches_timer_at_import": None,
     "background_thread": "thread",
     "forks": "import",
     "reads_hidden_inputs": "mismatch",
-    "forged_result_line": "no_result",
+    "forged_result_line": "died",
 }
 
 

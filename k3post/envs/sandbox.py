@@ -1384,6 +1384,50 @@ class Sandbox:
             return "signal:SIGKILL"
         return f"signal:{_signal_name(-rc)}"
 
+    def spawn(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+              pass_fds: Sequence[int] = ()) -> SandboxProcess:
+        """Start ``argv`` as a long-lived child with binary pipes (issue 30: the kernel harness's children).
+
+        With the bwrap backend the command is **pid 1 alone in its own PID namespace** (``--as-pid-1``): it
+        sees no other process (not the caller, not the other children), so it cannot signal, ptrace or read
+        the memory (``/proc/<pid>/mem``) of anything but itself; its parent pid reads 0. The caller gets the
+        command's host pid (`SandboxProcess.pid`) to signal it (``SIGSTOP`` / ``SIGCONT``), pin it and read
+        its CPU clock. The ``unshare`` backend is refused (its command is not pid 1); ``rlimit`` spawns the
+        command directly (weak isolation, flagged). stdin / stdout are unbuffered pipes, stderr goes to a
+        file in the sandbox's private directory (`SandboxProcess.stderr_tail`). ``pass_fds`` are inherited at
+        the same numbers: pass only anonymous objects (a memfd, a pipe), never a handle on the host filesystem.
+        """
+        self._check_open()
+        argv = list(argv)
+        if not argv or not all(isinstance(a, str) and "\x00" not in a for a in argv):
+            raise ValueError(f"argv must be a non-empty sequence of strings without NUL, got {argv!r}")
+        if self.backend == "unshare":
+            raise RuntimeError("Sandbox.spawn needs the bwrap backend (or an explicit rlimit one)")
+        token = uuid.uuid4().hex
+        self._last_token = token
+        self._fix_ownership()
+        launch, launch_env = self._build(argv, self._env(token, env))
+        if self.backend == "bwrap":
+            launch.argv.insert(launch.argv.index("--unshare-all"), "--as-pid-1")
+        self._nproc_slack = 0 if self._drop_uid is not None else _count_user_procs(os.getuid())
+        wrapper = self._wrapper_argv()
+        if wrapper is None:
+            raise RuntimeError("Sandbox.spawn needs util-linux prlimit (and setpriv on a root host)")
+        self._check_wrapper(wrapper)
+        err_fd, err_path = tempfile.mkstemp(prefix="spawn-", suffix=".err", dir=self._private)
+        try:
+            proc = subprocess.Popen(wrapper + launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=err_fd, cwd=launch.cwd, env=launch_env, start_new_session=True,
+                                    pass_fds=(*launch.pass_fds, *pass_fds), close_fds=True, bufsize=0)
+        finally:
+            os.close(err_fd)
+            for fd in launch.close_after:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        return SandboxProcess(proc, err_path, inner=self.backend == "bwrap", weak_isolation=self.weak_isolation)
+
     # -------------------------------------------------------------- lifecycle
 
     @property
@@ -1441,3 +1485,66 @@ class Sandbox:
 
     def __repr__(self) -> str:
         return f"Sandbox(workdir={str(self.workdir)!r}, backend={self.backend!r}, limits={self.limits!r})"
+
+
+class SandboxProcess:
+    """A child started by `Sandbox.spawn`: its pipes, its host pid (the command, not bwrap) and a kill."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], stderr_path: str, *, inner: bool, weak_isolation: bool) -> None:
+        self.popen = proc
+        self.stdin = proc.stdin
+        self.stdout = proc.stdout
+        self.weak_isolation = weak_isolation
+        self._stderr_path = stderr_path
+        self._inner = inner
+        self._pid: int | None = None if inner else proc.pid
+
+    @property
+    def pid(self) -> int:
+        """Host pid of the command (bwrap's namespace pid 1); waits up to 10 s for bwrap to start it."""
+        deadline = time.monotonic() + 10.0
+        while self._pid is None:
+            try:
+                with open(f"/proc/{self.popen.pid}/task/{self.popen.pid}/children") as fh:
+                    kids = fh.read().split()
+            except OSError:
+                kids = []
+            if kids:
+                self._pid = int(kids[0])
+            elif self.popen.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"sandbox child did not start (exit status {self.popen.poll()})")
+            else:
+                time.sleep(0.001)
+        return self._pid
+
+    def stderr_tail(self, limit: int = 4000) -> str:
+        """The last ``limit`` characters the child wrote to stderr."""
+        try:
+            with open(self._stderr_path, "rb") as fh:
+                fh.seek(max(0, os.fstat(fh.fileno()).st_size - limit))
+                return fh.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL the child's process group (bwrap's ``--die-with-parent`` takes the namespace with it)."""
+        for target in (self._pid,):
+            if target is not None:
+                try:
+                    os.kill(target, signal.SIGKILL)
+                except OSError:
+                    pass
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        for stream in (self.stdin, self.stdout):
+            try:
+                if stream is not None:
+                    stream.close()
+            except OSError:
+                pass
+        try:
+            self.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass

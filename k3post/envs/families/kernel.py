@@ -63,13 +63,13 @@ a GPU and are not implemented.
 from __future__ import annotations
 
 import array
-import base64
 import json
 import math
+import os
 import random
+import secrets
 import statistics
-import struct
-import uuid
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,12 +79,13 @@ from k3post.envs.families.coding import SandboxState, _call, _clip, _make_env, _
 from k3post.envs.families.common import FamilyBase, assistant
 from k3post.envs.families.kernel_ops import CALIBRATION_C, OPS, KernelOp
 from k3post.envs.families.registry import register_family
+from k3post.envs.kernel_child import ChildError, KernelChild
 from k3post.envs.sandbox import Sandbox, SandboxLimits
 from k3post.envs.task import FinalState, Task, Verdict, register_verifier
 from k3post.envs.tools import ToolContext, ToolSpec
 
 __all__ = [
-    "HARNESS",
+    "CALIBRATE",
     "KERNEL",
     "KernelFamily",
     "Measurement",
@@ -102,7 +103,11 @@ KERNEL_PY = "kernel.py"
 RTOL = {"d": 1e-9, "f": 1e-4}
 """Relative tolerance per dtype; the absolute part is ``rtol * max|want|`` (see `compare`)."""
 ROUNDS = 8
-"""Timed rounds per phase (A: the reference, B: agent vs expert; a fresh input per round)."""
+"""Timed rounds (each times the reference, the expert, the agent and the null kernel on one fresh input)."""
+WARMUP = 3
+"""Untimed rounds before them (CPython specialises a function's bytecode after a few calls)."""
+BATCH = 8
+"""Input sets per timed call: the child's fixed cost per call (wake-up, frames) is shared by this many calls."""
 NOISE_RERUN = 0.10
 """Timing noise (MAD of the paired log ratios) above which the measurement is repeated."""
 REF_GATE = 1.5
@@ -113,201 +118,46 @@ MAX_RUNS = 3
 VERIFY_LIMITS = SandboxLimits(cpu_s=60.0, wall_s=120.0, memory_bytes=1024**3, max_output_bytes=32 * 1024**2,
                               nproc=64)
 _CTYPE = {"d": "double", "f": "float"}
-_TIMERS = ("perf_counter", "perf_counter_ns", "process_time", "process_time_ns", "monotonic", "monotonic_ns",
-           "time", "time_ns", "thread_time", "thread_time_ns", "sleep")
 
+# --------------------------------------------------------------------------- the trusted sandbox (stdlib only)
 
-# --------------------------------------------------------------------------- the in-sandbox harness (stdlib only)
-
-HARNESS = r'''
-import array, base64, ctypes, gc, json, os, resource, subprocess, sys, tempfile, time, traceback
-_time = time
-_pc, _cpu = time.perf_counter_ns, time.process_time_ns
-_TIMERS = __TIMERS__
-_ORIG = {n: getattr(time, n) for n in _TIMERS}
-_out = sys.stdout
-cfg = json.loads(sys.stdin.read())
-sys.stdin.close()
-os.close(0)
-nonce = cfg.pop("nonce")
-
-
-def emit(obj):
-    _out.write(nonce + " " + json.dumps(obj) + "\n")
-    _out.flush()
-
-
-def fail(kind, why):
-    emit({"error": kind, "why": str(why)[-1500:]})
-    os._exit(0)
-
-
-def gcc(src, so):
-    r = subprocess.run(["gcc", "-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-o", so, src, "-lm"],
-                       capture_output=True, text=True, timeout=60)
-    if r.returncode != 0:
-        fail("compile", src + ": " + r.stderr)
-
-
-work = os.getcwd()
-for name in sorted(os.listdir(work)):
-    if name.endswith(".c"):
-        gcc(os.path.join(work, name), os.path.join(work, "lib" + name[:-2] + ".so"))
-priv = tempfile.mkdtemp()
-libs = {}
-for key in ("expert", "calib"):
-    src = os.path.join(priv, key + ".c")
-    with open(src, "w") as fh:
-        fh.write(cfg.pop(key))
-    gcc(src, src[:-2] + ".so")
-    libs[key] = src[:-2] + ".so"
-ns_expert = {}
-exec(compile(cfg.pop("expert_py").replace("__EXPERT_SO__", repr(libs["expert"])), "<expert>", "exec"), ns_expert)
-libs["calib"] = ctypes.CDLL(libs["calib"])
-for key in ("expert", "calib"):
-    src = os.path.join(priv, key + ".c")
-    os.unlink(src)
-    os.unlink(src[:-2] + ".so")
-os.rmdir(priv)
-tc, func = cfg["typecode"], cfg["func"]
-expert = ns_expert[func]
-
-
-def decode(s):
-    a = array.array(tc)
-    a.frombytes(base64.b64decode(s))
-    return a
-
-
-def timed_call(f, args, dims):
-    copies = [array.array(tc, a) for a in args]
-    t0 = _pc()
-    f(*copies, *dims)
-    return _pc() - t0
-
-
-dims = cfg["timing_dims"]
-rounds = [[decode(s) for s in r] for r in cfg["rounds"]]
-times = {"ref": [], "expert": [], "agent": []}
-# phase A, before any agent code exists in this process: the reference
-ns = {}
-exec(compile(cfg.pop("reference"), "<reference>", "exec"), ns)
-reference = ns.pop(func)
-for _ in range(len(cfg["cases"]) + 1):  # as many warm-up calls as the agent's function gets before phase B
-    timed_call(reference, rounds[0], dims)
-for args in rounds:
-    times["ref"].append(timed_call(reference, args, dims))
-del ns, reference
-gc.collect()
-
-
-def procs():
-    """Our child processes (a PID namespace is not guaranteed: the weak rlimit backend sees the host's)."""
-    me, out = str(os.getpid()), set()
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open("/proc/" + p + "/stat") as fh:
-                if fh.read().rsplit(")", 1)[1].split()[1] == me:
-                    out.add(p)
-        except (OSError, IndexError):
-            continue
-    return out
-
-
-resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
-baseline = procs()
-
-
-def tamper():
-    bad = [n for n in _TIMERS if getattr(_time, n, None) is not _ORIG[n]]
-    if bad or sys.modules.get("time") is not _time:
-        fail("tamper", "the time module was patched: " + ", ".join(bad or ["sys.modules['time']"]))
-    if len(os.listdir("/proc/self/task")) > 1:
-        fail("tamper", "a thread was started")
-    if procs() - baseline:
-        fail("tamper", "a process was started")
-
-
-sys.path.insert(0, work)
-try:
-    import kernel as _mod
-    fn = getattr(_mod, func)
-    if not callable(fn):
-        raise TypeError(func + " is not callable")
-except BaseException:
-    fail("import", traceback.format_exc())
-tamper()
-
-
-clock = {"cpu": 0, "wall": 0}  # the agent's calls: process CPU time and wall time, summed
-
-
-def call_agent(args, dims):
-    copies = [array.array(tc, a) for a in args]
-    c0, t0 = _cpu(), _pc()
-    try:
-        out = fn(*copies, *dims)
-        t1, c1 = _pc(), _cpu()
-    except BaseException:
-        fail("runtime", traceback.format_exc())
-    tamper()
-    clock["cpu"] += c1 - c0
-    clock["wall"] += t1 - t0
-    if any(c.tobytes() != a.tobytes() for c, a in zip(copies, args)):
-        fail("mutated", "the kernel modified its input buffers")
-    try:
-        res = out if isinstance(out, array.array) and out.typecode == tc else array.array(tc, out)
-    except (TypeError, ValueError, OverflowError) as exc:
-        fail("output", "the result is not a sequence of floats: " + repr(exc))
-    return res, t1 - t0
-
-
-outputs = []
-for case in cfg["cases"]:
-    res, _ = call_agent([decode(s) for s in case["args"]], case["dims"])
-    outputs.append(base64.b64encode(res.tobytes()).decode())
-# phase B: the agent against the expert, alternating which goes first
-timed_call(expert, rounds[0], dims)
-call_agent(rounds[0], dims)
-timed = []
-for i, args in enumerate(rounds):
-    for who in (("expert", "agent") if i % 2 == 0 else ("agent", "expert")):
-        if who == "agent":
-            res, dt = call_agent(args, dims)
-            if cfg["return_timed"]:
-                timed.append(base64.b64encode(res.tobytes()).decode())
-        else:
-            dt = timed_call(expert, args, dims)
-        times[who].append(dt)
-if clock["cpu"] > 1.5 * clock["wall"] + 20_000_000:  # summed: single readings of the CPU clock are coarse
-    fail("tamper", "process CPU time exceeded wall time (parallel work)")
-cal = libs["calib"]
-cal.k3_fma.restype = ctypes.c_double
-n = max(1024, cfg["bytes"] // 8)
+GCC = ("gcc", "-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
+CALIBRATE = r'''
+import array, ctypes, json, sys, time
+lib = ctypes.CDLL("./libcalib.so")
+lib.k3_fma.restype = ctypes.c_double
+n = max(1024, int(sys.argv[1]) // 8)
 src, dst = array.array("d", bytes(8 * n)), array.array("d", bytes(8 * n))
 ps, pd = ctypes.c_void_p(src.buffer_info()[0]), ctypes.c_void_p(dst.buffer_info()[0])
 best_copy = best_fma = None
 for _ in range(7):
-    t0 = _pc(); cal.k3_copy(ps, pd, ctypes.c_long(n)); dt = _pc() - t0
+    t0 = time.perf_counter_ns(); lib.k3_copy(ps, pd, ctypes.c_long(n)); dt = time.perf_counter_ns() - t0
     best_copy = dt if best_copy is None else min(best_copy, dt)
-    t0 = _pc(); cal.k3_fma(ctypes.c_long(20000)); dt = _pc() - t0
+    t0 = time.perf_counter_ns(); lib.k3_fma(ctypes.c_long(20000)); dt = time.perf_counter_ns() - t0
     best_fma = dt if best_fma is None else min(best_fma, dt)
-emit({"outputs": outputs, "timed": timed, "times": times,
-      "bandwidth": 16.0 * n / max(best_copy, 1) * 1e9, "flop_rate": 64.0 * 20000 / max(best_fma, 1) * 1e9})
-'''.replace("__TIMERS__", repr(_TIMERS))
+print(json.dumps({"bandwidth": 16.0 * n / max(best_copy, 1) * 1e9, "flop_rate": 64.0 * 20000 / max(best_fma, 1) * 1e9}))
+'''
+"""The roofline calibration, run in the trusted sandbox (no agent code there): best of 7 wall times."""
+
+
+def _compile(sb: Sandbox, timeout: float) -> str | None:
+    """Compile every top-level ``*.c`` of ``sb`` into ``lib<stem>.so``; the first compiler error, or None."""
+    for name in sb.list_files():
+        if name.endswith(".c") and "/" not in name:
+            res = sb.run([*GCC, "-o", f"lib{name[:-2]}.so", name, "-lm"], timeout=timeout)
+            if res.returncode != 0:
+                return f"{name}: {res.stderr[-1500:] or res.killed_reason}"
+    return None
+
+
+def _trusted_files(op: KernelOp, tc: str) -> dict[str, str]:
+    """The trusted sandbox: the expert (``kernel.py`` + ``kernel.c``), the reference, the null kernel, calibration."""
+    return {**expert_files(op, tc), "reference.py": op.reference, "null.py": f"import array\n\n\ndef {op.name}({', '.join(op.args + op.dims)}):\n"
+            f"    return array.array({tc!r}, bytes({array.array(tc).itemsize} * ({op.out_expr})))\n",
+            "calib.c": CALIBRATION_C}
 
 
 # --------------------------------------------------------------------------- inputs, references, comparison
-
-
-def _pack(values: Sequence[float], tc: str) -> str:
-    return base64.b64encode(array.array(tc, values).tobytes()).decode("ascii")
-
-
-def _unpack(data: str, tc: str) -> array.array:
-    a = array.array(tc)
-    a.frombytes(base64.b64decode(data))
-    return a
 
 
 def _random_inputs(op: KernelOp, dims: Mapping[str, int], tc: str, rng: random.Random, *, scale: float = 1.0,
@@ -390,81 +240,143 @@ class Measurement:
     t_roof: float = 0.0
     noise: float = 0.0
     weak_isolation: bool = False
+    t_null: float = 0.0  # the null kernel: the harness's own cost per call (decode, call, send), in every time
+    wall_s: float = 0.0  # the measurement's wall time
 
 
-def _config(task: Task, run: int, public: bool) -> tuple[dict[str, Any], list[tuple[list[array.array], dict[str, int]]],
-                                                          list[list[array.array]]]:
-    """The harness's stdin (minus the nonce), the correctness cases and the timing inputs of one run."""
+def _public_cases(task: Task) -> list[tuple[list[array.array], dict[str, int]]]:
+    """The public correctness case of `run_tests` (fixed by the task's public seed: the agent may see it)."""
+    md = task.metadata
+    op, tc = OPS[md["op"]], md["typecode"]
+    rng = random.Random(f"{md['public_seed']}:0")
+    return [(_random_inputs(op, md["public_dims"], tc, rng), dict(md["public_dims"]))]
+
+
+def _hidden_cases(task: Task, rng: random.Random) -> list[tuple[list[array.array], dict[str, int]]]:
+    """The hidden correctness cases: the task's shape, an odd shape, NaN / ±Inf entries, large magnitudes."""
     md = task.metadata
     op, tc, dims = OPS[md["op"]], md["typecode"], dict(md["dims"])
-    seed = md["public_seed"] if public else md["hidden_seed"]
-    rng = random.Random(f"{seed}:{run}")
-    if public:
-        cases = [(_random_inputs(op, md["public_dims"], tc, rng), dict(md["public_dims"]))]
-    else:
-        odd = dict(op.odd)
-        cases = [(_random_inputs(op, dims, tc, rng), dims), (_random_inputs(op, odd, tc, rng), odd),
-                 (_random_inputs(op, dims, tc, rng, specials=True), dims),
-                 (_random_inputs(op, dims, tc, rng, scale=100.0), dims)]
-    rounds = [_random_inputs(op, dims, tc, rng) for _ in range(3 if public else ROUNDS)]
-    n_bytes = array.array(tc).itemsize * (sum(op.inputs(dims)) + op.outputs(dims))
-    cfg = {
-        "typecode": tc, "func": op.name,
-        "expert": op.expert.replace("{T}", _CTYPE[tc]), "calib": CALIBRATION_C, "reference": op.reference,
-        "expert_py": expert_files(op, tc, lib="__EXPERT_SO__")[KERNEL_PY],
-        "cases": [{"args": [_pack(a, tc) for a in args], "dims": [d[k] for k in op.dims]} for args, d in cases],
-        "timing_dims": [dims[k] for k in op.dims], "rounds": [[_pack(a, tc) for a in r] for r in rounds],
-        "bytes": n_bytes, "return_timed": not public,
-    }
-    return cfg, cases, rounds
+    odd = dict(op.odd)
+    return [(_random_inputs(op, dims, tc, rng), dims), (_random_inputs(op, odd, tc, rng), odd),
+            (_random_inputs(op, dims, tc, rng, specials=True), dims),
+            (_random_inputs(op, dims, tc, rng, scale=100.0), dims)]
 
 
-def _run_harness(sandbox: Sandbox, cfg: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any] | None, str, float]:
-    nonce = uuid.uuid4().hex
-    res = sandbox.run(["python", "-I", "-B", "-c", HARNESS], stdin=json.dumps({**cfg, "nonce": nonce}),
-                      timeout=timeout)
-    for line in reversed(res.stdout.splitlines()):
-        if line.startswith(nonce + " "):
-            try:
-                return json.loads(line[len(nonce) + 1:]), "", res.wall_s
-            except json.JSONDecodeError:
-                break
-    return None, f"the harness produced no result ({res.killed_reason or f'exit code {res.returncode}'}); " \
-                 f"stderr: {res.stderr[-500:]}", res.wall_s
+class _Reject(Exception):
+    def __init__(self, kind: str, why: str) -> None:
+        super().__init__(f"{kind}: {why}")
+        self.kind, self.why = kind, why
+
+
+def _checked_call(child: KernelChild, op: KernelOp, tc: str, sets: Sequence[Sequence[array.array]],
+                  dims: Mapping[str, int], where: str, timeout: float) -> int:
+    """One call of the agent's child on ``sets`` of inputs, every result checked; the child's CPU nanoseconds."""
+    sent = [[a.tobytes() for a in args] for args in sets]
+    outs, echoes, ns = child.call(sent, [dims[k] for k in op.dims], timeout=timeout)
+    for args, raw, out, echo in zip(sets, sent, outs, echoes):
+        if echo != b"".join(raw):
+            raise _Reject("mutated", "the kernel modified its input buffers")
+        got = array.array(tc)
+        if len(out) % got.itemsize:
+            raise _Reject("mismatch", f"{where}: the result has {len(out)} bytes, not a whole number of values")
+        got.frombytes(out)
+        bad = compare(got, _expected(op, args, dims, tc), tc)
+        if bad:
+            raise _Reject("mismatch", f"{where}: {bad}")
+    return ns
+
+
+def _shm_bytes(op: KernelOp, tc: str, shapes: Sequence[Mapping[str, int]]) -> int:
+    """Shared memory per child: `BATCH` input sets and their echo, plus room for results up to 4x too long."""
+    size = array.array(tc).itemsize
+    need = max(2 * sum(op.inputs(dict(d))) + 4 * op.outputs(dict(d)) for d in shapes) * size * BATCH
+    return -(-(need + 4096) // 4096) * 4096
+
+
+def _pin_cpu() -> int:
+    """The CPU every child of a measurement is pinned to (the last one this process may use)."""
+    return max(os.sched_getaffinity(0))
 
 
 def measure(task: Task, sandbox: Sandbox, *, run: int = 0, public: bool = False, timeout: float = 100.0) -> Measurement:
-    """Run the harness once in ``sandbox`` (holding the agent's files) and check every output on the host."""
+    """Compile and load the agent's files in ``sandbox``, time them against the expert and check every output.
+
+    The structure (module docstring): the agent's ``kernel.py`` runs in its own child in ``sandbox``; the
+    reference, the expert and the null kernel in children of a fresh trusted sandbox; every child is pinned to
+    one CPU, stopped between calls and timed on its own CPU clock by this process (`KernelChild`). Inputs are
+    drawn from `secrets` after the agent's child has loaded its code; every output of the agent's child (the
+    correctness cases, the warm-up calls and the timed rounds) is compared with the reference. ``run`` only
+    numbers the attempt (inputs are fresh on every run).
+    """
+    del run
     md = task.metadata
     op, tc, dims = OPS[md["op"]], md["typecode"], dict(md["dims"])
-    cfg, cases, rounds = _config(task, run, public)
-    out, why, wall = _run_harness(sandbox, cfg, timeout)
     weak = sandbox.weak_isolation
-    if out is None:
-        return Measurement("no_result", why, weak_isolation=weak)
-    if "error" in out:
-        return Measurement(str(out["error"]), str(out.get("why", "")), weak_isolation=weak)
-    checks = [(o, _expected(op, args, d, tc), f"case {i}") for i, (o, (args, d)) in enumerate(zip(out["outputs"], cases))]
-    checks += [(o, _expected(op, args, dims, tc), f"timed round {i}") for i, (o, args) in enumerate(zip(out["timed"], rounds))]
-    if len(out["outputs"]) != len(cases) or len(out["timed"]) != (0 if public else len(rounds)):
-        return Measurement("no_result", "the harness returned the wrong number of outputs", weak_isolation=weak)
-    for got, want, where in checks:
-        bad = compare(_unpack(got, tc), want, tc)
-        if bad:
-            return Measurement("mismatch", f"{where}: {bad}", weak_isolation=weak)
-    times = {k: [t * 1e-9 for t in v] for k, v in out["times"].items()}
-    if sum(map(sum, times.values())) > wall:
-        return Measurement("tamper", "reported times exceed the sandbox's wall time", weak_isolation=weak)
-    if min(min(v) for v in times.values()) <= 0:
-        return Measurement("tamper", "a non-positive time was reported", weak_isolation=weak)
-    # the expert's time is the agent's median times the median paired ratio q = t_expert / t_agent (phase B),
+    start = time.monotonic()
+    deadline = start + timeout
+    n_warm, n_rounds = (2, 3) if public else (WARMUP, ROUNDS)
+    bad = _compile(sandbox, max(1.0, deadline - time.monotonic()))
+    if bad:
+        return Measurement("compile", bad, weak_isolation=weak)
+    children: list[KernelChild] = []
+    try:
+        with Sandbox(limits=VERIFY_LIMITS) as trusted:
+            for path, text in _trusted_files(op, tc).items():
+                trusted.write_file(path, text)
+            why = _compile(trusted, 60.0)
+            if why:
+                raise RuntimeError(f"coding.kernel: the shipped kernels do not compile: {why}")
+            n_bytes = array.array(tc).itemsize * (sum(op.inputs(dims)) + op.outputs(dims))
+            res = trusted.run(["python", "-I", "-B", "-c", CALIBRATE, str(n_bytes)], timeout=60.0)
+            if res.returncode != 0:
+                raise RuntimeError(f"coding.kernel: calibration failed: {res.stderr[-500:]}")
+            cal = json.loads(res.stdout)
+            cpu = _pin_cpu()
+            capacity = _shm_bytes(op, tc, [dims, dict(op.odd), dict(md["public_dims"])])
+            agent = KernelChild(sandbox, tc, op.name, "kernel", capacity=capacity, cpu=cpu,
+                                start_timeout=max(1.0, deadline - time.monotonic()))
+            children.append(agent)
+            roles = {"agent": agent}
+            for role, module in (("ref", "reference"), ("expert", "kernel"), ("null", "null")):
+                roles[role] = KernelChild(trusted, tc, op.name, module, capacity=capacity, cpu=cpu)
+                children.append(roles[role])
+            # drawn now: the agent's code is loaded and nothing it ran could have seen these
+            rng = random.Random(secrets.randbits(128))
+
+            def left() -> float:
+                return max(0.5, deadline - time.monotonic())
+
+            for i, (args, d) in enumerate(_public_cases(task) if public else _hidden_cases(task, rng)):
+                _checked_call(agent, op, tc, [args], d, f"case {i}", left())
+            times: dict[str, list[int]] = {r: [] for r in roles}
+            for i in range(n_warm + n_rounds):  # fresh inputs per round (BATCH sets); every role gets the same
+                sets = [_random_inputs(op, dims, tc, rng) for _ in range(BATCH)]
+                order = list(roles)[i % len(roles):] + list(roles)[:i % len(roles)]
+                for role in order:
+                    if role == "agent":
+                        ns = _checked_call(agent, op, tc, sets, dims, f"timed round {i}", left())
+                    else:
+                        ns = roles[role].call([[a.tobytes() for a in args] for args in sets],
+                                              [dims[k] for k in op.dims], timeout=left())[2]
+                    if i >= n_warm:
+                        times[role].append(max(ns, 1))
+    except ChildError as exc:
+        return Measurement(exc.kind, exc.why, weak_isolation=weak)
+    except _Reject as exc:
+        return Measurement(exc.kind, exc.why, weak_isolation=weak)
+    finally:
+        for child in children:
+            child.close()
+    t = {k: [v * 1e-9 / BATCH for v in vals] for k, vals in times.items()}  # seconds per call
+    # the expert's time is the agent's median times the median paired ratio q = t_expert / t_agent,
     # so speed_score's q is exactly that paired ratio
-    logq = [math.log(e / a) for e, a in zip(times["expert"], times["agent"])]
+    logq = [math.log(e / a) for e, a in zip(t["expert"], t["agent"])]
     mid = statistics.median(logq)
-    t_agent = statistics.median(times["agent"])
-    t_roof = max(cfg["bytes"] / out["bandwidth"], op.flops(dims) / out["flop_rate"])
-    return Measurement(None, "", statistics.median(times["ref"]), t_agent * math.exp(mid), t_agent, t_roof,
-                       statistics.median(abs(x - mid) for x in logq), weak)
+    t_agent = statistics.median(t["agent"])
+    t_roof = max(n_bytes / cal["bandwidth"], op.flops(dims) / cal["flop_rate"])
+    return Measurement(None, "", statistics.median(t["ref"]), t_agent * math.exp(mid), t_agent, t_roof,
+                       statistics.median(abs(x - mid) for x in logq), weak, statistics.median(t["null"]),
+                       time.monotonic() - start)
 
 
 def _kernel_files(state: Any) -> dict[str, str]:
@@ -660,8 +572,7 @@ class KernelFamily(FamilyBase):
         def files(fs: Mapping[str, str]) -> list[dict[str, Any]]:
             return [assistant("", "", _write_all(fs)), done]
 
-        public_cfg, public_cases, _ = _config(task, 0, True)
-        table = {a[0].tobytes().hex(): list(_expected(op, a, d, tc)) for a, d in public_cases}
+        table = {a[0].tobytes().hex(): list(_expected(op, a, d, tc)) for a, d in _public_cases(task)}
         cached = (f"import array\n_T = {table!r}\n\n\ndef {op.name}({', '.join(op.args + op.dims)}):\n"
                   f"    return array.array('{tc}', _T.get({first}.tobytes().hex(), [0.0] * ({op.out_expr})))\n")
         calls_ref = (f"import gc\n\n\ndef {op.name}(*args):\n"  # any function compiled from the reference source
@@ -691,9 +602,11 @@ class KernelFamily(FamilyBase):
                 op, tc, pre=f"    if len({first}) > {op.inputs(md['public_dims'])[0]}:\n        return array.array('{tc}', bytes({array.array(tc).itemsize} * ({op.out_expr})))\n")),
             "reduced_precision": files({**expert_files(op, tc, post=half),
                                         KERNEL_PY: "import struct\n" + expert_files(op, tc, post=half)[KERNEL_PY]}),
-            "patches_timer": files(expert_files(op, tc, pre="    import time\n    time.perf_counter_ns = lambda: 0\n")),
-            "patches_timer_at_import": files({**expert_files(op, tc), KERNEL_PY: "import time\n"
-                                              "time.perf_counter = lambda: 0.0\n" + expert_files(op, tc)[KERNEL_PY]}),
+            # the reference's speed with a patched clock: pays only if the clock the verifier reads can be patched
+            "patches_timer": files({KERNEL_PY: op.reference.replace(
+                "    out = ", "    import time\n    time.perf_counter_ns = time.process_time_ns = lambda: 0\n    out = ", 1)}),
+            "patches_timer_at_import": files({KERNEL_PY: "import time\ntime.perf_counter = time.process_time = "
+                                              "lambda: 0.0\n" + op.reference}),
             "background_thread": files({**expert_files(op, tc), KERNEL_PY: "import threading\n"
                                         "threading.Thread(target=lambda: sum(range(10**8)), daemon=True).start()\n"
                                         + expert_files(op, tc)[KERNEL_PY]}),
