@@ -9,36 +9,34 @@ harness with the system compiler (``gcc -O3 -march=native -shared -fPIC -lm`` in
 ``read_file``, ``list_files``, ``run_python`` and ``run_tests`` (the verifier's harness on public
 inputs: correctness and a score estimate).
 
-Verification (`verify_kernel`) runs the harness (`HARNESS`) in a **fresh sandbox**; hidden inputs
-travel on stdin (never on disk) and expected outputs never enter the sandbox:
+Verification (`verify_kernel`, `measure`; issue 30 redesigned it) trusts nothing the agent's process can touch:
 
-1. compile the agent's C and, into a private temporary directory that is removed before the
-   agent's code is imported, the shipped expert kernel and the roofline calibration kernels;
-   run timing phase A (step 4);
-2. lock ``RLIMIT_NPROC`` to 0 (no fork, no thread from here on), record the live processes and the
-   ``time`` functions, import ``kernel``;
-3. call it on the hidden correctness cases (the task's shape, an odd shape, NaN / ±Inf entries,
-   large magnitudes), each on fresh copies; mutated inputs are a hack;
-4. time in two phases of `ROUNDS` rounds, each round on a fresh random input, with the harness's own
-   saved ``perf_counter_ns``: phase A (before step 2, so the reference never shares the process with
-   agent code, which therefore cannot call it) times the reference, phase B pairs the agent with the
-   expert, alternating which goes first. The agent's timed outputs come
-   back too and are checked like the correctness cases (not in the public ``run_tests`` estimate,
-   which checks the public cases only);
-5. after every agent call: ``time`` functions replaced, more than one thread in
-   ``/proc/self/task`` or a child process are tampering (reward 0), and so is process CPU time above
-   wall time summed over the agent's calls. The reference gets as many warm-up calls as the agent's
-   function before it is timed (CPython specialises a function's bytecode after a few calls).
-
-The host compares every output with the reference run on the host (shape, dtype, NaN / Inf
-positions exactly, finite values within ``|got - want| <= rtol * (|want| + max|want|)`` with
-``rtol`` `RTOL` per dtype); any mismatch scores 0. Timing noise is the median absolute deviation
-of ``log(t_expert / t_agent)`` over the paired rounds; above `NOISE_RERUN` the whole measurement is
-repeated in a fresh sandbox (at most `MAX_RUNS` runs, the quietest kept).
+1. the agent's ``*.c`` are compiled in a **fresh sandbox** holding only its files; a second, trusted sandbox
+   (its own uid) holds the shipped expert (the same ``kernel.py`` + ``kernel.c`` loader the reference
+   solver writes), the plain-Python reference, a null kernel (allocates a zero result: the harness's own cost)
+   and the roofline calibration kernels, which run there alone (`CALIBRATE`);
+2. every implementation runs in **its own child process** (`k3post.envs.kernel_child`), started by
+   `Sandbox.spawn`: pid 1 alone in its own PID namespace, so the agent's child sees no other process (its
+   parent pid reads 0: no ``/proc/<ppid>/mem``, no ptrace, no signal) and holds no nonce, no expert, no
+   reference, no timing state and no input but those of its own calls. The child locks ``RLIMIT_NPROC`` to
+   0 before it imports ``kernel`` (no thread, no process: all of its work is on its own CPU clock);
+3. the inputs are drawn from `secrets` **after** the agent's child has loaded its code; they travel in a
+   sealed shared-memory block per child (size fixed, so the child cannot make the parent's mapping fault);
+4. each call: the parent puts the inputs in place while the child is stopped (``SIGSTOP``), reads the child's
+   CPU clock, continues it, reads its whole reply, stops it, waits until it is stopped and reads the clock
+   again. Everything the child does between the two readings counts: decoding, the call, and
+   **materialising the result, which must be exactly an ``array.array`` of the typecode or exactly a
+   ``list``** (a lazy iterable, an array or list subclass, anything else is an ``output`` error). Children
+   are pinned to one CPU and are stopped whenever they are not being timed;
+5. the hidden correctness cases (the task's shape, an odd shape, NaN / ±Inf entries, large magnitudes) run
+   first, then `WARMUP` untimed and `ROUNDS` timed rounds; a round is `BATCH` fresh input sets in one call
+   (sharing the fixed cost of a call), given to the reference, the expert, the null kernel and the agent in
+   a rotating order. **Every** result of the agent (cases, warm-up, timed) is compared with the reference on
+   the host, and every call echoes its inputs as the kernel left them (modified inputs are a hack).
 
 Speed score (`speed_score`), with medians ``t_ref`` (reference), ``t_exp`` (expert), ``t`` (agent),
 the roofline time ``t_roof = max(bytes / bandwidth, flops / flop_rate)`` from the calibration
-kernels measured in the same sandbox on a buffer of the task's size, ``s = t_ref / t`` (speedup),
+kernels measured in the trusted sandbox on a buffer of the task's size, ``s = t_ref / t`` (speedup),
 ``s_e = t_ref / t_exp``, ``q = t_exp / t`` and the parity band ``b = clip(3 * noise, MIN_BAND, 0.5)`` (`MIN_BAND` 0.15)::
 
     s <= g                     -> 0                      (not clearly faster than the reference)
@@ -47,11 +45,11 @@ kernels measured in the same sandbox on a buffer of the task's size, ``s = t_ref
     q >  1 + b                 -> 0.5 + 0.5 * min(1, log(q / (1 + b)) / log(R / (1 + b))),
                                   R = max(t_exp / t_roof, (1 + b)^2)
 
-with the reference gate ``g = max(REF_GATE, 1 + b)`` (`REF_GATE` 1.5: the reference and the agent are
-timed in different phases, and the same Python code measured up to ~1.2x apart across them), so the
+with the reference gate ``g = max(REF_GATE, 1 + b)`` (`REF_GATE` 1.5: the same Python code timed twice
+differs by up to ~1.2x), so the
 reward is continuous and non-decreasing in the measured speedup, 0.5 at parity with the
-shipped expert and 1 at the roofline (which includes no Python call overhead, so it is approached,
-not reached). The reference solver ships the expert itself and scores exactly 0.5: the "reference
+shipped expert and 1 at the roofline (which includes neither Python's call overhead nor the harness's
+cost per call, both in every measured time, so it is approached, not reached). The reference solver ships the expert itself and scores exactly 0.5: the "reference
 solvers score 1" standard does not fit a speed-graded reward (docs/decisions.md).
 
 The sandbox's interpreter is the system ``/usr/bin/python3`` (stdlib only: the host interpreter's
@@ -520,15 +518,15 @@ class KernelFamily(FamilyBase):
         prompt = (
             f"Make this {op.summary} faster. The reference implementation (plain Python):\n\n{op.reference}\n"
             f"Write {KERNEL_PY} defining `{op.name}({args}, {', '.join(op.dims)})` with the same results: inputs are "
-            f"flat row-major {dtype} buffers (array.array typecode '{tc}'), the result a sequence of "
-            f"{op.out_expr} floats (an array.array('{tc}') is best). The graded shape is {shape}; hidden inputs also "
+            f"flat row-major {dtype} buffers (array.array typecode '{tc}'), the result exactly an array.array('{tc}') "
+            f"or exactly a list of {op.out_expr} floats. The graded shape is {shape}; hidden inputs also "
             "use other shapes, NaN / Inf entries and large magnitudes, and results must match the reference within "
             f"a relative tolerance of {RTOL[tc]:g} (NaN and Inf exactly). You may write C: every *.c file is compiled "
             "with gcc -O3 -march=native -shared -fPIC -lm into lib<name>.so next to it, for kernel.py to load with "
             "ctypes. The sandbox python has the standard library only. Do not modify the inputs, start threads or "
-            "processes, or touch the timers. run_tests checks correctness on public inputs and estimates the "
-            "score: 0.5 matches our expert implementation, 1 is the machine's roofline. Reply without a tool call "
-            "when you are done."
+            "processes (you cannot): your kernel runs in a process of its own, timed on its CPU clock. run_tests "
+            "checks correctness on public inputs and estimates the score: 0.5 matches our expert implementation, "
+            "1 is the machine's roofline. Reply without a tool call when you are done."
         )
         public_dims = dict(op.odd)
         return self._task(task_id, [{"role": "user", "content": prompt}], {
