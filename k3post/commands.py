@@ -74,6 +74,7 @@ def run_sft(cfg: K3Config) -> Path:
     from k3post.demo import run_tokenizer, synthesize_sft_data
 
     run = open_run(cfg.run.dir, cfg)
+    torch.manual_seed(cfg.run.seed)  # first: the XTML token rows ensure_xtml_tokens adds are drawn from this RNG
     if cfg.model.path:
         model = load_model(cfg.model.path, cfg.model.dtype)
         tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
