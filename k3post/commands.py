@@ -24,6 +24,7 @@ from k3post.tokenizer import ensure_xtml_tokens, load_tokenizer, train_tokenizer
 from k3post.xtml import XTML, text_segments
 
 if TYPE_CHECKING:
+    from k3post.config.draft import DraftConfig
     from k3post.config.rollout import EngineConfig
     from k3post.mopd import MOPDConfig
 
@@ -73,6 +74,7 @@ def run_sft(cfg: K3Config) -> Path:
     from k3post.demo import run_tokenizer, synthesize_sft_data
 
     run = open_run(cfg.run.dir, cfg)
+    torch.manual_seed(cfg.run.seed)  # first: the XTML token rows ensure_xtml_tokens adds are drawn from this RNG
     if cfg.model.path:
         model = load_model(cfg.model.path, cfg.model.dtype)
         tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
@@ -324,13 +326,15 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
     from k3post.experts import load_policy
     from k3post.rollout.factory import build_engine, close_engine
     from k3post.spec.data import load_samples, save_samples, target_generations, token_counts
-    from k3post.spec.eagle3 import DraftVocab, Eagle3Draft, engine_capturable
+    from k3post.spec.eagle3 import DraftVocab, Eagle3Draft
     from k3post.spec.export import export_eagle3
     from k3post.spec.train import evaluate_alpha, expected_accept_length, train_draft
 
     d = cfg.draft
     tokenizer = load_tokenizer(target_dir)
     target = load_policy(target_dir, cfg.qat)
+    L = len(target.model.layers)
+    aux = draft_aux_layers(d, L)  # an input error before any data is generated
     out = run / "draft"
     data = out / "data.jsonl"
     fams = d.families or [f.name for f in default_families()]
@@ -345,12 +349,6 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
     samples = load_samples(data)
     held = samples[::10]  # every tenth episode is held out for the acceptance-by-depth table
     train = [s for k, s in enumerate(samples) if k % 10]
-    L = len(target.model.layers)
-    aux = tuple(d.aux_layers) or (1, L // 2, L)
-    if not engine_capturable(aux, L):  # said before training, not only at export
-        log.warning("draft.aux_layers %s include the final layer (id %d), which k3post's engine feeds the draft but "
-                    "stock vLLM / SGLang cannot capture; for those set draft.aux_layers=[1, %d, %d] (docs/decisions.md)",
-                    list(aux), L, L // 2, L - 1)
     vocab = None
     if d.draft_vocab:
         counts = token_counts(train)
@@ -369,7 +367,7 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
         res = train_draft(target, draft, train, lc, out / loss, pad_id=pad, seed=cfg.run.seed, metrics=metrics,
                           stage=f"draft_{loss}")
         after = evaluate_alpha(target, draft, held, lc, pad)
-        export_eagle3(draft, out / loss / "final")
+        export_eagle3(draft, out / loss / "final", nonstock=d.nonstock_export)
         summary["losses"][loss] = {
             "acceptance_by_depth_before": before, "acceptance_by_depth": after,
             "expected_accept_length": {t: {str(k): expected_accept_length(after[t], k) for k in (3, 5) if k <= d.ttt_steps}
@@ -379,6 +377,32 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
         print(f"  draft {loss:9}: held-out α by depth (T=1) " + ", ".join(f"{a:.3f}" for a in after["t1"]))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
     return summary
+
+
+def draft_aux_layers(d: DraftConfig, num_layers: int) -> tuple[int, int, int]:
+    """The aux layer ids of a draft for an ``num_layers``-layer target: ``draft.aux_layers``, else
+    ``stock_aux_layers``. A UserError (exit 2) for ids outside 0..L, and for ids stock vLLM / SGLang cannot
+    record (``engine_capturable``) unless ``draft.nonstock_export``."""
+    from k3post.spec.eagle3 import engine_capturable, stock_aux_layers
+    from k3post.spec.export import nonstock_message
+
+    if not d.aux_layers:
+        try:
+            return stock_aux_layers(num_layers)
+        except ValueError as e:
+            raise UserError(f"draft.aux_layers: {e}; set draft.aux_layers and draft.nonstock_export=true for "
+                            "k3post's own engine") from None
+    aux = tuple(int(i) for i in d.aux_layers)
+    if not all(0 <= i <= num_layers for i in aux):
+        raise UserError(f"draft.aux_layers={list(aux)}: ids must be in 0..{num_layers} for this {num_layers}-layer target")
+    if not engine_capturable(aux, num_layers) and not d.nonstock_export:
+        stock = f"the default {list(stock_aux_layers(num_layers))}" if num_layers >= 4 else "a target of 4+ layers"
+        raise UserError(f"draft.aux_layers={list(aux)}: {nonstock_message(aux, num_layers)}. Use {stock}, or set "
+                        "draft.nonstock_export=true to train and export it anyway for an engine that records those "
+                        "states (k3post's own engine does, except id 0)")
+    if not engine_capturable(aux, num_layers):
+        log.warning("draft.aux_layers=%s with draft.nonstock_export=true: %s", list(aux), nonstock_message(aux, num_layers))
+    return aux  # type: ignore[return-value]
 
 
 def _run_relative(path: str | Path, run: Path) -> str:

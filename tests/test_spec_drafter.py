@@ -196,7 +196,8 @@ def test_engine_draft_config_key(models, tmp_path):
     reqs = _requests(5, temperature=0.0)
     plain = build_engine(target, max_batch_size=3, stop_ids=()).generate(reqs)
     small = _target()  # a (same-vocabulary) causal LM as a classic draft model
-    for folder in (export_eagle3(draft, tmp_path / "eagle3"), save_model(small, tmp_path / "small")):
+    # AUX has id L = 2, which k3post's engine records and stock vLLM / SGLang do not: a nonstock export
+    for folder in (export_eagle3(draft, tmp_path / "eagle3", nonstock=True), save_model(small, tmp_path / "small")):
         engine = build_engine(target, engine=EngineConfig(draft=str(folder), num_draft_tokens=2), max_batch_size=3,
                               stop_ids=())
         assert [r.output_ids for r in engine.generate(reqs)] == [r.output_ids for r in plain]

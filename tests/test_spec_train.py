@@ -84,25 +84,62 @@ def test_resume_equals_an_uninterrupted_run(world, tmp_path, monkeypatch) -> Non
         assert torch.equal(a, b), n
 
 
-def test_k3post_draft_command(world, tmp_path, caplog) -> None:
-    """`k3post draft` on a saved target: data, training, held-out α table, vLLM/SGLang export; before training it
-    says that the default final-layer feature cannot run on stock vLLM / SGLang."""
-    from k3post.cli import main
+def _draft_args(tmp_path, folder, *extra: str) -> list[str]:
+    return ["draft", "configs/demo.yaml", f"run.root={tmp_path}", "run.name=r", f"draft.target={folder}",
+            "draft.families=[general.arithmetic]", "draft.n_per_family=6", "draft.efforts=[low]", "draft.max_tokens=16",
+            "draft.steps=4", "draft.batch_size=2", "draft.ttt_steps=2", "draft.progress=false", "draft.draft_vocab=200",
+            "qat.enabled=false", *extra]
 
-    tok, target, _, _ = world
-    folder = save_model(copy.deepcopy(target), tmp_path / "target", tok)
-    assert main(["draft", "configs/demo.yaml", f"run.root={tmp_path}", "run.name=r", f"draft.target={folder}",
-                 "draft.families=[general.arithmetic]", "draft.n_per_family=6", "draft.efforts=[low]", "draft.max_tokens=16",
-                 "draft.steps=4", "draft.batch_size=2", "draft.ttt_steps=2", "draft.progress=false", "draft.draft_vocab=200",
-                 "qat.enabled=false"]) == 0
-    assert "stock vLLM / SGLang cannot capture; for those set draft.aux_layers=[1, 1, 1]" in caplog.text
+
+def test_k3post_draft_command(world, tmp_path) -> None:
+    """`k3post draft` on a saved 4-layer target: data, training, held-out α table, and an export that stock vLLM
+    and SGLang load and feed (tests/test_spec_export.py's checkers): the default aux ids (1, 2, 3)."""
+    from k3post.cli import main
+    from k3post.models import load_model
+    from tests.test_spec_export import serves_on_stock_engines
+
+    tok, _, _, _ = world
+    target = build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id, eos_token_id=tok.convert_tokens_to_ids(EOM),
+                            initializer_range=0.2, **{**TINY, "num_hidden_layers": 4}).eval()
+    folder = save_model(target, tmp_path / "target", tok)
+    assert main(_draft_args(tmp_path, folder)) == 0
     out = tmp_path / "r" / "draft"
     summary = json.loads((out / "summary.json").read_text())
     got = summary["losses"]["lk_alpha"]
     assert len(got["acceptance_by_depth"]["t1"]) == len(got["acceptance_by_depth"]["t0"]) == 2
-    assert summary["aux_layers"] == [1, 1, 2] and summary["mtp_init"] is None
-    assert (out / "lk_alpha" / "final" / "config.json").is_file()
+    assert summary["aux_layers"] == [1, 2, 3] and summary["mtp_init"] is None
     assert (out / "lk_alpha" / "checkpoints" / "latest").is_file()
+    ids_BT = torch.randint(0, len(tok), (2, 9), generator=torch.Generator().manual_seed(0))
+    serves_on_stock_engines(load_model(folder).eval(), out / "lk_alpha" / "final", ids_BT, (1, 2, 3))
+
+
+def test_k3post_draft_refuses_a_non_stock_layout_before_generating_data(world, tmp_path, capsys) -> None:
+    """draft.aux_layers that stock vLLM / SGLang cannot feed (the final layer's output, id L) and the default on a
+    target too shallow for three recordable states exit 2 naming the key, before any draft data is generated."""
+    from k3post.cli import main
+
+    tok, target, _, _ = world  # 2 layers
+    folder = save_model(copy.deepcopy(target), tmp_path / "target", tok)
+    assert main(_draft_args(tmp_path, folder, "draft.aux_layers=[1,1,2]")) == 2
+    err = capsys.readouterr().err
+    assert "draft.aux_layers=[1, 1, 2]" in err and "draft.nonstock_export=true" in err and "shape error" in err
+    assert main(_draft_args(tmp_path, folder)) == 2
+    assert "fewer than 3 states" in capsys.readouterr().err
+    assert not (tmp_path / "r" / "draft").exists()
+
+
+def test_draft_aux_layers_resolution() -> None:
+    """Empty: the stock default; out of range: an error; non-stock: an error unless draft.nonstock_export."""
+    from k3post.commands import draft_aux_layers
+    from k3post.errors import UserError
+
+    assert draft_aux_layers(DraftConfig(), 12) == (1, 6, 11)
+    assert draft_aux_layers(DraftConfig(aux_layers=[2, 6, 9]), 12) == (2, 6, 9)
+    with pytest.raises(UserError, match="ids must be in 0..12"):
+        draft_aux_layers(DraftConfig(aux_layers=[1, 6, 13], nonstock_export=True), 12)
+    with pytest.raises(UserError, match="draft.nonstock_export=true"):
+        draft_aux_layers(DraftConfig(aux_layers=[1, 6, 12]), 12)
+    assert draft_aux_layers(DraftConfig(aux_layers=[1, 6, 12], nonstock_export=True), 12) == (1, 6, 12)
 
 
 def test_expected_accept_length() -> None:

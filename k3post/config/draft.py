@@ -19,8 +19,10 @@ class DraftConfig:
 
     Data: the target's own episodes (`k3post.spec.data`) on ``n_per_family`` training tasks of each of
     ``families`` at each of ``efforts``, sampled at ``temperature`` with at most ``max_tokens`` per turn.
-    Model: fused target layers ``aux_layers`` (k3post's numbering, `k3post.spec.eagle3`; empty: low, middle and
-    final layer), ``draft_vocab`` target ids (0: the whole vocabulary). Training: ``loss`` (``lk_alpha``, the K3
+    Model: fused target layers ``aux_layers`` (k3post's numbering, `k3post.spec.eagle3`; empty: (1, L//2, L−1),
+    the states stock vLLM / SGLang record; ids they cannot record, such as L, the final layer's output, are an
+    input error unless ``nonstock_export``, which exports for an engine that records them), ``draft_vocab``
+    target ids (0: the whole vocabulary). Training: ``loss`` (``lk_alpha``, the K3
     loss; ``lk_lambda`` with ``eta``; ``kl``, the baseline) over ``ttt_steps`` unrolled steps weighted
     ``step_decay``^i, AdamW at ``lr`` with cosine decay, ``batch_size`` samples of at most ``max_len`` tokens a
     step, checkpoints every ``save_every`` steps (exact resume). The defaults are the demo's CPU sizing (about a
@@ -34,6 +36,7 @@ class DraftConfig:
     max_tokens: int = 64
     temperature: float = 1.0
     aux_layers: list[int] = field(default_factory=list)
+    nonstock_export: bool = False  # allow aux_layers stock vLLM / SGLang cannot record (the export then serves only on a patched engine)
     draft_vocab: int = 0
     loss: str = "lk_alpha"
     eta: float = 3.0

@@ -14,7 +14,10 @@ Layer ids (``Eagle3Config.aux_layer_ids``, k3post's convention): id i ∈ [0, L]
 output before the final norm, the state the MTP head reads. vLLM's ``eagle_aux_hidden_state_layer_ids`` count
 the same way (it records ``hidden + residual`` before layer i); SGLang's count the state *leaving* a layer
 (it records before layer j+1), so SGLang id = k3post id − 1. Neither engine records anything after the last
-layer, so they capture ids 0 … L−1 only (``engine_capturable``; docs/decisions.md).
+layer, each layer once and in layer order, and their Llama loops add a residual that does not exist yet
+before layer 0, so stock engines serve strictly ascending ids in 1 … L−1 only (``engine_capturable``). The
+default, ``stock_aux_layers``, is (1, L//2, L−1): low, middle and the state entering the last layer
+(docs/decisions.md, issue 30 §3).
 
 Reduced vocabulary: draft id j ↔ target id ``target_ids[j]`` (ascending); vLLM/SGLang store d2t[j] =
 target_ids[j] − j (int64) and t2d (bool over the target vocabulary, True at the draft's ids).
@@ -38,7 +41,7 @@ from k3post.spec.mtp import MTPHead, capture_final_hidden
 
 __all__ = [
     "DraftVocab", "Eagle3Config", "Eagle3Draft", "engine_capturable", "from_sglang_ids", "from_vllm_ids",
-    "sglang_ids", "step_weights", "target_features", "unrolled_logits", "vllm_ids",
+    "sglang_ids", "step_weights", "stock_aux_layers", "target_features", "unrolled_logits", "vllm_ids",
 ]
 
 
@@ -101,8 +104,24 @@ def from_sglang_ids(ids: Sequence[int]) -> list[int]:
 
 
 def engine_capturable(ids: Sequence[int], num_layers: int) -> bool:
-    """True when vLLM and SGLang can record every id (they record states entering layers 0 … L−1)."""
-    return all(0 <= i <= num_layers - 1 for i in ids)
+    """True when stock vLLM and SGLang hand the draft exactly these states, in this order: ids strictly
+    ascending in 1 … L−1. Both record inside their layer loop, once per layer and in layer order (``if idx in
+    layers``), so nothing after the last layer (id L), a repeated id is recorded once (too few features for
+    fc) and unsorted ids arrive sorted; before layer 0 their Llama models compute ``hidden_states + residual``
+    with no residual yet (id 0 fails there). tests/test_spec_export.py checks this against their source."""
+    ids = list(ids)
+    return all(1 <= i <= num_layers - 1 for i in ids) and all(a < b for a, b in zip(ids, ids[1:]))
+
+
+def stock_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """The default aux ids of a ``num_layers``-layer target, k3post's count (states entering layers):
+    (1, L//2, L−1), the lowest, middle and highest states stock vLLM / SGLang record (``engine_capturable``).
+    The high one enters the last layer: the nearest recordable state to the MTP head's input (id L). A target
+    of fewer than 4 layers has no three distinct recordable states (a ValueError)."""
+    if num_layers < 4:
+        raise ValueError(f"a {num_layers}-layer target has fewer than 3 states stock vLLM / SGLang record for "
+                         "EAGLE-3 (the states entering layers 1 .. L-1, each once)")
+    return 1, num_layers // 2, num_layers - 1
 
 
 @dataclass

@@ -11,6 +11,10 @@ vLLM renames ``midlayer.`` to ``layers.0.``, prefixes ``model.`` (all but lm_hea
 Neither needs ``embed_tokens`` (both share the target's), so it is not written. The aux ids: vLLM reads the
 top-level ``eagle_aux_hidden_state_layer_ids`` (state entering a layer), SGLang reads
 ``eagle_config.eagle_aux_hidden_state_layer_ids`` (state leaving a layer): the same layers, two numberings.
+Both size ``fc`` from ``target_hidden_size`` (3 × it inputs), written explicitly. A draft whose aux ids stock
+engines cannot record (``engine_capturable``: the final layer's output, or layer 0) is refused unless
+``nonstock=True`` (``draft.nonstock_export``): such a folder fails at serve time in both. The loaders'
+name / shape / dtype contract is checked in tests/test_spec_export.py against their source.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from k3post.spec.eagle3 import (
     DraftVocab, Eagle3Config, Eagle3Draft, engine_capturable, from_vllm_ids, sglang_ids, vllm_ids,
 )
 
-__all__ = ["export_eagle3", "load_eagle3"]
+__all__ = ["NonStockLayout", "export_eagle3", "load_eagle3", "nonstock_message"]
 
 log = logging.getLogger("k3post.spec.export")
 
@@ -55,21 +59,41 @@ def _config_json(draft: Eagle3Draft, dtype: torch.dtype) -> dict:
         torch_dtype=str(dtype).removeprefix("torch."),
         eagle_aux_hidden_state_layer_ids=vllm_ids(cfg.aux_layer_ids),
         eagle_config={"eagle_aux_hidden_state_layer_ids": sglang_ids(cfg.aux_layer_ids), "use_aux_hidden_state": True},
-        k3post={"aux_layer_ids": list(cfg.aux_layer_ids), "num_target_layers": cfg.num_target_layers},
+        target_hidden_size=block.hidden_size,
+        k3post={"aux_layer_ids": list(cfg.aux_layer_ids), "num_target_layers": cfg.num_target_layers,
+                "stock_engines": engine_capturable(cfg.aux_layer_ids, cfg.num_target_layers)},
     )
     return out
 
 
-def export_eagle3(draft: Eagle3Draft, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write ``draft`` to ``folder`` (module docstring); weights in ``dtype`` (default: the draft's)."""
+class NonStockLayout(ValueError):
+    """The draft's aux ids include a state stock vLLM / SGLang do not record (``engine_capturable``)."""
+
+
+def nonstock_message(ids: tuple[int, ...] | list[int], num_layers: int) -> str:
+    """Why aux ``ids`` of an ``num_layers``-layer target do not serve on stock vLLM / SGLang."""
+    return (f"aux layer ids {list(ids)} (k3post's count: the state entering layer i; {num_layers} is the last layer's "
+            f"output, the MTP head's input) are not what stock vLLM and SGLang hand a draft: they record the states "
+            f"entering layers 1..{num_layers - 1}, each once and in layer order, so a draft needs 3 strictly ascending "
+            "ids in that range; otherwise it gets too few features for its fc (a shape error at serve time) or "
+            "features in another order")
+
+
+def export_eagle3(draft: Eagle3Draft, folder: str | Path, dtype: torch.dtype | None = None,
+                  nonstock: bool = False) -> Path:
+    """Write ``draft`` to ``folder`` (module docstring); weights in ``dtype`` (default: the draft's).
+    Raises ``NonStockLayout`` before writing anything when stock engines cannot serve the draft's aux ids,
+    unless ``nonstock`` (then it writes it, for a patched engine or k3post's own, with a warning)."""
+    cfg = draft.config
+    if not engine_capturable(cfg.aux_layer_ids, cfg.num_target_layers):
+        why = nonstock_message(cfg.aux_layer_ids, cfg.num_target_layers)
+        if not nonstock:
+            raise NonStockLayout(f"{why}; not exported. Train with the default aux layers, or pass nonstock=True "
+                                 "(draft.nonstock_export=true) for an engine that records them")
+        log.warning("%s; exported anyway (nonstock): it serves only on an engine that records them", why)
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     dtype = dtype or draft.fc.weight.dtype
-    cfg = draft.config
-    if not engine_capturable(cfg.aux_layer_ids, cfg.num_target_layers):
-        log.warning("aux layer ids %s include the last layer's output (id %d): stock vLLM and SGLang record "
-                    "only states entering layers 0..%d (docs/decisions.md)", cfg.aux_layer_ids,
-                    cfg.num_target_layers, cfg.num_target_layers - 1)
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in draft.state_dict().items()
                if not k.startswith("embed_tokens.") and k not in ("d2t", "t2d")}
     tensors["d2t"] = draft.d2t.detach().to(torch.int64).contiguous()
