@@ -134,3 +134,77 @@ def test_a_partial_or_mistyped_weight_update_is_refused_and_changes_nothing(mode
         assert d["values"] == tensors[first].to(torch.bfloat16).float().reshape(-1)[:8].tolist()
 
     _run(model_dir, go)
+
+
+# --------------------------------------------------------------------------- what an anonymous caller reaches
+
+
+def test_weight_reads_are_capped_and_model_info_shows_no_paths(model_dir: Path) -> None:
+    """Before: ``truncate_size`` had no bound (a whole embedding as JSON) and ``/get_model_info`` showed the
+    server's absolute model path. Now: more than ``max_weight_values`` values is a 400 naming the setting, and
+    the info carries the folder's name only."""
+    async def go(c: httpx.AsyncClient, app: Any) -> None:
+        name = "model.embed_tokens.weight"
+        r = await c.post("/get_weights_by_name", json={"name": name, "truncate_size": 65})
+        assert r.status_code == 400 and "ServeLimits.max_weight_values" in r.json()["error"]["message"], r.text
+        r = await c.post("/get_weights_by_name", json={"name": name, "truncate_size": 64})
+        assert r.status_code == 200 and len(r.json()["values"]) == 64
+        info = (await c.get("/get_model_info")).json()
+        assert info["model_path"] == info["tokenizer_path"] == model_dir.name
+        assert str(model_dir.parent) not in str(info)
+
+    _run(model_dir, go, limits=ServeLimits(max_weight_values=64))
+
+
+def test_serve_beyond_loopback_needs_a_key_or_the_explicit_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`k3post serve --host 0.0.0.0` without a key exits 2 before loading anything (the model folder does not
+    even exist here), naming the key and the flag; loopback hosts, a key, or the flag pass the check."""
+    from k3post.cli import main
+    from k3post.serve.cli import check_exposure
+
+    monkeypatch.delenv("K3POST_API_KEY", raising=False)
+    for host in ("0.0.0.0", "10.1.2.3", "::", "example.org"):
+        assert main(["serve", str(tmp_path / "nothing"), "--host", host]) == 2
+        err = capsys.readouterr().err
+        assert f"--host {host}" in err and "--api-key" in err and "--allow-unauthenticated-engine-api" in err, err
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"):
+        check_exposure(host, None, False)
+    check_exposure("0.0.0.0", "k", False)
+    check_exposure("0.0.0.0", None, True)
+    assert "WARNING" in capsys.readouterr().err
+
+
+def _security_routes() -> dict[str, tuple[str, str]]:
+    """The README Security section's route table: path -> (what a caller can do, bound)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Security"):]
+    section = section[: section.index("\n## ", 1)]
+    rows: dict[str, tuple[str, str]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith(("`GET ", "`POST ")):
+            for route in cells[0].split(","):
+                method, path = route.strip().strip("`").split(" ", 1)
+                rows[path] = (cells[1], cells[2])
+    return rows
+
+
+def test_the_readme_security_table_lists_every_route_with_its_risk(model_dir: Path) -> None:
+    """Every route the server has (the OpenAI API, the engine API, FastAPI's docs) is a row of the Security
+    section's table with what a caller can do and its bound, and the table names no route the server lacks."""
+    app = build_server(model_dir, model_name="m", max_batch_size=2, qat=False, torch_threads=1)
+    paths, todo = set(), list(app.routes)
+    while todo:  # included routers (the engine API) hold their own routes
+        r = todo.pop()
+        if isinstance(getattr(r, "path", None), str):
+            paths.add(r.path.replace("{model_id:path}", "{id}"))
+        inner = getattr(r, "original_router", None) or getattr(r, "router", None) or r  # FastAPI's versions differ
+        todo += getattr(inner, "routes", None) or []
+    assert "/init_weights_update_group" in paths
+    rows = _security_routes()
+    assert paths == set(rows), (sorted(paths - set(rows)), sorted(set(rows) - paths))
+    assert all(what and bound for what, bound in rows.values())
+    assert "all or nothing" in rows["/update_weights_from_disk"][1]
+    assert "max_weight_values" in rows["/get_weights_by_name"][1]
+    assert "any host:port" in rows["/init_weights_update_group"][0]

@@ -27,7 +27,7 @@ a k3post server at the level of token ids, log-probs and policy versions:
 
   Sampling fields: ``top_k`` 0 or -1 disables it; ``max_new_tokens`` is the request's output
   budget, continuation tokens included (default: the room left under ``max_model_len``,
-  capped by ``ServeConfig.default_max_tokens``); ``stop_token_ids`` are added to the
+  capped by ``ServeConfig.default_max_tokens``; more than ``ServeLimits.max_tokens`` is a 400); ``stop_token_ids`` are added to the
   engine's default stop ids (``<|end_of_msg|>``), as in SGLang; ``stop_ids`` (k3post)
   replaces them (``[]``: never stop early). Log-probs are those of the raw model
   distribution (the engine convention). Unknown sampling keys are a 400 naming the key.
@@ -37,7 +37,7 @@ a k3post server at the level of token ids, log-probs and policy versions:
 * ``POST /pause_generation`` / ``POST /continue_generation``: stop / restart stepping the
   engine; queued and running requests keep their state (and their HTTP calls stay open).
 * ``POST /flush_cache``: drop the KV states the engine keeps for finished requests.
-* ``GET /get_model_info`` (with the QAT scheme the engine runs), ``GET /get_weight_version`` (also in ``/health`` under
+* ``GET /get_model_info`` (the model folder's name, not its path; the QAT scheme the engine runs), ``GET /get_weight_version`` (also in ``/health`` under
   ``engine.weight_version``).
 * ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"}``: load a weight
   version written by ``k3post.distributed.weight_sync.DiskSync`` (``manifest.json``: shard
@@ -70,8 +70,9 @@ a k3post server at the level of token ids, log-probs and policy versions:
   one). ``flush_cache`` (default true) drops the KV kept for finished requests.
 * ``POST /destroy_weights_update_group`` ``{"group_name"}``: leave the group.
 * ``POST /get_weights_by_name`` ``{"name", "truncate_size"}`` (SGLang's): the first
-  ``truncate_size`` (default 100) values of a parameter or buffer, flattened (float32 values
-  survive JSON exactly), plus its shape and dtype: how a test checks the weights a sync left.
+  ``truncate_size`` (default 100, at most ``ServeLimits.max_weight_values``) values of a
+  parameter or buffer, flattened (float32 values survive JSON exactly), plus its shape and
+  dtype: how a test checks the weights a sync left.
 
 Shape legend: none (token lists; weights are checked by name and shape only).
 """
@@ -143,6 +144,10 @@ def _sampling(sp: Any, *, context_len: int, srv: _Server) -> SamplingParams:
     elif not _is_int(max_new) or max_new < 1:
         raise APIError(f"'sampling_params.max_new_tokens' must be an int >= 1, got {max_new!r}",
                        param="sampling_params.max_new_tokens")
+    elif max_new > srv.config.limits.max_tokens:
+        raise APIError(f"'sampling_params.max_new_tokens'={max_new} exceeds this server's limit of "
+                       f"{srv.config.limits.max_tokens} (ServeLimits.max_tokens)", param="sampling_params.max_new_tokens",
+                       code="limit_exceeded")
     stop_ids: tuple[int, ...] | None = None
     if sp.get("stop_ids") is not None:
         stop_ids = tuple(_ids(sp["stop_ids"], "sampling_params.stop_ids", srv.vocab))
@@ -388,6 +393,7 @@ def engine_router(srv: _Server) -> APIRouter:
     @router.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         path = srv.config.model_path
+        path = Path(path).name if path else path  # the folder's name: no server paths for callers
         return {
             "model_path": path, "tokenizer_path": path, "is_generation": True, "model_name": srv.config.model_name,
             "max_model_len": srv.max_model_len, "max_batch_size": getattr(runner.engine, "max_batch_size", None),
@@ -551,6 +557,10 @@ def engine_router(srv: _Server) -> APIRouter:
         name, n = body.get("name"), body.get("truncate_size", 100)
         if not _is_int(n) or n < 0:
             raise APIError(f"'truncate_size' must be an int >= 0, got {n!r}", param="truncate_size")
+        cap = srv.config.limits.max_weight_values
+        if n > cap:
+            raise APIError(f"'truncate_size'={n} exceeds this server's limit of {cap} values "
+                           "(ServeLimits.max_weight_values)", param="truncate_size", code="limit_exceeded")
 
         def read(engine: Any) -> tuple[list[int], str, list[Any]] | None:
             model = engine.model
