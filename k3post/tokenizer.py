@@ -332,7 +332,9 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
         return []
     clone = _text_backend(tokenizer)
     if clone is not None:
-        ids = list(clone.encode(text, add_special_tokens=False).ids)
+        # encode_batch releases the GIL while it runs (encode does not): a server tokenising a long
+        # prompt in a worker thread keeps its event loop going
+        ids = list(clone.encode_batch([text], add_special_tokens=False)[0].ids)
     else:
         ids = list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
     return ids

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -633,8 +634,11 @@ def test_cli_rl_judge_actor_equals_the_in_process_judge_and_survives_a_kill(warm
             [actor] = seen["judges"]
             seen["engine"], seen["info"] = self, ray.get(actor.info.remote())
             seen["free"] = ray.available_resources()
-            seen["push"] = httpx.post(f"{seen['info']['url']}/update_weights_from_disk",
-                                      json={"model_path": str(tmp_path / "two" / "init")}, timeout=60)
+            url = f"{seen['info']['url']}/update_weights_from_disk"
+            body = {"model_path": str(tmp_path / "two" / "init")}
+            seen["anonymous"] = httpx.post(url, json=body, timeout=60).status_code  # the node's address: a key
+            seen["push"] = httpx.post(url, json=body, timeout=60,
+                                      headers={"Authorization": f"Bearer {os.environ['K3POST_API_KEY']}"})
             seen["version"] = ray.get(actor.info.remote())["version"]
             ray.kill(actor, no_restart=False)
         return step(self, *a, **kw)
@@ -650,6 +654,7 @@ def test_cli_rl_judge_actor_equals_the_in_process_judge_and_survives_a_kill(warm
     assert info["placement_group"] == pg and info["frozen"] and info["version"] == 0
     assert seen["free"][f"bundle_group_0_{pg}"] == 1000.0 and seen["free"][f"bundle_group_1_{pg}"] < 1000.0
     assert f"CPU_group_1_{pg}" not in seen["free"]  # its 0.2 CPU taken by the judge
+    assert seen["anonymous"] == 401
     assert seen["push"].status_code == 400 and "frozen model" in seen["push"].json()["message"]
     assert seen["version"] == 0
     # killed and restarted once on the same port, the scoring call retried

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -104,11 +105,12 @@ def plan_placement(cfg: DistributedConfig) -> Placement:
     return Placement([{"CPU": float(cfg.cpus_per_bundle)} for _ in members], slots)
 
 
-def _init_kwargs(cfg: DistributedConfig) -> dict[str, Any]:
-    """`ray.init` arguments: the workers import the same k3post tree as this process (PYTHONPATH)."""
+def _init_kwargs(cfg: DistributedConfig, api_key: str) -> dict[str, Any]:
+    """`ray.init` arguments: the workers import the same k3post tree as this process (PYTHONPATH) and hold the
+    engine servers' API key (``K3POST_API_KEY``, which `k3post.rollout.http_engine.HTTPEngine` sends)."""
     path = os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    kw: dict[str, Any] = {"runtime_env": {"env_vars": {"PYTHONPATH": path}}, "include_dashboard": False,
-                          "logging_level": logging.WARNING}
+    kw: dict[str, Any] = {"runtime_env": {"env_vars": {"PYTHONPATH": path, "K3POST_API_KEY": api_key}},
+                          "include_dashboard": False, "logging_level": logging.WARNING}
     if cfg.address == "local":
         if cfg.num_cpus:
             kw["num_cpus"] = cfg.num_cpus
@@ -144,12 +146,16 @@ class RayCluster:
         self.cfg = cfg
         self.placement = plan_placement(cfg)
         self.owns_ray = not ray.is_initialized()
+        # the engine servers bind the node's address: they require this key, which the driver, the workers and
+        # so every `HTTPEngine` of the run send (K3POST_API_KEY; the user's own when set)
+        self.api_key = os.environ.get("K3POST_API_KEY") or secrets.token_urlsafe(32)
+        self._set_key = "K3POST_API_KEY" not in os.environ
+        os.environ["K3POST_API_KEY"] = self.api_key
         if self.owns_ray:
-            ray.init(**_init_kwargs(cfg))
+            ray.init(**_init_kwargs(cfg, self.api_key))
         have = float(ray.cluster_resources().get("CPU", 0.0))
         if self.placement.cpus > have + 1e-9:
-            if self.owns_ray:
-                ray.shutdown()
+            self.close()
             raise ValueError(f"distributed: the placement group needs {self.placement.cpus:g} CPUs "
                              f"({len(self.placement.bundles)} bundles x distributed.cpus_per_bundle "
                              f"{cfg.cpus_per_bundle:g}), the cluster has {have:g}")
@@ -174,8 +180,11 @@ class RayCluster:
         if not slots:
             raise ValueError(f"distributed.roles.{role} is 0: nothing can be placed in that role")
         bundle, cpus = slots[member % len(slots)]
-        return {"num_cpus": cpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        out: dict[str, Any] = {"num_cpus": cpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=self.pg, placement_group_bundle_index=bundle)}
+        if not self.owns_ray:  # a session started elsewhere: its workers get the key with each task / actor
+            out["runtime_env"] = {"env_vars": {"K3POST_API_KEY": self.api_key}}
+        return out
 
     def run_chains(self, fn: Callable[..., Any], chains: Sequence[Sequence[tuple[Any, ...]]]) -> list[Any]:
         """Chain c runs ``fn(*args, prev)`` for each ``args`` of ``chains[c]`` in order (``prev``: the previous
@@ -203,7 +212,8 @@ class RayCluster:
         member = role.removesuffix("s")
         actors = [EngineServerActor.options(**self.options(role, i), max_restarts=self.cfg.engine_max_restarts,
                                             max_task_retries=-1)
-                  .remote(str(model_dir), str(Path(state_root) / f"{member}-{i}"), frozen=role != "engines", **server)
+                  .remote(str(model_dir), str(Path(state_root) / f"{member}-{i}"), frozen=role != "engines",
+                          api_key=self.api_key, **server)
                   for i in range(n)]
         self._actors += actors
         return actors
@@ -217,6 +227,9 @@ class RayCluster:
             self.pg = None
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
+        if getattr(self, "_set_key", False) and os.environ.get("K3POST_API_KEY") == self.api_key:
+            del os.environ["K3POST_API_KEY"]
+            self._set_key = False
 
     def kill(self, actors: Sequence[Any]) -> None:
         """Kill ``actors`` (started here) for good, before the cluster closes."""
@@ -372,7 +385,7 @@ class EngineServerActor:
 
     def __init__(self, model_dir: str, state_dir: str, *, max_batch_size: int = 32, max_model_len: int | None = None,
                  qat: bool = False, seed: int = 0, threads: int = 1, ready_timeout_s: float = 120.0,
-                 frozen: bool = False) -> None:
+                 frozen: bool = False, api_key: str | None = None) -> None:
         import torch
         import uvicorn
 
@@ -385,8 +398,11 @@ class EngineServerActor:
         (state / f"start-{self.restarts}").write_text(str(os.getpid()))
         host = ray.util.get_node_ip_address()
         port = _port_in(state, host)
+        from k3post.serve.cli import check_exposure
+
+        check_exposure(host, api_key, False)  # the node's address: never without a key
         app = build_server(model_dir, max_batch_size=max_batch_size, max_model_len=max_model_len, qat=qat, seed=seed,
-                           torch_threads=threads)
+                           torch_threads=threads, api_key=api_key)
         self.engine = app.state.server.runner.engine
         self.frozen = frozen
         if frozen:

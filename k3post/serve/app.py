@@ -75,6 +75,12 @@ Decisions (ours):
   ``timeout``; a stream ends with that error event). Prompt scoring (``echo``) runs in forwards
   of at most ``echo_batch_tokens`` padded tokens, each its own call between engine steps, so
   other clients' generation goes on in between.
+* **Tokenising** (chat rendering, string prompts) runs in a worker thread (``asyncio.to_thread``; the
+  tokenizer releases the GIL while it encodes), so one long prompt does not stall the event loop,
+  and is bounded by ``ServeLimits.max_prompt_chars`` (400). A body nested deeper than
+  ``ServeLimits.max_json_depth`` is a 400. A body the server answers before reading it (413 on its
+  Content-Length, 401) is read and discarded up to ``ServeLimits.max_drain_bytes``, so the client gets
+  the answer instead of a connection reset; ``Expect: 100-continue`` is answered without reading.
 * **API key** compared in constant time (`hmac.compare_digest`).
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with HTTP 400
@@ -129,6 +135,14 @@ class ServeLimits:
         echo_batch_tokens: padded tokens per scoring forward of ``echo`` (one engine-thread call
             each, so generation for other clients goes on between them).
         retry_after_s: the ``Retry-After`` seconds of a 429.
+        max_prompt_chars: most characters of text one request asks the server to tokenise (the prompt
+            strings of ``/v1/completions``, every string of a chat request's messages and tools; 400).
+            Tokenising runs in a worker thread, off the event loop, so a long prompt delays only itself.
+        max_json_depth: deepest nesting of arrays and objects in a request body (400).
+        max_weight_values: most values ``/get_weights_by_name`` returns (``truncate_size``; 400).
+        max_drain_bytes: a body refused before it was read (413, 401, ...) is read and discarded up to
+            this many bytes, so the client sees the answer instead of a connection reset; a longer one
+            is cut off. A client that sent ``Expect: 100-continue`` is answered without reading.
     """
 
     max_body_bytes: int = 8 * 1024**2
@@ -139,6 +153,10 @@ class ServeLimits:
     request_timeout_s: float = 600.0
     echo_batch_tokens: int = 8192
     retry_after_s: int = 1
+    max_prompt_chars: int = 1024**2
+    max_json_depth: int = 64
+    max_weight_values: int = 65536
+    max_drain_bytes: int = 64 * 1024**2
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -508,23 +526,118 @@ def _too_large(limit: int) -> APIError:
                     code="request_too_large")
 
 
+def _nesting_ok(obj: Any, limit: int) -> bool:
+    """Whether ``obj``'s arrays and objects nest at most ``limit`` deep (the outermost is level 1); iterative."""
+    stack = [(obj, 1)]
+    while stack:
+        o, depth = stack.pop()
+        children = o.values() if isinstance(o, dict) else o
+        if depth > limit:
+            return False
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return True
+
+
+def _too_deep(limit: int) -> APIError:
+    return APIError(f"the request body nests arrays / objects deeper than {limit} levels (ServeLimits.max_json_depth)",
+                    code="limit_exceeded")
+
+
 async def json_body(request: Request) -> dict[str, Any]:
-    """The request's JSON object body; a 400 when it is not valid JSON or not an object, a 413 when
-    it is larger than ``ServeLimits.max_body_bytes`` (read in chunks: a body without
-    Content-Length is cut off at the limit, never buffered whole)."""
-    limit = request.app.state.server.config.limits.max_body_bytes
+    """The request's JSON object body; a 400 when it is not valid JSON, not an object or nested deeper
+    than ``ServeLimits.max_json_depth``, a 413 when it is larger than ``ServeLimits.max_body_bytes``
+    (read in chunks: a body without Content-Length is cut off at the limit, never buffered whole).
+    A large body is parsed in a worker thread."""
+    limits = request.app.state.server.config.limits
+    limit = limits.max_body_bytes
     raw = bytearray()
     async for chunk in request.stream():
         raw += chunk
         if len(raw) > limit:
             raise _too_large(limit)
     try:
-        body = json.loads(bytes(raw))
+        data = bytes(raw)
+        body = json.loads(data) if len(data) < _THREAD_BYTES else await asyncio.to_thread(json.loads, data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # nested deeper than the parser's stack allows
+        raise _too_deep(limits.max_json_depth) from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
+    if not _nesting_ok(body, limits.max_json_depth):
+        raise _too_deep(limits.max_json_depth)
     return body
+
+
+_THREAD_BYTES = 1 << 20
+"""Bodies from this size on are parsed off the event loop."""
+
+
+def _text_chars(*objs: Any) -> int:
+    """Characters in every string (keys included) of ``objs``: the text a request has the server tokenise."""
+    total, stack = 0, list(objs)
+    while stack:
+        o = stack.pop()
+        if isinstance(o, str):
+            total += len(o)
+        elif isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, list):
+            stack.extend(o)
+    return total
+
+
+def _check_prompt_chars(limits: ServeLimits, chars: int, param: str) -> None:
+    if chars > limits.max_prompt_chars:
+        raise APIError(f"the request holds {chars} characters of text to tokenise; this server's limit is "
+                       f"{limits.max_prompt_chars} (ServeLimits.max_prompt_chars)", param=param, code="limit_exceeded")
+
+
+class _DrainUnreadBody:
+    """ASGI middleware: a response that starts before its request's body was read (a 413 on the
+    Content-Length, a 401, a 413 in the middle of a chunked body) first reads and discards the rest of
+    the body, up to ``max_drain_bytes`` and ``timeout_s``, so the client, still sending, gets the answer
+    rather than a connection reset. A client that sent ``Expect: 100-continue`` and was not asked for the
+    body yet is answered at once (it sends nothing until told to)."""
+
+    def __init__(self, app: Any, max_drain_bytes: int, timeout_s: float) -> None:
+        self.app = app
+        self.max_drain_bytes = max_drain_bytes
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or ())
+        waits_for_continue = b"100-continue" in headers.get(b"expect", b"").lower()
+        length = headers.get(b"content-length", b"")
+        state = {"asked": False, "done": False}
+
+        async def rcv() -> Any:
+            state["asked"] = True
+            msg = await receive()
+            if msg["type"] != "http.request" or not msg.get("more_body", False):
+                state["done"] = True
+            return msg
+
+        async def drain() -> None:
+            seen = 0
+            while not state["done"] and seen <= self.max_drain_bytes:
+                seen += len((await rcv()).get("body", b""))
+
+        async def snd(msg: Any) -> None:
+            if (msg["type"] == "http.response.start" and not state["done"]
+                    and not (waits_for_continue and not state["asked"])
+                    and not (length.isdigit() and int(length) > self.max_drain_bytes)):
+                try:
+                    await asyncio.wait_for(drain(), self.timeout_s)
+                except asyncio.TimeoutError:
+                    pass
+            await send(msg)
+
+        await self.app(scope, rcv, snd)
 
 
 def _sse(obj: Any) -> str:
@@ -633,6 +746,9 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
             return JSONResponse(err.payload(), status_code=413, headers={"Connection": "close"})
         return await call_next(request)
 
+    app.add_middleware(_DrainUnreadBody, max_drain_bytes=config.limits.max_drain_bytes,  # outermost
+                       timeout_s=config.limits.request_timeout_s)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         headers = {"Retry-After": str(config.limits.retry_after_s)} if exc.status == 429 else None
@@ -679,9 +795,12 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
                            param="top_logprobs", code="unsupported_parameter")
         stream = _boolean(body, "stream")
         include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
-        try:
-            rendered = srv.xtml.render(messages, tools=tools, effort=effort, mode=mode, add_generation_prompt=True,
-                                       tool_choice=body.get("tool_choice"), response_format=body.get("response_format"))
+        _check_prompt_chars(config.limits, _text_chars(messages, tools, body.get("tool_choice"),
+                                                       body.get("response_format")), "messages")
+        try:  # tokenising in a worker thread: the event loop (other clients, /health) goes on meanwhile
+            rendered = await asyncio.to_thread(
+                srv.xtml.render, messages, tools=tools, effort=effort, mode=mode, add_generation_prompt=True,
+                tool_choice=body.get("tool_choice"), response_format=body.get("response_format"))
         except ValueError as e:
             raise APIError(str(e), param=_render_param(str(e))) from None
         prompt = rendered.ids
@@ -749,7 +868,10 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
     async def completions(request: Request) -> Any:
         body = await json_body(request)
         srv.check_model(body)
-        prompts = _prompts(body, srv)
+        chars = _text_chars(body.get("prompt"))
+        _check_prompt_chars(config.limits, chars, "prompt")
+        # string prompts are tokenised in a worker thread: the event loop goes on meanwhile
+        prompts = await asyncio.to_thread(_prompts, body, srv) if chars else _prompts(body, srv)
         if len(prompts) > config.limits.max_prompts:
             raise APIError(f"'prompt' holds {len(prompts)} prompts; this server's limit is {config.limits.max_prompts} "
                            "(ServeLimits.max_prompts)", param="prompt", code="limit_exceeded")

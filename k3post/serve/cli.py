@@ -17,7 +17,9 @@ Shape legend: none (no tensors here).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 
     from k3post.serve.app import ServeLimits
 
-__all__ = ["add_serve_parser", "build_server", "serve", "cmd_serve"]
+__all__ = ["add_serve_parser", "build_server", "serve", "cmd_serve", "check_exposure", "is_loopback"]
 
 _EFFORT_CHOICES = ("low", "high", "max", "none")  # k3post.serve.app.EFFORT_CHOICES, without importing FastAPI
 
@@ -101,10 +103,38 @@ def serve(app: "FastAPI", *, host: str = "127.0.0.1", port: int = 8000, log_leve
     uvicorn.run(app, host=host, port=port, log_level=log_level, workers=1)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps a server reachable from this machine only (``localhost``, 127.0.0.0/8,
+    ``::1``); a name other than ``localhost`` counts as reachable from elsewhere."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
+    """Refuse (UserError, exit 2) to serve the engine API without a key on a host other machines reach,
+    unless the user says so; warn when they do."""
+    if api_key or is_loopback(host):
+        return
+    if not allow_unauthenticated:
+        raise UserError(
+            f"--host {host} is reachable from other machines and no API key is set: anyone who can reach the port "
+            "could pause the engine, replace its weights from any path the server can read, make it connect to any "
+            "host:port (/init_weights_update_group) and read its weights. Set --api-key (or K3POST_API_KEY), or pass "
+            "--allow-unauthenticated-engine-api to serve without one (README, Security)")
+    print(f"k3post serve: WARNING: --host {host} without an API key (--allow-unauthenticated-engine-api): every "
+          "route, the engine API included, is open to anyone who can reach the port", file=sys.stderr)
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     """Body of ``k3post serve``."""
     if not (0 <= ns.port <= 65535):
         raise UserError(f"--port must be in [0, 65535], got {ns.port}")
+    api_key = ns.api_key or os.environ.get("K3POST_API_KEY") or None
+    check_exposure(ns.host, api_key, ns.allow_unauthenticated_engine_api)
     if ns.threads is not None and ns.threads < 1:
         raise UserError(f"--threads must be >= 1, got {ns.threads}")
     from k3post.serve.app import ServeLimits
@@ -116,7 +146,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     app = build_server(
         ns.model_dir, model_name=ns.model_name, max_batch_size=ns.max_batch_size, max_model_len=ns.max_model_len,
         qat=ns.qat, seed=ns.seed, default_effort=ns.thinking_effort, default_max_tokens=ns.default_max_tokens or None,
-        api_key=ns.api_key or os.environ.get("K3POST_API_KEY") or None, torch_threads=ns.threads,
+        api_key=api_key, torch_threads=ns.threads,
         draft=ns.draft, num_draft_tokens=ns.num_draft_tokens, limits=limits,
     )
     print(f"serving {app.state.server.config.model_name} on http://{ns.host}:{ns.port}/v1")
@@ -153,9 +183,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="output cap for requests without max_tokens (default 1024; 0: the room left in the context)")
     p.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
                    help="a request bound (repeatable): max_body_bytes, max_prompts, max_n, max_tokens, max_inflight, "
-                        "request_timeout_s, echo_batch_tokens, retry_after_s (k3post.serve.app.ServeLimits)")
+                        "request_timeout_s, echo_batch_tokens, retry_after_s, max_prompt_chars, max_json_depth, "
+                        "max_weight_values, max_drain_bytes (k3post.serve.app.ServeLimits)")
     p.add_argument("--api-key", default=None, help="require this Bearer key on every route but /health: the OpenAI "
                    "API and the engine API (or set K3POST_API_KEY; engine.kind=http clients send it)")
+    p.add_argument("--allow-unauthenticated-engine-api", action="store_true",
+                   help="serve on a non-loopback --host without an API key (refused otherwise, exit 2): anyone who "
+                        "reaches the port can then pause the engine and load weights (README, Security)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the engine thread")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(fn=cmd_serve)

@@ -27,7 +27,7 @@ a k3post server at the level of token ids, log-probs and policy versions:
 
   Sampling fields: ``top_k`` 0 or -1 disables it; ``max_new_tokens`` is the request's output
   budget, continuation tokens included (default: the room left under ``max_model_len``,
-  capped by ``ServeConfig.default_max_tokens``); ``stop_token_ids`` are added to the
+  capped by ``ServeConfig.default_max_tokens``; more than ``ServeLimits.max_tokens`` is a 400); ``stop_token_ids`` are added to the
   engine's default stop ids (``<|end_of_msg|>``), as in SGLang; ``stop_ids`` (k3post)
   replaces them (``[]``: never stop early). Log-probs are those of the raw model
   distribution (the engine convention). Unknown sampling keys are a 400 naming the key.
@@ -37,17 +37,20 @@ a k3post server at the level of token ids, log-probs and policy versions:
 * ``POST /pause_generation`` / ``POST /continue_generation``: stop / restart stepping the
   engine; queued and running requests keep their state (and their HTTP calls stay open).
 * ``POST /flush_cache``: drop the KV states the engine keeps for finished requests.
-* ``GET /get_model_info`` (with the QAT scheme the engine runs), ``GET /get_weight_version`` (also in ``/health`` under
+* ``GET /get_model_info`` (the model folder's name, not its path; the QAT scheme the engine runs), ``GET /get_weight_version`` (also in ``/health`` under
   ``engine.weight_version``).
 * ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"}``: load a weight
   version written by ``k3post.distributed.weight_sync.DiskSync`` (``manifest.json``: shard
   sizes and sha256, the version, the QAT scheme, which must be the one the server runs), or the
-  ``*.safetensors`` files of a local folder, tensors named as the model's parameters (a
-  subset is fine) or a whole Hugging Face checkpoint (`read_weights_folder`), and apply them
-  between two engine steps, atomically: every file is read and every tensor checked (known
-  name, shape, finite values) before any is copied, so on an error neither the weights nor
-  the version change and the 400 (``{"success": false, "message"}``) names the file and
-  key. ``weight_version`` (int, default current + 1) must exceed the current version.
+  ``*.safetensors`` files of a local folder, tensors named as the model's parameters or a
+  whole Hugging Face checkpoint (`read_weights_folder`), and apply them between two engine
+  steps, all or nothing: every file is read and every tensor checked before any is copied
+  (`check_complete`: every parameter and persistent buffer of the served model is there;
+  each tensor a known name with the model's shape and dtype, where a floating-point tensor
+  of another floating-point dtype is cast to the model's, e.g. bf16 files into an fp32
+  model; finite values), so on an error neither the weights nor the version change and the
+  400 (``{"success": false, "message"}``) names the file and key. ``weight_version`` (int,
+  default current + 1) must exceed the current version.
 * ``POST /init_weights_update_group`` ``{"master_address", "master_port", "rank_offset",
   "world_size", "group_name", "backend", "timeout_s" (k3post, default 300)}``: join the
   trainer's weight-sync group (``weight_sync.DistributedSync`` is rank 0 at
@@ -60,14 +63,16 @@ a k3post server at the level of token ids, log-probs and policy versions:
   that group (``DistributedReceiver.receive``) on the engine thread, so generation is paused
   while the weights arrive. The manifest travels in the broadcast itself; the posted names /
   dtypes / shapes (when given) and ``weight_version`` must equal it, else this server votes
-  against the manifest and no engine applies the sync. All or nothing: a rejected or
+  against the manifest and no engine applies the sync; so does a manifest that does not carry
+  every weight of the served model (`check_complete`). All or nothing: a rejected or
   interrupted sync answers 400 ``{"success": false, "message", "weight_version"}`` naming the
   reason and leaves the old weights and version (an interrupted group is dropped: init a new
   one). ``flush_cache`` (default true) drops the KV kept for finished requests.
 * ``POST /destroy_weights_update_group`` ``{"group_name"}``: leave the group.
 * ``POST /get_weights_by_name`` ``{"name", "truncate_size"}`` (SGLang's): the first
-  ``truncate_size`` (default 100) values of a parameter or buffer, flattened (float32 values
-  survive JSON exactly), plus its shape and dtype: how a test checks the weights a sync left.
+  ``truncate_size`` (default 100, at most ``ServeLimits.max_weight_values``) values of a
+  parameter or buffer, flattened (float32 values survive JSON exactly), plus its shape and
+  dtype: how a test checks the weights a sync left.
 
 Shape legend: none (token lists; weights are checked by name and shape only).
 """
@@ -89,7 +94,7 @@ from k3post.rollout.engine import GenerationRequest, GenerationResult, SamplingP
 from k3post.serve.app import APIError, _Server, json_body
 from k3post.tokenizer import decode
 
-__all__ = ["engine_router", "read_weights_folder", "apply_weights"]
+__all__ = ["engine_router", "read_weights_folder", "apply_weights", "check_complete"]
 
 _SAMPLING_KEYS = frozenset(
     ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "stop_ids", "ignore_eos", "seed", "sampling_seed")
@@ -139,6 +144,10 @@ def _sampling(sp: Any, *, context_len: int, srv: _Server) -> SamplingParams:
     elif not _is_int(max_new) or max_new < 1:
         raise APIError(f"'sampling_params.max_new_tokens' must be an int >= 1, got {max_new!r}",
                        param="sampling_params.max_new_tokens")
+    elif max_new > srv.config.limits.max_tokens:
+        raise APIError(f"'sampling_params.max_new_tokens'={max_new} exceeds this server's limit of "
+                       f"{srv.config.limits.max_tokens} (ServeLimits.max_tokens)", param="sampling_params.max_new_tokens",
+                       code="limit_exceeded")
     stop_ids: tuple[int, ...] | None = None
     if sp.get("stop_ids") is not None:
         stop_ids = tuple(_ids(sp["stop_ids"], "sampling_params.stop_ids", srv.vocab))
@@ -262,11 +271,31 @@ def read_weights_folder(model_path: str | Path, model_names: set[str]) -> list[t
     return [(folder.name + " (checkpoint)", {n: t.detach() for n, t in named.items() if n in model_names})]
 
 
+def check_complete(model: torch.nn.Module, names: Any) -> None:
+    """A weight update is all or nothing: ``names`` must cover every parameter and persistent buffer
+    of ``model`` (`k3post.distributed.weight_sync.named_weights`; a tied weight under any of its
+    names). ValueError naming the missing tensors (the first five and how many)."""
+    from k3post.distributed.weight_sync import named_weights
+
+    canonical: dict[str, str] = {}  # every name of a tied parameter -> its first name
+    first: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        canonical[n] = first.setdefault(id(p), n)
+    given = {canonical.get(n, n) for n in names}
+    missing = [n for n, _ in named_weights(model) if n not in given]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"the update does not carry every weight of the served model: {len(missing)} missing "
+                         f"({', '.join(missing[:5])}{more}); a weight update replaces all of them or none")
+
+
 def apply_weights(engine: Any, files: list[tuple[str, dict[str, torch.Tensor]]], version: int | None) -> int:
-    """Check every tensor of ``files`` against ``engine.model`` (known name, same shape, finite
-    values), then load them all with ``engine.update_weights`` (version: ``version``, else
-    current + 1) and drop the KV the engine kept for finished requests. Nothing is copied when a
-    check fails: the ValueError names the file and the tensor. Runs on the engine thread."""
+    """Check ``files`` against ``engine.model`` (every parameter and persistent buffer present,
+    `check_complete`; each tensor a known name, the same shape, the same dtype or both floating
+    point (cast to the model's dtype when copied), finite values), then load them all with
+    ``engine.update_weights`` (version: ``version``, else current + 1) and drop the KV the engine kept
+    for finished requests. Nothing is copied when a check fails: the ValueError names the file and
+    the tensor. Runs on the engine thread."""
     model = engine.model
     targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     targets.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -275,14 +304,17 @@ def apply_weights(engine: Any, files: list[tuple[str, dict[str, torch.Tensor]]],
         for name, t in tensors.items():
             if name not in targets:
                 raise ValueError(f"{fname}: tensor {name!r} is not a parameter or buffer of the served model")
-            if tuple(t.shape) != tuple(targets[name].shape):
+            want = targets[name]
+            if tuple(t.shape) != tuple(want.shape):
                 raise ValueError(f"{fname}: tensor {name!r} has shape {tuple(t.shape)}, the model expects "
-                                 f"{tuple(targets[name].shape)}")
+                                 f"{tuple(want.shape)}")
+            if t.dtype != want.dtype and not (t.is_floating_point() and want.is_floating_point()):
+                raise ValueError(f"{fname}: tensor {name!r} has dtype {str(t.dtype).removeprefix('torch.')}, the "
+                                 f"model expects {str(want.dtype).removeprefix('torch.')}")
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{fname}: tensor {name!r} holds non-finite values")
             named[name] = t
-    if not named:
-        raise ValueError("the weight files hold no tensors")
+    check_complete(model, named)
     current = int(engine.version)
     if version is not None and version <= current:
         raise ValueError(f"weight_version {version} must exceed the current version {current}")
@@ -361,6 +393,7 @@ def engine_router(srv: _Server) -> APIRouter:
     @router.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         path = srv.config.model_path
+        path = Path(path).name if path else path  # the folder's name: no server paths for callers
         return {
             "model_path": path, "tokenizer_path": path, "is_generation": True, "model_name": srv.config.model_name,
             "max_model_len": srv.max_model_len, "max_batch_size": getattr(runner.engine, "max_batch_size", None),
@@ -388,7 +421,11 @@ def engine_router(srv: _Server) -> APIRouter:
                 manifest, items = await asyncio.to_thread(load_from_disk, path)
                 if wv is not None and wv != manifest.version:
                     raise ValueError(f"weight_version {wv} differs from the version {manifest.version} in {path}")
-                new = await runner.call(lambda engine: apply_version(engine, items, manifest.version, qat=manifest.qat))
+                def load(engine: Any) -> int:
+                    check_complete(engine.model, (n for n, _ in items))
+                    return apply_version(engine, items, manifest.version, qat=manifest.qat)
+
+                new = await runner.call(load)
             else:
                 model = runner.engine.model  # names only: the tensors are applied on the engine thread
                 names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
@@ -454,6 +491,7 @@ def engine_router(srv: _Server) -> APIRouter:
 
         def check(manifest: Any) -> None:
             got = manifest.tensors
+            check_complete(runner.engine.model, (t.name for t in got))
             if wv is not None and manifest.version != wv:
                 raise ValueError(f"the broadcast carries version {manifest.version}, the request says weight_version {wv}")
             for key, posted, sent in (("names", names, [t.name for t in got]),
@@ -519,6 +557,10 @@ def engine_router(srv: _Server) -> APIRouter:
         name, n = body.get("name"), body.get("truncate_size", 100)
         if not _is_int(n) or n < 0:
             raise APIError(f"'truncate_size' must be an int >= 0, got {n!r}", param="truncate_size")
+        cap = srv.config.limits.max_weight_values
+        if n > cap:
+            raise APIError(f"'truncate_size'={n} exceeds this server's limit of {cap} values "
+                           "(ServeLimits.max_weight_values)", param="truncate_size", code="limit_exceeded")
 
         def read(engine: Any) -> tuple[list[int], str, list[Any]] | None:
             model = engine.model
