@@ -208,3 +208,151 @@ def test_the_readme_security_table_lists_every_route_with_its_risk(model_dir: Pa
     assert "all or nothing" in rows["/update_weights_from_disk"][1]
     assert "max_weight_values" in rows["/get_weights_by_name"][1]
     assert "any host:port" in rows["/init_weights_update_group"][0]
+
+
+# --------------------------------------------------------------------------- one client cannot stall the others
+
+
+def test_tokenising_runs_off_the_event_loop_and_prompts_are_bounded(model_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a prompt was tokenised on the event loop, so ``/health`` (and every other client) waited for it
+    (four 7.4 MiB bodies: ``/health`` stalled 46 s). Now the tokenizer runs in a worker thread: while it is
+    held inside the tokenizer, ``/health`` answers. (The held tokenizer waits for that answer; on the old code
+    it would wait forever, so it gives up after 60 s and the test fails.) Text over ``max_prompt_chars`` is a
+    400 naming the setting, for completions and for chat."""
+    import threading
+
+    import k3post.xtml
+
+    async def go(c: httpx.AsyncClient, app: Any) -> None:
+        srv = app.state.server
+        answered: list[bool] = []
+        for route in ("completions", "chat"):
+            entered, health = threading.Event(), threading.Event()
+
+            def held(real: Callable[..., Any]) -> Callable[..., Any]:
+                def encode(*a: Any, **kw: Any) -> Any:
+                    if not entered.is_set():
+                        entered.set()
+                        answered.append(health.wait(60))
+                    return real(*a, **kw)
+                return encode
+
+            with pytest.MonkeyPatch.context() as mp:
+                if route == "completions":
+                    mp.setattr(srv.tokenizer, "encode", held(srv.tokenizer.encode))
+                    call = c.post("/v1/completions", json={"prompt": "hello " * 50, "max_tokens": 1})
+                else:
+                    mp.setattr(k3post.xtml, "encode_text", held(k3post.xtml.encode_text))
+                    call = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                "max_tokens": 1})
+                task = asyncio.ensure_future(call)
+                while not entered.is_set() and not task.done():
+                    await asyncio.sleep(0.01)
+                r = await c.get("/health")
+                assert r.status_code == 200
+                health.set()
+                assert (await task).status_code == 200, route
+        assert answered == [True, True]
+        r = await c.post("/v1/completions", json={"prompt": ["x" * 600, "y" * 401], "max_tokens": 1})
+        assert r.status_code == 400 and "1001 characters" in r.text and "ServeLimits.max_prompt_chars" in r.text
+        r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 1001}]})
+        assert r.status_code == 400 and "ServeLimits.max_prompt_chars" in r.text, r.text
+        r = await c.post("/v1/completions", json={"prompt": "x" * 990, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+
+    _run(model_dir, go, limits=ServeLimits(max_prompt_chars=1000))
+
+
+def test_encode_text_releases_the_gil(xtml_tokenizer: Any) -> None:
+    """`k3post.tokenizer.encode_text` (what chat rendering tokenises with) encodes through ``encode_batch``,
+    which releases the GIL (the tokenizers library's ``encode`` holds it): another thread runs while a long
+    text is encoded, and the ids are those ``encode`` gives."""
+    import threading
+
+    from k3post.tokenizer import _text_backend, encode_text
+
+    text = "The quick brown fox, <|end_of_msg|> 1234. " * 40000
+    ticks, done = [0], threading.Event()
+    _text_backend(xtml_tokenizer)  # built (pure Python) before the measurement
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks[0] += 1
+            done.wait(0.0005)
+
+    t = threading.Thread(target=tick)
+    t.start()
+    seen = [ticks[0]]
+    ids = encode_text(xtml_tokenizer, text)
+    seen.append(ticks[0])
+    done.set()
+    t.join()
+    assert ids == list(_text_backend(xtml_tokenizer).encode(text, add_special_tokens=False).ids)
+    # ~0.5 s of encoding at one tick per 0.5 ms: hundreds of ticks when the GIL is released, a few when held
+    assert seen[1] - seen[0] > 20, seen
+
+
+# --------------------------------------------------------------------------- bad bodies
+
+
+def test_deep_json_and_generate_over_max_tokens_are_400(model_dir: Path) -> None:
+    """Before: ``[[[[...]]]]`` 100,000 deep answered 500 (RecursionError), and ``/generate`` took any
+    ``max_new_tokens``. Now both are 400s naming the setting; nesting at the limit is accepted."""
+    async def go(c: httpx.AsyncClient, app: Any) -> None:
+        for depth in (100_000, 9):
+            raw = '{"prompt": ' + "[" * depth + "1" + "]" * depth + "}"
+            r = await c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "ServeLimits.max_json_depth" in r.json()["error"]["message"], r.text
+        r = await c.post("/v1/completions", json={"prompt": [[[1]]], "max_tokens": 1, "tools": [{"a": {"b": [{}]}}]})
+        assert r.status_code == 400 and "max_json_depth" not in r.text  # 8 levels: parsed, then refused as a prompt
+        r = await c.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 33}})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "ServeLimits.max_tokens" in err["message"] and err["param"] == "sampling_params.max_new_tokens"
+        r = await c.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 32}})
+        assert r.status_code == 200, r.text
+
+    _run(model_dir, go, limits=ServeLimits(max_tokens=32, max_json_depth=8))
+
+
+def test_an_oversized_body_gets_the_413_not_a_connection_reset(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a client sending a 32 MB body to a server with an 8 MiB limit got a connection reset (the server
+    answered 413 and closed while the client was still sending). Now the server reads and discards the body
+    (up to ``max_drain_bytes``) and the client reads the 413; a 401 for a large body the same way. A client
+    that sends ``Expect: 100-continue`` gets the 413 without sending the body."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    monkeypatch.delenv("K3POST_API_KEY", raising=False)
+    app = build_server(model_dir, model_name="m", max_batch_size=2, qat=False, torch_threads=1, api_key="k")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(600):
+            if server.started:
+                break
+            threading.Event().wait(0.05)
+        assert server.started
+        n = 32 * 1000**2
+        for auth, status in ((b"Authorization: Bearer k\r\n", b"413"), (b"", b"401")):
+            with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:  # a client that sends it all,
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n" + auth +  # then reads the answer
+                             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % n)
+                sock.sendall(b"x" * n)  # the old server reset the connection here
+                head = sock.recv(4096)
+            assert head.startswith(b"HTTP/1.1 " + status), head
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:  # sends the headers only
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer k\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 33554432\r\nExpect: 100-continue\r\n\r\n")
+            head = sock.recv(4096)
+        assert head.startswith(b"HTTP/1.1 413"), head
+    finally:
+        server.should_exit = True
+        thread.join(30)
