@@ -306,7 +306,9 @@ def opd_signal(pool: TeacherPool, cfg: MOPDConfig, xtml: XTML) -> Signal:
     Step metrics: ``opd_reward`` (mean per-token reward, outcome term included), ``opd_clip_frac``,
     ``reverse_kl`` (mean behaviour − teacher log-prob, the k1 estimate of KL(π_student ‖ π_teacher)),
     ``opd_tokens``, the outcome ``reward`` / ``pass_rate``, ``effort_tokens`` (mean T(y)) overall and per
-    effort, and ``expert/NAME`` (trajectories scored by each expert)."""
+    effort, and ``expert/NAME`` (trajectories scored by each expert). A trajectory whose infrastructure
+    failed (``Trajectory.infra``: its context ends in an artefact of the failure) is left out of the loss, of
+    the outcome term's group baseline and of these metrics (`k3post.loop` counts it)."""
     effort_fn = effort_sampler(cfg.effort_mix, cfg.rl.seed)
     if cfg.r_max <= 0:
         raise ValueError(f"r_max must be > 0, got {cfg.r_max}")
@@ -322,6 +324,8 @@ def opd_signal(pool: TeacherPool, cfg: MOPDConfig, xtml: XTML) -> Signal:
             expert = expert_name(task.domain, effort)
             messages = initial_messages(task)
             for t in g.trajectories:
+                if t.infra is not None:
+                    continue
                 ids, off = teacher_context(xtml, t, messages, effort=effort,
                                            teacher_effort=effort if cfg.teacher_sees_effort else None)
                 by_expert.setdefault(expert, []).append(len(trajs))
@@ -345,8 +349,9 @@ def opd_signal(pool: TeacherPool, cfg: MOPDConfig, xtml: XTML) -> Signal:
             mask_BT[b, :n] = True
         outcome_B = None
         if cfg.w_orm != 0:
-            adv = group_advantages_from_groups([g.rewards for g in groups]).advantages
-            outcome_B = torch.tensor([a for a_g in adv for a in a_g], dtype=torch.float32)
+            adv = group_advantages_from_groups([g.rewards for g in groups], valid=[g.valid for g in groups]).advantages
+            outcome_B = torch.tensor([a for g, a_g in zip(groups, adv) for a, v in zip(a_g, g.valid) if v],
+                                     dtype=torch.float32)
         reward_BT, m = opd_reward(teacher_BT, student_BT, mask_BT, r_max=cfg.r_max,
                                   outcome_advantages_B=outcome_B, w_orm=cfg.w_orm)
         seqs = []
