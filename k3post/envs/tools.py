@@ -298,7 +298,8 @@ async def call_tool(
     """Validate and execute one OpenAI tool call against ``tools`` (name → bound spec).
 
     Never raises for anything the model controls: errors come back as a tool message
-    whose content starts with ``"Error:"``.
+    whose content starts with ``"Error:"``. An `k3post.errors.InfrastructureError` in the handler
+    (the sandbox, the browser gone) propagates: the episode ends "infra" (`k3post.rollout.agent_loop`).
     """
     try:
         name, cid, raw = tool_call_parts(call)
