@@ -70,7 +70,7 @@ from k3post.loop import Signal, StageLog, train_policy
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.engine import request_seed, token_uniform
-from k3post.rollout.evaluation import evaluate_episodes, make_env
+from k3post.rollout.evaluation import evaluate_episodes, make_env, paired_passes
 from k3post.rollout.trajectory import Group, Trajectory
 from k3post.stats import paired_change, paired_ratio
 from k3post.xtml import EFFORTS, OMIT_EFFORT, XTML
@@ -527,6 +527,6 @@ def evaluate_mopd(
             rows.append({"domain": d, "effort": e, "expert": expert, "n": s["n"],
                          "student_pass": s["pass_rate"], "teacher_pass": t["pass_rate"],
                          "student_ci95": s["pass_ci95"], "teacher_ci95": t["pass_ci95"],
-                         "student_vs_teacher": paired_change(t["passed"], s["passed"]),  # same tasks, same order
+                         "student_vs_teacher": paired_change(*paired_passes(t, s)),  # same tasks (infra left out)
                          "student_tokens": s["mean_effort_tokens"], "teacher_tokens": t["mean_effort_tokens"]})
     return mopd_checks(rows, pass_ratio_min=pass_ratio_min, token_tolerance=token_tolerance, teacher_pass_min=teacher_pass_min)

@@ -30,7 +30,7 @@ from k3post.loop import PolicyLoop
 from k3post.rewards.effort import BudgetTable, TaskSamples, task_key
 from k3post.rewards.grm import GroupGRM, PolicyJudge, judge_transport_failure
 from k3post.rl import RLConfig, rl_signal
-from k3post.rollout.evaluation import summarize_trajectories
+from k3post.rollout.evaluation import paired_passes, summarize_trajectories
 from k3post.rollout.trajectory import Group, Trajectory, outcome_metrics
 
 TASK = get_family("general.arithmetic").generate(1, seed=0)[0]
@@ -349,3 +349,15 @@ def test_evaluation_leaves_infra_failures_out_of_n_and_counts_them():
     s = summarize_trajectories(trajs)
     assert (s["n"], s["pass_rate"], s["infra"], len(s["passed"])) == (3, 2 / 3, {"sandbox": 1}, 3)
     assert summarize_trajectories([_traj(0, 0.0, infra="env_lost")])["infra"] == {"env_lost": 1}
+
+
+def test_paired_comparisons_leave_out_tasks_an_infra_failure_hit_in_either_run():
+    """SFT vs expert on the same 4 tasks, task c lost to the sandbox in the expert's run: the pair is over a, b,
+    d (before: the expert's summary held c as a failed task)."""
+    tasks = [get_family("general.arithmetic").generate(4, seed=1)[i] for i in range(4)]
+    before = summarize_trajectories([_traj(i, r, task=t) for i, (t, r) in enumerate(zip(tasks, [1.0, 0.0, 1.0, 0.0]))])
+    after = summarize_trajectories([_traj(i, r, task=t, infra="sandbox" if i == 2 else None)
+                                    for i, (t, r) in enumerate(zip(tasks, [1.0, 1.0, 0.0, 0.0]))])
+    assert paired_passes(before, after) == ([True, False, False], [True, True, False])
+    with pytest.raises(ValueError, match="different tasks"):
+        paired_passes(before, summarize_trajectories([_traj(0, 1.0, task=tasks[0])]))
