@@ -286,7 +286,7 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
         teacher_stats = dict(pool.stats)  # training and evaluation together
     out = {"steps": res.steps, "seconds": res.seconds, "teacher_stats": teacher_stats, "rollout_gap": rollout_gap(res.metrics),
            "opd_reward_curve": res.metrics.series("opd_reward"), "reverse_kl_curve": res.metrics.series("reverse_kl"),
-           "table": table}
+           "table": table, "infra_train": sum(x for x in res.metrics.series("infra_episodes") if x == x)}
     (run / "mopd" / "summary.json").write_text(json.dumps(out, indent=1, default=float))
     return out
 

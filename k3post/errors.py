@@ -5,6 +5,10 @@
 * `StepFailed`: a training stage raised in one of its steps; it names the stage and the step, the cause is
   chained. Anything that is not a `UserError` is a failure of k3post (or of an environment): the CLI prints
   one line and where the full traceback was written, and exits 1.
+* `InfrastructureError`: an environment worker, a sandbox, a browser or a judge failed (its ``kind``,
+  one of `INFRA_KINDS`): not the policy's outcome. A rollout it ends is masked out of its group (never a
+  reward) and counted; too many of them fail the run (`k3post.loop`, ``rl.infra_max_rate``).
+  `infra_kind` finds one in an exception's cause chain.
 * The run log: `attach_run_log(run)` copies the process's log records into ``<run>/k3post.log``; a
   traceback the CLI reports goes there too (`write_traceback`), else into a file in the temp folder.
 
@@ -23,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["UserError", "StepFailed", "user_input", "attach_run_log", "detach_run_log", "write_traceback", "RUN_LOG"]
+__all__ = ["UserError", "StepFailed", "InfrastructureError", "JudgeUnavailableError", "INFRA_KINDS", "infra_kind", "user_input", "attach_run_log", "detach_run_log", "write_traceback", "RUN_LOG"]
 
 RUN_LOG = "k3post.log"
 """The log file of a run folder."""
@@ -41,6 +45,46 @@ class StepFailed(RuntimeError):
     def __init__(self, stage: str, step: int, cause: BaseException) -> None:
         super().__init__(f"{stage}: step {step} failed: {type(cause).__name__}: {cause}")
         self.stage, self.step = stage, step
+
+
+INFRA_KINDS: tuple[str, ...] = ("env_lost", "sandbox", "browser", "judge")
+"""What failed under an episode: ``env_lost`` its environment worker (lost past the retries from its saved
+state), ``sandbox`` the sandbox that runs model-written code (no isolating backend, its launcher missing),
+``browser`` the headless browser of ``coding.webdev``, ``judge`` the GRM judge (its transport: the server
+unreachable, the connection lost after the retries)."""
+
+
+class InfrastructureError(RuntimeError):
+    """Infrastructure under an episode failed, not the policy: ``kind`` is one of `INFRA_KINDS`. Raised by
+    harness code only (never built from text the policy's programs print), so a policy cannot forge one."""
+
+    kind: str = "env_lost"
+
+    def __init__(self, *args: object, kind: str | None = None) -> None:
+        super().__init__(*args)
+        if kind is not None:
+            if kind not in INFRA_KINDS:
+                raise ValueError(f"infrastructure kind must be one of {INFRA_KINDS}, got {kind!r}")
+            self.kind = kind
+
+
+class JudgeUnavailableError(InfrastructureError):
+    """The GRM judge could not answer (transport failure after its retries): the group it was to score
+    gets no reward."""
+
+    kind = "judge"
+
+
+def infra_kind(exc: BaseException | None) -> str | None:
+    """The kind of the first `InfrastructureError` in ``exc`` and its causes / contexts, None when there is
+    none (then the failure is the environment's or the policy's, not the infrastructure's)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, InfrastructureError):
+            return exc.kind
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 @contextmanager

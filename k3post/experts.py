@@ -48,7 +48,7 @@ from k3post.rewards.effort import BudgetTable, Curriculum, estimate_budgets
 from k3post.rl import (GroupScorer, RLConfig, build_group_scorer, domain_families, eval_tasks, rollout_gap, train_rl,
                        train_tasks)
 from k3post.rollout.factory import build_engine, close_engine
-from k3post.rollout.evaluation import evaluate_episodes
+from k3post.rollout.evaluation import evaluate_episodes, paired_passes
 from k3post.stats import paired_change
 from k3post.tokenizer import load_tokenizer
 from k3post.xtml import XTML
@@ -310,19 +310,23 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
     before = table["before"][stage.domain][stage.effort]
     after = res.eval["overall"]
     last = res.metrics.tail(3)
-    if before["overall"]["task_ids"] != after["task_ids"]:  # the paired test needs the same held-out tasks, in the same order
-        raise RuntimeError(f"{stage.expert}: the SFT and expert evaluations ran different tasks")
+    try:  # the paired test needs the same held-out tasks (an infrastructure failure in either run is left out)
+        pair = paired_passes(before["overall"], after)
+    except ValueError as e:
+        raise RuntimeError(f"{stage.expert}: the SFT and expert evaluations ran different tasks") from e
     table["experts"][stage.expert] = {
         "domain": stage.domain, "effort": stage.effort, "init_from": stage.init_from, "steps": res.steps,
         "families": fams, "scale": stage.scale, "n": after["n"],
         "pass_rate": after["pass_rate"], "pass_ci95": after["pass_ci95"], "mean_effort_tokens": after["mean_effort_tokens"],
         "sft_pass_rate": before["overall"]["pass_rate"], "sft_pass_ci95": before["overall"]["pass_ci95"],
         "sft_mean_effort_tokens": before["overall"]["mean_effort_tokens"],
-        "change": paired_change(before["overall"]["passed"], after["passed"]),
+        "change": paired_change(*pair),
         "eval": res.eval,
         "final_violation_rate": _tail(last, "budget_violation_rate"),
         "rollout_gap": rollout_gap(res.metrics),
         "final_effort_ratio": _tail(last, "effort_ratio"),
+        "infra": {"train": sum(x for x in res.metrics.series("infra_episodes") if x == x),
+                  "eval": sum(after.get("infra", {}).values())},  # episodes whose infrastructure failed (masked)
         "reward_curve": res.metrics.series("reward"),
         "effort_tokens_curve": res.metrics.series("effort_tokens"),
         "seconds": time.perf_counter() - t0,

@@ -19,6 +19,17 @@ undispatched trajectories with their env / sandbox state, the prompt queue, the 
 engine version; sampling is counter-based, so a resumed run reproduces the uninterrupted one (tested by
 killing a run).
 
+Infrastructure failures (`k3post.errors.InfrastructureError`): an episode whose env worker, sandbox or
+browser failed ends with finish "infra" (`k3post.rollout.agent_loop`), a group the GRM judge could not score
+is marked "judge" by the RL signal; neither is the policy's outcome, so neither becomes a reward. A group
+with at least ``infra_min_valid`` valid samples (capped at K) trains with the failed ones masked out (the
+signals' group statistics run over the valid samples, the failed ones are not in the loss); one with fewer
+is run again as a fresh group of the same prompt (``infra_retries`` times per prompt), then dropped. Every
+step logs ``infra_episodes``, ``infra/<kind>``, ``infra_rate`` (over every episode the step finished,
+retried and dropped groups included), ``infra_retried_groups`` and ``infra_dropped_groups``; a step whose
+``infra_rate`` exceeds ``infra_max_rate`` raises `InfrastructureError`: the infrastructure is broken, and
+training on what is left would train on a biased sample.
+
 Per-step rows: each step's metrics go to the run's metrics.jsonl (made durable before each checkpoint) and
 nowhere else: the loop keeps no per-step history in memory or in checkpoints, so a long run's memory and
 checkpoints do not grow with its steps (issue 20). A consumer of the whole series reads it back from the
@@ -44,11 +55,11 @@ from tqdm import tqdm
 
 from k3post.checkpoint import latest_checkpoint
 from k3post.envs.task import Task
-from k3post.errors import StepFailed
+from k3post.errors import InfrastructureError, StepFailed
 from k3post.metrics import MetricsLogger, iter_metrics
 from k3post.policy_step import TokenSequence
 from k3post.rollout.factory import Rollout, RolloutConfig
-from k3post.rollout.trajectory import Group, outcome_metrics
+from k3post.rollout.trajectory import Group, infra_metrics, outcome_metrics
 from k3post.trainer import OptimConfig, build_trainer
 
 log = logging.getLogger(__name__)
@@ -76,6 +87,9 @@ class LoopConfig(Protocol):
     micro_batch_tokens: int
     grad_clip: float
     device: str
+    infra_min_valid: int
+    infra_retries: int
+    infra_max_rate: float
 
     def rollout_config(self) -> RolloutConfig: ...
 
@@ -107,6 +121,7 @@ class PolicyLoop:
         self.rollout = Rollout(self.model, tokenizer, cfg.rollout_config(), effort_fn=effort_fn)
         self.step_no, self.cursor = 0, 0
         self.last_groups: list[Group] = []  # the groups the last step trained on
+        self.infra_retries: dict[str, int] = {}  # task id -> re-runs of its group after infrastructure failures
 
     @property
     def engine(self) -> Any:
@@ -125,7 +140,8 @@ class PolicyLoop:
         part (the caller logs them: nothing per step is kept here)."""
         t0 = time.perf_counter()
         groups: list[Group] = []
-        iterations = 0
+        finished: list[Group] = []  # every group the step's iterations completed (retried and dropped ones too)
+        retried = dropped = iterations = 0
         while not groups:  # an iteration that completes no whole group leaves nothing to train on: run another
             if iterations == _MAX_EMPTY_ITERATIONS:
                 raise RuntimeError(f"{iterations} partial-rollout iterations completed no group of {self.cfg.k} samples "
@@ -133,10 +149,19 @@ class PolicyLoop:
             while self.rollout.num_pending_prompts < self.cfg.n_prompts:
                 self.rollout.add_prompts([tasks[self.cursor % len(tasks)]])
                 self.cursor += 1
-            groups = self.rollout.run_iteration()
+            got = self.rollout.run_iteration()
             iterations += 1
+            finished += got
+            for g in got:
+                fate = self._infra_triage(g)
+                retried += fate == "retry"
+                dropped += fate == "drop"
+                if fate == "train":
+                    groups.append(g)
+            self._check_infra(finished)
         t1 = time.perf_counter()
-        seqs, sig = self.signal(groups)
+        seqs, sig = self.signal(groups)  # the RL signal marks the groups its judge could not score ("judge")
+        self._check_infra(finished)
         t2 = time.perf_counter()
         train_m = self.trainer.step(seqs, version=self.rollout.version)
         version = self.rollout.push_weights(self.trainer.named_weights)
@@ -148,9 +173,46 @@ class PolicyLoop:
                "rollout_s": t1 - t0, "score_s": t2 - t1, "update_s": t3 - t2, "step_s": t3 - t0,
                "kv_hit_rate": self.rollout.kv_hit_rate(), "paused": float(len(self.rollout.paused())),
                "mean_staleness": statistics.fmean(stale) if stale else 0.0,
-               **outcome_metrics([t for g in groups for t in g.trajectories])}
+               **outcome_metrics([t for g in groups for t in g.trajectories]),
+               **infra_metrics([t for g in finished for t in g.trajectories]),
+               "infra_retried_groups": float(retried), "infra_dropped_groups": float(dropped)}
         self.last_groups = groups
         return rec
+
+    def _infra_triage(self, group: Group) -> str:
+        """What to do with a finished group (module doc): "train" (its valid samples; the failed ones are
+        masked by the signal), "retry" (the prompt is queued again) or "drop"."""
+        valid = sum(group.valid)
+        key = str(group.task.get("id", group.group_id))
+        if valid == len(group.trajectories) or valid >= min(self.cfg.infra_min_valid, len(group.trajectories)):
+            self.infra_retries.pop(key, None)
+            return "train"
+        kinds = sorted({t.infra for t in group.trajectories if t.infra is not None})
+        n = self.infra_retries.get(key, 0)
+        if n < self.cfg.infra_retries:
+            self.infra_retries[key] = n + 1
+            self.rollout.add_prompts([Task.from_dict(group.task)])
+            log.warning("group %d (task %s): %d of %d samples failed for infrastructure reasons (%s); running the "
+                        "prompt again (retry %d of %d)", group.group_id, key, len(group.trajectories) - valid,
+                        len(group.trajectories), ", ".join(kinds), n + 1, self.cfg.infra_retries)
+            return "retry"
+        self.infra_retries.pop(key, None)
+        log.warning("group %d (task %s): %d of %d samples failed for infrastructure reasons (%s) after %d retries; "
+                    "the group is dropped", group.group_id, key, len(group.trajectories) - valid,
+                    len(group.trajectories), ", ".join(kinds), n)
+        return "drop"
+
+    def _check_infra(self, finished: Sequence[Group]) -> None:
+        """Raise `InfrastructureError` when more than ``infra_max_rate`` of the episodes of ``finished``
+        failed for infrastructure reasons."""
+        m = infra_metrics([t for g in finished for t in g.trajectories])
+        if m["infra_rate"] > self.cfg.infra_max_rate:
+            kinds = ", ".join(f"{k[6:]} {int(v)}" for k, v in m.items() if k.startswith("infra/"))
+            n = sum(len(g.trajectories) for g in finished)
+            raise InfrastructureError(
+                f"{int(m['infra_episodes'])} of {n} episodes of step {self.step_no + 1} failed for infrastructure "
+                f"reasons ({kinds}): above rl.infra_max_rate = {self.cfg.infra_max_rate:g}; the infrastructure is "
+                "broken, not the policy (see the run log for each failure)")
 
     def save(self, ckpt_root: Path) -> Path:
         """Checkpoint: weights, optimizer, rollout state (paused trajectories, KV pool tensors, version)."""
@@ -158,6 +220,7 @@ class PolicyLoop:
         return self.trainer.save_checkpoint(ckpt_root, self.step_no, tokenizer=self.tokenizer, state={
             "scheduler": rollout["scheduler"], "kv_pool": rollout["kv_pool"], "engine_version": rollout["engine_version"],
             "cursor": self.cursor, "config": asdict(self.cfg),  # type: ignore[call-overload]
+            "infra_retries": dict(self.infra_retries),
         }, keep_last=self.cfg.keep_last)
 
     def load(self, ckpt: Path) -> list[dict[str, float]] | None:
@@ -168,6 +231,7 @@ class PolicyLoop:
         self.rollout.refresh_weights()
         self.rollout.load_state_dict(state)
         self.step_no, self.cursor = int(state["step"]), int(state["cursor"])
+        self.infra_retries = {str(k): int(v) for k, v in dict(state.get("infra_retries") or {}).items()}
         legacy = state.get("history")
         return None if legacy is None else list(legacy)
 

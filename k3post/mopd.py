@@ -70,7 +70,7 @@ from k3post.loop import Signal, StageLog, train_policy
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.engine import request_seed, token_uniform
-from k3post.rollout.evaluation import evaluate_episodes, make_env
+from k3post.rollout.evaluation import evaluate_episodes, make_env, paired_passes
 from k3post.rollout.trajectory import Group, Trajectory
 from k3post.stats import paired_change, paired_ratio
 from k3post.xtml import EFFORTS, OMIT_EFFORT, XTML
@@ -306,7 +306,9 @@ def opd_signal(pool: TeacherPool, cfg: MOPDConfig, xtml: XTML) -> Signal:
     Step metrics: ``opd_reward`` (mean per-token reward, outcome term included), ``opd_clip_frac``,
     ``reverse_kl`` (mean behaviour − teacher log-prob, the k1 estimate of KL(π_student ‖ π_teacher)),
     ``opd_tokens``, the outcome ``reward`` / ``pass_rate``, ``effort_tokens`` (mean T(y)) overall and per
-    effort, and ``expert/NAME`` (trajectories scored by each expert)."""
+    effort, and ``expert/NAME`` (trajectories scored by each expert). A trajectory whose infrastructure
+    failed (``Trajectory.infra``: its context ends in an artefact of the failure) is left out of the loss, of
+    the outcome term's group baseline and of these metrics (`k3post.loop` counts it)."""
     effort_fn = effort_sampler(cfg.effort_mix, cfg.rl.seed)
     if cfg.r_max <= 0:
         raise ValueError(f"r_max must be > 0, got {cfg.r_max}")
@@ -322,6 +324,8 @@ def opd_signal(pool: TeacherPool, cfg: MOPDConfig, xtml: XTML) -> Signal:
             expert = expert_name(task.domain, effort)
             messages = initial_messages(task)
             for t in g.trajectories:
+                if t.infra is not None:
+                    continue
                 ids, off = teacher_context(xtml, t, messages, effort=effort,
                                            teacher_effort=effort if cfg.teacher_sees_effort else None)
                 by_expert.setdefault(expert, []).append(len(trajs))
@@ -345,8 +349,9 @@ def opd_signal(pool: TeacherPool, cfg: MOPDConfig, xtml: XTML) -> Signal:
             mask_BT[b, :n] = True
         outcome_B = None
         if cfg.w_orm != 0:
-            adv = group_advantages_from_groups([g.rewards for g in groups]).advantages
-            outcome_B = torch.tensor([a for a_g in adv for a in a_g], dtype=torch.float32)
+            adv = group_advantages_from_groups([g.rewards for g in groups], valid=[g.valid for g in groups]).advantages
+            outcome_B = torch.tensor([a for g, a_g in zip(groups, adv) for a, v in zip(a_g, g.valid) if v],
+                                     dtype=torch.float32)
         reward_BT, m = opd_reward(teacher_BT, student_BT, mask_BT, r_max=cfg.r_max,
                                   outcome_advantages_B=outcome_B, w_orm=cfg.w_orm)
         seqs = []
@@ -522,6 +527,6 @@ def evaluate_mopd(
             rows.append({"domain": d, "effort": e, "expert": expert, "n": s["n"],
                          "student_pass": s["pass_rate"], "teacher_pass": t["pass_rate"],
                          "student_ci95": s["pass_ci95"], "teacher_ci95": t["pass_ci95"],
-                         "student_vs_teacher": paired_change(t["passed"], s["passed"]),  # same tasks, same order
+                         "student_vs_teacher": paired_change(*paired_passes(t, s)),  # same tasks (infra left out)
                          "student_tokens": s["mean_effort_tokens"], "teacher_tokens": t["mean_effort_tokens"]})
     return mopd_checks(rows, pass_ratio_min=pass_ratio_min, token_tolerance=token_tolerance, teacher_pass_min=teacher_pass_min)

@@ -238,7 +238,7 @@ def _rl_section(run: Path, summary: dict[str, Any]) -> str:
             if f is not None:
                 where = f" in step {f['step']}" if f.get("step") is not None else ""
                 tb = f"; traceback in {f['log']}" if f.get("log") else ""
-                rows.append([d, e, f"FAILED{where}: {f['error']}{tb}", "", "", "", ""])
+                rows.append([d, e, f"FAILED{where}: {f['error']}{tb}", "", "", "", "", "", "", ""])
             if r is None:
                 continue
             ch = r.get("change")
@@ -246,9 +246,10 @@ def _rl_section(run: Path, summary: dict[str, Any]) -> str:
                          f"{ch['delta']:+.3f} [{ch['ci95'][0]:+.3f}, {ch['ci95'][1]:+.3f}], p = {ch['p_value']:.3g}: {ch['verdict']}"
                          if ch else "", r.get("n", ""),
                          f"{r['sft_mean_effort_tokens']:.1f} → {r['mean_effort_tokens']:.1f}",
-                         r["final_violation_rate"], r["steps"], r["seconds"]])
+                         r["final_violation_rate"], r["steps"], _infra(r.get("infra")), r["seconds"]])
     parts.append(_table(["domain", "effort", "pass rate [95%] (SFT → RL)", "paired change (McNemar)", "n",
-                         "mean T(y) (SFT → RL)", "budget violations (last steps)", "steps", "seconds"], rows))
+                         "mean T(y) (SFT → RL)", "budget violations (last steps)", "steps",
+                         "infra failures (train / eval)", "seconds"], rows))
     checks = []
     for d in domains:
         if not any(f"{d}.{e}" in ex for e in efforts):
@@ -283,6 +284,11 @@ def _rl_section(run: Path, summary: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _infra(counts: dict[str, Any] | None) -> str:
+    """"train / eval" episodes whose infrastructure failed (masked out, never a reward); "" for older runs."""
+    return "" if not counts else f"{int(counts.get('train', 0))} / {int(counts.get('eval', 0))}"
+
+
 def _mopd_section(run: Path, summary: dict[str, Any]) -> str:
     """Stage 3: student vs teacher per (domain, effort), the targets, the per-token OPD reward curve."""
     m = _stage_file(run, summary, "mopd")
@@ -313,7 +319,8 @@ def _mopd_section(run: Path, summary: dict[str, Any]) -> str:
         parts.append(_img(_plot_png({"mean per-token OPD reward": (xs, curve),
                                      "reverse KL (student − teacher log-prob)": (xs, m.get("reverse_kl_curve") or [])},
                                     title="MOPD per-token signal", xlabel="step", ylabel="nats / token"), "MOPD reward curve"))
-    parts.append(f"<p class=muted>{m['steps']} steps in {m['seconds']:.0f} s; teacher pool {html.escape(json.dumps(m.get('teacher_stats', {})))}</p>")
+    infra = f"; {int(m['infra_train'])} episodes masked out for infrastructure failures" if m.get("infra_train") else ""
+    parts.append(f"<p class=muted>{m['steps']} steps in {m['seconds']:.0f} s{infra}; teacher pool {html.escape(json.dumps(m.get('teacher_stats', {})))}</p>")
     return "\n".join(parts)
 
 

@@ -5,7 +5,9 @@
                                                           repeated until at least one group has all K samples
         r       = verifier reward, or the GRM tournament  non-verifiable families (§3.4)
         r'      = effort override: −1 if T(y) > τ_e·b0(x) (§3.3)
-        A       = r' − mean_group(r')                     zero-variance groups train with A = 0 (τ·ℓ² only)
+        A       = r' − mean_group(r')                     zero-variance groups train with A = 0 (τ·ℓ² only); the mean
+                                                          over the valid samples: infrastructure failures (and
+                                                          groups the judge could not score) are masked out
         loss    = policy_loss over every sampled token     behaviour log-probs from the engine (§3.1)
         optimizer step; engine.update_weights()           co-located: same tensors, version bump
         metrics; checkpoint (weights, optimizer, scheduler with paused trajectories, KV pool)
@@ -26,10 +28,11 @@ Shape legend: none here (the math lives in k3post/algos and k3post/policy_step.p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,7 @@ from k3post.config.rl import RLConfig, loss_kwargs
 from k3post.config.rollout import EngineConfig
 from k3post.envs.families.registry import get_family
 from k3post.envs.families.streams import domain_families, eval_tasks, train_tasks
+from k3post.errors import JudgeUnavailableError
 from k3post.metrics import MetricsLogger
 from k3post.models import load_model
 from k3post.loop import PolicyLoop, Signal, StageLog, rollout_gap, train_policy
@@ -133,14 +137,28 @@ def build_group_scorer(
     return scorer
 
 
-def group_rewards(group: Group, scorer: GroupScorer | None) -> list[float]:
-    """r(x, y_j) of a finished group: the verifier's reward, or the GRM's for a non-verifiable family."""
+def group_rewards(group: Group, scorer: GroupScorer | None) -> list[float] | None:
+    """r(x, y_j) of a finished group: the verifier's reward, or the GRM's for a non-verifiable family (over
+    its valid samples: those whose infrastructure failed are not shown to the judge, their entry is 0.0 and
+    masked by the caller). None when the judge could not answer (`JudgeUnavailableError`): every sample is
+    then marked ``infra = "judge"``, logged, and the group gets no reward."""
     fam = get_family(group.task["family"])
     if fam.verifiable:
         return group.rewards
     if scorer is None:
         raise ValueError(f"family {fam.name} is non-verifiable: set rl.judge to reward it with the GRM")
-    return [float(r) for r in scorer(group)]
+    keep = [t for t in group.trajectories if t.infra is None]
+    try:
+        scored = [float(r) for r in scorer(dataclasses.replace(group, trajectories=keep))] if keep else []
+    except JudgeUnavailableError as e:
+        log.warning("group %d (task %s): the GRM judge could not answer (%s); the group gets no reward",
+                    group.group_id, group.task.get("id"), e)
+        for t in group.trajectories:
+            t.infra = t.infra or "judge"
+            t.reward = None
+        return None
+    it = iter(scored)
+    return [next(it) if t.infra is None else 0.0 for t in group.trajectories]
 
 
 def rl_signal(budgets: BudgetTable, cfg: RLConfig, scorer: GroupScorer | None = None) -> Signal:
@@ -210,36 +228,48 @@ def _score(
     groups: Sequence[Group], scorer: GroupScorer | None, budgets: BudgetTable, cfg: RLConfig
 ) -> tuple[list[TokenSequence], dict[str, float], dict[str, float]]:
     """Rewards → effort override → group advantages → training sequences, with step metrics."""
-    rewards_in, rewards_out = [], []
+    rewards_in, rewards_out, valid = [], [], []
     sums = {"violation_rate": 0.0, "mean_tokens": 0.0, "mean_ratio": 0.0}  # group_override's metrics x group size
     for g in groups:
         r = group_rewards(g, scorer)
+        if r is None:  # the judge could not answer: no reward, every sample masked
+            r = [0.0] * len(g.trajectories)
         for t, rv in zip(g.trajectories, r):  # the GRM's reward replaces the format gate's
-            t.reward = rv
-        r2, m = group_override(g, budgets, cfg.effort, cfg.effort_control)
-        rewards_in.append(r)
-        rewards_out.append([float(x) for x in r2])
-        for k in sums:
-            sums[k] += m[k] * len(r)
-    adv = group_advantages_from_groups(rewards_out, normalize_std=cfg.normalize_std)
+            if t.infra is None:
+                t.reward = rv
+        ok = g.valid
+        keep = [t for t in g.trajectories if t.infra is None]
+        out: Iterator[float] = iter(())
+        if keep:  # the effort override and its metrics over the valid samples
+            r2, m = group_override(dataclasses.replace(g, trajectories=keep), budgets, cfg.effort, cfg.effort_control)
+            out = iter(float(x) for x in r2)
+            for k in sums:
+                sums[k] += m[k] * len(keep)
+        rewards_in.append([x for x, v in zip(r, ok) if v])
+        rewards_out.append([next(out) if v else 0.0 for v in ok])
+        valid.append(ok)
+    adv = group_advantages_from_groups(rewards_out, normalize_std=cfg.normalize_std, valid=valid)
     seqs: list[TokenSequence] = []
-    for g, a_g, skip in zip(groups, adv.advantages, adv.skip):
+    for g, a_g, skip, ok in zip(groups, adv.advantages, adv.skip, valid):
         if skip and cfg.skip_zero_variance:
             continue
-        for t, a in zip(g.trajectories, a_g):
-            seqs.append(TokenSequence(list(t.token_ids), list(t.trainable), list(t.logprobs),
-                                      [a if m else 0.0 for m in t.trainable], list(t.versions)))
+        for t, a, v in zip(g.trajectories, a_g, ok):
+            if v:  # an infrastructure failure is not in the loss
+                seqs.append(TokenSequence(list(t.token_ids), list(t.trainable), list(t.logprobs),
+                                          [a if m else 0.0 for m in t.trainable], list(t.versions)))
     flat_in = [x for r in rewards_in for x in r]
     n = len(flat_in)
     nan = float("nan")
     rows = {
         "reward": statistics.fmean(flat_in) if n else nan,
         "pass_rate": sum(x >= 1.0 for x in flat_in) / n if n else nan,
-        "reward_after_override": statistics.fmean(x for r in rewards_out for x in r) if n else nan,
+        "reward_after_override": statistics.fmean(x for r, ok in zip(rewards_out, valid) for x, v in zip(r, ok) if v)
+        if n else nan,
         "effort_tokens": sums["mean_tokens"] / n if n else nan,
         "budget_violation_rate": sums["violation_rate"] / n if n else 0.0,
         "effort_ratio": sums["mean_ratio"] / n if n else nan,
     }
-    trained = len(groups) - (adv.num_zero_variance if cfg.skip_zero_variance else 0)
-    adv_stats = {"zero_variance_groups": float(adv.num_zero_variance), "trained_groups": float(trained)}
+    trained = sum(any(ok) and not (skip and cfg.skip_zero_variance) for ok, skip in zip(valid, adv.skip))
+    zero = sum(skip and any(ok) for ok, skip in zip(valid, adv.skip))  # a group the judge could not score is not one
+    adv_stats = {"zero_variance_groups": float(zero), "trained_groups": float(trained)}
     return seqs, rows, adv_stats

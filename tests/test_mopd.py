@@ -361,6 +361,30 @@ def test_opd_signal_golden_against_an_hf_forward_of_another_teacher(xtml_tokeniz
     assert m_orm["reward"] == pytest.approx(2 / 9)
 
 
+def test_opd_signal_leaves_infra_failures_out(xtml_tokenizer, folders, student_groups):
+    """Issue 30 §4.5: a sample whose env worker was lost (``infra``) is not in the loss, and the outcome term's
+    group baseline is over the valid samples: the first general group [1, 0, lost] gives A = [1/2, −1/2] (before:
+    the lost sample's reward counted as 0, A = [2/3, −1/3, −1/3], and it was trained on)."""
+    _, groups = student_groups
+    x = XTML(xtml_tokenizer)
+    pool = TeacherPool({"general.high": folders["t1"], "agents.high": folders["t1"]})
+    groups_r = copy.deepcopy(list(groups))
+    for g, r in zip(groups_r, ([1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0])):
+        for t, rv in zip(g.trajectories, r):
+            t.reward = rv
+    base, _ = opd_signal(pool, _signal_cfg(folders["t1"], r_max=0.3), x)(groups_r)  # per-token term only
+    lost = groups_r[0].trajectories[2]
+    lost.infra, lost.reward, lost.finish = "env_lost", None, "infra"
+    seqs, m = opd_signal(pool, _signal_cfg(folders["t1"], r_max=0.3, w_orm=0.5), x)(groups_r)
+    assert len(seqs) == 8
+    outcome = [1 / 2, -1 / 2] + [2 / 3, -1 / 3, -1 / 3] + [0.0] * 3
+    for s0, s1, a in zip([s for i, s in enumerate(base) if i != 2], seqs, outcome):
+        assert s1.token_ids == s0.token_ids
+        for v0, v1, mk in zip(s0.advantages, s1.advantages, s0.mask):
+            assert v1 == pytest.approx(v0 + 0.5 * a if mk else 0.0, abs=TOL)
+    assert m["reward"] == pytest.approx(2 / 8)
+
+
 # --------------------------------------------------------------------------- the run
 
 

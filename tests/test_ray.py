@@ -22,6 +22,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from k3post.algos.advantages import group_advantages_from_groups  # noqa: E402
 from k3post.config import load_config  # noqa: E402
 from k3post.config.distributed import DistributedConfig, RolesConfig  # noqa: E402
 from k3post.distributed.ray_cluster import RayCluster, RayTeacherPool, engine_config, plan_placement  # noqa: E402
@@ -533,9 +534,10 @@ def test_a_killed_env_worker_resumes_its_episodes_from_their_saved_state(bugfix_
 
 
 def test_a_killed_env_worker_without_retries_fails_its_episodes_with_a_reason(bugfix_episodes, cluster, monkeypatch):
-    """The same kill with ``distributed.env_retries=0``: worker 0's 3 episodes end "malformed" with reason
-    ``env_lost`` (reward 0, the verdict naming the worker and the key), counted in the step metrics; the
-    other 3 equal the in-process run. Episodes in = episodes out: none dropped."""
+    """The same kill with ``distributed.env_retries=0``: worker 0's 3 episodes end with finish "infra", kind
+    ``env_lost`` (reward None, never a reward; the verdict naming the worker and the key), counted in the
+    step metrics (``infra/env_lost``, not malformed) and masked out of their groups' advantages (issue 30
+    §4.5); the other 3 equal the in-process run. Episodes in = episodes out: none dropped."""
     from k3post.distributed.env_workers import EnvWorkerPool
     from k3post.rollout.trajectory import outcome_metrics
 
@@ -548,16 +550,21 @@ def test_a_killed_env_worker_without_retries_fails_its_episodes_with_a_reason(bu
     finally:
         pool.close()
     assert len(got) == len(local) == 6
-    lost = [t for t in got if t.malformed == "env_lost"]
+    lost = [t for t in got if t.infra == "env_lost"]
     assert [t.traj_id for t in lost] == ["g0/s0", "g1/s0", "g2/s0"]  # round-robin: worker 0 had every other episode
     for t in lost:
-        assert t.finish == "malformed" and t.reward == 0.0 and t.token_ids and t.turns < 4  # lost mid-episode
+        assert t.finish == "infra" and t.malformed is None and t.reward is None and t.token_ids and t.turns < 4
         assert re.search(r"env worker 0 \(a step of task '.*'\) was lost: .*distributed.env_retries=0 retries used",
                          t.verdict["diagnostics"]), t.verdict
     for a, b in zip(got, local):
-        if a.malformed is None:
+        if a.infra is None:
             _same_episode(a, b)
-    assert outcome_metrics(got)["malformed/env_lost"] == 3.0 and pool.stats["lost"] == 3
+    m = outcome_metrics(got)
+    assert m["infra/env_lost"] == 3.0 and m["malformed_episodes"] == 0.0 and pool.stats["lost"] == 3
+    groups = [[t for t in got if t.group_id == g] for g in range(3)]
+    adv = group_advantages_from_groups([[float(t.reward or 0.0) for t in g] for g in groups],
+                                       valid=[[t.infra is None for t in g] for g in groups])
+    assert all(a == 0.0 for g, a_g in zip(groups, adv.advantages) for t, a in zip(g, a_g) if t.infra)
 
 
 # --------------------------------------------------------------------------- GRM judges on their bundles

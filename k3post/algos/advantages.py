@@ -8,7 +8,12 @@ Shape legend: G responses in one group (the K samples of one prompt), B groups o
 
 A group whose rewards are all equal has zero variance: it carries no learning signal, its advantages are
 set to exactly 0 (the float mean of equal values need not equal them), and it is counted and skipped by the
-trainer (SPEC §3.1). Source: GRPO, DeepSeekMath (arXiv 2402.03300); Dr.GRPO (arXiv 2503.20783).
+trainer (SPEC §3.1).
+
+Masked groups (``valid``): a sample whose infrastructure failed (`k3post.rollout.trajectory.Trajectory.infra`)
+has no reward of the policy's making. The mean (and std) are over the valid samples only, the invalid ones
+get advantage exactly 0 and the caller leaves them out of the loss; a group with fewer than two valid samples
+has zero variance. Source: GRPO, DeepSeekMath (arXiv 2402.03300); Dr.GRPO (arXiv 2503.20783).
 """
 
 from __future__ import annotations
@@ -22,24 +27,41 @@ __all__ = ["GroupAdvantages", "expand_to_tokens", "group_advantages", "group_adv
 
 
 def group_advantages(
-    rewards_G_or_BG: torch.Tensor, *, normalize_std: bool = False, eps: float = 1e-6
+    rewards_G_or_BG: torch.Tensor, *, normalize_std: bool = False, eps: float = 1e-6, valid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages of one group [G] or of B equal-size groups [B, G], plus the zero-variance flag per group.
 
+    ``valid`` (bool, the rewards' shape; default all True) masks samples out (module doc): mean and std over
+    the valid ones, advantage 0 for the others (whatever their reward, NaN included).
+
     Returns (advantages, zero_variance): advantages has the rewards' shape (float; integer rewards become
     float32); zero_variance is a bool tensor of shape [] for [G] input, [B] for [B, G]; its sum is the count.
-    A group of one response has zero variance.
+    A group of one (valid) response has zero variance.
     """
     if rewards_G_or_BG.dim() not in (1, 2) or rewards_G_or_BG.shape[-1] == 0:
         raise ValueError(f"rewards must be [G] or [B, G] with G >= 1, got shape {tuple(rewards_G_or_BG.shape)}")
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     r = rewards_G_or_BG if rewards_G_or_BG.is_floating_point() else rewards_G_or_BG.float()
-    adv = r - r.mean(-1, keepdim=True)
-    if normalize_std and r.shape[-1] > 1:
-        adv = adv / (r.std(-1, keepdim=True) + eps)
-    zero_variance = (r == r[..., :1]).all(-1)
-    return torch.where(zero_variance[..., None], 0.0, adv), zero_variance
+    if valid is None:
+        adv = r - r.mean(-1, keepdim=True)
+        if normalize_std and r.shape[-1] > 1:
+            adv = adv / (r.std(-1, keepdim=True) + eps)
+        zero_variance = (r == r[..., :1]).all(-1)
+        return torch.where(zero_variance[..., None], 0.0, adv), zero_variance
+    if valid.shape != r.shape or valid.dtype != torch.bool:
+        raise ValueError(f"valid must be a bool tensor of the rewards' shape {tuple(r.shape)}, got "
+                         f"{valid.dtype} {tuple(valid.shape)}")
+    rv = torch.where(valid, r, 0.0)  # invalid rewards (any value) never reach the statistics
+    n = valid.sum(-1, keepdim=True)
+    mean = rv.sum(-1, keepdim=True) / n.clamp(min=1)
+    adv = torch.where(valid, r - mean, 0.0)
+    if normalize_std:
+        var = (adv * adv).sum(-1, keepdim=True) / (n - 1).clamp(min=1)  # Bessel, over the valid samples
+        adv = torch.where(n > 1, adv / (var.sqrt() + eps), adv)
+    first = torch.where(valid, rv, torch.inf).amin(-1, keepdim=True)  # any valid reward (inf when none)
+    zero_variance = (~valid | (rv == first)).all(-1) | (n[..., 0] < 2)
+    return torch.where(zero_variance[..., None] | ~valid, 0.0, adv), zero_variance
 
 
 @dataclass(frozen=True)
@@ -52,11 +74,17 @@ class GroupAdvantages:
 
 
 def group_advantages_from_groups(
-    rewards: Sequence[Sequence[float]], *, normalize_std: bool = False, eps: float = 1e-6
+    rewards: Sequence[Sequence[float]], *, normalize_std: bool = False, eps: float = 1e-6,
+    valid: Sequence[Sequence[bool]] | None = None,
 ) -> GroupAdvantages:
-    """`group_advantages` for a list of groups (reward lists, possibly of different sizes), in float64."""
-    per_group = [group_advantages(torch.tensor(g, dtype=torch.float64), normalize_std=normalize_std, eps=eps)
-                 for g in rewards]
+    """`group_advantages` for a list of groups (reward lists, possibly of different sizes), in float64;
+    ``valid``: per group, the mask of `group_advantages` (default: every sample valid)."""
+    if valid is not None and [len(v) for v in valid] != [len(g) for g in rewards]:
+        raise ValueError("valid must hold one flag per reward of each group")
+    masks: list[torch.Tensor | None] = ([None] * len(rewards) if valid is None
+                                        else [torch.tensor([bool(x) for x in v], dtype=torch.bool) for v in valid])
+    per_group = [group_advantages(torch.tensor(g, dtype=torch.float64), normalize_std=normalize_std, eps=eps, valid=m)
+                 for g, m in zip(rewards, masks)]
     skip = [bool(zero) for _, zero in per_group]
     return GroupAdvantages([adv.tolist() for adv, _ in per_group], sum(skip), skip)
 

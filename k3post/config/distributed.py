@@ -106,7 +106,8 @@ class DistributedConfig:
         env_max_restarts: how often Ray restarts a killed environment worker.
         env_retries: how often one episode's environment call is retried, from the episode's state saved
             after its last step, when its worker died (on the restarted worker or another one); past that the
-            episode ends "malformed" with reason ``env_lost`` (counted in ``malformed/env_lost``).
+            episode ends with finish "infra", kind ``env_lost`` (never a reward: masked out of its group,
+            counted in ``infra/env_lost``; `k3post.loop`).
         roles: the size of each role group (`RolesConfig`).
     """
 

@@ -44,6 +44,11 @@ class RLConfig:
     defines the domain's task sets (``n_tasks``, ``eval_n``, ``difficulty``: b0 and the "before" row are
     shared by its three experts). See `for_domain`.
     ``init``: the checkpoint RL starts from (empty: the run folder's ``sft/final``).
+    Infrastructure failures (`k3post.errors.InfrastructureError`: an env worker lost, the sandbox, the
+    browser or the GRM judge unavailable; RL and MOPD, `k3post.loop`): such samples are masked out of their
+    group; a group left with fewer than ``infra_min_valid`` valid samples (capped at ``k``) is run again
+    (a fresh group of the same prompt) up to ``infra_retries`` times, then dropped; a step whose share of
+    such samples exceeds ``infra_max_rate`` raises (the infrastructure is broken, not the policy).
     """
 
     init: str = ""
@@ -87,6 +92,9 @@ class RLConfig:
         "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16, "max_tokens": 192, "eval_max_tokens": 192},
         "coding": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 32, "max_tokens": 384, "eval_max_tokens": 384},
     })
+    infra_min_valid: int = ranged(2, ge=1)
+    infra_retries: int = ranged(1, ge=0)
+    infra_max_rate: float = ranged(0.5, ge=0, le=1)
     save_every: int = ranged(10, ge=1)
     keep_last: int = 2  # checkpoints kept on disk (>= 1); older ones are deleted after a newer one is complete
     seed: int = 0

@@ -18,9 +18,10 @@ its worker dead (Ray restarts it up to ``distributed.env_max_restarts`` times) o
 episode, the episode is loaded from its saved state on the next worker (the restarted one, with a single
 worker) and the call is retried: up to ``distributed.env_retries`` times per call. A step re-runs from the
 state before it with the same message, so a deterministic environment answers it as the lost worker
-would have. Past the retries the call raises `k3post.envs.env.EnvironmentLost`: the agent loop ends the
-episode "malformed" with reason ``env_lost`` (reward 0, the verdict naming the worker), so it is counted
-(``malformed/env_lost`` in the step metrics), never dropped. A new episode whose ``reset`` finds every
+would have. Past the retries the call raises `k3post.envs.env.EnvironmentLost` (an infrastructure error):
+the agent loop ends the episode with finish "infra", kind ``env_lost`` (reward None, the verdict naming the
+worker), so it is counted (``infra/env_lost`` in the step metrics), never dropped silently, and never a
+reward: the loop masks it out of its group (`k3post.loop`). A new episode whose ``reset`` finds every
 worker dead fails the run (there is nowhere to run it).
 
 Shape legend: none (messages and JSON states).

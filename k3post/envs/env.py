@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from k3post.errors import InfrastructureError
 from k3post.envs.task import FinalState, Task, Verdict, run_verifier
 from k3post.envs.tools import ToolContext, ToolSpec, call_tool
 
@@ -74,10 +75,12 @@ def count_tokens(message: Mapping[str, Any]) -> int:
     return sum(len(p.split()) for p in parts)
 
 
-class EnvironmentLost(RuntimeError):
+class EnvironmentLost(InfrastructureError):
     """The process holding an episode's environment was lost and the episode could not be resumed from its
-    saved state (`k3post.distributed.env_workers`); the agent loop ends it "malformed" with reason
-    ``env_lost``."""
+    saved state (`k3post.distributed.env_workers`); the agent loop ends it with finish "infra" (kind
+    ``env_lost``): masked out of its group, never a reward."""
+
+    kind = "env_lost"
 
 
 @dataclass(frozen=True)

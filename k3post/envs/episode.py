@@ -38,6 +38,7 @@ from k3post.envs.harness import Harness, HarnessConfig
 from k3post.envs.task import Task, Verdict
 
 __all__ = [
+    "EndpointHTTPError",
     "Policy",
     "Episode",
     "EpisodeRunner",
@@ -436,6 +437,14 @@ def _split_tool_images(msg: dict[str, Any]) -> list[dict[str, Any]]:
     return images
 
 
+class EndpointHTTPError(RuntimeError):
+    """An OpenAI-compatible endpoint answered an HTTP status other than 200 (``status``)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = int(status)
+
+
 class OpenAIPolicy:
     """A policy backed by an OpenAI-compatible ``/v1/chat/completions`` endpoint (vLLM, SGLang, ...).
 
@@ -505,7 +514,7 @@ class OpenAIPolicy:
         async with httpx.AsyncClient(timeout=self.timeout_s, transport=self.transport) as client:
             resp = await client.post(self.url, json=self.request_body(messages, tools), headers=headers)
         if resp.status_code != 200:
-            raise RuntimeError(f"{self.url} answered HTTP {resp.status_code}: {resp.text[:500]}")
+            raise EndpointHTTPError(resp.status_code, f"{self.url} answered HTTP {resp.status_code}: {resp.text[:500]}")
         try:
             data = resp.json()
             choice = data["choices"][0]["message"]

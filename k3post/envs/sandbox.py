@@ -84,6 +84,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Self
 
+from k3post.errors import InfrastructureError
+
 __all__ = [
     "BACKENDS",
     "SANDBOX_DIR",
@@ -652,8 +654,11 @@ def available_backends() -> list[str]:
     return [b for b in BACKENDS if probe_backend(b)]
 
 
-class SandboxUnavailableError(RuntimeError):
-    """No isolating backend works here and weak isolation was not allowed."""
+class SandboxUnavailableError(InfrastructureError):
+    """No isolating backend works here and weak isolation was not allowed, or the backend's launcher is gone
+    (an infrastructure failure: a rollout it ends is masked out of its group, `k3post.errors`)."""
+
+    kind = "sandbox"
 
 
 def weak_isolation_allowed() -> bool:
@@ -1165,6 +1170,13 @@ class Sandbox:
                 "k3post sandbox: WEAK isolation (rlimit backend): %s runs without filesystem or network isolation",
                 argv[0],
             )
+        launchers = ([] if wrapper is None else [wrapper[0]]) + ([] if self.backend == "rlimit" else [launch.argv[0]])
+        gone = [p for p in launchers if not os.access(p, os.X_OK)]
+        if gone:  # bwrap / unshare / prlimit vanished since the probe: the machine's fault, not the command's
+            for fd in launch.close_after:
+                os.close(fd)
+            raise SandboxUnavailableError(f"sandbox ({self.backend}): its launcher {', '.join(gone)} is missing; "
+                                          "reinstall it (`bash scripts/install.sh`)")
         start = time.monotonic()
         try:
             proc = subprocess.Popen(

@@ -12,7 +12,8 @@ It renders to the three formats the pipeline meets:
 `call_tool` turns one OpenAI tool call into one ``role="tool"`` message. Every
 failure the model can cause (unknown tool, arguments that are not a JSON object,
 a schema violation, an exception in the handler) becomes an error observation,
-``"Error: ..."``, returned to the model; it never raises.
+``"Error: ..."``, returned to the model; it never raises, except for a
+`k3post.errors.InfrastructureError` in the handler (not the call's fault), which propagates.
 
 Handlers receive a `ToolContext` first (the per-episode state, the task, the
 environment, the call id) and the validated arguments as keyword arguments:
@@ -37,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
+
+from k3post.errors import infra_kind
 
 if TYPE_CHECKING:
     from k3post.envs.task import Task
@@ -295,7 +298,8 @@ async def call_tool(
     """Validate and execute one OpenAI tool call against ``tools`` (name → bound spec).
 
     Never raises for anything the model controls: errors come back as a tool message
-    whose content starts with ``"Error:"``.
+    whose content starts with ``"Error:"``. An `k3post.errors.InfrastructureError` in the handler
+    (the sandbox, the browser gone) propagates: the episode ends "infra" (`k3post.rollout.agent_loop`).
     """
     try:
         name, cid, raw = tool_call_parts(call)
@@ -330,6 +334,8 @@ async def call_tool(
         if inspect.isawaitable(out):
             out = await out
     except Exception as e:  # noqa: BLE001 - any handler failure is an observation for the model
+        if infra_kind(e) is not None:  # the sandbox / browser / worker failed, not the call: the episode ends "infra"
+            raise
         msg = str(e) or "(no message)"
         return ToolCallOutcome(
             tool_message(cid, name, f"Error: tool {name!r} failed: {type(e).__name__}: {msg}"), name, args, "handler"

@@ -35,7 +35,8 @@ the median is Q_0.5. Departures **(ours)**, beyond SPEC:
 * ``min_b0`` (default 1 token): a problem whose correct samples did not think at all would
   get b0 = 0, a limit of 0 and an undefined T/b0; the floor keeps b0 > 0;
 * a sample is correct when the env verified it (a verdict exists: the episode ended, not
-  cut by length / context / malformed output) and its reward is ≥ ``correct_reward`` (1.0).
+  cut by length / context / malformed output) and its reward is ≥ ``correct_reward`` (1.0);
+  a sample whose infrastructure failed (``Trajectory.infra``) is no sample at all.
 
 `BudgetTable` caches the estimate per task (key: `Task.content_hash`, the SHA-256 of the
 task's canonical JSON) with every sample's T(y) and correctness, as JSON written atomically
@@ -59,6 +60,7 @@ import torch
 from k3post.config.effort import EffortConfig
 from k3post.envs.env import Environment
 from k3post.envs.families.common import check_effort
+from k3post.errors import InfrastructureError
 from k3post.envs.task import DOMAINS, Task
 from k3post.rollout.engine import SteppableEngine
 from k3post.rollout.evaluation import make_env, run_episodes
@@ -437,7 +439,12 @@ def estimate_budgets(
         samples=samples_per_task, seed=seed, env_factory=env_factory or make_env,
         group_ids=[int(k[:12], 16) for k in keys],
     )
-    trajs: dict[str, list[Trajectory]] = dict(zip(keys, per_task))
+    # an episode whose infrastructure failed (Trajectory.infra) is no sample of the cold-start model
+    trajs: dict[str, list[Trajectory]] = {k: [t for t in ts if t.infra is None] for k, ts in zip(keys, per_task)}
+    lost = [todo[k].id for k, ts in trajs.items() if not ts]
+    if lost:
+        raise InfrastructureError(f"b0: every cold-start sample of {len(lost)} tasks (e.g. {lost[:3]}) failed for "
+                                  "infrastructure reasons (see the log); nothing was estimated")
     table.add_samples(
         {
             key: TaskSamples(todo[key].family, [t.effort_tokens() for t in ts], [is_correct(t, correct_reward) for t in ts])

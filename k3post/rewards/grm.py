@@ -56,6 +56,7 @@ Shape legend: K candidates in one group.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import statistics
 from collections import Counter
@@ -68,6 +69,7 @@ from k3post.envs.env import EpisodeLimits, ToolEnvironment
 from k3post.envs.episode import Policy, run_episode
 from k3post.envs.task import DOMAINS, FinalState, Task, Verdict, register_verifier
 from k3post.envs.tools import ToolContext, ToolSpec
+from k3post.errors import JudgeUnavailableError, infra_kind
 
 if TYPE_CHECKING:
     from k3post.rollout.engine import SamplingParams, SteppableEngine
@@ -92,6 +94,7 @@ __all__ = [
     "TournamentStats",
     "estimate_l0",
     "judge_task",
+    "judge_transport_failure",
     "judgement_check",
     "judgement_reason",
     "length_guard",
@@ -114,6 +117,8 @@ JUDGE_VERIFIER = "grm.judgement"
 """Verifier name of judge tasks (`judgement_check` on the final judge-env state)."""
 
 LABELS = "ABCDEFGH"
+
+log = logging.getLogger(__name__)
 
 
 # =========================================================================== pure math
@@ -486,8 +491,10 @@ class PolicyJudge:
     """Judge episodes driven by an episode policy through `run_episode` (up to ``concurrency`` at once).
 
     The policy is anything `run_episode` accepts: a scripted program, `OpenAIPolicy` for an
-    OpenAI-compatible endpoint (`from_url`), ... Exceptions of the policy (an HTTP failure after
-    the transport's retries) propagate: a broken judge must not silently turn rewards into ties.
+    OpenAI-compatible endpoint (`from_url`), ... Exceptions of the policy propagate: a broken judge
+    must not silently turn rewards into ties. A transport failure after the transport's retries (the
+    server unreachable, the connection lost, an overloaded answer: `judge_transport_failure`) is raised
+    as `JudgeUnavailableError`: the RL loop then gives the group no reward (`k3post.rl.group_rewards`).
     """
 
     def __init__(self, policy: Policy, *, concurrency: int = 8, limits: EpisodeLimits | None = None) -> None:
@@ -534,7 +541,12 @@ class PolicyJudge:
 
         async def one(task: Task) -> Verdict:
             async with sem:
-                ep = await run_episode(self.policy, GRMJudgeEnv(self.limits), task)
+                try:
+                    ep = await run_episode(self.policy, GRMJudgeEnv(self.limits), task)
+                except Exception as e:
+                    if judge_transport_failure(e):
+                        raise JudgeUnavailableError(f"the GRM judge did not answer: {type(e).__name__}: {e}") from e
+                    raise
             assert ep.verdict is not None
             return ep.verdict
 
@@ -630,10 +642,31 @@ class EngineJudge:
         # an episode that ended before its env could verify it carries a reward-0 verdict whose diagnostics
         # start with its finish ("malformed: ...", "length: ..."): no "valid" component, so it is retried
         out = []
-        for t in self.loop.run(trajs):
+        try:
+            done = self.loop.run(trajs)
+        except Exception as e:
+            self._abandon(trajs)
+            if judge_transport_failure(e):  # the judge's engine servers are gone (after their retries)
+                raise JudgeUnavailableError(f"the GRM judge's engine did not answer: {type(e).__name__}: {e}") from e
+            raise
+        for t in done:
+            if t.infra is not None:
+                raise JudgeUnavailableError(f"judge episode {t.traj_id}: infrastructure failure ({t.infra})")
             assert t.verdict is not None, f"{t.traj_id} finished without a verdict"
             out.append(Verdict.from_dict(t.verdict))
         return out
+
+    def _abandon(self, trajs: Sequence["Trajectory"]) -> None:
+        """After a failed batch: abort its requests still in the engine and release its envs, so the next
+        batch finds the engine idle (a dead engine's abort is best effort)."""
+        live = [self.loop.request_id(t) for t in trajs if not t.done]
+        try:
+            if live and self.loop.engine.has_unfinished():
+                self.loop.engine.abort(live)
+        except Exception as e:  # noqa: BLE001 - the engine is what failed; the next batch will say so again
+            log.warning("GRM judge: could not abort %d requests after a failed batch: %s", len(live), e)
+        for t in trajs:
+            self.loop.release(t.traj_id)
 
     def close(self) -> None:
         """Release the agent loop (its event loop and any live env) and the engine."""
@@ -641,6 +674,28 @@ class EngineJudge:
 
         self.loop.close()
         close_engine(self.loop.engine)
+
+
+def judge_transport_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or a cause) says the judge could not be reached, not that it answered wrongly: an
+    `k3post.errors.InfrastructureError`, an httpx transport error (connection refused or reset, a timeout),
+    `k3post.rollout.http_engine.EngineUnavailableError` (every judge server dead), or an HTTP status the
+    transport retries (`k3post.envs.episode.EndpointHTTPError`: 408 / 429 / 5xx) still failing."""
+    import httpx
+
+    from k3post.envs.episode import EndpointHTTPError
+    from k3post.rollout.http_engine import EngineUnavailableError
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if infra_kind(e) is not None or isinstance(e, (httpx.TransportError, EngineUnavailableError)):
+            return True
+        if isinstance(e, EndpointHTTPError) and (e.status in (408, 425, 429) or e.status >= 500):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 # =========================================================================== running judgements

@@ -39,8 +39,13 @@ Design decisions:
   reason (`MALFORMED_REASONS`): ids that are not a valid XTML assistant message, a message
   the env rejects, an env or verifier that raises on it, a reply that cannot be rendered.
   All get reward 0.0 and a verdict saying why (the env is not asked to verify an unfinished
-  episode); so does an episode whose environment worker was lost for good (``env_lost``). Tool calls with bad names or arguments are the env's business: it answers with
+  episode). Tool calls with bad names or arguments are the env's business: it answers with
   error observations and the episode goes on.
+* **Infrastructure failures are not outcomes.** When the env's step or verifier raises a
+  `k3post.errors.InfrastructureError` (in its cause chain): the environment worker lost for good
+  (``env_lost``), the sandbox or the browser unavailable, the episode ends with finish "infra",
+  ``Trajectory.infra`` = the kind and reward None: the group masks it out (`k3post.loop`), it is
+  counted, and it never becomes a reward.
 * **One parse per turn.** The sampled ids are parsed as a completion after the generation
   prefix (`XTML.stream`), i.e. exactly as they read inside the context; the env answers the
   calls of that message (ids ``call_<index>``), and `XTML.extend` binds the results to the
@@ -64,7 +69,7 @@ import traceback
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from k3post.envs.env import Environment, EnvironmentLost
+from k3post.envs.env import Environment
 from k3post.envs.task import Task, Verdict
 from k3post.envs.tools import openai_tools
 from k3post.rollout.engine import (
@@ -75,6 +80,7 @@ from k3post.rollout.engine import (
     SteppableEngine,
     request_seed,
 )
+from k3post.errors import infra_kind
 from k3post.rollout.trajectory import MALFORMED_REASONS, Trajectory
 from k3post.xtml import XTML, XTMLParseError
 
@@ -307,6 +313,26 @@ class AgentLoop:
                     traj.traj_id, what, traj.task.get("id"), traj.task.get("family"), traj.turns, reason, tb)
         self._end_unverified(traj, "malformed", f"{what}: {type(err).__name__}: {err}", reason)
 
+    def _env_failure(self, traj: Trajectory, reason: str, what: str, err: BaseException) -> None:
+        """The env's step / verifier raised ``err``: an infrastructure failure ends the episode "infra"
+        (`end_infra`), anything else is an env defect (`_env_defect`, malformed ``reason``)."""
+        kind = infra_kind(err)
+        if kind is not None:
+            self.end_infra(traj, kind, f"{what}: {type(err).__name__}: {err}", err)
+        else:
+            self._env_defect(traj, reason, what, err)
+
+    def end_infra(self, traj: Trajectory, kind: str, detail: str, err: BaseException | None = None) -> None:
+        """End an episode whose infrastructure failed (``kind``, `k3post.errors.INFRA_KINDS`): finish
+        "infra", reward None (never a reward), a verdict that says so; logged with the traceback."""
+        tb = "" if err is None else "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        log.warning("%s: infrastructure failure (%s) on task %r (%s), turn %d: %s; the episode is masked out of "
+                    "its group\n%s", traj.traj_id, kind, traj.task.get("id"), traj.task.get("family"), traj.turns,
+                    detail, tb)
+        traj.info.append({"turn": traj.turns, "error": f"infra/{kind}: {detail}"})
+        self._end(traj, "infra", Verdict(0.0, {"infra": 1.0}, f"infra ({kind}), not a reward: {detail}"))
+        traj.infra, traj.reward = kind, None
+
     def finish_turn(self, traj: Trajectory, res: GenerationResult) -> bool:
         """Apply a finished engine result to ``traj``: record the sampled tokens, parse the
         message, step the env, append its reply. Returns True when the episode is over;
@@ -346,22 +372,16 @@ class AgentLoop:
         except ValueError as e:  # the env refused the message itself (not a tool error)
             self._end_unverified(traj, "malformed", f"turn {traj.turns}: the env rejected the message: {e}", "env_rejected")
             return True
-        except EnvironmentLost as e:  # its worker died and the retries from the saved state are used up
-            self._env_defect(traj, "env_lost", "the environment was lost", e)
-            return True
         except Exception as e:  # noqa: BLE001 - an env defect must not end a training run
-            self._env_defect(traj, "env_error", "env.step raised", e)
+            self._env_failure(traj, "env_error", "env.step raised", e)  # infra (env_lost, sandbox ...) or a defect
             return True
         traj.turns += 1
         traj.info.append(dict(result.info))
         if result.done:
             try:
                 verdict = env.verify()
-            except EnvironmentLost as e:
-                self._env_defect(traj, "env_lost", "the environment was lost", e)
-                return True
             except Exception as e:  # noqa: BLE001 - as above
-                self._env_defect(traj, "verifier_error", "env.verify raised", e)
+                self._env_failure(traj, "verifier_error", "env.verify raised", e)
                 return True
             self._end(traj, "truncated" if result.truncated else str(result.info.get("end", "answer")), verdict)
             return True

@@ -5,6 +5,9 @@
 the `AgentLoop` over an `EmbeddedEngine` and reports, per family: pass rate (reward ≥
 ``pass_threshold``), mean reward, mean T(y) (SPEC §3.3: thinking tokens for general tasks, all output
 tokens for agentic ones), mean output tokens and how episodes ended (answer / length / malformed ...).
+An episode whose infrastructure failed (``Trajectory.infra``: an env worker lost, the sandbox or the browser
+unavailable) is no outcome of the policy: it is left out of ``n`` and of every rate and mean, and counted
+in ``infra`` (by kind).
 
 Shape legend: none (token lists only).
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,7 +28,7 @@ from k3post.rollout.trajectory import Trajectory
 from k3post.stats import wilson_interval
 from k3post.xtml import OMIT_EFFORT, XTML
 
-__all__ = ["run_episodes", "evaluate_episodes", "summarize_trajectories", "make_env", "local_env", "env_placement",
+__all__ = ["run_episodes", "evaluate_episodes", "summarize_trajectories", "paired_passes", "make_env", "local_env", "env_placement",
            "reference_turn_tokens"]
 
 
@@ -76,10 +79,15 @@ def reference_turn_tokens(xtml: XTML, tasks: Sequence[Task], effort: str, *, mod
 def summarize_trajectories(trajs: Sequence[Trajectory], *, pass_threshold: float = 1.0) -> dict[str, Any]:
     """Pass rate with its 95% Wilson interval, mean reward, mean T(y) and output tokens, finish reasons (and
     why the malformed ones were), every T(y) (for histograms), and per trajectory its task id and whether it
-    passed (for paired comparisons on the same tasks, `k3post.stats.paired_change`)."""
+    passed (for paired comparisons on the same tasks, `k3post.stats.paired_change`). Infrastructure failures
+    are not in any of these (module doc): ``infra`` counts them by kind."""
+    infra = dict(Counter(t.infra for t in trajs if t.infra is not None))
+    infra_ids = [str(t.task.get("id", t.traj_id)) for t in trajs if t.infra is not None]
+    trajs = [t for t in trajs if t.infra is None]
     if not trajs:
         return {"n": 0, "pass_rate": 0.0, "pass_ci95": [0.0, 1.0], "mean_reward": 0.0, "mean_effort_tokens": 0.0,
-                "mean_output_tokens": 0.0, "finish": {}, "malformed": {}, "effort_tokens": [], "task_ids": [], "passed": []}
+                "mean_output_tokens": 0.0, "finish": {}, "malformed": {}, "infra": infra, "effort_tokens": [],
+                "task_ids": [], "passed": [], "infra_task_ids": infra_ids}
     rewards = [float(t.reward or 0.0) for t in trajs]
     passed = [r >= pass_threshold for r in rewards]
     return {
@@ -91,10 +99,33 @@ def summarize_trajectories(trajs: Sequence[Trajectory], *, pass_threshold: float
         "mean_output_tokens": statistics.fmean(t.output_tokens for t in trajs),
         "finish": dict(Counter(t.finish or "none" for t in trajs)),
         "malformed": dict(Counter(t.malformed for t in trajs if t.malformed is not None)),
+        "infra": infra,
         "effort_tokens": [t.effort_tokens() for t in trajs],
         "task_ids": [str(t.task.get("id", t.traj_id)) for t in trajs],
         "passed": passed,
+        "infra_task_ids": infra_ids,
     }
+
+
+def paired_passes(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[list[bool], list[bool]]:
+    """``passed`` of two `summarize_trajectories` summaries over the episodes both have, in ``a``'s order
+    (matched by task id and its occurrence): an episode whose infrastructure failed in either run is left out
+    of the pair (`k3post.stats.paired_change` takes the result). ValueError when the two ran other tasks."""
+    every = [Counter(list(s["task_ids"]) + list(s.get("infra_task_ids", ()))) for s in (a, b)]
+    if every[0] != every[1]:
+        raise ValueError("the two evaluations ran different tasks: no paired comparison")
+
+    def keyed(s: Mapping[str, Any]) -> dict[tuple[str, int], bool]:
+        seen: Counter[str] = Counter()
+        out = {}
+        for tid, p in zip(s["task_ids"], s["passed"]):
+            out[(tid, seen[tid])] = bool(p)
+            seen[tid] += 1
+        return out
+
+    ka, kb = keyed(a), keyed(b)
+    common = [k for k in ka if k in kb]
+    return [ka[k] for k in common], [kb[k] for k in common]
 
 
 def run_episodes(

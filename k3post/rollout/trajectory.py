@@ -35,21 +35,24 @@ from typing import Any, Literal
 
 from k3post.envs.task import Task
 
-__all__ = ["TrajectoryStatus", "TRAJECTORY_STATUSES", "MALFORMED_REASONS", "Trajectory", "Group", "outcome_metrics"]
+__all__ = ["TrajectoryStatus", "TRAJECTORY_STATUSES", "MALFORMED_REASONS", "Trajectory", "Group", "outcome_metrics",
+           "infra_metrics"]
 
 TrajectoryStatus = Literal["running", "paused", "done"]
 TRAJECTORY_STATUSES: tuple[str, ...] = ("running", "paused", "done")
 
-MALFORMED_REASONS: tuple[str, ...] = ("xtml", "env_rejected", "env_error", "verifier_error", "unrenderable_reply",
-                                      "env_lost")
+MALFORMED_REASONS: tuple[str, ...] = ("xtml", "env_rejected", "env_error", "verifier_error", "unrenderable_reply")
 """Why an episode ended "malformed": ``xtml`` the sampled turn is not a valid XTML assistant message (a
 dropped or cut-off call, duplicate or missing indices, a special token out of place, an empty turn);
 ``env_rejected`` the env refused the message with a ValueError; ``env_error`` / ``verifier_error`` the env's
 step / verifier raised anything else on it; ``unrenderable_reply`` the env's reply could not be rendered
 after the turn (`XTML.extend`). The last three are environment defects that the policy's output exposed:
 the episode still ends with reward 0 (a long run goes on), and they are logged with their traceback.
-``env_lost``: the environment worker holding the episode died and the episode could not be resumed from
-its saved state within ``distributed.env_retries`` (`k3post.distributed.env_workers`); reward 0 too."""
+
+An episode whose infrastructure failed (`k3post.errors.InfrastructureError`: the environment worker was
+lost past ``distributed.env_retries``, the sandbox or the browser is unavailable) is not malformed: it
+ends with finish "infra", ``infra`` set to the kind (`k3post.errors.INFRA_KINDS`) and reward None; it is
+masked out of its group's advantages, counted, and never becomes a reward (`k3post.loop`)."""
 
 
 @dataclass
@@ -70,13 +73,17 @@ class Trajectory:
         status: "running" (in the engine or about to be), "paused", "done".
         finish: why it ended: "answer" / "submit" (the env ended it), "truncated" (an env
             limit), "length" (a turn hit its max_tokens without ``<|end_of_msg|>``),
-            "context" (the engine's max_model_len), "malformed" (see ``malformed``); None while
-            running.
+            "context" (the engine's max_model_len), "malformed" (see ``malformed``), "infra" (see
+            ``infra``); None while running.
         malformed: why a "malformed" episode was ended, one of `MALFORMED_REASONS`; None otherwise.
-        reward: the verifier's reward when done (0.0 for length / context / malformed).
+        infra: the `k3post.errors.INFRA_KINDS` kind when the episode's infrastructure failed under it (finish
+            "infra", set by the agent loop; "judge" set by the RL signal when the GRM could not score its
+            group): not the policy's outcome, masked out of the group; None otherwise.
+        reward: the verifier's reward when done (0.0 for length / context / malformed; None for infra).
         verdict: `Verdict.to_dict` of every finished episode: the verifier's, or reward 0.0 with
             the reason in ``diagnostics`` when the episode ended before the env could be verified
-            (length / context / malformed); None while running.
+            (length / context / malformed; for infra a placeholder that says it is not a reward); None
+            while running.
         env_state: `Environment.state_dict` captured at the last pause (sandbox snapshot
             included by the env), None otherwise.
         thinking_tokens / output_tokens: SPEC §3.3 accounting, see the module doc.
@@ -102,6 +109,7 @@ class Trajectory:
     status: TrajectoryStatus = "running"
     finish: str | None = None
     malformed: str | None = None
+    infra: str | None = None
     reward: float | None = None
     verdict: dict[str, Any] | None = None
     env_state: dict[str, Any] | None = None
@@ -207,8 +215,13 @@ class Group:
 
     @property
     def rewards(self) -> list[float]:
-        """Reward of each sample (None counts as 0.0)."""
+        """Reward of each sample (None counts as 0.0; mask the infra ones out with `valid`)."""
         return [float(t.reward or 0.0) for t in self.trajectories]
+
+    @property
+    def valid(self) -> list[bool]:
+        """Per sample: False when its infrastructure failed (``infra`` set): not the policy's outcome."""
+        return [t.infra is None for t in self.trajectories]
 
     def staleness(self) -> list[int]:
         """Per sampled token of every trajectory: dispatched_version - token version."""
@@ -236,12 +249,23 @@ class Group:
 
 def outcome_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """How finished episodes ended, as step metrics: ``malformed_episodes`` and ``malformed/<reason>``
-    for each reason seen, ``length_episodes`` (a turn hit max_tokens) and ``context_episodes``
-    (max_model_len)."""
+    for each reason seen, ``length_episodes`` (a turn hit max_tokens), ``context_episodes``
+    (max_model_len), and `infra_metrics`."""
     done = [t for t in trajs if t.done]
     reasons = Counter(t.malformed or "unknown" for t in done if t.finish == "malformed")
     out = {"malformed_episodes": float(sum(reasons.values())),
            "length_episodes": float(sum(t.finish == "length" for t in done)),
            "context_episodes": float(sum(t.finish == "context" for t in done))}
     out.update({f"malformed/{r}": float(n) for r, n in sorted(reasons.items())})
+    out.update(infra_metrics(done))
+    return out
+
+
+def infra_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """``infra_episodes`` (episodes whose infrastructure failed, `Trajectory.infra`), ``infra/<kind>`` for
+    each kind seen, and ``infra_rate`` (their share of ``trajs``; 0.0 for none)."""
+    kinds = Counter(t.infra for t in trajs if t.infra is not None)
+    n = sum(kinds.values())
+    out = {"infra_episodes": float(n), "infra_rate": n / len(trajs) if trajs else 0.0}
+    out.update({f"infra/{k}": float(c) for k, c in sorted(kinds.items())})
     return out

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3post.envs.sandbox import Sandbox, SandboxLimits
+from k3post.errors import InfrastructureError
 
 __all__ = [
     "BrowserResult",
@@ -86,8 +87,11 @@ BOX_SLACK = 2.0
 """CSS px of tolerance in the layout relations (sub-pixel rounding, borders)."""
 
 
-class BrowserUnavailableError(RuntimeError):
-    """Chromium, chromedriver or selenium is missing, or the browser did not start: not the page's fault."""
+class BrowserUnavailableError(InfrastructureError):
+    """Chromium, chromedriver or selenium is missing, or the browser did not start: not the page's fault (an
+    infrastructure failure: the rollout is masked out of its group, `k3post.errors`)."""
+
+    kind = "browser"
 
 
 def browser_available() -> str | None:
