@@ -30,9 +30,10 @@ Verification (`verify_kernel`, `measure`; issue 30 redesigned it) trusts nothing
    are pinned to one CPU and are stopped whenever they are not being timed;
 5. the hidden correctness cases (the task's shape, an odd shape, NaN / ±Inf entries, large magnitudes) run
    first, then `WARMUP` untimed and `ROUNDS` timed rounds; a round is `BATCH` fresh input sets in one call
-   (sharing the fixed cost of a call), given to the reference, the expert, the null kernel and the agent in
-   a rotating order. **Every** result of the agent (cases, warm-up, timed) is compared with the reference on
-   the host, and every call echoes its inputs as the kernel left them (modified inputs are a hack).
+   (sharing the fixed cost of a call), given to the reference first (its child's results are the check) and
+   then to the expert, the null kernel and the agent in a rotating order. **Every** result of the agent
+   (cases, warm-up, timed) is compared with the reference's, and every call echoes its inputs as the kernel
+   left them (modified inputs are a hack).
 
 Speed score (`speed_score`), with medians ``t_ref`` (reference), ``t_exp`` (expert), ``t`` (agent),
 the roofline time ``t_roof = max(bytes / bandwidth, flops / flop_rate)`` from the calibration
@@ -71,6 +72,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from k3post.envs.env import EpisodeLimits, ToolEnvironment
 from k3post.envs.families.coding import SandboxState, _call, _clip, _make_env, _TOOLS, final_text_files
@@ -161,9 +164,11 @@ def _trusted_files(op: KernelOp, tc: str) -> dict[str, str]:
 def _random_inputs(op: KernelOp, dims: Mapping[str, int], tc: str, rng: random.Random, *, scale: float = 1.0,
                    specials: bool = False) -> list[array.array]:
     """Random input buffers; ``specials`` plants NaN, +Inf and -Inf at a few positions of the first buffer."""
+    gen = np.random.default_rng(rng.getrandbits(128))
     bufs = []
     for n in op.inputs(dict(dims)):
-        bufs.append(array.array(tc, [rng.uniform(-1.0, 1.0) * op.scale * scale for _ in range(n)]))
+        vals = gen.uniform(-1.0, 1.0, n) * (op.scale * scale)
+        bufs.append(array.array(tc, vals.astype(np.float64 if tc == "d" else np.float32).tobytes()))
     if specials:
         first = bufs[0]
         for v in (math.nan, math.inf, -math.inf, math.nan):
@@ -191,14 +196,19 @@ def compare(got: Sequence[float], want: Sequence[float], tc: str) -> str | None:
     if len(got) != len(want):
         return f"the result has {len(got)} values, expected {len(want)}"
     rtol = RTOL[tc]
-    scale = max((abs(w) for w in want if math.isfinite(w)), default=0.0)
-    for i, (g, w) in enumerate(zip(got, want)):
-        if math.isnan(w) or math.isinf(w):
-            if not (math.isnan(g) and math.isnan(w)) and g != w:
-                return f"value {i}: got {g!r}, expected {w!r}"
-        elif not math.isfinite(g) or abs(g - w) > rtol * (abs(w) + scale):
-            return f"value {i}: got {g!r}, expected {w!r} (rtol {rtol:g})"
-    return None
+    g, w = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    finite = np.isfinite(w)
+    scale = float(np.max(np.abs(w[finite]))) if finite.any() else 0.0
+    with np.errstate(invalid="ignore", over="ignore"):
+        ok = np.where(np.isnan(w), np.isnan(g),
+                      np.where(finite, np.isfinite(g) & (np.abs(g - w) <= rtol * (np.abs(w) + scale)), g == w))
+    if ok.all():
+        return None
+    i = int(np.argmin(ok))
+    gi, wi = float(g[i]), float(w[i])
+    if not math.isfinite(wi):
+        return f"value {i}: got {gi!r}, expected {wi!r}"
+    return f"value {i}: got {gi!r}, expected {wi!r} (rtol {rtol:g})"
 
 
 # --------------------------------------------------------------------------- the score
@@ -267,18 +277,22 @@ class _Reject(Exception):
 
 
 def _checked_call(child: KernelChild, op: KernelOp, tc: str, sets: Sequence[Sequence[array.array]],
-                  dims: Mapping[str, int], where: str, timeout: float) -> int:
-    """One call of the agent's child on ``sets`` of inputs, every result checked; the child's CPU nanoseconds."""
+                  dims: Mapping[str, int], where: str, timeout: float, want: Sequence[array.array] | None = None) -> int:
+    """One call of the agent's child on ``sets`` of inputs, every result checked; the child's CPU nanoseconds.
+
+    ``want``: the expected results (the trusted reference child's, on the same inputs); by default the
+    reference is run here.
+    """
     sent = [[a.tobytes() for a in args] for args in sets]
     outs, echoes, ns = child.call(sent, [dims[k] for k in op.dims], timeout=timeout)
-    for args, raw, out, echo in zip(sets, sent, outs, echoes):
+    for k, (args, raw, out, echo) in enumerate(zip(sets, sent, outs, echoes)):
         if echo != b"".join(raw):
             raise _Reject("mutated", "the kernel modified its input buffers")
         got = array.array(tc)
         if len(out) % got.itemsize:
             raise _Reject("mismatch", f"{where}: the result has {len(out)} bytes, not a whole number of values")
         got.frombytes(out)
-        bad = compare(got, _expected(op, args, dims, tc), tc)
+        bad = compare(got, want[k] if want is not None else _expected(op, args, dims, tc), tc)
         if bad:
             raise _Reject("mismatch", f"{where}: {bad}")
     return ns
@@ -349,13 +363,19 @@ def measure(task: Task, sandbox: Sandbox, *, run: int = 0, public: bool = False,
             times: dict[str, list[int]] = {r: [] for r in roles}
             for i in range(n_warm + n_rounds):  # fresh inputs per round (BATCH sets); every role gets the same
                 sets = [_random_inputs(op, dims, tc, rng) for _ in range(BATCH)]
-                order = list(roles)[i % len(roles):] + list(roles)[:i % len(roles)]
+                # the reference first (its results are the check), then the expert, the null kernel and the
+                # agent in an order that puts the agent before and after the expert equally often
+                order = ["ref", *(("expert", "null") if i % 2 == 0 else ("null", "expert"))]
+                order.insert(1 + i % 3, "agent")
+                want: list[array.array] = []
                 for role in order:
                     if role == "agent":
-                        ns = _checked_call(agent, op, tc, sets, dims, f"timed round {i}", left())
+                        ns = _checked_call(agent, op, tc, sets, dims, f"timed round {i}", left(), want)
                     else:
-                        ns = roles[role].call([[a.tobytes() for a in args] for args in sets],
-                                              [dims[k] for k in op.dims], timeout=left())[2]
+                        outs, _, ns = roles[role].call([[a.tobytes() for a in args] for args in sets],
+                                                       [dims[k] for k in op.dims], timeout=left())
+                        if role == "ref":
+                            want = [array.array(tc, o) for o in outs]
                     if i >= n_warm:
                         times[role].append(max(ns, 1))
     except ChildError as exc:
