@@ -211,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         detach_run_log()
+        from k3post.runs import release_runs
+
+        release_runs()
 
 
 if __name__ == "__main__":

@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from k3post.config import K3Config, to_yaml
+from k3post.config import K3Config
 from k3post.data import load_sft_jsonl
-from k3post.errors import UserError, attach_run_log
+from k3post.errors import UserError
 from k3post.metrics import MetricsLogger
 from k3post.models import build_tiny_moe, load_model, save_model
 from k3post.quant.qat import apply_qat
+from k3post.runs import open_run
 from k3post.sft import train_sft
 from k3post.spec.mtp import MTPHead, load_mtp, save_mtp
 from k3post.tokenizer import ensure_xtml_tokens, load_tokenizer, train_tokenizer
@@ -59,21 +60,12 @@ def init_model(out_dir: str | Path, *, preset: str = "tiny", vocab_size: int = 5
     return save_model(model, out, tok)
 
 
-def open_run(run: Path, cfg: K3Config) -> Path:
-    """Create the run folder, write its resolved ``config.yaml`` and send this process's log (and the
-    traceback of a failure) to ``run/k3post.log``; returns ``run``."""
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "config.yaml").write_text(to_yaml(cfg))
-    attach_run_log(run)
-    return run
-
-
 def run_sft(cfg: K3Config) -> Path:
     """`k3post sft CONFIG`: train `model.path` (or a fresh `model.preset`) on `sft.train_file`; returns the
     final folder. Without `sft.train_file` the built-in families' data is synthesized first, as in the demo."""
     from k3post.demo import run_tokenizer, synthesize_sft_data
 
-    run = open_run(cfg.run.dir, cfg)
+    run = open_run(cfg.run.dir, cfg, "sft")
     torch.manual_seed(cfg.run.seed)  # first: the XTML token rows ensure_xtml_tokens adds are drawn from this RNG
     if cfg.model.path:
         model = load_model(cfg.model.path, cfg.model.dtype)
@@ -102,13 +94,11 @@ def run_sft(cfg: K3Config) -> Path:
     return final
 
 
-def _start_rl_run(cfg: K3Config) -> tuple[Path, Path]:
-    """Create the run folder (with its resolved config); return it and the checkpoint RL starts from."""
-    run = open_run(cfg.run.dir, cfg)
-    init = Path(cfg.rl.init) if cfg.rl.init else run / "sft" / "final"
-    if not (init / "config.json").is_file():
-        raise UserError(f"rl.init: {init} is not a model folder (config.json missing); train SFT first or set rl.init")
-    return run, init
+def _start_rl_run(cfg: K3Config, stage: str) -> tuple[Path, Path]:
+    """Open the run folder for ``stage`` (`k3post.runs.open_run`: rl.init is checked first); return it and the
+    checkpoint RL starts from."""
+    run = open_run(cfg.run.dir, cfg, stage)
+    return run, Path(cfg.rl.init) if cfg.rl.init else run / "sft" / "final"
 
 
 def check_judge_slots(cfg: K3Config) -> None:
@@ -158,7 +148,7 @@ def run_rl(cfg: K3Config) -> Path:
     from k3post.rollout.factory import build_engine, close_engine
 
     check_judge_slots(cfg)
-    run, init = _start_rl_run(cfg)
+    run, init = _start_rl_run(cfg, "rl")
     tokenizer = load_tokenizer(init)
     model = load_policy(init, cfg.qat)
     fams = domain_families(cfg.rl.domain, cfg.rl.families, with_judge=bool(cfg.rl.judge))
@@ -207,7 +197,7 @@ def run_experts(cfg: K3Config) -> Path:
     from k3post.rl import domain_families, judged_families
 
     check_judge_slots(cfg)
-    run, init = _start_rl_run(cfg)
+    run, init = _start_rl_run(cfg, "experts")
     metrics = MetricsLogger(run)
     out = run / "experts"
     if cfg.distributed.enabled:  # every expert a Ray task, the domains in parallel, the judge on its actors
@@ -293,7 +283,7 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
 
 def run_mopd(cfg: K3Config) -> Path:
     """`k3post mopd CONFIG`: distil the run's experts (or ``mopd.experts``) into one student from rl.init."""
-    run, init = _start_rl_run(cfg)
+    run, init = _start_rl_run(cfg, "mopd")
     metrics = MetricsLogger(run)
     out = distill(cfg, init, run, metrics)
     metrics.close()
@@ -433,7 +423,7 @@ def _draft_mtp(setting: str, target_dir: Path, run: Path) -> tuple[MTPHead | Non
 def run_draft(cfg: K3Config) -> Path:
     """`k3post draft CONFIG`: an EAGLE-3 draft (``draft.loss``) for the frozen target (`draft_target`), trained on
     the target's own episodes; returns its export folder (the layout vLLM and SGLang load)."""
-    run = open_run(cfg.run.dir, cfg)
+    run = open_run(cfg.run.dir, cfg, "draft")
     metrics = MetricsLogger(run)
     train_drafts(cfg, run, draft_target(cfg, run), [cfg.draft.loss], metrics)
     metrics.close()

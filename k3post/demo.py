@@ -11,15 +11,15 @@
       metrics.jsonl, tensorboard/
       summary.json, report.html
 
-A killed demo resumes where it stopped when run again with the same name; a finished run folder is never
-overwritten (a new `-N` suffix is used instead unless `run.overwrite=true`).
+A killed demo resumes where it stopped when run again with the same name and settings (changed settings are
+refused, `k3post.runs`); a finished run folder is never overwritten (a new `-N` suffix is used instead;
+`run.restart=true`, or `run.overwrite=true`, moves the old run to `<name>.restart-N` and starts afresh).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -39,7 +39,8 @@ from k3post.quant.qat import apply_qat
 from k3post.report import write_report
 from k3post.sft import train_sft
 from k3post.spec.mtp import save_mtp
-from k3post.commands import default_corpus, distill, open_run, raise_if_failed, train_drafts
+from k3post.commands import default_corpus, distill, raise_if_failed, train_drafts
+from k3post.runs import open_run
 from k3post.envs.families import default_families, get_family, lexicon as family_lexicon
 from k3post.envs.task import canonical_json
 from k3post.stats import format_rate, paired_change
@@ -52,8 +53,8 @@ log = logging.getLogger("k3post.demo")
 
 def _run_dir(cfg: K3Config) -> Path:
     base = cfg.run.dir
-    if cfg.run.overwrite and base.exists():
-        shutil.rmtree(base)
+    if cfg.run.overwrite or cfg.run.restart:  # open_run moves the old run aside (never deletes it)
+        return base
     d, k = base, 0
     while (d / "summary.json").exists() and json.loads((d / "summary.json").read_text()).get("status") == "done":
         k += 1
@@ -184,7 +185,7 @@ def run_demo(cfg: K3Config) -> Path:
     if cfg.run.threads > 0:
         torch.set_num_threads(cfg.run.threads)
     threads = torch.get_num_threads()
-    run = open_run(_run_dir(cfg), cfg)
+    run = open_run(_run_dir(cfg), cfg, "demo")
     summary = _Summary(run / "summary.json")
     timings: dict[str, float] = dict(summary.data.get("timings", {}))
     metrics = MetricsLogger(run)

@@ -108,6 +108,7 @@ def _as_old_checkpoint(ckpt, rows):
     loop's per-step rows."""
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     torch.save({**state, "history": rows}, ckpt / "trainer_state.pt")
+    (ckpt / "manifest.json").unlink()  # nor did it write a manifest (issue 30)
 
 
 def test_train_rollout_gap_with_qat_is_kernel_noise(warm_policy, tmp_path, monkeypatch):

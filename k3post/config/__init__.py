@@ -59,8 +59,14 @@ class RunConfig:
     name: str = "demo"  # run folder name under `root`
     root: str = "runs"  # parent folder of all runs
     seed: int = 0  # global seed: data generation, init, shuffling
-    overwrite: bool = False  # allow writing into an existing run folder that holds a finished run
+    overwrite: bool = False  # demo: reuse a finished run's folder (as run.restart) instead of a new `-N` one
+    restart: bool = False  # start the stage over: the old run (sft, demo) or stage folder moves to `<folder>.restart-N` (k3post.runs)
+    on_broken_checkpoint: str = "error"  # error | fallback: resume from the newest intact checkpoint, the broken ones moved aside
     threads: int = 2  # torch intra-op threads of the demo, pinned: a matmul's reduction order (so every number) depends on it; 0 keeps torch's default (the core count)
+
+    def __post_init__(self) -> None:
+        if self.on_broken_checkpoint not in ("error", "fallback"):
+            raise ValueError(f"run.on_broken_checkpoint must be error or fallback, got {self.on_broken_checkpoint!r}")
 
     @property
     def dir(self) -> Path:

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from k3post.config.ranges import ranged
 
-__all__ = ["TokenizerConfig", "ModelConfig"]
+__all__ = ["TokenizerConfig", "ModelConfig", "DTYPES"]
+
+DTYPES = ("float32", "fp32", "bfloat16", "bf16")  # the names k3post.models.torch_dtype maps
 
 
 @dataclass
@@ -35,3 +37,7 @@ class ModelConfig:
     preset: str = "tiny"  # a key of k3post.models.PRESETS, used when path is None
     max_position_embeddings: int = ranged(2048, ge=1)
     dtype: str = "float32"  # master weight dtype: float32 | bfloat16
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")

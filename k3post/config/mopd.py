@@ -63,6 +63,13 @@ class MOPDConfig:
             effort_weights(self.effort_mix)
         except ValueError as e:
             raise ValueError(f"mopd.{e}") from None
+        from k3post.config.model import DTYPES
+
+        if self.teacher_dtype not in DTYPES:
+            raise ValueError(f"mopd.teacher_dtype must be one of {list(DTYPES)}, got {self.teacher_dtype!r}")
+        extra = sorted(set(self.families) - set(self.domains))
+        if extra and not [d for d in extra if d not in DOMAINS]:
+            raise ValueError(f"mopd.families names domains {extra} that are not in mopd.domains {list(self.domains)}")
         bad = [d for d in list(self.domains) + list(self.families) if d not in DOMAINS]
         if bad:
             raise ValueError(f"mopd.domains / mopd.families: unknown domain(s) {bad}; expected {DOMAINS}")

@@ -105,6 +105,8 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         check_keep_last(self.keep_last, "rl.keep_last")
+        if self.judge.startswith(("http://", "https://")) and not self.judge_model:
+            raise ValueError("rl.judge is a URL: set rl.judge_model to the served model's name")
         if self.effort not in EFFORTS:
             raise ValueError(f"rl.effort must be one of {EFFORTS}, got {self.effort!r}")
         stage_keys = [k for k in self.domain_overrides if "." in k]

@@ -38,3 +38,11 @@ class SFTConfig:
 
     def __post_init__(self) -> None:
         check_keep_last(self.keep_last, "sft.keep_last")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"sft.precision must be fp32 or bf16, got {self.precision!r}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"sft.betas must be two numbers in [0, 1), got {list(self.betas)!r}")
+        if self.on_bad_sample not in ("error", "skip"):
+            raise ValueError(f"sft.on_bad_sample must be error or skip, got {self.on_bad_sample!r}")
+        if self.mode not in ("think", "instruct"):
+            raise ValueError(f"sft.mode must be think or instruct, got {self.mode!r}")
