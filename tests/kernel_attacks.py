@@ -2,6 +2,9 @@
 
     python tests/kernel_attacks.py softmax 1      # op, difficulty: one row per submission
 
+It runs this checkout's k3post; with ``PYTHONPATH`` set, the k3post that names (the "before" table of
+docs/decisions.md ran the same file against a copy of the tree before the redesign).
+
 Every attack is a complete ``kernel.py`` (plus ``kernel.c`` where it builds on the expert) that computes the
 right answer with the plain reference (so it is correct but slow) and uses its trick to *look* fast: when the
 trick works the speed score rises above 0, when it does not the submission is the reference and scores 0 (or
@@ -14,10 +17,11 @@ and after the redesign is in docs/decisions.md. `tests/test_kernel_attacks.py` r
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-if __name__ == "__main__" and "k3post" not in sys.modules:  # `python tests/kernel_attacks.py` from a checkout
+if __name__ == "__main__" and not os.environ.get("PYTHONPATH"):  # this checkout's k3post, not an installed one
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from k3post.envs.families.kernel import KERNEL, expert_files, verify_files  # noqa: E402
