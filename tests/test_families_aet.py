@@ -251,9 +251,11 @@ def test_searching_the_sandbox_finds_no_hidden_scenario(fam: AETFamily) -> None:
 
 @pytest.mark.parametrize("fam", [CLI, DATADIR], ids=[CLI.name, DATADIR.name])
 def test_verification_runs_in_a_separate_sandbox(fam: AETFamily) -> None:
-    """Code that writes a marker file when the checks run it leaves no trace in the agent's sandbox."""
+    """Code that writes a marker file when the checks run it leaves no trace in the agent's sandbox (the checks'
+    tree is read-only, so the write fails there)."""
     t = fam.generate(1, seed=19, difficulty=1)[0]
-    marker = "import pathlib\npathlib.Path('ran_by_verifier.txt').write_text('x')\n"
+    marker = ("import pathlib\ntry:\n    pathlib.Path('ran_by_verifier.txt').write_text('x')\n"
+              "except OSError:\n    pass\n")
     path = "tally.py" if fam is CLI else "data/clean/" + t.metadata["public"][0]["read"][0].rsplit("/", 1)[1]
     env = fam.make_env(t)
     ep = run_episode_sync(_policy([("write_file", {"path": "tally.py", "content": marker + t.metadata["solution"]["tally.py"]})]

@@ -434,7 +434,12 @@ _ETC_SYNTHETIC: tuple[str, ...] = ("passwd", "group", "hosts", "hostname")
 
 
 def _bwrap_argv(
-    workdir_fd: int, prefixes: list[str], etc_fds: Mapping[str, int], limits: SandboxLimits, python: str
+    workdir_fd: int,
+    prefixes: list[str],
+    etc_fds: Mapping[str, int],
+    limits: SandboxLimits,
+    python: str,
+    read_only: bool = False,
 ) -> list[str]:
     """bubblewrap command line (without the user command) for one run.
 
@@ -498,7 +503,7 @@ def _bwrap_argv(
     for prefix in prefixes:
         argv += ["--ro-bind", prefix, prefix]
     argv += [
-        "--bind-fd",
+        "--ro-bind-fd" if read_only else "--bind-fd",
         str(workdir_fd),
         SANDBOX_DIR,
         "--chdir",
@@ -541,6 +546,7 @@ for p in $SBX_PREFIXES; do
     /usr/bin/mount -o remount,bind,ro ".$p" 2>/dev/null || true
 done
 /usr/bin/mount --bind "$SBX_WORK" sandbox
+if [ -n "$SBX_WORK_RO" ]; then /usr/bin/mount -o remount,bind,ro sandbox; fi
 /usr/bin/ln -s "$SBX_PYTHON" opt/sandbox/bin/python
 /usr/bin/ln -s "$SBX_PYTHON" opt/sandbox/bin/python3
 /usr/sbin/pivot_root . .oldroot
@@ -548,7 +554,7 @@ cd /
 /usr/bin/umount -l /.oldroot
 /usr/bin/rmdir /.oldroot
 /usr/bin/mount -o remount,bind,ro / 2>/dev/null || true
-unset SBX_ROOT SBX_TMPFS SBX_LINKS SBX_DIRS SBX_ETC SBX_ETCDIR SBX_PREFIXES SBX_WORK SBX_PYTHON
+unset SBX_ROOT SBX_TMPFS SBX_LINKS SBX_DIRS SBX_ETC SBX_ETCDIR SBX_PREFIXES SBX_WORK SBX_WORK_RO SBX_PYTHON
 cd /sandbox
 # pid 1 of the namespace is a shell that waits for the command: the kernel
 # ignores SIGXCPU for a namespace init, and the namespace (with every detached
@@ -560,7 +566,13 @@ exec /usr/bin/setpriv --no-new-privs --inh-caps=-all --bounding-set=-all \
 
 
 def _unshare_argv(
-    root_mount: str, workdir: str, prefixes: list[str], etc_dir: str, limits: SandboxLimits, python: str
+    root_mount: str,
+    workdir: str,
+    prefixes: list[str],
+    etc_dir: str,
+    limits: SandboxLimits,
+    python: str,
+    read_only: bool = False,
 ) -> tuple[list[str], dict[str, str]]:
     """``unshare`` command line and setup environment for one run.
 
@@ -583,6 +595,7 @@ def _unshare_argv(
         # namespace is refused), so the sandbox uid needs search permission on
         # the workdir's ancestors for this backend.
         "SBX_WORK": workdir,
+        "SBX_WORK_RO": "1" if read_only else "",
         "SBX_PYTHON": python,
     }
     argv = [
@@ -687,6 +700,53 @@ def _select_backend(requested: str) -> str:
     if requested not in BACKENDS:
         raise ValueError(f"unknown sandbox backend {requested!r}; choose from {('auto',) + BACKENDS}")
     return requested
+
+
+#: HOME of `Sandbox.run_hidden`: outside the tree, and absent.
+HIDDEN_HOME = "/nonexistent"
+#: ``python -I -B -c HIDDEN_LAUNCHER ARGV`` runs ``python ARGV`` (``SCRIPT ARGS`` or ``-m MODULE ARGS``) as the
+#: task defines it, except that the working directory comes LAST on ``sys.path`` (it cannot shadow the standard
+#: library) and modules under it load from source only (no ``.pyc`` / ``__pycache__``, no extension modules;
+#: ``-I`` already skips ``.pth`` files, ``usercustomize`` and the ``PYTHON*`` variables of the tree).
+HIDDEN_LAUNCHER = r"""
+import os, sys, types
+from importlib.machinery import SOURCE_SUFFIXES, FileFinder, SourceFileLoader
+
+
+class _SourceOnly(SourceFileLoader):
+    def get_code(self, fullname):
+        path = self.get_filename(fullname)
+        return compile(self.get_data(path), path, "exec", dont_inherit=True)
+
+
+def _tree_hook(path, _tree=os.getcwd() + os.sep, _finder=FileFinder, _loaders=(_SourceOnly, SOURCE_SUFFIXES)):
+    if path + os.sep == _tree or path.startswith(_tree):
+        return _finder(path, _loaders)
+    raise ImportError(path)
+
+
+sys.dont_write_bytecode = True
+sys.path_hooks.insert(0, _tree_hook)
+sys.path_importer_cache.clear()
+sys.path.append(os.getcwd())
+args = sys.argv[1:]
+if len(args) >= 2 and args[0] == "-m":
+    import runpy
+    sys.argv = args[1:]
+    runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+elif args and not args[0].startswith("-"):
+    sys.argv = args
+    with open(args[0], "rb") as fh:
+        code = compile(fh.read(), args[0], "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__file__ = args[0]
+    main.__builtins__ = __builtins__
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
+else:
+    sys.stderr.write("hidden launcher: expected SCRIPT ARGS or -m MODULE ARGS\n")
+    sys.exit(2)
+"""
 
 
 # --------------------------------------------------------------------------
@@ -851,13 +911,16 @@ class Sandbox:
         os.replace(tmp, target)
         self._fix_ownership()
 
-    def read_file(self, path: str | os.PathLike[str]) -> str:
-        """Read a UTF-8 text file (undecodable bytes replaced) from the workdir."""
+    def read_file(self, path: str | os.PathLike[str], *, max_bytes: int | None = None) -> str:
+        """Read a UTF-8 text file (undecodable bytes replaced) from the workdir; at most ``max_bytes`` bytes of it."""
         self._check_open()
         target = self._resolve(path, must_exist=True)
         if not target.is_file():
             raise ValueError(f"not a regular file in sandbox: {os.fspath(path)!r}")
-        return target.read_bytes().decode("utf-8", errors="replace")
+        if max_bytes is None:
+            return target.read_bytes().decode("utf-8", errors="replace")
+        with open(target, "rb") as fh:
+            return fh.read(max(0, max_bytes)).decode("utf-8", errors="replace")
 
     def list_files(self) -> list[str]:
         """Sorted relative POSIX paths of all regular files in the workdir."""
@@ -1073,13 +1136,14 @@ class Sandbox:
         env[_TOKEN_VAR] = token
         return env
 
-    def _build(self, argv: list[str], env: dict[str, str]) -> tuple[_Launch, dict[str, str]]:
+    def _build(self, argv: list[str], env: dict[str, str], read_only: bool = False) -> tuple[_Launch, dict[str, str]]:
         if self.backend == "rlimit":
             return _Launch(argv=list(argv), cwd=str(self.workdir)), env
         if self.backend == "unshare":
             cmd, setup_env = _unshare_argv(
                 str(self._private / "root"), str(self.workdir), self._prefixes, str(self._private), self.limits,
                 self._python,
+                read_only,
             )
             return _Launch(argv=cmd + list(argv), cwd="/"), {**env, **setup_env}
         opened: list[int] = []
@@ -1094,7 +1158,7 @@ class Sandbox:
             for fd in opened:
                 os.close(fd)
             raise
-        cmd = _bwrap_argv(wfd, self._prefixes, etc_fds, self.limits, self._python) + list(argv)
+        cmd = _bwrap_argv(wfd, self._prefixes, etc_fds, self.limits, self._python, read_only) + list(argv)
         return _Launch(argv=cmd, cwd="/", pass_fds=tuple(opened), close_after=opened), env
 
     def run(
@@ -1104,6 +1168,7 @@ class Sandbox:
         stdin: str | bytes | None = None,
         timeout: float | None = None,
         env: Mapping[str, str] | None = None,
+        read_only: bool = False,
     ) -> SandboxResult:
         """Run ``argv`` in the sandbox's working directory.
 
@@ -1115,6 +1180,8 @@ class Sandbox:
             timeout: wall-clock limit in seconds (default ``limits.wall_s``).
             env: extra environment variables (the environment is otherwise
                 minimal: PATH, HOME, LANG, ...).
+            read_only: bind the working directory read-only (namespace
+                backends; the ``rlimit`` backend cannot, and is flagged weak).
 
         Returns:
             A :class:`SandboxResult`; resource violations are reported there,
@@ -1145,7 +1212,7 @@ class Sandbox:
         self._last_token = token
         full_env = self._env(token, env)
         self._fix_ownership()
-        launch, launch_env = self._build(argv, full_env)
+        launch, launch_env = self._build(argv, full_env, read_only)
 
         # RLIMIT_NPROC counts every process of the (host) uid.  A dedicated uid
         # starts from zero; a shared non-root uid gets its current count added.
@@ -1226,6 +1293,33 @@ class Sandbox:
                     proc.wait(timeout=5)
                 except subprocess.TimeoutExpired:
                     pass
+
+    def run_hidden(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: str | bytes | None = None,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> SandboxResult:
+        """Run ``python ARGV`` for hidden verification: the program under test as the task defines it, isolated.
+
+        ``argv`` is what follows ``python``: ``["tally.py", ...]`` or ``["-m", "app.router", ...]``. The run is
+        ``python -I -B -c`` `HIDDEN_LAUNCHER` (no user site, no ``.pth`` / ``PYTHON*`` / cwd hooks; the working
+        directory last on ``sys.path``, source modules only), ``HOME`` = `HIDDEN_HOME`, the working directory
+        bound read-only, and like every run its own PID namespace and a fresh ``/tmp``. Nothing of a previous
+        run survives into the next, and no process of the caller is visible to it.
+        """
+        argv = list(argv)
+        if not argv:
+            raise ValueError("run_hidden needs SCRIPT ARGS or -m MODULE ARGS")
+        return self.run(
+            ["python", "-I", "-B", "-c", HIDDEN_LAUNCHER, *argv],
+            stdin=stdin,
+            timeout=timeout,
+            env={**(env or {}), "HOME": HIDDEN_HOME},
+            read_only=True,
+        )
 
     def _kill_tree(self, proc: subprocess.Popen[bytes], token: str) -> None:
         """SIGKILL the run's process group and any stragglers carrying its token."""

@@ -14,19 +14,24 @@ ends the episode) and may call the **public verifier**:
     budget is not evaluated: it ends the episode and the final reward loses ``metadata["penalty"]``.
     Submitting does not end the episode.
 
-After the episode the **hidden verifier** copies the final files into another fresh sandbox
-(never the agent's), restores the files the task protects (``metadata["protected"]``: code the
-agent must configure, not rewrite), runs the held-out scenarios there and compares what it observes
-**on the host** with expected values computed at generation time. Hidden scenarios reach a sandbox
-only as the stdin of that verification run; their expected values never reach any sandbox, and
-nothing of them is mounted into the agent's view. The verdict reads the final state only:
+After the episode the **hidden verifier** builds the `verification_tree`: the agent's final files
+where the task lets it write (``metadata["writable"]``, e.g. ``config/``; None: everywhere), the
+task's initial files everywhere else (so code the agent must configure, not rewrite, is restored
+and anything it added outside, such as a ``json.py`` or an ``app/router/`` package, is gone). That
+tree goes into another fresh sandbox (never the agent's), bound read-only, and every held-out
+scenario runs there in a namespace of its own started from the host (`Sandbox.run_hidden`:
+``python -I``, no user site or ``.pth``, the tree last on ``sys.path``, source modules only, HOME
+outside the tree, a fresh ``/tmp``); what it observes is compared **on the host** with expected
+values computed at generation time. A scenario's own inputs are the only ones that reach a sandbox,
+and only as that run's argv and stdin; expected values never reach any sandbox, and nothing of them
+is mounted into the agent's view. The verdict reads the final state only:
 
     reward = max(0, 1[every hidden scenario passes] - penalty * 1[over budget])
 
 with components ``hidden_pass_rate``, ``public_pass_rate`` (the public scenarios re-run on the
 final files, in their own sandbox), ``submissions`` and ``over_budget``.
 
-A scenario is JSON: ``argv`` (run as ``python ARGV`` with ``stdin`` in the working directory),
+A scenario is JSON: ``argv`` (run as ``python ARGV`` with ``stdin`` in the read-only working directory),
 ``read`` (files whose text to observe, None if missing), ``list`` (directories whose file lists to
 observe) and ``expected`` (``rc``, ``stdout``, ``files``, ``list``: each key given must match;
 text is compared up to trailing newlines, ``.json`` files as parsed JSON).
@@ -41,6 +46,7 @@ from __future__ import annotations
 import json
 import random
 import shlex
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -67,6 +73,7 @@ __all__ = [
     "AETEnvironment",
     "PUBLIC_CHECKS",
     "evaluate",
+    "verification_tree",
     "verify_aet",
 ]
 
@@ -76,41 +83,6 @@ AGENT_LIMITS = SandboxLimits(cpu_s=10.0, wall_s=20.0, memory_bytes=1024**3, max_
 SCENARIO_TIMEOUT_S = 5.0
 MAX_FILES = 64
 MAX_FILE_CHARS = 100_000
-
-# Runs inside a verification sandbox with the scenarios (inputs only) in its source; prints one
-# nonce-tagged JSON line of observations. `python -I` keeps the agent's files off its sys.path.
-_DRIVER = r'''
-import json, os, subprocess, sys
-cfg = json.loads(__CFG__)
-out = []
-for sc in cfg["scenarios"]:
-    obs = {}
-    if sc.get("argv"):
-        try:
-            p = subprocess.run([sys.executable, "-B", *sc["argv"]], input=sc.get("stdin", ""), capture_output=True,
-                               encoding="utf-8", errors="replace", timeout=cfg["timeout"])
-            obs["rc"], obs["stdout"] = p.returncode, p.stdout
-        except subprocess.TimeoutExpired:
-            obs["rc"], obs["stdout"] = None, "(timed out)"
-    files = {}
-    for path in sc.get("read", []):
-        try:
-            with open(path, encoding="utf-8", errors="replace") as fh:
-                files[path] = fh.read()
-        except OSError:
-            files[path] = None
-    obs["files"] = files
-    listing = {}
-    for d in sc.get("list", []):
-        names = []
-        for root, _dirs, fs in os.walk(d):
-            names += [os.path.relpath(os.path.join(root, f), d) for f in fs]
-        listing[d] = sorted(names)
-    obs["list"] = listing
-    out.append(obs)
-print(cfg["nonce"] + " " + json.dumps(out))
-'''
-
 
 # --------------------------------------------------------------------------- state
 
@@ -194,28 +166,60 @@ def _mismatch(expected: Mapping[str, Any], obs: Mapping[str, Any]) -> str | None
     return None
 
 
-def evaluate(metadata: Mapping[str, Any], files: Mapping[str, str], scenarios: Sequence[Mapping[str, Any]]) -> tuple[list[str | None], bool]:
-    """Run ``scenarios`` on ``files`` (protected files restored) in a fresh sandbox; compare on the host.
+def _inside(path: str, writable: Sequence[str]) -> bool:
+    return any(path.startswith(w) if w.endswith("/") else path == w for w in writable)
 
-    Returns one reason per scenario (None: passed) and whether the sandbox was weakly isolated. Only
-    the scenario inputs enter the sandbox; a run that produces no result line fails every scenario.
+
+def verification_tree(metadata: Mapping[str, Any], files: Mapping[str, str]) -> dict[str, str]:
+    """The files the checks run on: the agent's ``files`` where the task lets it write, the task's own elsewhere.
+
+    ``metadata["writable"]`` lists what the agent may change (``"config/"``: a folder, ``"x.py"``: a file); every
+    other path holds the task's initial file or nothing, so a file the agent added outside it (``json.py``, an
+    ``app/router/`` package, ``.local/...``) is gone. None (the default): the whole tree is the deliverable. The
+    files of ``metadata["protected"]`` are restored last either way.
     """
-    nonce = uuid.uuid4().hex
-    inputs = [{k: sc[k] for k in ("argv", "stdin", "read", "list") if k in sc} for sc in scenarios]
-    src = _DRIVER.replace("__CFG__", repr(json.dumps({"nonce": nonce, "scenarios": inputs, "timeout": SCENARIO_TIMEOUT_S})))
+    writable = metadata.get("writable")
+    if writable is None:
+        tree = dict(files)
+    else:
+        tree = {p: t for p, t in metadata["files"].items() if not _inside(p, writable)}
+        tree.update({p: t for p, t in files.items() if _inside(p, writable)})
+    tree.update(metadata.get("protected", {}))
+    return dict(sorted(tree.items()))
+
+
+def _observe(sb: Sandbox, tree: Mapping[str, str], sc: Mapping[str, Any], seconds: float) -> dict[str, Any]:
+    """One scenario's observations: ``python ARGV`` run by `Sandbox.run_hidden` (a fresh namespace of its own,
+    read-only tree), and the ``read`` / ``list`` views of the tree, taken on the host (the run cannot change it)."""
+    obs: dict[str, Any] = {}
+    if sc.get("argv"):
+        if seconds <= 0:
+            obs["rc"], obs["stdout"] = None, "(the verification time was spent)"
+        else:
+            res = sb.run_hidden(sc["argv"], stdin=sc.get("stdin", ""), timeout=min(SCENARIO_TIMEOUT_S, seconds))
+            obs["rc"], obs["stdout"] = (None, "(timed out)") if res.timed_out else (res.returncode, res.stdout)
+    obs["files"] = {path: tree.get(path) for path in sc.get("read", [])}
+    obs["list"] = {d: sorted(p[len(d.rstrip("/")) + 1:] for p in tree if p.startswith(d.rstrip("/") + "/"))
+                   for d in sc.get("list", [])}
+    return obs
+
+
+def evaluate(metadata: Mapping[str, Any], files: Mapping[str, str], scenarios: Sequence[Mapping[str, Any]]) -> tuple[list[str | None], bool]:
+    """Run ``scenarios`` on the `verification_tree` of ``files`` in a fresh sandbox; compare on the host.
+
+    Returns one reason per scenario (None: passed) and whether the sandbox was weakly isolated. Each scenario
+    runs in a namespace of its own started from the host, so only its own inputs ever enter a sandbox and no
+    process the program under test can reach holds another scenario or the expected values. All scenarios
+    together get `VERIFY_LIMITS`.wall_s seconds; a scenario past that fails.
+    """
+    tree = verification_tree(metadata, files)
+    deadline = time.monotonic() + VERIFY_LIMITS.wall_s
     with Sandbox(limits=VERIFY_LIMITS) as sb:
-        for path, text in {**files, **metadata.get("protected", {})}.items():
+        for path, text in tree.items():
             sb.write_file(path, text)
-        res = sb.run(["python", "-I", "-B", "-"], stdin=src, timeout=VERIFY_LIMITS.wall_s)
+        obs = [_observe(sb, tree, sc, deadline - time.monotonic()) for sc in scenarios]
         weak = sb.weak_isolation
-    for line in reversed(res.stdout.splitlines()):
-        if line.startswith(nonce + " "):
-            obs = json.loads(line[len(nonce) + 1 :])
-            if isinstance(obs, list) and len(obs) == len(scenarios):
-                return [_mismatch(sc["expected"], o) for sc, o in zip(scenarios, obs)], weak
-            break
-    why = f"the check run produced no result ({res.killed_reason or f'exit code {res.returncode}'})"
-    return [why] * len(scenarios), weak
+    return [_mismatch(sc["expected"], o) for sc, o in zip(scenarios, obs)], weak
 
 
 def public_feedback(metadata: Mapping[str, Any], files: Mapping[str, str], submission: int) -> str:
@@ -301,12 +305,17 @@ class AETEnvironment(ToolEnvironment):
         return result
 
 
+_WRITABLE: dict[str, tuple[str, ...] | None] = {}  # family name -> AETFamily.writable
+
+
 def verify_aet(task: Task, final: FinalState) -> Verdict:
     """The hidden verifier: hidden scenarios on the final files in a fresh sandbox, the budget penalty applied.
 
     Every AET family registers this function under its own name too.
     """
     md = task.metadata
+    if "writable" not in md:  # a task generated before issue 30: its family's rule
+        md = {**md, "writable": _WRITABLE.get(task.family)}
     files, submissions, over = _final(final.state)
     hidden, weak = evaluate(md, files, md["hidden"])
     public, weak_p = evaluate(md, files, md["public"])
@@ -343,11 +352,13 @@ class AETFamily(FamilyBase):
     """
 
     kind: str = "aet"  # recipes may pick these out (configs/full.yaml trains the earlier families only)
+    writable: tuple[str, ...] | None = None  # what the agent may change (`verification_tree`); None: everything
     budget: int = 3
     penalty: float = 0.5
     spec_file: str = "GOAL.md"  # the file the max-effort solver reads first
 
     def __init__(self) -> None:
+        _WRITABLE[self.name] = self.writable
         register_verifier(self.name, verify_aet)
 
     # ------------------------------------------------------------------ to implement
@@ -388,7 +399,8 @@ class AETFamily(FamilyBase):
         )
         return self._task(task_id, [{"role": "user", "content": prompt}], {
             "difficulty": difficulty, "files": dict(files), "public": public, "hidden": hidden,
-            "protected": dict(protected or {}), "budget": self.budget, "penalty": self.penalty, "hidden_id": hidden_id,
+            "protected": dict(protected or {}),
+            "writable": None if self.writable is None else list(self.writable), "budget": self.budget, "penalty": self.penalty, "hidden_id": hidden_id,
             **extra,
         }, [_LIBRARY[n] for n in TOOL_NAMES])
 

@@ -12,8 +12,9 @@
 
 ``agents.aet_config`` (domain agents: configuration and operations work, no code is written)
     Configure ``config/*.json`` of a small router project so that ``python -m app.router ENV PATH``
-    routes as the requirements say in every environment. ``app/`` is protected: the hidden
-    verifier restores it, so only configuration counts. Hidden scenarios are other paths under
+    routes as the requirements say in every environment. Only ``config/`` is writable: the hidden
+    verifier restores every other file and drops every file the agent added elsewhere, so only
+    configuration counts. Hidden scenarios are other paths under
     each route, segment boundaries, unrouted paths and an unknown environment.
 
 Expected values come from the reference program (CLI, data transform) or the reference config run
@@ -451,6 +452,7 @@ class ConfigFamily(AETFamily):
     description = "AET: configure config/*.json so `python -m app.router ENV PATH` meets the requirements; app/ is protected."
     id_prefix = "aetcfg"
     spec_file = "app/README.md"
+    writable = ("config/",)
 
     def _make(self, rng: random.Random, difficulty: int, task_id: str) -> Task | None:
         envs = ["prod", "staging", "dev"][:difficulty]
@@ -504,7 +506,8 @@ class ConfigFamily(AETFamily):
                 "requirements say (see app/README.md for the configuration format):\n\n" + "\n".join(lines))
         return self.task_from(
             task_id, goal=goal, difficulty=difficulty,
-            constraints=["Change only files under config/ (app/ is restored to its original code before the checks).",
+            constraints=["Change only files under config/ (every other file is restored to its original state, and files "
+                         "added elsewhere are removed, before the checks).",
                          "Every listed environment must work; no other environment may exist."],
             files={"app/__init__.py": "", "app/router.py": ROUTER_SOURCE, "app/README.md": _ROUTER_README,
                    "config/base.json": json.dumps(broken, indent=1) + "\n"},
