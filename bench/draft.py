@@ -5,10 +5,10 @@ Setup: the demo-size target (``build_tiny_moe(vocab, "tiny")``: hidden 128, 4 la
 BPE), briefly SFT-trained on the ``general.arithmetic`` reference solutions (``--sft-steps``) so it is not
 uniform; or ``--target DIR`` (a saved model + tokenizer folder). Draft data: the target's own episodes at
 temperature 1 (``target_generations``), ``--train-tasks`` training tasks and ``--held-tasks`` held-out ones
-(another seed), at efforts low and max. For each of ``--seeds`` seeds, three drafts (``Eagle3Draft.from_target``
-with aux ids (1, L/2, L), the same init for the three) are trained with the SAME samples, steps, batch order
-and seed, differing only in ``draft.loss`` (kl, lk_alpha, lk_lambda); the batches each draft saw are hashed
-(``data_sha``) so the equality is checked, not assumed.
+(another seed), at efforts low and max. For each of ``--seeds`` seeds, three drafts
+(``Eagle3Draft.from_target`` with the default aux ids ``stock_aux_layers(L)`` = (1, L//2, L−1), the same init for
+the three) are trained with the SAME samples, steps, batch order and seed, differing only in ``draft.loss`` (kl,
+lk_alpha, lk_lambda); the batches each draft saw are hashed (``data_sha``) so the equality is checked, not assumed.
 
 Measured on the held-out episodes: α per depth (``evaluate_alpha``: mean Σ min(p, q) at temperature 1,
 teacher forced); the acceptance length (tokens per target forward and row, bonus included:
@@ -61,7 +61,7 @@ from k3post.rollout import EmbeddedEngine, GenerationRequest, SamplingParams  # 
 from k3post.rollout.speculative import SpeculativeConfig  # noqa: E402
 from k3post.spec.data import DraftSample, target_generations  # noqa: E402
 from k3post.spec.drafter import Eagle3Drafter  # noqa: E402
-from k3post.spec.eagle3 import Eagle3Draft  # noqa: E402
+from k3post.spec.eagle3 import Eagle3Draft, stock_aux_layers  # noqa: E402
 from k3post.xtml import XTML  # noqa: E402
 
 FAMILY = "general.arithmetic"
@@ -263,7 +263,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     train, held = draft_data(target, tok, args)
     prompts = [_prompt(s) for s in held]
     L = len(target.model.layers)
-    aux = (1, max(1, L // 2), L)
+    aux = stock_aux_layers(L)  # what `k3post draft` trains by default (stock vLLM / SGLang serve it)
     base = DraftConfig(steps=args.draft_steps, batch_size=args.batch_size, lr=args.lr, ttt_steps=args.ttt_steps,
                        warmup_steps=min(10, args.draft_steps), save_every=10 ** 9, log_every=10 ** 9, progress=False)
     pad = tok.pad_token_id

@@ -10,7 +10,7 @@ of the same width its share shrinks as 1/L, as it does for real targets (K3: 61 
     target   bench/draft.build_target: the demo-width tiny MoE with L layers, SFT on general.arithmetic
              (``--sft-steps``, the same data and seed at every depth)
     data     the target's own episodes at temperature 1 (``--train-tasks`` / ``--held-tasks`` tasks x 2 efforts)
-    draft    one LK_α draft, aux ids (1, L/2, L), ``--draft-steps`` steps (DraftConfig as bench/draft.py)
+    draft    one LK_α draft, the default aux ids (1, L//2, L−1), ``--draft-steps`` steps (DraftConfig as bench/draft.py)
     timing   bench/draft.speed_grid on the held-out prompts: batch 1 and 8 x temperature 1 and 0 x k 2, 3, 5,
              decode tokens/s of speculative vs plain decoding, median of ``--repeats`` interleaved rounds
 
@@ -41,7 +41,7 @@ from draft import SPEED_GRID, _prompt, build_target, draft_data, speed_grid  # n
 import k3post.spec.train as spec_train  # noqa: E402
 from k3post.config.draft import DraftConfig  # noqa: E402
 from k3post.models import count_parameters  # noqa: E402
-from k3post.spec.eagle3 import Eagle3Draft  # noqa: E402
+from k3post.spec.eagle3 import Eagle3Draft, stock_aux_layers  # noqa: E402
 
 
 def one_depth(args: argparse.Namespace, layers: int, work: Path) -> dict[str, Any]:
@@ -52,7 +52,7 @@ def one_depth(args: argparse.Namespace, layers: int, work: Path) -> dict[str, An
     cfg = DraftConfig(loss="lk_alpha", steps=args.draft_steps, batch_size=8, lr=3e-3, ttt_steps=7,
                       warmup_steps=min(10, args.draft_steps), save_every=10 ** 9, log_every=10 ** 9, progress=False)
     torch.manual_seed(args.seed)
-    draft = Eagle3Draft.from_target(target, (1, max(1, layers // 2), layers))
+    draft = Eagle3Draft.from_target(target, stock_aux_layers(layers))
     spec_train.train_draft(target, draft, train, cfg, work / "draft", pad_id=tok.pad_token_id, seed=args.seed,
                            resume=False)
     setup_s = time.perf_counter() - t0

@@ -318,7 +318,7 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
     from k3post.spec.data import load_samples, save_samples, target_generations, token_counts
     from k3post.spec.eagle3 import DraftVocab, Eagle3Draft
     from k3post.spec.export import export_eagle3
-    from k3post.spec.train import evaluate_alpha, expected_accept_length, train_draft
+    from k3post.spec.train import evaluate_alpha, expected_accept_length, fit_fc, train_draft
 
     d = cfg.draft
     tokenizer = load_tokenizer(target_dir)
@@ -353,6 +353,7 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
         lc = replace(d, loss=loss)
         torch.manual_seed(cfg.run.seed)
         draft = Eagle3Draft.from_target(target, aux, mtp=mtp, draft_vocab=vocab)
+        summary["fc_fit_positions"] = fit_fc(target, draft, train, lc, pad)  # high id < L: fc ≈ the MTP head's input
         before = evaluate_alpha(target, draft, held, lc, pad)
         res = train_draft(target, draft, train, lc, out / loss, pad_id=pad, seed=cfg.run.seed, metrics=metrics,
                           stage=f"draft_{loss}")

@@ -142,6 +142,36 @@ def test_draft_aux_layers_resolution() -> None:
     assert draft_aux_layers(DraftConfig(aux_layers=[1, 6, 12], nonstock_export=True), 12) == (1, 6, 12)
 
 
+def test_fit_fc_starts_the_draft_at_the_final_hidden_state(world) -> None:
+    """With the high aux id below L (the stock layouts), ``fit_fc`` sets fc to the ridge least-squares map onto the
+    final hidden state (the MTP head's input): fc(fused) is nearer to it than [0 0 I]'s h_high, and W satisfies the
+    ridge normal equations Xᵀ(XWᵀ − Y) = −λWᵀ, λ = 1e-4 · mean diag XᵀX, up to W's rounding to float32 (each
+    entry off by ≤ 2⁻²⁴ relative, so the two sides differ by ≤ 2⁻²⁴ · (|XᵀX| + λI) |Wᵀ|; float64 elsewhere). With
+    id L, [0 0 I] is exact and fc is left alone."""
+    from k3post.spec.eagle3 import target_features
+    from k3post.spec.train import draft_batch, fit_fc
+
+    tok, target, train, _ = world
+    cfg = _cfg()
+    draft = _draft(target)
+    assert fit_fc(target, draft, train, cfg, tok.pad_token_id) == 0  # (1, 1, 2): id L = 2
+    torch.manual_seed(0)
+    draft = Eagle3Draft.from_target(target, (1, 1, 1))
+    ids_BT, _, real_BT = draft_batch(train, cfg.max_len, tok.pad_token_id)
+    fused, final = target_features(target, ids_BT, (1, 1, 1), attention_mask=real_BT.long())
+    X, Y = fused[real_BT].double(), final[real_BT].double()
+    before = float((X @ draft.fc.weight.detach().double().T - Y).pow(2).sum())
+    assert fit_fc(target, draft, train, cfg, tok.pad_token_id) == int(real_BT.sum())
+    W = draft.fc.weight.detach().double()
+    R = X @ W.T - Y
+    assert float(R.pow(2).sum()) < before
+    G = X.T @ X
+    lam = 1e-4 * G.diagonal().mean()
+    err = (X.T @ R + lam * W.T).abs()  # = (G + λI) δᵀ, δ = W's float32 rounding
+    bound = 2.0 ** -24 * ((G.abs() + lam * torch.eye(len(G), dtype=G.dtype)) @ W.T.abs())
+    assert bool((err <= 2 * bound).all()), float((err / bound).max())  # x2: float64 solve / sums, ~1e-12 relative
+
+
 def test_expected_accept_length() -> None:
     """1 + α0 + α0·α1 + … (hand values): α = [0.5, 0.4, 0.2] → k=1: 1.5, k=2: 1.7, k=3: 1.74."""
     from k3post.spec.train import expected_accept_length

@@ -34,7 +34,8 @@ from k3post.spec.data import DraftSample
 from k3post.spec.eagle3 import Eagle3Draft, step_weights, target_features, unrolled_logits
 from k3post.spec.losses import acceptance, draft_loss
 
-__all__ = ["DraftResult", "draft_batch", "draft_step_losses", "evaluate_alpha", "expected_accept_length", "train_draft"]
+__all__ = ["DraftResult", "draft_batch", "draft_step_losses", "evaluate_alpha", "expected_accept_length", "fit_fc",
+           "train_draft"]
 
 STAGE = "draft"
 
@@ -93,6 +94,34 @@ def draft_step_losses(
     target's distribution at t+1+i, where token t+2+i was sampled by the target."""
     return [draft_loss(p, q, mask, kind=cfg.loss, eta=cfg.eta, draft_ids=_draft_ids(draft, p.shape[-1]))
             for p, q, mask in _aligned_steps(target, draft, ids_BT, sampled_BT, real_BT, cfg, pad_id)]
+
+
+@torch.no_grad()
+def fit_fc(target: torch.nn.Module, draft: Eagle3Draft, samples: Sequence[DraftSample], cfg: DraftConfig, pad_id: int,
+           ridge: float = 1e-4) -> int:
+    """Start ``fc`` at the least-squares map from the fused features to the final hidden state (the MTP head's
+    input), when the high aux id is not L (stock engines cannot record id L; with id L, [0 0 I] is exact and
+    ``fc`` is left as it is). Over the real positions of ``samples`` (X: fused, Y: final, float64):
+    W = Yᵀ X (Xᵀ X + ridge · mean(diag Xᵀ X) · I)⁻¹, so step 0 reads the nearest linear estimate of what the head
+    was trained on. Returns the positions fitted (0 when left as it is)."""
+    ids = draft.config.aux_layer_ids
+    if ids[-1] == draft.config.num_target_layers:
+        return 0
+    G = B = None
+    n = 0
+    for k in range(0, len(samples), cfg.batch_size):
+        ids_BT, _, real_BT = draft_batch(samples[k:k + cfg.batch_size], cfg.max_len, pad_id)
+        fused, final = target_features(target, ids_BT, ids, attention_mask=real_BT.long())
+        X, Y = fused[real_BT].double(), final[real_BT].double()
+        G = X.T @ X if G is None else G + X.T @ X
+        B = X.T @ Y if B is None else B + X.T @ Y
+        n += X.shape[0]
+    if G is None:
+        return 0
+    eye = torch.eye(G.shape[0], dtype=G.dtype, device=G.device)
+    W = torch.linalg.solve(G + ridge * G.diagonal().mean() * eye, B).T
+    draft.fc.weight.copy_(W.to(draft.fc.weight.dtype))
+    return n
 
 
 @torch.no_grad()
