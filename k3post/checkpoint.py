@@ -313,9 +313,11 @@ def load_trainer_state(ckpt: str | Path) -> dict[str, Any]:
         with torch.serialization.safe_globals(_legacy_safe_globals()):
             return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()
+        if "weights only" not in str(e).lower():
+            raise  # not a pickle at all (a torn or foreign file): a failure, not a refusal
+        first = [ln for ln in str(e).strip().splitlines() if "Unsupported global" in ln or "not allowed" in ln]
         raise UserError(f"{path}: refused: it holds objects other than tensors and plain data, which a "
-                        f"checkpoint of k3post never does ({first[-1] if first else 'unpickling refused'})") from e
+                        f"checkpoint of k3post never does ({first[0].split(' Please use')[0].strip() if first else 'weights-only unpickling refused'})") from e
 
 
 def load_weights_into(model: torch.nn.Module, ckpt: str | Path) -> None:
