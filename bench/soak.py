@@ -146,14 +146,12 @@ def _probe(pl: Any, ckpt_root: Path) -> dict[str, float]:
 
 def _state_bytes(ckpt_root: Path) -> dict[str, float]:
     """Sizes of the newest checkpoint's trainer state (module doc; zeros before the first checkpoint)."""
-    import torch
-
-    from k3post.checkpoint import latest_checkpoint
+    from k3post.checkpoint import latest_checkpoint, load_trainer_state
 
     ckpt = latest_checkpoint(ckpt_root)
     if ckpt is None:
         return {"ckpt_state_bytes": 0.0, "ckpt_sched_bytes": 0.0, "ckpt_loop_bytes": 0.0}
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    state = load_trainer_state(ckpt)
     rest = {k: v for k, v in state.items() if k not in ("scheduler", "kv_pool")}
     return {"ckpt_state_bytes": float((ckpt / "trainer_state.pt").stat().st_size),
             "ckpt_sched_bytes": float(len(pickle.dumps(state["scheduler"]))),

@@ -145,16 +145,13 @@ def save_checkpoint(
             shutil.rmtree(final)
         tmp.rename(final)
         _chaos_pause("ckpt.before_latest")
-        latest_tmp = root / "latest.tmp"
-        with latest_tmp.open("w") as fh:
-            fh.write(final.name)
-            fh.flush()
-            os.fsync(fh.fileno())
-        latest_tmp.replace(root / "latest")
-        fsync_path(root)
+        _point_latest(root, final)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        last = latest_checkpoint(root)
+        try:
+            last = latest_checkpoint(root)
+        except BrokenCheckpointError:
+            last = None
         why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "the write failed"
         raise CheckpointWriteError(
             e.errno, f"cannot write checkpoint {final.name} into {root}: {why} ({e.strerror or e}); "
@@ -313,9 +310,11 @@ def load_trainer_state(ckpt: str | Path) -> dict[str, Any]:
         with torch.serialization.safe_globals(_legacy_safe_globals()):
             return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()
+        first = [ln for ln in str(e).strip().splitlines() if "Unsupported global" in ln]
+        if not first:
+            raise  # not a pickle at all (a torn or foreign file): a failure, not a refusal
         raise UserError(f"{path}: refused: it holds objects other than tensors and plain data, which a "
-                        f"checkpoint of k3post never does ({first[-1] if first else 'unpickling refused'})") from e
+                        f"checkpoint of k3post never does ({first[0].split(' Please use')[0].strip()})") from e
 
 
 def load_weights_into(model: torch.nn.Module, ckpt: str | Path) -> None:

@@ -364,3 +364,54 @@ def test_rl_with_a_missing_init_exits_2_and_creates_no_run_folder(tmp_path, caps
     assert main(["rl", "configs/demo.yaml", f"run.root={tmp_path}", "run.name=r", f"rl.init={tmp_path}/none"]) == 2
     assert f"rl.init: {tmp_path}/none is not a model folder" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def _rl_run(tmp_path: Path, *overrides: str):  # noqa: ANN202
+    from k3post.config import load_config
+
+    init = tmp_path / "init"
+    init.mkdir(exist_ok=True)
+    (init / "config.json").write_text("{}")
+    return load_config(None, [f"run.root={tmp_path}", "run.name=r", f"rl.init={init}", *overrides])
+
+
+def test_rl_settings_are_per_expert_and_restart_moves_only_that_stage_aside(tmp_path):
+    """Each RL expert (rl/<domain>.<effort>) has its own record: another domain is not a change; a changed
+    rl.lr for the same expert is refused; run.restart=true moves rl/general.max to rl/general.max.restart-1
+    and leaves the rest of the run (sft/, the other expert) where it was."""
+    from k3post.runs import open_run, release_runs
+
+    run = tmp_path / "r"
+    try:
+        open_run(run, _rl_run(tmp_path), "rl")
+        (run / "rl" / "general.max").mkdir(parents=True)
+        (run / "sft").mkdir()
+        open_run(run, _rl_run(tmp_path, "rl.domain=coding", "rl.lr=0.5"), "rl")
+        (run / "rl" / "coding.max").mkdir(parents=True)
+        with pytest.raises(UserError, match=r"rl/general.max ran with other settings; changed: rl.lr: 0.0001 → 0.5"):
+            open_run(run, _rl_run(tmp_path, "rl.lr=0.5"), "rl")
+        open_run(run, _rl_run(tmp_path, "rl.lr=0.5", "run.restart=true"), "rl")
+        assert sorted(p.name for p in (run / "rl").iterdir()) == ["coding.max", "general.max.restart-1"]
+        assert (run / "sft").is_dir()
+        open_run(run, _rl_run(tmp_path, "rl.lr=0.5"), "rl")  # now the expert's settings
+    finally:
+        release_runs()
+
+
+def test_demo_overwrite_moves_the_finished_run_aside_instead_of_deleting_it(tmp_path):
+    from k3post.config import load_config
+    from k3post.demo import _run_dir
+    from k3post.runs import open_run, release_runs
+
+    run = tmp_path / "demo"
+    run.mkdir()
+    (run / "summary.json").write_text('{"status": "done"}')
+    cfg = load_config(None, [f"run.root={tmp_path}"])
+    assert _run_dir(cfg) == tmp_path / "demo-1"  # a finished run is never written into
+    cfg = load_config(None, [f"run.root={tmp_path}", "run.overwrite=true"])
+    try:
+        assert open_run(_run_dir(cfg), cfg, "demo") == run
+    finally:
+        release_runs()
+    assert (tmp_path / "demo.restart-1" / "summary.json").read_text() == '{"status": "done"}'
+    assert not (run / "summary.json").exists()

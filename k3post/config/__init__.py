@@ -139,9 +139,10 @@ def _check_keys(tree: Any, valid: dict[str, type | None], source: str, prefix: s
         dotted = f"{prefix}{key}"
         if dotted not in valid:
             siblings = [k for k in valid if k.rsplit(".", 1)[0] == dotted.rsplit(".", 1)[0] or "." not in k]
-            close = difflib.get_close_matches(dotted, list(valid), n=1, cutoff=0.5) or difflib.get_close_matches(
-                dotted, siblings, n=1, cutoff=0.0
-            )
+            section = [k for k in valid if "." in dotted and k.rsplit(".", 1)[0] == dotted.rsplit(".", 1)[0]]
+            close = (difflib.get_close_matches(dotted, section, n=1, cutoff=0.5)  # its own section's first
+                     or difflib.get_close_matches(dotted, list(valid), n=1, cutoff=0.5)
+                     or difflib.get_close_matches(dotted, siblings, n=1, cutoff=0.0))
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"{source}: unknown config key '{dotted}'{hint}")
         if valid[dotted] is not None:
