@@ -381,7 +381,9 @@ def _refuse_weights(engine: Any) -> None:
 class EngineServerActor:
     """One ``k3post serve`` engine server (the engine API of `k3post.serve.engine_api`) inside a Ray actor,
     on a port of its node (module doc: restarts keep the port and the weights). ``frozen``: it serves a model
-    that is not trained (a GRM judge): weight updates are refused, a restart reloads ``model_dir``."""
+    that is not trained (a GRM judge): weight updates are refused, a restart reloads ``model_dir``. ``api_key``:
+    required, since the node's address is reachable from other machines (`RayCluster.engine_servers` passes
+    the run's key, which its clients send)."""
 
     def __init__(self, model_dir: str, state_dir: str, *, max_batch_size: int = 32, max_model_len: int | None = None,
                  qat: bool = False, seed: int = 0, threads: int = 1, ready_timeout_s: float = 120.0,
