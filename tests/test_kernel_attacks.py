@@ -204,3 +204,17 @@ def test_a_failing_trusted_child_is_the_verifiers_error_not_the_agents_zero(monk
             sb.write_file(path, text)
         with pytest.raises(RuntimeError, match="trusted ref child failed"):
             K.measure(task, sb)
+
+
+def test_spawn_on_the_weak_backend_is_the_command_itself_and_flagged():
+    with pytest.warns(RuntimeWarning, match="WEAK"):
+        sb = Sandbox(backend="rlimit")
+    with sb:
+        sb.write_file("echo.py", "def f(x, n):\n    return list(x)\n")
+        child = KernelChild(sb, "d", "f", "echo", capacity=CAP)
+        try:
+            assert child.proc.weak_isolation and child.pid == child.proc.popen.pid
+            outs, _, _ = child.call([[array.array("d", [5.0]).tobytes()]], [1])
+            assert outs == [array.array("d", [5.0]).tobytes()]
+        finally:
+            child.close()
