@@ -189,3 +189,32 @@ def test_import_errors_and_deaths_are_reported_by_kind():
         finally:
             child.close()
         assert err.value.kind == "died"
+
+
+def test_a_failing_trusted_child_is_the_verifiers_error_not_the_agents_zero(monkeypatch):
+    from k3post.envs.families import kernel as K
+    from k3post.envs.families.kernel_ops import OPS
+
+    task = next(t for t in K.KERNEL.generate(40, seed=0, difficulty=1) if t.metadata["op"] == "row_sumsq")
+    orig = K._trusted_files
+    monkeypatch.setattr(K, "_trusted_files", lambda op, tc: {
+        **orig(op, tc), "reference.py": f"def {op.name}(*a):\n    raise SystemError('broken reference')\n"})
+    with Sandbox() as sb:
+        for path, text in K.expert_files(OPS["row_sumsq"], "d").items():
+            sb.write_file(path, text)
+        with pytest.raises(RuntimeError, match="trusted ref child failed"):
+            K.measure(task, sb)
+
+
+def test_spawn_on_the_weak_backend_is_the_command_itself_and_flagged():
+    with pytest.warns(RuntimeWarning, match="WEAK"):
+        sb = Sandbox(backend="rlimit")
+    with sb:
+        sb.write_file("echo.py", "def f(x, n):\n    return list(x)\n")
+        child = KernelChild(sb, "d", "f", "echo", capacity=CAP)
+        try:
+            assert child.proc.weak_isolation and child.pid == child.proc.popen.pid
+            outs, _, _ = child.call([[array.array("d", [5.0]).tobytes()]], [1])
+            assert outs == [array.array("d", [5.0]).tobytes()]
+        finally:
+            child.close()

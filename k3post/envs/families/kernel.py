@@ -107,6 +107,8 @@ ROUNDS = 8
 """Timed rounds (each times the reference, the expert, the agent and the null kernel on one fresh input)."""
 WARMUP = 3
 """Untimed rounds before them (CPython specialises a function's bytecode after a few calls)."""
+TRUSTED_CALL_S = 120.0
+"""Time limit of one call of a trusted child (its own, not the measurement's: the agent cannot use it up)."""
 BATCH = 8
 """Input sets per timed call: the child's fixed cost per call (wake-up, frames) is shared by this many calls."""
 NOISE_RERUN = 0.10
@@ -298,6 +300,17 @@ def _checked_call(child: KernelChild, op: KernelOp, tc: str, sets: Sequence[Sequ
     return ns
 
 
+def _trusted_call(child: KernelChild, role: str, op: KernelOp, sets: Sequence[Sequence[array.array]],
+                  dims: Mapping[str, int]) -> tuple[list[bytes], int]:
+    """A call of a trusted child (reference, expert, null): its failure is the verifier's, never the agent's."""
+    try:
+        outs, _, ns = child.call([[a.tobytes() for a in args] for args in sets], [dims[k] for k in op.dims],
+                                 timeout=TRUSTED_CALL_S)
+    except ChildError as exc:
+        raise RuntimeError(f"coding.kernel: the trusted {role} child failed ({exc.kind}): {exc.why[-500:]}") from exc
+    return outs, ns
+
+
 def _shm_bytes(op: KernelOp, tc: str, shapes: Sequence[Mapping[str, int]]) -> int:
     """Shared memory per child: `BATCH` input sets and their echo, plus room for results up to 4x too long."""
     size = array.array(tc).itemsize
@@ -350,7 +363,10 @@ def measure(task: Task, sandbox: Sandbox, *, run: int = 0, public: bool = False,
             children.append(agent)
             roles = {"agent": agent}
             for role, module in (("ref", "reference"), ("expert", "kernel"), ("null", "null")):
-                roles[role] = KernelChild(trusted, tc, op.name, module, capacity=capacity, cpu=cpu)
+                try:
+                    roles[role] = KernelChild(trusted, tc, op.name, module, capacity=capacity, cpu=cpu)
+                except ChildError as exc:
+                    raise RuntimeError(f"coding.kernel: the trusted {role} child did not start: {exc}") from exc
                 children.append(roles[role])
             # drawn now: the agent's code is loaded and nothing it ran could have seen these
             rng = random.Random(secrets.randbits(128))
@@ -372,12 +388,13 @@ def measure(task: Task, sandbox: Sandbox, *, run: int = 0, public: bool = False,
                     if role == "agent":
                         ns = _checked_call(agent, op, tc, sets, dims, f"timed round {i}", left(), want)
                     else:
-                        outs, _, ns = roles[role].call([[a.tobytes() for a in args] for args in sets],
-                                                       [dims[k] for k in op.dims], timeout=left())
+                        outs, ns = _trusted_call(roles[role], role, op, sets, dims)
                         if role == "ref":
                             want = [array.array(tc, o) for o in outs]
                     if i >= n_warm:
                         times[role].append(max(ns, 1))
+                if time.monotonic() > deadline:
+                    raise _Reject("timeout", f"the measurement ran past its {timeout:g} s")
     except ChildError as exc:
         return Measurement(exc.kind, exc.why, weak_isolation=weak)
     except _Reject as exc:
