@@ -6,8 +6,10 @@ Every stage command (`k3post sft`, `rl`, `experts`, `mopd`, `draft`, `demo`) ope
 1. checks the command's input files (`check_inputs`: ``model.path``, ``tokenizer.path``, ``sft.train_file``,
    ``rl.init``, ``draft.target``, ``draft.mtp``, ``mopd.experts``) and the settings against those the stage
    ran with before (``<run>/stages.json``): a key of `STAGES` [stage] that changed (other than `FREE_KEYS`)
-   is a `UserError` listing each key, old → new, before anything is written. ``run.restart=true`` instead
-   moves the whole old run to ``<run>.restart-N/`` (nothing is deleted) and starts a fresh one;
+   is a `UserError` listing each key, old → new, before anything is written (a key only one side has, a
+   field another k3post version added, is not compared). ``run.restart=true`` instead moves the old run
+   (sft, demo: what later stages built on it is stale too) or the stage's folder (rl, experts, mopd, draft)
+   to ``<folder>.restart-N/`` (nothing is deleted) and starts afresh;
 2. creates the folder and locks it: ``<run>/.k3post.lock`` (flock) holds the pid of the command writing it;
    a second command on the same folder is a `UserError` naming that pid (exit 2);
 3. checks every checkpoint folder of the stage (`k3post.checkpoint.broken_checkpoint`): an incomplete one
@@ -141,13 +143,8 @@ def changed_keys(run: Path, cfg: K3Config, stage: str) -> list[str]:
     if old is None:
         return []
     new = _settings(cfg, stage)
-    missing = object()
-    out = []
-    for k in sorted(set(old) | set(new)):
-        a, b = old.get(k, missing), new.get(k, missing)
-        if a != b:
-            out.append(f"{k}: {'(unset)' if a is missing else json.dumps(a)} → {'(unset)' if b is missing else json.dumps(b)}")
-    return out
+    # a key only one side has is a field another k3post version added or removed, not a setting the user changed
+    return [f"{k}: {json.dumps(old[k])} → {json.dumps(new[k])}" for k in sorted(set(old) & set(new)) if old[k] != new[k]]
 
 
 def _local_path(value: str) -> bool:
