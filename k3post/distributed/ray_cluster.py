@@ -153,6 +153,10 @@ class RayCluster:
         os.environ["K3POST_API_KEY"] = self.api_key
         if self.owns_ray:
             ray.init(**_init_kwargs(cfg, self.api_key))
+        job_env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
+        # a session whose workers lack the key (started elsewhere): each task / actor gets it
+        self._key_env = ({} if job_env.get("K3POST_API_KEY") == self.api_key
+                         else {"runtime_env": {"env_vars": {"K3POST_API_KEY": self.api_key}}})
         have = float(ray.cluster_resources().get("CPU", 0.0))
         if self.placement.cpus > have + 1e-9:
             self.close()
@@ -182,8 +186,7 @@ class RayCluster:
         bundle, cpus = slots[member % len(slots)]
         out: dict[str, Any] = {"num_cpus": cpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=self.pg, placement_group_bundle_index=bundle)}
-        if not self.owns_ray:  # a session started elsewhere: its workers get the key with each task / actor
-            out["runtime_env"] = {"env_vars": {"K3POST_API_KEY": self.api_key}}
+        out.update(self._key_env)
         return out
 
     def run_chains(self, fn: Callable[..., Any], chains: Sequence[Sequence[tuple[Any, ...]]]) -> list[Any]:
