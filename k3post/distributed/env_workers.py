@@ -34,13 +34,14 @@ import dataclasses
 import itertools
 import logging
 import os
+import time
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from k3post.config.sandbox import SandboxConfig, apply_sandbox_config
 from k3post.envs.env import EnvironmentLost, StepResult
@@ -156,8 +157,22 @@ class EnvWorkerPool:
     def new_key(self) -> str:
         return f"{os.getpid()}-{id(self)}-{next(self._keys)}"
 
-    def info(self) -> list[dict[str, Any]]:
-        return ray.get([a.info.remote() for a in self.actors])
+    def info(self, *, wait_s: float = 120.0) -> list[dict[str, Any]]:
+        """Each worker's `EnvWorkerActor.info`. A worker Ray is still restarting answers
+        ``ActorUnavailableError`` (the restart is under way, not a failure): it is asked again until it answers
+        or ``wait_s`` has passed (then the error is raised)."""
+        deadline = time.monotonic() + wait_s
+        out = []
+        for a in self.actors:
+            while True:
+                try:
+                    out.append(ray.get(a.info.remote()))
+                    break
+                except ActorUnavailableError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+        return out
 
     def close(self) -> None:
         for a in self.actors:
