@@ -232,7 +232,14 @@ def _probes(task: Task) -> list[str]:
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=IDS)
-def test_searching_the_sandbox_finds_no_hidden_scenario(fam: AETFamily) -> None:
+def test_searching_the_sandbox_finds_no_hidden_scenario(fam: AETFamily, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The walk reads every file in the view: on a loaded machine it outran the agent's 10 s CPU / 20 s wall
+    # limits (the run was killed and the test failed on a timeout, not on a find). The limits are not what
+    # is tested here, so the search gets room: 10x both.
+    import dataclasses
+
+    import k3post.envs.families.aet as aet_mod
+    monkeypatch.setattr(aet_mod, "AGENT_LIMITS", dataclasses.replace(aet_mod.AGENT_LIMITS, cpu_s=100.0, wall_s=200.0))
     t = fam.generate(1, seed=17, difficulty=3)[0]
     hidden = _probes(t)
     assert len(hidden) >= 3
