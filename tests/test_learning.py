@@ -241,18 +241,25 @@ def test_effort_override_shortens_thinking(world, bug, tmp_path):
     assert t0 > 80 and t1 <= 0.7 * t0, (t0, t1)
 
 
-def test_mopd_lowers_reverse_kl(world, sft_low, tmp_path):
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mopd_lowers_reverse_kl(world, sft_low, tmp_path, seed):
     """Teacher: the 200-step SFT model (expert general.low). Student: the teacher with Gaussian noise on every
-    weight (0.5 of each tensor's std), so it disagrees with the teacher from the start. The reverse KL
-    E_student[log π_s − log π_t] per sampled token, on 8 samples of each of 12 prompts at temperature 1,
-    falls. Measured: 0.29 -> 0.042 in 12 steps (x0.15; x0.06-0.30 over other teachers, seeds and thread
-    counts); teacher and student swapped: 0.29 -> 8.65."""
+    weight (0.5 of each tensor's std, noise and run seeded by ``seed``), so it disagrees with the teacher from
+    the start. The reverse KL E_student[log π_s − log π_t] per sampled token, on 8 samples of each of 12 prompts
+    at temperature 1, falls to at most 0.75 of its start within 12 steps, for each of 2 seeds.
+
+    Margin (issue 30, docs/decisions.md): the final / initial ratio over seeds 0-4 × kernels default / avx2 /
+    avx512 (each kernel its own teacher) at lr 1e-3 was 0.08-0.56 (seeds 0-1: 0.08-0.43), so 0.75 is 1.3× the
+    worst measured run; the 12-step ratio is a noisy walk (per-step estimates jump by ±0.1), not a converged
+    value, which is why one seed and a 0.4 bound failed on another machine. A bigger step is less stable (lr 3e-3:
+    seed 1 stalls at 0.74), a smaller one slower (lr 3e-4: 0.22-0.47). Teacher and student swapped: 0.29 -> 8.65
+    (ratio 30), fails."""
     from k3post.mopd import MOPDConfig, train_mopd
 
     teacher = sft_low[1]
     teacher_dir = save_model(teacher, tmp_path / "teacher", world["tok"])
     student = copy.deepcopy(teacher)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in student.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.5 * p.std().clamp_min(1e-3))
@@ -268,7 +275,7 @@ def test_mopd_lowers_reverse_kl(world, sft_low, tmp_path):
 
     kl0 = reverse_kl()
     cfg = MOPDConfig(experts={"general.low": str(teacher_dir)}, effort_mix={"low": 1.0}, domains=["general"],
-                     families={"general": [FAMILY]}, rl=_rl_cfg(steps=12, k=4, temperature=1.0))
+                     families={"general": [FAMILY]}, rl=_rl_cfg(steps=12, k=4, temperature=1.0, seed=seed))
     train_mopd(student, world["tok"], cfg, tmp_path / "mopd")
     kl1 = reverse_kl()
-    assert kl0 > 0.1 and kl1 <= 0.4 * kl0, (kl0, kl1)
+    assert kl0 > 0.05 and kl1 <= 0.75 * kl0, (kl0, kl1)  # kl0 measured 0.12-0.57
