@@ -106,6 +106,38 @@ def render_record(xtml: XTML, rec: dict[str, Any], mode: str = "think") -> tuple
     return list(r.ids), [bool(x) for x in r.loss_mask]
 
 
+def _records(p: Path) -> Iterator[tuple[str, Any]]:
+    """``(path:line, record)`` for every non-blank line, the record checked (`check_record`); a `DataError`
+    (reason malformed_json / invalid_record) naming the line is yielded in the record's place."""
+    with p.open("rb") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{p}:{lineno}"
+            try:
+                rec = json_line(line, where)
+            except MalformedLineError as e:
+                yield where, DataError(str(e), "malformed_json")
+                continue
+            try:
+                check_record(rec)
+            except ValueError as e:
+                yield where, DataError(f"{where}: {e}", "invalid_record")
+                continue
+            yield where, rec
+
+
+def check_sft_jsonl(path: str | Path) -> None:
+    """The tokenizer-free part of `load_sft_jsonl`'s checks (JSON and record structure, each line), so that a
+    bad line is an input error before a run folder is written; the first bad line raises its `DataError`."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{p}: SFT data file not found")
+    for _, rec in _records(p):
+        if isinstance(rec, DataError):
+            raise rec
+
+
 def load_sft_jsonl(
     path: str | Path, xtml: XTML, *, max_len: int, on_bad_sample: str = "error", mode: str = "think"
 ) -> tuple[list[Sample], LoadStats]:
@@ -117,35 +149,28 @@ def load_sft_jsonl(
         raise DataError(f"{p}: SFT data file not found")
     samples: list[Sample] = []
     stats = LoadStats()
-    with p.open("rb") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            stats.read += 1
-            where = f"{p}:{lineno}"
+    for where, rec in _records(p):
+        stats.read += 1
+        try:
+            if isinstance(rec, DataError):
+                raise rec
             try:
-                try:
-                    rec = json_line(line, where)
-                except MalformedLineError as e:
-                    raise DataError(str(e), "malformed_json") from e
-                try:
-                    check_record(rec)
-                    ids, mask = render_record(xtml, rec, mode)
-                except DataError:
-                    raise
-                except ValueError as e:
-                    raise DataError(f"{where}: {e}", "invalid_record") from e
-                if len(ids) > max_len:
-                    raise DataError(f"{where}: sample is {len(ids)} tokens, longer than max_len={max_len}", "too_long")
-                if not any(mask):
-                    raise DataError(f"{where}: sample has no trainable (assistant) tokens", "no_trainable_tokens")
-            except DataError as e:
-                if on_bad_sample == "error":
-                    raise
-                stats.skip(e.reason)
-                continue
-            samples.append(Sample(ids, mask, where))
-            stats.kept += 1
+                ids, mask = render_record(xtml, rec, mode)
+            except DataError:
+                raise
+            except ValueError as e:
+                raise DataError(f"{where}: {e}", "invalid_record") from e
+            if len(ids) > max_len:
+                raise DataError(f"{where}: sample is {len(ids)} tokens, longer than max_len={max_len}", "too_long")
+            if not any(mask):
+                raise DataError(f"{where}: sample has no trainable (assistant) tokens", "no_trainable_tokens")
+        except DataError as e:
+            if on_bad_sample == "error":
+                raise
+            stats.skip(e.reason)
+            continue
+        samples.append(Sample(ids, mask, where))
+        stats.kept += 1
     if not samples:
         raise DataError(f"{p}: no usable samples ({stats.read} read, skipped {stats.skipped})")
     return samples, stats

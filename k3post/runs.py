@@ -168,6 +168,10 @@ def check_inputs(cfg: K3Config, stage: str, run: Path | None = None) -> None:
             model_dir("model.path", cfg.model.path)
         if cfg.sft.train_file and not Path(cfg.sft.train_file).expanduser().is_file():
             raise UserError(f"sft.train_file: {cfg.sft.train_file}: file not found")
+        if cfg.sft.train_file and cfg.sft.on_bad_sample == "error":
+            from k3post.data import check_sft_jsonl
+
+            check_sft_jsonl(Path(cfg.sft.train_file).expanduser())  # a bad line: exit 2, nothing written
     if stage in ("rl", "experts", "mopd"):
         model_dir("rl.init", cfg.rl.init or str(run / "sft" / "final"),
                   "" if cfg.rl.init else "; train SFT first or set rl.init")

@@ -350,6 +350,26 @@ def test_input_errors_exit_2_before_loading_or_writing_anything(sft_cfg, overrid
     assert _snapshot(sft_cfg.parent) == before and not (sft_cfg.parent / "r").exists()
 
 
+@pytest.mark.parametrize("line, message", [
+    ('{"messages": [', ":3: malformed JSON"),
+    ('{"messages": [{"role": "wizard", "content": "x"}]}', ":3: messages[0]: unknown role 'wizard'"),
+])  # fmt: skip
+def test_a_bad_line_in_the_train_file_exits_2_before_writing_anything(sft_cfg, line, message, capsys, monkeypatch):
+    """A bad JSONL line was found only after the run folder, config.yaml and stages.json were written (the
+    lines were checked while rendering, after the model load); the structural checks now run first."""
+    import k3post.commands as commands
+
+    data = sft_cfg.parent / "bad.jsonl"
+    rows = (sft_cfg.parent / "train.jsonl").read_text().splitlines()  # the fixture's good data
+    data.write_text("\n".join([*rows[:2], line]) + "\n")
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    before = _snapshot(sft_cfg.parent)
+    assert _sft(sft_cfg, f"sft.train_file={data}") == 2
+    err = capsys.readouterr().err
+    assert f"{data}{message}" in err, err
+    assert _snapshot(sft_cfg.parent) == before and not (sft_cfg.parent / "r").exists()
+
+
 def test_an_input_error_on_an_existing_run_leaves_its_config_yaml(sft_cfg, capsys):
     run = sft_cfg.parent / "r"
     assert _sft(sft_cfg) == 0
