@@ -8,7 +8,7 @@ One 2-rank job (a module fixture, ~10 s) runs every sharded step the tests compa
 The single-process reference runs in the test process.
 
 Tolerances (fp32). Per micro-batch, a rank runs the same computation as one process (same weights, shapes,
-kernels and one torch thread: `launch_local` pins the ranks to one, the reference runs under `one_torch_thread`).
+kernels and one torch thread: `launch_local` pins the ranks to one, the SFT reference runs with one, `ranks_threads`).
 Two things differ, each by rounding only (~1e-7 relative):
   (a) the reduction order of the micro-batch gradients: rank r runs micro-batches r, r + 2, ... and the ranks'
       sums are added, (g0 + g2) + g1, where one process accumulates (g0 + g1) + g2;
@@ -49,7 +49,15 @@ ADAMW = OptimConfig(lr=1e-3)
 SFT_LRS = [1e-3, 5e-4, 2e-4]
 RANKS_ORDER = [0, 2, 1]  # the order the 2 ranks' gradient sum adds the 3 micro-batches in: (g0 + g2) + g1
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the ranks run one thread each (launch_local)
+
+@pytest.fixture
+def ranks_threads():
+    """One torch thread for the in-process reference, as `launch_local` gives each rank (an exact comparison
+    needs the same GEMM kernels: a GEMM's summation order may depend on the thread count)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def _model(qat: bool = False) -> torch.nn.Module:
@@ -144,7 +152,7 @@ def test_rl_steps_on_two_ranks_equal_one_process(two_ranks):
     assert _max_diff(dict(tr.named_weights()), res["rl_w"]) < 1e-6  # ... as in one process
 
 
-def test_sft_steps_on_two_ranks_equal_one_process(two_ranks):
+def test_sft_steps_on_two_ranks_equal_one_process(two_ranks, ranks_threads):
     """3 AdamW SFT steps on 2 ranks = the single-process Trainer, bit for bit (module doc: AdamW has no
     useful elementwise bound for a different reduction order, so the reference adds the micro-batches in the
     ranks' order and neither clips)."""
