@@ -370,7 +370,7 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
     return summary
 
 
-def draft_aux_layers(d: DraftConfig, num_layers: int) -> tuple[int, int, int]:
+def draft_aux_layers(d: DraftConfig, num_layers: int, *, warn: bool = True) -> tuple[int, int, int]:
     """The aux layer ids of a draft for an ``num_layers``-layer target: ``draft.aux_layers``, else
     ``stock_aux_layers``. A UserError (exit 2) for ids outside 0..L, and for ids stock vLLM / SGLang cannot
     record (``engine_capturable``) unless ``draft.nonstock_export``."""
@@ -391,7 +391,7 @@ def draft_aux_layers(d: DraftConfig, num_layers: int) -> tuple[int, int, int]:
         raise UserError(f"draft.aux_layers={list(aux)}: {nonstock_message(aux, num_layers)}. Use {stock}, or set "
                         "draft.nonstock_export=true to train and export it anyway for an engine that records those "
                         "states (k3post's own engine does, except id 0)")
-    if not engine_capturable(aux, num_layers):
+    if warn and not engine_capturable(aux, num_layers):
         log.warning("draft.aux_layers=%s with draft.nonstock_export=true: %s", list(aux), nonstock_message(aux, num_layers))
     return aux  # type: ignore[return-value]
 

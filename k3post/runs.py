@@ -181,7 +181,12 @@ def check_inputs(cfg: K3Config, stage: str, run: Path | None = None) -> None:
     if stage == "draft":
         from k3post.commands import draft_target
 
-        draft_target(cfg, run)
+        target = draft_target(cfg, run)
+        layers = json.loads((target / "config.json").read_text()).get("num_hidden_layers")
+        if isinstance(layers, int):  # the aux layout is an input error before the run folder is written
+            from k3post.commands import draft_aux_layers
+
+            draft_aux_layers(cfg.draft, layers, warn=False)
         if cfg.draft.mtp not in ("", "none") and not Path(cfg.draft.mtp).expanduser().is_dir():
             raise UserError(f"draft.mtp: {cfg.draft.mtp} is not a folder")
 
