@@ -35,11 +35,12 @@ def train_curve(a: argparse.Namespace, distances: list[int]) -> list[dict]:
     from k3post.tokenizer import train_tokenizer
 
     p = PretrainConfig(steps=a.steps, n_docs=a.n_docs, seq_len=a.seq_len, rows_per_batch=a.rows, lr=a.lr,
-                       warmup_steps=a.warmup, save_every=a.every, keep_last=a.steps // a.every + 1, progress=False)
+                       warmup_steps=a.warmup, recall_share=a.recall_share, min_lr_ratio=a.min_lr_ratio, save_every=a.every, keep_last=a.steps // a.every + 1, progress=False)
     docs = generate_corpus(p.n_docs, a.seed, 4 * p.seq_len, recall_share=p.recall_share)
     tok = train_tokenizer([document_text(d) for d in docs[:2000]], vocab_size=a.vocab, word_boundaries=False)
     samples = corpus_samples(tok, docs, p.seq_len)
-    model = build_tiny_moe(len(tok), a.preset, seed=a.seed, pad_token_id=tok.pad_token_id)
+    layers = {"num_hidden_layers": a.layers} if a.layers else {}
+    model = build_tiny_moe(len(tok), a.preset, seed=a.seed, pad_token_id=tok.pad_token_id, **layers)
     rows = [{"step": 0, "train_s": 0.0, "probe": copy_probe(model, tok, distances, a.n, a.seed)}]
     print(f"step 0: {format_probe(rows[0]['probe'])}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,6 +69,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--n-docs", type=int, default=2000)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
+    ap.add_argument("--layers", type=int, default=0, help="override the preset's layer count (0: keep it)")
+    ap.add_argument("--recall-share", type=float, default=0.45)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--preset", default="tiny")
     a = ap.parse_args(argv)

@@ -221,3 +221,45 @@ def test_readme_commands(tmp_path, tok_dir, capsys, monkeypatch):
     spec.loader.exec_module(bench)
     out = bench.main([str(base), "--n", "2", "--distances", "20,100,300"])
     assert set(out["probe"]) == {"20", "100", "300"} and all(r["n"] == 2 for r in out["probe"].values())
+
+
+# ------------------------------------------------------------------------------------------------ learning
+
+# measured (docs/decisions.md, "Issue 31: stage 0"): copying appears at ~1,500 steps of 8 x 128 tokens (tiny, lr 3e-3)
+LEARN_STEPS, LEARN_LR, LEARN_MIN, LEARN_BUG_MAX = 2400, 3e-3, 0.3, 0.1
+_LEARN = dict(steps=LEARN_STEPS, n_docs=600, seq_len=128, rows_per_batch=8, lr=LEARN_LR, warmup_steps=20, progress=False)
+
+
+def _fresh_names(pieces, rng, draw):
+    """The planted bug: a restatement draws fresh names instead of restating the ones introduced."""
+    return [draw(rng) if corpus._NAME.fullmatch(p) else p for p in pieces]
+
+
+def _copy_after_pretrain(tok, tmp_path, seed):
+    from k3post.config.pretrain import PretrainConfig
+    from k3post.models import build_tiny_moe
+    from k3post.sft import train_sft
+
+    p = PretrainConfig(**_LEARN)
+    samples = pretrain.corpus_samples(tok, pretrain.corpus_documents(p, seed), p.seq_len)
+    model = build_tiny_moe(len(tok), "tiny", seed=seed, pad_token_id=tok.pad_token_id)
+    before = pretrain.copy_probe(model, tok, [20], n=48, seed=seed)["20"]["token_acc"]
+    train_sft(model, tok, samples, pretrain.sft_settings(p), tmp_path / f"s{seed}", seed=seed)
+    return before, pretrain.copy_probe(model, tok, [20], n=48, seed=seed)["20"]["token_acc"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pretraining_teaches_copying(tok, tmp_path, seed):
+    """A short pretrain makes the held-out names restated 20 tokens back far more predictable than the untrained
+    model does (copying: the names were never in the corpus)."""
+    before, after = _copy_after_pretrain(tok, tmp_path, seed)
+    assert before < 0.1 and after > LEARN_MIN, (before, after)
+
+
+@pytest.mark.slow
+def test_copying_needs_the_restatements(tok, tmp_path, monkeypatch):
+    """The planted bug (restatements draw fresh names) leaves the probe near chance: the check above would fail."""
+    monkeypatch.setattr(corpus, "restate", _fresh_names)
+    before, after = _copy_after_pretrain(tok, tmp_path, 0)
+    assert after < LEARN_BUG_MAX, (before, after)

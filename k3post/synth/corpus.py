@@ -76,6 +76,8 @@ def draw_name(rng: random.Random) -> str:
 
 
 _WORD = re.compile(r"[A-Za-z]+")
+_NAME = re.compile("(?:%s)(?:%s){1,2}" % ("|".join(x.capitalize() for x in SYLLABLES), "|".join(SYLLABLES)))
+"""A 2–3-syllable name (a piece of a document that is one)."""
 
 
 @functools.lru_cache(maxsize=1)
