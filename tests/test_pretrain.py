@@ -190,6 +190,10 @@ def test_pretrain_resume_is_exact(tmp_path, tok_dir, monkeypatch):
         return [r["step_loss"] for r in read_metrics(cfg.run.dir / "metrics.jsonl") if r["stage"] == "pretrain"]
 
     assert len(losses(full_cfg)) == 4 and losses(cut_cfg) == losses(full_cfg)
+    from k3post.report import write_report
+
+    page = write_report(cut_cfg.run.dir).read_text()
+    assert "Stage 0: pretrained base" in page and "Copy probe" in page
 
 
 @pytest.mark.parametrize("override", ["pretrain.steps=0", "pretrain.seq_len=4", "pretrain.probe_distances=[8]",
@@ -227,7 +231,7 @@ def test_readme_commands(tmp_path, tok_dir, capsys, monkeypatch):
 
 # measured (docs/decisions.md, "Issue 31: stage 0"): copying appears at ~1,500 steps of 8 x 128 tokens (tiny, lr 3e-3)
 LEARN_STEPS, LEARN_LR, LEARN_MIN, LEARN_BUG_MAX = 2400, 3e-3, 0.3, 0.1
-_LEARN = dict(steps=LEARN_STEPS, n_docs=600, seq_len=128, rows_per_batch=8, lr=LEARN_LR, warmup_steps=20, progress=False)
+_LEARN = dict(steps=LEARN_STEPS, n_docs=2000, seq_len=128, rows_per_batch=8, lr=LEARN_LR, warmup_steps=20, progress=False)
 
 
 def _fresh_names(pieces, rng, draw):

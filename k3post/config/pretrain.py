@@ -14,7 +14,7 @@ __all__ = ["PretrainConfig"]
 class PretrainConfig:
     """Stage 0 trainer, corpus, cache and probe settings."""
 
-    steps: int = ranged(600, ge=1)  # optimizer steps
+    steps: int = ranged(2400, ge=1)  # optimizer steps (8 x 512 tokens each: ~10 M tokens; copying appears after ~1.5 M, docs/decisions.md)
     n_docs: int = ranged(4000, ge=1)  # generated documents (k3post.synth.corpus), cycled over epochs
     seq_len: int = ranged(512, ge=16)  # a document is cut at this many tokens; rows are packed to it
     rows_per_batch: int = ranged(8, ge=1)  # packed rows per optimizer step
