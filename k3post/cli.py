@@ -1,6 +1,7 @@
 """The `k3post` command.
 
     k3post demo [CONFIG] [key=value ...]        the whole pipeline on a tiny MoE (CPU)
+    k3post pretrain CONFIG [key=value ...]      Stage 0: the pretrained base (cached by content hash) + copy probe
     k3post sft CONFIG [key=value ...]           Stage 1 SFT on a JSONL file (sft.train_file)
     k3post rl CONFIG [key=value ...]            Stage 2 RL: one expert (rl.domain at rl.effort) from rl.init
     k3post experts CONFIG [key=value ...]       Stage 2 RL: the nine domain x effort experts (max -> high -> low)
@@ -104,6 +105,16 @@ def cmd_sft(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pretrain(ns: argparse.Namespace) -> int:
+    from k3post.pretrain import run_pretrain
+
+    config, overrides = _split_config(ns.args)
+    if config is None:
+        raise ValueError("usage: k3post pretrain CONFIG [key=value ...]")
+    run_pretrain(_load(config, overrides))
+    return 0
+
+
 def cmd_rl(ns: argparse.Namespace) -> int:
     from k3post.commands import run_experts, run_rl
 
@@ -147,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="run the whole pipeline on a tiny MoE on CPU")
     d.add_argument("args", nargs="*", help="[CONFIG] [key=value ...]")
     d.set_defaults(fn=cmd_demo)
+    pt = sub.add_parser("pretrain", help="Stage 0: pretrain the base on the generated corpus (cached) + copy probe")
+    pt.add_argument("args", nargs="*", help="CONFIG [key=value ...]")
+    pt.set_defaults(fn=cmd_pretrain)
     s = sub.add_parser("sft", help="Stage 1 SFT on XTML conversations (JSONL)")
     s.add_argument("args", nargs="*", help="CONFIG [key=value ...]")
     s.set_defaults(fn=cmd_sft)

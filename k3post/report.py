@@ -92,6 +92,25 @@ pre{background:#f7f7f7;padding:.6em;overflow-x:auto;font-size:12px;white-space:p
 """
 
 
+def _pretrain_section(run: Path, summary: dict[str, Any]) -> str:
+    """Stage 0 (`k3post pretrain`): its loss curve and the copy probe, from the metrics rows."""
+    path = run / "metrics.jsonl"
+    rows = read_metrics(path, "pretrain") if path.is_file() else []
+    if not rows:
+        return ""
+    parts = ["<h2>Stage 0: pretrained base</h2>",
+             _img(_plot_png({"pretrain": ([r["step"] for r in rows], [r["loss"] for r in rows])},
+                            title="pretraining loss (CE, token mean)", xlabel="step", ylabel="loss", logy=True), "pretraining loss")]
+    probe = read_metrics(path, "pretrain/probe")
+    if probe:
+        last = probe[-1]
+        dists = sorted(int(k.rsplit("_", 1)[1]) for k in last if k.startswith("copy_exact_"))
+        parts.append("<p>Copy probe: held-out 2–3-token names restated d tokens after their introduction (teacher-forced).</p>")
+        parts.append(_table(["tokens back", "names exact", "name tokens"],
+                            [[d, last[f"copy_exact_{d}"], last[f"copy_token_acc_{d}"]] for d in dists]))
+    return "\n".join(parts)
+
+
 def _sft_section(run: Path, summary: dict[str, Any]) -> str:
     runs = [tag for tag in ("sft", "sft_noqat") if summary.get(tag)]
     if not runs:
@@ -414,7 +433,7 @@ def _draft_section(run: Path, summary: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-SECTIONS = [_synth_section, _kg_section, _sft_section, _grid_section, _rl_section, _mopd_section, _draft_section]
+SECTIONS = [_pretrain_section, _synth_section, _kg_section, _sft_section, _grid_section, _rl_section, _mopd_section, _draft_section]
 
 
 def write_report(run_dir: str | Path) -> Path:

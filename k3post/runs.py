@@ -45,6 +45,7 @@ LOCK = ".k3post.lock"
 RECORD = "stages.json"
 
 STAGES: dict[str, tuple[str, ...]] = {
+    "pretrain": ("run.seed", "tokenizer", "model", "data.corpus_per_family", "data.eval_family", "pretrain"),
     "sft": ("run.seed", "tokenizer", "model", "data", "sft", "qat"),
     "rl": ("run.seed", "rl", "qat"),
     "experts": ("run.seed", "rl", "qat"),
@@ -59,6 +60,7 @@ FREE_KEYS: tuple[str, ...] = (
     "distributed.*",  # where it runs: checkpoints resume on any number of ranks
     "sandbox.*",
     "*.progress", "*.log_every", "*.save_every", "*.keep_last",
+    "pretrain.cache", "pretrain.cache_dir", "pretrain.probe_*",  # where the base is kept, what is probed
 )
 """Keys (fnmatch patterns) that may change between a stage's runs: logging, progress, checkpoint cadence."""
 

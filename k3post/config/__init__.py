@@ -33,6 +33,7 @@ from k3post.config.eval import EvalConfig
 from k3post.config.model import ModelConfig, TokenizerConfig
 from k3post.config.mopd import MOPDConfig
 from k3post.config.optim import OptimConfig
+from k3post.config.pretrain import PretrainConfig
 from k3post.config.quant import QATConfig
 from k3post.config.ranges import RangeError, check_ranges
 from k3post.config.rl import RLConfig
@@ -45,7 +46,7 @@ from k3post.yamlio import read_yaml_mapping
 __all__ = ["ConfigError", "RunConfig", "DemoConfig", "K3Config", "load_config", "to_yaml", "DataConfig", "EffortConfig",
            "EvalConfig", "ModelConfig", "TokenizerConfig", "MOPDConfig", "OptimConfig", "QATConfig", "RLConfig",
            "EngineConfig", "RolloutConfig", "SFTConfig", "DraftConfig", "SandboxConfig", "apply_sandbox_config",
-           "DistributedConfig", "FSDPConfig"]
+           "DistributedConfig", "FSDPConfig", "PretrainConfig"]
 
 
 class ConfigError(UserError):
@@ -100,6 +101,7 @@ class K3Config:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     qat: QATConfig = field(default_factory=QATConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

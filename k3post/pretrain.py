@@ -1,0 +1,290 @@
+"""Stage 0: the pretrained base. Causal-LM pretraining of the tiny Qwen3-MoE on the generated corpus
+(`k3post.synth.corpus`), cached by content hash, and the copy probe that says whether the base can read.
+
+    k3post pretrain CONFIG [key=value ...]
+
+1. The cache key (`base_key`) hashes what the base depends on: the `pretrain` settings that change the
+   weights (not logging, checkpoint cadence, cache place or probe), the model preset and its shapes, the
+   tokenizer settings (or the sha256 of ``tokenizer.path``'s tokenizer.json), ``run.seed`` and
+   `CORPUS_VERSION`. A base already in ``<cache>/bases/<key>/`` is returned without training.
+2. Otherwise: the tokenizer (``tokenizer.path``, else a byte-level BPE trained on the families' XTML text,
+   as `k3post.demo.run_tokenizer` trains it, plus the generated documents), the corpus (``pretrain.n_docs``
+   documents, each cut at ``pretrain.seq_len`` tokens, every token a target), and the training loop of SFT
+   (`k3post.sft.train_sft`: packed rows with no attention across documents, AdamW with warmup + cosine,
+   checkpoints in ``<run>/pretrain/checkpoints``, exact resume, progress bar, metrics rows of stage
+   ``pretrain``).
+3. The final model goes to ``<run>/pretrain/final`` and, written in a temporary folder and renamed into
+   place (atomic: a reader sees a whole base or none), to the cache; `copy_probe` runs on it and its result
+   is printed, logged (stage ``pretrain/probe``) and kept in the base's ``probe.json``.
+
+Later stages start from the base with ``model.path=<base>`` (its tokenizer is in the same folder).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from k3post.config import K3Config
+from k3post.config.pretrain import PretrainConfig
+from k3post.config.sft import SFTConfig
+from k3post.data import Sample
+from k3post.errors import UserError
+from k3post.synth.corpus import (CORPUS_VERSION, KEYS, document_text, draw_name, encode_pieces, generate_corpus,
+                                 generate_document, held_out_names, record_pieces)
+
+__all__ = ["base_key", "cache_root", "corpus_samples", "copy_probe", "run_pretrain", "BASE_FREE_KEYS"]
+
+log = logging.getLogger("k3post.pretrain")
+
+BASE_FREE_KEYS = ("save_every", "keep_last", "log_every", "progress", "cache", "cache_dir", "probe_names",
+                  "probe_distances")
+"""`pretrain` fields that do not change the base's weights (left out of `base_key`)."""
+
+
+def _sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def base_key_fields(cfg: K3Config) -> dict[str, Any]:
+    """What the base's weights depend on (module doc), as JSON."""
+    from k3post.models import PRESETS
+
+    p = {k: v for k, v in asdict(cfg.pretrain).items() if k not in BASE_FREE_KEYS}
+    if cfg.tokenizer.path:
+        tok: dict[str, Any] = {"tokenizer.json": _sha256_file(Path(cfg.tokenizer.path).expanduser() / "tokenizer.json")}
+    else:
+        tok = {**asdict(cfg.tokenizer), "corpus_per_family": cfg.data.corpus_per_family, "eval_family": cfg.data.eval_family}
+    return {"corpus_version": CORPUS_VERSION, "pretrain": p, "tokenizer": tok, "seed": cfg.run.seed,
+            "model": {"preset": cfg.model.preset, "shape": PRESETS.get(cfg.model.preset), "dtype": cfg.model.dtype}}
+
+
+def base_key(cfg: K3Config) -> str:
+    """The base's content hash (24 hex digits of a sha256 of `base_key_fields`)."""
+    blob = json.dumps(base_key_fields(cfg), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def cache_root(cfg: K3Config) -> Path:
+    """``pretrain.cache_dir``, else ``$K3POST_CACHE``, else ``~/.cache/k3post``."""
+    root = cfg.pretrain.cache_dir or os.environ.get("K3POST_CACHE") or "~/.cache/k3post"
+    return Path(root).expanduser()
+
+
+def corpus_documents(p: PretrainConfig, seed: int) -> list[list[str]]:
+    """The run's documents (``n_chars`` ~ 4 characters per token, so a document fills its ``seq_len``)."""
+    return generate_corpus(p.n_docs, seed, 4 * p.seq_len, recall_share=p.recall_share)
+
+
+def corpus_samples(tokenizer: Any, docs: Sequence[Sequence[str]], seq_len: int) -> list[Sample]:
+    """Each document's tokens (`encode_pieces`) cut at ``seq_len``, every one a target."""
+    out = []
+    for i, d in enumerate(docs):
+        ids = encode_pieces(tokenizer, d)[:seq_len]
+        out.append(Sample(ids=ids, loss_mask=[True] * len(ids), source=f"corpus:{i}"))
+    return out
+
+
+def _tokenizer(cfg: K3Config, docs: Sequence[Sequence[str]], out: Path) -> Any:
+    from k3post.tokenizer import lexicon_corpus, load_tokenizer, train_tokenizer
+
+    if cfg.tokenizer.path:
+        return load_tokenizer(Path(cfg.tokenizer.path).expanduser())
+    if (out / "tokenizer.json").is_file():  # a resumed run: the same tokenizer
+        return load_tokenizer(out)
+    from k3post.commands import default_corpus
+    from k3post.envs.families import lexicon as family_lexicon
+
+    texts = default_corpus(cfg.data.corpus_per_family, seed=cfg.run.seed + 7, main=cfg.data.eval_family)
+    if cfg.tokenizer.lexicon_repeats:
+        texts += lexicon_corpus(family_lexicon(), cfg.tokenizer.lexicon_repeats)
+    texts += [document_text(d) for d in docs[:2000]]
+    return train_tokenizer(texts, vocab_size=cfg.tokenizer.vocab_size, out_dir=out,
+                           word_boundaries=cfg.tokenizer.word_boundaries)
+
+
+def sft_settings(p: PretrainConfig) -> SFTConfig:
+    """The SFT trainer settings that run stage 0's loop."""
+    return SFTConfig(max_len=p.seq_len, pack_len=p.seq_len, rows_per_batch=p.rows_per_batch, grad_accum=1,
+                     steps=p.steps, lr=p.lr, min_lr_ratio=p.min_lr_ratio, warmup_steps=p.warmup_steps,
+                     weight_decay=p.weight_decay, grad_clip=p.grad_clip, save_every=p.save_every,
+                     keep_last=p.keep_last, log_every=p.log_every, progress=p.progress)
+
+
+# --------------------------------------------------------------------------------------------- the probe
+
+
+def probe_names(tokenizer: Any, n: int, seed: int = 0) -> list[tuple[str, list[int]]]:
+    """``n`` held-out names (`k3post.synth.corpus.held_out_names`) that are 2–3 tokens, each with its ids; a seeded choice. Fewer when the tokenizer has fewer such names."""
+    names = held_out_names()
+    random.Random(f"probe|{seed}").shuffle(names)
+    out = []
+    for name in names:
+        ids = encode_pieces(tokenizer, [name])
+        if 2 <= len(ids) <= 3:
+            out.append((name, ids))
+            if len(out) == n:
+                break
+    return out
+
+
+def probe_sequences(tokenizer: Any, distance: int, n: int, seed: int = 0) -> list[tuple[list[int], int, int]]:
+    """Copy-probe inputs: (ids, start, length) of a held-out name restated ``distance`` tokens after its
+    first token was introduced ("The <key> of <Owner> is <Name>." ... filler from the generator ...
+    "Again: the <key> of <Owner> is <Name>."): the name's restatement is ids[start:start + length]."""
+    rng = random.Random(f"probe|{seed}|{distance}")
+    out = []
+    for name, name_ids in probe_names(tokenizer, n, seed):
+        key, owner = rng.choice(KEYS), draw_name(rng)
+        intro = record_pieces(key, owner, name)
+        again = record_pieces(key, owner, name, again=True)
+        head = encode_pieces(tokenizer, intro[:3])
+        tail = encode_pieces(tokenizer, intro[4:])
+        cue = encode_pieces(tokenizer, again[:3])
+        need = distance - len(name_ids) - len(tail) - len(cue)
+        if need < 0:
+            raise ValueError(f"copy probe: distance {distance} is shorter than one restatement")
+        filler: list[int] = []
+        while len(filler) < need:  # the generator's own text, without this owner
+            doc = generate_document(rng, 4 * need + 64)
+            if owner not in document_text(doc):
+                filler += encode_pieces(tokenizer, doc)
+        ids = head + name_ids + tail + filler[:need] + cue
+        start = len(ids)
+        out.append((ids + name_ids + encode_pieces(tokenizer, again[4:]), start, len(name_ids)))
+    return out
+
+
+@torch.no_grad()
+def copy_probe(model: torch.nn.Module, tokenizer: Any, distances: Sequence[int] = (20, 100, 300), n: int = 48,
+               seed: int = 0, batch: int = 16) -> dict[str, Any]:
+    """Teacher-forced copy accuracy of held-out 2–3-token names restated ``distance`` tokens back
+    (`probe_sequences`): per distance, ``token_acc`` (name tokens whose argmax is right) and ``exact``
+    (names with every token right, the headline "copy accuracy"), and ``n`` names."""
+    was_training = model.training
+    model.eval()
+    pad = tokenizer.pad_token_id or 0
+    res: dict[str, Any] = {}
+    try:
+        for d in distances:
+            seqs = probe_sequences(tokenizer, d, n, seed)
+            right_tok = total_tok = exact = 0
+            for k in range(0, len(seqs), batch):
+                chunk = seqs[k:k + batch]
+                L = max(len(s[0]) for s in chunk)
+                ids = torch.full((len(chunk), L), pad, dtype=torch.long)
+                for r, (s, _, _) in enumerate(chunk):
+                    ids[r, :len(s)] = torch.tensor(s)
+                pred = model(input_ids=ids, use_cache=False).logits.argmax(-1)  # right padding: causal, harmless
+                for r, (s, start, length) in enumerate(chunk):
+                    ok = pred[r, start - 1:start - 1 + length] == ids[r, start:start + length]
+                    right_tok += int(ok.sum())
+                    total_tok += length
+                    exact += bool(ok.all())
+            res[str(d)] = {"exact": exact / max(len(seqs), 1), "token_acc": right_tok / max(total_tok, 1), "n": len(seqs)}
+    finally:
+        model.train(was_training)
+    return res
+
+
+def format_probe(probe: dict[str, Any]) -> str:
+    return "copy probe (held-out names, teacher-forced): " + "; ".join(
+        f"{d} tokens back: {r['exact']:.3f} exact, {r['token_acc']:.3f} of tokens (n {r['n']})" for d, r in probe.items())
+
+
+# --------------------------------------------------------------------------------------------- the command
+
+
+def _probe_of(base: Path, cfg: K3Config) -> dict[str, Any]:
+    """The base's probe at the configured settings: ``probe.json`` when it matches, else measured now."""
+    from k3post.models import load_model
+    from k3post.tokenizer import load_tokenizer
+
+    p = cfg.pretrain
+    want = {"distances": list(p.probe_distances), "n": p.probe_names, "seed": cfg.run.seed}
+    path = base / "probe.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("settings") == want:
+            return saved["result"]
+    return copy_probe(load_model(base), load_tokenizer(base), p.probe_distances, p.probe_names, cfg.run.seed)
+
+
+def publish_base(src: Path, dest: Path) -> Path:
+    """Copy the model folder ``src`` to ``dest`` atomically (a temporary sibling renamed into place); when
+    ``dest`` appeared meanwhile (another process built the same base), keep that one."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".tmp-{dest.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(src, tmp, copy_function=shutil.copy2)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.rename(tmp, dest)
+    except OSError:
+        if not (dest / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def run_pretrain(cfg: K3Config) -> Path:
+    """`k3post pretrain CONFIG` (module doc); returns the base's folder (the cached one when caching)."""
+    from k3post.metrics import MetricsLogger
+    from k3post.models import build_tiny_moe, save_model
+    from k3post.runs import check_inputs, open_run
+    from k3post.sft import train_sft
+
+    p = cfg.pretrain
+    if cfg.model.path:
+        raise UserError("model.path: k3post pretrain builds model.preset from scratch; unset model.path")
+    check_inputs(cfg, "pretrain")  # tokenizer.path, before it is hashed
+    key = base_key(cfg)
+    cached = cache_root(cfg) / "bases" / key
+    if p.cache and (cached / "config.json").is_file():
+        probe = _probe_of(cached, cfg)
+        print(format_probe(probe))
+        print(f"pretrained base (cached, key {key}): {cached}")
+        return cached
+    run = open_run(cfg.run.dir, cfg, "pretrain")
+    out = run / "pretrain"
+    torch.manual_seed(cfg.run.seed)
+    docs = corpus_documents(p, cfg.run.seed)
+    tokenizer = _tokenizer(cfg, docs, out / "tokenizer")
+    samples = corpus_samples(tokenizer, docs, p.seq_len)
+    n_tok = sum(len(s) for s in samples)
+    log.info("pretrain corpus: %d documents, %d tokens (version %d)", len(samples), n_tok, CORPUS_VERSION)
+    model = build_tiny_moe(len(tokenizer), cfg.model.preset, seed=cfg.run.seed, pad_token_id=tokenizer.pad_token_id,
+                           eos_token_id=tokenizer.convert_tokens_to_ids("<|end_of_msg|>"))
+    metrics = MetricsLogger(run)
+    try:
+        res = train_sft(model, tokenizer, samples, sft_settings(p), out, seed=cfg.run.seed, metrics=metrics,
+                        stage="pretrain")
+        probe = copy_probe(model, tokenizer, p.probe_distances, p.probe_names, cfg.run.seed)
+        metrics.log("pretrain/probe", p.steps, {f"copy_exact_{d}": r["exact"] for d, r in probe.items()}
+                    | {f"copy_token_acc_{d}": r["token_acc"] for d, r in probe.items()})
+    finally:
+        metrics.close()
+    final = save_model(model, out / "final", tokenizer)
+    (final / "probe.json").write_text(json.dumps({"settings": {"distances": list(p.probe_distances), "n": p.probe_names,
+                                                               "seed": cfg.run.seed}, "result": probe}, indent=1))
+    (final / "base_key.json").write_text(json.dumps({"key": key, "fields": base_key_fields(cfg)}, indent=1, default=str))
+    print(f"pretrain: {res.steps} steps, final loss {res.final_loss:.4f}, {res.wall_s:.0f} s, corpus {n_tok} tokens")
+    print(format_probe(probe))
+    if not p.cache:
+        print(f"pretrained base: {final}")
+        return final
+    base = publish_base(final, cached)
+    print(f"pretrained base (cached, key {key}): {base}")
+    return base
