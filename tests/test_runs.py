@@ -230,6 +230,16 @@ def _sft(cfg: Path, *overrides: str) -> int:
     return main(["sft", str(cfg), *overrides])
 
 
+def _forbid_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An input check that loads the model first fails the test."""
+    import k3post.commands as commands
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded a model before checking the input")
+
+    monkeypatch.setattr(commands, "load_model", no_load)
+
+
 def _rows(run: Path) -> list[int]:
     from k3post.metrics import read_metrics
 
@@ -337,12 +347,7 @@ def test_changed_settings_on_an_existing_run_are_refused_and_restart_moves_the_o
 ])  # fmt: skip
 def test_input_errors_exit_2_before_loading_or_writing_anything(sft_cfg, override, message, capsys, monkeypatch):
     """Issue 30 §5: these exited 1 ("not an input error") after loading the model and creating the run folder."""
-    import k3post.commands as commands
-
-    def no_load(*a, **k):
-        raise AssertionError("loaded a model before checking the input")
-
-    monkeypatch.setattr(commands, "load_model", no_load)
+    _forbid_model_load(monkeypatch)
     before = _snapshot(sft_cfg.parent)
     assert _sft(sft_cfg, override) == 2
     err = capsys.readouterr().err
@@ -357,12 +362,10 @@ def test_input_errors_exit_2_before_loading_or_writing_anything(sft_cfg, overrid
 def test_a_bad_line_in_the_train_file_exits_2_before_writing_anything(sft_cfg, line, message, capsys, monkeypatch):
     """A bad JSONL line was found only after the run folder, config.yaml and stages.json were written (the
     lines were checked while rendering, after the model load); the structural checks now run first."""
-    import k3post.commands as commands
-
     data = sft_cfg.parent / "bad.jsonl"
     rows = (sft_cfg.parent / "train.jsonl").read_text().splitlines()  # the fixture's good data
     data.write_text("\n".join([*rows[:2], line]) + "\n")
-    monkeypatch.setattr(commands, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    _forbid_model_load(monkeypatch)
     before = _snapshot(sft_cfg.parent)
     assert _sft(sft_cfg, f"sft.train_file={data}") == 2
     err = capsys.readouterr().err
