@@ -20,12 +20,12 @@ from k3post.models import build_tiny_moe, load_model, save_model
 from k3post.quant.qat import apply_qat
 from k3post.runs import open_run
 from k3post.sft import train_sft
+from k3post.spec.layout import draft_aux_layers, draft_target
 from k3post.spec.mtp import MTPHead, load_mtp, save_mtp
 from k3post.tokenizer import ensure_xtml_tokens, load_tokenizer, train_tokenizer
 from k3post.xtml import XTML, text_segments
 
 if TYPE_CHECKING:
-    from k3post.config.draft import DraftConfig
     from k3post.config.rollout import EngineConfig
     from k3post.mopd import MOPDConfig
 
@@ -295,16 +295,6 @@ def run_mopd(cfg: K3Config) -> Path:
     return run / "mopd" / "final"
 
 
-def draft_target(cfg: K3Config, run: Path) -> Path:
-    """The model `k3post draft` drafts for: ``draft.target``, else the run's MOPD student, else its SFT model."""
-    candidates = [Path(cfg.draft.target)] if cfg.draft.target else [run / "mopd" / "final", run / "sft" / "final"]
-    for c in candidates:
-        if (c / "config.json").is_file():
-            return c
-    raise UserError(f"draft.target: none of {[str(c) for c in candidates]} is a model folder (config.json missing); "
-                    "train the pipeline first or set draft.target")
-
-
 def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[str],
                  metrics: MetricsLogger | None = None) -> dict:
     """EAGLE-3 drafts for the frozen target in ``target_dir`` (QAT as it runs), one per loss in ``losses``, all on
@@ -368,32 +358,6 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
         print(f"  draft {loss:9}: held-out α by depth (T=1) " + ", ".join(f"{a:.3f}" for a in after["t1"]))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
     return summary
-
-
-def draft_aux_layers(d: DraftConfig, num_layers: int, *, warn: bool = True) -> tuple[int, int, int]:
-    """The aux layer ids of a draft for an ``num_layers``-layer target: ``draft.aux_layers``, else
-    ``stock_aux_layers``. A UserError (exit 2) for ids outside 0..L, and for ids stock vLLM / SGLang cannot
-    record (``engine_capturable``) unless ``draft.nonstock_export``."""
-    from k3post.spec.eagle3 import engine_capturable, stock_aux_layers
-    from k3post.spec.export import nonstock_message
-
-    if not d.aux_layers:
-        try:
-            return stock_aux_layers(num_layers)
-        except ValueError as e:
-            raise UserError(f"draft.aux_layers: {e}; set draft.aux_layers and draft.nonstock_export=true for "
-                            "k3post's own engine") from None
-    aux = tuple(int(i) for i in d.aux_layers)
-    if not all(0 <= i <= num_layers for i in aux):
-        raise UserError(f"draft.aux_layers={list(aux)}: ids must be in 0..{num_layers} for this {num_layers}-layer target")
-    if not engine_capturable(aux, num_layers) and not d.nonstock_export:
-        stock = f"the default {list(stock_aux_layers(num_layers))}" if num_layers >= 4 else "a target of 4+ layers"
-        raise UserError(f"draft.aux_layers={list(aux)}: {nonstock_message(aux, num_layers)}. Use {stock}, or set "
-                        "draft.nonstock_export=true to train and export it anyway for an engine that records those "
-                        "states (k3post's own engine does, except id 0)")
-    if warn and not engine_capturable(aux, num_layers):
-        log.warning("draft.aux_layers=%s with draft.nonstock_export=true: %s", list(aux), nonstock_message(aux, num_layers))
-    return aux  # type: ignore[return-value]
 
 
 def _run_relative(path: str | Path, run: Path) -> str:

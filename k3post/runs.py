@@ -35,6 +35,7 @@ from typing import Any
 
 from k3post.config import K3Config, to_yaml
 from k3post.errors import UserError, attach_run_log
+from k3post.spec.layout import draft_aux_layers, draft_target
 
 __all__ = ["STAGES", "FREE_KEYS", "LOCK", "RECORD", "open_run", "check_inputs", "changed_keys", "release_runs",
            "stage_id", "RunInUse"]
@@ -181,13 +182,9 @@ def check_inputs(cfg: K3Config, stage: str, run: Path | None = None) -> None:
         for name, path in cfg.mopd.experts.items():
             model_dir(f"mopd.experts.{name}", path)
     if stage == "draft":
-        from k3post.commands import draft_target
-
         target = draft_target(cfg, run)
         layers = json.loads((target / "config.json").read_text()).get("num_hidden_layers")
         if isinstance(layers, int):  # the aux layout is an input error before the run folder is written
-            from k3post.commands import draft_aux_layers
-
             draft_aux_layers(cfg.draft, layers, warn=False)
         if cfg.draft.mtp not in ("", "none") and not Path(cfg.draft.mtp).expanduser().is_dir():
             raise UserError(f"draft.mtp: {cfg.draft.mtp} is not a folder")
