@@ -2,7 +2,8 @@
 
     runs/<name>/
       config.yaml            resolved config
-      data/                  sft_train.jsonl (+ per-source raw / rejected / funnel files, review queue), eval_tasks.jsonl
+      data/                  sft_train.jsonl (+ per-source raw / rejected / funnel files, review queue, judge.jsonl:
+                             the scripted GRM judge episodes of data.judge_tasks), eval_tasks.jsonl
       tokenizer/             byte-level BPE with the XTML tokens
       model_init/            the freshly built tiny Qwen3-MoE (safetensors)
       sft/checkpoints/       step-N/ checkpoints + latest (exact resume)
@@ -36,6 +37,7 @@ from k3post.experts import train_experts
 from k3post.metrics import MetricsLogger
 from k3post.models import build_tiny_moe, count_parameters, load_model, save_model
 from k3post.quant.qat import apply_qat
+from k3post.rewards.judging import evaluate_recipe_judge, judge_eval_enabled, recipe_judge_records
 from k3post.report import write_report
 from k3post.sft import train_sft
 from k3post.spec.mtp import save_mtp
@@ -145,8 +147,9 @@ def run_tokenizer(cfg: K3Config, run: Path) -> Any:
 def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = None) -> Path:
     """SFT data from the synthesis pipeline: the reference teachers of every built-in family at every effort
     (`data.n_train` tasks of `data.eval_family`, `data.family_tasks` or `data.n_per_family` of each other family), verified stage by
-    stage (structure, outcome, quality, judge); writes `run/data/sft_train.jsonl` and returns its path.
-    `record(synth=...)` receives the funnel and per-family counts for the report.
+    stage (structure, outcome, quality, judge), plus `data.judge_tasks` reference pairs as scripted GRM judge episodes
+    in both orders (`k3post.rewards.judging`); writes `run/data/sft_train.jsonl` and returns its path.
+    `record(synth=...)` receives the funnel and per-family counts (and the judge records' counts) for the report.
     """
     d = cfg.data
     main = get_family(d.eval_family)
@@ -169,12 +172,17 @@ def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = 
     if d.effort_mix:  # same number of samples, reweighted by effort (a scarce effort is repeated)
         main_records = mix(main_records, d.effort_mix, len(main_records), seed=cfg.run.seed)
     records = main_records + [json.loads(line) for p in rest_paths for line in p.read_text(encoding="utf-8").splitlines()]
+    judge: dict[str, Any] = {}
+    if d.judge_tasks:  # scripted GRM judge episodes on reference pairs (family "grm"), both orders (issue 31)
+        judge_records, judge = recipe_judge_records(cfg, XTML(tokenizer))
+        write_jsonl(judge_records, run / "data" / "judge.jsonl")
+        records += judge_records
     train_file = write_jsonl(records, run / "data" / "sft_train.jsonl")
     by_family: dict[str, int] = {}
     for r in records:
         by_family[r["family"]] = by_family.get(r["family"], 0) + 1
     if record is not None:
-        record(synth={"funnel": funnel.to_dict(), "samples_by_family": by_family})
+        record(synth={"funnel": funnel.to_dict(), "samples_by_family": by_family, **({"judge": judge} if judge else {})})
     print(funnel.table())
     return train_file
 
@@ -266,6 +274,14 @@ def run_demo(cfg: K3Config) -> Path:
     t0 = time.perf_counter()
     eval_all("sft")
     phase("eval sft", t0)
+
+    if judge_eval_enabled(cfg) and "judge" not in summary.data:  # the SFT model as the GRM judge (issue 31)
+        t0 = time.perf_counter()
+        jr = evaluate_recipe_judge(cfg, run / "sft" / "final", metrics)
+        summary.update(judge=jr)
+        print(f"  judge (SFT model): valid {format_rate(jr['valid']['rate'], jr['n'])}, "
+              f"agrees with the reference {format_rate(jr['agreement']['rate'], jr['n'])}")
+        phase("eval judge", t0)
 
     if compare:
         baseline = load_model(run / "sft_noqat" / "final")

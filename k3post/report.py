@@ -133,6 +133,30 @@ def _sft_section(run: Path, summary: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _judge_section(run: Path, summary: dict[str, Any]) -> str:
+    """The SFT model as the GRM judge on held-out reference pairs (`k3post.rewards.judging.evaluate_judge`)."""
+    j = summary.get("judge")
+    if not j:
+        return ""
+    taught = (summary.get("synth") or {}).get("judge")
+    parts = ["<h2>GRM judge: the SFT model judging held-out pairs</h2>",
+             f"<p class=muted>{j['pairs']} held-out pairs whose better answer is known (the reference teacher's "
+             "answer against a degraded one), each judged in both orders, one attempt each, "
+             f"{html.escape(j.get('sampling', ''))}. Valid: the 4-step protocol completed with consistent totals; "
+             "agrees: valid and the reference's total higher (an invalid judgement or a tie does not agree). "
+             + (f"SFT data: {taught['records']} scripted judge episodes of {taught['pairs']} pairs." if taught else
+                "The SFT data held no judge episodes.") + "</p>"]
+    rows = [["all", j["n"], _rate(j["valid"]["rate"], j["valid"]["ci95"]), _rate(j["agreement"]["rate"], j["agreement"]["ci95"]),
+             _rate(j["agreement_valid"]["rate"], j["agreement_valid"]["ci95"]) if j["agreement_valid"]["n"] else "–", j["ties"], j["picks_a"]]]
+    for fam, r in j.get("by_family", {}).items():
+        rows.append([fam, r["n"], _rate(r["valid"]["rate"], r["valid"]["ci95"]), _rate(r["agreement"]["rate"], r["agreement"]["ci95"]),
+                     "", "", ""])
+    parts.append(_table(["pairs of", "judgements", "valid [95%]", "agrees [95%]", "agrees among valid", "ties", "prefers A"], rows))
+    if j.get("invalid_reasons"):
+        parts.append("<p>Invalid judgements by reason: " + html.escape(", ".join(f"{k} {v}" for k, v in sorted(j["invalid_reasons"].items()))) + "</p>")
+    return "\n".join(parts)
+
+
 def _gap_table(rows: list[tuple[str, dict[str, float]]]) -> str:
     """The train–rollout log-prob gap of RL / MOPD runs (`k3post.rl.rollout_gap`)."""
     rows = [(name, g) for name, g in rows if g and g.get("tokens")]
@@ -433,7 +457,7 @@ def _draft_section(run: Path, summary: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-SECTIONS = [_pretrain_section, _synth_section, _kg_section, _sft_section, _grid_section, _rl_section, _mopd_section, _draft_section]
+SECTIONS = [_pretrain_section, _synth_section, _kg_section, _sft_section, _judge_section, _grid_section, _rl_section, _mopd_section, _draft_section]
 
 
 def write_report(run_dir: str | Path) -> Path:

@@ -207,3 +207,63 @@ def test_evaluate_judge_correct_biased_and_malformed(pairs: list[JudgePair]) -> 
     assert bad["agreement_valid"]["n"] == 0
     with pytest.raises(ValueError, match="at least one pair"):
         evaluate_judge(PolicyJudge(always_a), [])
+
+
+# =========================================================================== the recipe's wiring
+
+
+def test_recipe_sft_data_holds_the_judge_episodes(tmp_path: Any, xtml_tokenizer: Any) -> None:
+    """`synthesize_sft_data` (demo, full recipe, `k3post sft`) appends data.judge_tasks pairs x 2 orders, and they
+    load as SFT samples with trainable tokens."""
+    from k3post.config import load_config
+    from k3post.data import load_sft_jsonl
+    from k3post.demo import synthesize_sft_data
+    from k3post.xtml import XTML
+
+    cfg = load_config(None, ["data.n_train=2", "data.n_per_family=0", "data.family_tasks.coding.write_function=0", "data.judge_tasks=3",
+                             "data.efforts=[low]", "data.effort_mix={}", "sft.max_len=8192"])
+    got: dict[str, Any] = {}
+    path = synthesize_sft_data(cfg, tmp_path, xtml_tokenizer, lambda **kw: got.update(kw))
+    import json
+
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    judge = [r for r in recs if r["family"] == "grm"]
+    assert len(judge) == 6 and Counter(r["better"] for r in judge) == {"A": 3, "B": 3}
+    assert got["synth"]["judge"]["records"] == 6 and got["synth"]["samples_by_family"]["grm"] == 6
+    samples, stats = load_sft_jsonl(path, XTML(xtml_tokenizer), max_len=8192)
+    assert stats.kept == len(recs) == 2 + 6
+    # a record longer than sft.max_len is left out and counted, never a load error later
+    cfg_short = load_config(None, ["data.judge_tasks=2", "sft.max_len=64"])
+    from k3post.rewards.judging import recipe_judge_records
+
+    kept, counts = recipe_judge_records(cfg_short, XTML(xtml_tokenizer))
+    assert kept == [] and counts["too_long"] == 4
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_recipe_judge_evaluation_of_an_untrained_model(tmp_path: Any, xtml_tokenizer: Any) -> None:
+    """The recipe's evaluation through the real EngineJudge: an untrained checkpoint never completes the
+    protocol (valid 0 of 4), its metrics row is logged and the report shows the table."""
+    import json
+
+    from k3post.config import load_config
+    from k3post.metrics import MetricsLogger
+    from k3post.models import build_tiny_moe, save_model
+    from k3post.report import write_report
+    from k3post.rewards.judging import evaluate_recipe_judge, judge_eval_enabled
+
+    tok = xtml_tokenizer
+    save_model(build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id), tmp_path / "m", tok)
+    cfg = load_config(None, ["data.judge_eval=2", "qat.enabled=false", "rl.slots=4"])
+    assert not judge_eval_enabled(cfg)  # neither taught to judge nor RL's judge
+    assert judge_eval_enabled(load_config(None, ["rl.judge=policy"])) and judge_eval_enabled(load_config(None, ["data.judge_tasks=1"]))
+    metrics = MetricsLogger(tmp_path, tensorboard=False)
+    res = evaluate_recipe_judge(cfg, tmp_path / "m", metrics)
+    metrics.close()
+    assert res["n"] == 4 and res["valid"]["k"] == 0 and res["agreement"]["k"] == 0 and sum(res["invalid_reasons"].values()) == 4
+    (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row["stage"] == "judge/sft" and row["n"] == 4 and row["valid_rate"] == 0.0 and row["valid_hi"] > 0.4
+    (tmp_path / "summary.json").write_text(json.dumps({"judge": res}))
+    html = write_report(tmp_path).read_text()
+    assert "GRM judge: the SFT model judging held-out pairs" in html and "0.000 [0.000, 0.490]" in html
+    assert "The SFT data held no judge episodes." in html

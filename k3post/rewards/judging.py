@@ -95,12 +95,15 @@ __all__ = [
     "criterion_scores",
     "degraded_answers",
     "evaluate_judge",
+    "evaluate_recipe_judge",
     "judge_episode",
+    "judge_eval_enabled",
     "judge_pairs",
     "judge_record",
     "judge_sft_records",
     "pair_prompts",
     "recipe_judge_pairs",
+    "recipe_judge_records",
 ]
 
 JUDGED_FAMILIES: tuple[str, ...] = ("general.writing", "general.faithfulness")
@@ -451,3 +454,48 @@ def evaluate_judge(backend: JudgeBackend, pairs: Sequence[JudgePair], *, total_t
         "by_family": {f: {"n": len(v), "valid": _rate(sum(a for a, _ in v), len(v)), "agreement": _rate(sum(b for _, b in v), len(v))}
                       for f, v in sorted(fam.items())},
     }
+
+
+# =========================================================================== the recipe's use
+
+
+def judge_eval_enabled(cfg: Any) -> bool:
+    """Whether the demo / full recipe evaluates its SFT model as the judge: ``data.judge_eval`` > 0 and the model
+    was taught to judge (``data.judge_tasks`` > 0) or is RL's judge (``rl.judge: policy``)."""
+    return cfg.data.judge_eval > 0 and (cfg.data.judge_tasks > 0 or cfg.rl.judge == "policy")
+
+
+def recipe_judge_records(cfg: Any, xtml: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The SFT records of the recipe's training pairs (`recipe_judge_pairs`), both orders, less any whose XTML
+    rendering is longer than ``sft.max_len`` (counted), and their counts for the report."""
+    from k3post.data import render_record
+
+    train, _ = recipe_judge_pairs(cfg.data, cfg.run.seed)
+    recs = [judge_record(p, first, seed=cfg.run.seed, difficulty=cfg.data.difficulty) for p in train for first in (True, False)]
+    keep = [r for r in recs if len(render_record(xtml, r, cfg.sft.mode)[0]) <= cfg.sft.max_len]
+    by_kind = Counter(f"{r['judged_family']}/{r['kind']}" for r in keep)
+    return keep, {"pairs": len(train), "records": len(keep), "too_long": len(recs) - len(keep), "by_kind": dict(sorted(by_kind.items()))}
+
+
+def evaluate_recipe_judge(cfg: Any, model_dir: Any, metrics: Any = None, *, tag: str = "sft") -> dict[str, Any]:
+    """The model in ``model_dir`` as RL runs it as the judge (`EngineJudge.from_checkpoint` with ``rl.slots``,
+    ``rl.engine``, QAT as ``qat.enabled``, its default sampling) on the recipe's held-out pairs
+    (`recipe_judge_pairs`), by `evaluate_judge`; one metrics row of stage ``judge/<tag>``."""
+    from k3post.rewards.grm import EngineJudge
+
+    _, held = recipe_judge_pairs(cfg.data, cfg.run.seed)
+    judge = EngineJudge.from_checkpoint(model_dir, qat=cfg.qat.enabled, max_batch_size=cfg.rl.slots, seed=cfg.run.seed,
+                                        engine=cfg.rl.engine)
+    try:
+        res = evaluate_judge(judge, held)
+    finally:
+        judge.close()
+    res["model"] = tag
+    res["sampling"] = "as the RL judge samples: temperature 1.0, up to 512 tokens a turn, one attempt"
+    if metrics is not None:
+        row = {"n": res["n"], "valid_rate": res["valid"]["rate"], "valid_lo": res["valid"]["ci95"][0],
+               "valid_hi": res["valid"]["ci95"][1], "agreement": res["agreement"]["rate"],
+               "agreement_lo": res["agreement"]["ci95"][0], "agreement_hi": res["agreement"]["ci95"][1],
+               "agreement_valid": res["agreement_valid"]["rate"], "ties": res["ties"], "picks_a": res["picks_a"]}
+        metrics.log(f"judge/{tag}", 0, row)
+    return res
