@@ -35,7 +35,8 @@ from k3post.data import load_sft_jsonl, write_jsonl
 from k3post.evaluate import evaluate_family
 from k3post.experts import train_experts
 from k3post.metrics import MetricsLogger
-from k3post.models import build_tiny_moe, count_parameters, load_model, save_model
+from k3post.models import PRESETS, build_tiny_moe, count_parameters, load_model, save_model
+from k3post.pretrain import base_key, base_record, build_base, cache_root, cached_base
 from k3post.quant.qat import apply_qat
 from k3post.rewards.judging import evaluate_recipe_judge, judge_eval_enabled, recipe_judge_records
 from k3post.report import write_report
@@ -45,7 +46,7 @@ from k3post.commands import default_corpus, distill, raise_if_failed, train_draf
 from k3post.runs import open_run
 from k3post.envs.families import default_families, get_family, lexicon as family_lexicon
 from k3post.envs.task import canonical_json
-from k3post.stats import format_rate, paired_change
+from k3post.stats import format_rate, paired_change, wilson_interval
 from k3post.synth import VerifyConfig, build_sft_dataset, mix
 from k3post.tokenizer import lexicon_corpus, load_tokenizer, train_tokenizer
 from k3post.xtml import XTML
@@ -138,10 +139,17 @@ def run_tokenizer(cfg: K3Config, run: Path) -> Any:
         return load_tokenizer(tok_dir)
     if cfg.tokenizer.path:
         raise UserError(f"tokenizer.path: {tok_dir} holds no tokenizer.json")
+    return train_tokenizer(tokenizer_texts(cfg), vocab_size=cfg.tokenizer.vocab_size, out_dir=tok_dir,
+                           word_boundaries=cfg.tokenizer.word_boundaries)
+
+
+def tokenizer_texts(cfg: K3Config) -> list[str]:
+    """The BPE's corpus: XTML renderings of every family's reference trajectories (``data.corpus_per_family``
+    each), plus the families' lexicon ``tokenizer.lexicon_repeats`` times (stage 0 adds its documents)."""
     corpus = default_corpus(cfg.data.corpus_per_family, seed=cfg.run.seed + 7, main=cfg.data.eval_family)
     if cfg.tokenizer.lexicon_repeats:
         corpus += lexicon_corpus(family_lexicon(), cfg.tokenizer.lexicon_repeats)
-    return train_tokenizer(corpus, vocab_size=cfg.tokenizer.vocab_size, out_dir=tok_dir, word_boundaries=cfg.tokenizer.word_boundaries)
+    return corpus
 
 
 def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = None) -> Path:
@@ -187,6 +195,98 @@ def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = 
     return train_file
 
 
+def _no_base(summary: _Summary, mode: str, reason: str) -> None:
+    log.warning("stage 0: no pretrained base: %s", reason)
+    print(f"stage 0: no pretrained base: {reason}")
+    summary.update(pretrain={"mode": mode, "used": False, "reason": reason})
+
+
+def _check_base_model(base: Path, cfg: K3Config) -> None:
+    """A `UserError` when the base's shapes are not those ``model.preset`` builds."""
+    from transformers import AutoConfig
+
+    have = AutoConfig.from_pretrained(base, local_files_only=True)
+    want = {**PRESETS.get(cfg.model.preset, {}), "max_position_embeddings": cfg.model.max_position_embeddings}
+    bad = [f"{k} {getattr(have, k, None)} (model.preset={cfg.model.preset}: {v})" for k, v in want.items()
+           if getattr(have, k, None) != v]
+    if bad:
+        raise UserError(f"demo.base: the pretrained base {base} does not match the run's model: {'; '.join(bad)}. "
+                        f"Set model.preset to the base's, rebuild it (`k3post pretrain`), or set demo.base=none")
+
+
+def stage0(cfg: K3Config, run: Path, summary: _Summary, metrics: MetricsLogger) -> Path | None:
+    """Stage 0 of the demo (``demo.base``): the pretrained base the run starts from, or None; recorded in
+    ``summary["pretrain"]`` (key, folder, steps, corpus tokens, built here or cached, copy probe; or why the
+    run has none). ``build`` trains it (`k3post.pretrain.build_base`, resuming ``run/pretrain`` checkpoints)
+    when neither the cache nor this run holds it; ``cached`` only looks; ``none`` never uses one. A resumed
+    run keeps the decision it made when it started."""
+    prev = summary.data.get("pretrain")
+    if prev is not None and not prev.get("used"):
+        print(f"stage 0: no pretrained base ({prev.get('reason')}; decided when this run started)")
+        return None
+    if prev is not None and ((run / "model_init" / "config.json").is_file() or (Path(prev["path"]) / "config.json").is_file()):
+        print(f"stage 0: pretrained base {prev['key']} (chosen when this run started): {prev['path']}")
+        return Path(prev["path"])
+    mode = cfg.demo.base
+    if mode == "none":
+        _no_base(summary, mode, "demo.base=none: the run starts from random weights")
+        return None
+    if cfg.model.path:
+        _no_base(summary, mode, f"model.path is set: the run starts from {cfg.model.path}")
+        return None
+    key = base_key(cfg)
+    base, built, build_s = cached_base(cfg), False, None
+    own = run / "pretrain" / "final"  # built by this run before (pretrain.cache=false, or the cache emptied since)
+    if base is None and (own / "base_key.json").is_file() and json.loads((own / "base_key.json").read_text()).get("key") == key:
+        base, built = own, True
+    if base is None:
+        if mode == "cached":
+            where = f"in {cache_root(cfg) / 'bases'}" if cfg.pretrain.cache else "(pretrain.cache=false)"
+            _no_base(summary, mode, f"demo.base=cached and no base with key {key} {where}: the run starts from random "
+                                    f"weights; build it with `k3post pretrain CONFIG` or run with demo.base=build")
+            return None
+        print(f"stage 0: building the pretrained base (key {key}; cached for later runs)")
+        t0 = time.perf_counter()
+        base, built = build_base(cfg, run, metrics), True
+        build_s = round(time.perf_counter() - t0, 1)
+    _check_base_model(base, cfg)
+    record = base_record(base, cfg)
+    summary.update(pretrain={"mode": mode, "used": True, "built": built, "build_s": build_s, **record})
+    print(f"stage 0: pretrained base {key} ({'built in this run' if built else 'cached'}): {base}")
+    return base
+
+
+#: The SFT pass rate at max (held-out, RL's own eval tasks) inside which a domain can show RL at work: below it
+#: few of RL's sampled groups hold a success to learn from, above it little is left to gain (issue 31).
+SHOW_WINDOW = (0.2, 0.7)
+
+
+def domains_to_show(experts: dict[str, Any], k_of: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """Per domain with a max-effort expert: its held-out n, SFT pass at max with the Wilson 95% interval,
+    whether that pass is inside `SHOW_WINDOW`, the room RL has (the share of tasks SFT fails, and the share of
+    RL's groups of ``k_of[domain]`` samples expected to hold both a pass and a fail at that pass rate: the
+    groups with a learning signal), what RL did (the paired verdict) and a one-line verdict."""
+    lo_w, hi_w = SHOW_WINDOW
+    out = []
+    for name, e in experts.items():
+        domain, effort = name.rsplit(".", 1)
+        if effort != "max":
+            continue
+        p, n = e["sft_pass_rate"], e["n"]
+        k = (k_of or {}).get(domain)
+        mixed = None if k is None else 1 - p ** k - (1 - p) ** k
+        if p < lo_w:
+            verdict = f"too hard: SFT passes {p:.0%} < {lo_w:.0%}, few RL groups hold a success"
+        elif p > hi_w:
+            verdict = f"too easy: SFT passes {p:.0%} > {hi_w:.0%}, little left for RL to gain"
+        else:
+            verdict = f"can show RL: SFT passes {p:.0%}, inside {lo_w:.0%}–{hi_w:.0%}"
+        out.append({"domain": domain, "n": n, "sft_pass": p, "sft_ci95": list(wilson_interval(round(p * n), n)),
+                    "inside": bool(lo_w <= p <= hi_w), "room": 1 - p, "k": k, "mixed_groups": mixed,
+                    "rl_verdict": e.get("change", {}).get("verdict"), "rl_pass": e.get("pass_rate"), "verdict": verdict})
+    return out
+
+
 def run_demo(cfg: K3Config) -> Path:
     """Run every stage the project has so far; return the run folder."""
     t_start = time.perf_counter()
@@ -203,10 +303,18 @@ def run_demo(cfg: K3Config) -> Path:
         timings[name] = round(time.perf_counter() - t0, 1)
         summary.update(timings=timings)
 
-    # 1. tokenizer (BPE on XTML renderings of every family's reference trajectories) and the tiny MoE
+    # 0. Stage 0: the pretrained base (k3post.pretrain), built once and cached by content hash (demo.base)
+    t0 = time.perf_counter()
+    base = stage0(cfg, run, summary, metrics)
+    if summary.data["pretrain"].get("build_s") is not None and "pretrain" not in timings:
+        phase("pretrain", t0)  # stage 0's time, apart from the post-training's
+
+    # 1. tokenizer (the base's; else a BPE on XTML renderings of every family's reference trajectories) and the tiny MoE
     t0 = time.perf_counter()
     d = cfg.data
     eval_family = get_family(d.eval_family)
+    if base is not None and not cfg.tokenizer.path and not (run / "tokenizer" / "tokenizer.json").exists():
+        load_tokenizer(base).save_pretrained(run / "tokenizer")
     tokenizer = run_tokenizer(cfg, run)
     xtml = XTML(tokenizer)
     stop_id, pad_id = xtml.eom_id, xtml.pad_id
@@ -215,6 +323,9 @@ def run_demo(cfg: K3Config) -> Path:
         model = load_model(cfg.model.path, cfg.model.dtype)
     elif (init_dir / "config.json").exists():
         model = load_model(init_dir)
+    elif base is not None:  # SFT (and the no-QAT comparison, from model_init) starts from the base's weights
+        model = load_model(base, cfg.model.dtype)
+        save_model(model, init_dir, tokenizer)
     else:
         model = build_tiny_moe(
             len(tokenizer), cfg.model.preset, seed=cfg.run.seed, pad_token_id=pad_id, eos_token_id=stop_id,
@@ -336,9 +447,14 @@ def run_demo(cfg: K3Config) -> Path:
         summary.update(draft=train_drafts(cfg, run, target_dir, cfg.demo.drafts, metrics))
         phase("draft", t0)
 
+    k_of = {dom: cfg.rl.for_domain(dom, "max").k for dom in cfg.rl.domains}
+    summary.update(domains=domains_to_show(table["experts"], k_of))
+    for row in summary.data["domains"]:
+        print(f"  domain {row['domain']:8}: n {row['n']}, {row['verdict']}")
     metrics.close()
     status = "failed" if table["failed"] else "done"  # a failed run resumes (and retries) when run again
     summary.update(status=status, wall_s=round(time.perf_counter() - t_start + summary.data.get("wall_s_before_resume", 0), 1))
+    summary.update(post_training_wall_s=round(summary.data["wall_s"] - timings.get("pretrain", 0), 1))
     report = write_report(run)
     print(f"report: {report}")
     raise_if_failed(table)

@@ -74,6 +74,9 @@ class RunConfig:
         return Path(self.root) / self.name
 
 
+DEMO_BASES = ("build", "cached", "none")
+
+
 @dataclass
 class DemoConfig:
     """What `k3post demo` runs besides the pipeline itself."""
@@ -82,8 +85,13 @@ class DemoConfig:
     drafts: list[str] = field(default_factory=lambda: ["lk_alpha", "kl"])  # EAGLE-3 drafts for the MOPD student, one per loss (draft.*); [] skips the stage
     mtp_weight: float = 0.3  # the demo's SFT runs train an MTP head (as sft.mtp_weight, which is off by default)
     mtp_start_fraction: float = 0.8  # ... from this fraction of sft.steps on (as sft.mtp_start_fraction)
+    # stage 0 (k3post.pretrain): build = use the cached base of the run's settings, building it (once) when missing;
+    # cached = use it when cached, else start from random weights (and say so); none = random weights
+    base: str = "build"
 
     def __post_init__(self) -> None:
+        if self.base not in DEMO_BASES:
+            raise ValueError(f"demo.base must be one of {list(DEMO_BASES)}, got {self.base!r}")
         bad = [x for x in self.drafts if x not in DRAFT_LOSSES]
         if bad:
             raise ValueError(f"demo.drafts: unknown draft losses {bad}; expected some of {DRAFT_LOSSES}")
