@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from k3post.quant.qat import apply_qat
 from k3post.rewards.judging import evaluate_recipe_judge, judge_eval_enabled, recipe_judge_records
 from k3post.report import write_report
 from k3post.sft import train_sft
+from k3post.threads import active_plan, child_threads, command_plan, use_threads
 from k3post.spec.mtp import save_mtp
 from k3post.commands import default_corpus, distill, raise_if_failed, train_drafts
 from k3post.runs import open_run
@@ -99,7 +101,7 @@ def demo_sft(cfg: K3Config) -> SFTConfig:
 def _baseline_worker(cfg: K3Config, run: Path, init_dir: Path, train_file: Path, out: Any) -> None:
     """Child process: the same SFT run as the parent's, from the same initial weights, without QAT."""
     try:
-        torch.set_num_threads(1)
+        torch.set_num_threads(child_threads())  # the parent's plan for the pair (`run_demo`)
         tokenizer = load_tokenizer(init_dir)
         model = load_model(init_dir)
         samples, stats = load_sft_jsonl(train_file, XTML(tokenizer), max_len=cfg.sft.max_len, on_bad_sample=cfg.sft.on_bad_sample, mode=cfg.sft.mode)
@@ -288,11 +290,17 @@ def domains_to_show(experts: dict[str, Any], k_of: dict[str, int] | None = None)
 
 
 def run_demo(cfg: K3Config) -> Path:
-    """Run every stage the project has so far; return the run folder."""
+    """Run every stage the project has so far; return the run folder. Under the thread plan of `k3post demo`
+    (`k3post.threads`; the CLI's, else its own), and, while processes run side by side (the SFT runs with and
+    without QAT, the RL domains), under the plan of those processes."""
+    if active_plan() is None:
+        with use_threads(command_plan(cfg, "demo"), "k3post demo"):
+            return _run_demo(cfg)
+    return _run_demo(cfg)
+
+
+def _run_demo(cfg: K3Config) -> Path:
     t_start = time.perf_counter()
-    if cfg.run.threads > 0:
-        torch.set_num_threads(cfg.run.threads)
-    threads = torch.get_num_threads()
     run = open_run(_run_dir(cfg), cfg, "demo")
     summary = _Summary(run / "summary.json")
     timings: dict[str, float] = dict(summary.data.get("timings", {}))
@@ -367,18 +375,19 @@ def run_demo(cfg: K3Config) -> Path:
     compare = cfg.qat.enabled and cfg.demo.compare_no_qat
     t0 = time.perf_counter()
     baseline_proc = None
-    if compare:  # the no-QAT run trains at the same time in a child process, one thread each (34% less wall time)
-        baseline_proc = _start_baseline(cfg, run, init_dir, train_file)
-        torch.set_num_threads(1)
-    quantized = apply_qat(model, cfg.qat) if cfg.qat.enabled else []
-    res = train_sft(model, tokenizer, samples, demo_sft(cfg), run / "sft", seed=cfg.run.seed, metrics=metrics, stage="sft")
-    save_model(model, run / "sft" / "final", tokenizer)
-    if res.mtp is not None:  # the draft stage starts from it (draft.mtp)
-        save_mtp(res.mtp, run / "sft" / "final")
-    summary.update(sft=_sft_summary(res, stats, len(quantized)))
-    if baseline_proc is not None:
-        summary.update(sft_noqat=_join_baseline(*baseline_proc))
-        torch.set_num_threads(threads)
+    # the no-QAT run trains at the same time in a child process, the threads shared (34% less wall time than in turn)
+    pair = {"SFT (QAT)": 1, "SFT (no QAT)": 1}
+    with use_threads(command_plan(cfg, "demo", workers=pair), "demo: SFT", run) if compare else nullcontext():
+        if compare:
+            baseline_proc = _start_baseline(cfg, run, init_dir, train_file)
+        quantized = apply_qat(model, cfg.qat) if cfg.qat.enabled else []
+        res = train_sft(model, tokenizer, samples, demo_sft(cfg), run / "sft", seed=cfg.run.seed, metrics=metrics, stage="sft")
+        save_model(model, run / "sft" / "final", tokenizer)
+        if res.mtp is not None:  # the draft stage starts from it (draft.mtp)
+            save_mtp(res.mtp, run / "sft" / "final")
+        summary.update(sft=_sft_summary(res, stats, len(quantized)))
+        if baseline_proc is not None:
+            summary.update(sft_noqat=_join_baseline(*baseline_proc))
     phase("sft", t0)
 
     # 5. held-out pass rate after SFT
@@ -410,8 +419,10 @@ def run_demo(cfg: K3Config) -> Path:
     t0 = time.perf_counter()
     table: dict[str, Any] = {"experts": {}, "failed": {}}
     if cfg.rl.steps > 0 and cfg.rl.domains:
-        table = train_experts(run / "sft" / "final", cfg.rl, run / "experts", qat=cfg.qat, metrics=metrics,
-                              processes=len(cfg.rl.domains), metrics_dir=run)
+        domains = {"RL domain workers": len(cfg.rl.domains)}
+        with use_threads(command_plan(cfg, "demo", workers=domains), "demo: RL experts", run):
+            table = train_experts(run / "sft" / "final", cfg.rl, run / "experts", qat=cfg.qat, metrics=metrics,
+                                  processes=len(cfg.rl.domains), metrics_dir=run)
         summary.update(experts={k: {kk: v for kk, v in e.items() if kk != "eval"} for k, e in table["experts"].items()},
                        experts_failed={k: {kk: v for kk, v in f.items() if kk != "traceback"} for k, f in table["failed"].items()})
         for name, e in table["experts"].items():

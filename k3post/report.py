@@ -493,6 +493,23 @@ SECTIONS = [_pretrain_section, _synth_section, _kg_section, _sft_section, _judge
             _domains_section, _mopd_section, _draft_section]
 
 
+def _threads_table(run: Path) -> str:
+    """The thread plans the run's commands ran under (`k3post.threads`, ``threads.json``): the numbers depend on
+    the thread count."""
+    path = run / "threads.json"
+    if not path.is_file():
+        return ""
+    try:
+        plans = json.loads(path.read_text())
+    except ValueError:
+        return "<p class=muted>threads.json is unreadable</p>"
+    rows = [[p["name"], ", ".join(f"{n} {k}" for k, n in p["workers"].items()), p["torch_threads"],
+             p["requested"] or "0 (auto)", f"{p['cores']['usable']} of {p['cores']['cpu_count']}", p["reason"]]
+            for p in plans]
+    return "<h2>Threads</h2>" + _table(["command / phase", "processes", "torch threads each", "run.threads",
+                                        "usable cores", "why"], rows)
+
+
 def write_report(run_dir: str | Path) -> Path:
     """Render ``report.html`` for a run folder and return its path."""
     run = Path(run_dir)
@@ -506,6 +523,7 @@ def write_report(run_dir: str | Path) -> Path:
     ]
     if summary.get("timings"):
         head.append(_table(["phase", "seconds"], [[k, v] for k, v in summary["timings"].items()]))
+    head.append(_threads_table(run))
     body = [_eval_section(summary)] + [s(run, summary) for s in SECTIONS]
     cfg_html = f"<h2>Config</h2><pre>{html.escape(cfg_text)}</pre>" if cfg_text else ""
     page = f"<!doctype html><html><head><meta charset=utf-8><title>k3post {html.escape(run.name)}</title><style>{CSS}</style></head><body>{''.join(head)}{''.join(body)}{cfg_html}</body></html>"
