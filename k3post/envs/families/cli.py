@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import argparse
 
+from k3post.constants import DOMAINS, EFFORTS
 from k3post.errors import UserError
-from k3post.envs.episode import run_episode_sync
-from k3post.envs.families.registry import EFFORTS, families, get_family
-from k3post.envs.task import DOMAINS
-from k3post.xtml import render_text
 
 __all__ = ["add_tasks_parser", "cmd_tasks_list", "cmd_tasks_sample", "list_text", "sample_text"]
 
 
 def list_text(domain: str | None = None) -> str:
     """The registered families grouped by domain, one ``name  description`` line each."""
+    from k3post.envs.families.registry import families
+
     if domain is not None and domain not in DOMAINS:
         raise UserError(f"unknown domain {domain!r}; expected one of {DOMAINS}")
     lines: list[str] = []
@@ -45,6 +44,10 @@ def list_text(domain: str | None = None) -> str:
 
 def sample_text(family: str, *, seed: int = 0, effort: str = "max", difficulty: int = 1) -> str:
     """One task of ``family`` and its reference trajectory at ``effort``, rendered as XTML text."""
+    from k3post.envs.episode import run_episode_sync
+    from k3post.envs.families.registry import get_family
+    from k3post.xtml import render_text
+
     if effort not in EFFORTS:
         raise UserError(f"unknown effort {effort!r}; expected one of {EFFORTS}")
     try:  # an unknown family, a difficulty it does not have: the user's input (exit 2)
