@@ -86,13 +86,22 @@ def _on_ranks(fn, cfg, command: str):  # noqa: ANN001, ANN202
         return on_ranks(d.fsdp, fn, cfg, followers=lambda: RayFollowers(cluster))
 
 
+def _threaded(fn, cfg, command: str, *, ranks: bool = True):  # noqa: ANN001, ANN202
+    """``fn`` run (on its ranks, `_on_ranks`) under the command's thread plan (`k3post.threads`): set before any
+    process starts, recorded in the run's k3post.log and threads.json when the run folder opens."""
+    from k3post.threads import command_plan, use_threads
+
+    with use_threads(command_plan(cfg, command), f"k3post {command}"):
+        return _on_ranks(fn, cfg, command) if ranks else fn(cfg)
+
+
 def cmd_demo(ns: argparse.Namespace) -> int:
     from k3post.demo import run_demo
 
     config, overrides = _split_config(ns.args)
     if config is None and Path("configs/demo.yaml").exists():
         config = "configs/demo.yaml"
-    _on_ranks(run_demo, _load(config, overrides), "demo")
+    _threaded(run_demo, _load(config, overrides), "demo")
     return 0
 
 
@@ -102,7 +111,7 @@ def cmd_sft(ns: argparse.Namespace) -> int:
     config, overrides = _split_config(ns.args)
     if config is None:
         raise ValueError("usage: k3post sft CONFIG [key=value ...]")
-    _on_ranks(run_sft, _load(config, overrides), "sft")
+    _threaded(run_sft, _load(config, overrides), "sft")
     return 0
 
 
@@ -112,7 +121,7 @@ def cmd_pretrain(ns: argparse.Namespace) -> int:
     config, overrides = _split_config(ns.args)
     if config is None:
         raise ValueError("usage: k3post pretrain CONFIG [key=value ...]")
-    run_pretrain(_load(config, overrides))
+    _threaded(run_pretrain, _load(config, overrides), "pretrain", ranks=False)
     return 0
 
 
@@ -125,7 +134,7 @@ def cmd_rl(ns: argparse.Namespace) -> int:
     from k3post.commands import run_draft, run_mopd
 
     fn = {"experts": run_experts, "rl": run_rl, "mopd": run_mopd, "draft": run_draft}[ns.command]
-    _on_ranks(fn, _load(config, overrides), ns.command)
+    _threaded(fn, _load(config, overrides), ns.command)
     return 0
 
 

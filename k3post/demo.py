@@ -2,7 +2,8 @@
 
     runs/<name>/
       config.yaml            resolved config
-      data/                  sft_train.jsonl (+ per-source raw / rejected / funnel files, review queue), eval_tasks.jsonl
+      data/                  sft_train.jsonl (+ per-source raw / rejected / funnel files, review queue, judge.jsonl:
+                             the scripted GRM judge episodes of data.judge_tasks), eval_tasks.jsonl
       tokenizer/             byte-level BPE with the XTML tokens
       model_init/            the freshly built tiny Qwen3-MoE (safetensors)
       sft/checkpoints/       step-N/ checkpoints + latest (exact resume)
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,16 +36,19 @@ from k3post.data import load_sft_jsonl, write_jsonl
 from k3post.evaluate import evaluate_family
 from k3post.experts import train_experts
 from k3post.metrics import MetricsLogger
-from k3post.models import build_tiny_moe, count_parameters, load_model, save_model
+from k3post.models import PRESETS, build_tiny_moe, count_parameters, load_model, save_model
+from k3post.pretrain import base_key, base_record, build_base, cache_root, cached_base
 from k3post.quant.qat import apply_qat
+from k3post.rewards.judging import evaluate_recipe_judge, judge_eval_enabled, recipe_judge_records
 from k3post.report import write_report
 from k3post.sft import train_sft
+from k3post.threads import active_plan, child_threads, command_plan, use_threads
 from k3post.spec.mtp import save_mtp
 from k3post.commands import default_corpus, distill, raise_if_failed, sft_summary, train_drafts
 from k3post.runs import RunSummary, open_run
 from k3post.envs.families import default_families, get_family, lexicon as family_lexicon
 from k3post.envs.task import canonical_json
-from k3post.stats import format_rate, paired_change
+from k3post.stats import format_rate, paired_change, wilson_interval
 from k3post.synth import VerifyConfig, build_sft_dataset, mix
 from k3post.tokenizer import lexicon_corpus, load_tokenizer, train_tokenizer
 from k3post.xtml import XTML
@@ -73,7 +78,7 @@ def demo_sft(cfg: K3Config) -> SFTConfig:
 def _baseline_worker(cfg: K3Config, run: Path, init_dir: Path, train_file: Path, out: Any) -> None:
     """Child process: the same SFT run as the parent's, from the same initial weights, without QAT."""
     try:
-        torch.set_num_threads(1)
+        torch.set_num_threads(child_threads())  # the parent's plan for the pair (`run_demo`)
         tokenizer = load_tokenizer(init_dir)
         model = load_model(init_dir)
         samples, stats = load_sft_jsonl(train_file, XTML(tokenizer), max_len=cfg.sft.max_len, on_bad_sample=cfg.sft.on_bad_sample, mode=cfg.sft.mode)
@@ -113,17 +118,25 @@ def run_tokenizer(cfg: K3Config, run: Path) -> Any:
         return load_tokenizer(tok_dir)
     if cfg.tokenizer.path:
         raise UserError(f"tokenizer.path: {tok_dir} holds no tokenizer.json")
+    return train_tokenizer(tokenizer_texts(cfg), vocab_size=cfg.tokenizer.vocab_size, out_dir=tok_dir,
+                           word_boundaries=cfg.tokenizer.word_boundaries)
+
+
+def tokenizer_texts(cfg: K3Config) -> list[str]:
+    """The BPE's corpus: XTML renderings of every family's reference trajectories (``data.corpus_per_family``
+    each), plus the families' lexicon ``tokenizer.lexicon_repeats`` times (stage 0 adds its documents)."""
     corpus = default_corpus(cfg.data.corpus_per_family, seed=cfg.run.seed + 7, main=cfg.data.eval_family)
     if cfg.tokenizer.lexicon_repeats:
         corpus += lexicon_corpus(family_lexicon(), cfg.tokenizer.lexicon_repeats)
-    return train_tokenizer(corpus, vocab_size=cfg.tokenizer.vocab_size, out_dir=tok_dir, word_boundaries=cfg.tokenizer.word_boundaries)
+    return corpus
 
 
 def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = None) -> Path:
     """SFT data from the synthesis pipeline: the reference teachers of every built-in family at every effort
     (`data.n_train` tasks of `data.eval_family`, `data.family_tasks` or `data.n_per_family` of each other family), verified stage by
-    stage (structure, outcome, quality, judge); writes `run/data/sft_train.jsonl` and returns its path.
-    `record(synth=...)` receives the funnel and per-family counts for the report.
+    stage (structure, outcome, quality, judge), plus `data.judge_tasks` reference pairs as scripted GRM judge episodes
+    in both orders (`k3post.rewards.judging`); writes `run/data/sft_train.jsonl` and returns its path.
+    `record(synth=...)` receives the funnel and per-family counts (and the judge records' counts) for the report.
     """
     d = cfg.data
     main = get_family(d.eval_family)
@@ -146,22 +159,125 @@ def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = 
     if d.effort_mix:  # same number of samples, reweighted by effort (a scarce effort is repeated)
         main_records = mix(main_records, d.effort_mix, len(main_records), seed=cfg.run.seed)
     records = main_records + [json.loads(line) for p in rest_paths for line in p.read_text(encoding="utf-8").splitlines()]
+    judge: dict[str, Any] = {}
+    if d.judge_tasks:  # scripted GRM judge episodes on reference pairs (family "grm"), both orders (issue 31)
+        judge_records, judge = recipe_judge_records(cfg, XTML(tokenizer))
+        write_jsonl(judge_records, run / "data" / "judge.jsonl")
+        records += judge_records
     train_file = write_jsonl(records, run / "data" / "sft_train.jsonl")
     by_family: dict[str, int] = {}
     for r in records:
         by_family[r["family"]] = by_family.get(r["family"], 0) + 1
     if record is not None:
-        record(synth={"funnel": funnel.to_dict(), "samples_by_family": by_family})
+        record(synth={"funnel": funnel.to_dict(), "samples_by_family": by_family, **({"judge": judge} if judge else {})})
     print(funnel.table())
     return train_file
 
 
+def _no_base(summary: RunSummary, mode: str, reason: str) -> None:
+    log.warning("stage 0: no pretrained base: %s", reason)
+    print(f"stage 0: no pretrained base: {reason}")
+    summary.update(pretrain={"mode": mode, "used": False, "reason": reason})
+
+
+def _check_base_model(base: Path, cfg: K3Config) -> None:
+    """A `UserError` when the base's shapes are not those ``model.preset`` builds."""
+    from transformers import AutoConfig
+
+    have = AutoConfig.from_pretrained(base, local_files_only=True)
+    want = {**PRESETS.get(cfg.model.preset, {}), "max_position_embeddings": cfg.model.max_position_embeddings}
+    bad = [f"{k} {getattr(have, k, None)} (model.preset={cfg.model.preset}: {v})" for k, v in want.items()
+           if getattr(have, k, None) != v]
+    if bad:
+        raise UserError(f"demo.base: the pretrained base {base} does not match the run's model: {'; '.join(bad)}. "
+                        f"Set model.preset to the base's, rebuild it (`k3post pretrain`), or set demo.base=none")
+
+
+def stage0(cfg: K3Config, run: Path, summary: RunSummary, metrics: MetricsLogger) -> Path | None:
+    """Stage 0 of the demo (``demo.base``): the pretrained base the run starts from, or None; recorded in
+    ``summary["pretrain"]`` (key, folder, steps, corpus tokens, built here or cached, copy probe; or why the
+    run has none). ``build`` trains it (`k3post.pretrain.build_base`, resuming ``run/pretrain`` checkpoints)
+    when neither the cache nor this run holds it; ``cached`` only looks; ``none`` never uses one. A resumed
+    run keeps the decision it made when it started."""
+    prev = summary.data.get("pretrain")
+    if prev is not None and not prev.get("used"):
+        print(f"stage 0: no pretrained base ({prev.get('reason')}; decided when this run started)")
+        return None
+    if prev is not None and ((run / "model_init" / "config.json").is_file() or (Path(prev["path"]) / "config.json").is_file()):
+        print(f"stage 0: pretrained base {prev['key']} (chosen when this run started): {prev['path']}")
+        return Path(prev["path"])
+    mode = cfg.demo.base
+    if mode == "none":
+        _no_base(summary, mode, "demo.base=none: the run starts from random weights")
+        return None
+    if cfg.model.path:
+        _no_base(summary, mode, f"model.path is set: the run starts from {cfg.model.path}")
+        return None
+    key = base_key(cfg)
+    base, built, build_s = cached_base(cfg), False, None
+    own = run / "pretrain" / "final"  # built by this run before (pretrain.cache=false, or the cache emptied since)
+    if base is None and (own / "base_key.json").is_file() and json.loads((own / "base_key.json").read_text()).get("key") == key:
+        base, built = own, True
+    if base is None:
+        if mode == "cached":
+            where = f"in {cache_root(cfg) / 'bases'}" if cfg.pretrain.cache else "(pretrain.cache=false)"
+            _no_base(summary, mode, f"demo.base=cached and no base with key {key} {where}: the run starts from random "
+                                    f"weights; build it with `k3post pretrain CONFIG` or run with demo.base=build")
+            return None
+        print(f"stage 0: building the pretrained base (key {key}; cached for later runs)")
+        t0 = time.perf_counter()
+        base, built = build_base(cfg, run, metrics), True
+        build_s = round(time.perf_counter() - t0, 1)
+    _check_base_model(base, cfg)
+    record = base_record(base, cfg)
+    summary.update(pretrain={"mode": mode, "used": True, "built": built, "build_s": build_s, **record})
+    print(f"stage 0: pretrained base {key} ({'built in this run' if built else 'cached'}): {base}")
+    return base
+
+
+#: The SFT pass rate at max (held-out, RL's own eval tasks) inside which a domain can show RL at work: below it
+#: few of RL's sampled groups hold a success to learn from, above it little is left to gain (issue 31).
+SHOW_WINDOW = (0.2, 0.7)
+
+
+def domains_to_show(experts: dict[str, Any], k_of: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """Per domain with a max-effort expert: its held-out n, SFT pass at max with the Wilson 95% interval,
+    whether that pass is inside `SHOW_WINDOW`, the room RL has (the share of tasks SFT fails, and the share of
+    RL's groups of ``k_of[domain]`` samples expected to hold both a pass and a fail at that pass rate: the
+    groups with a learning signal), what RL did (the paired verdict) and a one-line verdict."""
+    lo_w, hi_w = SHOW_WINDOW
+    out = []
+    for name, e in experts.items():
+        domain, effort = name.rsplit(".", 1)
+        if effort != "max":
+            continue
+        p, n = e["sft_pass_rate"], e["n"]
+        k = (k_of or {}).get(domain)
+        mixed = None if k is None else 1 - p ** k - (1 - p) ** k
+        if p < lo_w:
+            verdict = f"too hard: SFT passes {p:.0%} < {lo_w:.0%}, few RL groups hold a success"
+        elif p > hi_w:
+            verdict = f"too easy: SFT passes {p:.0%} > {hi_w:.0%}, little left for RL to gain"
+        else:
+            verdict = f"can show RL: SFT passes {p:.0%}, inside {lo_w:.0%}–{hi_w:.0%}"
+        out.append({"domain": domain, "n": n, "sft_pass": p, "sft_ci95": list(wilson_interval(round(p * n), n)),
+                    "inside": bool(lo_w <= p <= hi_w), "room": 1 - p, "k": k, "mixed_groups": mixed,
+                    "rl_verdict": e.get("change", {}).get("verdict"), "rl_pass": e.get("pass_rate"), "verdict": verdict})
+    return out
+
+
 def run_demo(cfg: K3Config) -> Path:
-    """Run every stage the project has so far; return the run folder."""
+    """Run every stage the project has so far; return the run folder. Under the thread plan of `k3post demo`
+    (`k3post.threads`; the CLI's, else its own), and, while processes run side by side (the SFT runs with and
+    without QAT, the RL domains), under the plan of those processes."""
+    if active_plan() is None:
+        with use_threads(command_plan(cfg, "demo"), "k3post demo"):
+            return _run_demo(cfg)
+    return _run_demo(cfg)
+
+
+def _run_demo(cfg: K3Config) -> Path:
     t_start = time.perf_counter()
-    if cfg.run.threads > 0:
-        torch.set_num_threads(cfg.run.threads)
-    threads = torch.get_num_threads()
     run = open_run(_run_dir(cfg), cfg, "demo")
     summary = RunSummary(run / "summary.json")
     timings: dict[str, float] = dict(summary.data.get("timings", {}))
@@ -172,10 +288,18 @@ def run_demo(cfg: K3Config) -> Path:
         timings[name] = round(time.perf_counter() - t0, 1)
         summary.update(timings=timings)
 
-    # 1. tokenizer (BPE on XTML renderings of every family's reference trajectories) and the tiny MoE
+    # 0. Stage 0: the pretrained base (k3post.pretrain), built once and cached by content hash (demo.base)
+    t0 = time.perf_counter()
+    base = stage0(cfg, run, summary, metrics)
+    if summary.data["pretrain"].get("build_s") is not None and "pretrain" not in timings:
+        phase("pretrain", t0)  # stage 0's time, apart from the post-training's
+
+    # 1. tokenizer (the base's; else a BPE on XTML renderings of every family's reference trajectories) and the tiny MoE
     t0 = time.perf_counter()
     d = cfg.data
     eval_family = get_family(d.eval_family)
+    if base is not None and not cfg.tokenizer.path and not (run / "tokenizer" / "tokenizer.json").exists():
+        load_tokenizer(base).save_pretrained(run / "tokenizer")
     tokenizer = run_tokenizer(cfg, run)
     xtml = XTML(tokenizer)
     stop_id, pad_id = xtml.eom_id, xtml.pad_id
@@ -184,6 +308,9 @@ def run_demo(cfg: K3Config) -> Path:
         model = load_model(cfg.model.path, cfg.model.dtype)
     elif (init_dir / "config.json").exists():
         model = load_model(init_dir)
+    elif base is not None:  # SFT (and the no-QAT comparison, from model_init) starts from the base's weights
+        model = load_model(base, cfg.model.dtype)
+        save_model(model, init_dir, tokenizer)
     else:
         model = build_tiny_moe(
             len(tokenizer), cfg.model.preset, seed=cfg.run.seed, pad_token_id=pad_id, eos_token_id=stop_id,
@@ -225,24 +352,33 @@ def run_demo(cfg: K3Config) -> Path:
     compare = cfg.qat.enabled and cfg.demo.compare_no_qat
     t0 = time.perf_counter()
     baseline_proc = None
-    if compare:  # the no-QAT run trains at the same time in a child process, one thread each (34% less wall time)
-        baseline_proc = _start_baseline(cfg, run, init_dir, train_file)
-        torch.set_num_threads(1)
-    quantized = apply_qat(model, cfg.qat) if cfg.qat.enabled else []
-    res = train_sft(model, tokenizer, samples, demo_sft(cfg), run / "sft", seed=cfg.run.seed, metrics=metrics, stage="sft")
-    save_model(model, run / "sft" / "final", tokenizer)
-    if res.mtp is not None:  # the draft stage starts from it (draft.mtp)
-        save_mtp(res.mtp, run / "sft" / "final")
-    summary.update(sft=sft_summary(res, stats, len(quantized)))
-    if baseline_proc is not None:
-        summary.update(sft_noqat=_join_baseline(*baseline_proc))
-        torch.set_num_threads(threads)
+    # the no-QAT run trains at the same time in a child process, the threads shared (34% less wall time than in turn)
+    pair = {"SFT (QAT)": 1, "SFT (no QAT)": 1}
+    with use_threads(command_plan(cfg, "demo", workers=pair), "demo: SFT", run) if compare else nullcontext():
+        if compare:
+            baseline_proc = _start_baseline(cfg, run, init_dir, train_file)
+        quantized = apply_qat(model, cfg.qat) if cfg.qat.enabled else []
+        res = train_sft(model, tokenizer, samples, demo_sft(cfg), run / "sft", seed=cfg.run.seed, metrics=metrics, stage="sft")
+        save_model(model, run / "sft" / "final", tokenizer)
+        if res.mtp is not None:  # the draft stage starts from it (draft.mtp)
+            save_mtp(res.mtp, run / "sft" / "final")
+        summary.update(sft=sft_summary(res, stats, len(quantized)))
+        if baseline_proc is not None:
+            summary.update(sft_noqat=_join_baseline(*baseline_proc))
     phase("sft", t0)
 
     # 5. held-out pass rate after SFT
     t0 = time.perf_counter()
     eval_all("sft")
     phase("eval sft", t0)
+
+    if judge_eval_enabled(cfg) and "judge" not in summary.data:  # the SFT model as the GRM judge (issue 31)
+        t0 = time.perf_counter()
+        jr = evaluate_recipe_judge(cfg, run / "sft" / "final", metrics)
+        summary.update(judge=jr)
+        print(f"  judge (SFT model): valid {format_rate(jr['valid']['rate'], jr['n'])}, "
+              f"agrees with the reference {format_rate(jr['agreement']['rate'], jr['n'])}")
+        phase("eval judge", t0)
 
     if compare:
         baseline = load_model(run / "sft_noqat" / "final")
@@ -260,8 +396,10 @@ def run_demo(cfg: K3Config) -> Path:
     t0 = time.perf_counter()
     table: dict[str, Any] = {"experts": {}, "failed": {}}
     if cfg.rl.steps > 0 and cfg.rl.domains:
-        table = train_experts(run / "sft" / "final", cfg.rl, run / "experts", qat=cfg.qat, metrics=metrics,
-                              processes=len(cfg.rl.domains), metrics_dir=run)
+        domains = {"RL domain workers": len(cfg.rl.domains)}
+        with use_threads(command_plan(cfg, "demo", workers=domains), "demo: RL experts", run):
+            table = train_experts(run / "sft" / "final", cfg.rl, run / "experts", qat=cfg.qat, metrics=metrics,
+                                  processes=len(cfg.rl.domains), metrics_dir=run)
         summary.update(experts={k: {kk: v for kk, v in e.items() if kk != "eval"} for k, e in table["experts"].items()},
                        experts_failed={k: {kk: v for kk, v in f.items() if kk != "traceback"} for k, f in table["failed"].items()})
         for name, e in table["experts"].items():
@@ -297,9 +435,14 @@ def run_demo(cfg: K3Config) -> Path:
         summary.update(draft=train_drafts(cfg, run, target_dir, cfg.demo.drafts, metrics))
         phase("draft", t0)
 
+    k_of = {dom: cfg.rl.for_domain(dom, "max").k for dom in cfg.rl.domains}
+    summary.update(domains=domains_to_show(table["experts"], k_of))
+    for row in summary.data["domains"]:
+        print(f"  domain {row['domain']:8}: n {row['n']}, {row['verdict']}")
     metrics.close()
     status = "failed" if table["failed"] else "done"  # a failed run resumes (and retries) when run again
     summary.update(status=status, wall_s=round(time.perf_counter() - t_start + summary.data.get("wall_s_before_resume", 0), 1))
+    summary.update(post_training_wall_s=round(summary.data["wall_s"] - timings.get("pretrain", 0), 1))
     report = write_report(run)
     print(f"report: {report}")
     raise_if_failed(table)

@@ -95,7 +95,9 @@ _Job = tuple[str, str, RLConfig, str, "QATConfig | None", "str | None", "EngineC
 
 def _domain_worker(args: _Job, until: str | None = None) -> dict[str, Any]:
     domain, sft_dir, cfg, out_dir, qat, metrics_dir, judge_engine = args
-    torch.set_num_threads(1)
+    from k3post.threads import child_threads
+
+    torch.set_num_threads(child_threads())  # the parent's plan for the domain workers (1 without one)
     if metrics_dir:  # the worker's warnings and engine launches go to the run's k3post.log too (appended)
         from k3post.errors import attach_run_log
 
@@ -143,7 +145,7 @@ def train_experts(
     `expert_grid`, to ``grid.json``).
 
     The domains' chains are independent, so with ``processes`` > 1 they train in that many spawned
-    processes (one torch thread each; metrics to ``metrics_dir`` through their own loggers, the
+    processes (each with the threads of the plan in force, `k3post.threads.child_threads`, one without; metrics to ``metrics_dir`` through their own loggers, the
     JSONL file is shared under a file lock). A judge given as a live ``scorer`` object forces one
     process; ``cfg.judge`` is built inside each worker instead.
 

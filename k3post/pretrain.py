@@ -35,6 +35,7 @@ from typing import Any, Sequence
 import torch
 
 from k3post.config import K3Config
+from k3post.config.model import ModelConfig
 from k3post.config.pretrain import PretrainConfig
 from k3post.config.sft import SFTConfig
 from k3post.data import Sample
@@ -42,7 +43,8 @@ from k3post.errors import UserError
 from k3post.synth.corpus import (CORPUS_VERSION, KEYS, document_text, draw_name, encode_pieces, generate_corpus,
                                  generate_document, held_out_names, record_pieces)
 
-__all__ = ["base_key", "cache_root", "corpus_samples", "copy_probe", "run_pretrain", "BASE_FREE_KEYS"]
+__all__ = ["base_key", "cache_root", "cached_base", "base_record", "build_base", "corpus_samples", "copy_probe",
+           "run_pretrain", "BASE_FREE_KEYS"]
 
 log = logging.getLogger("k3post.pretrain")
 
@@ -65,7 +67,10 @@ def base_key_fields(cfg: K3Config) -> dict[str, Any]:
     else:
         tok = {**asdict(cfg.tokenizer), "corpus_per_family": cfg.data.corpus_per_family, "eval_family": cfg.data.eval_family}
     return {"corpus_version": CORPUS_VERSION, "pretrain": p, "tokenizer": tok, "seed": cfg.run.seed,
-            "model": {"preset": cfg.model.preset, "shape": PRESETS.get(cfg.model.preset), "dtype": cfg.model.dtype}}
+            "model": {"preset": cfg.model.preset, "shape": PRESETS.get(cfg.model.preset), "dtype": cfg.model.dtype,
+                      # only when changed, so the keys of bases built before it was hashed stay the same
+                      **({"max_position_embeddings": cfg.model.max_position_embeddings}
+                         if cfg.model.max_position_embeddings != ModelConfig().max_position_embeddings else {})}}
 
 
 def base_key(cfg: K3Config) -> str:
@@ -95,19 +100,15 @@ def corpus_samples(tokenizer: Any, docs: Sequence[Sequence[str]], seq_len: int) 
 
 
 def _tokenizer(cfg: K3Config, docs: Sequence[Sequence[str]], out: Path) -> Any:
-    from k3post.tokenizer import lexicon_corpus, load_tokenizer, train_tokenizer
+    from k3post.tokenizer import load_tokenizer, train_tokenizer
 
     if cfg.tokenizer.path:
         return load_tokenizer(Path(cfg.tokenizer.path).expanduser())
     if (out / "tokenizer.json").is_file():  # a resumed run: the same tokenizer
         return load_tokenizer(out)
-    from k3post.commands import default_corpus
-    from k3post.envs.families import lexicon as family_lexicon
+    from k3post.demo import tokenizer_texts
 
-    texts = default_corpus(cfg.data.corpus_per_family, seed=cfg.run.seed + 7, main=cfg.data.eval_family)
-    if cfg.tokenizer.lexicon_repeats:
-        texts += lexicon_corpus(family_lexicon(), cfg.tokenizer.lexicon_repeats)
-    texts += [document_text(d) for d in docs[:2000]]
+    texts = tokenizer_texts(cfg) + [document_text(d) for d in docs[:2000]]
     return train_tokenizer(texts, vocab_size=cfg.tokenizer.vocab_size, out_dir=out,
                            word_boundaries=cfg.tokenizer.word_boundaries)
 
@@ -239,25 +240,35 @@ def publish_base(src: Path, dest: Path) -> Path:
     return dest
 
 
-def run_pretrain(cfg: K3Config) -> Path:
-    """`k3post pretrain CONFIG` (module doc); returns the base's folder (the cached one when caching)."""
-    from k3post.metrics import MetricsLogger
+def cached_base(cfg: K3Config) -> Path | None:
+    """The cached base of ``cfg``'s key (`base_key`), when ``pretrain.cache`` is on and it is there."""
+    path = cache_root(cfg) / "bases" / base_key(cfg)
+    return path if cfg.pretrain.cache and (path / "config.json").is_file() else None
+
+
+def base_record(base: Path, cfg: K3Config) -> dict[str, Any]:
+    """What a report says about ``base``: its key, folder, steps, corpus tokens (``train.json``; a base
+    written before it existed gives its configured steps and no token count) and copy probe (`_probe_of`)."""
+    train_path = base / "train.json"
+    train = json.loads(train_path.read_text()) if train_path.is_file() else {}
+    key_path = base / "base_key.json"
+    key = json.loads(key_path.read_text()) if key_path.is_file() else {}
+    steps = train.get("steps", key.get("fields", {}).get("pretrain", {}).get("steps"))
+    return {"key": key.get("key", base_key(cfg)), "path": str(base), "steps": steps,
+            "corpus_tokens": train.get("corpus_tokens"), "tokens_per_step": train.get("tokens_per_step"),
+            "final_loss": train.get("final_loss"), "probe": _probe_of(base, cfg)}
+
+
+def build_base(cfg: K3Config, run: Path, metrics: Any) -> Path:
+    """Stage 0 into ``run/pretrain`` (resuming its checkpoints), the probe logged to ``metrics`` (stage
+    ``pretrain/probe``), the final model in ``run/pretrain/final`` with ``probe.json``, ``base_key.json`` and
+    ``train.json``, then published to the cache (`publish_base`) unless ``pretrain.cache`` is off; returns
+    the base's folder."""
     from k3post.models import build_tiny_moe, save_model
-    from k3post.runs import check_inputs, open_run
     from k3post.sft import train_sft
 
     p = cfg.pretrain
-    if cfg.model.path:
-        raise UserError("model.path: k3post pretrain builds model.preset from scratch; unset model.path")
-    check_inputs(cfg, "pretrain")  # tokenizer.path, before it is hashed
     key = base_key(cfg)
-    cached = cache_root(cfg) / "bases" / key
-    if p.cache and (cached / "config.json").is_file():
-        probe = _probe_of(cached, cfg)
-        print(format_probe(probe))
-        print(f"pretrained base (cached, key {key}): {cached}")
-        return cached
-    run = open_run(cfg.run.dir, cfg, "pretrain")
     out = run / "pretrain"
     torch.manual_seed(cfg.run.seed)
     docs = corpus_documents(p, cfg.run.seed)
@@ -266,25 +277,47 @@ def run_pretrain(cfg: K3Config) -> Path:
     n_tok = sum(len(s) for s in samples)
     log.info("pretrain corpus: %d documents, %d tokens (version %d)", len(samples), n_tok, CORPUS_VERSION)
     model = build_tiny_moe(len(tokenizer), cfg.model.preset, seed=cfg.run.seed, pad_token_id=tokenizer.pad_token_id,
-                           eos_token_id=tokenizer.convert_tokens_to_ids("<|end_of_msg|>"))
-    metrics = MetricsLogger(run)
-    try:
-        res = train_sft(model, tokenizer, samples, sft_settings(p), out, seed=cfg.run.seed, metrics=metrics,
-                        stage="pretrain")
-        probe = copy_probe(model, tokenizer, p.probe_distances, p.probe_names, cfg.run.seed)
+                           eos_token_id=tokenizer.convert_tokens_to_ids("<|end_of_msg|>"),
+                           max_position_embeddings=cfg.model.max_position_embeddings)
+    res = train_sft(model, tokenizer, samples, sft_settings(p), out, seed=cfg.run.seed, metrics=metrics,
+                    stage="pretrain")
+    probe = copy_probe(model, tokenizer, p.probe_distances, p.probe_names, cfg.run.seed)
+    if metrics is not None:
         metrics.log("pretrain/probe", p.steps, {f"copy_exact_{d}": r["exact"] for d, r in probe.items()}
                     | {f"copy_token_acc_{d}": r["token_acc"] for d, r in probe.items()})
-    finally:
-        metrics.close()
     final = save_model(model, out / "final", tokenizer)
     (final / "probe.json").write_text(json.dumps({"settings": {"distances": list(p.probe_distances), "n": p.probe_names,
                                                                "seed": cfg.run.seed}, "result": probe}, indent=1))
     (final / "base_key.json").write_text(json.dumps({"key": key, "fields": base_key_fields(cfg)}, indent=1, default=str))
+    (final / "train.json").write_text(json.dumps({"steps": res.steps, "final_loss": res.final_loss, "corpus_tokens": n_tok,
+                                                  "tokens_per_step": p.rows_per_batch * p.seq_len,
+                                                  "resumed_from": res.resumed_from}, indent=1))
     print(f"pretrain: {res.steps} steps, final loss {res.final_loss:.4f}, {res.wall_s:.0f} s, corpus {n_tok} tokens")
     print(format_probe(probe))
     if not p.cache:
         print(f"pretrained base: {final}")
         return final
-    base = publish_base(final, cached)
+    base = publish_base(final, cache_root(cfg) / "bases" / key)
     print(f"pretrained base (cached, key {key}): {base}")
     return base
+
+
+def run_pretrain(cfg: K3Config) -> Path:
+    """`k3post pretrain CONFIG` (module doc); returns the base's folder (the cached one when caching)."""
+    from k3post.metrics import MetricsLogger
+    from k3post.runs import check_inputs, open_run
+
+    if cfg.model.path:
+        raise UserError("model.path: k3post pretrain builds model.preset from scratch; unset model.path")
+    check_inputs(cfg, "pretrain")  # tokenizer.path, before it is hashed
+    cached = cached_base(cfg)
+    if cached is not None:
+        print(format_probe(_probe_of(cached, cfg)))
+        print(f"pretrained base (cached, key {base_key(cfg)}): {cached}")
+        return cached
+    run = open_run(cfg.run.dir, cfg, "pretrain")
+    metrics = MetricsLogger(run)
+    try:
+        return build_base(cfg, run, metrics)
+    finally:
+        metrics.close()

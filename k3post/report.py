@@ -93,22 +93,54 @@ pre{background:#f7f7f7;padding:.6em;overflow-x:auto;font-size:12px;white-space:p
 
 
 def _pretrain_section(run: Path, summary: dict[str, Any]) -> str:
-    """Stage 0 (`k3post pretrain`): its loss curve and the copy probe, from the metrics rows."""
+    """Stage 0: the base the run started from (``summary["pretrain"]``, the demo's; or why it has none), the
+    loss curve when the run trained it, and the copy probe."""
     path = run / "metrics.jsonl"
     rows = read_metrics(path, "pretrain") if path.is_file() else []
-    if not rows:
+    pre = summary.get("pretrain")
+    if not rows and not pre:
         return ""
-    parts = ["<h2>Stage 0: pretrained base</h2>",
-             _img(_plot_png({"pretrain": ([r["step"] for r in rows], [r["loss"] for r in rows])},
-                            title="pretraining loss (CE, token mean)", xlabel="step", ylabel="loss", logy=True), "pretraining loss")]
-    probe = read_metrics(path, "pretrain/probe")
-    if probe:
+    parts = ["<h2>Stage 0: pretrained base</h2>"]
+    if pre is not None and not pre.get("used"):
+        parts.append(f"<p><b>This run has no pretrained base</b> (demo.base={html.escape(str(pre.get('mode')))}): "
+                     f"{html.escape(str(pre.get('reason')))}.</p>")
+    elif pre is not None:
+        how = (f"built in this run ({pre['build_s']:.0f} s, apart from the post-training's time)" if pre.get("build_s") is not None
+               else "built in this run" if pre.get("built") else "cached (built by an earlier run; nothing trained here)")
+        parts.append(_table(["base", ""], [["key", pre.get("key")], ["folder", pre.get("path")], ["how", how],
+                                            ["steps", pre.get("steps")], ["corpus tokens", pre.get("corpus_tokens") or "not recorded"],
+                                            ["tokens per step", pre.get("tokens_per_step") or "not recorded"]]))
+    if rows:
+        parts.append(_img(_plot_png({"pretrain": ([r["step"] for r in rows], [r["loss"] for r in rows])},
+                                    title="pretraining loss (CE, token mean)", xlabel="step", ylabel="loss", logy=True), "pretraining loss"))
+    table = []
+    probe = read_metrics(path, "pretrain/probe") if path.is_file() else []
+    if pre is not None and pre.get("probe"):
+        table = [[int(d), r["exact"], r["token_acc"], r["n"]] for d, r in pre["probe"].items()]
+    elif probe:
         last = probe[-1]
         dists = sorted(int(k.rsplit("_", 1)[1]) for k in last if k.startswith("copy_exact_"))
+        table = [[d, last[f"copy_exact_{d}"], last[f"copy_token_acc_{d}"], ""] for d in dists]
+    if table:
         parts.append("<p>Copy probe: held-out 2–3-token names restated d tokens after their introduction (teacher-forced).</p>")
-        parts.append(_table(["tokens back", "names exact", "name tokens"],
-                            [[d, last[f"copy_exact_{d}"], last[f"copy_token_acc_{d}"]] for d in dists]))
+        parts.append(_table(["tokens back", "names exact", "name tokens", "n"], sorted(table)))
     return "\n".join(parts)
+
+
+def _domains_section(run: Path, summary: dict[str, Any]) -> str:
+    """Which domains the run can show RL on (``summary["domains"]``, `k3post.demo.domains_to_show`)."""
+    rows = summary.get("domains")
+    if rows is None:
+        return ""
+    if not rows:
+        return "<h2>Domains the run can show</h2><p>No max-effort RL expert in this run: nothing to judge.</p>"
+    body = [[r["domain"], r["n"], _rate(r["sft_pass"], r["sft_ci95"]), "yes" if r["inside"] else "no", r["room"],
+             "" if r["mixed_groups"] is None else f"{r['mixed_groups']:.2f} (k {r['k']})",
+             "" if r["rl_pass"] is None else f"{r['rl_pass']:.3f} ({r['rl_verdict']})", r["verdict"]] for r in rows]
+    return ("<h2>Domains the run can show</h2><p class=muted>From the SFT pass rate at max on RL's held-out tasks: "
+            "RL shows where SFT passes 20–70 % (below, few sampled groups hold a success; above, little is left to gain).</p>"
+            + _table(["domain", "n", "SFT pass at max [95%]", "inside 0.2–0.7", "room (SFT fails)",
+                      "groups with a pass and a fail", "RL at max (paired verdict)", "verdict"], body))
 
 
 def _sft_section(run: Path, summary: dict[str, Any]) -> str:
@@ -130,6 +162,30 @@ def _sft_section(run: Path, summary: dict[str, Any]) -> str:
         ("QAT", "qat"), ("resumed from step", "resumed_from"),
     ]
     parts.append(_table([""] + runs, [[label] + [summary[t].get(k, "") for t in runs] for label, k in keys]))
+    return "\n".join(parts)
+
+
+def _judge_section(run: Path, summary: dict[str, Any]) -> str:
+    """The SFT model as the GRM judge on held-out reference pairs (`k3post.rewards.judging.evaluate_judge`)."""
+    j = summary.get("judge")
+    if not j:
+        return ""
+    taught = (summary.get("synth") or {}).get("judge")
+    parts = ["<h2>GRM judge: the SFT model judging held-out pairs</h2>",
+             f"<p class=muted>{j['pairs']} held-out pairs whose better answer is known (the reference teacher's "
+             "answer against a degraded one), each judged in both orders, one attempt each, "
+             f"{html.escape(j.get('sampling', ''))}. Valid: the 4-step protocol completed with consistent totals; "
+             "agrees: valid and the reference's total higher (an invalid judgement or a tie does not agree). "
+             + (f"SFT data: {taught['records']} scripted judge episodes of {taught['pairs']} pairs." if taught else
+                "The SFT data held no judge episodes.") + "</p>"]
+    rows = [["all", j["n"], _rate(j["valid"]["rate"], j["valid"]["ci95"]), _rate(j["agreement"]["rate"], j["agreement"]["ci95"]),
+             _rate(j["agreement_valid"]["rate"], j["agreement_valid"]["ci95"]) if j["agreement_valid"]["n"] else "–", j["ties"], j["picks_a"]]]
+    for fam, r in j.get("by_family", {}).items():
+        rows.append([fam, r["n"], _rate(r["valid"]["rate"], r["valid"]["ci95"]), _rate(r["agreement"]["rate"], r["agreement"]["ci95"]),
+                     "", "", ""])
+    parts.append(_table(["pairs of", "judgements", "valid [95%]", "agrees [95%]", "agrees among valid", "ties", "prefers A"], rows))
+    if j.get("invalid_reasons"):
+        parts.append("<p>Invalid judgements by reason: " + html.escape(", ".join(f"{k} {v}" for k, v in sorted(j["invalid_reasons"].items()))) + "</p>")
     return "\n".join(parts)
 
 
@@ -460,8 +516,25 @@ def _draft_section(run: Path, summary: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-SECTIONS = [_pretrain_section, _synth_section, _kg_section, _sft_section, _grid_section, _rl_section, _rl_run_section,
-            _mopd_section, _draft_section]
+SECTIONS = [_pretrain_section, _synth_section, _kg_section, _sft_section, _judge_section, _grid_section, _rl_section,
+            _rl_run_section, _domains_section, _mopd_section, _draft_section]
+
+
+def _threads_table(run: Path) -> str:
+    """The thread plans the run's commands ran under (`k3post.threads`, ``threads.json``): the numbers depend on
+    the thread count."""
+    path = run / "threads.json"
+    if not path.is_file():
+        return ""
+    try:
+        plans = json.loads(path.read_text())
+    except ValueError:
+        return "<p class=muted>threads.json is unreadable</p>"
+    rows = [[p["name"], ", ".join(f"{n} {k}" for k, n in p["workers"].items()), p["torch_threads"],
+             p["requested"] or "0 (auto)", f"{p['cores']['usable']} of {p['cores']['cpu_count']}", p["reason"]]
+            for p in plans]
+    return "<h2>Threads</h2>" + _table(["command / phase", "processes", "torch threads each", "run.threads",
+                                        "usable cores", "why"], rows)
 
 
 def write_report(run_dir: str | Path) -> Path:
@@ -479,6 +552,7 @@ def write_report(run_dir: str | Path) -> Path:
         head.append(f"<p>error: {html.escape(str(summary['error']))}</p>")
     if summary.get("timings"):
         head.append(_table(["phase", "seconds"], [[k, v] for k, v in summary["timings"].items()]))
+    head.append(_threads_table(run))
     body = [_eval_section(summary)] + [s(run, summary) for s in SECTIONS]
     cfg_html = f"<h2>Config</h2><pre>{html.escape(cfg_text)}</pre>" if cfg_text else ""
     page = f"<!doctype html><html><head><meta charset=utf-8><title>k3post {html.escape(run.name)}</title><style>{CSS}</style></head><body>{''.join(head)}{''.join(body)}{cfg_html}</body></html>"

@@ -17,7 +17,8 @@ Every stage command (`k3post sft`, `rl`, `experts`, `mopd`, `draft`, `demo`) ope
    ``run.on_broken_checkpoint=fallback``, is moved aside to ``checkpoints/broken-step-N/`` with a warning and
    the stage resumes from the newest intact one;
 4. records the stage's settings in ``stages.json``, writes the resolved ``config.yaml`` (the last command's)
-   and sends the log to ``k3post.log``.
+   and sends the log to ``k3post.log``, where (and in ``threads.json``) the thread plan the command runs under
+   is recorded (`k3post.threads.record_plan`).
 
 The lock is released when the command ends (`release_runs`, called by the CLI) or the process exits.
 """
@@ -36,6 +37,7 @@ from typing import Any
 from k3post.config import K3Config, to_yaml
 from k3post.errors import UserError, attach_run_log
 from k3post.spec.layout import draft_aux_layers, draft_target
+from k3post.threads import record_plan
 
 __all__ = ["STAGES", "FREE_KEYS", "LOCK", "RECORD", "open_run", "check_inputs", "changed_keys", "release_runs",
            "stage_id", "RunInUse", "RunSummary"]
@@ -312,4 +314,5 @@ def open_run(run: Path, cfg: K3Config, stage: str) -> Path:
     tmp.replace(run / RECORD)
     (run / "config.yaml").write_text(to_yaml(cfg))
     attach_run_log(run)
+    record_plan(run)
     return run

@@ -41,14 +41,22 @@ def xtml_tokenizer() -> PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
-    """One torch thread for a module's tests (engine and server tests: stable on a shared 2-core machine);
-    the previous thread count is restored afterwards."""
+    """One torch thread for a module's tests (engine and server tests: stable on a shared 2-core machine), the
+    commands they run included (OMP_NUM_THREADS=1: `run.threads: 0` then plans one thread, `k3post.threads`);
+    the previous thread count and environment are restored afterwards."""
+    import os
+
     import torch
 
-    n = torch.get_num_threads()
+    n, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
     yield
     torch.set_num_threads(n)
+    if env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = env
 
 
 def pytest_addoption(parser):

@@ -12,7 +12,7 @@ from k3post.cli import main
 
 def _small(tmp_path, name="d"):
     return [
-        f"run.root={tmp_path}", f"run.name={name}", "data.n_train=60", "data.n_per_family=1", "data.family_tasks.coding.write_function=1", "data.n_eval=8",
+        f"run.root={tmp_path}", f"run.name={name}", "demo.base=none", "data.n_train=60", "data.n_per_family=1", "data.family_tasks.coding.write_function=1", "data.n_eval=8",
         "data.corpus_per_family=1", "sft.steps=6", "sft.save_every=3", "sft.rows_per_batch=1", "sft.max_len=4096", "sft.progress=false",
         "eval.max_new_tokens=24", "eval.efforts=[max,low]", "tokenizer.vocab_size=400",
         # Stage 2 / 3 at toy size: 2 efforts per domain, a step or two each

@@ -35,7 +35,7 @@ from k3post.config.mopd import MOPDConfig
 from k3post.config.optim import OptimConfig
 from k3post.config.pretrain import PretrainConfig
 from k3post.config.quant import QATConfig
-from k3post.config.ranges import RangeError, check_ranges
+from k3post.config.ranges import RangeError, check_ranges, ranged
 from k3post.config.rl import RLConfig
 from k3post.config.rollout import EngineConfig, RolloutConfig
 from k3post.config.sandbox import SandboxConfig, apply_sandbox_config
@@ -63,7 +63,7 @@ class RunConfig:
     overwrite: bool = False  # demo: reuse a finished run's folder (as run.restart) instead of a new `-N` one
     restart: bool = False  # start the stage over: the old run (sft, demo) or stage folder moves to `<folder>.restart-N` (k3post.runs)
     on_broken_checkpoint: str = "error"  # error | fallback: resume from the newest intact checkpoint, the broken ones moved aside
-    threads: int = 2  # torch intra-op threads of the demo, pinned: a matmul's reduction order (so every number) depends on it; 0 keeps torch's default (the core count)
+    threads: int = ranged(0, ge=0)  # torch threads the command keeps busy, shared by its concurrent processes (k3post.threads); 0: auto, from the cores this process may use. Pin it to repeat a run's numbers: a matmul's reduction order depends on it
 
     def __post_init__(self) -> None:
         if self.on_broken_checkpoint not in ("error", "fallback"):
@@ -74,6 +74,9 @@ class RunConfig:
         return Path(self.root) / self.name
 
 
+DEMO_BASES = ("build", "cached", "none")
+
+
 @dataclass
 class DemoConfig:
     """What `k3post demo` runs besides the pipeline itself."""
@@ -82,8 +85,13 @@ class DemoConfig:
     drafts: list[str] = field(default_factory=lambda: ["lk_alpha", "kl"])  # EAGLE-3 drafts for the MOPD student, one per loss (draft.*); [] skips the stage
     mtp_weight: float = 0.3  # the demo's SFT runs train an MTP head (as sft.mtp_weight, which is off by default)
     mtp_start_fraction: float = 0.8  # ... from this fraction of sft.steps on (as sft.mtp_start_fraction)
+    # stage 0 (k3post.pretrain): build = use the cached base of the run's settings, building it (once) when missing;
+    # cached = use it when cached, else start from random weights (and say so); none = random weights
+    base: str = "build"
 
     def __post_init__(self) -> None:
+        if self.base not in DEMO_BASES:
+            raise ValueError(f"demo.base must be one of {list(DEMO_BASES)}, got {self.base!r}")
         bad = [x for x in self.drafts if x not in DRAFT_LOSSES]
         if bad:
             raise ValueError(f"demo.drafts: unknown draft losses {bad}; expected some of {DRAFT_LOSSES}")

@@ -28,6 +28,12 @@ class DataConfig:
     corpus_per_family: int = ranged(6, ge=0)  # tasks per family (x3 efforts) in the tokenizer's training corpus
     # a kg_tasks.jsonl of `k3post synth-tasks`: agents.search draws its tasks from it instead of generated graphs
     search_tasks: str = ""
+    # the GRM judge learns to judge (k3post.rewards.judging): reference pairs whose better answer is known, each
+    # giving two scripted judge episodes (the reference as A and as B) in the SFT data; 0: none
+    judge_tasks: int = ranged(0, ge=0)
+    # held-out pairs (disjoint from those and from the judged families' SFT tasks), each judged in both orders by
+    # the SFT model after SFT, when it was taught to judge or is RL's judge (rl.judge: policy); 0: no evaluation
+    judge_eval: int = ranged(50, ge=0)
 
     def __post_init__(self) -> None:
         from k3post.envs.families.registry import get_family  # torch-free (the task families only)

@@ -45,7 +45,7 @@ class EngineConfig:
             empty, and always the frozen models' (the SFT model of the experts' budgets and "before" row,
             the MOPD teachers' evaluation, the GRM judge), whose weights the policy's servers do not hold.
             0: nothing is launched, and a frozen model over ``http`` is an error naming it.
-        launch_threads: torch CPU threads of each launched server (0: torch's default).
+        launch_threads: torch CPU threads of each launched server (0: the command's thread plan, `k3post.threads`).
         dialect: the ``http`` servers' API: ``k3post`` (``k3post serve``), ``sglang`` or ``vllm``
             (their own servers; `k3post.rollout.server_dialects`: disk sync only, no exact resampling).
             Launched servers are ``k3post serve`` whatever this says.

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from k3post.config.distributed import FSDPConfig
 from k3post.config.optim import OptimConfig
+from k3post.threads import RANKS, active_plan
 
 __all__ = ["Followers", "Leader", "leading", "on_ranks", "serve_rank"]
 
@@ -194,7 +195,9 @@ def _run_leader(fsdp: FSDPConfig, followers: Followers, fn: Callable[..., Any], 
     with socket.socket() as s:  # a port on the address the followers reach rank 0 at
         s.bind((followers.host, 0))
         init = f"tcp://{followers.host}:{s.getsockname()[1]}"
-    followers.start(world, init, fsdp, max(1, torch.get_num_threads() // world))
+    plan = active_plan()  # a plan that counts the local ranks gives each its share (k3post.threads); else rank 0's
+    local = plan is not None and RANKS in plan[1].workers
+    followers.start(world, init, fsdp, plan[1].per_process if local else max(1, torch.get_num_threads() // world))
     done = False
     try:
         control = _init(0, world, init, fsdp.timeout_s)

@@ -163,9 +163,18 @@ def _launch_servers(model: torch.nn.Module | str | Path, tokenizer: Any | None, 
     else:
         model_dir = Path(model)
     servers = LocalServers(model_dir, cfg.launch, max_batch_size=max_batch_size, max_model_len=max_model_len,
-                           qat=qat is not None and qat.enabled, threads=cfg.launch_threads or None, remove_on_close=tmp)
+                           qat=qat is not None and qat.enabled, threads=cfg.launch_threads or _plan_threads(),
+                           remove_on_close=tmp)
     log.info("engine for the %s: %d local server(s) %s", role, cfg.launch, servers.urls)
     return servers
+
+
+def _plan_threads() -> int | None:
+    """Each launched server's threads under the thread plan in force (`k3post.threads`); None without one."""
+    from k3post.threads import active_plan
+
+    plan = active_plan()
+    return None if plan is None else plan[1].per_process
 
 
 def close_engine(engine: Any) -> None:

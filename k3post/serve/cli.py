@@ -135,8 +135,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise UserError(f"--port must be in [0, 65535], got {ns.port}")
     api_key = ns.api_key or os.environ.get("K3POST_API_KEY") or None
     check_exposure(ns.host, api_key, ns.allow_unauthenticated_engine_api)
-    if ns.threads is not None and ns.threads < 1:
-        raise UserError(f"--threads must be >= 1, got {ns.threads}")
+    if ns.threads < 0:
+        raise UserError(f"--threads must be >= 0 (0: chosen from the cores, k3post.threads), got {ns.threads}")
+    from k3post.threads import plan_threads, seen_cores
+
+    plan = plan_threads(seen_cores(), {"server": 1}, ns.threads)
+    for w in plan.warnings:
+        print(f"k3post serve: WARNING: {w}", file=sys.stderr)
+    print(f"k3post serve: {plan.describe()}", file=sys.stderr)
     from k3post.serve.app import ServeLimits
 
     try:
@@ -146,7 +152,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     app = build_server(
         ns.model_dir, model_name=ns.model_name, max_batch_size=ns.max_batch_size, max_model_len=ns.max_model_len,
         qat=ns.qat, seed=ns.seed, default_effort=ns.thinking_effort, default_max_tokens=ns.default_max_tokens or None,
-        api_key=api_key, torch_threads=ns.threads,
+        api_key=api_key, torch_threads=plan.per_process,
         draft=ns.draft, num_draft_tokens=ns.num_draft_tokens, limits=limits,
     )
     print(f"serving {app.state.server.config.model_name} on http://{ns.host}:{ns.port}/v1")
@@ -190,7 +196,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--allow-unauthenticated-engine-api", action="store_true",
                    help="serve on a non-loopback --host without an API key (refused otherwise, exit 2): anyone who "
                         "reaches the port can then pause the engine and load weights (README, Security)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the engine thread")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads of the engine thread (0: the cores this process may use, k3post.threads)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(fn=cmd_serve)
     return p

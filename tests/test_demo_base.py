@@ -1,0 +1,201 @@
+"""`k3post demo` from the pretrained base (stage 0, `demo.base`): built once into the cache, reused after,
+its tokenizer and weights the run's start; `cached` without a base says so; resume inside and after stage 0.
+Everything shrunk (3 pretraining steps on 8 short documents, 2 SFT steps, no RL / MOPD / drafts)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from k3post import pretrain
+from k3post.cli import main
+from k3post.config import load_config
+from k3post.demo import domains_to_show, run_demo
+from k3post.metrics import read_metrics
+from k3post.runs import release_runs
+
+
+def _tiny(tmp_path, name, *extra):
+    return [
+        f"run.root={tmp_path / 'runs'}", f"run.name={name}", "data.n_train=12", "data.n_per_family=0",
+        "data.family_tasks.coding.write_function=0", "data.n_eval=3", "data.efforts=[max]", "data.effort_mix={}",
+        "data.corpus_per_family=1", "tokenizer.vocab_size=400",
+        "sft.steps=2", "sft.log_every=1", "sft.rows_per_batch=1", "sft.max_len=4096", "sft.progress=false", "demo.mtp_weight=0",
+        "eval.max_new_tokens=8", "eval.efforts=[max]", "rl.steps=0", "mopd.rl.steps=0", "demo.drafts=[]",
+        "demo.compare_no_qat=false",
+        "pretrain.steps=3", "pretrain.n_docs=8", "pretrain.seq_len=64", "pretrain.rows_per_batch=2",
+        "pretrain.save_every=1", "pretrain.log_every=1", "pretrain.warmup_steps=1", "pretrain.progress=false",
+        "pretrain.probe_names=2", "pretrain.probe_distances=[60]", f"pretrain.cache_dir={tmp_path / 'cache'}",
+        *extra,
+    ]
+
+
+def _rows(run, stage):
+    return [r["step"] for r in read_metrics(run / "metrics.jsonl", stage)] if (run / "metrics.jsonl").is_file() else []
+
+
+def _weights(folder):
+    return load_file(folder / "model.safetensors")
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_demo_builds_the_base_once_and_starts_from_it(tmp_path, monkeypatch, capsys):
+    """First run: stage 0 trains (metrics rows of stage ``pretrain``) and publishes the base under its key;
+    the run's tokenizer is the base's and its initial weights are the base's. Second run, same settings:
+    no training (the builder is never called, no ``pretrain`` rows); with ``sft.lr=0`` and no QAT the SFT
+    model is the base, weight for weight, so SFT started from it."""
+    assert main(["demo", *_tiny(tmp_path, "a")]) == 0
+    cfg = load_config(None, _tiny(tmp_path, "a"))
+    key = pretrain.base_key(cfg)
+    base = tmp_path / "cache" / "bases" / key
+    run = tmp_path / "runs" / "a"
+    s = json.loads((run / "summary.json").read_text())
+    pre = s["pretrain"]
+    assert pre["used"] and pre["built"] and pre["key"] == key and pre["path"] == str(base) and pre["steps"] == 3
+    assert pre["corpus_tokens"] > 0 and set(pre["probe"]) == {"60"} and pre["build_s"] is not None
+    assert "pretrain" in s["timings"] and s["post_training_wall_s"] <= s["wall_s"]
+    assert _rows(run, "pretrain") == [1, 2, 3] and _rows(run, "pretrain/probe") == [3]
+    assert [p.name for p in base.parent.iterdir()] == [key]
+    # the base's tokenizer (BPE on the demo's corpus + generated documents) is the run's
+    from k3post.tokenizer import load_tokenizer
+
+    run_tok, base_tok = load_tokenizer(run / "tokenizer"), load_tokenizer(base)
+    assert run_tok.get_vocab() == base_tok.get_vocab()
+    text = "The badge of Kelmor is Vorwen. <|end_of_msg|>"
+    assert run_tok.encode(text, add_special_tokens=False) == base_tok.encode(text, add_special_tokens=False)
+    assert _same(_weights(run / "model_init"), _weights(base))
+    page = (run / "report.html").read_text()
+    assert "Stage 0: pretrained base" in page and key in page and "built in this run" in page and "Copy probe" in page
+    out = capsys.readouterr().out
+    assert f"stage 0: building the pretrained base (key {key}" in out
+
+    def no_build(*a, **k):
+        raise AssertionError("the base is cached: nothing to train")
+
+    monkeypatch.setattr("k3post.demo.build_base", no_build)
+    assert main(["demo", *_tiny(tmp_path, "b", "sft.lr=0", "qat.enabled=false")]) == 0
+    run_b = tmp_path / "runs" / "b"
+    pre_b = json.loads((run_b / "summary.json").read_text())["pretrain"]
+    assert pre_b["used"] and not pre_b["built"] and pre_b["build_s"] is None and pre_b["key"] == key
+    assert pre_b["probe"] == pre["probe"]  # read back from the base's probe.json
+    assert _rows(run_b, "pretrain") == [] and _rows(run_b, "sft") == [1, 2]
+    assert f"stage 0: pretrained base {key} (cached)" in capsys.readouterr().out
+    assert _same(_weights(run_b / "sft" / "final"), _weights(base))  # lr 0: SFT's start, unchanged
+    assert "cached (built by an earlier run" in (run_b / "report.html").read_text()
+
+
+def test_cached_without_a_base_runs_without_one_and_says_so(tmp_path, capsys):
+    assert main(["demo", *_tiny(tmp_path, "c", "demo.base=cached")]) == 0
+    run = tmp_path / "runs" / "c"
+    pre = json.loads((run / "summary.json").read_text())["pretrain"]
+    assert not pre["used"] and pre["mode"] == "cached" and "no base with key" in pre["reason"]
+    assert "no pretrained base: demo.base=cached" in capsys.readouterr().out
+    assert "no pretrained base: demo.base=cached" in (run / "k3post.log").read_text()
+    assert "This run has no pretrained base" in (run / "report.html").read_text()
+    assert _rows(run, "pretrain") == [] and not (tmp_path / "cache" / "bases").exists()
+    assert (run / "model_init" / "config.json").is_file()
+
+
+def test_demo_resumes_inside_stage0_and_reuses_the_base_after_it(tmp_path, monkeypatch):
+    """Killed after stage 0's checkpoint of step 2 (of 3), the demo resumes stage 0 there (each pretraining step
+    logged once, ``resumed_from`` 2); killed in SFT, it resumes with the base it built, training none."""
+    import k3post.checkpoint as ck
+
+    cfg = load_config(None, _tiny(tmp_path, "r"))
+    real = ck.save_checkpoint
+
+    class Killed(Exception):
+        pass
+
+    def kill_at(stage, at):
+        def save_then_die(root, step, *a, **kw):
+            path = real(root, step, *a, **kw)
+            if Path(root).parent.name == stage and step == at:
+                raise Killed
+            return path
+        return save_then_die
+
+    monkeypatch.setattr(ck, "save_checkpoint", kill_at("pretrain", 2))
+    with pytest.raises(Killed):
+        run_demo(cfg)
+    release_runs()
+    run = cfg.run.dir
+    assert _rows(run, "pretrain") == [1, 2] and not (tmp_path / "cache" / "bases").exists()
+    monkeypatch.setattr(ck, "save_checkpoint", kill_at("sft", 1))
+    with pytest.raises(Killed):
+        run_demo(cfg)
+    release_runs()
+    base = tmp_path / "cache" / "bases" / pretrain.base_key(cfg)
+    assert json.loads((base / "train.json").read_text())["resumed_from"] == 2
+    assert _rows(run, "pretrain") == [1, 2, 3]
+    monkeypatch.setattr(ck, "save_checkpoint", real)
+    monkeypatch.setattr("k3post.demo.build_base", lambda *a, **k: pytest.fail("stage 0 is done: nothing to build"))
+    assert run_demo(cfg) == run
+    release_runs()
+    s = json.loads((run / "summary.json").read_text())
+    assert s["status"] == "done" and s["pretrain"]["built"] and s["pretrain"]["path"] == str(base)
+    assert _rows(run, "pretrain") == [1, 2, 3] and _same(_weights(run / "model_init"), _weights(base))
+
+
+def test_a_base_of_another_shape_is_a_clear_error(tmp_path, capsys):
+    """A folder under the run's key whose shapes are not ``model.preset``'s: exit 2 naming it, before SFT."""
+    from k3post.models import build_tiny_moe, save_model
+
+    cfg = load_config(None, _tiny(tmp_path, "m"))
+    wrong = tmp_path / "cache" / "bases" / pretrain.base_key(cfg)
+    save_model(build_tiny_moe(400, "small"), wrong)
+    assert main(["demo", *_tiny(tmp_path, "m")]) == 2
+    err = capsys.readouterr().err
+    assert "does not match the run's model" in err and "hidden_size 256 (model.preset=tiny: 128)" in err
+    assert not (cfg.run.dir / "sft").exists()
+
+
+def test_base_keys_follow_the_recipes_tokenizer_settings():
+    """configs/full.yaml's BPE (2,048 tokens, the families' lexicon) reaches the base's key, so the demo and
+    the full recipe get different bases; the base's BPE takes the lexicon as the run's would."""
+    demo, full = load_config("configs/demo.yaml"), load_config("configs/full.yaml")
+    assert demo.demo.base == full.demo.base == "build"
+    assert pretrain.base_key(demo) != pretrain.base_key(full)
+    assert pretrain.base_key_fields(full)["tokenizer"]["lexicon_repeats"] == 200
+    assert pretrain.base_key(load_config("configs/full.yaml", ["tokenizer.lexicon_repeats=100"])) != pretrain.base_key(full)
+    # not every demo key: a post-training setting leaves the base as it is
+    assert pretrain.base_key(load_config("configs/demo.yaml", ["sft.lr=1e-3", "demo.base=cached"])) == pretrain.base_key(demo)
+
+
+def test_base_tokenizer_takes_the_family_lexicon(tmp_path):
+    lengths = {}
+    for rep in (0, 200):
+        cfg = load_config(None, [f"tokenizer.lexicon_repeats={rep}", "tokenizer.vocab_size=2048", "data.corpus_per_family=1"])
+        tok = pretrain._tokenizer(cfg, [], tmp_path / f"r{rep}")
+        lengths[rep] = len(tok.encode(" Quordel Zeltov", add_special_tokens=False))
+    assert lengths[200] <= 5 < lengths[0], lengths
+
+
+def test_bad_demo_base_is_a_clear_error(tmp_path, capsys):
+    assert main(["demo", f"run.root={tmp_path}", "demo.base=maybe"]) == 2
+    assert "demo.base must be one of ['build', 'cached', 'none']" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def _expert(p, n=100, verdict="no significant change"):
+    return {"sft_pass_rate": p, "n": n, "pass_rate": p, "change": {"verdict": verdict}}
+
+
+def test_domains_to_show_follow_the_sft_pass_rate():
+    rows = domains_to_show({"general.max": _expert(0.45, 400, "higher"), "general.low": _expert(0.1),
+                            "agents.max": _expert(0.0), "coding.max": _expert(0.82, 50)}, {"general": 8, "agents": 8})
+    by = {r["domain"]: r for r in rows}
+    assert set(by) == {"general", "agents", "coding"}  # one line per domain, from its max expert
+    assert by["general"]["inside"] and by["general"]["verdict"].startswith("can show RL")
+    assert by["general"]["n"] == 400 and by["general"]["rl_verdict"] == "higher"
+    lo, hi = by["general"]["sft_ci95"]
+    assert lo < 0.45 < hi and hi - lo < 0.11  # Wilson at n 400
+    assert by["general"]["mixed_groups"] == pytest.approx(1 - 0.45 ** 8 - 0.55 ** 8)
+    assert not by["agents"]["inside"] and by["agents"]["verdict"].startswith("too hard") and by["agents"]["mixed_groups"] == 0
+    assert not by["coding"]["inside"] and by["coding"]["verdict"].startswith("too easy") and by["coding"]["mixed_groups"] is None
+    assert by["coding"]["room"] == pytest.approx(0.18)

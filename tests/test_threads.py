@@ -1,0 +1,189 @@
+"""The thread policy (`k3post.threads`): its choices, the cgroup quota it reads, and a command running with them."""
+
+import json
+import logging
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from k3post.threads import (Cores, child_threads, cgroup_quota, command_plan, plan_threads, record_plan, seen_cores,
+                            use_threads)
+
+
+def test_affinity_smaller_than_the_cpu_count_is_what_auto_uses():
+    plan = plan_threads(Cores(cpu_count=64, affinity=3), {"trainer": 1})
+    assert plan.cores.usable == 3 and plan.per_process == 3 and not plan.warnings
+    assert "3 usable" in plan.describe() and "affinity 3" in plan.describe()
+
+
+@pytest.mark.parametrize("quota, threads", [(1.5, 1), (2.0, 2), (0.5, 1), (3.9, 3)])
+def test_a_cgroup_quota_is_rounded_down(quota, threads):
+    # 1.5 CPUs: two busy threads would be throttled a quarter of every period, so one
+    plan = plan_threads(Cores(cpu_count=8, affinity=8, quota=quota), {"trainer": 1})
+    assert plan.per_process == threads
+
+
+def test_workers_share_the_cores_never_below_one_thread():
+    cores = Cores(cpu_count=16, affinity=8)
+    assert plan_threads(cores, {"trainer": 1}).per_process == 8
+    assert plan_threads(cores, {"trainer": 1, "engine servers": 2}).per_process == 2  # 8 // 3
+    assert plan_threads(cores, {"RL domain workers": 3}).per_process == 2
+    many = plan_threads(Cores(cpu_count=2, affinity=2), {"RL domain workers": 3})
+    assert many.per_process == 1 and many.total_workers == 3
+    assert any("time-share" in w for w in many.warnings)  # 3 busy threads on 2 cores is said, not hidden
+    assert plan_threads(cores, {"a": 0, "b": 2}).workers == {"b": 2}
+
+
+def test_a_pinned_count_is_kept_on_any_machine():
+    # the numbers depend on the thread count: run.threads=2 means 2 on a laptop and on a 64-core server
+    for cores in (Cores(64, 64), Cores(2, 2), Cores(4, None, 2.0)):
+        plan = plan_threads(cores, {"trainer": 1}, requested=2)
+        assert plan.per_process == 2 and plan.budget == 2 and not plan.warnings
+        assert "pinned" in plan.reason
+    # shared by the processes running at once, as the demo's SFT pair and RL domains always were
+    assert plan_threads(Cores(64, 64), {"SFT (QAT)": 1, "SFT (no QAT)": 1}, requested=2).per_process == 1
+    assert plan_threads(Cores(64, 64), {"RL domain workers": 3}, requested=2).per_process == 1
+
+
+def test_a_request_over_the_cores_is_kept_with_a_logged_warning(caplog):
+    plan = plan_threads(Cores(cpu_count=8, affinity=2), {"trainer": 1}, requested=4)
+    assert plan.per_process == 4
+    assert len(plan.warnings) == 1 and "run.threads=4 is more than the 2 core(s)" in plan.warnings[0]
+    before = torch.get_num_threads()
+    with caplog.at_level(logging.WARNING, logger="k3post.threads"), use_threads(plan, "test"):
+        assert torch.get_num_threads() == 4
+    assert torch.get_num_threads() == before
+    assert any(r.levelno == logging.WARNING and "more than the 2 core(s)" in r.getMessage() for r in caplog.records)
+
+
+def test_omp_num_threads_of_the_environment_caps_auto_only():
+    cores = Cores(cpu_count=8, affinity=8, env_limit=1)
+    assert plan_threads(cores, {"trainer": 1}).per_process == 1
+    assert plan_threads(cores, {"trainer": 1}, requested=2).per_process == 2
+
+
+def test_bad_plans_are_errors():
+    with pytest.raises(ValueError, match=r"run.threads must be >= 0"):
+        plan_threads(Cores(2, 2), {"trainer": 1}, requested=-1)
+    with pytest.raises(ValueError, match="at least one process"):
+        plan_threads(Cores(2, 2), {"trainer": 0})
+
+
+def _cgroup(tmp_path, v2=None, v1=None):
+    """A fake /sys/fs/cgroup tree and /proc/self/cgroup: the process in /a/b, quotas on the given folders."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    root = tmp_path / "cg"
+    for rel, text in (v2 or {}).items():
+        (root / rel).mkdir(parents=True, exist_ok=True)
+        (root / rel / "cpu.max").write_text(text)
+    for rel, (quota, period) in (v1 or {}).items():
+        d = root / "cpu" / rel
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+        (d / "cpu.cfs_period_us").write_text(f"{period}\n")
+    proc = tmp_path / "proc_cgroup"
+    proc.write_text("4:memory:/x\n1:cpu,cpuacct:/a/b\n0::/a/b\n")
+    return root, proc
+
+
+def test_cgroup_quota_v2_takes_the_tightest_ancestor(tmp_path):
+    root, proc = _cgroup(tmp_path, v2={"a/b": "max 100000\n", "a": "150000 100000\n", ".": "400000 100000\n"})
+    assert cgroup_quota(root, proc) == 1.5
+    root, proc = _cgroup(tmp_path / "u", v2={"a/b": "max 100000\n"})
+    assert cgroup_quota(root, proc) is None
+
+
+def test_cgroup_quota_v1(tmp_path):
+    root, proc = _cgroup(tmp_path, v1={"a/b": (250000, 100000), ".": (-1, 100000)})
+    assert cgroup_quota(root, proc) == 2.5
+    root, proc = _cgroup(tmp_path / "none")
+    assert cgroup_quota(root, proc) is None
+
+
+def test_seen_cores_reads_this_process():
+    cores = seen_cores()
+    assert cores.cpu_count == os.cpu_count()
+    if hasattr(os, "sched_getaffinity"):
+        assert cores.affinity == len(os.sched_getaffinity(0))
+    assert 1 <= cores.usable <= cores.cpu_count
+
+
+def _child_threads(out):
+    import torch as t
+
+    out.put((t.get_num_threads(), child_threads()))
+
+
+def test_children_start_with_the_plan(tmp_path):
+    """A spawned child's torch (OpenMP) starts with the plan's count, before it sets anything itself."""
+    torch_before = torch.get_num_threads()
+    env_before = os.environ.get("OMP_NUM_THREADS")
+    plan = plan_threads(Cores(8, 8), {"workers": 3}, requested=3)  # 1 each; this test process runs 2 or more
+    ctx = mp.get_context("spawn")
+    with use_threads(plan, "test: workers", run=tmp_path):
+        assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
+        q = ctx.Queue()
+        p = ctx.Process(target=_child_threads, args=(q,))
+        p.start()
+        got = q.get(timeout=120)
+        p.join()
+    assert got == (1, 1)
+    assert torch.get_num_threads() == torch_before and os.environ.get("OMP_NUM_THREADS") == env_before
+    (entry,) = json.loads((tmp_path / "threads.json").read_text())
+    assert entry["name"] == "test: workers" and entry["torch_threads"] == 1 and entry["workers"] == {"workers": 3}
+    assert record_plan(tmp_path) is None  # no plan in force: nothing recorded
+
+
+def _records(n):
+    from k3post.envs.episode import run_episode_sync
+    from k3post.envs.families import EFFORTS, get_family
+
+    fam = get_family("general.arithmetic")
+    out = []
+    for i, t in enumerate(fam.generate(n, seed=0)):
+        ep = run_episode_sync(fam.reference_policy(t, EFFORTS[i % 3]), fam.make_env(t), t)
+        out.append({"messages": ep.messages, "tools": None, "effort": EFFORTS[i % 3]})
+    return out
+
+
+def test_sft_command_trains_with_run_threads(tmp_path):
+    """`k3post sft ... run.threads=1` in a process running 2 threads: every forward of the training runs with 1
+    (a forward pre-hook reads torch.get_num_threads()), the log and threads.json say so, and the process's own
+    count comes back afterwards. Before the policy, the command ignored run.threads and ran 2."""
+    from k3post.cli import main
+    from k3post.data import write_jsonl
+
+    assert main(["init-model", str(tmp_path / "m"), "--vocab-size", "320"]) == 0
+    data = write_jsonl(_records(8), tmp_path / "d.jsonl")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run:\n  root: {tmp_path}\n  name: r\nmodel:\n  path: {tmp_path / 'm'}\n"
+                   "sft:\n  steps: 2\n  rows_per_batch: 1\n  progress: false\n")
+    seen = set()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, a: seen.add(torch.get_num_threads()))
+    try:
+        assert main(["sft", str(cfg), f"sft.train_file={data}", "run.threads=1"]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        hook.remove()
+        torch.set_num_threads(before)
+    assert seen == {1}
+    run = tmp_path / "r"
+    (entry,) = json.loads((run / "threads.json").read_text())
+    assert entry["name"] == "k3post sft" and entry["torch_threads"] == 1 and entry["requested"] == 1
+    log = (run / "k3post.log").read_text()
+    assert "torch.get_num_threads()=1" in log and "made with 1 thread(s) per process" in log
+
+
+def test_command_plan_counts_local_ranks_and_launched_servers():
+    from k3post.config import load_config
+
+    cores = Cores(8, 8)
+    cfg = load_config(None, ["distributed.fsdp.ranks=2", "rl.engine.kind=http", "rl.engine.launch=1"])
+    assert command_plan(cfg, "rl", cores=cores).workers == {"trainer": 1, "trainer ranks": 1, "engine servers": 1}
+    assert command_plan(cfg, "rl", cores=cores).per_process == 2  # 8 // 3
+    assert command_plan(cfg, "draft", cores=cores).workers == {"trainer": 1}
+    assert command_plan(load_config(None, ["run.threads=2"]), "sft", cores=cores).per_process == 2
