@@ -35,6 +35,8 @@ import pickle
 import random
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -146,20 +148,40 @@ def save_checkpoint(
         tmp.rename(final)
         _chaos_pause("ckpt.before_latest")
         _point_latest(root, final)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # the partial folder; `latest` and the checkpoints before it stay
+        full = disk_full(e)
+        if not full and not isinstance(e, OSError):
+            raise
         try:
             last = latest_checkpoint(root)
         except BrokenCheckpointError:
             last = None
-        why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "the write failed"
+        code = errno.ENOSPC if full else getattr(e, "errno", None)
+        why = f"the disk is full: no space left on {root}" if full else f"the write failed ({getattr(e, 'strerror', None) or e})"
         raise CheckpointWriteError(
-            e.errno, f"cannot write checkpoint {final.name} into {root}: {why} ({e.strerror or e}); "
+            code, f"cannot write checkpoint {final.name} into {root}: {why}; "
             + (f"the last complete checkpoint, {last}, is intact and a rerun resumes from it"
                if last is not None else "no earlier checkpoint exists") + "; free space and run the command again",
         ) from e
     _rotate(root, final, keep_last)
     return final
+
+
+_FULL_DISK_TEXT = ("No space left on device", "StorageFull", "Disk quota exceeded", "QuotaExceeded")
+"""How a full disk reads in the errors that carry no errno: safetensors' (a Rust IoError in the message)."""
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether a failed write ran out of space: an OSError with ENOSPC / EDQUOT, safetensors' error saying so,
+    or torch.save's zip writer stopping short (``[enforce fail at inline_container.cc] ... unexpected pos``, or
+    ``PytorchStreamWriter failed writing file``: the bytes it wrote are fewer than it asked for, which on a
+    local disk is a full one; torch gives no errno)."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(e)
+    return any(t in text for t in _FULL_DISK_TEXT) or ("inline_container" in text and "unexpected pos" in text) \
+        or "PytorchStreamWriter failed writing file" in text
 
 
 def _rotate(root: Path, newest: Path, keep_last: int) -> None:
@@ -231,6 +253,30 @@ def broken_checkpoint(ckpt_root: str | Path) -> tuple[str, Path | None] | None:
     if problem is None:
         return None
     return f"{pointer} is missing and the newest checkpoint, {steps[-1]}, is incomplete: {problem}", _newest_intact(root)
+
+
+@contextmanager
+def resuming(ckpt: str | Path) -> Iterator[None]:
+    """Around loading checkpoint ``ckpt`` to resume from it. Its files can all be there at the sizes its manifest
+    lists and still not load (damaged contents: a disk error, a file rewritten in place); when an older
+    complete checkpoint exists, that failure is a `BrokenCheckpointError` naming both and how to resume from
+    the older one. Otherwise (none older, or a refusal that is already the user's) the error is raised as it was."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:
+        ckpt = Path(ckpt)
+        older = next((p for p in reversed(_step_folders(ckpt.parent))
+                      if _step_of(p) < _step_of(ckpt) and checkpoint_problem(p) is None), None)
+        if older is None:
+            raise
+        why = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        raise BrokenCheckpointError(
+            f"{ckpt} cannot be loaded ({type(e).__name__}: {why}), although its files have the sizes its {MANIFEST} "
+            f"lists; the newest older complete checkpoint is {older}: to resume from it, move {ckpt} aside (e.g. to "
+            f"{ckpt.parent / ('broken-' + ckpt.name)}) and run again with run.on_broken_checkpoint=fallback; "
+            "run.restart=true starts over (the old run is moved aside)") from e
 
 
 def _point_latest(root: Path, folder: Path) -> None:

@@ -8,6 +8,7 @@
     k3post mopd CONFIG [key=value ...]          Stage 3 MOPD: distil the nine experts into one student
     k3post draft CONFIG [key=value ...]         EAGLE-3 draft for the target (MOPD student), LK loss, vLLM/SGLang export
     k3post init-model OUT_DIR [--preset tiny]   write a tiny Qwen3-MoE + BPE tokenizer that transformers loads
+    k3post add-tokens MODEL_DIR OUT_DIR         a copy whose tokenizer has the XTML tokens, embeddings resized
     k3post export CKPT OUT [--format mxfp4|bf16] packed MXFP4 experts + bf16 rest, or all bf16
     k3post tasks list | sample FAMILY            the built-in task families
     k3post synth --family F --effort E --n N --out data.jsonl   SFT trajectories from a teacher, verified
@@ -145,6 +146,17 @@ def cmd_init_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_add_tokens(ns: argparse.Namespace) -> int:
+    from k3post.commands import add_xtml_tokens
+
+    out, added = add_xtml_tokens(ns.model_dir, ns.out_dir, seed=ns.seed)
+    if out is None:
+        print(f"{ns.model_dir}: the tokenizer already has the XTML tokens; nothing to add (use the folder as it is)")
+    else:
+        print(f"wrote {out}: added {', '.join(added)} (new embedding rows, untrained until SFT)")
+    return 0
+
+
 def cmd_export(ns: argparse.Namespace) -> int:
     from k3post.quant.export import export_model
 
@@ -186,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--vocab-size", type=int, default=512)
     i.add_argument("--seed", type=int, default=0)
     i.set_defaults(fn=cmd_init_model)
+    a = sub.add_parser("add-tokens", help="copy a model folder, adding the XTML tokens and resizing its embeddings")
+    a.add_argument("model_dir", help="a model folder (config.json, weights, tokenizer) or a tokenizer-only folder")
+    a.add_argument("out_dir", help="a new folder for the copy")
+    a.add_argument("--seed", type=int, default=0, help="seed of the new embedding rows")
+    a.set_defaults(fn=cmd_add_tokens)
     e = sub.add_parser("export", help="export a checkpoint: MXFP4 experts (gpt-oss layout) + bf16, or bf16")
     e.add_argument("ckpt")
     e.add_argument("out")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
-from contextlib import ExitStack
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,9 +17,9 @@ from k3post.config import K3Config
 from k3post.data import load_sft_jsonl
 from k3post.errors import UserError
 from k3post.metrics import MetricsLogger
-from k3post.models import build_tiny_moe, load_model, save_model
+from k3post.models import build_tiny_moe, count_parameters, load_model, new_folder, save_model
 from k3post.quant.qat import apply_qat
-from k3post.runs import open_run
+from k3post.runs import RunSummary, open_run
 from k3post.sft import train_sft
 from k3post.spec.layout import draft_aux_layers, draft_target
 from k3post.spec.mtp import MTPHead, load_mtp, save_mtp
@@ -60,12 +61,85 @@ def init_model(out_dir: str | Path, *, preset: str = "tiny", vocab_size: int = 5
     return save_model(model, out, tok)
 
 
+def add_xtml_tokens(src: str | Path, out_dir: str | Path, *, seed: int = 0) -> tuple[Path | None, list[str]]:
+    """`k3post add-tokens SRC OUT_DIR`: a copy of the model folder ``src`` (or of a tokenizer-only folder) whose
+    tokenizer has the XTML tokens (`ensure_xtml_tokens`: the missing ones added as special tokens, ``<|pad|>``
+    when it has no pad) and whose embeddings are resized to match, the new rows drawn with ``seed``; the model
+    keeps the dtype its config.json names. Written into a temporary folder renamed into place, so a failure
+    leaves no half folder. Returns (the folder written, the tokens added); (None, []) when nothing is missing:
+    ``src`` serves as it is and nothing is written."""
+    import warnings
+
+    src, out = Path(src), Path(out_dir)
+    if not src.is_dir() or not any((src / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise UserError(f"{src}: not a model or tokenizer folder (no tokenizer.json / tokenizer_config.json)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out}: already exists and is not empty; choose a new folder")
+    tokenizer = load_tokenizer(src)
+    model = None
+    if (src / "config.json").is_file():
+        config = json.loads((src / "config.json").read_text())
+        dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+        model = load_model(src, dtype if dtype in ("float32", "bfloat16") else "float32")
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():  # the caller reports what was added
+        warnings.simplefilter("ignore", UserWarning)
+        added = ensure_xtml_tokens(tokenizer, model)
+    if not added:
+        return None, []
+    with new_folder(out) as tmp:
+        if model is not None:
+            save_model(model, tmp, tokenizer)
+        else:
+            tokenizer.save_pretrained(tmp)
+    return out, added
+
+
+@contextmanager
+def stage_summary(run: Path, command: str) -> Iterator[RunSummary]:
+    """The run folder's ``summary.json`` (`RunSummary`) around a stage command, so `k3post report` shows every
+    command's folder: status ``running`` from the start, ``done`` at the end, or ``failed`` / ``interrupted``
+    with the error (then re-raised); ``wall_s`` is this command's time."""
+    summary = RunSummary(run / "summary.json")
+    summary.data.pop("error", None)
+    t0 = time.perf_counter()
+    summary.update(command=command)
+    try:
+        yield summary
+    except BaseException as e:
+        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        summary.update(status=status, error=f"{type(e).__name__}: {e}", wall_s=round(time.perf_counter() - t0, 1))
+        raise
+    summary.update(status="done", wall_s=round(time.perf_counter() - t0, 1))
+
+
+def describe_model(model: torch.nn.Module, tokenizer: Any, source: str | Path) -> str:
+    """One line for a report's header: architecture, where it came from, size and vocabulary."""
+    arch = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+    return f"{arch} from {source}, {count_parameters(model) / 1e6:.2f} M params, vocab {len(tokenizer)}"
+
+
+def sft_summary(res: Any, stats: Any, n_quantized: int) -> dict[str, Any]:
+    """What the report's SFT section shows of one SFT run (`k3post.sft.SFTResult`, the data's load stats)."""
+    return {
+        "steps": res.steps, "final_loss": res.final_loss, "wall_s": round(res.wall_s, 1),
+        "tokens_per_s": res.tokens_per_s, "n_samples": stats.kept, "skipped": stats.skipped,
+        "resumed_from": res.resumed_from, "qat": f"on ({n_quantized} expert tensors)" if n_quantized else "off",
+    }
+
+
 def run_sft(cfg: K3Config) -> Path:
     """`k3post sft CONFIG`: train `model.path` (or a fresh `model.preset`) on `sft.train_file`; returns the
     final folder. Without `sft.train_file` the built-in families' data is synthesized first, as in the demo."""
+    run = open_run(cfg.run.dir, cfg, "sft")
+    with stage_summary(run, "sft") as summary:
+        return _sft_in(cfg, run, summary)
+
+
+def _sft_in(cfg: K3Config, run: Path, summary: RunSummary) -> Path:
+    """`run_sft` in its opened run folder."""
     from k3post.demo import run_tokenizer, synthesize_sft_data
 
-    run = open_run(cfg.run.dir, cfg, "sft")
     torch.manual_seed(cfg.run.seed)  # first: the XTML token rows ensure_xtml_tokens adds are drawn from this RNG
     if cfg.model.path:
         model = load_model(cfg.model.path, cfg.model.dtype)
@@ -77,19 +151,20 @@ def run_sft(cfg: K3Config) -> Path:
             len(tokenizer), cfg.model.preset, seed=cfg.run.seed, pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.convert_tokens_to_ids("<|end_of_msg|>"),
         )
+    summary.update(model=describe_model(model, tokenizer, cfg.model.path or f"a fresh {cfg.model.preset} Qwen3-MoE"))
     xtml = XTML(tokenizer)
     train_file = cfg.sft.train_file or synthesize_sft_data(cfg, run, tokenizer)
     samples, stats = load_sft_jsonl(train_file, xtml, max_len=cfg.sft.max_len, on_bad_sample=cfg.sft.on_bad_sample, mode=cfg.sft.mode)
     if stats.skipped:
-        print(f"skipped samples: {json.dumps(stats.skipped)} of {stats.read}")
-    if cfg.qat.enabled:
-        apply_qat(model, cfg.qat)
+        print(stats.summary())
+    quantized = apply_qat(model, cfg.qat) if cfg.qat.enabled else []
     metrics = MetricsLogger(run)
     res = train_sft(model, tokenizer, samples, cfg.sft, run / "sft", seed=cfg.run.seed, metrics=metrics)
     metrics.close()
     final = save_model(model, run / "sft" / "final", tokenizer)
     if res.mtp is not None:
         save_mtp(res.mtp, final)
+    summary.update(sft=sft_summary(res, stats, len(quantized)))
     print(f"SFT done: {res.steps} steps, final loss {res.final_loss:.4f}, {res.wall_s:.0f} s → {final}")
     return final
 
@@ -142,15 +217,21 @@ def _judge_servers(stack: ExitStack, cluster: Any, cfg: K3Config, init: Path, ru
 
 def run_rl(cfg: K3Config) -> Path:
     """`k3post rl CONFIG`: one RL expert (rl.domain at rl.effort) from rl.init; returns its folder."""
+    check_judge_slots(cfg)
+    run, init = _start_rl_run(cfg, "rl")
+    with stage_summary(run, "rl") as summary:
+        return _rl_in(cfg, run, init, summary)
 
+
+def _rl_in(cfg: K3Config, run: Path, init: Path, summary: RunSummary) -> Path:
+    """`run_rl` in its opened run folder, from the checkpoint ``init``."""
     from k3post.experts import domain_budgets, load_policy
     from k3post.rl import build_group_scorer, domain_families, judged_families, train_rl
     from k3post.rollout.factory import build_engine, close_engine
 
-    check_judge_slots(cfg)
-    run, init = _start_rl_run(cfg, "rl")
     tokenizer = load_tokenizer(init)
     model = load_policy(init, cfg.qat)
+    summary.update(model=describe_model(model, tokenizer, init))
     fams = domain_families(cfg.rl.domain, cfg.rl.families, with_judge=bool(cfg.rl.judge))
     rl = replace(cfg.rl.for_domain(cfg.rl.domain), families=fams)
     engine = build_engine(model, tokenizer, engine=rl.engine, role="budgets (rl.init model)", max_batch_size=rl.slots,
@@ -186,6 +267,10 @@ def run_rl(cfg: K3Config) -> Path:
                        stage=f"rl/{name}")
     final = save_model(model, run / "rl" / name / "final", tokenizer)
     ov = res.eval.get("overall", {})
+    keep = ("n", "pass_rate", "pass_ci95", "mean_reward", "mean_effort_tokens", "mean_output_tokens", "infra")
+    summary.update(rl={**summary.data.get("rl", {}), name: {
+        "stage": f"rl/{name}", "domain": rl.domain, "effort": rl.effort, "steps": res.steps, "seconds": round(res.seconds, 1),
+        "resumed_from": res.resumed_from, "eval": {k: ov[k] for k in keep if k in ov}}})
     print(f"RL {name}: {res.steps} steps in {res.seconds:.0f} s; held-out pass rate {ov.get('pass_rate', float('nan')):.3f}, "
           f"mean T(y) {ov.get('mean_effort_tokens', float('nan')):.1f} → {final}")
     return final
@@ -193,11 +278,18 @@ def run_rl(cfg: K3Config) -> Path:
 
 def run_experts(cfg: K3Config) -> Path:
     """`k3post experts CONFIG`: the nine (domain, effort) experts from rl.init; returns the experts folder."""
+    check_judge_slots(cfg)
+    run, init = _start_rl_run(cfg, "experts")
+    with stage_summary(run, "experts") as summary:
+        summary.update(model=f"from {init}")
+        return _experts_in(cfg, run, init)
+
+
+def _experts_in(cfg: K3Config, run: Path, init: Path) -> Path:
+    """`run_experts` in its opened run folder, from the checkpoint ``init``."""
     from k3post.experts import expert_grid, format_expert_grid, train_experts
     from k3post.rl import domain_families, judged_families
 
-    check_judge_slots(cfg)
-    run, init = _start_rl_run(cfg, "experts")
     metrics = MetricsLogger(run)
     out = run / "experts"
     if cfg.distributed.enabled:  # every expert a Ray task, the domains in parallel, the judge on its actors
@@ -284,9 +376,11 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
 def run_mopd(cfg: K3Config) -> Path:
     """`k3post mopd CONFIG`: distil the run's experts (or ``mopd.experts``) into one student from rl.init."""
     run, init = _start_rl_run(cfg, "mopd")
-    metrics = MetricsLogger(run)
-    out = distill(cfg, init, run, metrics)
-    metrics.close()
+    with stage_summary(run, "mopd") as summary:
+        summary.update(model=f"from {init}")
+        metrics = MetricsLogger(run)
+        out = distill(cfg, init, run, metrics)
+        metrics.close()
     print(f"{'domain':8} {'effort':6} {'student pass':>12} {'teacher pass':>12} {'student T':>9} {'teacher T':>9}")
     for r in out["table"]["rows"]:
         print(f"{r['domain']:8} {r['effort']:6} {r['student_pass']:12.3f} {r['teacher_pass']:12.3f} "
@@ -389,7 +483,10 @@ def run_draft(cfg: K3Config) -> Path:
     """`k3post draft CONFIG`: an EAGLE-3 draft (``draft.loss``) for the frozen target (`draft_target`), trained on
     the target's own episodes; returns its export folder (the layout vLLM and SGLang load)."""
     run = open_run(cfg.run.dir, cfg, "draft")
-    metrics = MetricsLogger(run)
-    train_drafts(cfg, run, draft_target(cfg, run), [cfg.draft.loss], metrics)
-    metrics.close()
+    with stage_summary(run, "draft") as summary:
+        target = draft_target(cfg, run)
+        summary.update(model=f"EAGLE-3 draft for {target}")
+        metrics = MetricsLogger(run)
+        train_drafts(cfg, run, target, [cfg.draft.loss], metrics)
+        metrics.close()
     return run / "draft" / cfg.draft.loss / "final"

@@ -50,12 +50,29 @@ class Sample:
 
 @dataclass
 class LoadStats:
+    """What `load_sft_jsonl` read, kept and skipped (by reason), and the longest sample skipped as too long."""
+
     read: int = 0
     kept: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
+    max_len: int = 0  # the limit the samples were loaded with
+    longest: int = 0  # tokens of the longest sample skipped for exceeding max_len (0: none)
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def summary(self) -> str:
+        """One line for the user: how many of how many samples were skipped, why, and (too long ones) the
+        longest against ``sft.max_len`` with the setting that keeps them all."""
+        n = sum(self.skipped.values())
+        parts = []
+        for reason, k in sorted(self.skipped.items(), key=lambda kv: -kv[1]):
+            if reason == "too_long":
+                parts.append(f"{k} longer than sft.max_len={self.max_len} tokens (the longest {self.longest:,}; "
+                             f"sft.max_len={self.longest} keeps them all)")
+            else:
+                parts.append(f"{k} {reason.replace('_', ' ')}")
+        return f"skipped {n} of {self.read} samples: " + "; ".join(parts)
 
 
 def _spec_name(spec: Any) -> Any:
@@ -141,14 +158,20 @@ def check_sft_jsonl(path: str | Path) -> None:
 def load_sft_jsonl(
     path: str | Path, xtml: XTML, *, max_len: int, on_bad_sample: str = "error", mode: str = "think"
 ) -> tuple[list[Sample], LoadStats]:
-    """Read, validate and render every line. Errors name `path:line`; `on_bad_sample="skip"` counts them instead."""
+    """Read, validate and render every line. Errors name `path:line`; `on_bad_sample="skip"` counts them instead.
+    A bad ``on_bad_sample`` or ``mode`` is the setting's error (its config key, `k3post.config.sft.SFTConfig`),
+    before any line is read: no line of the data is to blame."""
     if on_bad_sample not in ("error", "skip"):
-        raise UserError(f"on_bad_sample must be 'error' or 'skip', got {on_bad_sample!r}")
+        raise UserError(f"sft.on_bad_sample must be error or skip, got {on_bad_sample!r}")
+    from k3post.xtml import MODES
+
+    if mode not in MODES:
+        raise UserError(f"sft.mode must be think or instruct, got {mode!r}")
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: SFT data file not found")
     samples: list[Sample] = []
-    stats = LoadStats()
+    stats = LoadStats(max_len=max_len)
     for where, rec in _records(p):
         stats.read += 1
         try:
@@ -161,7 +184,10 @@ def load_sft_jsonl(
             except ValueError as e:
                 raise DataError(f"{where}: {e}", "invalid_record") from e
             if len(ids) > max_len:
-                raise DataError(f"{where}: sample is {len(ids)} tokens, longer than max_len={max_len}", "too_long")
+                if on_bad_sample == "skip":
+                    stats.longest = max(stats.longest, len(ids))
+                raise DataError(f"{where}: sample is {len(ids)} tokens, longer than max_len={max_len} (sft.max_len: "
+                                "raise it, or sft.on_bad_sample=skip leaves such samples out and counts them)", "too_long")
             if not any(mask):
                 raise DataError(f"{where}: sample has no trainable (assistant) tokens", "no_trainable_tokens")
         except DataError as e:
@@ -172,7 +198,8 @@ def load_sft_jsonl(
         samples.append(Sample(ids, mask, where))
         stats.kept += 1
     if not samples:
-        raise DataError(f"{p}: no usable samples ({stats.read} read, skipped {stats.skipped})")
+        raise DataError(f"{p}: no usable samples ({stats.read} read, skipped {stats.skipped})"
+                        + (f"; {stats.summary()}" if stats.skipped else ""))
     return samples, stats
 
 

@@ -45,8 +45,8 @@ from k3post.report import write_report
 from k3post.sft import train_sft
 from k3post.threads import active_plan, child_threads, command_plan, use_threads
 from k3post.spec.mtp import save_mtp
-from k3post.commands import default_corpus, distill, raise_if_failed, train_drafts
-from k3post.runs import open_run
+from k3post.commands import default_corpus, distill, raise_if_failed, sft_summary, train_drafts
+from k3post.runs import RunSummary, open_run
 from k3post.envs.families import default_families, get_family, lexicon as family_lexicon
 from k3post.envs.task import canonical_json
 from k3post.stats import format_rate, paired_change, wilson_interval
@@ -66,29 +66,6 @@ def _run_dir(cfg: K3Config) -> Path:
         k += 1
         d = base.with_name(f"{base.name}-{k}")
     return d
-
-
-class _Summary:
-    """summary.json, rewritten atomically after every phase so a partial run still has a report."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-        self.data["status"] = "running"
-
-    def update(self, **kw: Any) -> None:
-        self.data.update(kw)
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, ensure_ascii=False))
-        tmp.replace(self.path)
-
-
-def _sft_summary(res: Any, stats: Any, n_quantized: int) -> dict[str, Any]:
-    return {
-        "steps": res.steps, "final_loss": res.final_loss, "wall_s": round(res.wall_s, 1),
-        "tokens_per_s": res.tokens_per_s, "n_samples": stats.kept, "skipped": stats.skipped,
-        "resumed_from": res.resumed_from, "qat": f"on ({n_quantized} expert tensors)" if n_quantized else "off",
-    }
 
 
 def demo_sft(cfg: K3Config) -> SFTConfig:
@@ -111,7 +88,7 @@ def _baseline_worker(cfg: K3Config, run: Path, init_dir: Path, train_file: Path,
         res = train_sft(model, tokenizer, samples, sft_cfg, run / "sft_noqat", seed=cfg.run.seed, metrics=metrics, stage="sft_noqat")
         metrics.close()
         save_model(model, run / "sft_noqat" / "final", tokenizer)
-        out.put(("ok", _sft_summary(res, stats, 0)))
+        out.put(("ok", sft_summary(res, stats, 0)))
     except BaseException as e:  # reported by the parent, with the child's message
         out.put(("error", f"{type(e).__name__}: {e}"))
 
@@ -198,7 +175,7 @@ def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = 
     return train_file
 
 
-def _no_base(summary: _Summary, mode: str, reason: str) -> None:
+def _no_base(summary: RunSummary, mode: str, reason: str) -> None:
     log.warning("stage 0: no pretrained base: %s", reason)
     print(f"stage 0: no pretrained base: {reason}")
     summary.update(pretrain={"mode": mode, "used": False, "reason": reason})
@@ -217,7 +194,7 @@ def _check_base_model(base: Path, cfg: K3Config) -> None:
                         f"Set model.preset to the base's, rebuild it (`k3post pretrain`), or set demo.base=none")
 
 
-def stage0(cfg: K3Config, run: Path, summary: _Summary, metrics: MetricsLogger) -> Path | None:
+def stage0(cfg: K3Config, run: Path, summary: RunSummary, metrics: MetricsLogger) -> Path | None:
     """Stage 0 of the demo (``demo.base``): the pretrained base the run starts from, or None; recorded in
     ``summary["pretrain"]`` (key, folder, steps, corpus tokens, built here or cached, copy probe; or why the
     run has none). ``build`` trains it (`k3post.pretrain.build_base`, resuming ``run/pretrain`` checkpoints)
@@ -304,7 +281,7 @@ def run_demo(cfg: K3Config) -> Path:
 def _run_demo(cfg: K3Config) -> Path:
     t_start = time.perf_counter()
     run = open_run(_run_dir(cfg), cfg, "demo")
-    summary = _Summary(run / "summary.json")
+    summary = RunSummary(run / "summary.json")
     timings: dict[str, float] = dict(summary.data.get("timings", {}))
     metrics = MetricsLogger(run)
     print(f"k3post demo → {run}")
@@ -387,7 +364,7 @@ def _run_demo(cfg: K3Config) -> Path:
         save_model(model, run / "sft" / "final", tokenizer)
         if res.mtp is not None:  # the draft stage starts from it (draft.mtp)
             save_mtp(res.mtp, run / "sft" / "final")
-        summary.update(sft=_sft_summary(res, stats, len(quantized)))
+        summary.update(sft=sft_summary(res, stats, len(quantized)))
         if baseline_proc is not None:
             summary.update(sft_noqat=_join_baseline(*baseline_proc))
     phase("sft", t0)

@@ -79,7 +79,7 @@ def domain_budgets(engine: Any, xtml: XTML, cfg: RLConfig, path: str | Path) -> 
     return estimate_budgets(
         engine, train_tasks(cfg.families, cfg.n_tasks, difficulty=cfg.difficulty, seed=cfg.seed), xtml=xtml,
         samples_per_task=ec.b0_samples, seed=cfg.seed, max_tokens=cfg.max_tokens, q=ec.b0_quantile,
-        min_b0=ec.min_b0, path=path,
+        min_b0=ec.min_b0, path=path, progress=cfg.progress,
     )
 
 

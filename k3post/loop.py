@@ -53,7 +53,7 @@ from typing import Any, Protocol
 import torch
 from tqdm import tqdm
 
-from k3post.checkpoint import latest_checkpoint
+from k3post.checkpoint import latest_checkpoint, resuming
 from k3post.envs.task import Task
 from k3post.errors import InfrastructureError, StepFailed
 from k3post.metrics import MetricsLogger, iter_metrics
@@ -227,7 +227,8 @@ class PolicyLoop:
         """Restore a checkpoint written by `save` (into a loop built with the same config; any trainer rank
         count). Returns the per-step rows a checkpoint of an older k3post carried (its ``history``: steps 1..
         its step), which the loop no longer keeps; None for a current checkpoint."""
-        state = self.trainer.load_checkpoint(ckpt)
+        with resuming(ckpt):
+            state = self.trainer.load_checkpoint(ckpt)
         self.rollout.refresh_weights()
         self.rollout.load_state_dict(state)
         self.step_no, self.cursor = int(state["step"]), int(state["cursor"])

@@ -9,6 +9,9 @@ and loads back with ``AutoModelForCausalLM.from_pretrained`` anywhere, bit-ident
 from __future__ import annotations
 
 import logging
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +187,24 @@ def save_model(model: PreTrainedModel, out_dir: str | Path, tokenizer: Any | Non
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     return out
+
+
+@contextmanager
+def new_folder(out: str | Path) -> Iterator[Path]:
+    """A temporary sibling of ``out`` (absent or empty) to write a folder into, renamed to ``out`` when the block
+    ends and removed on any error: a failure leaves neither an empty nor a half-written ``out``."""
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()  # empty: a folder with files in it is the caller's error
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def count_parameters(model: torch.nn.Module) -> int:

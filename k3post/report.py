@@ -359,6 +359,33 @@ def _rl_section(run: Path, summary: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _rl_run_section(run: Path, summary: dict[str, Any]) -> str:
+    """`k3post rl`: each expert it trained in this folder (summary.json ``rl``), its held-out pass rate and the
+    reward and T(y) curves of its steps from metrics.jsonl."""
+    runs = summary.get("rl") or {}
+    if not runs:
+        return ""
+    parts = ["<h2>Stage 2: RL (k3post rl)</h2>"]
+    rows = []
+    for name, r in runs.items():
+        ev = r.get("eval") or {}
+        rate = _rate(ev["pass_rate"], ev.get("pass_ci95")) if "pass_rate" in ev else "not evaluated"
+        rows.append([name, r["steps"], r.get("resumed_from") or "", rate, ev.get("n", ""),
+                     ev.get("mean_effort_tokens", ""), r["seconds"]])
+    parts.append(_table(["expert", "steps", "resumed from step", "held-out pass rate [95%]", "n", "mean T(y)", "seconds"], rows))
+    path = run / "metrics.jsonl"
+    for key, title, ylabel in (("reward", "mean reward per RL step (before the effort override)", "reward"),
+                               ("effort_tokens", "mean T(y) of the sampled episodes per RL step", "T(y) tokens")):
+        series = {}
+        for name, r in runs.items():
+            pts = [(m["step"], m[key]) for m in (read_metrics(path, r["stage"]) if path.is_file() else []) if key in m]
+            if pts:
+                series[name] = ([x for x, _ in pts], [y for _, y in pts])
+        if series:
+            parts.append(_img(_plot_png(series, title=title, xlabel="step", ylabel=ylabel), f"RL {key} curves"))
+    return "\n".join(parts)
+
+
 def _infra(counts: dict[str, Any] | None) -> str:
     """"train / eval" episodes whose infrastructure failed (masked out, never a reward); "" for older runs."""
     return "" if not counts else f"{int(counts.get('train', 0))} / {int(counts.get('eval', 0))}"
@@ -490,7 +517,7 @@ def _draft_section(run: Path, summary: dict[str, Any]) -> str:
 
 
 SECTIONS = [_pretrain_section, _synth_section, _kg_section, _sft_section, _judge_section, _grid_section, _rl_section,
-            _domains_section, _mopd_section, _draft_section]
+            _rl_run_section, _domains_section, _mopd_section, _draft_section]
 
 
 def _threads_table(run: Path) -> str:
@@ -521,6 +548,8 @@ def write_report(run_dir: str | Path) -> Path:
         f"<p class=muted>status: {html.escape(summary.get('status', 'unknown'))}; "
         f"total wall time {summary.get('wall_s', 0):.0f} s; model {html.escape(str(summary.get('model', '?')))}</p>",
     ]
+    if summary.get("error"):
+        head.append(f"<p>error: {html.escape(str(summary['error']))}</p>")
     if summary.get("timings"):
         head.append(_table(["phase", "seconds"], [[k, v] for k, v in summary["timings"].items()]))
     head.append(_threads_table(run))

@@ -217,8 +217,13 @@ def train_rl(
     result_eval: dict[str, Any] = {}
     try:
         if evaluate and step >= cfg.steps:
-            result_eval = evaluate_episodes(pl.engine, XTML(tokenizer), eval_tasks(fams, cfg.eval_n, difficulty=cfg.difficulty),
-                                            effort=cfg.effort, max_tokens=cfg.eval_max_tokens)
+            held_out = eval_tasks(fams, cfg.eval_n, difficulty=cfg.difficulty)
+            if cfg.progress:
+                log.info("held-out evaluation: %d tasks of %s at %s effort, greedy, up to %d tokens per turn",
+                         len(held_out), ", ".join(fams), cfg.effort, cfg.eval_max_tokens)
+            result_eval = evaluate_episodes(pl.engine, XTML(tokenizer), held_out,
+                                            effort=cfg.effort, max_tokens=cfg.eval_max_tokens,
+                                            progress="held-out eval" if cfg.progress else None)
     finally:
         pl.close()
     return RLResult(step, rows, result_eval, resumed_from, time.perf_counter() - t_start)

@@ -40,7 +40,7 @@ from k3post.spec.layout import draft_aux_layers, draft_target
 from k3post.threads import record_plan
 
 __all__ = ["STAGES", "FREE_KEYS", "LOCK", "RECORD", "open_run", "check_inputs", "changed_keys", "release_runs",
-           "stage_id", "RunInUse"]
+           "stage_id", "RunInUse", "RunSummary"]
 
 log = logging.getLogger("k3post.runs")
 
@@ -68,6 +68,23 @@ FREE_KEYS: tuple[str, ...] = (
 """Keys (fnmatch patterns) that may change between a stage's runs: logging, progress, checkpoint cadence."""
 
 _held: dict[Path, int] = {}  # resolved run folder → the fd holding its lock
+
+
+class RunSummary:
+    """``summary.json`` of a run folder, what `k3post report` shows (status, model, each stage's results),
+    rewritten atomically on every `update` so a partial run still has a report. The commands of one folder
+    share it: each adds its keys to what the earlier ones wrote."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+        self.data["status"] = "running"
+
+    def update(self, **kw: Any) -> None:
+        self.data.update(kw)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, ensure_ascii=False))
+        tmp.replace(self.path)
 
 
 class RunInUse(UserError):

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from k3post.config.sft import SFTConfig
-from k3post.checkpoint import latest_checkpoint, set_rng_state
+from k3post.checkpoint import latest_checkpoint, resuming, set_rng_state
 from k3post.config.optim import OptimConfig
 from k3post.data import PackedBatch, Sample, collate, iter_microbatches
 from k3post.metrics import MetricsLogger
@@ -220,9 +220,10 @@ def train_sft(
     resumed_from = None
     ckpt = latest_checkpoint(ckpt_root, keep_last=cfg.keep_last) if resume else None
     if ckpt is not None:
-        state = trainer.load_checkpoint(ckpt)
-        if mtp is not None:
-            _load_mtp_into(mtp, ckpt)
+        with resuming(ckpt):
+            state = trainer.load_checkpoint(ckpt)
+            if mtp is not None:
+                _load_mtp_into(mtp, ckpt)
         set_rng_state(state["rng"])
         start = resumed_from = int(state["step"])
         stream = _DataStream(samples, cfg, seed, **state["data"])

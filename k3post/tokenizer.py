@@ -30,6 +30,8 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from k3post.errors import UserError
+
 __all__ = [
     "SPECIAL_TOKENS",
     "PAD_TOKEN",
@@ -188,7 +190,7 @@ def load_tokenizer(path: str | Path, *, require_xtml: bool = False) -> PreTraine
 
     A foreign tokenizer (a real model's) may lack the XTML tokens: pass it to
     `ensure_xtml_tokens` together with the model. With ``require_xtml=True`` a
-    missing XTML token is a ValueError instead.
+    missing XTML token is a `UserError` (exit 2) naming ``k3post add-tokens``, which does that on disk.
     """
     p = Path(path)
     if not p.exists() and str(path).startswith((".", "/")):
@@ -197,9 +199,11 @@ def load_tokenizer(path: str | Path, *, require_xtml: bool = False) -> PreTraine
     if require_xtml:
         missing = _missing_tokens(tokenizer)
         if missing:
-            raise ValueError(
-                f"tokenizer at {str(path)!r} lacks the XTML tokens {missing} as single ids; "
-                "call k3post.tokenizer.ensure_xtml_tokens(tokenizer, model) to add them"
+            raise UserError(
+                f"{path}: the tokenizer lacks the XTML tokens {missing} as single ids; `k3post add-tokens {path} "
+                "OUT_DIR` writes a copy with them added and the model's embeddings resized (then use OUT_DIR; "
+                "`k3post sft` with model.path adds them itself; in Python: "
+                "k3post.tokenizer.ensure_xtml_tokens(tokenizer, model))"
             )
     return tokenizer
 

@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from k3post.errors import UserError
-from k3post.models import load_model, torch_dtype
+from k3post.models import load_model, new_folder, torch_dtype
 from k3post.quant.mx import dequantize_mx, pack_fp4, quantize_mx, unpack_fp4
 from k3post.quant.qat import QATConfig, _find_expert_modules, _fused_up_name, apply_qat
 
@@ -82,20 +82,27 @@ def export_model(ckpt: str | Path, out: str | Path, *, fmt: str = "mxfp4", rest_
         raise UserError(f"unknown export format '{fmt}'; expected mxfp4 or bf16")
     if dst.exists() and any(dst.iterdir()):
         raise UserError(f"{dst}: output folder exists and is not empty")
+    rest = torch_dtype(rest_dtype)
     model = load_model(src)
-    dst.mkdir(parents=True, exist_ok=True)
-    if fmt == "bf16":
-        model.to(torch.bfloat16).save_pretrained(dst, safe_serialization=True)
-    else:
-        _export_mxfp4(model, dst, torch_dtype(rest_dtype))
-    for f in src.iterdir():  # tokenizer and generation files travel with the weights
-        if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json", "chat_template.jinja")):
-            shutil.copy2(f, dst / f.name)
+    experts: dict[str, bool] = {}
+    if fmt == "mxfp4":
+        try:
+            experts = expert_weights(model)
+        except ValueError as e:  # a dense model (or per-expert Linear layers): nothing to pack, nothing written
+            raise UserError(f"{src}: cannot export as MXFP4: {e} (MXFP4 packs the routed experts of an MoE model); "
+                            f"export a dense model with --format bf16") from None
+    with new_folder(dst) as tmp:  # renamed into place at the end: a failure leaves no empty or half folder
+        if fmt == "bf16":
+            model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+        else:
+            _export_mxfp4(model, tmp, rest, experts)
+        for f in src.iterdir():  # tokenizer and generation files travel with the weights
+            if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json", "chat_template.jinja")):
+                shutil.copy2(f, tmp / f.name)
     return dst
 
 
-def _export_mxfp4(model: PreTrainedModel, dst: Path, rest: torch.dtype) -> None:
-    experts = expert_weights(model)
+def _export_mxfp4(model: PreTrainedModel, dst: Path, rest: torch.dtype, experts: dict[str, bool]) -> None:
     tensors: dict[str, torch.Tensor] = {}
     tied = getattr(model.config, "tie_word_embeddings", False)
     for name, p in model.state_dict().items():

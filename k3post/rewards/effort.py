@@ -49,6 +49,7 @@ Shape legend: N samples (trajectories) scored together.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -88,6 +89,8 @@ __all__ = [
     "CurriculumStage",
     "Curriculum",
 ]
+
+log = logging.getLogger("k3post.effort")
 
 BUDGET_TABLE_VERSION = 1
 
@@ -395,6 +398,7 @@ def estimate_budgets(
     correct_reward: float = 1.0,
     env_factory: Callable[[Task], Environment] | None = None,
     path: str | Path | None = None,
+    progress: bool = False,
 ) -> BudgetTable:
     """b0 of every task from the cold-start model behind ``engine`` (SPEC §3.3).
 
@@ -410,6 +414,9 @@ def estimate_budgets(
     With ``path``: a table already there is loaded and only tasks it lacks are run (none:
     nothing runs); the table is then saved back. A table estimated under other settings is
     a ValueError naming the file.
+
+    With ``progress``: a log line saying what runs and how much (tasks x samples), and a progress bar over the
+    episodes.
     """
     check_effort(effort)
     if isinstance(samples_per_task, bool) or not isinstance(samples_per_task, int) or samples_per_task < 1:
@@ -434,10 +441,13 @@ def estimate_budgets(
     if not todo:
         return table
     keys = list(todo)
+    if progress:
+        log.info("b0 budgets: %d tasks x %d samples of the cold-start model at %s effort, up to %d tokens per turn%s",
+                 len(keys), samples_per_task, effort, max_tokens, f" (cached in {path})" if path is not None else "")
     per_task = run_episodes(
         engine, xtml, [todo[k] for k in keys], effort=effort, max_tokens=max_tokens, temperature=1.0,
         samples=samples_per_task, seed=seed, env_factory=env_factory or make_env,
-        group_ids=[int(k[:12], 16) for k in keys],
+        group_ids=[int(k[:12], 16) for k in keys], progress="b0 budgets" if progress else None,
     )
     # an episode whose infrastructure failed (Trajectory.infra) is no sample of the cold-start model
     trajs: dict[str, list[Trajectory]] = {k: [t for t in ts if t.infra is None] for k, ts in zip(keys, per_task)}

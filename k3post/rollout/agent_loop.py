@@ -400,9 +400,11 @@ class AgentLoop:
         return False
 
     # ------------------------------------------------------------------ a synchronous driver
-    def run(self, trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+    def run(self, trajectories: Sequence[Trajectory], *,
+            on_done: Callable[[Trajectory], Any] | None = None) -> list[Trajectory]:
         """Run every trajectory to the end (the synchronous rollout): start them, submit
-        all turns, step the engine until all are done. The engine must be idle."""
+        all turns, step the engine until all are done. The engine must be idle. ``on_done(traj)``
+        is called as each one ends (a progress bar)."""
         if self.engine.has_unfinished():
             raise ValueError("AgentLoop.run needs an idle engine")
         live: dict[str, Trajectory] = {}
@@ -410,11 +412,15 @@ class AgentLoop:
             if not traj.token_ids:
                 self.start(traj)
             self._submit(traj, live)
+            if on_done is not None and traj.status == "done":  # no room for even one turn
+                on_done(traj)
         while self.engine.has_unfinished():
             for res in self.engine.step():
                 traj = live.pop(res.request_id)
                 if not self.finish_turn(traj, res):
                     self._submit(traj, live)
+                if on_done is not None and traj.status == "done":
+                    on_done(traj)
         return list(trajectories)
 
     def _submit(self, traj: Trajectory, live: dict[str, Trajectory]) -> None:

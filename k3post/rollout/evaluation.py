@@ -141,13 +141,15 @@ def run_episodes(
     mode: str | None = None,
     env_factory: Callable[[Task], Any] = make_env,
     group_ids: Sequence[int] | None = None,
+    progress: str | None = None,
 ) -> list[list[Trajectory]]:
     """Run every task ``samples`` times to the end through one `AgentLoop` (synchronous) and return
     the trajectories, one list per task. Sample j of task i is ``g<g>/s<j>`` with seed
     ``trajectory_seed(seed, g, j)``, g = ``group_ids[i]`` (default i): pass ids derived from the
     tasks themselves to make a task's samples independent of which other tasks run with it.
     ``mode``: the XTML mode (default "think" with an effort, "instruct" without; "think" with
-    ``effort=None`` renders the default effort, `k3post.xtml.OMIT_EFFORT` no thinking-effort message)."""
+    ``effort=None`` renders the default effort, `k3post.xtml.OMIT_EFFORT` no thinking-effort message).
+    ``progress``: a label; with one, a progress bar counts the episodes as they end (None: no bar)."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     gids = list(range(len(tasks))) if group_ids is None else [int(g) for g in group_ids]
@@ -160,10 +162,17 @@ def run_episodes(
                     task=t.to_dict(), admitted_version=engine.version) for j in range(samples)]
         for g, t in zip(gids, tasks)
     ]
+    bar = None
+    if progress is not None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(tasks) * samples, desc=progress, unit="episode", dynamic_ncols=True, mininterval=1.0)
     try:
-        loop.run([t for ts in per_task for t in ts])
+        loop.run([t for ts in per_task for t in ts], on_done=None if bar is None else lambda _t: bar.update(1))
     finally:
         loop.close()
+        if bar is not None:
+            bar.close()
     return per_task
 
 
@@ -180,15 +189,17 @@ def evaluate_episodes(
     pass_threshold: float = 1.0,
     keep_examples: int = 2,
     mode: str | None = None,
+    progress: str | None = None,
 ) -> dict[str, Any]:
     """Run every task ``samples`` times (greedy by default, `run_episodes`) and summarise per family
     and overall.
 
     Returns ``{"overall": summary, "families": {family: summary}, "examples": [...]}`` where a
     summary is `summarize_trajectories`' dict and an example holds a task id, the decoded
-    sampled text of its first ``keep_examples`` trajectories and their reward."""
+    sampled text of its first ``keep_examples`` trajectories and their reward. ``progress``: a label for a
+    progress bar over the episodes (`run_episodes`)."""
     trajs = [t for ts in run_episodes(engine, xtml, tasks, effort=effort, max_tokens=max_tokens, temperature=temperature,
-                                      samples=samples, seed=seed, mode=mode) for t in ts]
+                                      samples=samples, seed=seed, mode=mode, progress=progress) for t in ts]
     by_family: dict[str, list[Trajectory]] = {}
     for t in trajs:
         by_family.setdefault(t.task["family"], []).append(t)

@@ -62,9 +62,12 @@ Decisions (ours):
   server's URL) and log-likelihood evaluations use it. ``echo`` with generation, streaming or
   ``n`` > 1 is a 400.
 * Unsupported options with a non-default value (``presence_penalty``,
-  ``frequency_penalty``, ``logit_bias``, ``suffix``, ``best_of`` > 1, the legacy
+  ``frequency_penalty``, ``min_tokens``, ``logit_bias``, ``suffix``, ``best_of`` > 1, a
+  ``tool_choice`` naming a function, which the engine cannot enforce, the legacy
   ``functions``) are a 400 naming the field; options without effect here
-  (``parallel_tool_calls``, ``user``, ``metadata``, ...) are ignored.
+  (``parallel_tool_calls``, ``user``, ``metadata``, ...) are ignored. A tool name must match
+  ``^[a-zA-Z0-9_-]{1,64}$`` as in the OpenAI API (400 naming ``tools[i].function.name``).
+  ``Authorization`` takes the ``Bearer`` scheme in any case (RFC 7235).
 * ``system_fingerprint`` is ``k3post-v<policy version>`` of the engine.
 
 * **Limits** (`ServeLimits`, each a setting with a safe default; the error names it): request
@@ -95,6 +98,7 @@ import dataclasses
 import hmac
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -285,11 +289,27 @@ def _boolean(body: Mapping[str, Any], key: str) -> bool:
     return v
 
 
+def _authorized(header: str, key: str) -> bool:
+    """``Authorization: Bearer <key>``, the scheme matched case-insensitively (RFC 7235 §2.1, as the OpenAI API
+    and vLLM accept ``bearer``), the key in constant time."""
+    scheme, _, token = header.partition(" ")
+    same = hmac.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode("utf-8", "surrogateescape"))
+    return scheme.lower() == "bearer" and same
+
+
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+"""A function name the OpenAI API accepts (``^[a-zA-Z0-9_-]{1,64}$``): no spaces, no markup, so no XTML token."""
+
+
 def _reject_unsupported(body: Mapping[str, Any]) -> None:
     for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
         v = body.get(key)
         if v is not None and v != 0 and not (key == "repetition_penalty" and v == 1):
             raise APIError(f"'{key}' is not supported by this server", param=key, code="unsupported_parameter")
+    min_tokens = body.get("min_tokens")  # vLLM's: the engine cannot hold the stop token back, so never ignored
+    if min_tokens is not None and min_tokens != 0:
+        raise APIError("'min_tokens' is not supported by this server (its engine cannot hold back the stop token); "
+                       "omit it or send 0", param="min_tokens", code="unsupported_parameter")
     if body.get("logit_bias"):
         raise APIError("'logit_bias' is not supported by this server", param="logit_bias", code="unsupported_parameter")
     best_of = body.get("best_of")
@@ -418,6 +438,11 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
 def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     if body.get("functions") is not None:
         raise APIError("'functions' (legacy) is not supported; use 'tools'", param="functions")
+    choice = body.get("tool_choice")
+    if isinstance(choice, Mapping):  # a named function: the model is only prompted, never made to call it
+        raise APIError("'tool_choice' naming a function is not supported by this server: it cannot force the model "
+                       "to call that function; use 'auto', 'required' or 'none'", param="tool_choice",
+                       code="unsupported_parameter")
     tools = body.get("tools")
     if tools is None:
         return None
@@ -429,6 +454,9 @@ def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
                 and isinstance(fn.get("name"), str) and fn["name"]):
             raise APIError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}, got {t!r}",
                            param=f"tools[{i}]")
+        if not TOOL_NAME.fullmatch(fn["name"]):
+            raise APIError(f"tools[{i}].function.name {fn['name']!r} must match ^[a-zA-Z0-9_-]{{1,64}}$ (letters, "
+                           "digits, '_' and '-', at most 64)", param=f"tools[{i}].function.name")
     return tools or None
 
 
@@ -735,8 +763,7 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
     async def _auth_and_size(request: Request, call_next: Any) -> Any:
         key = config.api_key
         if key and request.url.path != "/health":  # the engine API too: it can replace the weights
-            given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(given, f"Bearer {key}".encode("utf-8", "surrogateescape")):
+            if not _authorized(request.headers.get("authorization", ""), key):
                 err = APIError("invalid or missing API key", status=401, type_="authentication_error",
                                code="invalid_api_key")
                 return JSONResponse(err.payload(), status_code=401)

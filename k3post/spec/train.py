@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from k3post.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
+from k3post.checkpoint import latest_checkpoint, load_trainer_state, resuming, save_checkpoint, set_rng_state
 from k3post.config.draft import DraftConfig
 from k3post.metrics import MetricsLogger
 from k3post.sft import lr_at
@@ -188,9 +188,10 @@ def train_draft(
     start = 0
     latest = latest_checkpoint(ckpts, keep_last=cfg.keep_last) if resume else None
     if latest is not None:
-        state = load_trainer_state(latest)
-        draft.load_state_dict(state["draft"], strict=False)
-        opt.load_state_dict(state["optimizer"])
+        with resuming(latest):
+            state = load_trainer_state(latest)
+            draft.load_state_dict(state["draft"], strict=False)
+            opt.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])
         start = int(state["step"])
         if metrics is not None:
