@@ -23,6 +23,7 @@ from k3post.rewards.judging import (
     judge_record,
     judge_sft_records,
     pair_prompts,
+    pair_task,
     recipe_judge_pairs,
 )
 
@@ -88,9 +89,7 @@ def test_judgement_check_passes_on_the_replayed_scorepad(pairs: list[JudgePair])
     for p in pairs[:8]:
         rec = judge_record(p, True)
         env = GRMJudgeEnv()
-        from k3post.rewards.judging import _judge_task
-
-        task = _judge_task(p, True)
+        task = pair_task(p, True)
         asyncio.run(env.reset(task))
         for m in (m for m in rec["messages"] if m["role"] == "assistant"):
             res = asyncio.run(env.step(m))
@@ -142,9 +141,7 @@ def test_records_render_as_the_rl_judge_loop_builds_them(xtml_tokenizer: Any, pa
         # the RL judge's settings but the turn cap: this test's 400-token BPE spells a turn in ~2x the tokens of
         # the recipe's 2048-token one (where the longer turn is ~400 of EngineJudge's 512)
         judge = EngineJudge(ScriptedEngine(script, eom_id=x.eom_id), x, sampling=SamplingParams(max_tokens=2048))
-        from k3post.rewards.judging import _judge_task
-
-        traj = Trajectory("t0", 0, 0, 0, _judge_task(p, first).to_dict())
+        traj = Trajectory("t0", 0, 0, 0, pair_task(p, first).to_dict())
         (done,) = judge.loop.run([traj])
         assert done.token_ids == ids and done.trainable == mask
         assert done.verdict["components"]["valid"] == 1.0
