@@ -61,7 +61,9 @@ def _evaluate_once(real, cache):
     The key is everything `evaluate` reads (the `verification_tree` of the files, which already holds the task's
     initial and protected files, and the scenarios; the limits are constants), so a hit is the same hidden
     verification of the same programs on the same inputs. Tests that verify a reference solution at three efforts,
-    or several hacks that leave the checked tree as it started, pay for it once; each distinct tree still runs.
+    or several hacks that leave the checked tree as it started, pay for it once; each distinct tree still runs. A
+    result with a run that timed out (or found the verification time spent: ``exit code None``) is not kept, so a
+    slow moment on a loaded machine is not served again to the next check of that tree.
     """
     import json
 
@@ -69,10 +71,12 @@ def _evaluate_once(real, cache):
 
     def evaluate(metadata, files, scenarios):
         key = json.dumps([verification_tree(metadata, files), list(scenarios)], sort_keys=True)
-        if key not in cache:
-            reasons, weak = real(metadata, files, scenarios)
+        if key in cache:
+            reasons, weak = cache[key]
+            return list(reasons), weak
+        reasons, weak = real(metadata, files, scenarios)
+        if not any(r is not None and "exit code None" in r for r in reasons):  # a timed-out run is not kept
             cache[key] = (list(reasons), weak)
-        reasons, weak = cache[key]
         return list(reasons), weak
 
     return evaluate

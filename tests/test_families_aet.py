@@ -182,6 +182,10 @@ def test_memoised_verification_reruns_every_distinct_tree() -> None:
     outside["app/router.py"] = "raise SystemExit(0)\n"  # outside config/: restored by verification_tree
     evaluate(c.metadata, outside, c.metadata["public"])
     assert len(runs) == 3
+    slow = iter([(["exit code None, expected 0"], False), ([None], False)])  # a timed-out run, then one in time
+    evaluate = _evaluate_once(lambda md, files, scenarios: next(slow), {})
+    assert evaluate(t.metadata, good, t.metadata["public"][:1])[0] == ["exit code None, expected 0"]
+    assert evaluate(t.metadata, good, t.metadata["public"][:1])[0] == [None]  # ran again, not served from the first
 
 
 # --------------------------------------------------------------------------- the submission budget
