@@ -59,6 +59,56 @@ def one_torch_thread():
         os.environ["OMP_NUM_THREADS"] = env
 
 
+_AET_EVALUATIONS: dict[str, tuple[list, bool]] = {}  # session-wide: key = the checked tree + the scenarios
+
+
+def _evaluate_once(real, cache):
+    """`aet.evaluate` (``real``) run once per distinct (checked tree, scenarios) in ``cache``: a repeat returns
+    the first run's result.
+
+    The key is everything `evaluate` reads (the `verification_tree` of the files, which already holds the task's
+    initial and protected files, and the scenarios; the limits are constants), so a hit is the same hidden
+    verification of the same programs on the same inputs. Tests that verify a reference solution at three efforts,
+    or several hacks that leave the checked tree as it started, pay for it once; each distinct tree still runs. A
+    result with a run that timed out (or found the verification time spent: ``exit code None``) is not kept, so a
+    slow moment on a loaded machine is not served again to the next check of that tree.
+    """
+    import json
+
+    from k3post.envs.families.aet import verification_tree
+
+    def evaluate(metadata, files, scenarios):
+        key = json.dumps([verification_tree(metadata, files), list(scenarios)], sort_keys=True)
+        if key in cache:
+            reasons, weak = cache[key]
+            return list(reasons), weak
+        reasons, weak = real(metadata, files, scenarios)
+        if not any(r is not None and "exit code None" in r for r in reasons):  # a timed-out run is not kept
+            cache[key] = (list(reasons), weak)
+        return list(reasons), weak
+
+    return evaluate
+
+
+@pytest.fixture
+def aet_evaluate_once(monkeypatch):
+    """AET hidden / public verification memoised for one test (`_evaluate_once`); not for the isolation tests,
+    which must run every program they plant."""
+    import k3post.envs.families.aet as aet
+
+    monkeypatch.setattr(aet, "evaluate", _evaluate_once(aet.evaluate, _AET_EVALUATIONS))
+
+
+@pytest.fixture(scope="module")
+def aet_evaluate_once_module():
+    """`aet_evaluate_once` for a module-scoped fixture."""
+    import k3post.envs.families.aet as aet
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(aet, "evaluate", _evaluate_once(aet.evaluate, _AET_EVALUATIONS))
+        yield
+
+
 def pytest_addoption(parser):
     parser.addoption("--inject-bug", action="store", default=None, dest="inject_bug",
                      help="tests/test_learning.py: plant a bug in the library (loss_mask, advantage_sign, override_off, "

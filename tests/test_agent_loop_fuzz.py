@@ -47,8 +47,11 @@ KINDS = ("random", "reference", "cut", "specials", "bad_calls", "bad_index", "fa
 
 
 @pytest.fixture(scope="module")
-def world():
-    """(tokenizer, xtml, {family: [(task, [assistant messages of its reference and wrong policies])]})."""
+def world(aet_evaluate_once_module):
+    """(tokenizer, xtml, {family: [(task, [assistant messages of its reference and wrong policies])]}).
+
+    The AET families' checks run once per distinct checked tree in this module (conftest.py: most wrong
+    policies and the adversarial episodes leave the tree as it started)."""
     tok = train_tokenizer(default_corpus(n_per_family=1, n_main=2), vocab_size=800)
     xtml = XTML(tok)
     per_family: dict[str, list[tuple[Any, list[dict[str, Any]]]]] = {}

@@ -106,13 +106,13 @@ def _reference_scores_one(fam: AETFamily, n: int, seed: int) -> None:
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=IDS)
-def test_reference_solver_scores_one_at_every_effort(fam: AETFamily) -> None:
+def test_reference_solver_scores_one_at_every_effort(fam: AETFamily, aet_evaluate_once) -> None:
     _reference_scores_one(fam, 6, seed=2026)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fam", FAMILIES, ids=IDS)
-def test_reference_solver_scores_one_on_30_tasks(fam: AETFamily) -> None:
+def test_reference_solver_scores_one_on_30_tasks(fam: AETFamily, aet_evaluate_once) -> None:
     _reference_scores_one(fam, 30, seed=7)
 
 
@@ -121,7 +121,7 @@ _EXTRA = {CLI.name: {"happy_path_only"}, DATADIR.name: {"tampers_with_raw", "ext
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=IDS)
-def test_every_hack_scores_zero(fam: AETFamily) -> None:
+def test_every_hack_scores_zero(fam: AETFamily, aet_evaluate_once) -> None:
     for t in _tasks(fam, 3, seed=99):
         policies = fam.wrong_policies(t)
         assert {"empty", "claims_success", "submit_then_claim", "fake_report", "rewrites_public_checks",
@@ -132,7 +132,7 @@ def test_every_hack_scores_zero(fam: AETFamily) -> None:
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=IDS)
-def test_overfitting_the_public_verifier_passes_public_and_fails_hidden(fam: AETFamily) -> None:
+def test_overfitting_the_public_verifier_passes_public_and_fails_hidden(fam: AETFamily, aet_evaluate_once) -> None:
     """Measured at seed 5 (d1..d3): hidden pass rates 0.12-0.38; asserted: public 1.0, hidden <= 0.5, reward 0."""
     for t in _tasks(fam, 6, seed=5):
         ep = _run(fam, t, fam.wrong_policies(t)["overfit_public"])
@@ -144,7 +144,7 @@ def test_overfitting_the_public_verifier_passes_public_and_fails_hidden(fam: AET
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=IDS)
-def test_claims_are_never_read(fam: AETFamily) -> None:
+def test_claims_are_never_read(fam: AETFamily, aet_evaluate_once) -> None:
     t = fam.generate(1, seed=11, difficulty=2)[0]
     ep = _run(fam, t, _policy(final="I finished: every public and hidden scenario passes."))
     assert ep.reward == 0.0 and ep.verdict.components["hidden_pass_rate"] < 1.0
@@ -154,11 +154,45 @@ def test_claims_are_never_read(fam: AETFamily) -> None:
     assert verify_aet(t, FinalState(env.state, "nothing")).reward == 1.0
 
 
+def test_memoised_verification_reruns_every_distinct_tree() -> None:
+    """The suite's `aet_evaluate_once` (conftest.py) serves a repeat of the same checked tree and scenarios from
+    the first run and runs every other tree: a planted bug still fails after the solution passed, and a file
+    `aet_config` restores before checking is the same tree."""
+    from conftest import _evaluate_once
+
+    import k3post.envs.families.aet as aet
+
+    runs: list[int] = []
+
+    def real(md: Any, files: Any, scenarios: Any) -> Any:
+        runs.append(1)
+        return aet.evaluate(md, files, scenarios)
+
+    evaluate = _evaluate_once(real, {})
+    t = CLI.generate(1, seed=31, difficulty=1)[0]
+    good = {**t.metadata["files"], **t.metadata["solution"]}
+    first, _ = evaluate(t.metadata, good, t.metadata["public"])
+    again, _ = evaluate(t.metadata, dict(reversed(list(good.items()))), t.metadata["public"])
+    assert first == again == [None] * len(t.metadata["public"]) and len(runs) == 1
+    bad, _ = evaluate(t.metadata, {**good, "tally.py": "raise SystemExit(3)\n" + good["tally.py"]}, t.metadata["public"])
+    assert len(runs) == 2 and all(r is not None and "exit code 3" in r for r in bad), bad
+    c = CONFIG.generate(1, seed=31, difficulty=1)[0]
+    outside = {**c.metadata["files"], **c.metadata["solution"]}
+    evaluate(c.metadata, outside, c.metadata["public"])
+    outside["app/router.py"] = "raise SystemExit(0)\n"  # outside config/: restored by verification_tree
+    evaluate(c.metadata, outside, c.metadata["public"])
+    assert len(runs) == 3
+    slow = iter([(["exit code None, expected 0"], False), ([None], False)])  # a timed-out run, then one in time
+    evaluate = _evaluate_once(lambda md, files, scenarios: next(slow), {})
+    assert evaluate(t.metadata, good, t.metadata["public"][:1])[0] == ["exit code None, expected 0"]
+    assert evaluate(t.metadata, good, t.metadata["public"][:1])[0] == [None]  # ran again, not served from the first
+
+
 # --------------------------------------------------------------------------- the submission budget
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=IDS)
-def test_budget_penalty_is_exact(fam: AETFamily) -> None:
+def test_budget_penalty_is_exact(fam: AETFamily, aet_evaluate_once) -> None:
     t = fam.generate(1, seed=12, difficulty=1)[0]
     B, P = t.metadata["budget"], t.metadata["penalty"]
     assert (B, P) == (3, 0.5)
@@ -178,7 +212,7 @@ def test_budget_penalty_is_exact(fam: AETFamily) -> None:
     assert ep.verdict.components["submissions"] == B + 1 and ep.verdict.components["hidden_pass_rate"] == 1.0
 
 
-def test_budget_counters_survive_pause_and_resume() -> None:
+def test_budget_counters_survive_pause_and_resume(aet_evaluate_once) -> None:
     t = CLI.generate(1, seed=13, difficulty=2)[0]
     pol = _policy(_solution_calls(t), [("submit", {})], [("submit", {})], [("submit", {})], [("submit", {})])
     paused = run_episode_sync(pol, CLI.make_env(t), t, pause_after=3)
@@ -285,7 +319,7 @@ def test_mismatch_golden() -> None:
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=IDS)
-def test_effort_orders_reasoning_length(fam: AETFamily) -> None:
+def test_effort_orders_reasoning_length(fam: AETFamily, aet_evaluate_once) -> None:
     t = fam.generate(1, seed=23, difficulty=2)[0]
     think = {e: sum(len((m.get("reasoning_content") or "").split()) for m in _run(fam, t, fam.reference_policy(t, e)).messages
                     if m["role"] == "assistant") for e in EFFORTS}
