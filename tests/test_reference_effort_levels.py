@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from k3post.config.rl import RLConfig
+from k3post.config import load_config
 from k3post.config.sft import SFTConfig
 from k3post.constants import EFFORTS
 from k3post.envs.families import lexicon as family_lexicon
@@ -74,10 +74,11 @@ def test_effort_row_on_references(counts, seed, domain):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_references_within_budgets(counts, seed):
     """Every reference within the synthesis budget of its (domain, effort), the SFT max_len, and at max every
-    turn within the rollout's per-turn max_tokens of its domain (a longer turn would be cut in RL)."""
+    turn within configs/full.yaml's per-turn rl.max_tokens of its domain (a longer turn would be cut in RL; the
+    demo's tokenizer and caps: tests/test_rl.py::test_default_turn_caps_fit_every_reference_turn)."""
     budgets, max_len = VerifyConfig().budgets, SFTConfig().max_len
-    per_turn = {d: int(o["max_tokens"]) for d, o in RLConfig().domain_overrides.items() if "max_tokens" in o}
-    assert {"agents", "coding"} <= set(per_turn)
+    full = load_config(Path(__file__).resolve().parents[1] / "configs" / "full.yaml").rl  # the recipe this tokenizer mimics
+    per_turn = {d: min(full.for_domain(d).max_tokens, full.for_domain(d).eval_max_tokens) for d in ("agents", "coding")}
     for domain, fams in counts[seed].items():
         for fam, rows in fams.items():
             for e in EFFORTS:

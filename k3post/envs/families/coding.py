@@ -776,8 +776,8 @@ class BugfixFamily:
                 if effort == "max":
                     fails, passes = _test_names(obs)
                     reasoning = (
-                        f"run_tests says {summary}. Failing: {failing.removeprefix('FAIL ')}"
-                        + (f", and {', '.join(fails[1:])}" if len(fails) > 1 else "")
+                        f"run_tests says {summary}. The first failure: {failing}"
+                        + (f"; also failing: {', '.join(fails[1:])}" if len(fails) > 1 else "")
                         + f". Passing: {', '.join(passes) or 'none'}, so the fault is on a path only the failing tests take. "
                         f"The tests import from {md['top']}.py, which imports helpers, so read the source files "
                         f"({', '.join(sources)}) and the test file to find where the wrong value comes from."
