@@ -11,7 +11,10 @@ others), the mean of:
   (the tool calls and answers an episode needs at any effort);
 * ``think_tokens``: their difference, the thinking tokens in context;
 * ``T``: SPEC §3.3's count, thinking tokens on the general domain and every output token on the agentic
-  ones (agents, coding).
+  ones (agents, coding);
+
+and, at ``max``, the longest assistant turn (against the per-turn ``rl.max_tokens``) and the longest context
+(against ``sft.max_len`` and ``rl.max_model_len``).
 
 Per domain (the tasks of its families pooled, ``n`` each): the mean T per effort, T(low) / T(max), and the
 per-task violations: tasks whose T is not strictly increasing low < high < max (a low as long as its high
@@ -27,6 +30,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -42,24 +46,30 @@ from k3post.xtml import XTML  # noqa: E402
 FIELDS = ("assistant_tokens", "floor_tokens", "think_tokens", "T")
 
 
-def task_counts(xtml: XTML, family: str, n: int, seed: int) -> dict[str, list[dict[str, int]]]:
-    """Per effort, one dict of `FIELDS` per task (the ``n`` tasks of ``generate(n, seed=seed)``, in order)."""
+def reference_episodes(family: str, n: int, seed: int) -> dict[str, list[Any]]:
+    """Per effort, the reference episodes of the ``n`` tasks of ``generate(n, seed=seed)``, in order."""
     fam = get_family(family)
     tasks = fam.generate(n, seed=seed)
-    out: dict[str, list[dict[str, int]]] = {}
-    for effort in EFFORTS:
-        rows = []
-        for task in tasks:
-            ep = run_episode_sync(fam.reference_policy(task, effort), make_env(task), task, verify=False)
-            tools = ep.tools or None
-            total = sum(xtml.render(ep.messages, tools=tools, effort=effort, mode="think").loss_mask)
-            bare = [{**m, "reasoning_content": ""} if m.get("role") == "assistant" else m for m in ep.messages]
-            floor = sum(xtml.render(bare, tools=tools, effort=effort, mode="think").loss_mask)
-            think = total - floor
-            rows.append({"assistant_tokens": total, "floor_tokens": floor, "think_tokens": think,
-                         "T": think if fam.domain == "general" else total})
-        out[effort] = rows
-    return out
+    return {e: [run_episode_sync(fam.reference_policy(t, e), make_env(t), t, verify=False) for t in tasks] for e in EFFORTS}
+
+
+def episode_counts(xtml: XTML, ep: Any, effort: str, domain: str) -> dict[str, int]:
+    """`FIELDS` of one episode, plus ``turn_max`` (its longest assistant turn) and ``context`` (its whole rendering)."""
+    tools = ep.tools or None
+    r = xtml.render(ep.messages, tools=tools, effort=effort, mode="think")
+    total = sum(r.loss_mask)
+    bare = [{**m, "reasoning_content": ""} if m.get("role") == "assistant" else m for m in ep.messages]
+    floor = sum(xtml.render(bare, tools=tools, effort=effort, mode="think").loss_mask)
+    per_turn = Counter(i for i, lm in zip(r.message_index, r.loss_mask) if lm)
+    return {"assistant_tokens": total, "floor_tokens": floor, "think_tokens": total - floor,
+            "T": total - floor if domain == "general" else total, "turn_max": max(per_turn.values(), default=0),
+            "context": len(r.ids)}
+
+
+def task_counts(xtml: XTML, family: str, n: int, seed: int) -> dict[str, list[dict[str, int]]]:
+    """Per effort, `episode_counts` of each of the ``n`` tasks' reference episodes."""
+    domain = get_family(family).domain
+    return {e: [episode_counts(xtml, ep, e, domain) for ep in eps] for e, eps in reference_episodes(family, n, seed).items()}
 
 
 def _means(rows_by_effort: dict[str, list[dict[str, int]]]) -> dict[str, dict[str, float]]:
@@ -103,11 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         per_domain.setdefault(get_family(family).domain, {})[family] = rows
         m = _means(rows)
         ratio = m["low"]["T"] / m["max"]["T"] if m["max"]["T"] else float("nan")
-        result[family] = {**m, "low_over_max": ratio, "violations": violations(rows)}
+        result[family] = {**m, "low_over_max": ratio, "violations": violations(rows),
+                          "max_turn_max": max(r["turn_max"] for r in rows["max"]),
+                          "max_context": max(r["context"] for r in rows["max"])}
         print(f"{family:24} T max {m['max']['T']:6.1f} high {m['high']['T']:6.1f} low {m['low']['T']:6.1f} "
               f"(low/max {ratio:.2f}); thinking max {m['max']['think_tokens']:6.1f} high {m['high']['think_tokens']:6.1f} "
               f"low {m['low']['think_tokens']:6.1f}; floor max {m['max']['floor_tokens']:6.1f} "
-              f"low {m['low']['floor_tokens']:6.1f}; violations {result[family]['violations']}/{ns.n}")
+              f"low {m['low']['floor_tokens']:6.1f}; violations {result[family]['violations']}/{ns.n}; at max the longest turn "
+              f"{result[family]['max_turn_max']}, the longest context {result[family]['max_context']}")
     domains = {d: domain_summary(fams) for d, fams in per_domain.items()}
     for d, s in domains.items():
         print(f"domain {d:8} n {s['n']:4d}  T max {s['T']['max']:6.1f} high {s['T']['high']:6.1f} low {s['T']['low']:6.1f} "

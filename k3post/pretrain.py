@@ -5,8 +5,8 @@
 
 1. The cache key (`base_key`) hashes what the base depends on: the `pretrain` settings that change the
    weights (not logging, checkpoint cadence, cache place or probe), the model preset and its shapes, the
-   tokenizer settings (or the sha256 of ``tokenizer.path``'s tokenizer.json), ``run.seed`` and
-   `CORPUS_VERSION`. A base already in ``<cache>/bases/<key>/`` is returned without training.
+   tokenizer settings with `REFERENCE_VERSION` (the families' references its corpus is made of), or the sha256
+   of ``tokenizer.path``'s tokenizer.json, ``run.seed`` and `CORPUS_VERSION`. A base already in ``<cache>/bases/<key>/`` is returned without training.
 2. Otherwise: the tokenizer (``tokenizer.path``, else a byte-level BPE trained on the families' XTML text,
    as `k3post.demo.run_tokenizer` trains it, plus the generated documents), the corpus (``pretrain.n_docs``
    documents, each cut at ``pretrain.seq_len`` tokens, every token a target), and the training loop of SFT
@@ -39,6 +39,7 @@ from k3post.config.model import ModelConfig
 from k3post.config.pretrain import PretrainConfig
 from k3post.config.sft import SFTConfig
 from k3post.data import Sample
+from k3post.envs.families.common import REFERENCE_VERSION
 from k3post.errors import UserError
 from k3post.synth.corpus import (CORPUS_VERSION, KEYS, document_text, draw_name, encode_pieces, generate_corpus,
                                  generate_document, held_out_names, record_pieces)
@@ -65,7 +66,8 @@ def base_key_fields(cfg: K3Config) -> dict[str, Any]:
     if cfg.tokenizer.path:
         tok: dict[str, Any] = {"tokenizer.json": _sha256_file(Path(cfg.tokenizer.path).expanduser() / "tokenizer.json")}
     else:
-        tok = {**asdict(cfg.tokenizer), "corpus_per_family": cfg.data.corpus_per_family, "eval_family": cfg.data.eval_family}
+        tok = {**asdict(cfg.tokenizer), "corpus_per_family": cfg.data.corpus_per_family, "eval_family": cfg.data.eval_family,
+               "references": REFERENCE_VERSION}  # the tokenizer is trained on the families' reference trajectories
     return {"corpus_version": CORPUS_VERSION, "pretrain": p, "tokenizer": tok, "seed": cfg.run.seed,
             "model": {"preset": cfg.model.preset, "shape": PRESETS.get(cfg.model.preset), "dtype": cfg.model.dtype,
                       # only when changed, so the keys of bases built before it was hashed stay the same

@@ -89,7 +89,9 @@ class RLConfig:
     effort_control: EffortConfig = field(default_factory=EffortConfig)
     domains: list[str] = field(default_factory=lambda: ["general", "agents", "coding"])
     domain_overrides: dict[str, dict[str, float]] = field(default_factory=lambda: {
-        "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16, "max_tokens": 192, "eval_max_tokens": 192},
+        # 256: the search references think at max in every turn (issue 31 §effort), up to ~230 tokens a turn with the
+        # demo's tokenizer (configs/full.yaml's lexicon tokenizer: ~140, so it keeps 192)
+        "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16, "max_tokens": 256, "eval_max_tokens": 256},
         "coding": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 32, "max_tokens": 384, "eval_max_tokens": 384},
     })
     infra_min_valid: int = ranged(2, ge=1)

@@ -29,6 +29,7 @@ import copy
 import datetime as dt
 import json
 import random
+import re
 from typing import Any
 
 from k3post.envs.env import EpisodeLimits, ToolEnvironment
@@ -118,6 +119,75 @@ def hop_path(kg: KnowledgeGraph, start: str, chain: Any) -> tuple[list[str], lis
     return path, docs_on_path
 
 
+def _hits_line(docs: dict[str, Any], query: str, want: str, kinds: dict[str, Any] | None = None) -> str:
+    """What a search for ``query`` returns (the tool's own BM25), checked against the page ``want``; with the graph's
+    entities (``kinds``), each other hit is named with its kind."""
+    hits = [d for d, _ in bm25_search(docs, query, k=3)]
+    listed = "; ".join(f"{d} {docs[d]['title']}" for d in hits)
+    others = [docs[d]["title"] + (f" (a {kinds[docs[d]['entity']]['type']}: {first_sentence(docs[d]['text'])})" if kinds else "")
+              for d in hits if d != want]
+    rest = f"; {', '.join(others)} {'is another page' if len(others) == 1 else 'are other pages'}" if others else ""
+    return f"Hits: {listed}. {want} is titled exactly {docs[want]['title']}, the page I need{rest}."
+
+
+def _search_script(task: Task, effort: str) -> list[tuple[str, str, dict[str, str]]]:
+    """The generated-graph reference as (thinking, tool, arguments) per turn: search and open per hop, then
+    submit. The thinking comes from the task's graph: none at ``low``, a line at ``high``; at ``max`` the
+    chain planned from the question, each search's hits checked against the name searched, each opened
+    page's facts sorted into the one the hop needs and the others, and the answer checked before it is
+    submitted: its own page is looked up (when a search for it finds it) to confirm it is of the kind asked."""
+    m = task.metadata
+    kg = KnowledgeGraph(dict(m["entities"]), dict(m["edges"]), dict(m["docs"]))
+    rels, path, pdocs, docs = m["relations"], m["path"], m["path_docs"], m["docs"]
+    names = [kg.name(e) for e in path]
+    kinds = [kg.entities[e]["type"] for e in path]
+    hops, ans = len(rels), names[-1]
+
+    def expect(i: int) -> str:  # the sentence hop i looks for, with its object left open
+        return kg.sentence(path[i], rels[i]).replace(names[i + 1], "...")
+
+    out: list[tuple[str, str, dict[str, str]]] = []
+    for i, rel in enumerate(rels):
+        n, did, ph = names[i], pdocs[i], relation_phrase(rel)
+        if effort != "max":
+            hi = effort == "high"
+            prev = f"Find the {ph} of {n}." if i == 0 else f"{relation_phrase(rels[i - 1])}: {n}."
+            out += [(prev if hi else "", "search", {"query": n}), (f"Open {did}." if hi else "", "open", {"doc_id": did})]
+            continue
+        if i == 0:
+            steps = ", then ".join(f"the {relation_phrase(r)} of that {kinds[j]}" if j else f"the {relation_phrase(r)} of {n}"
+                                   for j, r in enumerate(rels))
+            think = (f"The question starts from {n}, a {kinds[0]}, and asks for a {kinds[-1]}: {hops} hops, {steps}. "
+                     f"Each hop needs the page of its subject. Hop 1: search {n}; its page should say: {expect(0)}")
+        else:
+            e, r0 = path[i - 1], rels[i - 1]
+            rest = " ".join(kg.sentence(e, r) for r in kg.edges[e] if r != r0)
+            think = (f"{pdocs[i - 1]} says: {kg.sentence(e, r0)} So the {relation_phrase(r0)} of {names[i - 1]} is {n}, a "
+                     f"{kinds[i]}; its other facts ({rest}) are not asked. Hop {i + 1} of {hops}: the {ph} of {n}. Search {n}; "
+                     f"its page should say: {expect(i)}")
+        snippet = first_sentence(docs[did]["text"])
+        out += [(think, "search", {"query": n}),
+                (f"{_hits_line(docs, n, did, kg.entities)} Its snippet ({snippet}) fits {n}, a {kinds[i]}. Open {did} for the {ph} of {n}.",
+                 "open", {"doc_id": did})]
+    last = kg.sentence(path[-2], rels[-1])
+    if effort != "max":
+        return out + [(f"{relation_phrase(rels[-1])}: {ans}." if effort == "high" else "", "submit", {"answer": ans})]
+    found = f"{pdocs[-1]} says: {last} So the {relation_phrase(rels[-1])} of {names[-2]} is {ans}."
+    ans_doc = kg.doc_of(path[-1])
+    checked = ""
+    if ans_doc in [d for d, _ in bm25_search(docs, ans, k=3)]:
+        out += [(f"{found} The question asks for a {kinds[-1]}; check that {ans} is one on its own page. Search {ans}.",
+                 "search", {"query": ans}),
+                (f"{_hits_line(docs, ans, ans_doc, kg.entities)} Open {ans_doc} to check the kind of {ans}.", "open", {"doc_id": ans_doc})]
+        checked = f"{ans_doc} says: {first_sentence(docs[ans_doc]['text'])} So {ans} is a {kinds[-1]}, as asked. "
+        found = ""
+    chain = " ".join(f"{kg.sentence(path[j], r)} ({pdocs[j]})" for j, r in enumerate(rels))
+    between = ", ".join(names[1:-1])
+    think = (f"{found}{checked}The chain: {chain} {between} {'is a step' if hops == 2 else 'are steps'}, not the answer. "
+             f"Submit {ans} alone.").lstrip()
+    return out + [(think, "submit", {"answer": ans})]
+
+
 class SearchFamily(FamilyBase):
     """``agents.search``: 2-3-hop questions over a corpus generated from a small knowledge graph."""
 
@@ -200,35 +270,18 @@ class SearchFamily(FamilyBase):
         return KnowledgeGraph(dict(m["entities"]), dict(m["edges"]), dict(m["docs"]))
 
     def reference_turns(self, task: Task, effort: str) -> list[dict[str, Any]]:
-        """search → open for each hop, then submit; reasoning quotes the sentence each hop used."""
+        """search → open for each hop, then submit. The thinking (`_search_script`) grows with the effort:
+        none at ``low``, a line per turn at ``high``; at ``max`` the plan of the chain, each search's hits
+        checked against the name, each opened page's sentences sorted into the one the hop needs and the
+        rest, and the whole chain checked against the question before submitting."""
         m = task.metadata
         if "synth" in m:
             return self._synth_reference(task, effort)
-        kg = self._kg(task)
-        rels, path, pdocs = m["relations"], m["path"], m["path_docs"]
-        names = [kg.name(e) for e in path]
+        calls = {"search": "call_s", "open": "call_o"}
         turns: list[dict[str, Any]] = []
-        for i, rel in enumerate(rels):
-            n, did = names[i], pdocs[i]
-            if effort == "max":
-                if i == 0:
-                    plan = " -> ".join([n] + [relation_phrase(r) for r in rels])
-                    think = f"Chain: {plan}. Step 1: the {relation_phrase(rel)} of {n}. Search {n}."
-                else:
-                    prev = kg.sentence(path[i - 1], rels[i - 1])
-                    think = (f"{pdocs[i - 1]} says: {prev} So the {relation_phrase(rels[i - 1])} is {n}. "
-                             f"Step {i + 1}: the {relation_phrase(rel)} of {n}. Search {n}.")
-            elif effort == "high":
-                think = f"Find the {relation_phrase(rel)} of {n}." if i == 0 else f"{relation_phrase(rels[i - 1])}: {n}."
-            else:
-                think = ""
-            turns.append(assistant("", think, [tool_call(f"call_s{i}", "search", {"query": n})]))
-            think = {"max": f"{did} is the page of {n}. Open it.", "high": f"Open {did}.", "low": ""}[effort]
-            turns.append(assistant("", think, [tool_call(f"call_o{i}", "open", {"doc_id": did})]))
-        ans = names[-1]
-        last = kg.sentence(path[-2], rels[-1])
-        think = {"max": f"{pdocs[-1]} says: {last} So the answer is {ans}.", "high": f"{relation_phrase(rels[-1])}: {ans}.", "low": ""}[effort]
-        turns.append(assistant("", think, [tool_call("call_submit", "submit", {"answer": ans})]))
+        for k, (think, name, args) in enumerate(_search_script(task, effort)):
+            cid = "call_submit" if name == "submit" else f"{calls[name]}{k // 2}"
+            turns.append(assistant("", think, [tool_call(cid, name, args)]))
         return turns
 
     def _synth_reference(self, task: Task, effort: str) -> list[dict[str, Any]]:
@@ -236,14 +289,18 @@ class SearchFamily(FamilyBase):
         m = task.metadata
         docs, ans, kind = m["docs"], m["answer"], m["synth"]["type"]
         turns: list[dict[str, Any]] = []
+        titles = [docs[d]["title"] for d in m["path_docs"]]
         for i, did in enumerate(m["path_docs"]):
             title = docs[did]["title"]
-            think = {"max": f"A {kind.replace('_', '-')} question. Document {i + 1} of {len(m['path_docs'])}: look up {title}.",
+            think = {"max": f"A {kind.replace('_', '-')} question over {len(titles)} documents: {', '.join(titles)}. "
+                            f"Document {i + 1} of {len(titles)}: look up {title}.",
                      "high": f"Look up {title}.", "low": ""}[effort]
             turns.append(assistant("", think, [tool_call(f"call_s{i}", "search", {"query": title})]))
-            turns.append(assistant("", {"max": f"{did} is the page of {title}. Open it.", "high": f"Open {did}.", "low": ""}[effort],
+            turns.append(assistant("", {"max": f"{_hits_line(docs, title, did)} Open it.", "high": f"Open {did}.", "low": ""}[effort],
                                    [tool_call(f"call_o{i}", "open", {"doc_id": did})]))
-        think = {"max": f"The documents together give the answer: {ans}.", "high": f"Answer: {ans}.", "low": ""}[effort]
+        read = "; ".join(f"{d} {t}" for d, t in zip(m["path_docs"], titles))
+        think = {"max": f"Read: {read}. The question: {task.messages[-1]['content']} Together these pages give {ans}. "
+                        f"Submit {ans} alone.", "high": f"Answer: {ans}.", "low": ""}[effort]
         turns.append(assistant("", think, [tool_call("call_submit", "submit", {"answer": ans})]))
         return turns
 
@@ -463,74 +520,140 @@ class AssistantFamily(FamilyBase):
     # ------------------------------------------------------------------ scripts
 
     def _steps(self, task: Task, effort: str) -> dict[str, dict[str, Any]]:
-        """The reference's turns by role: inbox, read, look, act, reply, final."""
+        """The reference's turns by role: inbox, read, look, act, reply, final; at ``max`` also ``look2`` (a move to
+        another day lists that day in a turn of its own) and ``check`` (the changed day listed again, or the request
+        read again, before replying).
+
+        The thinking at ``max`` comes from the task's state, turn by turn: the plan from the request, the inbox
+        sorted into the requester's email and the rest, the request restated with the meeting's length, each
+        listed day's events with the clash and the free slot, the tool's answer checked against the request, and
+        the final state checked against what the verifier reads (calendar, one reply, nothing else changed).
+        ``high`` keeps a line per turn, ``low`` none."""
         m = task.metadata
         info, state = m["info"], m["state"]
         first = info["requester"].split()[0]
         mid = info["message"]
         ev = {e["id"]: e for e in state["calendar"]}
+        mx = effort == "max"
 
         def T(mx: str, hi: str) -> str:  # the reasoning at this effort: thorough, terse or none
             return {"max": mx, "high": hi, "low": ""}[effort]
 
+        def day(date: str, moved: dict[str, Any] | None = None) -> str:  # what calendar_list(date) shows, in short
+            evs = [moved if moved and x["id"] == moved["id"] else x for x in state["calendar"]]
+            evs = sorted((x for x in evs if x["date"] == date), key=lambda x: (x["start"], x["id"]))
+            return "; ".join(f"{x['id']} {x['start']}-{x['end']} {x['title']}" for x in evs) or "nothing"
+
+        inbox = state["mail"]["inbox"]
+        mails = "; ".join(f"{x['id']} {x['from_name']}: {x['subject']}" for x in inbox)
+        rest = "the other one needs" if len(inbox) == 2 else f"the other {len(inbox) - 1} need"
+        plan = {"move": "list the calendar of the meeting's day and of the day proposed, move that one meeting to the "
+                        "first proposed time that is free",
+                "cancel": "find that meeting on the calendar and cancel it",
+                "doc_reply": "find the document asked about and read the value"}[info["kind"]]
         steps: dict[str, dict[str, Any]] = {
-            "inbox": assistant("", T(f"Find the email from {info['requester']} first.", "Check inbox."), [tool_call("c1", "mail_inbox", {})]),
-            "read": assistant("", T(f"{mid} is from {info['requester']}: {info['subject']}. Read it.", f"Read {mid}."),
-                              [tool_call("c2", "mail_read", {"message_id": mid})]),
+            "inbox": assistant("", T(f"{info['requester']} emailed a request. Plan: list the inbox, read their email, {plan}, "
+                                     f"then reply to {first} and to nobody else. No other event, mail or doc may change.",
+                                     "Check inbox."), [tool_call("c1", "mail_inbox", {})]),
+            "read": assistant("", T(f"Inbox: {mails}. {mid} is "
+                                    f"from {info['requester']} <{m['reply_to']}>, the one address the reply goes to; {rest} nothing from me. Read {mid}.",
+                                    f"Read {mid}."), [tool_call("c2", "mail_read", {"message_id": mid})]),
         }
         reply_subject = f"Re: {info['subject']}"
+        others = len(state["calendar"]) - 1
         if info["kind"] in ("move", "cancel"):
             e = ev[info["event"]]
+            dur = minutes(e["end"]) - minutes(e["start"])
             dates = [e["date"]] + ([info["date"]] if info["kind"] == "move" and info["date"] != e["date"] else [])
             calls = [tool_call(f"c3{k}", "calendar_list", {"date": d}) for k, d in enumerate(dates)]
             if info["kind"] == "move":
-                alt = f", else {info['start']}" if "rejected" in info else ""
-                first_ask = info.get("rejected", info["start"])
-                look = T(f"Move {e['title']} ({e['date']} {e['start']}) to {info['date']} {first_ask}{alt}. Check the calendar.",
-                         f"Move {e['title']} to {info['date']} {first_ask}{alt}.")
-                day = sorted((x for x in state["calendar"] if x["date"] == info["date"] and x["id"] != e["id"]), key=lambda x: x["start"])
+                d2, t2, t2end = info["date"], info["start"], info["end"]
+                alt = f", else {t2}" if "rejected" in info else ""
+                first_ask = info.get("rejected", t2)
+                look = T(f"{first} asks to move {e['title']} ({weekday(e['date'])} {e['date']} {e['start']}-{e['end']}, {dur} min) "
+                         f"to {weekday(d2)} {d2} at {first_ask}{alt}. The new slot needs {dur} free minutes on {d2}. "
+                         f"List {e['date']} to find its id.",
+                         f"Move {e['title']} to {d2} {first_ask}{alt}.")
+                busy = [x for x in state["calendar"] if x["date"] == d2 and x["id"] != e["id"]]
                 clash = ""
                 if "rejected" in info:
                     r = minutes(info["rejected"])
-                    dur = minutes(e["end"]) - minutes(e["start"])
-                    hit = next(x for x in day if overlaps(x, info["date"], r, r + dur))
-                    clash = f"{info['rejected']} clashes with {hit['title']} ({hit['start']}-{hit['end']}); "
+                    hit = next(x for x in busy if overlaps(x, d2, r, r + dur))
+                    clash = f"{info['rejected']}-{hhmm(r + dur)} clashes with {hit['id']} {hit['title']} ({hit['start']}-{hit['end']}); "
+                found = f"{e['title']} is {e['id']}. "
+                if len(dates) > 1 and mx:  # the other day in a turn of its own
+                    steps["look2"] = assistant("", f"{e['date']}: {day(e['date'])}. {found}Now list {d2} for the new slot.", [calls[1]])
+                    calls, found = calls[:1], ""
+                listed = f"{d2}: {day(d2)}. " if mx else ""
                 act = assistant(
                     "",
-                    T(f"{e['title']} is {e['id']}, {e['start']}-{e['end']}. On {info['date']}: {clash}{info['start']}-{info['end']} is free. Move {e['id']}.",
-                      f"{e['id']} to {info['date']} {info['start']}."),
-                    [tool_call("c4", "calendar_move", {"event_id": e["id"], "date": info["date"], "start": info["start"]})],
+                    T(f"{listed}{found}{clash}{t2}-{t2end} is free. Move {e['id']}.",
+                      f"{e['id']} to {d2} {t2}."),
+                    [tool_call("c4", "calendar_move", {"event_id": e["id"], "date": d2, "start": t2})],
                 )
-                body = f"Hi {first}, I moved {e['title']} to {weekday(info['date'])} {info['date']} at {info['start']}. Best, Alex"
-                final = f"Moved {e['title']} to {weekday(info['date'])} {info['date']} at {info['start']} and replied to {first}."
+                moved = {**e, "date": d2, "start": t2, "end": t2end}
+                before = [x for x in busy if minutes(x["end"]) <= minutes(t2)]
+                after = [x for x in busy if minutes(x["start"]) >= minutes(t2end)]
+                near = "".join([f", after {max(before, key=lambda x: x['end'])['id']}" if before else "",
+                                f", before {min(after, key=lambda x: x['start'])['id']}" if after else ""])
+                gap = [x for x in busy if not (minutes(x["end"]) <= minutes(t2) or minutes(x["start"]) >= minutes(t2end))]
+                check = (f"The tool moved {e['id']} to {weekday(d2)} {d2} {t2}-{t2end}, {dur} min as before, with the same "
+                         f"attendees. It clashes with {len(gap) or 'none'} of the {len(busy)} other events on {d2} and ends "
+                         f"by 18:00. List {d2} again to see it there.", [tool_call("c6", "calendar_list", {"date": d2})],
+                         f"{d2} lists {e['id']} at {t2}-{t2end}{near}. Reply to {first}.")
+                body = f"Hi {first}, I moved {e['title']} to {weekday(d2)} {d2} at {t2}. Best, Alex"
+                final = f"Moved {e['title']} to {weekday(d2)} {d2} at {t2} and replied to {first}."
+                outcome = f"{e['id']} is on {d2} at {t2}" + (f", not {info['rejected']}" if "rejected" in info else "")
             else:
-                look = T(f"Cancel {e['title']} on {e['date']}. Find its id.", f"Cancel {e['title']}.")
-                act = assistant("", T(f"{e['title']} is {e['id']} ({e['start']}-{e['end']}). Cancel it.", f"Cancel {e['id']}."),
-                                [tool_call("c4", "calendar_cancel", {"event_id": e["id"]})])
+                look = T(f"{first} asks to cancel {e['title']} on {weekday(e['date'])} {e['date']}. List {e['date']} to "
+                         "find its id; cancel that event only.", f"Cancel {e['title']}.")
+                listed = f"{e['date']}: {day(e['date'])}. " if mx else ""
+                act = assistant("", T(f"{listed}{e['title']} is {e['id']} ({e['start']}-{e['end']}). Cancel {e['id']} only.",
+                                      f"Cancel {e['id']}."), [tool_call("c4", "calendar_cancel", {"event_id": e["id"]})])
+                gone = {**e, "date": ""}
+                check = (f"The tool cancelled {e['title']} ({e['date']} {e['start']}). List {e['date']} again to see that only "
+                         f"{e['id']} is gone.", [tool_call("c6", "calendar_list", {"date": e["date"]})],
+                         f"{e['date']} now: {day(e['date'], gone)}. {e['id']} is gone. Reply to {first}.")
                 body = f"Hi {first}, I cancelled {e['title']} on {weekday(e['date'])} {e['date']}. Best, Alex"
                 final = f"Cancelled {e['title']} and told {first}."
+                outcome = f"{e['id']} {e['title']} is cancelled"
             steps["look"] = assistant("", look, calls)
         else:
             field, value, dtitle, did = info["field"], info["value"], info["doc_title"], info["doc"]
-            steps["look"] = assistant("", T(f"{first} asks for the {field.lower()} in {dtitle}. List the docs.", "List docs."),
+            docs = state["docs"]
+            steps["look"] = assistant("", T(f"{first} asks for the {field.lower()} in the {dtitle} doc. The value is in the doc, "
+                                            "not in the mail. List the docs to find its id.", "List docs."),
                                       [tool_call("c3", "docs_list", {})])
-            act = assistant("", T(f"{dtitle} is {did}. Open it.", f"Open {did}."), [tool_call("c4", "docs_read", {"doc_id": did})])
+            listed = "Docs: " + "; ".join(f"{d['id']} {d['title']}" for d in docs) + ". " if mx else ""
+            act = assistant("", T(f"{listed}{dtitle} is {did}. Open {did} for its {field.lower()} line.", f"Open {did}."),
+                            [tool_call("c4", "docs_read", {"doc_id": did})])
+            lines = [ln for ln in next(d for d in docs if d["id"] == did)["body"].splitlines() if ln]
+            rest = "; ".join(ln for ln in lines if not ln.startswith(f"{field}:"))
+            check = (f"{did} says {'; '.join(lines)}. Read {mid} again to be sure which field {first} asked for.",
+                     [tool_call("c6", "mail_read", {"message_id": mid})],
+                     f"{mid} asks for the {field.lower()}: {value}, not {rest}. Reply to {first}.")
             body = f"Hi {first}, the {field.lower()} in {dtitle} is {value}. Best, Alex"
             final = f"Replied to {first}: {field.lower()} of {dtitle} is {value}."
+            outcome = f"the reply gives {value}, the {field.lower()} of {dtitle}"
         steps["act"] = act
+        if mx:
+            steps["check"] = assistant("", check[0], check[1])
         steps["reply"] = assistant(
             "",
-            T(f"Done in the app. Reply to {first} with the outcome." if info["kind"] != "doc_reply" else f"{did} says {field}: {value}. Reply to {first}.",
-              "Reply."),
+            T(check[2], "Reply."),
             [tool_call("c5", "mail_send", {"to": m["reply_to"], "subject": reply_subject, "body": body})],
         )
-        steps["final"] = assistant(final, T("Reply sent. Done.", ""))
+        words = " and ".join(" or ".join(g) for g in m["reply_any_of"])
+        steps["final"] = assistant(final, T(f"Sent to {m['reply_to']}, the only mail sent; the reply names {words}. Check against the request: {outcome}; "
+                                            f"the other {others} events and the docs are unchanged. Done.", ""))
         return steps
 
     def reference_turns(self, task: Task, effort: str) -> list[dict[str, Any]]:
-        """inbox → read → look (calendar days / docs list) → act (move / cancel / read doc) → reply → final note."""
+        """inbox → read → look (calendar days / docs list) → act (move / cancel / read doc) → reply → final note; at
+        ``max`` the second day of a move has its own turn and a check (the day listed again, the request read
+        again) comes before the reply."""
         s = self._steps(task, effort)
-        return [s[k] for k in ("inbox", "read", "look", "act", "reply", "final")]
+        return [s[k] for k in ("inbox", "read", "look", "look2", "act", "check", "reply", "final") if k in s]
 
     def wrong_turns(self, task: Task) -> dict[str, list[dict[str, Any]]]:
         """Empty, copied prompt, claims without the work, reply without acting, acting without replying,

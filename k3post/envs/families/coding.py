@@ -402,6 +402,12 @@ def _first_line(texts: Sequence[str], pattern: str) -> str | None:
     return None
 
 
+def _test_names(texts: str | Sequence[str]) -> tuple[list[str], list[str]]:
+    """(failing, passing) test names in run_tests output (``FAIL name ...`` / ``PASS name`` lines)."""
+    lines = [ln.split() for t in ([texts] if isinstance(texts, str) else texts) for ln in t.splitlines()]
+    return ([w[1] for w in lines if len(w) > 1 and w[0] == "FAIL"], [w[1] for w in lines if len(w) > 1 and w[0] == "PASS"])
+
+
 def _check_effort(effort: str) -> None:
     if effort not in EFFORTS:
         raise ValueError(f"unknown effort {effort!r}; expected one of {EFFORTS}")
@@ -525,8 +531,7 @@ class WriteFunctionFamily:
         _check_effort(effort)
         md = task.metadata
         func, code = md["func"], md["reference"]
-        first = md["public"][0]
-        example = f"{_call_text(func, first['args'])} should be {decode_value(first['expected'])!r}"
+        examples = "; ".join(f"{_call_text(func, c['args'])} should be {decode_value(c['expected'])!r}" for c in md["public"])
 
         def steps(turn: int, messages: list[dict[str, Any]]) -> dict[str, Any]:
             obs = _last_tool_outputs(messages)
@@ -537,8 +542,7 @@ class WriteFunctionFamily:
                     "max": (
                         f"The task asks for `{md['signature']}`. {md['statement']} "
                         f"Approach: {md['approach']} "
-                        f"Check it on the first example by hand: {example}. "
-                        f"Edge cases: an empty input must still return the right type. "
+                        f"The examples it must meet: {examples}. "
                         f"I will write {SOLUTION} with this implementation, then run the public examples."
                     ),
                 }[effort]
@@ -548,7 +552,9 @@ class WriteFunctionFamily:
                 reasoning = "" if effort == "high" else f"The write_file tool answered: {obs[0] if obs else '(nothing)'}. Now run the public examples."
                 return _reply(reasoning, "", [_call(1, 1, "run_tests")])
             if effort == "max":
-                reasoning = f"run_tests reported: {tested}. The implementation follows the statement, so I am done."
+                passed = "; ".join(ln[5:] for t in obs for ln in t.splitlines() if ln.startswith("PASS "))
+                reasoning = (f"run_tests reported: {tested} ({passed}). Each call returned the value the statement asks "
+                             f"for, and the hidden tests check the same function, so {SOLUTION} is done.")
             elif effort == "high":
                 reasoning = f"{tested}." if tested else ""
             else:
@@ -768,10 +774,13 @@ class BugfixFamily:
                 failing = _first_line(obs, r"^FAIL ") or "a test fails"
                 summary = _first_line(obs, r"\d+ passed, \d+ failed") or ""
                 if effort == "max":
+                    fails, passes = _test_names(obs)
                     reasoning = (
-                        f"run_tests says {summary}. The first failure: {failing}. The tests import from {md['top']}.py, "
-                        f"which imports helpers, so read the source files ({', '.join(sources)}) and the test file "
-                        "to find where the wrong value comes from."
+                        f"run_tests says {summary}. The first failure: {failing}"
+                        + (f"; also failing: {', '.join(fails[1:])}" if len(fails) > 1 else "")
+                        + f". Passing: {', '.join(passes) or 'none'}, so the fault is on a path only the failing tests take. "
+                        f"The tests import from {md['top']}.py, which imports helpers, so read the source files "
+                        f"({', '.join(sources)}) and the test file to find where the wrong value comes from."
                     )
                     files = [*sources, test_path]
                 else:
@@ -791,8 +800,14 @@ class BugfixFamily:
                     _call(2, 2, "run_tests"),
                 ])
             summary = _first_line(obs, r"\d+ passed, \d+ failed") or "(no test summary)"
+            before = _test_names(next((str(x.get("content", "")) for x in messages if x.get("role") == "tool"
+                                       and re.search(r"\d+ passed, \d+ failed", str(x.get("content", "")))), ""))[0]
+            now_failing = _test_names(obs)[0]
+            fixed = [t for t in before if t not in now_failing]
             reasoning = {"low": "", "high": f"{summary}.",
-                         "max": f"After the edit run_tests reports {summary}, so the fix works and the tests are unchanged."}[effort]
+                         "max": f"After the edit run_tests reports {summary}: {', '.join(fixed) or 'no test'} failed before "
+                                f"and {'passes' if len(fixed) == 1 else 'pass'} now, and nothing that passed broke. The only "
+                                f"change is `{bug['buggy']}` -> `{bug['fixed']}` in {bug['path']}; the tests are unchanged."}[effort]
             return _reply(reasoning, f"Fixed a {bug['kind']} bug in {bug['path']}: `{bug['buggy']}` -> `{bug['fixed']}`.")
 
         return _scripted(steps)

@@ -30,6 +30,7 @@ from k3post.envs.task import DOMAINS, Task, canonical_json
 
 __all__ = [
     "EFFORTS",
+    "REFERENCE_VERSION",
     "FamilyBase",
     "Policy",
     "assistant",
@@ -47,6 +48,12 @@ Policy = Callable[[list[dict[str, Any]], list[dict[str, Any]]], dict[str, Any]]
 
 _ARTICLES = ("the ", "a ", "an ")
 _PUNCT = string.punctuation.replace("-", "").replace("'", "")
+
+
+REFERENCE_VERSION = 2
+"""Version of the built-in families' reference solutions (what SFT imitates and the demo's tokenizer is trained on):
+bump it when they change, so a cached base whose tokenizer was trained on older references is not reused
+(`k3post.pretrain.base_key`). 2: issue 31, max-effort references think well beyond the no-thinking floor."""
 
 
 def check_effort(effort: str) -> str:
