@@ -35,8 +35,8 @@ def train_curve(a: argparse.Namespace, distances: list[int]) -> list[dict]:
     from k3post.tokenizer import train_tokenizer
 
     p = PretrainConfig(steps=a.steps, n_docs=a.n_docs, seq_len=a.seq_len, rows_per_batch=a.rows, lr=a.lr,
-                       warmup_steps=a.warmup, recall_share=a.recall_share, min_lr_ratio=a.min_lr_ratio, save_every=a.every, keep_last=a.steps // a.every + 1, progress=False)
-    docs = generate_corpus(p.n_docs, a.seed, 4 * p.seq_len, recall_share=p.recall_share)
+                       warmup_steps=a.warmup, recall_share=a.recall_share, recent_share=a.recent_share, min_lr_ratio=a.min_lr_ratio, save_every=a.every, keep_last=a.steps // a.every + 1, progress=False)
+    docs = generate_corpus(p.n_docs, a.seed, 4 * p.seq_len, recall_share=p.recall_share, recent_share=p.recent_share)
     tok = train_tokenizer([document_text(d) for d in docs[:2000]], vocab_size=a.vocab, word_boundaries=False)
     samples = corpus_samples(tok, docs, p.seq_len)
     layers = {"num_hidden_layers": a.layers} if a.layers else {}
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
     ap.add_argument("--layers", type=int, default=0, help="override the preset's layer count (0: keep it)")
     ap.add_argument("--recall-share", type=float, default=0.45)
+    ap.add_argument("--recent-share", type=float, default=0.0)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--preset", default="tiny")
     a = ap.parse_args(argv)

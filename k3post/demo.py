@@ -4,8 +4,9 @@
       config.yaml            resolved config
       data/                  sft_train.jsonl (+ per-source raw / rejected / funnel files, review queue, judge.jsonl:
                              the scripted GRM judge episodes of data.judge_tasks), eval_tasks.jsonl
-      tokenizer/             byte-level BPE with the XTML tokens
-      model_init/            the freshly built tiny Qwen3-MoE (safetensors)
+      pretrain/              stage 0 (`demo.base`, `stage0`): checkpoints and final model when this run built the base
+      tokenizer/             byte-level BPE with the XTML tokens (the base's, when the run starts from one)
+      model_init/            the initial weights: the base's, else a freshly built tiny Qwen3-MoE (safetensors)
       sft/checkpoints/       step-N/ checkpoints + latest (exact resume)
       sft/final/             the SFT policy (QAT)
       sft_noqat/             the same SFT run without QAT, for comparison
@@ -243,8 +244,9 @@ SHOW_WINDOW = (0.2, 0.7)
 def domains_to_show(experts: dict[str, Any], k_of: dict[str, int] | None = None) -> list[dict[str, Any]]:
     """Per domain with a max-effort expert: its held-out n, SFT pass at max with the Wilson 95% interval,
     whether that pass is inside `SHOW_WINDOW`, the room RL has (the share of tasks SFT fails, and the share of
-    RL's groups of ``k_of[domain]`` samples expected to hold both a pass and a fail at that pass rate: the
-    groups with a learning signal), what RL did (the paired verdict) and a one-line verdict."""
+    RL's groups of ``k_of[domain]`` samples expected to hold both a pass and a fail, the groups with a learning
+    signal: 1 - p^k - (1 - p)^k if every task passed with the greedy rate p; concave in p, so an upper bound for
+    tasks of uneven difficulty), what RL did (the paired verdict) and a one-line verdict."""
     lo_w, hi_w = SHOW_WINDOW
     out = []
     for name, e in experts.items():

@@ -93,11 +93,13 @@ _Job = tuple[str, str, RLConfig, str, "QATConfig | None", "str | None", "EngineC
 """One domain's expert job: (domain, sft_dir, cfg, out_dir, qat, metrics_dir, judge_engine)."""
 
 
-def _domain_worker(args: _Job, until: str | None = None) -> dict[str, Any]:
+def _domain_worker(args: _Job, until: str | None = None, threads: int | None = None) -> dict[str, Any]:
+    """One domain's experts (up to ``until``) in this process at ``threads`` torch threads (None: the parent's
+    plan for the domain workers, `k3post.threads.child_threads`; 1 without one)."""
     domain, sft_dir, cfg, out_dir, qat, metrics_dir, judge_engine = args
     from k3post.threads import child_threads
 
-    torch.set_num_threads(child_threads())  # the parent's plan for the domain workers (1 without one)
+    torch.set_num_threads(threads or child_threads())
     if metrics_dir:  # the worker's warnings and engine launches go to the run's k3post.log too (appended)
         from k3post.errors import attach_run_log
 
@@ -124,7 +126,7 @@ def _expert_job(args: _Job, effort: str, prev: dict[str, Any] | None) -> dict[st
                                          "blocked_by": blocker})
         _write_json(Path(args[3]) / f"table.{domain}.json", prev)
         return prev
-    return _domain_worker(args, until=effort)
+    return _domain_worker(args, until=effort, threads=1)  # one thread, as every actor on the cluster
 
 
 def train_experts(

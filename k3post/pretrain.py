@@ -87,7 +87,7 @@ def cache_root(cfg: K3Config) -> Path:
 
 def corpus_documents(p: PretrainConfig, seed: int) -> list[list[str]]:
     """The run's documents (``n_chars`` ~ 4 characters per token, so a document fills its ``seq_len``)."""
-    return generate_corpus(p.n_docs, seed, 4 * p.seq_len, recall_share=p.recall_share)
+    return generate_corpus(p.n_docs, seed, 4 * p.seq_len, recall_share=p.recall_share, recent_share=p.recent_share)
 
 
 def corpus_samples(tokenizer: Any, docs: Sequence[Sequence[str]], seq_len: int) -> list[Sample]:

@@ -22,7 +22,7 @@ def _tiny(tmp_path, name, *extra):
         f"run.root={tmp_path / 'runs'}", f"run.name={name}", "data.n_train=12", "data.n_per_family=0",
         "data.family_tasks.coding.write_function=0", "data.n_eval=3", "data.efforts=[max]", "data.effort_mix={}",
         "data.corpus_per_family=1", "tokenizer.vocab_size=400",
-        "sft.steps=2", "sft.log_every=1", "sft.rows_per_batch=1", "sft.max_len=4096", "sft.progress=false", "demo.mtp_weight=0",
+        "sft.steps=2", "sft.log_every=1", "sft.save_every=1", "sft.rows_per_batch=1", "sft.max_len=4096", "sft.progress=false", "demo.mtp_weight=0",
         "eval.max_new_tokens=8", "eval.efforts=[max]", "rl.steps=0", "mopd.rl.steps=0", "demo.drafts=[]",
         "demo.compare_no_qat=false",
         "pretrain.steps=3", "pretrain.n_docs=8", "pretrain.seq_len=64", "pretrain.rows_per_batch=2",
@@ -44,26 +44,60 @@ def _same(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_demo_builds_the_base_once_and_starts_from_it(tmp_path, monkeypatch, capsys):
-    """First run: stage 0 trains (metrics rows of stage ``pretrain``) and publishes the base under its key;
-    the run's tokenizer is the base's and its initial weights are the base's. Second run, same settings:
-    no training (the builder is never called, no ``pretrain`` rows); with ``sft.lr=0`` and no QAT the SFT
-    model is the base, weight for weight, so SFT started from it."""
-    assert main(["demo", *_tiny(tmp_path, "a")]) == 0
+def test_demo_builds_the_base_once_resumes_it_and_starts_from_it(tmp_path, monkeypatch, capsys):
+    """Run a: killed after stage 0's checkpoint of step 2 (of 3), the demo resumes stage 0 there (each
+    pretraining step logged once, ``resumed_from`` 2) and publishes the base under its key; killed in SFT, it
+    resumes with that base, building none. The run's tokenizer and initial weights are the base's. Run b, same
+    settings: nothing trained (the builder is never called, no ``pretrain`` rows); with ``sft.lr=0`` and no
+    QAT its SFT model is the base, weight for weight, so SFT started from it."""
+    import k3post.checkpoint as ck
+    from k3post.tokenizer import load_tokenizer
+
     cfg = load_config(None, _tiny(tmp_path, "a"))
     key = pretrain.base_key(cfg)
     base = tmp_path / "cache" / "bases" / key
-    run = tmp_path / "runs" / "a"
+    run = cfg.run.dir
+    real = ck.save_checkpoint
+
+    class Killed(Exception):
+        pass
+
+    def kill_at(stage, at):
+        def save_then_die(root, step, *a, **kw):
+            path = real(root, step, *a, **kw)
+            if Path(root).parent.name == stage and step == at:
+                raise Killed
+            return path
+        return save_then_die
+
+    monkeypatch.setattr(ck, "save_checkpoint", kill_at("pretrain", 2))
+    with pytest.raises(Killed):
+        run_demo(cfg)
+    release_runs()
+    assert _rows(run, "pretrain") == [1, 2] and not base.exists()
+    assert f"stage 0: building the pretrained base (key {key}" in capsys.readouterr().out
+    monkeypatch.setattr(ck, "save_checkpoint", kill_at("sft", 1))
+    with pytest.raises(Killed):
+        run_demo(cfg)
+    release_runs()
+    assert json.loads((base / "train.json").read_text())["resumed_from"] == 2
+    assert _rows(run, "pretrain") == [1, 2, 3] and _rows(run, "pretrain/probe") == [3]
+    assert [p.name for p in base.parent.iterdir()] == [key]
+    monkeypatch.setattr(ck, "save_checkpoint", real)
+
+    def no_build(*a, **k):
+        raise AssertionError("the base is built: nothing to train")
+
+    monkeypatch.setattr("k3post.demo.build_base", no_build)
+    assert run_demo(cfg) == run
+    release_runs()
     s = json.loads((run / "summary.json").read_text())
     pre = s["pretrain"]
+    assert s["status"] == "done" and _rows(run, "pretrain") == [1, 2, 3]
     assert pre["used"] and pre["built"] and pre["key"] == key and pre["path"] == str(base) and pre["steps"] == 3
     assert pre["corpus_tokens"] > 0 and set(pre["probe"]) == {"60"} and pre["build_s"] is not None
     assert "pretrain" in s["timings"] and s["post_training_wall_s"] <= s["wall_s"]
-    assert _rows(run, "pretrain") == [1, 2, 3] and _rows(run, "pretrain/probe") == [3]
-    assert [p.name for p in base.parent.iterdir()] == [key]
     # the base's tokenizer (BPE on the demo's corpus + generated documents) is the run's
-    from k3post.tokenizer import load_tokenizer
-
     run_tok, base_tok = load_tokenizer(run / "tokenizer"), load_tokenizer(base)
     assert run_tok.get_vocab() == base_tok.get_vocab()
     text = "The badge of Kelmor is Vorwen. <|end_of_msg|>"
@@ -71,13 +105,8 @@ def test_demo_builds_the_base_once_and_starts_from_it(tmp_path, monkeypatch, cap
     assert _same(_weights(run / "model_init"), _weights(base))
     page = (run / "report.html").read_text()
     assert "Stage 0: pretrained base" in page and key in page and "built in this run" in page and "Copy probe" in page
-    out = capsys.readouterr().out
-    assert f"stage 0: building the pretrained base (key {key}" in out
+    capsys.readouterr()
 
-    def no_build(*a, **k):
-        raise AssertionError("the base is cached: nothing to train")
-
-    monkeypatch.setattr("k3post.demo.build_base", no_build)
     assert main(["demo", *_tiny(tmp_path, "b", "sft.lr=0", "qat.enabled=false")]) == 0
     run_b = tmp_path / "runs" / "b"
     pre_b = json.loads((run_b / "summary.json").read_text())["pretrain"]
@@ -99,47 +128,6 @@ def test_cached_without_a_base_runs_without_one_and_says_so(tmp_path, capsys):
     assert "This run has no pretrained base" in (run / "report.html").read_text()
     assert _rows(run, "pretrain") == [] and not (tmp_path / "cache" / "bases").exists()
     assert (run / "model_init" / "config.json").is_file()
-
-
-def test_demo_resumes_inside_stage0_and_reuses_the_base_after_it(tmp_path, monkeypatch):
-    """Killed after stage 0's checkpoint of step 2 (of 3), the demo resumes stage 0 there (each pretraining step
-    logged once, ``resumed_from`` 2); killed in SFT, it resumes with the base it built, training none."""
-    import k3post.checkpoint as ck
-
-    cfg = load_config(None, _tiny(tmp_path, "r"))
-    real = ck.save_checkpoint
-
-    class Killed(Exception):
-        pass
-
-    def kill_at(stage, at):
-        def save_then_die(root, step, *a, **kw):
-            path = real(root, step, *a, **kw)
-            if Path(root).parent.name == stage and step == at:
-                raise Killed
-            return path
-        return save_then_die
-
-    monkeypatch.setattr(ck, "save_checkpoint", kill_at("pretrain", 2))
-    with pytest.raises(Killed):
-        run_demo(cfg)
-    release_runs()
-    run = cfg.run.dir
-    assert _rows(run, "pretrain") == [1, 2] and not (tmp_path / "cache" / "bases").exists()
-    monkeypatch.setattr(ck, "save_checkpoint", kill_at("sft", 1))
-    with pytest.raises(Killed):
-        run_demo(cfg)
-    release_runs()
-    base = tmp_path / "cache" / "bases" / pretrain.base_key(cfg)
-    assert json.loads((base / "train.json").read_text())["resumed_from"] == 2
-    assert _rows(run, "pretrain") == [1, 2, 3]
-    monkeypatch.setattr(ck, "save_checkpoint", real)
-    monkeypatch.setattr("k3post.demo.build_base", lambda *a, **k: pytest.fail("stage 0 is done: nothing to build"))
-    assert run_demo(cfg) == run
-    release_runs()
-    s = json.loads((run / "summary.json").read_text())
-    assert s["status"] == "done" and s["pretrain"]["built"] and s["pretrain"]["path"] == str(base)
-    assert _rows(run, "pretrain") == [1, 2, 3] and _same(_weights(run / "model_init"), _weights(base))
 
 
 def test_a_base_of_another_shape_is_a_clear_error(tmp_path, capsys):
@@ -168,12 +156,11 @@ def test_base_keys_follow_the_recipes_tokenizer_settings():
 
 
 def test_base_tokenizer_takes_the_family_lexicon(tmp_path):
-    lengths = {}
-    for rep in (0, 200):
-        cfg = load_config(None, [f"tokenizer.lexicon_repeats={rep}", "tokenizer.vocab_size=2048", "data.corpus_per_family=1"])
-        tok = pretrain._tokenizer(cfg, [], tmp_path / f"r{rep}")
-        lengths[rep] = len(tok.encode(" Quordel Zeltov", add_special_tokens=False))
-    assert lengths[200] <= 5 < lengths[0], lengths
+    """configs/full.yaml's `tokenizer.lexicon_repeats` reaches stage 0's BPE: a knowledge-graph name of lexicon
+    syllables is a few tokens (without the lexicon it is more than 5: test_demo's lexicon test)."""
+    cfg = load_config(None, ["tokenizer.lexicon_repeats=200", "tokenizer.vocab_size=2048", "data.corpus_per_family=1"])
+    tok = pretrain._tokenizer(cfg, [], tmp_path / "tok")
+    assert len(tok.encode(" Quordel Zeltov", add_special_tokens=False)) <= 5
 
 
 def test_bad_demo_base_is_a_clear_error(tmp_path, capsys):

@@ -267,3 +267,20 @@ def test_recipe_judge_evaluation_of_an_untrained_model(tmp_path: Any, xtml_token
     html = write_report(tmp_path).read_text()
     assert "GRM judge: the SFT model judging held-out pairs" in html and "0.000 [0.000, 0.490]" in html
     assert "The SFT data held no judge episodes." in html
+
+
+def test_the_full_recipe_teaches_its_judge_and_the_demo_has_none() -> None:
+    """configs/full.yaml rewards general.writing with the policy as judge, so its SFT data teaches judging and
+    its SFT model is evaluated as the judge; configs/demo.yaml has no judge (no judge data, no evaluation)."""
+    from pathlib import Path
+
+    from k3post.config import load_config
+    from k3post.rewards.judging import judge_eval_enabled
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    full = load_config(str(root / "full.yaml"), [])
+    assert full.rl.judge == "policy" and full.data.judge_tasks > 0 and judge_eval_enabled(full)
+    demo = load_config(str(root / "demo.yaml"), [])
+    assert demo.rl.judge == "" and demo.data.judge_tasks == 0 and not judge_eval_enabled(demo)
+    with pytest.raises(Exception, match="judge_tasks"):
+        load_config(None, ["data.judge_tasks=-1"])

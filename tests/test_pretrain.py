@@ -74,6 +74,41 @@ def test_restatements_follow_their_introductions(monkeypatch):
         _check_restatements([document_text(d) for d in generate_corpus(60, 0, 2000)])
 
 
+_CRC_V1_SEED5 = 3478640280  # measured at 78047a7, before recent_share
+
+
+def _fact_gaps(docs):
+    """Characters between each "Again" fact and its introduction."""
+    gaps = []
+    for text in docs:
+        seen: dict[tuple[str, str], int] = {}
+        for m in _FACT.finditer(text):
+            kind, key, owner, _ = m.groups()
+            if kind == "The":
+                seen[(key, owner)] = m.start()
+            else:
+                gaps.append(m.start() - seen[(key, owner)])
+    return gaps
+
+
+def test_recent_share_shortens_copy_distances_and_zero_keeps_the_corpus():
+    """recent_share 0 draws the same documents as before the option existed (no extra random draws); at 0.7 the
+    median fact restatement is closer to its introduction, and every restatement is still right."""
+    import random
+    import zlib
+
+    plain = generate_corpus(40, 5, 3000)
+    # the corpus of CORPUS_VERSION 1 as written before recent_share existed: a crc of seed 5's documents
+    assert zlib.crc32("".join(document_text(d) for d in plain).encode()) == _CRC_V1_SEED5
+    recent = generate_corpus(40, 5, 3000, recent_share=0.7)
+    assert _check_restatements([document_text(d) for d in recent]) >= 2 * len(recent)
+    far = sorted(_fact_gaps([document_text(d) for d in plain]))
+    near = sorted(_fact_gaps([document_text(d) for d in recent]))
+    assert near[len(near) // 2] < 0.6 * far[len(far) // 2], (near[len(near) // 2], far[len(far) // 2])
+    picks = [corpus._pick_pending(10, random.Random(k), 1.0) for k in range(2000)]
+    assert 0.4 < picks.count(9) / len(picks) < 0.6 and min(picks) >= 0  # the newest with probability 1/2
+
+
 def test_held_out_names_never_appear():
     held = held_out_names()
     assert 0.08 < len(held) / (30 * 30 + 30 ** 3) < 0.17  # one in 8, by hash

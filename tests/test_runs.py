@@ -330,7 +330,7 @@ def test_changed_settings_on_an_existing_run_are_refused_and_restart_moves_the_o
     assert _sft(sft_cfg, "sft.progress=true", "sft.log_every=2") == 0
     assert _sft(sft_cfg, "sft.lr=0.001", "run.restart=true") == 0
     old = run.with_name("r.restart-1")
-    kept = ("config.yaml", "k3post.log", "stages.json", ".k3post.lock", "tensorboard/", "summary.json")
+    kept = ("config.yaml", "k3post.log", "threads.json", "stages.json", ".k3post.lock", "tensorboard/", "summary.json")
     assert {k: v for k, v in _snapshot(old).items() if not k.startswith(kept)} == {
         k: v for k, v in before.items() if not k.startswith(kept)}  # the checkpoints, final/ and the metrics
     assert "lr: 0.001" in (run / "config.yaml").read_text() and _rows(run) == [1, 2, 3, 4]

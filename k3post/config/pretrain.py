@@ -24,6 +24,7 @@ class PretrainConfig:
     weight_decay: float = ranged(0.0, ge=0)
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables
     recall_share: float = ranged(0.45, ge=0, le=1)  # chance, at each turn of a document, to restate something introduced earlier
+    recent_share: float = ranged(0.0, ge=0, le=1)  # share of restatements of a recent segment (a short copy distance) instead of any earlier one
     save_every: int = ranged(100, ge=1)  # checkpoint every N steps (and at the end)
     keep_last: int = 2
     log_every: int = ranged(10, ge=1)

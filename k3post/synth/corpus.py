@@ -176,18 +176,30 @@ def restate(pieces: list[str], rng: random.Random, draw: Callable[[random.Random
     return pieces
 
 
+def _pick_pending(n: int, rng: random.Random, recent_share: float) -> int:
+    """Which of ``n`` pending restatements (oldest first) comes next: with probability ``recent_share`` a recent
+    one (the k-th newest with probability 2^-(k+1), so the copy is a segment or two back), else any, uniformly."""
+    if recent_share > 0 and rng.random() < recent_share:
+        k = 0
+        while k < n - 1 and rng.random() < 0.5:
+            k += 1
+        return n - 1 - k
+    return rng.randrange(n)
+
+
 def generate_document(rng: random.Random, n_chars: int, *, draw: Callable[[random.Random], str] = draw_name,
-                      recall_share: float = 0.45) -> list[str]:
+                      recall_share: float = 0.45, recent_share: float = 0.0) -> list[str]:
     """One document of about ``n_chars`` characters as text pieces (module doc): segments, and, with
     probability ``recall_share`` at each turn once something was introduced, a restatement of something
-    introduced earlier in the document (each restated at most once)."""
+    introduced earlier in the document (each restated at most once; which one: `_pick_pending`, short
+    distances with probability ``recent_share``)."""
     pieces: list[str] = []
     pending: list[list[str]] = []
     size = 0
     fns, weights = zip(*_SEGMENTS)
     while size < n_chars:
         if pending and rng.random() < recall_share:
-            new = restate(pending.pop(rng.randrange(len(pending))), rng, draw)
+            new = restate(pending.pop(_pick_pending(len(pending), rng, recent_share)), rng, draw)
         else:
             fn = rng.choices(fns, weights)[0]
             new, recalls = fn(rng, draw)
