@@ -17,6 +17,7 @@
     k3post mix ...                              mix datasets by domain / effort weights
     k3post serve MODEL_DIR [--port 8000]         OpenAI-compatible server (chat, completions, models)
     k3post report RUN_DIR                       rebuild a run's report.html
+    k3post status RUN_DIR                       one screen: status, model, step / ETA per stage, checkpoints
 
 Overrides are dotted config keys (`sft.lr=3e-4`); an unknown key is an error naming the closest valid one.
 Exit status: 0 done; 2 invalid input (one line naming the key, file:line or path); 1 anything else (one
@@ -172,6 +173,13 @@ def cmd_report(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(ns: argparse.Namespace) -> int:
+    from k3post.status import status_text
+
+    print(status_text(ns.run_dir))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3post", description="Kimi K3 post-training pipeline")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -224,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="rebuild report.html of a run folder")
     r.add_argument("run_dir")
     r.set_defaults(fn=cmd_report)
+    st = sub.add_parser("status", help="one screen on a run folder: status, steps and ETA, last metrics, checkpoints")
+    st.add_argument("run_dir")
+    st.set_defaults(fn=cmd_status)
     return p
 
 

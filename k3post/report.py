@@ -550,6 +550,13 @@ def write_report(run_dir: str | Path) -> Path:
     ]
     if summary.get("error"):
         head.append(f"<p>error: {html.escape(str(summary['error']))}</p>")
+    from k3post.errors import UserError
+    from k3post.status import status_text
+
+    try:  # what `k3post status` prints: steps, ETA, last metrics, checkpoints
+        head.append(f"<pre>{html.escape(status_text(run))}</pre>")
+    except UserError:  # a folder of synth-tasks' files only: no run to describe
+        pass
     if summary.get("timings"):
         head.append(_table(["phase", "seconds"], [[k, v] for k, v in summary["timings"].items()]))
     head.append(_threads_table(run))

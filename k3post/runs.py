@@ -249,7 +249,7 @@ def _move_aside(folder: Path) -> Path:
     return dest
 
 
-def _checkpoint_roots(folder: Path) -> list[Path]:
+def checkpoint_roots(folder: Path) -> list[Path]:
     """Every ``checkpoints`` folder under ``folder`` (not looking inside checkpoints or data)."""
     out = []
     for dirpath, dirnames, _ in os.walk(folder):
@@ -264,7 +264,7 @@ def _checkpoint_roots(folder: Path) -> list[Path]:
 def _check_checkpoints(folder: Path, policy: str) -> None:
     from k3post.checkpoint import broken_checkpoint, fall_back, latest_checkpoint
 
-    for root in _checkpoint_roots(folder):
+    for root in checkpoint_roots(folder):
         if broken_checkpoint(root) is None:
             continue
         if policy != "fallback":

@@ -93,9 +93,18 @@ def test_sft_and_rl_run_folders_report(tiny_model_dir, tmp_path, capsys, caplog)
     assert "status: done" in page and "model qwen3_moe from" in page
     assert 'alt="SFT loss curve"' in page and 'alt="RL reward curves"' in page and 'alt="RL effort_tokens curves"' in page
     assert "<td>general.max</td><td>2</td>" in page
+    capsys.readouterr()
+    assert main(["status", str(run)]) == 0  # the one-screen status of the same folder
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"run {run}: done (k3post rl), ") and lines[1].startswith("model: qwen3_moe from ")
+    rows = {ln.split()[0]: ln.split()[1:] for ln in lines[3:] if ln and not ln.startswith(" ")}
+    assert rows["sft"][:4] == ["2", "/", "2", "done"] and rows["sft"][4:6] == ["loss", rows["sft"][5]]
+    assert rows["rl/general.max"][:4] == ["2", "/", "2", "done"] and "reward" in rows["rl/general.max"]
+    assert "  rl/general.max/checkpoints  step-000002" in lines and "  sft/checkpoints             step-000002" in lines
+    assert f"<pre>run {run}: done (k3post rl)" in page  # the report's header shows the same screen
 
 
-def test_failed_stage_says_so_in_its_summary(tiny_model_dir, tmp_path):
+def test_failed_stage_says_so_in_its_summary(tiny_model_dir, tmp_path, capsys):
     """A stage command that fails after its run folder opened leaves status "failed" and the error in
     summary.json (the report's header shows it)."""
     from k3post.cli import main
@@ -110,6 +119,11 @@ def test_failed_stage_says_so_in_its_summary(tiny_model_dir, tmp_path):
     assert summary["status"] == "failed" and str(bad) in summary["error"]
     assert main(["report", str(tmp_path / "r")]) == 0
     assert "status: failed" in (tmp_path / "r" / "report.html").read_text()
+    capsys.readouterr()
+    assert main(["status", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"run {tmp_path / 'r'}: failed (k3post sft)") and out[2].startswith("error: DataError: ")
+    assert main(["status", str(tmp_path)]) == 2  # not a run folder: one line naming it
 
 
 @pytest.mark.parametrize("kwargs, message", [
