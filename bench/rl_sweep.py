@@ -3,8 +3,8 @@
 
     python bench/rl_sweep.py RUN POINT [key=value ...]
 
-RUN: a demo run folder holding ``sft/final`` (e.g. one run with ``rl.steps=0``); the config is
-``RUN/config.yaml`` with the overrides on top (``rl.lr=3e-4 rl.temperature=1.2 ...``). The expert is trained
+RUN: a demo run folder holding ``sft/final`` (e.g. one run with ``rl.steps=0``); the config is the demo's,
+``configs/demo.yaml``, with the overrides on top (``rl.lr=3e-4 rl.temperature=1.2 ...``). The expert is trained
 exactly as `k3post demo` trains it (`train_domain_experts`, one torch thread, QAT as the run's), into
 ``RUN/sweep/POINT/``. b0 and the SFT "before" row are computed once per run (``RUN/sweep/_before``) and reused
 by every point (they depend on neither the optimiser nor the sampling settings).
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     from k3post.metrics import iter_metrics
 
     torch.set_num_threads(1)
-    cfg = load_config(run / "config.yaml", ["rl.progress=false", *overrides])
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "demo.yaml", ["rl.progress=false", *overrides])
     sft = run / "sft" / "final"
     before_dir = run / "sweep" / "_before"
     out = run / "sweep" / point
