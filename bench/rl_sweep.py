@@ -3,16 +3,16 @@
 
     python bench/rl_sweep.py RUN POINT [key=value ...]
 
-RUN: a demo run folder holding ``sft/final`` (e.g. one run with ``rl.steps=0``); the config is
-``RUN/config.yaml`` with the overrides on top (``rl.lr=3e-4 rl.temperature=1.2 ...``). The expert is trained
-exactly as `k3post demo` trains it (`train_domain_experts`, one torch thread, QAT as the run's), into
+RUN: a demo run folder holding ``sft/final`` (e.g. one run with ``rl.steps=0``); the config is the demo's,
+``configs/demo.yaml``, with the overrides on top (``rl.lr=3e-4 rl.temperature=1.2 ...``). The expert is trained
+exactly as `k3post demo` trains it (`train_domain_experts`, one torch thread, the demo's QAT), into
 ``RUN/sweep/POINT/``. b0 and the SFT "before" row are computed once per run (``RUN/sweep/_before``) and reused
 by every point (they depend on neither the optimiser nor the sampling settings).
 
-Writes ``RUN/sweep/POINT/point.json`` and prints one line: held-out pass at max before → after (n, the paired
-McNemar p), the training pass rate over the first and the second half of the steps, the policy entropy over
-the first and the last quarter, the share of zero-variance groups, and the parameter change
-mean |θ_RL − θ_SFT| / mean |θ_SFT| (the whole model).
+Writes ``RUN/sweep/POINT/point.json`` and prints it as the final JSON line, after one readable line: held-out
+pass at max before → after (n, the paired McNemar p), the training pass rate over the first and the second
+half of the steps, the policy entropy over the first and the last quarter, the share of zero-variance groups,
+and the parameter change mean |θ_RL − θ_SFT| / mean |θ_SFT| (the whole model; the MX expert values too).
 
 Shape legend: none.
 """
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     from k3post.metrics import iter_metrics
 
     torch.set_num_threads(1)
-    cfg = load_config(run / "config.yaml", ["rl.progress=false", *overrides])
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "demo.yaml", ["rl.progress=false", *overrides])
     sft = run / "sft" / "final"
     before_dir = run / "sweep" / "_before"
     out = run / "sweep" / point
@@ -118,6 +118,7 @@ def main(argv: list[str]) -> int:
           f"entropy {res['entropy_first_quarter']:.3f} → {res['entropy_last_quarter']:.3f} zero-var {res['zero_variance_share']:.2f} "
           f"|Δθ|/|θ| {moved['relative']:.2e} (experts {moved['experts_relative']:.2e}, MX values changed "
           f"{moved['quantized_changed_share']:.3f}) {res['seconds']:.0f} s", flush=True)
+    print(json.dumps(res), flush=True)  # the final JSON line every bench prints
     return 0
 
 
