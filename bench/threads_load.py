@@ -6,7 +6,8 @@
 
 The workload (``--workload sft``: ``--steps`` forward + backward + AdamW steps of the tiny Qwen3-MoE on a fixed
 batch of ``--batch`` x ``--seq`` tokens; ``decode``: greedy decode steps, B = ``--batch``, over a KV cache) runs
-in a fresh process per measurement, so each arm's thread count is set once, before torch starts:
+in worker processes started once per arm (``--workers`` of them), so each arm's thread count is set once, before
+torch starts, and the model is built once:
 
 * ``policy``: the count `k3post.threads` chooses for each of ``--workers`` processes here (``run.threads: 0``,
   auto);
@@ -44,8 +45,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from common import machine_state  # noqa: E402
 
 
-def worker(workload: str, steps: int, batch: int, seq: int) -> dict[str, Any]:
-    """Run the workload in this process (thread count as the environment left it): seconds per step."""
+def worker(workload: str, steps: int, batch: int, seq: int) -> None:
+    """Serve measurements in this process (thread count as the environment left it): build the model once, then
+    for every line read on stdin run the workload and print one JSON line (median seconds per step, threads)."""
     import torch
 
     from k3post.models import build_tiny_moe
@@ -53,47 +55,68 @@ def worker(workload: str, steps: int, batch: int, seq: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = build_tiny_moe(512, "tiny", seed=0)
     ids = torch.randint(0, 512, (batch, seq))
-    times = []
-    if workload == "sft":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        for _ in range(steps + 1):  # the first step is warm-up (allocations), not timed
-            t0 = time.perf_counter()
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        if workload == "sft":
+            model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad()
-            times.append(time.perf_counter() - t0)
-    else:
-        model.eval()
-        with torch.no_grad():
-            out = model(input_ids=ids[:, :seq], use_cache=True)
-            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            for _ in range(steps + 1):
-                t0 = time.perf_counter()
-                out = model(input_ids=nxt, past_key_values=past, use_cache=True)
+        else:
+            with torch.no_grad():
+                out = model(input_ids=ids, use_cache=True)  # prefill, then decode steps over the KV cache
                 past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-                times.append(time.perf_counter() - t0)
-    return {"s_per_step": statistics.median(times[1:]), "threads": torch.get_num_threads()}
+                t0 = time.perf_counter()
+                model(input_ids=nxt, past_key_values=past, use_cache=True)
+        return time.perf_counter() - t0
+
+    once()  # warm-up (allocations), not timed
+    print(json.dumps({"ready": True, "threads": torch.get_num_threads()}), flush=True)
+    for _ in sys.stdin:
+        times = [once() for _ in range(steps)]
+        print(json.dumps({"s_per_step": statistics.median(times), "threads": torch.get_num_threads()}), flush=True)
 
 
-def _measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
-    """``--workers`` copies of the workload at once, each in a fresh process at ``threads`` (None: torch's
-    default): the slowest one's seconds per step (a command waits for all its processes) and its threads."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, __file__, "--worker", "--workload", args.workload, "--steps", str(args.steps),
-           "--batch", str(args.batch), "--seq", str(args.seq)]
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(args.workers)]
-    got = []
-    for p in procs:
-        out, err = p.communicate(timeout=args.timeout_s)
-        if p.returncode != 0:
-            raise RuntimeError(f"worker failed ({p.returncode}): {err[-2000:]}")
-        got.append(json.loads(out.strip().splitlines()[-1]))
-    return max(got, key=lambda g: g["s_per_step"])
+class Workers:
+    """``n`` worker processes of one arm at ``threads`` (None: torch's default), started once and kept: a
+    measurement asks all of them at once and waits for the slowest (a command waits for all its processes)."""
+
+    def __init__(self, args: argparse.Namespace, threads: int | None) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+        cmd = [sys.executable, __file__, "--worker", "--workload", args.workload, "--steps", str(args.steps),
+               "--batch", str(args.batch), "--seq", str(args.seq)]
+        self.procs = [subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                      for _ in range(args.workers)]
+        self.threads = [self._read(p)["threads"] for p in self.procs]
+
+    @staticmethod
+    def _read(p: subprocess.Popen) -> dict[str, Any]:
+        line = p.stdout.readline() if p.stdout else ""
+        if not line:
+            raise RuntimeError(f"a worker exited ({p.wait()}) without an answer")
+        return json.loads(line)
+
+    def measure(self) -> dict[str, Any]:
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        return max((self._read(p) for p in self.procs), key=lambda g: g["s_per_step"])
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.stdin:
+                p.stdin.close()
+        for p in self.procs:
+            try:
+                p.wait(timeout=120)
+            except subprocess.TimeoutExpired:  # a loaded machine: it has answered, so it may be stopped
+                p.kill()
+                p.wait()
 
 
 class Hog:
@@ -137,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.worker:
-        print(json.dumps(worker(args.workload, args.steps, args.batch, args.seq)))
+        worker(args.workload, args.steps, args.batch, args.seq)
         return 0
 
     from k3post.threads import plan_threads, seen_cores
@@ -151,17 +174,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.workload}: {args.steps} steps, batch {args.batch} x {args.seq}; policy: {plan.describe()}; "
           f"hog: {hog} busy-loop process(es)")
     res: dict[str, dict[str, list[float]]] = {a: {"quiet": [], "loaded": []} for a in arms}
-    seen_threads: dict[str, int] = {}
-    for r in range(args.repeats):  # each repeat: every arm quiet, then every arm loaded, arm order rotated
-        order = list(arms)[r % len(arms):] + list(arms)[: r % len(arms)]
-        for cond in ("quiet", "loaded"):
-            with Hog(hog) if cond == "loaded" else nullcontext():
-                for a in order:
-                    m = _measure(args, arms[a])
-                    res[a][cond].append(m["s_per_step"])
-                    seen_threads[a] = m["threads"]
-                    print(f"  repeat {r}, {cond:6}, {a:6} ({m['threads']} threads): {m['s_per_step']:.4f} s/step "
-                          f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+    pools = {a: Workers(args, t) for a, t in arms.items()}  # started quiet, kept for every measurement
+    seen_threads = {a: w.threads[0] for a, w in pools.items()}
+    try:
+        for r in range(args.repeats):  # each repeat: every arm quiet, then every arm loaded, arm order rotated
+            order = list(arms)[r % len(arms):] + list(arms)[: r % len(arms)]
+            for cond in ("quiet", "loaded"):
+                with Hog(hog) if cond == "loaded" else nullcontext():
+                    for a in order:
+                        m = pools[a].measure()
+                        res[a][cond].append(m["s_per_step"])
+                        print(f"  repeat {r}, {cond:6}, {a:6} ({m['threads']} threads): {m['s_per_step']:.4f} s/step "
+                              f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+    finally:
+        for w in pools.values():
+            w.close()
     share = cores.usable / (cores.usable - hog) if hog < cores.usable else None  # None: the hog takes every core
     out: dict[str, Any] = {"workload": args.workload, "steps": args.steps, "batch": args.batch, "seq": args.seq,
                            "repeats": args.repeats, "workers": args.workers, "hog_cores": hog, "usable_cores": cores.usable,

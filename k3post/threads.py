@@ -104,11 +104,11 @@ class ThreadPlan:
         return d
 
 
-def plan_threads(cores: Cores, workers: Mapping[str, int], requested: int = 0) -> ThreadPlan:
-    """The policy (module doc): ``requested`` (run.threads; 0 = auto) threads shared by the ``workers``
+def plan_threads(cores: Cores, workers: Mapping[str, int], requested: int = 0, *, key: str = "run.threads") -> ThreadPlan:
+    """The policy (module doc): ``requested`` (the setting ``key``; 0 = auto) threads shared by the ``workers``
     (role -> number of processes running at once), each process at least one thread. Pure: no system reads."""
     if requested < 0:
-        raise ValueError(f"run.threads must be >= 0 (0: chosen from the cores), got {requested}")
+        raise ValueError(f"{key} must be >= 0 (0: chosen from the cores), got {requested}")
     counts = {k: int(n) for k, n in workers.items() if n > 0}
     if not counts:
         raise ValueError(f"a thread plan needs at least one process, got {dict(workers)}")
@@ -117,15 +117,15 @@ def plan_threads(cores: Cores, workers: Mapping[str, int], requested: int = 0) -
     budget = requested or usable
     per = max(1, budget // w)
     if requested:
-        reason = f"run.threads={requested} pinned (the numbers are those of this count on any machine)"
+        reason = f"{key}={requested} pinned (the numbers are those of this count on any machine)"
     else:
-        reason = f"run.threads=0 (auto): the {usable} usable core(s)"
+        reason = f"{key}=0 (auto): the {usable} usable core(s)"
     reason += f" shared by {w} process(es)" if w > 1 else ""
     warnings = []
     if requested > usable:
-        warnings.append(f"run.threads={requested} is more than the {usable} core(s) this process may use "
+        warnings.append(f"{key}={requested} is more than the {usable} core(s) this process may use "
                         f"({cores.describe()}): the threads will contend for them (kept, since the numbers depend "
-                        f"on the thread count; set run.threads={usable} or 0 for speed)")
+                        f"on the thread count; set {key}={usable} or 0 for speed)")
     elif per * w > usable:
         warnings.append(f"{w} processes at {per} thread(s) each keep {per * w} threads busy on {usable} usable "
                         f"core(s): they time-share")
@@ -141,7 +141,7 @@ def cgroup_quota(root: str | Path = "/sys/fs/cgroup", proc_cgroup: str | Path = 
     except OSError:
         lines = []
     v2 = next((ln.split(":", 2)[2] for ln in lines if ln.startswith("0::")), "/")
-    v1 = next((ln.split(":", 2)[2] for ln in lines if "cpu" in ln.split(":", 2)[1].split(",") if ln.count(":") >= 2), "/")
+    v1 = next((ln.split(":", 2)[2] for ln in lines if ln.count(":") >= 2 and "cpu" in ln.split(":", 2)[1].split(",")), "/")
     quotas = []
     for rel, read in ((v2, _quota_v2), (v1, _quota_v1)):
         d = Path(rel.lstrip("/"))

@@ -84,7 +84,7 @@ def _cgroup(tmp_path, v2=None, v1=None):
         (d / "cpu.cfs_quota_us").write_text(f"{quota}\n")
         (d / "cpu.cfs_period_us").write_text(f"{period}\n")
     proc = tmp_path / "proc_cgroup"
-    proc.write_text("4:memory:/x\n1:cpu,cpuacct:/a/b\n0::/a/b\n")
+    proc.write_text("garbage\n4:memory:/x\n1:cpu,cpuacct:/a/b\n0::/a/b\n")
     return root, proc
 
 
@@ -187,3 +187,15 @@ def test_command_plan_counts_local_ranks_and_launched_servers():
     assert command_plan(cfg, "rl", cores=cores).per_process == 2  # 8 // 3
     assert command_plan(cfg, "draft", cores=cores).workers == {"trainer": 1}
     assert command_plan(load_config(None, ["run.threads=2"]), "sft", cores=cores).per_process == 2
+
+
+def test_serve_threads_follow_the_policy(capsys):
+    from k3post.cli import main
+
+    assert main(["serve", "/nonexistent-model", "--threads", "-1"]) == 2
+    assert "--threads must be >= 0 (0: chosen from the cores" in capsys.readouterr().err
+    assert main(["serve", "/nonexistent-model", "--threads", "64"]) == 2  # the plan is said before the model loads
+    err = capsys.readouterr().err
+    assert "64 torch thread(s) per process (1 server); --threads=64 pinned" in err
+    if seen_cores().usable < 64:
+        assert "WARNING: --threads=64 is more than the" in err

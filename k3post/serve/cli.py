@@ -139,7 +139,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise UserError(f"--threads must be >= 0 (0: chosen from the cores, k3post.threads), got {ns.threads}")
     from k3post.threads import plan_threads, seen_cores
 
-    plan = plan_threads(seen_cores(), {"server": 1}, ns.threads)
+    plan = plan_threads(seen_cores(), {"server": 1}, ns.threads, key="--threads")
     for w in plan.warnings:
         print(f"k3post serve: WARNING: {w}", file=sys.stderr)
     print(f"k3post serve: {plan.describe()}", file=sys.stderr)
