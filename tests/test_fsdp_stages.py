@@ -24,9 +24,9 @@ from k3post.xtml import XTML
 from test_rl import warm_policy  # noqa: F401 (a fixture: a tiny MoE taught general.arithmetic, rewards vary)
 from test_sft import _records, _write
 
-SFT_ARGS = ["sft.steps=4", "sft.rows_per_batch=2", "sft.grad_accum=3", "sft.save_every=2", "sft.log_every=1",
+SFT_ARGS = ["run.threads=1", "sft.steps=4", "sft.rows_per_batch=2", "sft.grad_accum=3", "sft.save_every=2", "sft.log_every=1",
             "sft.progress=false", "sft.lr=2e-3", "sft.warmup_steps=1", "sft.max_len=512"]
-RL_ARGS = ["rl.steps=2", "rl.n_tasks=4", "rl.n_prompts=2", "rl.k=4", "rl.lambda_=1.0", "rl.max_tokens=40",
+RL_ARGS = ["run.threads=1", "rl.steps=2", "rl.n_tasks=4", "rl.n_prompts=2", "rl.k=4", "rl.lambda_=1.0", "rl.max_tokens=40",
            "rl.eval_n=2", "rl.eval_max_tokens=16", "rl.effort_control.tau_max=1.0", "rl.effort_control.max_cap=1.0", "rl.families=[general.arithmetic]", "rl.progress=false",
            "rl.lr=1e-2", "rl.micro_batch_tokens=256", "rl.save_every=1", "qat.enabled=false"]
 
