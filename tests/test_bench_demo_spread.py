@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from k3post.stats import paired_change, wilson_interval
 
-_PATH = Path(__file__).resolve().parents[1] / "bench" / "demo_spread.py"
+from tests.bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def spread_mod():
-    spec = importlib.util.spec_from_file_location("demo_spread", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("demo_spread")
 
 
 def _summary(sft_max: float, before: list[bool], after: list[bool], status: str = "done") -> dict:

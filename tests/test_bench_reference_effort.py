@@ -1,13 +1,11 @@
 """`bench/reference_effort.py`: reference-solution token counts per effort (exact counts, no timing)."""
 
-import importlib.util
-from pathlib import Path
 
 from k3post.xtml import XTML
 
-_SPEC = importlib.util.spec_from_file_location("reference_effort", Path(__file__).resolve().parents[1] / "bench" / "reference_effort.py")
-bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench)
+from tests.bench_module import load_bench
+
+bench = load_bench("reference_effort")
 
 
 def test_reference_effort_counts(xtml_tokenizer):

@@ -3,18 +3,15 @@ and in the MX-quantized expert weights the QAT forward actually uses."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
 from k3post.models import build_tiny_moe
 from k3post.quant.qat import QATConfig, apply_qat, quantized_expert_weights
+from tests.bench_module import load_bench
 
-_spec = importlib.util.spec_from_file_location("bench_rl_sweep", Path(__file__).parents[1] / "bench" / "rl_sweep.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)  # type: ignore[union-attr]
+bench = load_bench("rl_sweep")
 
 
 def _pair() -> tuple[torch.nn.Module, torch.nn.Module]:

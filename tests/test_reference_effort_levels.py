@@ -9,7 +9,6 @@ references are held out from it. The references are a pure function of the seed,
 and the same on every machine. n per seed: 10 tasks per default family (general 30, agents 20, coding 20).
 """
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -23,9 +22,9 @@ from k3post.synth.verify import VerifyConfig, effort_budget
 from k3post.tokenizer import lexicon_corpus, train_tokenizer
 from k3post.xtml import XTML, text_segments
 
-_SPEC = importlib.util.spec_from_file_location("reference_effort", Path(__file__).resolve().parents[1] / "bench" / "reference_effort.py")
-bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench)
+from tests.bench_module import load_bench
+
+bench = load_bench("reference_effort")
 
 SEEDS = (0, 1)
 N = 10  # tasks per family and seed
