@@ -46,10 +46,10 @@ from k3post.models import load_model
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rewards.effort import BudgetTable, Curriculum, estimate_budgets
 from k3post.rl import (GroupScorer, RLConfig, build_group_scorer, domain_families, eval_tasks, rollout_gap, train_rl,
-                       train_tasks)
+                       sampled_eval, train_tasks)
 from k3post.rollout.factory import build_engine, close_engine
-from k3post.rollout.evaluation import evaluate_episodes, paired_passes
-from k3post.stats import paired_change
+from k3post.rollout.evaluation import evaluate_episodes, paired_passes, paired_shares
+from k3post.stats import paired_change, paired_mean_change
 from k3post.tokenizer import load_tokenizer
 from k3post.xtml import XTML
 
@@ -293,6 +293,9 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
             table["before"][stage.domain] = {
                 e: evaluate_episodes(engine, xtml, held_out, effort=e, max_tokens=rcfg.eval_max_tokens) for e in efforts
             }
+            if rcfg.eval_samples:  # avg@k of the SFT model at each effort, the same seeds as each expert's
+                for e in efforts:
+                    table["before"][stage.domain][e]["sampled"] = sampled_eval(engine, xtml, held_out, rcfg, e)["overall"]
         finally:
             close_engine(engine)
         del sft_model, engine
@@ -325,6 +328,7 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
         "sft_pass_rate": before["overall"]["pass_rate"], "sft_pass_ci95": before["overall"]["pass_ci95"],
         "sft_mean_effort_tokens": before["overall"]["mean_effort_tokens"],
         "change": paired_change(*pair),
+        "sampled": _sampled_change(before.get("sampled"), res.eval.get("sampled"), rcfg),
         "eval": res.eval,
         "final_violation_rate": _tail(last, "budget_violation_rate"),
         "rollout_gap": rollout_gap(res.metrics),
@@ -338,6 +342,16 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
     ch = table["experts"][stage.expert]["change"]
     log.info("expert %s: pass %.3f (SFT %.3f; %s, p = %.3g), T %.1f", stage.expert, after["pass_rate"],
              before["overall"]["pass_rate"], ch["verdict"], ch["p_value"], after["mean_effort_tokens"])
+
+
+def _sampled_change(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None, cfg: RLConfig) -> dict[str, Any] | None:
+    """avg@k of the SFT model and of the expert on the same held-out tasks and seeds, and the paired change of the
+    per-task pass shares (`k3post.stats.paired_mean_change`); None without ``rl.eval_samples``."""
+    if before is None or after is None:
+        return None
+    b, a = paired_shares(before, after["overall"])
+    return {"k": cfg.eval_samples, "temperature": cfg.temperature, "sft": before["pass_rate"],
+            "rl": after["overall"]["pass_rate"], "change": paired_mean_change(b, a)}
 
 
 def _count(items: Any) -> dict[str, int]:
@@ -385,6 +399,8 @@ def expert_grid(table: Mapping[str, Any], targets: GridTargets = GridTargets()) 
         checks: dict[str, bool | None] = {
             "sft_pass_at_max": None if mx is None else bool(mx["sft_pass_rate"] >= targets.sft_pass_min and mx["n"] >= targets.min_n),
             "rl_beats_sft_at_max": None if mx is None else mx["change"]["verdict"] == "higher",
+            **({"rl_beats_sft_at_max_sampled": mx["sampled"]["change"]["verdict"] == "higher"}
+               if mx is not None and mx.get("sampled") else {}),
             "effort_order": (bool(t["low"] < t["high"] < t["max"]) if {"low", "high", "max"} <= set(t) else None),
             "low_vs_max_tokens": (bool(t["low"] <= targets.low_ratio_max * t["max"]) if {"low", "max"} <= set(t) else None),
             "violations": (bool(all(c["final_violation_rate"] <= targets.violation_max for c in cells.values()))
@@ -397,7 +413,8 @@ def expert_grid(table: Mapping[str, Any], targets: GridTargets = GridTargets()) 
 
 def format_expert_grid(grid: Mapping[str, Any]) -> str:
     """`expert_grid` as text: a row per domain, a column per effort (pass after RL with its Wilson interval,
-    the SFT pass, the paired verdict, T(y), violations), then the domain's checks (ok / MISS / n/a)."""
+    the SFT pass, the paired verdict, T(y), violations), with ``rl.eval_samples`` a row of avg@k (expert, SFT,
+    paired verdict and p), then the domain's checks (ok / MISS / n/a)."""
     mark = {True: "ok", False: "MISS", None: "n/a"}
     short = {"higher": "↑", "lower": "↓", "no significant change": "="}
     lines = [f"{'domain':8} " + " ".join(f"{e:^40}" for e in EFFORTS)]
@@ -412,6 +429,13 @@ def format_expert_grid(grid: Mapping[str, Any]) -> str:
             cols.append(f"{c['pass_rate']:.3f} [{lo:.2f},{hi:.2f}] SFT {c['sft_pass_rate']:.3f} "
                         f"{short.get(c['change']['verdict'], '?')} T {c['mean_effort_tokens']:5.1f} v {c['final_violation_rate']:.2f}")
         lines.append(f"{d:8} " + " ".join(f"{x:40}" for x in cols))
+        sampled = {e: c["sampled"] for e, c in entry["cells"].items() if c.get("sampled")}
+        if sampled:
+            k = next(iter(sampled.values()))["k"]
+            lines.append(f"{'avg@' + str(k):8} " + " ".join(
+                f"{'':^40}" if e not in sampled else
+                f"{sampled[e]['rl']:.3f} SFT {sampled[e]['sft']:.3f} {short.get(sampled[e]['change']['verdict'], '?')} "
+                f"p {sampled[e]['change']['p_value']:.2g}".ljust(40) for e in EFFORTS))
         lines.append(" " * 9 + "  ".join(f"{k} {mark[v]}" for k, v in entry["checks"].items()))
     lines.append(f"targets: {grid['targets']}; all met: {grid['ok']}")
     return "\n".join(lines)

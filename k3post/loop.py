@@ -95,6 +95,8 @@ class LoopConfig(Protocol):
 
     def optim_config(self) -> OptimConfig: ...
 
+    def lr_at(self, step: int) -> float: ...
+
     def loss_kwargs(self) -> dict[str, Any]: ...
 
 
@@ -163,13 +165,14 @@ class PolicyLoop:
         seqs, sig = self.signal(groups)  # the RL signal marks the groups its judge could not score ("judge")
         self._check_infra(finished)
         t2 = time.perf_counter()
-        train_m = self.trainer.step(seqs, version=self.rollout.version)
+        lr = self.cfg.lr_at(self.step_no)
+        train_m = self.trainer.step(seqs, version=self.rollout.version, lr=lr)
         version = self.rollout.push_weights(self.trainer.named_weights)
         t3 = time.perf_counter()
         self.step_no += 1
         stale = [x for g in groups for x in g.staleness()]
         rec = {**sig, **{f"train/{k}": v for k, v in train_m.items()},
-               "version": float(version), "groups": float(len(groups)), "iterations": float(iterations),
+               "lr": lr, "version": float(version), "groups": float(len(groups)), "iterations": float(iterations),
                "rollout_s": t1 - t0, "score_s": t2 - t1, "update_s": t3 - t2, "step_s": t3 - t0,
                "kv_hit_rate": self.rollout.kv_hit_rate(), "paused": float(len(self.rollout.paused())),
                "mean_staleness": statistics.fmean(stale) if stale else 0.0,

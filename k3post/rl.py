@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["RLConfig", "RLResult", "GroupScorer", "Signal", "PolicyLoop", "domain_families", "train_tasks", "eval_tasks", "loss_kwargs",
            "rl_signal", "train_policy", "train_rl", "check_turn_caps", "rollout_gap", "build_group_scorer",
-           "judged_families", "judge_model_dir"]
+           "judged_families", "judge_model_dir", "sampled_eval"]
 
 @dataclass
 class RLResult:
@@ -169,6 +169,17 @@ def rl_signal(budgets: BudgetTable, cfg: RLConfig, scorer: GroupScorer | None = 
     return signal
 
 
+def sampled_eval(engine: Any, xtml: XTML, held_out: Sequence[Any], cfg: RLConfig, effort: str) -> dict[str, Any]:
+    """The held-out tasks run ``cfg.eval_samples`` times each at ``cfg.temperature`` (avg@k), with the same
+    per-episode seeds for every model evaluated (the SFT model's "before" row and each expert: paired samples)."""
+    return evaluate_episodes(engine, xtml, held_out, effort=effort, max_tokens=cfg.eval_max_tokens,
+                             temperature=cfg.temperature, samples=cfg.eval_samples, seed=_SAMPLED_EVAL_SEED + cfg.seed,
+                             progress=f"held-out avg@{cfg.eval_samples}" if cfg.progress else None)
+
+
+_SAMPLED_EVAL_SEED = 9_001  # not a training seed: the sampled held-out episodes share no seed with rollouts
+
+
 def check_turn_caps(cfg: RLConfig, tokenizer: Any, family_names: Sequence[str], *, n: int = 8) -> int:
     """Warn when ``cfg.max_tokens`` or ``cfg.eval_max_tokens`` (tokens per assistant turn) is below the
     longest turn of the families' reference solutions at ``cfg.effort`` (measured on ``n`` tasks per
@@ -224,6 +235,8 @@ def train_rl(
             result_eval = evaluate_episodes(pl.engine, XTML(tokenizer), held_out,
                                             effort=cfg.effort, max_tokens=cfg.eval_max_tokens,
                                             progress="held-out eval" if cfg.progress else None)
+            if cfg.eval_samples:
+                result_eval["sampled"] = sampled_eval(pl.engine, XTML(tokenizer), held_out, cfg, cfg.effort)
     finally:
         pl.close()
     return RLResult(step, rows, result_eval, resumed_from, time.perf_counter() - t_start)

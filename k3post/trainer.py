@@ -123,8 +123,12 @@ class Trainer:
         self.model.eval()
         return grad_norm
 
-    def step(self, seqs: Sequence[TokenSequence], *, version: int | None = None) -> dict[str, float]:
-        """One optimizer step of `policy_step` over ``seqs`` (its metrics); leaves the model in eval mode."""
+    def step(self, seqs: Sequence[TokenSequence], *, version: int | None = None, lr: float | None = None) -> dict[str, float]:
+        """One optimizer step of `policy_step` over ``seqs`` (its metrics) at learning rate ``lr`` (None: the
+        optimizer's current one; a given one stays set); leaves the model in eval mode."""
+        if lr is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
         seqs = [s for s in seqs if s.num_trainable > 0]
         if not seqs:
             return {"num_tokens": 0.0, "num_sequences": 0.0}

@@ -71,13 +71,15 @@ def test_rl_trains_and_resumes_exactly_after_a_kill(warm_policy, tmp_path):
     start weights), then 2 more: the same per-step metrics and bit-identical final weights. λ = 0.5
     with 40-token turns pauses trajectories, so the resumed run needs the saved scheduler + KV pool.
     The per-step rows are in metrics.jsonl, not in the checkpoint; a checkpoint of an older k3post (its rows
-    also in ``history``) still resumes: the history is ignored, or puts back rows the file lacks."""
+    also in ``history``) still resumes: the history is ignored, or puts back rows the file lacks. The learning rate
+    decays linearly (rl.lr_schedule): the resumed run continues the schedule from its step, not from the top."""
     model0, tok = warm_policy
-    cfg = _cfg()
+    cfg = _cfg(lr_schedule="linear")
     budgets = _budgets(model0, tok, cfg)
     a = copy.deepcopy(model0)
     ra = train_rl(a, tok, cfg, tmp_path / "a", budgets=budgets, evaluate=False)
     assert ra.steps == 4
+    assert ra.metrics.series("lr") == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
     trained = sum(ra.metrics.series("train/num_sequences"))
     assert trained > 0, "no group had reward variance: the test would prove nothing"
     assert sum(ra.metrics.series("paused")) > 0, "nothing was paused: resume would not be exercised"
@@ -333,13 +335,15 @@ def test_cli_rl_trains_one_expert(warm_policy, tmp_path):
 
 
 def test_experts_curriculum_chains_and_resumes(warm_policy, tmp_path):
-    """max → low of one domain: low starts from max's expert; the table has SFT-before and after rows;
-    running again trains nothing (finished experts are kept)."""
+    """max → low of one domain: low starts from max's expert; the table has SFT-before and after rows, greedy and
+    avg@2 (rl.eval_samples: the same seeds before and after, paired per task); running again trains nothing
+    (finished experts are kept)."""
     from k3post.experts import train_experts
 
     model, tok = warm_policy
     init = _save(model, tok, tmp_path / "init")
-    cfg = _cfg(domains=["general"], steps=2, effort_control=EffortConfig(curriculum=["max", "low"]), n_tasks=4)
+    cfg = _cfg(domains=["general"], steps=2, effort_control=EffortConfig(curriculum=["max", "low"]), n_tasks=4,
+               eval_samples=2)
     table = train_experts(init, cfg, tmp_path / "experts")
     assert list(table["experts"]) == ["general.max", "general.low"]
     assert table["experts"]["general.low"]["init_from"] == "general.max"
@@ -349,6 +353,12 @@ def test_experts_curriculum_chains_and_resumes(warm_policy, tmp_path):
         assert e["steps"] == 2 and len(e["reward_curve"]) == 2
         assert (tmp_path / "experts" / name / "model.safetensors").is_file()
         assert 0.0 <= e["pass_rate"] <= 1.0 and e["eval"]["overall"]["n"] == 4
+        smp, after = e["sampled"], e["eval"]["sampled"]["overall"]
+        before = table["before"]["general"][name.split(".")[1]]["sampled"]
+        assert after["n"] == before["n"] == 8 and smp["k"] == 2 and smp["temperature"] == cfg.temperature
+        assert smp["rl"] == after["pass_rate"] and smp["sft"] == before["pass_rate"]
+        assert smp["change"]["n"] == 4 and smp["change"]["delta"] == pytest.approx(smp["rl"] - smp["sft"])
+        assert sorted(set(after["task_ids"])) == sorted(set(e["eval"]["overall"]["task_ids"]))  # the greedy row's tasks
     again = train_experts(init, cfg, tmp_path / "experts")
     assert again["experts"]["general.low"]["seconds"] == table["experts"]["general.low"]["seconds"]
 
@@ -373,7 +383,8 @@ def test_experts_curriculum_chains_and_resumes(warm_policy, tmp_path):
     row = {r["effort"]: r for r in out["table"]["rows"]}
     ex = table["experts"]["general.max"]
     assert (f"{ex['sft_pass_rate']:.2f} → {ex['pass_rate']:.2f} → {row['max']['student_pass']:.2f} "
-            f"(teacher {row['max']['teacher_pass']:.2f} on the same {row['max']['n']}) (n 4)") in html
+            f"(teacher {row['max']['teacher_pass']:.2f} on the same {row['max']['n']}) (n 4, greedy); avg@2 at T 1: "
+            f"{ex['sampled']['sft']:.3f} → {ex['sampled']['rl']:.3f}") in html
     assert "What this run can show at its scale" in html and "Cannot show: general (SFT passes" in html  # n 4 < 100
 
 
@@ -535,6 +546,7 @@ def test_masked_entropy_equals_full_entropy_at_the_mask(warm_policy):
 
 @pytest.mark.parametrize("override, message", [
     ("rl.effort=medium", "rl.effort must be one of"),
+    ("rl.lr_schedule=cosine", "rl.lr_schedule must be one of"),
     ("rl.domains=[general,web]", r"rl.domains: unknown domain\(s\) \['web'\]"),
     ("rl.domain_overrides.agents.foo=1", "rl.domain_overrides.agents.foo: not a numeric RL setting"),
     ("rl.domain_overrides.agents.steps=1.5", "rl.domain_overrides.agents.steps: must be an integer"),

@@ -74,3 +74,23 @@ def test_newcombe_interval_agrees_with_a_paired_bootstrap():
 def test_format_rate():
     assert format_rate(0.51, 100) == "0.510 [0.413, 0.606] n=100"
     assert format_rate(0.0, 0) == "n=0"
+
+
+def test_paired_mean_change_golden():
+    """By hand: d = [.5, −.5, 1, 0]: Δ = 0.25, sd = sqrt(1.25 / 3), half-width 1.96 · sd / 2; the exact sign-flip p is
+    6/8 = 0.75 (|Σ s·d| ≥ 1 for 6 of the 8 sign patterns of the non-zero entries). Five tasks all +1: exact p = 2/32.
+    The Monte-Carlo p (10,000 draws) is within 4 binomial standard errors (≤ 0.02) of the exact one."""
+    from k3post.stats import Z95, paired_mean_change
+
+    r = paired_mean_change([0.5, 0.5, 0.0, 0.25], [1.0, 0.0, 1.0, 0.25])
+    assert r["delta"] == pytest.approx(0.25) and r["n"] == 4
+    half = Z95 * math.sqrt(1.25 / 3) / 2
+    assert r["ci95"] == pytest.approx([0.25 - half, 0.25 + half])
+    assert r["p_value"] == pytest.approx(0.75, abs=0.02) and r["verdict"] == "no significant change"
+    up = paired_mean_change([0.0] * 5, [1.0] * 5)
+    assert up["p_value"] == pytest.approx(2 / 32, abs=0.01) and up["ci95"] == [1.0, 1.0]
+    assert paired_mean_change([0.2] * 50, [0.2] * 50)["p_value"] == 1.0
+    many = paired_mean_change([0.5] * 40, [0.25] * 40)
+    assert many["verdict"] == "lower" and many["p_value"] == pytest.approx(1 / 10_001)
+    with pytest.raises(ValueError, match="same tasks"):
+        paired_mean_change([0.1], [0.1, 0.2])

@@ -13,7 +13,9 @@ from k3post.config.ranges import check_range, field_range, ranged
 from k3post.config.rollout import EngineConfig, RolloutConfig
 from k3post.constants import DOMAINS, EFFORTS
 
-__all__ = ["RLConfig", "loss_kwargs"]
+__all__ = ["LR_SCHEDULES", "RLConfig", "loss_kwargs"]
+
+LR_SCHEDULES = ("constant", "linear")
 
 
 @dataclass
@@ -31,7 +33,9 @@ class RLConfig:
     groups train with advantage 0 (only the regulariser acts on their possibly stale tokens).
     Tasks: ``families``, the families trained in each domain (a domain with none listed trains all its
     verifiable families, plus the non-verifiable ones when a ``judge`` is set), ``difficulty``, ``n_tasks`` training prompts per family (cycled), ``eval_n``
-    held-out tasks per family.
+    held-out tasks per family, evaluated greedily and, with ``eval_samples`` = k > 0, also k times each at
+    ``temperature`` (avg@k: the expected reward RL optimises, paired per task with the SFT model's, same seeds).
+    Optimiser: ``lr`` with ``lr_schedule`` ("constant", or "linear" decay to ``lr / steps`` at the last step).
     Judge (SPEC §3.4): ``judge`` = "" (none), "policy" (the cold-start checkpoint through the embedded
     engine), a local checkpoint folder, or an OpenAI-compatible base URL (``judge_model`` names the
     served model); ``grm_sigma`` the length guard σ (ℓ0 measured on the cold-start model).
@@ -41,7 +45,7 @@ class RLConfig:
     ``domain_overrides`` sets numeric fields per domain (e.g. ``{agents: {steps: 4, eval_n: 24}}``:
     agentic episodes cost far more than arithmetic ones) and, under a ``domain.effort`` key, per expert
     (e.g. ``{agents.low: {steps: 12}}``, applied after the domain's); an expert key may not change what
-    defines the domain's task sets (``n_tasks``, ``eval_n``, ``difficulty``: b0 and the "before" row are
+    defines the domain's task sets (``n_tasks``, ``eval_n``, ``difficulty``, ``eval_samples``: b0 and the "before" row are
     shared by its three experts). See `for_domain`.
     ``init``: the checkpoint RL starts from (empty: the run folder's ``sft/final``).
     Infrastructure failures (`k3post.errors.InfrastructureError`: an env worker lost, the sandbox, the
@@ -69,7 +73,9 @@ class RLConfig:
     n_tasks: int = ranged(320, ge=1)
     eval_n: int = ranged(400, ge=0)
     eval_max_tokens: int = ranged(128, ge=1)
+    eval_samples: int = ranged(0, ge=0)
     lr: float = ranged(1e-4, ge=0)
+    lr_schedule: str = "constant"
     weight_decay: float = ranged(0.0, ge=0)
     grad_clip: float = 1.0
     micro_batch_tokens: int = ranged(8192, ge=1)
@@ -111,6 +117,8 @@ class RLConfig:
             raise ValueError("rl.judge is a URL: set rl.judge_model to the served model's name")
         if self.effort not in EFFORTS:
             raise ValueError(f"rl.effort must be one of {EFFORTS}, got {self.effort!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"rl.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         stage_keys = [k for k in self.domain_overrides if "." in k]
         for key, ds in (("rl.domain", [self.domain]), ("rl.domains", list(self.domains)),
                         ("rl.domain_overrides", [k.split(".", 1)[0] for k in self.domain_overrides])):
@@ -121,7 +129,7 @@ class RLConfig:
             effort = k.split(".", 1)[1]
             if effort not in EFFORTS:
                 raise ValueError(f"rl.domain_overrides.{k}: unknown effort {effort!r}; expected one of {EFFORTS}")
-            shared = sorted(set(self.domain_overrides[k]) & {"n_tasks", "eval_n", "difficulty"})
+            shared = sorted(set(self.domain_overrides[k]) & {"n_tasks", "eval_n", "difficulty", "eval_samples"})
             if shared:
                 raise ValueError(f"rl.domain_overrides.{k}: {shared} define the domain's task sets, shared by its "
                                  f"experts; set them under rl.domain_overrides.{k.split('.', 1)[0]}")
@@ -148,6 +156,13 @@ class RLConfig:
                              temperature=self.temperature, max_tokens=self.max_tokens, max_model_len=self.max_model_len,
                              slots=self.slots, kv_pool_mb=self.kv_pool_mb, effort=self.effort, seed=self.seed,
                              engine=self.engine)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of the optimizer step that follows ``step`` finished steps: ``lr`` ("constant"), or
+        ``lr · (1 − step / steps)`` ("linear": from ``lr`` at the first step down to ``lr / steps`` at the last)."""
+        if self.lr_schedule == "linear" and self.steps > 0:
+            return self.lr * max(0.0, 1.0 - step / self.steps)
+        return self.lr
 
     def optim_config(self) -> OptimConfig:
         """The trainer's optimizer (AdamW betas 0.9 / 0.95, eps 1e-8 unless ``optimizer`` is sgd)."""

@@ -162,9 +162,9 @@ class FSDPTrainer(Trainer):
                     assert name == dst_name, (name, dst_name)
                     dst.copy_(src)
 
-    def step(self, seqs: Sequence[Any], *, version: int | None = None) -> dict[str, float]:
-        self._lead("step", seqs, version=version)
-        return super().step(seqs, version=version)
+    def step(self, seqs: Sequence[Any], *, version: int | None = None, lr: float | None = None) -> dict[str, float]:
+        self._lead("step", seqs, version=version, lr=lr)
+        return super().step(seqs, version=version, lr=lr)
 
     def sft_step(self, batches: Sequence[Any], *, lr: float | None = None, precision: str = "fp32",
                  mtp_weight: float = 0.0) -> dict[str, float]:

@@ -107,6 +107,25 @@ def summarize_trajectories(trajs: Sequence[Trajectory], *, pass_threshold: float
     }
 
 
+def task_pass_shares(s: Mapping[str, Any]) -> dict[str, float]:
+    """Per task id, the share of its episodes in the summary ``s`` (`summarize_trajectories`) that passed: avg@k when
+    each task ran k times."""
+    runs: dict[str, list[bool]] = {}
+    for tid, p in zip(s["task_ids"], s["passed"]):
+        runs.setdefault(tid, []).append(bool(p))
+    return {tid: sum(ps) / len(ps) for tid, ps in runs.items()}
+
+
+def paired_shares(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[list[float], list[float]]:
+    """`task_pass_shares` of two summaries over the tasks both have, in ``a``'s order (a task whose every episode
+    failed its infrastructure in one run is left out); ValueError when the two ran other tasks."""
+    if set(a["task_ids"]) | set(a.get("infra_task_ids", ())) != set(b["task_ids"]) | set(b.get("infra_task_ids", ())):
+        raise ValueError("the two evaluations ran different tasks: no paired comparison")
+    sa, sb = task_pass_shares(a), task_pass_shares(b)
+    common = [t for t in sa if t in sb]
+    return [sa[t] for t in common], [sb[t] for t in common]
+
+
 def paired_passes(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[list[bool], list[bool]]:
     """``passed`` of two `summarize_trajectories` summaries over the episodes both have, in ``a``'s order
     (matched by task id and its occurrence): an episode whose infrastructure failed in either run is left out
