@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from k3post.envs.families import general
+from k3post.envs.families.general import family as general
 from k3post.synth import JudgeResult, ReviewQueue, build_sft_dataset, read_jsonl, synthesize
 from k3post.synth.cli import add_review_parser
 from k3post.synth.review import render_item_plain

@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
-import importlib
 import json
 import logging
 import os
@@ -58,7 +57,7 @@ from typing import Any
 from k3post.data import MalformedLineError, json_line
 from k3post.envs.env import count_tokens
 from k3post.envs.episode import run_episode, run_episode_sync
-from k3post.envs.task import DOMAINS, Task
+from k3post.envs.task import Task
 from k3post.synth.teachers import EFFORTS, ReferenceTeacher, Teacher
 from k3post.synth.verify import Funnel, Judge, VerifyConfig, VerifyContext, verify_samples
 
@@ -119,44 +118,35 @@ def _registry() -> Any:
 def find_family(name: str) -> Any:
     """The registered family ``name``.
 
-    Works while some built-in family modules are still missing: on ImportError from the full
-    registry load it imports only ``k3post.envs.families.<domain>`` of the name's domain.
-    Raises ValueError for an unknown name.
+    Works while some built-in family modules cannot be imported: on ImportError from the full registry load it
+    loads the modules that do import (`registry.load_builtin` with ``skip_broken``). Raises ValueError for an
+    unknown name.
     """
     reg = _registry()
     try:
         return reg.get_family(name)
     except ImportError:
-        domain = name.split(".", 1)[0]
-        if domain in DOMAINS:
-            try:
-                importlib.import_module(f"k3post.envs.families.{domain}")
-            except ImportError as e:
-                raise ValueError(f"task family {name!r}: its module k3post.envs.families.{domain} cannot be imported: {e}") from e
-        fams = getattr(reg, "_FAMILIES", {})
+        notes = reg.load_builtin(skip_broken=True)
+        fams = reg._FAMILIES
         if name not in fams:
-            raise ValueError(f"unknown task family {name!r}; available: {sorted(fams)}") from None
+            raise ValueError(f"unknown task family {name!r}; available: {sorted(fams)} ({'; '.join(notes)})") from None
         return fams[name]
 
 
 def builtin_families(domain: str | None = None) -> list[Any]:
     """The built-in families (of ``domain``) synthesis uses by default, sorted by name: ``default_families``, i.e.
     without the opt-in kinds (`OPT_IN_KINDS`; AET reference episodes are near-duplicates of each other by design, the same
-    program over other data; name them to synthesise them). Domain modules that fail to import are skipped with
+    program over other data; name them to synthesise them). Family modules that fail to import are skipped with
     a warning."""
     reg = _registry()
     try:
         return list(reg.default_families(domain))
     except ImportError as e:
         log.warning("not every built-in family module imports (%s); using those that do", e)
-    for d in DOMAINS if domain is None else (domain,):
-        try:
-            importlib.import_module(f"k3post.envs.families.{d}")
-        except ImportError as e:
-            log.warning("skipping %s families: %s", d, e)
-    fams = getattr(reg, "_FAMILIES", {})
-    return [f for n, f in sorted(fams.items())
-            if (domain is None or f.domain == domain) and getattr(f, "kind", "") not in getattr(reg, "OPT_IN_KINDS", ())]
+    for note in reg.load_builtin(skip_broken=True):
+        log.warning("skipping families: %s", note)
+    return [f for n, f in sorted(reg._FAMILIES.items())
+            if (domain is None or f.domain == domain) and getattr(f, "kind", "") not in reg.OPT_IN_KINDS]
 
 
 def _resolve_families(families: Sequence[Any] | None) -> list[Any]:

@@ -13,7 +13,7 @@
     documents).
 
 ``agents.assistant`` (verifiable, rewarded on the final app state)
-    Mock mail, calendar and docs apps (`k3post.envs.families.apps`) over a work week. A contact
+    Mock mail, calendar and docs apps (`k3post.envs.families.agents.apps`) over a work week. A contact
     emails a request: move a meeting to a proposed time (difficulty >= 2: "at T1, or T2 if T1 is
     taken", and T1 clashes with another event), cancel a meeting, or answer a question from a
     document. The verifier reads only the final state: the calendar must equal the expected
@@ -33,7 +33,7 @@ import re
 from typing import Any
 
 from k3post.envs.env import EpisodeLimits, ToolEnvironment
-from k3post.envs.families.apps import APP_TOOLS, hhmm, minutes, overlaps, weekday
+from k3post.envs.families.agents.apps import APP_TOOLS, hhmm, minutes, overlaps, weekday
 from k3post.envs.families.common import (
     FamilyBase,
     assistant,
