@@ -289,7 +289,7 @@ def test_an_edit_killed_after_its_log_record_is_complete(
     editor = _fixing_editor(tmp_path, blurbs[0])
     from k3post.synth import review
 
-    _edit_killed_at(q, sid, editor, review, "_atomic_write", monkeypatch)
+    _edit_killed_at(q, sid, editor, review, "_write_item", monkeypatch)
     assert json.loads((q.items_dir / f"{sid}.json").read_text())["sample"]["messages"] == original  # not rewritten
     item = q.get(sid)
     assert item["status"] == "accepted" and not item["sample"]["messages"][-1]["content"].endswith("everyone.")

@@ -44,6 +44,7 @@ from k3post.envs.families.common import (
 )
 from k3post.envs.families.kg import CHAINS, KnowledgeGraph, bm25_search, build_graph, first_sentence, lexicon as kg_lexicon, relation_phrase
 from k3post.envs.families.registry import register_family
+from k3post.io import read_jsonl
 from k3post.envs.task import FinalState, Task, Verdict, register_verifier
 from k3post.envs.tools import ToolContext, ToolSpec
 
@@ -211,8 +212,6 @@ class SearchFamily(FamilyBase):
         if not path:
             self.synth_records = None
             return
-        from k3post.synth.pipeline import read_jsonl
-
         recs = read_jsonl(path)
         for k, r in enumerate(recs, 1):
             missing = {"id", "type", "question", "answer", "evidence", "docs"} - set(r)
