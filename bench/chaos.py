@@ -219,7 +219,7 @@ def _synth_stage(n: int) -> Stage:
         return raw.read_bytes().count(b"\n") / total if raw.exists() else 0.0
 
     def compare(ref: Path, run: Path) -> list[str]:
-        from k3post.synth.pipeline import read_jsonl
+        from k3post.io import read_jsonl
 
         bad = []
         for name in ("sft.raw.jsonl", "sft.jsonl", "sft.rejected.jsonl"):
@@ -337,7 +337,7 @@ def _editor(work: Path) -> Path:
 
 def _review_queue(fx: dict[str, Path], q: Path, n: int) -> list[tuple[str, str]]:
     """A queue of ``n`` flagged samples and the decisions to take: accept, reject, edit in turn."""
-    from k3post.synth.pipeline import read_jsonl
+    from k3post.io import read_jsonl
     from k3post.synth.review import ReviewQueue
 
     raw = read_jsonl(fx["data"].with_name("sft.raw.jsonl"))[:n]

@@ -117,7 +117,8 @@ def build_target(work: Path, sft_steps: int, seed: int, layers: int = 0) -> tupl
     ``sft_steps`` on the arithmetic family's reference solutions; ``layers`` > 0 gives it that many decoder
     layers instead of the preset's 4 (same width, same seed)."""
     from k3post.commands import init_model
-    from k3post.data import load_sft_jsonl, write_jsonl
+    from k3post.data import load_sft_jsonl
+    from k3post.io import write_jsonl
     from k3post.envs.episode import run_episode_sync
     from k3post.envs.families import EFFORTS, get_family
     from k3post.models import build_tiny_moe, load_model
@@ -135,7 +136,7 @@ def build_target(work: Path, sft_steps: int, seed: int, layers: int = 0) -> tupl
         effort = EFFORTS[i % len(EFFORTS)]
         ep = run_episode_sync(fam.reference_policy(task, effort), fam.make_env(task), task)
         recs.append({"messages": ep.messages, "tools": None, "effort": effort})
-    samples, _ = load_sft_jsonl(write_jsonl(recs, work / "sft.jsonl"), XTML(tok), max_len=1024)
+    samples, _ = load_sft_jsonl(write_jsonl(work / "sft.jsonl", recs), XTML(tok), max_len=1024)
     if sft_steps > 0:
         cfg = SFTConfig(steps=sft_steps, rows_per_batch=8, pack_len=256, warmup_steps=min(10, sft_steps),
                         lr=5e-3, save_every=10 ** 9, progress=False)

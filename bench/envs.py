@@ -21,7 +21,6 @@ absolute deviation of the paired log time ratios (agent vs expert) of the measur
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import statistics
 import time
@@ -32,9 +31,6 @@ from k3post.envs import run_episode_sync
 from k3post.envs.families import registry
 from k3post.envs.families.registry import EFFORTS, TaskFamily
 from k3post.envs.sandbox import Sandbox, SandboxLimits
-
-_MODULES = ("general", "agents", "coding", "aet_families", "workflows", "research", "kernel", "visual", "webdev")
-
 
 def _percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile ``q`` in [0, 100] of ``values``."""
@@ -52,11 +48,7 @@ def load_families() -> tuple[list[TaskFamily], list[str]]:
         return registry.families(), notes
     except Exception as e:  # noqa: BLE001 - a sibling module may be missing or broken; note it and go on
         notes.append(f"families() failed ({type(e).__name__}: {e}); importing family modules one by one")
-    for mod in _MODULES:
-        try:
-            importlib.import_module(f"k3post.envs.families.{mod}")
-        except Exception as e:  # noqa: BLE001
-            notes.append(f"k3post.envs.families.{mod} not benchmarked: {type(e).__name__}: {e}")
+    notes += [f"not benchmarked: {n}" for n in registry.load_builtin(skip_broken=True)]
     return [f for _, f in sorted(registry._FAMILIES.items())], notes
 
 

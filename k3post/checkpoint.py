@@ -45,6 +45,7 @@ import torch
 
 from k3post.config.optim import check_keep_last
 from k3post.errors import UserError
+from k3post.io import atomic_write, fsync_path
 
 log = logging.getLogger("k3post.checkpoint")
 
@@ -84,15 +85,6 @@ def _step_of(folder: Path) -> int:
     return int(folder.name.split("-", 1)[1])
 
 
-def fsync_path(path: Path) -> None:
-    """fsync one file or folder (a folder: its entries, so a rename into it is durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(folder: Path) -> None:
     """fsync every file under ``folder`` and the folders themselves (a power cut after the rename then
     finds whole files; a SIGKILL alone loses nothing the kernel already holds)."""
@@ -120,8 +112,8 @@ def save_checkpoint(
     `write_extra(folder)` adds files to the checkpoint folder before it is renamed into place. ``model`` None
     writes no HF model folder (a module that is not a `PreTrainedModel` keeps its weights in ``state``).
 
-    Order: every file into ``.tmp-step-N`` (fsynced), rename to ``step-N``, write ``latest.tmp`` and rename
-    it over ``latest``, and only then delete older checkpoints, so a kill at any point leaves ``latest``
+    Order: every file into ``.tmp-step-N`` (fsynced), rename to ``step-N``, write ``latest`` atomically
+    (`k3post.io.atomic_write`), and only then delete older checkpoints, so a kill at any point leaves ``latest``
     naming a complete checkpoint. A write that fails for lack of space (or any other OSError) removes the
     partial folder and raises `CheckpointWriteError` naming the folder and the last complete checkpoint."""
     check_keep_last(keep_last, "keep_last")
@@ -280,13 +272,7 @@ def resuming(ckpt: str | Path) -> Iterator[None]:
 
 
 def _point_latest(root: Path, folder: Path) -> None:
-    latest_tmp = root / "latest.tmp"
-    with latest_tmp.open("w") as fh:
-        fh.write(folder.name)
-        fh.flush()
-        os.fsync(fh.fileno())
-    latest_tmp.replace(root / "latest")
-    fsync_path(root)
+    atomic_write(root / "latest", folder.name)
 
 
 def fall_back(ckpt_root: str | Path) -> Path:

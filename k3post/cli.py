@@ -40,7 +40,7 @@ def _load(config: str | None, overrides: list[str]):  # noqa: ANN202
         cfg = load_config(config, overrides)
     apply_sandbox_config(cfg.sandbox)
     if cfg.data.search_tasks:  # agents.search draws from a synthesised set (k3post synth-tasks)
-        from k3post.envs.families.agents import SEARCH
+        from k3post.envs.families.agents.family import SEARCH
 
         with user_input():
             SEARCH.use_synth_tasks(cfg.data.search_tasks)

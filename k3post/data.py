@@ -9,7 +9,6 @@ switch turns per-sample problems into counted skips instead.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from k3post.config.data import DataConfig  # noqa: F401  (re-exported: `from k3post.data import DataConfig`)
 from k3post.errors import UserError
-from k3post.jsonl import MalformedLineError, json_line  # noqa: F401  (re-exported)
+from k3post.io import MalformedLineError, json_line
 
 if TYPE_CHECKING:
     from k3post.xtml import XTML
@@ -203,16 +202,6 @@ def load_sft_jsonl(
     return samples, stats
 
 
-def write_jsonl(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """Write records atomically (temp file + rename) so a crash never leaves half a dataset."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        for r in records:
-            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-    tmp.replace(p)
-    return p
 
 
 @dataclass

@@ -33,7 +33,8 @@ import torch
 from k3post.errors import UserError
 from k3post.config import K3Config
 from k3post.config.sft import SFTConfig
-from k3post.data import load_sft_jsonl, write_jsonl
+from k3post.data import load_sft_jsonl
+from k3post.io import read_jsonl, write_jsonl
 from k3post.evaluate import evaluate_family
 from k3post.experts import train_experts
 from k3post.metrics import MetricsLogger
@@ -156,16 +157,16 @@ def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = 
                                               difficulty=d.difficulty, config=verify)
         funnel.merge(rest_funnel)
         rest_paths.append(path)
-    main_records = [json.loads(line) for line in main_path.read_text(encoding="utf-8").splitlines()]
+    main_records = read_jsonl(main_path)
     if d.effort_mix:  # same number of samples, reweighted by effort (a scarce effort is repeated)
         main_records = mix(main_records, d.effort_mix, len(main_records), seed=cfg.run.seed)
-    records = main_records + [json.loads(line) for p in rest_paths for line in p.read_text(encoding="utf-8").splitlines()]
+    records = main_records + [r for p in rest_paths for r in read_jsonl(p)]
     judge: dict[str, Any] = {}
     if d.judge_tasks:  # scripted GRM judge episodes on reference pairs (family "grm"), both orders (issue 31)
         judge_records, judge = recipe_judge_records(cfg, XTML(tokenizer))
-        write_jsonl(judge_records, run / "data" / "judge.jsonl")
+        write_jsonl(run / "data" / "judge.jsonl", judge_records)
         records += judge_records
-    train_file = write_jsonl(records, run / "data" / "sft_train.jsonl")
+    train_file = write_jsonl(run / "data" / "sft_train.jsonl", records)
     by_family: dict[str, int] = {}
     for r in records:
         by_family[r["family"]] = by_family.get(r["family"], 0) + 1
@@ -329,7 +330,7 @@ def _run_demo(cfg: K3Config) -> Path:
     seen = {canonical_json(list(t.messages)) for t in eval_family.generate(d.n_train, seed=cfg.run.seed, difficulty=d.difficulty)}
     pool = eval_family.generate(2 * d.n_eval + 50, seed=cfg.run.seed + 1000, difficulty=d.difficulty)
     eval_tasks = [t for t in pool if canonical_json(list(t.messages)) not in seen][: d.n_eval]
-    write_jsonl([t.to_dict() for t in eval_tasks], run / "data" / "eval_tasks.jsonl")
+    write_jsonl(run / "data" / "eval_tasks.jsonl", [t.to_dict() for t in eval_tasks])
     phase("data", t0)
 
     # 3. held-out pass rate of the untrained model

@@ -41,6 +41,7 @@ import torch
 from k3post.config.rollout import EngineConfig
 from k3post.constants import DOMAINS, EFFORTS
 from k3post.errors import StepFailed
+from k3post.io import atomic_write
 from k3post.metrics import MetricsLogger
 from k3post.models import load_model
 from k3post.quant.qat import QATConfig, apply_qat
@@ -362,9 +363,7 @@ def _count(items: Any) -> dict[str, int]:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=float))
-    tmp.replace(path)
+    atomic_write(path, json.dumps(data, indent=1, default=float))
 
 
 # --------------------------------------------------------------------------- the 3 x 3 table and its targets

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -12,7 +10,7 @@ from typing import Any
 
 from filelock import FileLock
 
-from k3post.jsonl import iter_values, repair_tail
+from k3post.io import append_jsonl, fsync_path, iter_values, write_jsonl
 
 
 class MetricsLogger:
@@ -20,7 +18,7 @@ class MetricsLogger:
 
     On resume, `truncate(stage, step)` drops rows of that stage logged after the checkpoint's step so the
     file reads as one uninterrupted run. A row a kill cut short (a torn last line) is left out by readers
-    and cut off before the next row is appended (`k3post.jsonl`). `sync` makes the rows logged so far
+    and cut off before the next row is appended (`k3post.io`). `sync` makes the rows logged so far
     durable (a training loop calls it before each checkpoint: the file, not the checkpoint, holds the
     per-step rows, `k3post.loop.StageLog`).
     """
@@ -39,9 +37,7 @@ class MetricsLogger:
     def log(self, stage: str, step: int, values: Mapping[str, Any]) -> None:
         row = {"stage": stage, "step": step, "time": round(time.time(), 3), **values}
         with self._lock:
-            repair_tail(self.path)
-            with self.path.open("a", encoding="utf-8") as fh:
-                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+            append_jsonl(self.path, row, fsync=False)  # durable in batches: `sync`
         if self._tb is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
@@ -65,16 +61,10 @@ class MetricsLogger:
         """fsync the rows logged so far (under the lock: no half-appended row is made durable mid-write)."""
         with self._lock:
             if self.path.exists():
-                _fsync(self.path)
+                fsync_path(self.path)
 
     def _rewrite(self, rows: list[dict[str, Any]]) -> None:
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        with tmp.open("w", encoding="utf-8") as fh:
-            fh.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-            fh.flush()
-            os.fsync(fh.fileno())
-        tmp.replace(self.path)
-        _fsync(self.dir)
+        write_jsonl(self.path, rows)
 
     def close(self) -> None:
         if self._tb is not None:
@@ -85,16 +75,10 @@ class MetricsLogger:
 
 def read_metrics(path: str | Path, stage: str | None = None) -> list[dict[str, Any]]:
     """Rows of a metrics.jsonl file, optionally of one stage (a torn last row, cut short by a kill, is left
-    out; any other malformed line is a `k3post.jsonl.MalformedLineError` naming the file and line)."""
+    out; any other malformed line is a `k3post.io.MalformedLineError` naming the file and line)."""
     return list(iter_metrics(path, stage))
 
 
 def iter_metrics(path: str | Path, stage: str | None = None) -> Iterator[dict[str, Any]]:
     """`read_metrics`, one row at a time (a long run's file is not held in memory)."""
     return (r for r in iter_values(path) if stage is None or r.get("stage") == stage)
-
-
-def _fsync(path: Path) -> None:
-    from k3post.checkpoint import fsync_path  # torch is imported there; most readers of this module need neither
-
-    fsync_path(path)

@@ -15,6 +15,7 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
+from k3post.io import atomic_write
 from k3post.metrics import read_metrics
 
 
@@ -568,8 +569,4 @@ def write_report(run_dir: str | Path) -> Path:
     body = [_eval_section(summary)] + [s(run, summary) for s in SECTIONS]
     cfg_html = f"<h2>Config</h2><pre>{html.escape(cfg_text)}</pre>" if cfg_text else ""
     page = f"<!doctype html><html><head><meta charset=utf-8><title>k3post {html.escape(run.name)}</title><style>{CSS}</style></head><body>{''.join(head)}{''.join(body)}{cfg_html}</body></html>"
-    out = run / "report.html"
-    tmp = run / "report.html.tmp"
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(out)
-    return out
+    return atomic_write(run / "report.html", page)

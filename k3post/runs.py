@@ -36,6 +36,7 @@ from typing import Any
 
 from k3post.config import K3Config, to_yaml
 from k3post.errors import UserError, attach_run_log
+from k3post.io import atomic_write
 from k3post.spec.layout import draft_aux_layers, draft_target
 from k3post.threads import record_plan
 
@@ -82,9 +83,7 @@ class RunSummary:
 
     def update(self, **kw: Any) -> None:
         self.data.update(kw)
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, ensure_ascii=False))
-        tmp.replace(self.path)
+        atomic_write(self.path, json.dumps(self.data, indent=1, ensure_ascii=False))
 
 
 class RunInUse(UserError):
@@ -309,9 +308,7 @@ def open_run(run: Path, cfg: K3Config, stage: str) -> Path:
     _check_checkpoints(_stage_dir(run, cfg, stage), cfg.run.on_broken_checkpoint)
     record = _read_record(run)
     record[stage_id(cfg, stage)] = _settings(cfg, stage)
-    tmp = run / (RECORD + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True), encoding="utf-8")
-    tmp.replace(run / RECORD)
+    atomic_write(run / RECORD, json.dumps(record, indent=1, sort_keys=True))
     (run / "config.yaml").write_text(to_yaml(cfg))
     attach_run_log(run)
     record_plan(run)

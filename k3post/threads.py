@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3post.io import atomic_write
+
 __all__ = ["Cores", "ThreadPlan", "plan_threads", "seen_cores", "cgroup_quota", "use_threads", "child_threads",
            "record_plan", "active_plan", "command_plan", "THREAD_ENV", "RECORD", "RANKS"]
 
@@ -256,9 +258,7 @@ def record_plan(run: str | Path) -> dict[str, Any] | None:
         old = json.loads(path.read_text()) if path.is_file() else []
     except ValueError:  # a torn record: start it again rather than fail the command
         old = []
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps([*old, entry], indent=1))
-    tmp.replace(path)
+    atomic_write(path, json.dumps([*old, entry], indent=1))
     return entry
 
 

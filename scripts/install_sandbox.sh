@@ -82,7 +82,7 @@ sandbox_python_package() {  # MODULE DEBIAN_PACKAGE FAMILY
 sandbox_python_package pandas python3-pandas agents.data_report
 sandbox_python_package PIL python3-pil general.visual
 
-# Headless Chromium for coding.webdev (k3post/envs/families/webdev_browser.py): Debian's chromium and
+# Headless Chromium for coding.webdev (k3post/envs/families/webdev/browser.py): Debian's chromium and
 # chromium-driver, driven by Debian's python3-selenium from the sandbox's /usr/bin/python3. Like bubblewrap, a failed
 # install where apt-get exists but cannot provide them fails this script: the browser checks run in CI.
 if [ -x /usr/lib/chromium/chromium ] && command -v chromedriver >/dev/null 2>&1 \

@@ -75,7 +75,7 @@ def _evaluate_once(real, cache):
     """
     import json
 
-    from k3post.envs.families.aet import verification_tree
+    from k3post.envs.families.aet.core import verification_tree
 
     def evaluate(metadata, files, scenarios):
         key = json.dumps([verification_tree(metadata, files), list(scenarios)], sort_keys=True)
@@ -94,7 +94,7 @@ def _evaluate_once(real, cache):
 def aet_evaluate_once(monkeypatch):
     """AET hidden / public verification memoised for one test (`_evaluate_once`); not for the isolation tests,
     which must run every program they plant."""
-    import k3post.envs.families.aet as aet
+    import k3post.envs.families.aet.core as aet
 
     monkeypatch.setattr(aet, "evaluate", _evaluate_once(aet.evaluate, _AET_EVALUATIONS))
 
@@ -102,7 +102,7 @@ def aet_evaluate_once(monkeypatch):
 @pytest.fixture(scope="module")
 def aet_evaluate_once_module():
     """`aet_evaluate_once` for a module-scoped fixture."""
-    import k3post.envs.families.aet as aet
+    import k3post.envs.families.aet.core as aet
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(aet, "evaluate", _evaluate_once(aet.evaluate, _AET_EVALUATIONS))

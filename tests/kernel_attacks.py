@@ -24,8 +24,8 @@ from pathlib import Path
 if __name__ == "__main__" and not os.environ.get("PYTHONPATH"):  # this checkout's k3post, not an installed one
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from k3post.envs.families.kernel import KERNEL, expert_files, verify_files  # noqa: E402
-from k3post.envs.families.kernel_ops import OPS, KernelOp  # noqa: E402
+from k3post.envs.families.kernel.family import KERNEL, expert_files, verify_files  # noqa: E402
+from k3post.envs.families.kernel.ops import OPS, KernelOp  # noqa: E402
 
 CONTROLS = ("honest_slow", "honest_fast")
 

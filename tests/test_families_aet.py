@@ -20,11 +20,11 @@ import pytest
 from k3post.envs import FinalState, Task, run_episode_sync
 from k3post.envs.episode import resume_episode_sync
 from k3post.envs.families import registry
-from k3post.envs.families.aet import PUBLIC_CHECKS, AETFamily, AETState, _mismatch, verify_aet
-from k3post.envs.families.aet_families import CLI, CONFIG, DATADIR
+from k3post.envs.families.aet.core import PUBLIC_CHECKS, AETFamily, AETState, _mismatch, verify_aet
+from k3post.envs.families.aet.family import CLI, CONFIG, DATADIR
 from k3post.envs.families.cli import add_tasks_parser, sample_text
-from k3post.envs.families.coding import _call, _reply
 from k3post.envs.families.common import EFFORTS
+from k3post.envs.sandbox_tools import reply, script_call
 
 FAMILIES: list[AETFamily] = [CLI, DATADIR, CONFIG]
 IDS = [f.name for f in FAMILIES]
@@ -46,8 +46,8 @@ def _policy(*turns: list[tuple[str, dict[str, Any]]], final: str = "Done.") -> A
     def policy(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
         k = sum(m["role"] == "assistant" for m in messages)
         if k < len(turns):
-            return _reply("", "", [_call(k, j + 1, n, **a) for j, (n, a) in enumerate(turns[k])])
-        return _reply("", final)
+            return reply("", "", [script_call(k, j + 1, n, **a) for j, (n, a) in enumerate(turns[k])])
+        return reply("", final)
 
     return policy
 
@@ -160,7 +160,7 @@ def test_memoised_verification_reruns_every_distinct_tree() -> None:
     `aet_config` restores before checking is the same tree."""
     from conftest import _evaluate_once
 
-    import k3post.envs.families.aet as aet
+    import k3post.envs.families.aet.core as aet
 
     runs: list[int] = []
 
@@ -272,7 +272,7 @@ def test_searching_the_sandbox_finds_no_hidden_scenario(fam: AETFamily, monkeypa
     # is tested here, so the search gets room: 10x both.
     import dataclasses
 
-    import k3post.envs.families.aet as aet_mod
+    import k3post.envs.families.aet.core as aet_mod
     monkeypatch.setattr(aet_mod, "AGENT_LIMITS", dataclasses.replace(aet_mod.AGENT_LIMITS, cpu_s=100.0, wall_s=200.0))
     t = fam.generate(1, seed=17, difficulty=3)[0]
     hidden = _probes(t)

@@ -20,14 +20,13 @@ from typing import Any
 import pytest
 
 from k3post.envs import FinalState, Task, count_tokens, run_episode_sync
-from k3post.envs.families.coding import (
+from k3post.envs.families.coding.family import (
     BUGFIX,
     WRITE_FUNCTION,
-    SandboxState,
     verify_bugfix,
     verify_write_function,
 )
-from k3post.envs.families.coding_problems import (
+from k3post.envs.families.coding.problems import (
     FN_TEMPLATES,
     REPO_TEMPLATES,
     call_in_modules,
@@ -36,6 +35,7 @@ from k3post.envs.families.coding_problems import (
     load_modules,
 )
 from k3post.envs.families.registry import EFFORTS, TaskFamily
+from k3post.envs.sandbox_tools import SandboxState
 from k3post.xtml import render_text
 
 FAMILIES = {"write_function": WRITE_FUNCTION, "bugfix": BUGFIX}
@@ -259,7 +259,7 @@ def test_pause_and_resume_in_a_fresh_process(tmp_path: Path) -> None:
     code = (
         "import json, sys\n"
         "from k3post.envs import resume_episode_sync\n"
-        "from k3post.envs.families.coding import BUGFIX\n"
+        "from k3post.envs.families.coding.family import BUGFIX\n"
         "ck = json.load(open(sys.argv[1]))\n"
         "from k3post.envs import Task\n"
         "task = Task.from_dict(ck['env']['task'])\n"

@@ -8,7 +8,6 @@ length is ordered max >= high >= low; trajectories render to valid XTML.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 from typing import Any
 
@@ -17,24 +16,19 @@ import pytest
 from k3post.envs import Task, run_episode_sync
 from k3post.envs.env import count_tokens
 from k3post.envs.episode import resume_episode_sync
-from k3post.envs.families import agents, general, registry
-from k3post.envs.families.apps import APP_TOOLS
+from k3post.envs.families import registry
+from k3post.envs.families.agents import family as agents
+from k3post.envs.families.general import family as general
+from k3post.envs.families.agents.apps import APP_TOOLS
 from k3post.envs.families.cli import add_tasks_parser, list_text, sample_text
 from k3post.envs.families.common import EFFORTS, FamilyBase, normalize_answer
-from k3post.envs.families.general import evaluate_expression, writing_format_check
+from k3post.envs.families.general.family import evaluate_expression, writing_format_check
 from k3post.envs.families.kg import bm25_search
 from k3post.envs.task import FinalState, run_verifier
 from k3post.xtml import XTML
 
 FAMILIES: list[FamilyBase] = [general.ARITHMETIC, general.FAITHFULNESS, general.WRITING, agents.SEARCH, agents.ASSISTANT]
 IDS = [f.name for f in FAMILIES]
-
-
-@pytest.fixture
-def builtin_families(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Until k3post/envs/families/coding.py lands, load only the families this file tests."""
-    if importlib.util.find_spec("k3post.envs.families.coding") is None:
-        monkeypatch.setattr(registry, "_load_builtin", lambda: None)
 
 
 def _tasks(fam: FamilyBase, n: int, seed: int) -> list[Task]:
@@ -316,7 +310,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def test_cli_list(builtin_families: None, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_list(capsys: pytest.CaptureFixture[str]) -> None:
     ns = _parser().parse_args(["tasks", "list"])
     assert ns.fn(ns) == 0
     out = capsys.readouterr().out
@@ -330,7 +324,7 @@ def test_cli_list(builtin_families: None, capsys: pytest.CaptureFixture[str]) ->
         list_text("physics")
 
 
-def test_cli_sample(builtin_families: None, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_sample(capsys: pytest.CaptureFixture[str]) -> None:
     ns = _parser().parse_args(["tasks", "sample", "agents.assistant", "--seed", "3", "--effort", "high"])
     assert ns.fn(ns) == 0
     out = capsys.readouterr().out

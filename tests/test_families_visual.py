@@ -16,8 +16,8 @@ from PIL import Image  # noqa: E402  (Pillow comes with matplotlib)
 
 from k3post.envs.episode import OpenAIPolicy, resume_episode_sync, run_episode_sync, to_openai_chat
 from k3post.envs.families import default_families, get_family
-from k3post.envs.families import visual_image as vi
-from k3post.envs.families.visual import HACK_CODE, KINDS, parse_number
+from k3post.envs.families.visual import image as vi
+from k3post.envs.families.visual.family import HACK_CODE, KINDS, parse_number
 from k3post.envs.task import FinalState, Task, run_verifier
 from k3post.tokenizer import IMAGE_TOKEN
 from k3post.xtml import render_text

@@ -17,7 +17,7 @@ import pytest
 
 from k3post.envs import run_episode_sync
 from k3post.envs.families import default_families, families, get_family
-from k3post.envs.families.webdev import (
+from k3post.envs.families.webdev.family import (
     INDEX,
     WEBDEV,
     generic_hacks,
@@ -28,7 +28,7 @@ from k3post.envs.families.webdev import (
     verify_files,
     verify_webdev,
 )
-from k3post.envs.families.webdev_browser import (
+from k3post.envs.families.webdev.browser import (
     BrowserResult,
     browser_available,
     ink_pixels,
@@ -36,7 +36,7 @@ from k3post.envs.families.webdev_browser import (
     network_attempts,
     run_browser,
 )
-from k3post.envs.families.webdev_specs import KINDS, _sorted, _TodoModel, _valid, js_number
+from k3post.envs.families.webdev.specs import KINDS, _sorted, _TodoModel, _valid, js_number
 from k3post.envs.task import FinalState
 
 EFFORTS = ("low", "high", "max")

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from k3post.envs import FinalState, Task, run_episode_sync
-from k3post.envs.families.aet import AETState
+from k3post.envs.families.aet.core import AETState
 from k3post.envs.families.cli import list_text, sample_text
 from k3post.envs.families.common import EFFORTS, scripted_policy
-from k3post.envs.families.research import DEEP_RESEARCH, MIN_SEARCHES
-from k3post.envs.families.workflows import (
+from k3post.envs.families.research.family import DEEP_RESEARCH, MIN_SEARCHES
+from k3post.envs.families.workflows.family import (
     CONTRACTS,
     DATA_REPORT,
     SPAN_IOU,
@@ -113,7 +113,7 @@ def test_grm_scores_the_narrative_behind_the_rule_gate() -> None:
 
 
 def verify_data_report_of(task: Task, env: Any) -> Any:
-    from k3post.envs.families.workflows import verify_data_report
+    from k3post.envs.families.workflows.family import verify_data_report
 
     return verify_data_report(task, FinalState(env.state))
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from k3post.envs.families.common import assistant, tool_call
-from k3post.envs.families.general import WRITING
+from k3post.envs.families.general.family import WRITING
 from k3post.envs.episode import run_episode_sync
 from k3post.envs.task import FinalState
 from k3post.rewards.grm import (

@@ -22,7 +22,7 @@ from k3post.algos.advantages import group_advantages, group_advantages_from_grou
 from k3post.config.effort import EffortConfig
 from k3post.envs.env import EnvironmentLost
 from k3post.envs.families.registry import get_family
-from k3post.envs.families.webdev_browser import BrowserUnavailableError
+from k3post.envs.families.webdev.browser import BrowserUnavailableError
 from k3post.envs.sandbox import Sandbox, SandboxUnavailableError, available_backends
 from k3post.envs.tools import ToolContext, ToolSpec, call_tool
 from k3post.errors import InfrastructureError, JudgeUnavailableError, infra_kind

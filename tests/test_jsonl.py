@@ -1,5 +1,5 @@
 """JSONL logs after a kill (issue 20): a torn last line is left out by readers and cut off before the next
-append (`k3post.jsonl`), in metrics.jsonl (`k3post.metrics`) as in the review decision log (tests/test_review.py).
+append (`k3post.io`), in metrics.jsonl (`k3post.metrics`) as in the review decision log (tests/test_review.py).
 
 Shape legend: none.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from k3post.jsonl import MalformedLineError, read_values, repair_tail
+from k3post.io import MalformedLineError, read_values, repair_tail
 from k3post.metrics import MetricsLogger, read_metrics
 
 

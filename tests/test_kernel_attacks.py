@@ -40,7 +40,7 @@ def test_documented_attack_table_every_attack_scores_zero():
         import kernel_attacks
     finally:
         sys.path.remove(str(ROOT / "tests"))
-    from k3post.envs.families.kernel_ops import OPS
+    from k3post.envs.families.kernel.ops import OPS
 
     assert set(rows) == set(kernel_attacks.attacks(OPS["softmax"], "d"))
     assert rows["honest_fast"][0] > 0, rows["honest_fast"]
@@ -192,8 +192,8 @@ def test_import_errors_and_deaths_are_reported_by_kind():
 
 
 def test_a_failing_trusted_child_is_the_verifiers_error_not_the_agents_zero(monkeypatch):
-    from k3post.envs.families import kernel as K
-    from k3post.envs.families.kernel_ops import OPS
+    from k3post.envs.families.kernel import family as K
+    from k3post.envs.families.kernel.ops import OPS
 
     task = next(t for t in K.KERNEL.generate(40, seed=0, difficulty=1) if t.metadata["op"] == "row_sumsq")
     orig = K._trusted_files

@@ -168,7 +168,7 @@ def test_config_values_and_overrides() -> None:
 
 
 def test_synth_jsonl_and_torn_multibyte_line(tmp_path: Path) -> None:
-    from k3post.synth.pipeline import read_jsonl
+    from k3post.io import read_jsonl
 
     p = tmp_path / "s.jsonl"
     for bad, msg in [(b'{"a": "\xff"}', "not valid UTF-8 at byte 7"), (b"[" * 100_000, "malformed JSON: nested too deeply"),

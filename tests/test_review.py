@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from k3post.envs.families import general
+from k3post.envs.families.general import family as general
 from k3post.synth import JudgeResult, ReviewQueue, build_sft_dataset, read_jsonl, synthesize
 from k3post.synth.cli import add_review_parser
 from k3post.synth.review import render_item_plain
@@ -289,7 +289,7 @@ def test_an_edit_killed_after_its_log_record_is_complete(
     editor = _fixing_editor(tmp_path, blurbs[0])
     from k3post.synth import review
 
-    _edit_killed_at(q, sid, editor, review, "_atomic_write", monkeypatch)
+    _edit_killed_at(q, sid, editor, review, "_write_item", monkeypatch)
     assert json.loads((q.items_dir / f"{sid}.json").read_text())["sample"]["messages"] == original  # not rewritten
     item = q.get(sid)
     assert item["status"] == "accepted" and not item["sample"]["messages"][-1]["content"].endswith("everyone.")

@@ -52,7 +52,8 @@ def test_auto_refuses_without_isolation(no_namespaces: None) -> None:
 
 
 def test_coding_environment_refuses_without_isolation(no_namespaces: None) -> None:
-    from k3post.envs.families.coding import SandboxState, _verify_in_fresh_sandbox
+    from k3post.envs.families.coding.family import _verify_in_fresh_sandbox
+    from k3post.envs.sandbox_tools import SandboxState
 
     with pytest.raises(SandboxUnavailableError, match="install bubblewrap"):
         SandboxState({"solution.py": "x = 1\n"})
@@ -75,8 +76,8 @@ def test_weak_opt_in_by_env_logs_every_run_and_flags_results(
 
 
 def test_weak_opt_in_by_config_flags_the_verdict(no_namespaces: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    from k3post.envs.families.coding import _verify_in_fresh_sandbox
-    from k3post.envs.families.coding_problems import encode_value
+    from k3post.envs.families.coding.family import _verify_in_fresh_sandbox
+    from k3post.envs.families.coding.problems import encode_value
     from k3post.envs.task import Verdict
 
     cfg = load_config(None, ["sandbox.allow_weak_isolation=true"])

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from k3post.data import DataError, Sample, collate, load_sft_jsonl, pack_rows, write_jsonl
+from k3post.data import DataError, Sample, collate, load_sft_jsonl, pack_rows
+from k3post.io import write_jsonl
 from k3post.models import build_tiny_moe
 from k3post.sft import SFTConfig, lr_at, masked_ce_sum, train_sft
 from k3post.envs.episode import run_episode_sync
@@ -118,7 +119,7 @@ def test_grad_accum_equals_big_batch(tok, xtml):
 
 
 def _write(tmp_path, recs, name="train.jsonl"):
-    return write_jsonl(recs, tmp_path / name)
+    return write_jsonl(tmp_path / name, recs)
 
 
 def test_resume_gives_identical_losses(tok, xtml, tmp_path):

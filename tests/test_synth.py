@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from k3post.data import load_sft_jsonl
-from k3post.envs.families import general
+from k3post.envs.families.general import family as general
 from k3post.envs.task import Task
 from k3post.synth import (
     EndpointTeacher,

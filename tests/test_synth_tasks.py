@@ -12,7 +12,7 @@ import pytest
 from chat_stub import ChatStub
 
 from k3post.envs.episode import run_episode_sync
-from k3post.envs.families.agents import SEARCH
+from k3post.envs.families.agents.family import SEARCH
 from k3post.synth.kg_tasks import (
     CorpusExplorer,
     EndpointExplorer,

@@ -153,10 +153,10 @@ def test_sft_command_trains_with_run_threads(tmp_path):
     (a forward pre-hook reads torch.get_num_threads()), the log and threads.json say so, and the process's own
     count comes back afterwards. Before the policy, the command ignored run.threads and ran 2."""
     from k3post.cli import main
-    from k3post.data import write_jsonl
+    from k3post.io import write_jsonl
 
     assert main(["init-model", str(tmp_path / "m"), "--vocab-size", "320"]) == 0
-    data = write_jsonl(_records(8), tmp_path / "d.jsonl")
+    data = write_jsonl(tmp_path / "d.jsonl", _records(8))
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"run:\n  root: {tmp_path}\n  name: r\nmodel:\n  path: {tmp_path / 'm'}\n"
                    "sft:\n  steps: 2\n  rows_per_batch: 1\n  progress: false\n")

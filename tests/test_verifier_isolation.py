@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from k3post.envs import FinalState, Task
-from k3post.envs.families.aet import AETState, evaluate, verification_tree, verify_aet
-from k3post.envs.families.aet_families import CLI, CONFIG, ROUTER_SOURCE
+from k3post.envs.families.aet.core import AETState, evaluate, verification_tree, verify_aet
+from k3post.envs.families.aet.family import CLI, CONFIG, ROUTER_SOURCE
 from k3post.envs.sandbox import Sandbox, probe_backend
 
 # Serve the right config whatever config/ holds: `open` and `os.path.exists` answer from this table.

@@ -55,7 +55,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from k3post.checkpoint import fsync_path
+from k3post.io import fsync_path
 from k3post.quant import qat as qat_module
 from k3post.quant.qat import QATConfig
 

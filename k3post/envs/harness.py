@@ -45,7 +45,6 @@ import math
 import os
 import random
 import re
-import tempfile
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -66,6 +65,7 @@ from k3post.envs.tools import (
     tool_message,
     validate_arguments,
 )
+from k3post.io import atomic_write
 
 __all__ = [
     "MODULES",
@@ -492,10 +492,7 @@ class MemoryStore:
         with FileLock(str(self.path) + ".lock"):
             self._data = self._read()
             self._data[group] = text
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self._data, f, ensure_ascii=False, sort_keys=True, indent=1)
-            os.replace(tmp, self.path)
+            atomic_write(self.path, json.dumps(self._data, ensure_ascii=False, sort_keys=True, indent=1))
 
     def groups(self) -> list[str]:
         """Groups with notes."""

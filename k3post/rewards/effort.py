@@ -66,7 +66,7 @@ from k3post.envs.task import DOMAINS, Task
 from k3post.rollout.engine import SteppableEngine
 from k3post.rollout.evaluation import make_env, run_episodes
 from k3post.rollout.trajectory import Group, Trajectory
-from k3post.synth.pipeline import write_jsonl_atomic
+from k3post.io import write_jsonl
 from k3post.xtml import XTML
 
 __all__ = [
@@ -367,7 +367,7 @@ class BudgetTable:
 
     def save(self, path: str | Path) -> Path:
         """Write the table as one JSON document, atomically (temporary file, fsync, rename)."""
-        return write_jsonl_atomic([self.to_dict()], path)
+        return write_jsonl(path, [self.to_dict()])
 
     @classmethod
     def load(cls, path: str | Path) -> "BudgetTable":

@@ -147,7 +147,7 @@ def criterion_scores(task: Task, text: str) -> tuple[dict[str, int], dict[str, s
     fam = task.family
     m = task.metadata
     if fam == "general.writing":
-        from k3post.envs.families.general import writing_format_check
+        from k3post.envs.families.general.family import writing_format_check
 
         c = writing_format_check(text, m["product"], m["feature"], prompt_text(task))
         n_words = len(_words(text))
@@ -209,7 +209,7 @@ def degraded_answers(task: Task, other: Task) -> dict[str, str]:
     fam = get_family(task.family)
     m = task.metadata
     if task.family == "general.writing":
-        from k3post.envs.families.general import _PRODUCTS
+        from k3post.envs.families.general.family import _PRODUCTS
 
         ref = fam.blurb(task)
         kind = m["product"].split()[-1]
@@ -227,7 +227,7 @@ def degraded_answers(task: Task, other: Task) -> dict[str, str]:
             "copied_prompt": prompt_text(task),
         }
     if task.family == "general.faithfulness":
-        from k3post.envs.families.general import NOT_STATED, _fact_value
+        from k3post.envs.families.general.family import NOT_STATED, _fact_value
 
         ans, attr = m["answers"][0], m["attribute"]
         rng = random.Random(f"judge|{task.id}")

@@ -67,7 +67,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -75,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from k3post.envs.task import Task
+from k3post.io import atomic_write
 from k3post.rollout.agent_loop import AgentLoop, trajectory_seed
 from k3post.rollout.kv_pool import KVPool
 from k3post.rollout.trajectory import Group, Trajectory
@@ -465,21 +465,8 @@ class PartialRolloutScheduler:
         self.staleness_hist = Counter({int(k): int(v) for k, v in state["staleness_hist"].items()})
 
     def save(self, path: str | Path) -> Path:
-        """Write `state_dict` as JSON atomically (temporary file in the same folder, then rename)."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.state_dict(), f, ensure_ascii=False)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return p
+        """Write `state_dict` as JSON atomically (`k3post.io.atomic_write`)."""
+        return atomic_write(path, json.dumps(self.state_dict(), ensure_ascii=False))
 
     def load(self, path: str | Path) -> None:
         """Restore a state written by `save`."""

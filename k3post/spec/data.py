@@ -6,7 +6,7 @@ sampled turns, the environment's replies), with ``mask`` True where the target s
 is trained to predict those positions, and sees the rest as context.
 
 Files are JSONL, one sample a line, ``{"ids": [...], "mask": [0/1, ...], "family": str, "effort": str}``,
-written atomically (`k3post.data.write_jsonl`) so a killed run re-generates or reuses a whole file.
+written atomically (`k3post.io.write_jsonl`) so a killed run re-generates or reuses a whole file.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3post.data import json_line, write_jsonl
 from k3post.envs.families.streams import train_tasks
+from k3post.io import json_line, write_jsonl
 from k3post.rollout.evaluation import run_episodes
 
 __all__ = ["DraftSample", "target_generations", "save_samples", "load_samples", "token_counts"]
@@ -67,8 +67,8 @@ def target_generations(
 
 def save_samples(samples: Sequence[DraftSample], path: str | Path) -> Path:
     """Write samples as JSONL (atomic)."""
-    return write_jsonl([{"ids": s.ids, "mask": [int(m) for m in s.mask], "family": s.family, "effort": s.effort}
-                        for s in samples], path)
+    return write_jsonl(path, [{"ids": s.ids, "mask": [int(m) for m in s.mask], "family": s.family, "effort": s.effort}
+                              for s in samples])
 
 
 def load_samples(path: str | Path) -> list[DraftSample]:

@@ -23,7 +23,7 @@ _EXPORTS: dict[str, str] = {
     "builtin_families": "k3post.synth.pipeline",
     "count_sample_tokens": "k3post.synth.pipeline",
     "find_family": "k3post.synth.pipeline",
-    "read_jsonl": "k3post.synth.pipeline",
+    "read_jsonl": "k3post.io",
     "replay_sample": "k3post.synth.pipeline",
     "sft_record": "k3post.synth.pipeline",
     "synth_from_config": "k3post.synth.pipeline",

@@ -539,7 +539,7 @@ def _stage_novel(c: Mapping[str, Any], store: FactStore, docs: Docs, seen: dict[
 
 def _stage_verifies(c: Mapping[str, Any], store: FactStore, docs: Docs, seen: dict[str, set]) -> StageResult:
     from k3post.envs.episode import run_episode_sync
-    from k3post.envs.families.agents import SEARCH
+    from k3post.envs.families.agents.family import SEARCH
 
     task = SEARCH.synth_task({**c, "docs": dict(docs)}, str(c["id"]))
     ep = run_episode_sync(SEARCH.reference_policy(task, "low"), SEARCH.make_env(task), task)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from k3post.errors import UserError, user_input
+from k3post.io import read_jsonl, write_jsonl
 from k3post.yamlio import read_yaml_mapping
 
 __all__ = ["MixConfig", "group_key", "group_weight", "allocate", "mix", "mix_files", "load_mix_config"]
@@ -118,8 +119,6 @@ def mix_files(
     inputs: Sequence[str | Path], out: str | Path, weights: Mapping[str, float] | None = None, n: int | None = None, seed: int = 0
 ) -> tuple[Path, dict[str, int]]:
     """Mix the samples of JSONL ``inputs`` into ``out`` (atomically); returns the path and per-group counts."""
-    from k3post.synth.pipeline import read_jsonl, write_jsonl_atomic
-
     if not inputs:
         raise UserError("mix: no input files given")
     samples: list[dict[str, Any]] = []
@@ -127,7 +126,7 @@ def mix_files(
         for p in inputs:
             samples += read_jsonl(p)
         mixed = mix(samples, weights, n, seed)
-    return write_jsonl_atomic(mixed, out), dict(sorted(Counter(group_key(s) for s in mixed).items()))
+    return write_jsonl(out, mixed), dict(sorted(Counter(group_key(s) for s in mixed).items()))
 
 
 def load_mix_config(path: str | Path) -> MixConfig:

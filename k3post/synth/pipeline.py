@@ -45,20 +45,18 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
-import importlib
 import json
 import logging
-import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3post.data import MalformedLineError, json_line
 from k3post.envs.env import count_tokens
 from k3post.envs.episode import run_episode, run_episode_sync
-from k3post.envs.task import DOMAINS, Task
+from k3post.envs.task import Task
+from k3post.io import atomic_write, read_jsonl, write_jsonl
 from k3post.synth.teachers import EFFORTS, ReferenceTeacher, Teacher
 from k3post.synth.verify import Funnel, Judge, VerifyConfig, VerifyContext, verify_samples
 
@@ -72,8 +70,6 @@ __all__ = [
     "synthesize",
     "replay_sample",
     "sft_record",
-    "read_jsonl",
-    "write_jsonl_atomic",
     "verify_and_route",
     "build_sft_dataset",
     "synth_from_config",
@@ -119,44 +115,35 @@ def _registry() -> Any:
 def find_family(name: str) -> Any:
     """The registered family ``name``.
 
-    Works while some built-in family modules are still missing: on ImportError from the full
-    registry load it imports only ``k3post.envs.families.<domain>`` of the name's domain.
-    Raises ValueError for an unknown name.
+    Works while some built-in family modules cannot be imported: on ImportError from the full registry load it
+    loads the modules that do import (`registry.load_builtin` with ``skip_broken``). Raises ValueError for an
+    unknown name.
     """
     reg = _registry()
     try:
         return reg.get_family(name)
     except ImportError:
-        domain = name.split(".", 1)[0]
-        if domain in DOMAINS:
-            try:
-                importlib.import_module(f"k3post.envs.families.{domain}")
-            except ImportError as e:
-                raise ValueError(f"task family {name!r}: its module k3post.envs.families.{domain} cannot be imported: {e}") from e
-        fams = getattr(reg, "_FAMILIES", {})
+        notes = reg.load_builtin(skip_broken=True)
+        fams = reg._FAMILIES
         if name not in fams:
-            raise ValueError(f"unknown task family {name!r}; available: {sorted(fams)}") from None
+            raise ValueError(f"unknown task family {name!r}; available: {sorted(fams)} ({'; '.join(notes)})") from None
         return fams[name]
 
 
 def builtin_families(domain: str | None = None) -> list[Any]:
     """The built-in families (of ``domain``) synthesis uses by default, sorted by name: ``default_families``, i.e.
     without the opt-in kinds (`OPT_IN_KINDS`; AET reference episodes are near-duplicates of each other by design, the same
-    program over other data; name them to synthesise them). Domain modules that fail to import are skipped with
+    program over other data; name them to synthesise them). Family modules that fail to import are skipped with
     a warning."""
     reg = _registry()
     try:
         return list(reg.default_families(domain))
     except ImportError as e:
         log.warning("not every built-in family module imports (%s); using those that do", e)
-    for d in DOMAINS if domain is None else (domain,):
-        try:
-            importlib.import_module(f"k3post.envs.families.{d}")
-        except ImportError as e:
-            log.warning("skipping %s families: %s", d, e)
-    fams = getattr(reg, "_FAMILIES", {})
-    return [f for n, f in sorted(fams.items())
-            if (domain is None or f.domain == domain) and getattr(f, "kind", "") not in getattr(reg, "OPT_IN_KINDS", ())]
+    for note in reg.load_builtin(skip_broken=True):
+        log.warning("skipping families: %s", note)
+    return [f for n, f in sorted(reg._FAMILIES.items())
+            if (domain is None or f.domain == domain) and getattr(f, "kind", "") not in reg.OPT_IN_KINDS]
 
 
 def _resolve_families(families: Sequence[Any] | None) -> list[Any]:
@@ -196,51 +183,6 @@ def sample_id(teacher: str, family: str, task_id: str, effort: str, seed: int, d
     """A short stable id: ``s-`` + 12 hex digits of SHA-256 over the provenance."""
     h = hashlib.sha256(f"{teacher}|{family}|{task_id}|{effort}|{seed}|{difficulty}".encode()).hexdigest()
     return f"s-{h[:12]}"
-
-
-def read_jsonl(path: str | Path, *, repair: bool = False) -> list[dict[str, Any]]:
-    """Records of a JSONL file. A malformed line is a ValueError naming ``path:line``, except a torn
-    last line (a crash mid-write) when ``repair`` is set: it is dropped and the file truncated."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{p}: file not found")
-    out: list[dict[str, Any]] = []
-    raw = p.read_bytes()
-    lines = raw.split(b"\n")
-    offset = 0
-    for lineno, line in enumerate(lines, 1):
-        start = offset
-        offset += len(line) + 1
-        if not line.strip():
-            continue
-        try:
-            rec = json_line(line, f"{p}:{lineno}")
-        except MalformedLineError as e:
-            # no trailing newline: the write was cut short (possibly inside a multi-byte character)
-            if repair and lineno == len(lines):
-                log.warning("dropping a torn last line (%s)", e)
-                with p.open("r+b") as fh:
-                    fh.truncate(start)
-                break
-            raise
-        if not isinstance(rec, dict):
-            raise ValueError(f"{p}:{lineno}: a record must be a JSON object, got {type(rec).__name__}")
-        out.append(rec)
-    return out
-
-
-def write_jsonl_atomic(records: Iterable[Mapping[str, Any]], path: str | Path) -> Path:
-    """Write records to ``path`` through a temp file + fsync + rename (never half a file)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        for r in records:
-            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.replace(p)
-    return p
 
 
 def sft_record(sample: Mapping[str, Any]) -> dict[str, Any]:
@@ -433,10 +375,10 @@ def verify_and_route(
     accepted = queue.accepted_samples()
     kept_ids = {s["id"] for s in rep.kept}
     records = [sft_record(s) for s in rep.kept] + [sft_record(s) for s in accepted if s.get("id") not in kept_ids]
-    write_jsonl_atomic(records, outp)
-    write_jsonl_atomic(
-        [{"id": s.get("id"), "family": s.get("family"), "effort": s.get("effort"), "rejected_by": f, "messages": s.get("messages")} for s, f in rep.rejected],
+    write_jsonl(outp, records)
+    write_jsonl(
         _sibling(outp, ".rejected.jsonl"),
+        [{"id": s.get("id"), "family": s.get("family"), "effort": s.get("effort"), "rejected_by": f, "messages": s.get("messages")} for s, f in rep.rejected],
     )
     summary = rep.funnel.to_dict()
     summary["review_queue"] = str(queue.root)
@@ -444,9 +386,7 @@ def verify_and_route(
     summary["accepted_from_review"] = len(records) - len(rep.kept)
     summary["written"] = len(records)
     funnel_path = _sibling(outp, ".funnel.json")
-    tmp = funnel_path.with_name(funnel_path.name + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=1, ensure_ascii=False))
-    tmp.replace(funnel_path)
+    atomic_write(funnel_path, json.dumps(summary, indent=1, ensure_ascii=False))
     return outp, rep.funnel
 
 
@@ -518,5 +458,5 @@ def synth_from_config(
         review_dir=review_dir,
     )
     if cfg.mix_weights or cfg.mix_n:
-        write_jsonl_atomic(mix(read_jsonl(path), cfg.mix_weights, cfg.mix_n or None, seed), path)
+        write_jsonl(path, mix(read_jsonl(path), cfg.mix_weights, cfg.mix_n or None, seed))
     return path, funnel

@@ -42,7 +42,7 @@ from typing import Any
 from filelock import FileLock
 
 from k3post.errors import UserError
-from k3post.jsonl import MalformedLineError, read_values, repair_tail
+from k3post.io import MalformedLineError, append_jsonl, atomic_write, read_values, write_jsonl
 
 __all__ = ["ReviewQueue", "DECISIONS", "STATUSES", "default_reviewer", "reverify", "render_item_plain", "render_item_rich"]
 
@@ -66,13 +66,8 @@ def default_reviewer() -> str:
         return "unknown"
 
 
-def _atomic_write(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        json.dump(data, fh, ensure_ascii=False, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.replace(path)
+def _write_item(path: Path, data: Any) -> None:
+    atomic_write(path, json.dumps(data, ensure_ascii=False, indent=1))
 
 
 def reverify(sample: Mapping[str, Any], tokenizer: Any = None) -> list[dict[str, str]]:
@@ -177,16 +172,12 @@ class ReviewQueue:
         with self.lock:
             p = self.items_dir / f"{item_id}.json"
             if not p.exists():
-                _atomic_write(p, {"id": item_id, "sample": dict(sample), "flags": [dict(f) for f in flags], "added": _now(), "edits": []})
+                _write_item(p, {"id": item_id, "sample": dict(sample), "flags": [dict(f) for f in flags], "added": _now(), "edits": []})
         return item_id
 
     def _append(self, entry: Mapping[str, Any]) -> None:
         """Append one decision record (under the lock): the single step that commits a decision."""
-        repair_tail(self.log_path)
-        with self.log_path.open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps(entry, ensure_ascii=False) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        append_jsonl(self.log_path, entry)
 
     def _check_open(self, item_id: str, log: Sequence[Mapping[str, Any]], force: bool) -> str:
         mine = [d for d in log if d.get("id") == item_id]
@@ -293,15 +284,15 @@ class ReviewQueue:
             ]
             stored["sample"] = sample
             self._append(entry)
-            _atomic_write(self.items_dir / f"{item_id}.json", stored)
+            _write_item(self.items_dir / f"{item_id}.json", stored)
         path.unlink(missing_ok=True)
         return entry
 
     def export(self, out: str | Path) -> Path:
         """Write the accepted samples as SFT records (`k3post.synth.pipeline.sft_record`) to ``out``."""
-        from k3post.synth.pipeline import sft_record, write_jsonl_atomic
+        from k3post.synth.pipeline import sft_record
 
-        return write_jsonl_atomic([sft_record(s) for s in self.accepted_samples()], out)
+        return write_jsonl(out, [sft_record(s) for s in self.accepted_samples()])
 
     # ------------------------------------------------------------------ display
 

@@ -302,7 +302,7 @@ class WritingRuleJudge:
 
     def judge(self, sample: Mapping[str, Any]) -> JudgeResult:
         """Score the final response of a writing sample."""
-        from k3post.envs.families.general import writing_format_check
+        from k3post.envs.families.general.family import writing_format_check
 
         task = sample.get("task") or {}
         meta = task.get("metadata") or {}

@@ -89,7 +89,7 @@ def cmd_tasks_sample(ns: argparse.Namespace) -> int:
     if ns.synth_tasks:
         if ns.family != "agents.search":
             raise UserError("--synth-tasks: only agents.search draws from a synthesised set")
-        from k3post.envs.families.agents import SEARCH
+        from k3post.envs.families.agents.family import SEARCH
 
         try:
             SEARCH.use_synth_tasks(ns.synth_tasks)

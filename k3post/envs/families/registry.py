@@ -12,6 +12,7 @@ and a set of wrong or hacky policies that must all score 0.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from k3post.constants import EFFORTS
@@ -49,9 +50,17 @@ class TaskFamily(Protocol):
 
 _FAMILIES: dict[str, TaskFamily] = {}
 
+BUILTIN_MODULES: tuple[str, ...] = ("general", "agents", "coding", "aet", "workflows", "research", "kernel", "visual", "webdev")
+"""The built-in families, declared here and nowhere else: one folder each under ``k3post/envs/families/``, whose
+``family.py`` registers them when imported (`register_family` at its end). The registry imports none of them at import time (it sits at the
+bottom: the families import it); the first question about the registered families (`get_family`, `families`, ...)
+imports each by name (`load_builtin`)."""
+
 OPT_IN_KINDS = ("aet", "workflow", "research", "kernel", "visual", "webdev")
 """Family ``kind`` values left out of `default_families`: AET, professional workflows and deep research (issue 21),
 kernel optimisation, visual reasoning and web development (issue 22)."""
+
+_loaded = False
 
 
 def register_family(family: TaskFamily) -> TaskFamily:
@@ -67,13 +76,35 @@ def register_family(family: TaskFamily) -> TaskFamily:
     return family
 
 
-def _load_builtin() -> None:
-    # importing the modules registers their families
-    from k3post.envs.families import aet_families, agents, coding, general, kernel, research, visual, webdev, workflows  # noqa: F401
+def builtin_module(name: str) -> str:
+    """The dotted module that registers the built-in families of the folder ``name`` (one of `BUILTIN_MODULES`)."""
+    if name not in BUILTIN_MODULES:
+        raise ValueError(f"unknown built-in family module {name!r}; expected one of {BUILTIN_MODULES}")
+    return f"k3post.envs.families.{name}.family"
+
+
+def load_builtin(*, skip_broken: bool = False) -> list[str]:
+    """Import every module of `BUILTIN_MODULES` (once; importing registers its families). A module that fails
+    to import raises, unless ``skip_broken``: then it is skipped and the returned notes say which and why (the
+    families of the others are registered; the next call tries the failed ones again)."""
+    global _loaded
+    if _loaded:
+        return []
+    notes: list[str] = []
+    for name in BUILTIN_MODULES:
+        try:
+            importlib.import_module(builtin_module(name))
+        except Exception as e:  # noqa: BLE001 - with skip_broken, any failure of a family module is noted, not fatal
+            if not skip_broken:
+                raise
+            notes.append(f"{builtin_module(name)} cannot be imported: {type(e).__name__}: {e}")
+    _loaded = not notes
+    return notes
 
 
 def get_family(name: str) -> TaskFamily:
-    _load_builtin()
+    """The registered family ``name``; ValueError (with the closest known name) for an unknown one."""
+    load_builtin()
     if name not in _FAMILIES:
         import difflib
 
@@ -85,13 +116,10 @@ def get_family(name: str) -> TaskFamily:
 
 def families(domain: str | None = None) -> list[TaskFamily]:
     """All registered families, optionally of one domain, sorted by name."""
-    _load_builtin()
+    load_builtin()
     if domain is not None and domain not in DOMAINS:
         raise ValueError(f"unknown domain '{domain}'; expected one of {DOMAINS}")
     return [f for n, f in sorted(_FAMILIES.items()) if domain is None or f.domain == domain]
-
-
-"""Family kinds left out of `default_families` (named explicitly to be used)."""
 
 
 def default_families(domain: str | None = None) -> list[TaskFamily]:

@@ -52,18 +52,18 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from k3post.envs.env import EpisodeLimits, StepResult, ToolEnvironment
-from k3post.envs.families.coding import (
-    SandboxState,
-    _call,
-    _clip,
-    _format_run,
-    _last_tool_outputs,
-    _reply,
-    _scripted,
-    _TOOLS,
-)
 from k3post.envs.families.common import FamilyBase, check_effort
 from k3post.envs.sandbox import Sandbox, SandboxLimits
+from k3post.envs.sandbox_tools import (
+    TOOLS,
+    SandboxState,
+    clip,
+    format_run,
+    last_tool_outputs,
+    reply,
+    script_call,
+    scripted,
+)
 from k3post.envs.task import FinalState, Task, Verdict, register_verifier
 from k3post.envs.tools import ToolContext, ToolSpec
 
@@ -73,6 +73,7 @@ __all__ = [
     "AETEnvironment",
     "PUBLIC_CHECKS",
     "evaluate",
+    "final_state",
     "verification_tree",
     "verify_aet",
 ]
@@ -116,7 +117,7 @@ class AETState(SandboxState):
         return state
 
 
-def _final(state: Any) -> tuple[dict[str, str], int, bool]:
+def final_state(state: Any) -> tuple[dict[str, str], int, bool]:
     """(files, submissions, over_budget) of a final state: an `AETState` or its `to_json` form."""
     if isinstance(state, AETState):
         return state.files(), state.submissions, state.over_budget
@@ -152,13 +153,13 @@ def _mismatch(expected: Mapping[str, Any], obs: Mapping[str, Any]) -> str | None
     if "rc" in expected and obs.get("rc") != expected["rc"]:
         return f"exit code {obs.get('rc')}, expected {expected['rc']}"
     if "stdout" in expected and _norm(obs.get("stdout")) != _norm(expected["stdout"]):
-        return f"stdout {_clip(str(obs.get('stdout')), 300)!r}, expected {_clip(expected['stdout'], 300)!r}"
+        return f"stdout {clip(str(obs.get('stdout')), 300)!r}, expected {clip(expected['stdout'], 300)!r}"
     for path, want in expected.get("files", {}).items():
         got = obs.get("files", {}).get(path)
         if not _same_file(path, got, want):
             if want is None:
                 return f"{path} should not exist"
-            return f"{path} is missing" if got is None else f"{path} is {_clip(got, 300)!r}, expected {_clip(want, 300)!r}"
+            return f"{path} is missing" if got is None else f"{path} is {clip(got, 300)!r}, expected {clip(want, 300)!r}"
     for d, want in expected.get("list", {}).items():
         got = obs.get("list", {}).get(d)
         if got != want:
@@ -261,7 +262,7 @@ def _run_command(ctx: ToolContext, command: str, stdin: str = "") -> str:
     argv = shlex.split(command)
     if not argv:
         raise ValueError("empty command")
-    return _format_run(_aet_state(ctx).sandbox.run(argv, stdin=stdin, timeout=AGENT_LIMITS.wall_s))
+    return format_run(_aet_state(ctx).sandbox.run(argv, stdin=stdin, timeout=AGENT_LIMITS.wall_s))
 
 
 def _submit(ctx: ToolContext) -> str:
@@ -280,7 +281,7 @@ def _submit(ctx: ToolContext) -> str:
 _S = {"type": "object", "additionalProperties": False}
 TOOL_NAMES = ("list_files", "read_file", "write_file", "edit_file", "delete_file", "run_command", "run_python", "submit")
 _LIBRARY: dict[str, ToolSpec] = {
-    **{n: _guarded(_TOOLS[n]) for n in TOOL_NAMES[:5] + ("run_python",)},
+    **{n: _guarded(TOOLS[n]) for n in TOOL_NAMES[:5] + ("run_python",)},
     "run_command": ToolSpec(
         "run_command", "Run a command in the working directory (e.g. `python tool.py --flag 1`), optional stdin text; "
         "returns exit code, stdout, stderr.",
@@ -316,7 +317,7 @@ def verify_aet(task: Task, final: FinalState) -> Verdict:
     md = task.metadata
     if "writable" not in md:  # a task generated before issue 30: its family's rule
         md = {**md, "writable": _WRITABLE.get(task.family)}
-    files, submissions, over = _final(final.state)
+    files, submissions, over = final_state(final.state)
     hidden, weak = evaluate(md, files, md["hidden"])
     public, weak_p = evaluate(md, files, md["public"])
     n_ok = sum(r is None for r in hidden)
@@ -433,11 +434,11 @@ class AETFamily(FamilyBase):
         turns.append((submit_why, [("submit", {})]))
 
         def final(messages: list[dict[str, Any]]) -> dict[str, Any]:
-            summary = next((o.splitlines()[0] for o in _last_tool_outputs(messages) if "public scenarios passed" in o), "")
+            summary = next((o.splitlines()[0] for o in last_tool_outputs(messages) if "public scenarios passed" in o), "")
             reasoning = {"low": "", "high": f"{summary}.",
                          "max": f"The public verifier says: {summary}. The implementation follows the whole "
                                 "specification, edge cases included, so I stop here."}[effort]
-            return _reply(reasoning, "Done.")
+            return reply(reasoning, "Done.")
 
         return _script(turns, final)
 
@@ -464,7 +465,7 @@ class AETFamily(FamilyBase):
         out = {}
         for name, turns in self.wrong_turns(task).items():
             claim = "" if name == "empty" else "I completed the task: all public and hidden scenarios pass."
-            out[name] = _script(turns, lambda messages, claim=claim: _reply("", claim))
+            out[name] = _script(turns, lambda messages, claim=claim: reply("", claim))
         return out
 
 
@@ -474,7 +475,7 @@ def _script(turns: Sequence[Turn], final: Callable[[list[dict[str, Any]]], dict[
     def steps(turn: int, messages: list[dict[str, Any]]) -> dict[str, Any]:
         if turn < len(turns):
             reasoning, calls = turns[turn]
-            return _reply(reasoning, "", [_call(turn, k + 1, name, **args) for k, (name, args) in enumerate(calls)])
+            return reply(reasoning, "", [script_call(turn, k + 1, name, **args) for k, (name, args) in enumerate(calls)])
         return final(messages)
 
-    return _scripted(steps)
+    return scripted(steps)

@@ -12,7 +12,7 @@ wording, columns, sort and filter rules):
   ``observe`` step paired with the expected DOM state, which stays on the host;
 * ``check(spec, expect, state)``: the first mismatch between an expected and an observed state, in words;
 * ``layout(spec)``: the key elements and the relations (``above`` / ``left`` / ``line`` / ``column``) the
-  layout metric compares with the reference rendering (`webdev_browser.layout_failures`);
+  layout metric compares with the reference rendering (`browser.layout_failures`);
 * ``hacks(spec, public)``: adversarial pages that fake the checked state, ignore inputs or break the layout.
 
 Values compared with the page are whitespace-normalised (runs of whitespace to one space, trimmed).

@@ -13,7 +13,7 @@
     documents).
 
 ``agents.assistant`` (verifiable, rewarded on the final app state)
-    Mock mail, calendar and docs apps (`k3post.envs.families.apps`) over a work week. A contact
+    Mock mail, calendar and docs apps (`k3post.envs.families.agents.apps`) over a work week. A contact
     emails a request: move a meeting to a proposed time (difficulty >= 2: "at T1, or T2 if T1 is
     taken", and T1 clashes with another event), cancel a meeting, or answer a question from a
     document. The verifier reads only the final state: the calendar must equal the expected
@@ -33,7 +33,7 @@ import re
 from typing import Any
 
 from k3post.envs.env import EpisodeLimits, ToolEnvironment
-from k3post.envs.families.apps import APP_TOOLS, hhmm, minutes, overlaps, weekday
+from k3post.envs.families.agents.apps import APP_TOOLS, hhmm, minutes, overlaps, weekday
 from k3post.envs.families.common import (
     FamilyBase,
     assistant,
@@ -44,6 +44,7 @@ from k3post.envs.families.common import (
 )
 from k3post.envs.families.kg import CHAINS, KnowledgeGraph, bm25_search, build_graph, first_sentence, lexicon as kg_lexicon, relation_phrase
 from k3post.envs.families.registry import register_family
+from k3post.io import read_jsonl
 from k3post.envs.task import FinalState, Task, Verdict, register_verifier
 from k3post.envs.tools import ToolContext, ToolSpec
 
@@ -211,8 +212,6 @@ class SearchFamily(FamilyBase):
         if not path:
             self.synth_records = None
             return
-        from k3post.synth.pipeline import read_jsonl
-
         recs = read_jsonl(path)
         for k, r in enumerate(recs, 1):
             missing = {"id", "type", "question", "answer", "evidence", "docs"} - set(r)

@@ -5,7 +5,7 @@ namespace that dies with the run) holding the agent's files, and runs `DRIVER` t
 ``/usr/bin/python3``: it starts Debian's ``chromedriver`` and ``chromium`` (headless) through Debian's
 ``python3-selenium``, loads the agent's page from ``file:///sandbox/...`` and plays the host's plan. The plan
 (the hidden inputs to type, the clicks, which DOM states to read) arrives on stdin, which the driver closes
-after reading; expected outcomes never enter the sandbox, the host compares (`k3post.envs.families.webdev`).
+after reading; expected outcomes never enter the sandbox, the host compares (`k3post.envs.families.webdev.family`).
 
 Inside the sandbox Chromium runs with ``--no-sandbox``: its own setuid / user-namespace sandbox cannot start
 inside bubblewrap (bwrap runs the command with ``--disable-userns`` and no privileges), and the bwrap sandbox

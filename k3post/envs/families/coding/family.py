@@ -4,7 +4,7 @@ Both run model-written code only in the sandbox (`k3post.envs.sandbox`) and scor
 files, never the transcript.
 
 ``coding.write_function``
-    Write ``solution.py`` defining one function (from `coding_problems.FN_TEMPLATES`,
+    Write ``solution.py`` defining one function (from `problems.FN_TEMPLATES`,
     difficulty 1-3 = template complexity). The prompt shows the signature, the statement and 3
     public examples. Tools: ``write_file``, ``read_file``, ``run_python`` and ``run_tests``
     (public examples only). The episode ends with a reply without tool calls; the submission is
@@ -15,7 +15,7 @@ files, never the transcript.
     metadata, never inside any sandbox). Reward 1 iff every hidden test passes.
 
 ``coding.bugfix``
-    A tiny repo (2 modules + a test module, `coding_problems.REPO_TEMPLATES`) with one injected
+    A tiny repo (2 modules + a test module, `problems.REPO_TEMPLATES`) with one injected
     bug (off-by-one, wrong operator, wrong variable) that makes a visible test fail. Difficulty
     1: the bug is in the module the tests exercise; 2: in the helper module it imports; 3: in
     the helper, and the visible tests only call the top module. Tools: ``list_files``,
@@ -33,7 +33,6 @@ score 0 (`TaskFamily.wrong_policies`).
 
 from __future__ import annotations
 
-import base64
 import copy
 import json
 import random
@@ -44,7 +43,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from k3post.envs.env import EpisodeLimits, ToolEnvironment
-from k3post.envs.families.coding_problems import (
+from k3post.envs.families.coding.problems import (
     CALL_RUNNER,
     FN_TEMPLATES,
     REPO_TEMPLATES,
@@ -56,13 +55,28 @@ from k3post.envs.families.coding_problems import (
     encode_value,
     load_modules,
 )
-from k3post.envs.families.registry import EFFORTS, register_family
-from k3post.envs.sandbox import Sandbox, SandboxLimits
+from k3post.envs.families.common import check_effort
+from k3post.envs.families.registry import register_family
+from k3post.envs.sandbox import Sandbox
+from k3post.envs.sandbox_tools import (
+    RUN_LIMITS,
+    RUN_TIMEOUT_S,
+    TOOLS,
+    SandboxState,
+    clip,
+    format_run,
+    last_tool_outputs,
+    make_env,
+    py_files,
+    reply,
+    script_call,
+    scripted,
+    tool_state,
+)
 from k3post.envs.task import FinalState, Task, Verdict, register_verifier
 from k3post.envs.tools import ToolContext, ToolSpec
 
 __all__ = [
-    "SandboxState",
     "WriteFunctionFamily",
     "BugfixFamily",
     "WRITE_FUNCTION",
@@ -72,81 +86,11 @@ __all__ = [
     "verify_bugfix",
 ]
 
-RUN_LIMITS = SandboxLimits(cpu_s=5.0, wall_s=10.0, memory_bytes=1024**3, max_output_bytes=256 * 1024)
-"""Limits of every sandboxed run (agent tools and verification)."""
-RUN_TIMEOUT_S = 10.0
-MAX_FILE_CHARS = 100_000
-MAX_FILES = 32
-MAX_OBS_CHARS = 4000
 SOLUTION = "solution.py"
 _PY = ("python", "-I", "-B", "-")  # isolated (no cwd / env / user site on sys.path), no .pyc, script on stdin
 
 
-# --------------------------------------------------------------------------- per-episode state
-
-
-class SandboxState:
-    """The per-episode state of a coding environment: one sandbox working directory.
-
-    Serialises as ``{"snapshot": base64 tar.gz of the workdir}`` (`to_json` / `from_json`), so a
-    paused episode resumes with exactly the files it had.
-    """
-
-    def __init__(self, files: Mapping[str, str] | None = None) -> None:
-        """Args: files: initial files (relative path -> text) written into a fresh sandbox."""
-        self.sandbox = Sandbox(limits=RUN_LIMITS)
-        for path, text in (files or {}).items():
-            self.sandbox.write_file(path, text)
-
-    def files(self) -> dict[str, str]:
-        """The workdir's ``.py`` files (path -> text), ``__pycache__`` excluded, at most `MAX_FILES`."""
-        return _py_files({p: self.sandbox.read_file(p) for p in self.sandbox.list_files() if _is_source(p)})
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON form: the workdir snapshot, base64."""
-        return {"snapshot": base64.b64encode(self.sandbox.snapshot()).decode("ascii")}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "SandboxState":
-        """A new sandbox restored from `to_json` output."""
-        if not isinstance(data, Mapping) or not isinstance(data.get("snapshot"), str):
-            raise ValueError("a SandboxState needs {'snapshot': base64 string}")
-        state = cls()
-        state.sandbox.restore(base64.b64decode(data["snapshot"]))
-        return state
-
-    def close(self) -> None:
-        """Remove the sandbox's working directory."""
-        self.sandbox.close()
-
-
-def final_text_files(state: Any, keep: Callable[[str], bool], who: str) -> dict[str, str]:
-    """The files (path -> text, sorted) whose path passes ``keep``, of a `SandboxState`, its JSON form
-    ``{"snapshot": ...}`` or ``{"files": {path: text}}``; ``who`` names the caller in the error."""
-    if isinstance(state, Mapping) and isinstance(state.get("snapshot"), str):
-        restored = SandboxState.from_json(state)
-        try:
-            return final_text_files(restored, keep, who)
-        finally:
-            restored.close()
-    if isinstance(state, SandboxState):
-        sb = state.sandbox
-        files = {p: sb.read_file(p) for p in sb.list_files() if keep(p)}
-    elif isinstance(state, Mapping) and isinstance(state.get("files"), Mapping):
-        files = {str(k): str(v) for k, v in state["files"].items()}
-    else:
-        raise ValueError(f"{who}: final state must be a SandboxState or {{'files': ...}}, got {type(state).__name__}")
-    return {p: t for p, t in sorted(files.items()) if keep(p)}
-
-
-def _is_source(path: str) -> bool:
-    parts = PurePosixPath(path).parts
-    return path.endswith(".py") and "__pycache__" not in parts
-
-
-def _py_files(files: Mapping[str, str]) -> dict[str, str]:
-    out = {p: t for p, t in sorted(files.items()) if _is_source(p) and len(t) <= MAX_FILE_CHARS}
-    return dict(list(out.items())[:MAX_FILES])
+# --------------------------------------------------------------------------- final files
 
 
 def _final_files(state: Any) -> dict[str, str]:
@@ -154,7 +98,7 @@ def _final_files(state: Any) -> dict[str, str]:
     if isinstance(state, SandboxState):
         return state.files()
     if isinstance(state, Mapping) and isinstance(state.get("files"), Mapping):
-        return _py_files({str(k): str(v) for k, v in state["files"].items()})
+        return py_files({str(k): str(v) for k, v in state["files"].items()})
     if isinstance(state, Mapping) and isinstance(state.get("snapshot"), str):
         restored = SandboxState.from_json(state)
         try:
@@ -224,78 +168,11 @@ def _verify_in_fresh_sandbox(files: Mapping[str, str], cases: Sequence[Mapping[s
 # --------------------------------------------------------------------------- tools
 
 
-def _clip(text: str, limit: int = MAX_OBS_CHARS) -> str:
-    return text if len(text) <= limit else text[:limit] + f"\n... [{len(text) - limit} more characters]"
-
-
-def _state(ctx: ToolContext) -> SandboxState:
-    if not isinstance(ctx.state, SandboxState):
-        raise ValueError("this tool needs a coding environment state")
-    return ctx.state
-
-
-def _write_file(ctx: ToolContext, path: str, content: str) -> str:
-    """Create or overwrite a text file in the working directory."""
-    if len(content) > MAX_FILE_CHARS:
-        raise ValueError(f"content is {len(content)} characters; the limit is {MAX_FILE_CHARS}")
-    sb = _state(ctx).sandbox
-    if path not in sb.list_files() and len(sb.list_files()) >= MAX_FILES:
-        raise ValueError(f"the working directory already holds {MAX_FILES} files")
-    sb.write_file(path, content)
-    return f"Wrote {len(content.splitlines())} lines to {path}."
-
-
-def _read_file(ctx: ToolContext, path: str) -> str:
-    """Return a text file of the working directory."""
-    return _clip(_state(ctx).sandbox.read_file(path), 3 * MAX_OBS_CHARS)
-
-
-def _list_files(ctx: ToolContext) -> str:
-    """List the files of the working directory."""
-    files = [p for p in _state(ctx).sandbox.list_files() if "__pycache__" not in PurePosixPath(p).parts]
-    return "\n".join(files) if files else "(no files)"
-
-
-def _edit_file(ctx: ToolContext, path: str, old: str, new: str) -> str:
-    """Replace the unique occurrence of ``old`` in a file with ``new``."""
-    sb = _state(ctx).sandbox
-    text = sb.read_file(path)
-    n = text.count(old) if old else 0
-    if n != 1:
-        raise ValueError(f"`old` must occur exactly once in {path}; it occurs {n} times")
-    sb.write_file(path, text.replace(old, new, 1))
-    return f"Edited {path}: replaced 1 occurrence."
-
-
-def _delete_file(ctx: ToolContext, path: str) -> str:
-    """Delete a file of the working directory."""
-    sb = _state(ctx).sandbox
-    if path not in sb.list_files():
-        raise ValueError(f"no such file: {path!r}")
-    (sb.workdir / PurePosixPath(path)).unlink()
-    return f"Deleted {path}."
-
-
-def _format_run(res: Any) -> str:
-    parts = [f"exit code {res.returncode}" + (f" ({res.killed_reason})" if res.killed_reason else "")]
-    if res.stdout:
-        parts.append("stdout:\n" + res.stdout)
-    if res.stderr:
-        parts.append("stderr:\n" + res.stderr)
-    return _clip("\n".join(parts))
-
-
-def _run_python(ctx: ToolContext, code: str) -> str:
-    """Run a Python snippet in the working directory (it can import solution)."""
-    res = _state(ctx).sandbox.run(["python", "-B", "-"], stdin=code, timeout=RUN_TIMEOUT_S)
-    return _format_run(res)
-
-
 def _run_public_tests(ctx: ToolContext) -> str:
     """Check solution.py against the public examples of the prompt."""
     assert ctx.task is not None
     cases = ctx.task.metadata["public"]
-    sb = _state(ctx).sandbox
+    sb = tool_state(ctx).sandbox
     if SOLUTION not in sb.list_files():
         return f"FAIL: {SOLUTION} does not exist yet. Write it with write_file."
     results, why = run_calls(sb, cases)
@@ -316,81 +193,22 @@ def _run_public_tests(ctx: ToolContext) -> str:
 
 def _run_repo_tests(ctx: ToolContext) -> str:
     """Run the repo's test_*.py modules with the plain runner."""
-    res = _state(ctx).sandbox.run(list(_PY), stdin=TEST_RUNNER, timeout=RUN_TIMEOUT_S)
+    res = tool_state(ctx).sandbox.run(list(_PY), stdin=TEST_RUNNER, timeout=RUN_TIMEOUT_S)
     if res.returncode == 0 and res.killed_reason is None:
-        return _clip(res.stdout)
-    return _format_run(res)
+        return clip(res.stdout)
+    return format_run(res)
 
 
-_PATH = {"type": "string", "description": "Path relative to the working directory."}
-_S = {"type": "object", "additionalProperties": False}
-_TOOLS: dict[str, ToolSpec] = {
-    t.name: t
-    for t in (
-        ToolSpec("write_file", "Create or overwrite a text file in the working directory.",
-                 {**_S, "properties": {"path": _PATH, "content": {"type": "string"}}, "required": ["path", "content"]},
-                 handler=_write_file),
-        ToolSpec("read_file", "Read a text file of the working directory.",
-                 {**_S, "properties": {"path": _PATH}, "required": ["path"]}, read_only=True, handler=_read_file),
-        ToolSpec("list_files", "List the files of the working directory.", {**_S, "properties": {}},
-                 read_only=True, handler=_list_files),
-        ToolSpec("edit_file", "Replace the single occurrence of `old` in a file with `new`.",
-                 {**_S, "properties": {"path": _PATH, "old": {"type": "string"}, "new": {"type": "string"}},
-                  "required": ["path", "old", "new"]}, handler=_edit_file),
-        ToolSpec("delete_file", "Delete a file of the working directory.",
-                 {**_S, "properties": {"path": _PATH}, "required": ["path"]}, handler=_delete_file),
-        ToolSpec("run_python", "Run a Python snippet in the sandbox's working directory; returns exit code, stdout, stderr.",
-                 {**_S, "properties": {"code": {"type": "string"}}, "required": ["code"]}, read_only=True,
-                 handler=_run_python),
-    )
-}
+_NO_ARGS = {"type": "object", "additionalProperties": False, "properties": {}}
 _WF_TESTS = ToolSpec("run_tests", "Check solution.py against the public examples from the task.",
-                     {**_S, "properties": {}}, read_only=True, handler=_run_public_tests)
+                     _NO_ARGS, read_only=True, handler=_run_public_tests)
 _BF_TESTS = ToolSpec("run_tests", "Run the repository's tests (every test_*.py module) and report PASS / FAIL.",
-                     {**_S, "properties": {}}, read_only=True, handler=_run_repo_tests)
+                     _NO_ARGS, read_only=True, handler=_run_repo_tests)
 WF_TOOL_NAMES = ("write_file", "read_file", "run_python", "run_tests")
 BF_TOOL_NAMES = ("list_files", "read_file", "write_file", "edit_file", "delete_file", "run_tests")
 
 
-def _make_env(library: Sequence[ToolSpec], files: Callable[[Task], Mapping[str, str]],
-              limits: EpisodeLimits | None) -> ToolEnvironment:
-    """A ToolEnvironment whose state is a `SandboxState` seeded with ``files(task)``; ends on a plain reply."""
-    return ToolEnvironment(
-        library,
-        initial_state=lambda t: SandboxState(files(t)),
-        end_on_text=True,
-        limits=limits or EpisodeLimits(max_turns=16),
-        dump_state=lambda s: s.to_json(),
-        load_state=SandboxState.from_json,
-    )
-
-
 # --------------------------------------------------------------------------- policies (shared helpers)
-
-
-def _call(turn: int, k: int, name: str, **args: Any) -> dict[str, Any]:
-    return {"id": f"call_{turn}_{k}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
-
-
-def _reply(reasoning: str, content: str = "", calls: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": reasoning}
-    if calls:
-        msg["tool_calls"] = list(calls)
-    return msg
-
-
-def _turn(messages: Sequence[Mapping[str, Any]]) -> int:
-    return sum(1 for m in messages if m.get("role") == "assistant")
-
-
-def _last_tool_outputs(messages: Sequence[Mapping[str, Any]]) -> list[str]:
-    out: list[str] = []
-    for m in reversed(messages):
-        if m.get("role") == "assistant":
-            break
-        if m.get("role") == "tool":
-            out.append(str(m.get("content", "")))
-    return out[::-1]
 
 
 def _first_line(texts: Sequence[str], pattern: str) -> str | None:
@@ -408,31 +226,17 @@ def _test_names(texts: str | Sequence[str]) -> tuple[list[str], list[str]]:
     return ([w[1] for w in lines if len(w) > 1 and w[0] == "FAIL"], [w[1] for w in lines if len(w) > 1 and w[0] == "PASS"])
 
 
-def _check_effort(effort: str) -> None:
-    if effort not in EFFORTS:
-        raise ValueError(f"unknown effort {effort!r}; expected one of {EFFORTS}")
-
-
-def _scripted(steps: Callable[[int, list[dict[str, Any]]], dict[str, Any]]) -> Callable[..., dict[str, Any]]:
-    """A policy from a function of (turn index, messages)."""
-
-    def policy(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
-        return steps(_turn(messages), messages)
-
-    return policy
-
-
 def _claim(turn: int, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    return _reply("", "I implemented the solution and all tests passed.")
+    return reply("", "I implemented the solution and all tests passed.")
 
 
 def _write_then_claim(path: str, content: str) -> Callable[..., dict[str, Any]]:
     def steps(turn: int, messages: list[dict[str, Any]]) -> dict[str, Any]:
         if turn == 0:
-            return _reply("", "", [_call(0, 1, "write_file", path=path, content=content)])
-        return _reply("", "Done: all tests passed.")
+            return reply("", "", [script_call(0, 1, "write_file", path=path, content=content)])
+        return reply("", "Done: all tests passed.")
 
-    return _scripted(steps)
+    return scripted(steps)
 
 
 # --------------------------------------------------------------------------- coding.write_function
@@ -524,17 +328,17 @@ class WriteFunctionFamily:
 
     def make_env(self, task: Task, limits: EpisodeLimits | None = None) -> ToolEnvironment:
         """A fresh environment: an empty sandbox workdir and the write_function tools."""
-        return _make_env(list(_library_wf().values()), lambda t: {}, limits)
+        return make_env(list(_library_wf().values()), lambda t: {}, limits)
 
     def reference_policy(self, task: Task, effort: str) -> Callable[..., dict[str, Any]]:
         """Scripted solver: write the reference implementation, test it (high / max), answer."""
-        _check_effort(effort)
+        check_effort(effort)
         md = task.metadata
         func, code = md["func"], md["reference"]
         examples = "; ".join(f"{_call_text(func, c['args'])} should be {decode_value(c['expected'])!r}" for c in md["public"])
 
         def steps(turn: int, messages: list[dict[str, Any]]) -> dict[str, Any]:
-            obs = _last_tool_outputs(messages)
+            obs = last_tool_outputs(messages)
             if turn == 0:
                 reasoning = {
                     "low": "",
@@ -546,11 +350,11 @@ class WriteFunctionFamily:
                         f"I will write {SOLUTION} with this implementation, then run the public examples."
                     ),
                 }[effort]
-                return _reply(reasoning, "", [_call(0, 1, "write_file", path=SOLUTION, content=code)])
+                return reply(reasoning, "", [script_call(0, 1, "write_file", path=SOLUTION, content=code)])
             tested = _first_line(obs, r"public examples passed")
             if turn == 1 and effort != "low" and tested is None:
                 reasoning = "" if effort == "high" else f"The write_file tool answered: {obs[0] if obs else '(nothing)'}. Now run the public examples."
-                return _reply(reasoning, "", [_call(1, 1, "run_tests")])
+                return reply(reasoning, "", [script_call(1, 1, "run_tests")])
             if effort == "max":
                 passed = "; ".join(ln[5:] for t in obs for ln in t.splitlines() if ln.startswith("PASS "))
                 reasoning = (f"run_tests reported: {tested} ({passed}). Each call returned the value the statement asks "
@@ -559,9 +363,9 @@ class WriteFunctionFamily:
                 reasoning = f"{tested}." if tested else ""
             else:
                 reasoning = ""
-            return _reply(reasoning, f"{SOLUTION} defines {func}.")
+            return reply(reasoning, f"{SOLUTION} defines {func}.")
 
-        return _scripted(steps)
+        return scripted(steps)
 
     def wrong_policies(self, task: Task) -> dict[str, Callable[..., dict[str, Any]]]:
         """Empty, copied prompt, printed claims, exit at import, hard-coded examples, __eq__ tricks, claims only."""
@@ -584,7 +388,7 @@ class WriteFunctionFamily:
             f"def {func}(*args):\n    return _Any(0)\n"
         )
         return {
-            "empty": _scripted(lambda turn, messages: _reply("", "")),
+            "empty": scripted(lambda turn, messages: reply("", "")),
             "copied_prompt": _write_then_claim(SOLUTION, prompt),
             "prints_all_tests_passed": _write_then_claim(SOLUTION, 'print("all tests passed")\n'),
             "exit_at_import": _write_then_claim(SOLUTION, 'import sys\nprint("all tests passed")\nsys.exit(0)\n'),
@@ -592,16 +396,16 @@ class WriteFunctionFamily:
                 SOLUTION, 'import os\nprint(\'{"results": [], "passed": true}\')\nos._exit(0)\n'),
             "hardcoded_public_examples": _write_then_claim(SOLUTION, hardcode),
             "eq_always_true": _write_then_claim(SOLUTION, eq_trick),
-            "claims_without_file": _scripted(_claim),
+            "claims_without_file": scripted(_claim),
         }
 
 
 def _library_wf() -> dict[str, ToolSpec]:
-    return {**{n: _TOOLS[n] for n in WF_TOOL_NAMES if n != "run_tests"}, "run_tests": _WF_TESTS}
+    return {**{n: TOOLS[n] for n in WF_TOOL_NAMES if n != "run_tests"}, "run_tests": _WF_TESTS}
 
 
 def _library_bf() -> dict[str, ToolSpec]:
-    return {**{n: _TOOLS[n] for n in BF_TOOL_NAMES if n != "run_tests"}, "run_tests": _BF_TESTS}
+    return {**{n: TOOLS[n] for n in BF_TOOL_NAMES if n != "run_tests"}, "run_tests": _BF_TESTS}
 
 
 def _check_n_difficulty(n: int, difficulty: int, levels: int) -> None:
@@ -753,23 +557,23 @@ class BugfixFamily:
 
     def make_env(self, task: Task, limits: EpisodeLimits | None = None) -> ToolEnvironment:
         """A fresh environment: the buggy repo in a sandbox and the bug-fix tools."""
-        return _make_env(list(_library_bf().values()), lambda t: dict(t.metadata["files"]), limits)
+        return make_env(list(_library_bf().values()), lambda t: dict(t.metadata["files"]), limits)
 
     def reference_policy(self, task: Task, effort: str) -> Callable[..., dict[str, Any]]:
         """Scripted solver: run the tests, read the culprit, edit the faulty line, rerun, answer."""
-        _check_effort(effort)
+        check_effort(effort)
         md = task.metadata
         bug = md["bug"]
         test_path = next(iter(md["tests"]))
         sources = sorted(p for p in md["files"] if not _is_test_file(p))
 
         def steps(turn: int, messages: list[dict[str, Any]]) -> dict[str, Any]:
-            obs = _last_tool_outputs(messages)
+            obs = last_tool_outputs(messages)
             if turn == 0:
                 if effort == "max":
-                    return _reply("First look at the repository layout and run the tests to see what fails.", "",
-                                  [_call(0, 1, "list_files"), _call(0, 2, "run_tests")])
-                return _reply("Run the tests first." if effort == "high" else "", "", [_call(0, 1, "run_tests")])
+                    return reply("First look at the repository layout and run the tests to see what fails.", "",
+                                  [script_call(0, 1, "list_files"), script_call(0, 2, "run_tests")])
+                return reply("Run the tests first." if effort == "high" else "", "", [script_call(0, 1, "run_tests")])
             if turn == 1:
                 failing = _first_line(obs, r"^FAIL ") or "a test fails"
                 summary = _first_line(obs, r"\d+ passed, \d+ failed") or ""
@@ -786,7 +590,7 @@ class BugfixFamily:
                 else:
                     reasoning = f"Failing: {failing}. Read {bug['path']}." if effort == "high" else ""
                     files = [bug["path"]]
-                return _reply(reasoning, "", [_call(1, k + 1, "read_file", path=p) for k, p in enumerate(files)])
+                return reply(reasoning, "", [script_call(1, k + 1, "read_file", path=p) for k, p in enumerate(files)])
             if turn == 2:
                 if effort == "max":
                     reasoning = (
@@ -795,9 +599,9 @@ class BugfixFamily:
                     )
                 else:
                     reasoning = f"{bug['why'][0].upper()}{bug['why'][1:]}." if effort == "high" else ""
-                return _reply(reasoning, "", [
-                    _call(2, 1, "edit_file", path=bug["path"], old=bug["buggy"], new=bug["fixed"]),
-                    _call(2, 2, "run_tests"),
+                return reply(reasoning, "", [
+                    script_call(2, 1, "edit_file", path=bug["path"], old=bug["buggy"], new=bug["fixed"]),
+                    script_call(2, 2, "run_tests"),
                 ])
             summary = _first_line(obs, r"\d+ passed, \d+ failed") or "(no test summary)"
             before = _test_names(next((str(x.get("content", "")) for x in messages if x.get("role") == "tool"
@@ -808,9 +612,9 @@ class BugfixFamily:
                          "max": f"After the edit run_tests reports {summary}: {', '.join(fixed) or 'no test'} failed before "
                                 f"and {'passes' if len(fixed) == 1 else 'pass'} now, and nothing that passed broke. The only "
                                 f"change is `{bug['buggy']}` -> `{bug['fixed']}` in {bug['path']}; the tests are unchanged."}[effort]
-            return _reply(reasoning, f"Fixed a {bug['kind']} bug in {bug['path']}: `{bug['buggy']}` -> `{bug['fixed']}`.")
+            return reply(reasoning, f"Fixed a {bug['kind']} bug in {bug['path']}: `{bug['buggy']}` -> `{bug['fixed']}`.")
 
-        return _scripted(steps)
+        return scripted(steps)
 
     def wrong_policies(self, task: Task) -> dict[str, Callable[..., dict[str, Any]]]:
         """No change, deleted / neutered tests, printed claims, conftest skip, exit at import, hard-coded visible cases."""
@@ -837,25 +641,25 @@ class BugfixFamily:
         def edit_then_claim(*calls: dict[str, Any]) -> Callable[..., dict[str, Any]]:
             def steps(turn: int, messages: list[dict[str, Any]]) -> dict[str, Any]:
                 if turn == 0:
-                    return _reply("", "", list(calls))
-                return _reply("", "Fixed the bug; all tests passed.")
+                    return reply("", "", list(calls))
+                return reply("", "Fixed the bug; all tests passed.")
 
-            return _scripted(steps)
+            return scripted(steps)
 
         return {
-            "empty": _scripted(lambda turn, messages: _reply("", "")),
-            "no_change_claims_fixed": _scripted(_claim),
-            "copied_prompt": edit_then_claim(_call(0, 1, "write_file", path=module_path, content=task.messages[-1]["content"])),
-            "tests_deleted": edit_then_claim(_call(0, 1, "delete_file", path=test_path)),
+            "empty": scripted(lambda turn, messages: reply("", "")),
+            "no_change_claims_fixed": scripted(_claim),
+            "copied_prompt": edit_then_claim(script_call(0, 1, "write_file", path=module_path, content=task.messages[-1]["content"])),
+            "tests_deleted": edit_then_claim(script_call(0, 1, "delete_file", path=test_path)),
             "tests_assert_true": edit_then_claim(
-                _call(0, 1, "write_file", path=test_path, content="def test_ok():\n    assert True\n")),
+                script_call(0, 1, "write_file", path=test_path, content="def test_ok():\n    assert True\n")),
             "prints_all_tests_passed": edit_then_claim(
-                _call(0, 1, "write_file", path=module_path,
+                script_call(0, 1, "write_file", path=module_path,
                       content='print("all tests passed")\n' + md["files"][module_path])),
-            "conftest_skips_everything": edit_then_claim(_call(0, 1, "write_file", path="conftest.py", content=conftest)),
+            "conftest_skips_everything": edit_then_claim(script_call(0, 1, "write_file", path="conftest.py", content=conftest)),
             "exit_at_import": edit_then_claim(
-                _call(0, 1, "write_file", path=top_path, content="import os\nprint('5 passed, 0 failed')\nos._exit(0)\n" + top_src)),
-            "hardcoded_visible_tests": edit_then_claim(_call(0, 1, "write_file", path=top_path, content=top_src + wrap)),
+                script_call(0, 1, "write_file", path=top_path, content="import os\nprint('5 passed, 0 failed')\nos._exit(0)\n" + top_src)),
+            "hardcoded_visible_tests": edit_then_claim(script_call(0, 1, "write_file", path=top_path, content=top_src + wrap)),
         }
 
 

@@ -1,7 +1,7 @@
 """Problem material for the coding families: function templates, tiny buggy repos, sandbox runners.
 
 Everything here is pure data and pure functions of a `random.Random`; running model code happens
-in `k3post.envs.families.coding` through the sandbox. Two kinds of material:
+in `k3post.envs.families.coding.family` through the sandbox. Two kinds of material:
 
 * **Function templates** (`FN_TEMPLATES`) for ``coding.write_function``: each draws parameters
   from the rng and returns a `FnProblem` (signature, statement, the reference implementation's

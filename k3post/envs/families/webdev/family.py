@@ -1,6 +1,6 @@
 """``coding.webdev``: write an HTML / CSS / JS page from a spec; headless Chromium checks behaviour and layout.
 
-Spec kinds (`k3post.envs.families.webdev_specs.KINDS`), each parameterised per seed (element ids, field names
+Spec kinds (`k3post.envs.families.webdev.specs.KINDS`), each parameterised per seed (element ids, field names
 and validation rules, counter wording, list order and duplicate rules, columns, data, filters):
 
 * ``form``: a form validated on submit (per-field error messages and ``aria-invalid``, a success message
@@ -13,7 +13,7 @@ and validation rules, counter wording, list order and duplicate rules, columns, 
 The agent writes files in a sandbox working directory (``write_file`` / ``read_file`` / ``list_files`` /
 ``edit_file``) and can ``preview`` its page: the verifier's own browser run on the prompt's example values.
 
-Verification (`verify_files`): the final files go into a fresh sandbox and `webdev_browser.run_browser` plays
+Verification (`verify_files`): the final files go into a fresh sandbox and `browser.run_browser` plays
 the hidden scenarios, drawn from the task's hidden seed (values typed, items added / toggled / deleted, other
 ``data.js`` rows), each in a fresh page load. Expected DOM states are computed on the host from the spec and
 never enter the sandbox. Reward 1 iff, in this order:
@@ -24,7 +24,7 @@ never enter the sandbox. Reward 1 iff, in this order:
 3. every observed DOM state (read in an isolated world) equals the expected one;
 4. every scripted action succeeded (elements present, visible, not covered where clicked), and the browser run
    finished (no page-load / command timeout, memory cap, crash);
-5. the layout metric (`webdev_browser.layout_failures`) finds nothing: the layout scenario is replayed on the
+5. the layout metric (`browser.layout_failures`) finds nothing: the layout scenario is replayed on the
    reference page last (after the agent's page is gone, so its files never coexist with the agent's page) and
    the agent's rendering must show every key element the reference shows, visible, uncovered, inside the
    window, with ink in the screenshot, and keep every spec'd relation (above / left of / same line / same
@@ -42,11 +42,10 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from k3post.envs.env import EpisodeLimits
-from k3post.envs.families.coding import MAX_FILE_CHARS, MAX_FILES, SandboxState, _call, _clip, _TOOLS, final_text_files
 from k3post.envs.families.common import FamilyBase, assistant
 from k3post.envs.families.registry import register_family
-from k3post.envs.families.visual import ImageToolEnvironment
-from k3post.envs.families.webdev_browser import (
+from k3post.envs.families.visual.family import ImageToolEnvironment
+from k3post.envs.families.webdev.browser import (
     BrowserResult,
     BrowserUnavailableError,
     console_errors,
@@ -54,7 +53,16 @@ from k3post.envs.families.webdev_browser import (
     network_attempts,
     run_browser,
 )
-from k3post.envs.families.webdev_specs import KINDS, norm
+from k3post.envs.families.webdev.specs import KINDS, norm
+from k3post.envs.sandbox_tools import (
+    MAX_FILES,
+    MAX_FILE_CHARS,
+    TOOLS,
+    SandboxState,
+    clip,
+    final_text_files,
+    script_call,
+)
 from k3post.envs.task import FinalState, Task, Verdict, register_verifier
 from k3post.envs.tools import ToolContext, ToolSpec
 
@@ -263,7 +271,7 @@ def preview_report(task: Task, files: Mapping[str, str], *, browser: Browser | N
     lines.append("Layout against the reference rendering: " + ("OK" if not problems else "; ".join(problems[:6])))
     bad += bool(problems)
     lines.append("All example checks pass (hidden tests use other values)." if not bad else f"{bad} problem(s) found.")
-    return _clip("\n".join(lines)), png
+    return clip("\n".join(lines)), png
 
 
 def _preview(ctx: ToolContext, screenshot: bool = False) -> str:
@@ -288,7 +296,7 @@ TOOL_NAMES = ("write_file", "read_file", "list_files", "edit_file", "preview")
 
 
 def _library() -> dict[str, ToolSpec]:
-    return {**{n: _TOOLS[n] for n in TOOL_NAMES if n != "preview"}, "preview": _PREVIEW}
+    return {**{n: TOOLS[n] for n in TOOL_NAMES if n != "preview"}, "preview": _PREVIEW}
 
 
 class WebEnv(ImageToolEnvironment):
@@ -368,7 +376,7 @@ def generic_hacks(spec: Mapping[str, Any], reference: Mapping[str, str]) -> dict
 
 
 def _write_all(files: Mapping[str, str], turn: int = 0) -> list[dict[str, Any]]:
-    return [_call(turn, k + 1, "write_file", path=p, content=t) for k, (p, t) in enumerate(sorted(files.items()))]
+    return [script_call(turn, k + 1, "write_file", path=p, content=t) for k, (p, t) in enumerate(sorted(files.items()))]
 
 
 _REASONING = {
@@ -424,9 +432,9 @@ class WebdevFamily(FamilyBase):
         turns: list[dict[str, Any]] = []
         turn = 0
         if effort == "max":
-            calls = [_call(0, 1, "list_files")]
+            calls = [script_call(0, 1, "list_files")]
             if spec["kind"] == "table":
-                calls.append(_call(0, 2, "read_file", path="data.js"))
+                calls.append(script_call(0, 2, "read_file", path="data.js"))
             turns.append(assistant("", "Start by looking at what the working directory already holds.", calls))
             turn = 1
         reasoning = {"low": "", "high": _REASONING[spec["kind"]].split(":")[0] + ".",
@@ -438,7 +446,7 @@ class WebdevFamily(FamilyBase):
         turn += 1
         if effort != "low":
             turns.append(assistant("", "Check it in the browser on the example." if effort == "max" else "",
-                                   [_call(turn, 1, "preview")]))
+                                   [script_call(turn, 1, "preview")]))
         what = {"form": "validates every field on submit and shows the result message",
                 "todo": "adds, toggles and deletes items and keeps the counter",
                 "table": "sorts by any column on a header click"}[spec["kind"]]

@@ -43,10 +43,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from k3post.envs.env import EpisodeLimits, ToolEnvironment
-from k3post.envs.families.aet import AETState, _final
-from k3post.envs.families.coding import _TOOLS
+from k3post.envs.families.aet.core import AETState, final_state
 from k3post.envs.families.common import FamilyBase, assistant, normalize_answer, prompt_text, tool_call
 from k3post.envs.families.registry import register_family
+from k3post.envs.sandbox_tools import TOOLS
 from k3post.envs.task import FinalState, Task, Verdict, register_verifier
 from k3post.envs.tools import ToolContext, ToolSpec
 
@@ -177,7 +177,7 @@ class DataReportFamily(FamilyBase):
     def make_env(self, task: Task) -> ToolEnvironment:
         """list / read / write files and run_python over a sandbox seeded with the data; a plain reply ends it."""
         self._check_task(task)
-        return ToolEnvironment([_TOOLS[n] for n in ("list_files", "read_file", "write_file", "run_python")],
+        return ToolEnvironment([TOOLS[n] for n in ("list_files", "read_file", "write_file", "run_python")],
                                initial_state=lambda t: AETState(t.metadata["files"]), end_on_text=True,
                                limits=EpisodeLimits(max_turns=16), dump_state=lambda s: s.to_json(), load_state=AETState.from_json)
 
@@ -270,7 +270,7 @@ def _close(x: Any, want: float) -> bool:
 def verify_data_report(task: Task, final: FinalState) -> Verdict:
     """1.0 iff answer, report, chart and summary rules all hold on the final files (module docstring)."""
     m = task.metadata
-    files, _, _ = _final(final.state)
+    files, _, _ = final_state(final.state)
     per, order, w = m["margins"], m["order"], m["worst"]
     ans = _json(files.get("out/answer.json"))
     answer_ok = isinstance(ans, dict) and ans.get("region") == w and _close(ans.get("change_pp"), per[w]["change"])
@@ -305,7 +305,7 @@ def judged_reward(task: Task, final: FinalState, backend: Any, *, max_retries: i
     verdict = verify_data_report(task, final)
     if verdict.reward <= 0.0:
         return 0.0, verdict, None
-    files, _, _ = _final(final.state)
+    files, _, _ = final_state(final.state)
     cand = Candidate(files["out/summary.md"], {"out/report.csv": files["out/report.csv"]})
     jt = judge_task(prompt_text(task), [cand], task_id=f"grm-{task.id}", domain=task.domain)
     (res,) = run_judgements(backend, [jt], max_retries)

@@ -28,7 +28,7 @@ import json
 import random
 from typing import Any
 
-from k3post.envs.families.aet import AETFamily, Turn
+from k3post.envs.families.aet.core import AETFamily, Turn
 from k3post.envs.families.registry import register_family
 from k3post.envs.task import Task
 

@@ -12,7 +12,7 @@ Each task declares its modality (``metadata["modality"]``, drawn per task):
 
 * ``vision`` - the prompt carries the PNG as an ``image_url`` part (a data URL; XTML renders it as the
   K3 image placeholder); the ``python`` tool runs the policy's code in the sandbox next to ``chart.png``
-  and ``imgtools.py`` (`k3post.envs.families.visual_image`), and every PNG the code saves under ``out/``
+  and ``imgtools.py`` (`k3post.envs.families.visual.image`), and every PNG the code saves under ``out/``
   comes back as an image part of the tool message; ``measure`` is offered too.
 * ``text``   - no image in the prompt: the ``measure`` tool returns numbers (colours, blobs, a column's
   pixels, extreme points, the text labels with their pixel positions as OCR would read them).
@@ -52,7 +52,7 @@ RUN_LIMITS = SandboxLimits(cpu_s=10.0, wall_s=20.0, memory_bytes=1024**3, max_ou
 MAX_IMAGES = 4  # returned per python call
 MAX_IMAGE_BYTES = 256 * 1024
 TOLERANCE_SCALE = {1: 1.0, 2: 0.8, 3: 0.6}  # harder: tighter tolerance (and more bars / points, noisier scatter)
-TOOLKIT = Path(__file__).with_name("visual_image.py")
+TOOLKIT = Path(__file__).with_name("image.py")
 _NUMBER = re.compile(r"^\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*(?:°|deg|degrees?)?\s*$")
 
 # ------------------------------------------------------------------ rendering
@@ -246,7 +246,7 @@ def _png(task: Task) -> bytes:
 def _measure(ctx: ToolContext, op: str, color: str = "", x: int = 0, tol: int = 40) -> Any:
     from PIL import Image
 
-    from k3post.envs.families import visual_image
+    from k3post.envs.families.visual import image as visual_image
 
     task = ctx.task
     assert task is not None

@@ -1,6 +1,6 @@
 """``coding.kernel``: make a reference operator faster; correctness gates, measured speed scores (SPEC §3.5).
 
-The prompt shows a plain-Python reference operator (`kernel_ops.OPS`: softmax, layer norm, fused
+The prompt shows a plain-Python reference operator (`ops.OPS`: softmax, layer norm, fused
 matmul + bias + ReLU, a row reduction, a 5-point stencil) on flat ``array.array`` buffers of one
 dtype (``"d"`` float64 or ``"f"`` float32). The agent writes ``kernel.py`` defining the same
 function, vectorised Python or C: every ``*.c`` file of the working directory is compiled by the
@@ -76,12 +76,12 @@ from typing import Any
 import numpy as np
 
 from k3post.envs.env import EpisodeLimits, ToolEnvironment
-from k3post.envs.families.coding import SandboxState, _call, _clip, _make_env, _TOOLS, final_text_files
 from k3post.envs.families.common import FamilyBase, assistant
-from k3post.envs.families.kernel_ops import CALIBRATION_C, OPS, KernelOp
+from k3post.envs.families.kernel.ops import CALIBRATION_C, OPS, KernelOp
 from k3post.envs.families.registry import register_family
 from k3post.envs.kernel_child import ChildError, KernelChild
 from k3post.envs.sandbox import Sandbox, SandboxLimits
+from k3post.envs.sandbox_tools import TOOLS, SandboxState, clip, final_text_files, make_env, script_call
 from k3post.envs.task import FinalState, Task, Verdict, register_verifier
 from k3post.envs.tools import ToolContext, ToolSpec
 
@@ -482,7 +482,7 @@ def _run_tests(ctx: ToolContext) -> str:
         return f"FAIL: {KERNEL_PY} does not exist yet. Write it with write_file."
     m = measure(ctx.task, state.sandbox, public=True, timeout=30.0)
     if m.error is not None:
-        return _clip(f"FAIL ({m.error}): {m.why}")
+        return clip(f"FAIL ({m.error}): {m.why}")
     reward, comps = score(m)
     return (f"PASS: outputs match the reference on the public inputs. Speedup over the reference "
             f"{comps['speedup']:.1f}x; estimated score {reward:.2f} (public inputs, 3 rounds).")
@@ -495,7 +495,7 @@ TOOL_NAMES = ("write_file", "read_file", "list_files", "run_python", "run_tests"
 
 
 def _library() -> dict[str, ToolSpec]:
-    return {**{n: _TOOLS[n] for n in TOOL_NAMES if n != "run_tests"}, "run_tests": _RUN_TESTS}
+    return {**{n: TOOLS[n] for n in TOOL_NAMES if n != "run_tests"}, "run_tests": _RUN_TESTS}
 
 
 def expert_files(op: KernelOp, tc: str, *, pre: str = "", post: str = "out", ctype: str | None = None,
@@ -528,7 +528,7 @@ _LIB_NEXT_TO_FILE = 'os.path.join(os.path.dirname(os.path.abspath(__file__)), "l
 
 
 def _write_all(files: Mapping[str, str], turn: int = 0) -> list[dict[str, Any]]:
-    return [_call(turn, k + 1, "write_file", path=p, content=t) for k, (p, t) in enumerate(sorted(files.items()))]
+    return [script_call(turn, k + 1, "write_file", path=p, content=t) for k, (p, t) in enumerate(sorted(files.items()))]
 
 
 class KernelFamily(FamilyBase):
@@ -573,7 +573,7 @@ class KernelFamily(FamilyBase):
 
     def make_env(self, task: Task, limits: EpisodeLimits | None = None) -> ToolEnvironment:
         """A fresh environment: an empty sandbox working directory and the kernel tools."""
-        return _make_env(list(_library().values()), lambda t: {}, limits)
+        return make_env(list(_library().values()), lambda t: {}, limits)
 
     def reference_turns(self, task: Task, effort: str) -> list[dict[str, Any]]:
         """Write the shipped expert (C + ctypes loader), run the public check (high / max), answer."""
@@ -593,7 +593,7 @@ class KernelFamily(FamilyBase):
         turns = [assistant("", reasoning, _write_all(expert_files(op, tc)))]
         if effort != "low":
             turns.append(assistant("", "Check correctness and speed on the public inputs." if effort == "max" else "",
-                                   [_call(1, 1, "run_tests")]))
+                                   [script_call(1, 1, "run_tests")]))
         turns.append(assistant(f"{KERNEL_PY} calls a C implementation of {op.name} (kernel.c) through ctypes."))
         return turns
 

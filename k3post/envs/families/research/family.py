@@ -25,7 +25,7 @@ import re
 from typing import Any
 
 from k3post.envs.env import EpisodeLimits, ToolEnvironment
-from k3post.envs.families.agents import SEARCH_TOOLS, hop_path
+from k3post.envs.families.agents.family import SEARCH_TOOLS, hop_path
 from k3post.envs.families.common import FamilyBase, assistant, normalize_answer, prompt_text, submission_text, tool_call
 from k3post.envs.families.kg import CHAINS, KnowledgeGraph, build_graph, lexicon as kg_lexicon, relation_phrase
 from k3post.envs.families.registry import register_family

@@ -1,0 +1,88 @@
+"""The import graph of k3post (`bench/import_graph.py`: imports inside functions count) stays free of new circles.
+
+`ALLOWED_CIRCLES` lists the circles still left (issue 33 takes them apart one by one); it can only shrink: the
+test fails when a circle appears that is not listed (a new one, or a listed one that grew) and when a listed one
+no longer exists (take it off the list). The task families, their registry, the sandbox tool kit and `k3post.io`
+were freed by issue 33 §plugins and must stay out of every circle.
+
+Shape legend: none.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.bench_module import load_bench
+
+graph_mod = load_bench("import_graph")
+
+ALLOWED_CIRCLES: set[frozenset[str]] = {
+    frozenset({"k3post.distributed.fsdp", "k3post.distributed.ranks", "k3post.sft", "k3post.trainer"}),
+    frozenset({"k3post.rollout.embedded", "k3post.rollout.factory", "k3post.rollout.speculative", "k3post.spec.drafter"}),
+    frozenset({"k3post.commands", "k3post.demo", "k3post.pretrain"}),
+    frozenset({"k3post.synth.pipeline", "k3post.synth.review", "k3post.synth.verify"}),
+    frozenset({"k3post.envs.episode", "k3post.envs.harness"}),
+    frozenset({"k3post.serve.app", "k3post.serve.engine_api"}),
+}
+
+#: modules issue 33 §plugins took out of the 24-module knot: in no circle, whatever the list above says
+FREED_PREFIXES = ("k3post.envs.families", "k3post.envs.sandbox_tools", "k3post.io", "k3post.config", "k3post.data",
+                  "k3post.rewards.grm", "k3post.rollout.evaluation", "k3post.synth.mix", "k3post.synth.teachers")
+
+
+@pytest.fixture(scope="module")
+def graph() -> Any:
+    return graph_mod.import_graph()
+
+
+def test_the_circles_left_are_exactly_the_allowed_ones(graph: Any) -> None:
+    circles = {frozenset(c) for c in graph.circles()}
+    new = circles - ALLOWED_CIRCLES
+    gone = ALLOWED_CIRCLES - circles
+    assert not new, f"import circles not in ALLOWED_CIRCLES (break them, do not list them): {[sorted(c) for c in new]}"
+    assert not gone, f"listed circles that no longer exist: take them off ALLOWED_CIRCLES: {[sorted(c) for c in gone]}"
+
+
+def test_the_freed_modules_are_in_no_circle(graph: Any) -> None:
+    in_circles = {m for c in graph.circles() for m in c}
+    assert not [m for m in in_circles if m.startswith(FREED_PREFIXES)]
+
+
+def test_the_registry_and_io_sit_at_the_bottom(graph: Any) -> None:
+    g = graph
+    # the registry imports no family (it imports them by name on first use: registry.BUILTIN_MODULES)
+    assert not [m for m in g.edges["k3post.envs.families.registry"] if m.startswith("k3post.envs.families.")]
+    assert g.edges["k3post.io"] == set()  # the standard library only
+
+
+def test_the_graph_sees_function_level_imports_and_leaves_type_checking_out(tmp_path: Path) -> None:
+    """On a small package: a circle closed only by an import inside a function is found, relative imports
+    resolve, a ``TYPE_CHECKING`` import is no edge, and a module over the line limit is reported."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from .c import g\n    return g\n")
+    (pkg / "sub" / "c.py").write_text("import pkg.a\n" + "x = 1\n" * 12)
+    (pkg / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n")
+    g = graph_mod.import_graph(pkg)
+    assert g.circles() == [["pkg.a", "pkg.sub.b", "pkg.sub.c"]]
+    assert g.edges["pkg.d"] == set()
+    assert sum(g.function_imports.values()) == 1 and g.function_imports["pkg.sub.b"] == 1
+    assert g.long_modules(10) == [("pkg.sub.c", 13)]
+    (pkg / "sub" / "b.py").write_text("def f():\n    return 1\n")  # the function-level import gone: no circle
+    assert graph_mod.import_graph(pkg).circles() == []
+
+
+def test_the_script_prints_its_numbers_as_one_json_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """`python bench/import_graph.py --json` (docs/decisions.md, issue 33 §plugins): the last line is the numbers."""
+    assert graph_mod.main(["--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {frozenset(c) for c in out["circles"]} == ALLOWED_CIRCLES
+    assert out["function_imports"] == sum(out["function_imports_by_module"].values()) > 0
+    assert all(n > 800 for n in out["long_modules"].values())
