@@ -8,6 +8,11 @@ and a set of wrong or hacky policies that must all score 0.
     tasks = fam.generate(100, seed=0, difficulty=1)
     env = fam.make_env(tasks[0])
     ep = run_episode_sync(fam.reference_policy(tasks[0], "max"), env, tasks[0])
+
+Adding a built-in family: a folder ``k3post/envs/families/<name>/`` with an ``__init__.py`` and a ``family.py``
+that defines the family (`common.FamilyBase` does the plumbing; `k3post.envs.sandbox_tools` is the kit of a family
+whose agent edits files in a sandbox), registers its verifier (`k3post.envs.task.register_verifier`) and ends with
+``register_family(MyFamily())``; then ``<name>`` in `BUILTIN_MODULES`. The registry imports no family itself.
 """
 
 from __future__ import annotations
