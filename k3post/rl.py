@@ -232,11 +232,11 @@ def train_rl(
             if cfg.progress:
                 log.info("held-out evaluation: %d tasks of %s at %s effort, greedy, up to %d tokens per turn",
                          len(held_out), ", ".join(fams), cfg.effort, cfg.eval_max_tokens)
-            result_eval = evaluate_episodes(pl.engine, XTML(tokenizer), held_out,
-                                            effort=cfg.effort, max_tokens=cfg.eval_max_tokens,
+            xtml = XTML(tokenizer)
+            result_eval = evaluate_episodes(pl.engine, xtml, held_out, effort=cfg.effort, max_tokens=cfg.eval_max_tokens,
                                             progress="held-out eval" if cfg.progress else None)
             if cfg.eval_samples:
-                result_eval["sampled"] = sampled_eval(pl.engine, XTML(tokenizer), held_out, cfg, cfg.effort)
+                result_eval["sampled"] = sampled_eval(pl.engine, xtml, held_out, cfg, cfg.effort)
     finally:
         pl.close()
     return RLResult(step, rows, result_eval, resumed_from, time.perf_counter() - t_start)

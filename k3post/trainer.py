@@ -123,12 +123,16 @@ class Trainer:
         self.model.eval()
         return grad_norm
 
-    def step(self, seqs: Sequence[TokenSequence], *, version: int | None = None, lr: float | None = None) -> dict[str, float]:
-        """One optimizer step of `policy_step` over ``seqs`` (its metrics) at learning rate ``lr`` (None: the
-        optimizer's current one; a given one stays set); leaves the model in eval mode."""
+    def _set_lr(self, lr: float | None) -> None:
+        """Every parameter group's learning rate becomes ``lr`` (None: unchanged); it stays set for later steps."""
         if lr is not None:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
+
+    def step(self, seqs: Sequence[TokenSequence], *, version: int | None = None, lr: float | None = None) -> dict[str, float]:
+        """One optimizer step of `policy_step` over ``seqs`` (its metrics) at learning rate ``lr`` (None: the
+        optimizer's current one; a given one stays set); leaves the model in eval mode."""
+        self._set_lr(lr)
         seqs = [s for s in seqs if s.num_trainable > 0]
         if not seqs:
             return {"num_tokens": 0.0, "num_sequences": 0.0}
@@ -155,9 +159,7 @@ class Trainer:
             raise ValueError("sft_step: mtp_weight > 0 needs the trainer's extra module (the MTP head)")
         n_tok = sum(b.n_target_tokens for b in batches)
         n_mtp = sum(int((mtp_labels(b.labels_RL, b.position_ids_RL) != -100).sum()) for b in batches) if mtp else 0
-        if lr is not None:
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
+        self._set_lr(lr)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums = self._data_parallel(batches, lambda share, hook: dict(zip(("loss", "mtp_loss"), sft_grads(

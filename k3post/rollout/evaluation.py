@@ -107,6 +107,14 @@ def summarize_trajectories(trajs: Sequence[Trajectory], *, pass_threshold: float
     }
 
 
+def _check_same_episodes(a: Mapping[str, Any], b: Mapping[str, Any]) -> None:
+    """ValueError unless the two summaries ran the same tasks the same number of times (infrastructure failures
+    included)."""
+    every = [Counter(list(s["task_ids"]) + list(s.get("infra_task_ids", ()))) for s in (a, b)]
+    if every[0] != every[1]:
+        raise ValueError("the two evaluations ran different tasks: no paired comparison")
+
+
 def task_pass_shares(s: Mapping[str, Any]) -> dict[str, float]:
     """Per task id, the share of its episodes in the summary ``s`` (`summarize_trajectories`) that passed: avg@k when
     each task ran k times."""
@@ -118,9 +126,8 @@ def task_pass_shares(s: Mapping[str, Any]) -> dict[str, float]:
 
 def paired_shares(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[list[float], list[float]]:
     """`task_pass_shares` of two summaries over the tasks both have, in ``a``'s order (a task whose every episode
-    failed its infrastructure in one run is left out); ValueError when the two ran other tasks."""
-    if set(a["task_ids"]) | set(a.get("infra_task_ids", ())) != set(b["task_ids"]) | set(b.get("infra_task_ids", ())):
-        raise ValueError("the two evaluations ran different tasks: no paired comparison")
+    failed its infrastructure in one run is left out); ValueError when the two ran other tasks or other counts of them."""
+    _check_same_episodes(a, b)
     sa, sb = task_pass_shares(a), task_pass_shares(b)
     common = [t for t in sa if t in sb]
     return [sa[t] for t in common], [sb[t] for t in common]
@@ -130,9 +137,7 @@ def paired_passes(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[list[bool
     """``passed`` of two `summarize_trajectories` summaries over the episodes both have, in ``a``'s order
     (matched by task id and its occurrence): an episode whose infrastructure failed in either run is left out
     of the pair (`k3post.stats.paired_change` takes the result). ValueError when the two ran other tasks."""
-    every = [Counter(list(s["task_ids"]) + list(s.get("infra_task_ids", ()))) for s in (a, b)]
-    if every[0] != every[1]:
-        raise ValueError("the two evaluations ran different tasks: no paired comparison")
+    _check_same_episodes(a, b)
 
     def keyed(s: Mapping[str, Any]) -> dict[tuple[str, int], bool]:
         seen: Counter[str] = Counter()
