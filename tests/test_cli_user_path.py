@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from user_models import save_user_model
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "numpy", "fastapi", "ray")
@@ -226,23 +227,7 @@ def test_a_damaged_newest_checkpoint_names_the_older_one_to_resume_from(tiny_mod
 def user_llama(tmp_path_factory) -> Path:
     """A tiny Llama saved with a tokenizer of the user's own: a byte-level BPE with `<s>` / `</s>` and none of
     the XTML tokens (as a newcomer's model folder is)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from k3post.models import build_tiny_family
-
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    text = ["The quick brown fox jumps over the lazy dog.", "What is 12 + 30? It is 42.", "def f(x):\n    return x"]
-    core.train_from_iterator(text * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>")
-    folder = tmp_path_factory.mktemp("user") / "tiny-llama"
-    model = build_tiny_family("llama", len(tok), seed=0, eos_token_id=tok.eos_token_id)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_user_model("llama", tmp_path_factory.mktemp("user") / "tiny-llama")
 
 
 def test_serve_and_synth_on_a_user_tokenizer_say_how_to_add_the_xtml_tokens(user_llama, tmp_path, capsys):

@@ -8,26 +8,11 @@ import sys
 import pytest
 
 from k3post.cli import main
+from toy_sizes import TOY_DEMO
 
 
 def _small(tmp_path, name="d"):
-    return [
-        f"run.root={tmp_path}", f"run.name={name}", "demo.base=none", "data.n_train=60", "data.n_per_family=1", "data.family_tasks.coding.write_function=1", "data.n_eval=8",
-        "data.corpus_per_family=1", "sft.steps=6", "sft.save_every=3", "sft.rows_per_batch=1", "sft.max_len=4096", "sft.progress=false",
-        "eval.max_new_tokens=24", "eval.efforts=[max,low]", "tokenizer.vocab_size=400",
-        # Stage 2 / 3 at toy size: 2 efforts per domain, a step or two each
-        "rl.steps=2", "rl.n_prompts=2", "rl.k=4", "rl.n_tasks=4", "rl.eval_n=4", "rl.max_tokens=24", "rl.eval_max_tokens=24",
-        "rl.effort_control.curriculum=[max,low]", "rl.effort_control.b0_samples=2", "rl.progress=false",
-        *(f"{sec}.domain_overrides.{d}.{k}={v}" for sec in ("rl", "mopd.rl") for d in ("agents", "coding")
-          for k, v in (("steps", 1), ("n_prompts", 1), ("n_tasks", 2), ("eval_n", 2), ("max_tokens", 24),
-                       ("eval_max_tokens", 24))),
-        "mopd.rl.steps=2", "mopd.rl.n_prompts=3", "mopd.rl.k=2", "mopd.rl.n_tasks=2", "mopd.rl.eval_n=2",
-        "mopd.rl.max_tokens=24", "mopd.rl.eval_max_tokens=24", "mopd.rl.progress=false", "mopd.effort_mix.high=0",
-        # the EAGLE-3 drafts (LK_alpha and KL) at toy size
-        "draft.families=[general.arithmetic]", "draft.efforts=[low]", "draft.n_per_family=10", "draft.max_tokens=16",
-        "draft.steps=2", "draft.batch_size=2", "draft.ttt_steps=2", "draft.save_every=1", "draft.log_every=1",
-        "draft.progress=false",
-    ]
+    return [f"run.root={tmp_path}", f"run.name={name}", *TOY_DEMO]
 
 
 def test_demo_small_writes_run_folder(tmp_path):
