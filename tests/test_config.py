@@ -86,6 +86,16 @@ def test_dotted_override_reaches_mapping_entries_whose_names_contain_dots():
     assert cfg.data.tasks_of("general.arithmetic") == cfg.data.n_train
 
 
+def test_domain_overrides_set_the_lr_schedule_and_numbers_given_as_text():
+    """``lr_schedule`` (a choice, not a number) may be set per domain; a number written as YAML 1.1 reads 2e-4
+    (text) is still a number."""
+    cfg = load_config(None, ["rl.domain_overrides.general.lr_schedule=linear", "rl.domain_overrides.general.lr=2e-4"])
+    general, agents = cfg.rl.for_domain("general", "max"), cfg.rl.for_domain("agents", "max")
+    assert (general.lr_schedule, general.lr) == ("linear", 2e-4)
+    assert (agents.lr_schedule, agents.lr) == (cfg.rl.lr_schedule, cfg.rl.lr) == ("constant", 1e-4)
+    assert general.lr_at(general.steps - 1) == pytest.approx(2e-4 / general.steps)
+
+
 @pytest.mark.parametrize("override, message", [
     ("data.family_tasks.coding.nope=3", r"data.family_tasks.coding.nope: unknown task family 'coding.nope'"),
     ("data.family_tasks.coding.bugfix=-1", r"data.family_tasks.coding.bugfix: must be a non-negative integer"),

@@ -140,6 +140,9 @@ def test_config_file(tmp_path: Path, text: bytes, message: str, capsys: pytest.C
     ("sft.keep_last=-3", "sft.keep_last must be an integer >= 1 (checkpoints kept on disk), got -3"),
     ("rl.domain_overrides.agents.steps=-2", "rl.domain_overrides.agents.steps must be an integer >= 0, got -2"),
     ("rl.domain_overrides.coding.lambda_=0", "rl.domain_overrides.coding.lambda_ must be in (0, 1], got 0.0"),
+    ("rl.domain_overrides.general.lr_schedule=cosine",
+     "rl.domain_overrides.general.lr_schedule: must be one of ('constant', 'linear'), got 'cosine'"),
+    ("rl.domain_overrides.general.lr=fast", "rl.domain_overrides.general.lr: must be a number, got 'fast'"),
     ("sft.steps=0", "override 'sft.steps=0': sft.steps must be an integer >= 1, got 0"),
 ])  # fmt: skip
 def test_config_ranges_on_the_command_line(tmp_path: Path, override: str, message: str,

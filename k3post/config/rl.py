@@ -16,6 +16,8 @@ from k3post.constants import DOMAINS, EFFORTS
 __all__ = ["LR_SCHEDULES", "RLConfig", "loss_kwargs"]
 
 LR_SCHEDULES = ("constant", "linear")
+CHOICE_OVERRIDES: dict[str, tuple[str, ...]] = {"lr_schedule": LR_SCHEDULES}
+"""The settings other than numbers that ``domain_overrides`` may set, with their choices."""
 
 
 @dataclass
@@ -42,7 +44,7 @@ class RLConfig:
     Effort control (SPEC §3.3): ``effort`` and ``effort_control`` (τ per effort and domain, the b0
     estimate's samples and quantile, the curriculum order).
     Experts: ``domains``, each trained through ``effort_control.curriculum`` for ``steps`` per effort;
-    ``domain_overrides`` sets numeric fields per domain (e.g. ``{agents: {steps: 4, eval_n: 24}}``:
+    ``domain_overrides`` sets numeric fields (and ``lr_schedule``) per domain (e.g. ``{agents: {steps: 4, eval_n: 24}}``:
     agentic episodes cost far more than arithmetic ones) and, under a ``domain.effort`` key, per expert
     (e.g. ``{agents.low: {steps: 12}}``, applied after the domain's); an expert key may not change what
     defines the domain's task sets (``n_tasks``, ``eval_n``, ``difficulty``, ``eval_samples``: b0 and the "before" row are
@@ -94,7 +96,7 @@ class RLConfig:
     grm_sigma: float = ranged(1.5, gt=0)
     effort_control: EffortConfig = field(default_factory=EffortConfig)
     domains: list[str] = field(default_factory=lambda: ["general", "agents", "coding"])
-    domain_overrides: dict[str, dict[str, float]] = field(default_factory=lambda: {
+    domain_overrides: dict[str, dict[str, Any]] = field(default_factory=lambda: {
         # 256: the search references think at max in every turn (issue 31 §effort), up to ~230 tokens a turn with the
         # demo's tokenizer (configs/full.yaml's lexicon tokenizer: ~140, so it keeps 192)
         "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16, "max_tokens": 256, "eval_max_tokens": 256},
@@ -136,17 +138,27 @@ class RLConfig:
         for d in self.domain_overrides:
             self._overrides(d)
 
-    def _overrides(self, domain: str) -> dict[str, int | float]:
+    def _overrides(self, domain: str) -> dict[str, int | float | str]:
         """``domain_overrides[domain]`` cast to the fields' types (ValueError naming a non-numeric or
         non-integer setting, or one outside the field's range)."""
         types = {f.name: type(getattr(self, f.name)) for f in fields(self)}
-        over: dict[str, int | float] = {}
+        over: dict[str, int | float | str] = {}
         for key, value in dict(self.domain_overrides.get(domain, {})).items():
+            if key in CHOICE_OVERRIDES:
+                if value not in CHOICE_OVERRIDES[key]:
+                    raise ValueError(f"rl.domain_overrides.{domain}.{key}: must be one of {CHOICE_OVERRIDES[key]}, "
+                                     f"got {value!r}")
+                over[key] = str(value)
+                continue
             if types.get(key) not in (int, float) or key == "seed":
                 raise ValueError(f"rl.domain_overrides.{domain}.{key}: not a numeric RL setting")
-            if types[key] is int and float(value) != int(value):
+            try:  # a YAML or command-line value such as 2e-4 may arrive as text
+                number = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"rl.domain_overrides.{domain}.{key}: must be a number, got {value!r}") from None
+            if types[key] is int and number != int(number):
                 raise ValueError(f"rl.domain_overrides.{domain}.{key}: must be an integer, got {value}")
-            over[key] = types[key](value)
+            over[key] = types[key](number)
             check_range(f"rl.domain_overrides.{domain}.{key}", over[key], field_range(type(self), key))
         return over
 
