@@ -9,9 +9,13 @@ batch of ``--batch`` x ``--seq`` tokens; ``decode``: greedy decode steps, B = ``
 in worker processes started once per arm (``--workers`` of them), so each arm's thread count is set once, before
 torch starts, and the model is built once:
 
-* ``policy``: the count `k3post.threads` chooses for each of ``--workers`` processes here (``run.threads: 0``,
-  auto);
-* ``torch``: torch's default in each (OMP_NUM_THREADS unset: the machine's cores);
+* ``policy``: what the ``k3post`` command runs: the count `k3post.threads` chooses for each of ``--workers``
+  processes here (``run.threads: 0``, auto), with its OpenMP wait policy (`k3post.threads.quiet_waits`:
+  idle workers sleep);
+* ``torch``: torch's default in each (OMP_NUM_THREADS unset: the machine's cores; OMP_WAIT_POLICY unset:
+  libgomp spins before it sleeps);
+* ``torch_passive``: torch's default count with idle workers sleeping (OMP_WAIT_POLICY=PASSIVE): the wait
+  policy alone, at the count a pinned ``run.threads`` equal to the cores runs;
 * ``one``: one thread, for reference.
 
 Each is timed quiet and beside a hog of ``--hog-cores`` busy-loop processes (one per core taken), arms
@@ -82,11 +86,13 @@ class Workers:
     """``n`` worker processes of one arm at ``threads`` (None: torch's default), started once and kept: a
     measurement asks all of them at once and waits for the slowest (a command waits for all its processes)."""
 
-    def __init__(self, args: argparse.Namespace, threads: int | None) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    def __init__(self, args: argparse.Namespace, threads: int | None, wait: str | None = None) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY")}
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
         if threads is not None:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+        if wait is not None:
+            env["OMP_WAIT_POLICY"] = wait
         cmd = [sys.executable, __file__, "--worker", "--workload", args.workload, "--steps", str(args.steps),
                "--batch", str(args.batch), "--seq", str(args.seq)]
         self.procs = [subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -163,18 +169,20 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.workload, args.steps, args.batch, args.seq)
         return 0
 
-    from k3post.threads import plan_threads, seen_cores
+    from k3post.threads import WAIT_ENV, plan_threads, seen_cores
 
     cores = seen_cores()
     plan = plan_threads(cores, {"workload copies": args.workers})
     hog = max(1, cores.usable - 1) if args.hog_cores is None else args.hog_cores
     if hog < 1:
         p.error(f"--hog-cores must be >= 1, got {hog}")
-    arms = {"policy": plan.per_process, "torch": None, "one": 1}
+    passive = WAIT_ENV[1]
+    arms = {"policy": (plan.per_process, passive), "torch": (None, None), "torch_passive": (None, passive),
+            "one": (1, None)}
     print(f"{args.workload}: {args.steps} steps, batch {args.batch} x {args.seq}; policy: {plan.describe()}; "
           f"hog: {hog} busy-loop process(es)")
     res: dict[str, dict[str, list[float]]] = {a: {"quiet": [], "loaded": []} for a in arms}
-    pools = {a: Workers(args, t) for a, t in arms.items()}  # started quiet, kept for every measurement
+    pools = {a: Workers(args, t, w) for a, (t, w) in arms.items()}  # started quiet, kept for every measurement
     seen_threads = {a: w.threads[0] for a, w in pools.items()}
     try:
         for r in range(args.repeats):  # each repeat: every arm quiet, then every arm loaded, arm order rotated
@@ -203,12 +211,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{slow['median']:8.2f} ({slow['min']:.2f}-{slow['max']:.2f})")
     out["loaded_torch_over_policy"] = _paired(res["torch"]["loaded"], res["policy"]["loaded"])
     out["quiet_torch_over_policy"] = _paired(res["torch"]["quiet"], res["policy"]["quiet"])
+    out["loaded_torch_over_torch_passive"] = _paired(res["torch"]["loaded"], res["torch_passive"]["loaded"])
+    out["quiet_torch_over_torch_passive"] = _paired(res["torch"]["quiet"], res["torch_passive"]["quiet"])
     out["policy_equals_torch_default"] = seen_threads["policy"] == seen_threads["torch"]
     out["machine"] = machine_state()
     print(f"loaded: torch default / policy {out['loaded_torch_over_policy']['median']:.2f} "
           f"({out['loaded_torch_over_policy']['min']:.2f}-{out['loaded_torch_over_policy']['max']:.2f}); "
           f"quiet: {out['quiet_torch_over_policy']['median']:.2f}"
-          + ("  (same thread count: the difference is noise)" if out["policy_equals_torch_default"] else ""))
+          + ("  (same thread count: the difference is the wait policy)" if out["policy_equals_torch_default"] else ""))
+    print(f"wait policy at torch's count: spinning / sleeping loaded {out['loaded_torch_over_torch_passive']['median']:.2f} "
+          f"({out['loaded_torch_over_torch_passive']['min']:.2f}-{out['loaded_torch_over_torch_passive']['max']:.2f}), "
+          f"quiet {out['quiet_torch_over_torch_passive']['median']:.2f} "
+          f"({out['quiet_torch_over_torch_passive']['min']:.2f}-{out['quiet_torch_over_torch_passive']['max']:.2f})")
     line = json.dumps(out)
     if args.json:
         Path(args.json).write_text(line + "\n")

@@ -240,7 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from k3post.errors import UserError, detach_run_log, write_traceback
+    from k3post.threads import quiet_waits
 
+    quiet_waits()  # before anything loads torch's OpenMP runtime (k3post.threads)
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

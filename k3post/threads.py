@@ -19,6 +19,13 @@ processes, which do not spin-wait on each other). `use_threads` applies a plan t
 starts (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``: a spawned child's OpenMP starts with them, `child_threads`
 reads them back); `record_plan` (called by `k3post.runs.open_run`) writes the plan in force to the run's
 ``k3post.log`` and ``threads.json``, which the report shows: the thread count the numbers were made with.
+
+Idle OpenMP workers sleep (`quiet_waits`: ``OMP_WAIT_POLICY=PASSIVE``, set by the ``k3post`` command before torch
+loads its OpenMP runtime, inherited by every process it starts; a value the environment already has wins).
+libgomp's default spins a waiting worker for ~300,000 iterations before it sleeps: fine on cores nobody else wants,
+but beside other work (another k3post process, a CI job, a user's editor) the spinning threads take the cores the
+others need, and a step that waits at a barrier for a descheduled thread waits a whole time slice.
+`bench/threads_load.py` measures both policies, quiet and beside a CPU hog (docs/decisions.md, "Issue 32 §waits").
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import json
 import logging
 import math
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -36,12 +44,15 @@ from typing import Any
 from k3post.io import atomic_write
 
 __all__ = ["Cores", "ThreadPlan", "plan_threads", "seen_cores", "cgroup_quota", "use_threads", "child_threads",
-           "record_plan", "active_plan", "command_plan", "THREAD_ENV", "RECORD", "RANKS"]
+           "record_plan", "active_plan", "command_plan", "quiet_waits", "wait_policy", "THREAD_ENV", "WAIT_ENV",
+           "RECORD", "RANKS"]
 
 log = logging.getLogger("k3post.threads")
 
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 """The variables a child process's OpenMP / MKL read at start (set by `use_threads`)."""
+WAIT_ENV = ("OMP_WAIT_POLICY", "PASSIVE")
+"""The variable and value `quiet_waits` sets: idle OpenMP workers sleep instead of spinning."""
 RANKS = "trainer ranks"
 """The role name of a command's local trainer ranks > 0 in its plan (`command_plan`)."""
 RECORD = "threads.json"
@@ -224,6 +235,23 @@ def use_threads(plan: ThreadPlan, name: str, run: str | Path | None = None) -> I
                 os.environ[k] = v
 
 
+def quiet_waits() -> str:
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` (`WAIT_ENV`) in this process's environment unless it is set already, and
+    return `wait_policy`. Only effective before torch is imported (libgomp reads it when it loads), and in every
+    process started afterwards: the ``k3post`` command calls it first thing."""
+    key, value = WAIT_ENV
+    if "torch" not in sys.modules:
+        os.environ.setdefault(key, value)
+    return wait_policy()
+
+
+def wait_policy() -> str:
+    """The OpenMP wait policy in the environment, in words (what this process's children run with)."""
+    key, _ = WAIT_ENV
+    got = os.environ.get(key)
+    return f"{key}={got}" if got else f"{key} unset (libgomp spins, then sleeps)"
+
+
 def child_threads(default: int = 1) -> int:
     """The thread count a child process started under a plan should run (``OMP_NUM_THREADS`` its parent set);
     ``default`` when there is none or it is not a positive integer."""
@@ -249,10 +277,10 @@ def record_plan(run: str | Path) -> dict[str, Any] | None:
         return None
     name, plan = got
     entry = {"name": name, **plan.to_dict(), "torch_threads": torch.get_num_threads(),
-             "torch_interop_threads": torch.get_num_interop_threads()}
+             "torch_interop_threads": torch.get_num_interop_threads(), "wait_policy": wait_policy()}
     log.info("threads (%s): %s; torch.get_num_threads()=%d, interop %d: the numbers of this run are made with %d "
-             "thread(s) per process", name, plan.describe(), entry["torch_threads"], entry["torch_interop_threads"],
-             entry["torch_threads"])
+             "thread(s) per process; %s", name, plan.describe(), entry["torch_threads"], entry["torch_interop_threads"],
+             entry["torch_threads"], entry["wait_policy"])
     path = Path(run) / RECORD
     try:
         old = json.loads(path.read_text()) if path.is_file() else []

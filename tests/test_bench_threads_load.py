@@ -28,10 +28,12 @@ def test_each_arm_runs_at_its_thread_count(bench, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["threads"]["policy"] == plan_threads(seen_cores(), {"workload copies": 1}).per_process
     assert out["threads"]["one"] == 1
-    assert set(out["arms"]) == {"policy", "torch", "one"}
+    assert set(out["arms"]) == {"policy", "torch", "torch_passive", "one"}
+    assert out["threads"]["torch_passive"] == out["threads"]["torch"]
     for arm in out["arms"].values():
         assert len(arm["quiet_s"]) == len(arm["loaded_s"]) == 1 and arm["slowdown"]["min"] > 0
     assert out["hog_cores"] == 1 and "loaded_torch_over_policy" in out and "machine" in out
+    assert "loaded_torch_over_torch_passive" in out
 
 
 def test_bad_arguments_are_refused(bench):

@@ -199,3 +199,30 @@ def test_serve_threads_follow_the_policy(capsys):
     assert "64 torch thread(s) per process (1 server); --threads=64 pinned" in err
     if seen_cores().usable < 64:
         assert "WARNING: --threads=64 is more than the" in err
+
+
+@pytest.mark.parametrize("env, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_command_sets_sleeping_waits_before_torch_loads(env, expected):
+    """`k3post` sets OMP_WAIT_POLICY=PASSIVE before anything imports torch (libgomp reads it when it loads), so
+    this process and every child it starts run with idle workers asleep; a value the user set is kept."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys\nfrom k3post.cli import main\nmain(['tasks', 'list'])\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n"
+            "import torch\nfrom k3post.threads import wait_policy\nprint(wait_policy())\n")
+    child_env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if env is not None:
+        child_env["OMP_WAIT_POLICY"] = env
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    *_, first, second = out.stdout.strip().splitlines()
+    assert first == f"{expected} False" and second == f"OMP_WAIT_POLICY={expected}"
+
+
+def test_the_recorded_plan_names_the_wait_policy(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    with use_threads(plan_threads(Cores(2, 2), {"trainer": 1}, requested=1), "test: waits", run=tmp_path):
+        pass
+    (entry,) = json.loads((tmp_path / "threads.json").read_text())
+    assert entry["wait_policy"] == "OMP_WAIT_POLICY=PASSIVE"
