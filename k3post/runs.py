@@ -198,7 +198,8 @@ def check_inputs(cfg: K3Config, stage: str, run: Path | None = None) -> None:
                   "" if cfg.rl.init else "; train SFT first or set rl.init")
     if stage == "mopd":
         for name, path in cfg.mopd.experts.items():
-            model_dir(f"mopd.experts.{name}", path)
+            if not path.startswith(("http://", "https://")):  # an endpoint teacher is checked when it is called
+                model_dir(f"mopd.experts.{name}", path)
     if stage == "draft":
         target = draft_target(cfg, run)
         layers = json.loads((target / "config.json").read_text()).get("num_hidden_layers")

@@ -389,6 +389,22 @@ def test_rl_with_a_missing_init_exits_2_and_creates_no_run_folder(tmp_path, caps
     assert list(tmp_path.iterdir()) == []
 
 
+def test_mopd_inputs_take_an_endpoint_teacher_and_name_a_missing_folder(tmp_path):
+    """`mopd.experts.<name>` may be an OpenAI-compatible URL (the README's teacher behind `k3post serve`): the
+    input check let only model folders through, so the documented command stopped with "not a model folder"
+    (found by tests/test_docs.py). A missing folder is still named."""
+    from k3post.config import load_config
+    from k3post.errors import UserError
+    from k3post.models import build_tiny_moe, save_model
+    from k3post.runs import check_inputs
+
+    save_model(build_tiny_moe(64, "tiny", seed=0), tmp_path / "init")
+    base = [f"run.root={tmp_path}", f"rl.init={tmp_path / 'init'}"]
+    check_inputs(load_config(None, [*base, "mopd.experts.coding.max=http://127.0.0.1:8001/v1"]), "mopd")
+    with pytest.raises(UserError, match=f"mopd.experts.coding.max: {tmp_path}/gone is not a model folder"):
+        check_inputs(load_config(None, [*base, f"mopd.experts.coding.max={tmp_path}/gone"]), "mopd")
+
+
 def _rl_run(tmp_path: Path, *overrides: str):  # noqa: ANN202
     from k3post.config import load_config
 
