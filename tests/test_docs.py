@@ -92,7 +92,8 @@ class Run:
     speed: str
     subs: tuple[tuple[str, str], ...] = ()
     sizes: tuple[str, ...] = ()
-    needs: tuple[str, ...] = ()  # "demo_sft": runs/demo/sft/final (what `k3post demo` leaves) is there
+    needs: tuple[str, ...] = ()  # runs/demo/sft/final ("demo_sft": what `k3post demo` leaves) or runs/full/sft/final
+    # ("full_sft": the full recipe's) is there
     expect: tuple[tuple[str, int], ...] = ()  # (a command's text, its exit code) where the doc says it fails
 
 
@@ -128,7 +129,7 @@ BLOCKS: dict[tuple[str, str], Run | NotRun] = {
     ("docs/scale-out.md", "k3post rl configs/demo.yaml rl.init=runs/demo/sft/final distributed.enabled=true "
                           "distributed.num_cpus=2 distributed.fsdp.ranks=2 distributed.roles.trainers=2 "
                           "distributed.roles.engines=1 distributed.roles.env_workers=1 distributed.cpus_per_bundle=0.5"):
-        Run("slow", sizes=TOY_DEMO, needs=("demo_sft",)),
+        Run("slow", sizes=TOY_DEMO, needs=("demo_sft", "full_sft")),
 }
 
 
@@ -293,14 +294,23 @@ def shell(tmp_path, request):
         s.close()
 
 
+def _sft_run(tmp_path_factory, recipe: str) -> Path:
+    """``runs/<recipe>/sft/final`` as `k3post demo configs/<recipe>.yaml` leaves it, at toy size (`k3post sft`)."""
+    cwd = tmp_path_factory.mktemp(f"{recipe}-sft")
+    sh = Shell(cwd, TOY_DEMO, f"{recipe}_sft fixture")
+    sh.run(f"k3post sft configs/{recipe}.yaml run.name={recipe}")
+    assert (cwd / f"runs/{recipe}/sft/final/config.json").is_file()
+    return cwd / "runs" / recipe
+
+
 @pytest.fixture(scope="module")
 def demo_sft(tmp_path_factory) -> Path:
-    """``runs/demo/sft/final`` as `k3post demo` leaves it, at toy size (`k3post sft configs/demo.yaml`)."""
-    cwd = tmp_path_factory.mktemp("demo-sft")
-    sh = Shell(cwd, TOY_DEMO, "demo_sft fixture")
-    sh.run("k3post sft configs/demo.yaml run.name=demo")
-    assert (cwd / "runs/demo/sft/final/config.json").is_file()
-    return cwd / "runs" / "demo"
+    return _sft_run(tmp_path_factory, "demo")
+
+
+@pytest.fixture(scope="module")
+def full_sft(tmp_path_factory) -> Path:
+    return _sft_run(tmp_path_factory, "full")
 
 
 def _slow(speed: str):
@@ -316,8 +326,8 @@ def test_block_runs_as_written(key, shell, request):
     spec = BLOCKS[key]
     block = _block(key)
     sh = shell(spec.sizes, f"{block.file}:{block.line}")
-    if "demo_sft" in spec.needs:
-        shutil.copytree(request.getfixturevalue("demo_sft"), sh.cwd / "runs" / "demo", symlinks=True)
+    for need in spec.needs:  # a copy: the doc's commands may write into the run, as a user's would
+        shutil.copytree(request.getfixturevalue(need), sh.cwd / "runs" / need.removesuffix("_sft"), symlinks=True)
     sh.run_block(block, spec)
 
 
