@@ -465,16 +465,20 @@ def mopd_checks(
         tokens_ok = |student_tokens − teacher_tokens| ≤ token_tolerance · teacher_tokens   (token_ratio = s / t)
         order_ok  = per domain, the student's mean T(y) strictly increases low < high < max over its efforts
 
+    A row with ``teacher_endpoint`` (its teacher is an endpoint, which scores but is not sampled here: teacher
+    numbers NaN) gets pass_ok and tokens_ok None (not applicable).
+
     Returns {"rows": rows with the ratios and checks, "order": {domain: {"tokens": {effort: T}, "ok"}},
     "ok": every check, "teacher_pass_min": the threshold used}."""
     out_rows: list[dict[str, Any]] = []
     order: dict[str, dict[str, Any]] = {}
     for r in rows:
         s_p, t_p, s_t, t_t = (float(r[k]) for k in ("student_pass", "teacher_pass", "student_tokens", "teacher_tokens"))
+        sampled = not r.get("teacher_endpoint")  # an endpoint teacher is not sampled: nothing to compare with
         row = {**r, "pass_ratio": s_p / t_p if t_p > 0 else float("nan"),
                "token_ratio": s_t / t_t if t_t > 0 else float("nan"),
-               "pass_ok": s_p >= pass_ratio_min * t_p if t_p >= teacher_pass_min else None,
-               "tokens_ok": abs(s_t - t_t) <= token_tolerance * t_t}
+               "pass_ok": s_p >= pass_ratio_min * t_p if sampled and t_p >= teacher_pass_min else None,
+               "tokens_ok": abs(s_t - t_t) <= token_tolerance * t_t if sampled else None}
         if r.get("student_vs_teacher"):
             row["pass_ratio_ci95"] = paired_ratio(r["student_vs_teacher"])["ci95"]
         out_rows.append(row)
@@ -482,7 +486,8 @@ def mopd_checks(
     for d, o in order.items():
         seq = [o["tokens"][e] for e in EFFORTS if e in o["tokens"]]
         o["ok"] = all(a < b for a, b in zip(seq, seq[1:]))
-    ok = all(r["pass_ok"] is not False and r["tokens_ok"] for r in out_rows) and all(o["ok"] for o in order.values())
+    ok = all(r["pass_ok"] is not False and r["tokens_ok"] is not False for r in out_rows) and all(
+        o["ok"] for o in order.values())
     return {"rows": out_rows, "order": order, "ok": ok, "teacher_pass_min": teacher_pass_min}
 
 
@@ -509,7 +514,8 @@ def evaluate_mopd(
     """The student vs each teacher on held-out ``tasks`` (domain → tasks, e.g. `mopd_eval_tasks`): greedy episodes of the student at each effort and of expert (d, e) as it scores in
     MOPD (no effort message unless ``teacher_sees_effort``); pass rate with its Wilson interval, the paired
     change teacher → student on the same tasks (`k3post.stats.paired_change`) and mean T(y) per (domain, effort),
-    then `mopd_checks`. Teachers must be local (an endpoint scores, it is not sampled here).
+    then `mopd_checks`. An endpoint teacher (a URL: it scores log-probs, it is not sampled here) gets the
+    student's numbers only: its row has ``teacher_endpoint`` and NaN teacher numbers.
     ``max_tokens``: the per-turn cap, one for all or domain → cap (e.g. `eval_caps`). ``engine``: the teachers'
     engine (default: embedded; over ``http`` each teacher runs on launched servers of its own)."""
     rows = []
@@ -517,6 +523,13 @@ def evaluate_mopd(
         cap = max_tokens if isinstance(max_tokens, int) else max_tokens[d]
         for e in efforts:
             expert = expert_name(d, e)
+            if _is_url(pool.experts.get(expert, "")):
+                s = _episodes(student, xtml, ts, e, cap)
+                nan = float("nan")
+                rows.append({"domain": d, "effort": e, "expert": expert, "n": s["n"], "teacher_endpoint": pool.experts[expert],
+                             "student_pass": s["pass_rate"], "teacher_pass": nan, "student_ci95": s["pass_ci95"],
+                             "teacher_ci95": None, "student_tokens": s["mean_effort_tokens"], "teacher_tokens": nan})
+                continue
             teacher = build_engine(pool.model(expert), xtml.tokenizer, engine=engine, role=f"MOPD teacher {expert}",
                                    max_batch_size=student.max_batch_size, max_model_len=student.max_model_len)
             try:

@@ -406,10 +406,11 @@ def _mopd_section(run: Path, summary: dict[str, Any]) -> str:
         parts.append(f"<p><b>Left out</b> (an expert of theirs failed): {html.escape(', '.join(m['left_out_domains']))}</p>")
     rows = [[r["domain"], r["effort"], r.get("n", ""), _rate(r["student_pass"], r.get("student_ci95")),
              _rate(r["teacher_pass"], r.get("teacher_ci95")), _ratio(r["pass_ratio"], r.get("pass_ratio_ci95")),
-             _YES_NO.get(r["pass_ok"], f"n/a (teacher < {t.get('teacher_pass_min', 0.2):g})"),
+             _YES_NO.get(r["pass_ok"], "n/a (endpoint teacher: not sampled)" if r.get("teacher_endpoint")
+                         else f"n/a (teacher < {t.get('teacher_pass_min', 0.2):g})"),
              (f"{r['student_vs_teacher']['delta']:+.3f}, p = {r['student_vs_teacher']['p_value']:.3g}: "
               f"{r['student_vs_teacher']['verdict']}") if r.get("student_vs_teacher") else "",
-             r["student_tokens"], r["teacher_tokens"], r["token_ratio"], "yes" if r["tokens_ok"] else "no"] for r in t["rows"]]
+             r["student_tokens"], r["teacher_tokens"], r["token_ratio"], _YES_NO.get(r["tokens_ok"], "n/a")] for r in t["rows"]]
     parts.append(_table(["domain", "effort", "n", "student pass [95%]", "teacher pass [95%]", "ratio [95%]", "≥ 0.95",
                          "student − teacher (paired)", "student T(y)", "teacher T(y)", "ratio", "±20%"], rows))
     parts.append(_table(["domain", "student mean T(y) by effort", "low < high < max"],

@@ -543,6 +543,28 @@ def test_evaluate_mopd_student_equal_to_its_teacher_meets_every_row_target(xtml_
     assert set(out["order"]["general"]["tokens"]) == {"low", "max"}
 
 
+def test_evaluate_mopd_with_an_endpoint_teacher_reports_the_student_alone(xtml_tokenizer, folders):
+    """An endpoint teacher (mopd.experts.X=http://...) scores log-probs in training but is not sampled here:
+    evaluation raised "is an endpoint, not a local model" after training had finished (the README's command;
+    found by tests/test_docs.py). Its row now has the student's numbers, NaN teacher numbers, checks not
+    applicable (None) and does not fail the table; the local teacher's row is as before. The report says why."""
+    from k3post.report import _mopd_section
+
+    tok = xtml_tokenizer
+    x = XTML(tok)
+    pool = TeacherPool({"general.low": folders["t1"], "general.max": "http://127.0.0.1:9/v1"})  # never called
+    student = EmbeddedEngine(_model(tok, 1, initializer_range=0.1), tok)
+    tasks = {"general": get_family("general.arithmetic").generate(3, seed=9)}
+    out = evaluate_mopd(student, x, pool, tasks, efforts=("low", "max"), max_tokens=12, teacher_sees_effort=True)
+    low, high = out["rows"]
+    assert low["tokens_ok"] is True and "teacher_endpoint" not in low
+    assert high["teacher_endpoint"] == "http://127.0.0.1:9/v1" and high["n"] == 3 and high["student_tokens"] > 0
+    assert math.isnan(high["teacher_pass"]) and high["pass_ok"] is None and high["tokens_ok"] is None
+    assert pool.stats["endpoint_requests"] == 0 and out["ok"] == out["order"]["general"]["ok"]  # only the order can fail
+    html = _mopd_section(Path("/nonexistent"), {"mopd": {"table": out, "steps": 1, "seconds": 1.0}})
+    assert "n/a (endpoint teacher: not sampled)" in html
+
+
 @pytest.mark.parametrize("override, message", [
     ("mopd.effort_mix.medium=1", "mopd.effort_mix: unknown efforts"),
     ("mopd.domains=[web]", r"unknown domain\(s\) \['web'\]"),
