@@ -1,4 +1,4 @@
-"""The sharded trainer (k3post/distributed/fsdp.py): 2 gloo ranks on the CPU against the single-process
+"""The sharded trainer (k3post/trainer/fsdp.py): 2 gloo ranks on the CPU against the single-process
 `Trainer` on the same data and seed; a 2-rank DCP checkpoint resumed on 1 rank; the consolidated export.
 
 One 2-rank job (a module fixture, ~10 s) runs every sharded step the tests compare:
@@ -37,7 +37,7 @@ import torch
 from k3post.config import ConfigError, load_config
 from k3post.config.distributed import FSDPConfig
 from k3post.data import Sample, collate
-from k3post.distributed.fsdp import FSDPTrainer, launch_local
+from k3post.trainer.fsdp import FSDPTrainer, launch_local
 from k3post.models import build_tiny_moe, load_model
 from k3post.policy_step import TokenSequence, sequence_logprobs
 from k3post.quant.qat import QATConfig, apply_qat

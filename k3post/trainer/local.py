@@ -9,8 +9,8 @@ and RL share, `OptimConfig`, are in `k3post.config.optim`).
     trainer.state_dict() / trainer.load_state_dict(...)               # the optimizer alone
 
 `build_trainer` is what a stage calls: this `Trainer`, or, when the command runs on trainer ranks
-(``distributed.fsdp.ranks`` > 1, `k3post.distributed.ranks.on_ranks`), the sharded
-`k3post.distributed.fsdp.FSDPTrainer` that rank 0 drives. Either trains the caller's ``model``: this one in
+(``distributed.fsdp.ranks`` > 1, `k3post.trainer.ranks.on_ranks`), the sharded
+`k3post.trainer.fsdp.FSDPTrainer` that rank 0 drives. Either trains the caller's ``model``: this one in
 place, the sharded one a copy whose full weights it copies back into ``model`` after every step.
 
 The device is resolved once (`resolve_device`): "cuda" when asked for and present, else a clear error,
@@ -22,9 +22,10 @@ Shape legend: none here (`k3post.policy_step` holds the tensors).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,7 +35,13 @@ from k3post.distributed.weight_sync import named_weights
 from k3post.data import PackedBatch
 from k3post.policy_step import TokenSequence, clip_grad_norm, plan_micro_batches, policy_grads, step_metrics
 
-__all__ = ["OPTIMIZERS", "OptimConfig", "build_optimizer", "build_trainer", "resolve_device", "Trainer"]
+if TYPE_CHECKING:
+    from k3post.trainer.ranks import Leader
+
+__all__ = ["OPTIMIZERS", "OptimConfig", "build_optimizer", "build_trainer", "leading", "leading_ranks", "resolve_device",
+           "Trainer"]
+
+_LEADER: Leader | None = None
 
 
 def build_optimizer(params: Any, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -59,13 +66,30 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def leading() -> Leader | None:
+    """Rank 0's `k3post.trainer.ranks.Leader` while a command runs on trainer ranks, else None (one process)."""
+    return _LEADER
+
+
+@contextmanager
+def leading_ranks(leader: Leader) -> Iterator[Leader]:
+    """While the block runs, `build_trainer` asks ``leader`` for the sharded trainer (`k3post.trainer.ranks`
+    enters it around the command rank 0 runs)."""
+    global _LEADER
+    if _LEADER is not None:
+        raise RuntimeError("leading_ranks: this process already leads trainer ranks")
+    _LEADER = leader
+    try:
+        yield leader
+    finally:
+        _LEADER = None
+
+
 def build_trainer(model: torch.nn.Module, optim: OptimConfig, *, extra: torch.nn.Module | None = None,
                   **trainer_kwargs: Any) -> "Trainer":
     """The trainer of ``model`` for this process (module doc): a `Trainer`, or on rank 0 of trainer ranks
-    (`k3post.distributed.ranks.on_ranks`) the sharded trainer the other ranks follow. ``extra`` (the MTP
+    (`k3post.trainer.ranks.on_ranks`) the sharded trainer the other ranks follow. ``extra`` (the MTP
     head) and ``trainer_kwargs`` are `Trainer`'s."""
-    from k3post.distributed.ranks import leading
-
     leader = leading()
     if leader is None:
         return Trainer(model, optim, extra=extra, **trainer_kwargs)
@@ -104,7 +128,7 @@ class Trainer:
         self.micro_batch_tokens = micro_batch_tokens
         self.grad_clip = grad_clip
 
-    # what a data-parallel trainer (k3post.distributed.fsdp.FSDPTrainer) replaces
+    # what a data-parallel trainer (k3post.trainer.fsdp.FSDPTrainer) replaces
     share_prefix = True  # `policy_step`'s shared-prompt forward
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -31,7 +31,7 @@ Checkpoints follow `k3post.checkpoint`'s layout (``step-NNNNNN/`` renamed into p
 last, the newest ``keep_last`` kept); the weights and optimizer are a DCP folder ``dcp/`` inside it, keyed by
 parameter name, so a checkpoint written by N ranks loads on M ranks (resharded on load).
 
-Driven by rank 0 (`k3post.distributed.ranks`: a stage command on N ranks). Built with ``lead`` (rank 0) or
+Driven by rank 0 (`k3post.trainer.ranks`: a stage command on N ranks). Built with ``lead`` (rank 0) or
 ``mirror`` (every rank), the trainer trains a deep copy of the caller's model and keeps the caller's model
 (rank 0's) a full copy of the trained weights: after every optimizer step and checkpoint load the ranks
 all-gather the weights and rank 0 copies them in place, so a co-located engine decoding with it sees the
@@ -69,7 +69,7 @@ from k3post import checkpoint
 from k3post.config.distributed import MIXED_PRECISIONS
 from k3post.config.optim import OptimConfig
 from k3post.distributed.weight_sync import named_weights
-from k3post.trainer import Trainer
+from k3post.trainer.local import Trainer
 
 __all__ = ["FSDPTrainer", "launch_local", "free_port"]
 
