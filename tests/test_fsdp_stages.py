@@ -148,7 +148,7 @@ def test_a_killed_local_rank_is_replaced_and_the_run_resumes(sft_runs, init_dir,
         return start(self, *a, **kw)
 
     def tell_and_kill(self, command):
-        if command[:2] == ("call", "sft_step"):
+        if command[:2] == ("call", "step"):
             steps.append(len(started))
             if steps == [1, 1, 1]:
                 os.kill(started[0].procs.processes[0].pid, signal.SIGKILL)

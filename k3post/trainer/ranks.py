@@ -10,7 +10,7 @@ The other ranks only serve trainer calls:
 
     ("build", spec)               build the same model (rank 0's config and QAT scheme, its weights
                                   broadcast) and the sharded trainer over it, replacing the last one
-    ("call", method, args, kw)    trainer.method(*args, **kw): step, sft_step, save / load_checkpoint, ...
+    ("call", method, args, kw)    trainer.method(*args, **kw): step (with its gradient function), save / load_checkpoint, ...
     ("stop",)                     the command is done
 
 Commands travel as pickled objects over a gloo group of their own (token ids and small metadata; the
