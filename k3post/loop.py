@@ -5,8 +5,8 @@
                                                    has all K samples
         seqs, m = signal(groups)                   RL: reward → effort override → advantage (k3post.rl);
                                                    MOPD: teacher − student log-ratio (k3post.mopd)
-        trainer step(seqs)                         `train_policy_step`: the trainer's step with the policy
-                                                   loss's gradient function (SPEC §3.1)
+        train_step(seqs)                           the trainer's step with the policy loss's gradient
+                                                   function (`train_policy_step`, SPEC §3.1)
         rollout.push_weights(trainer)              policy version + 1
         metrics; checkpoint                        weights, optimizer, rollout state: exact resume
 
@@ -125,6 +125,11 @@ class PolicyLoop:
         self.last_groups: list[Group] = []  # the groups the last step trained on
         self.infra_retries: dict[str, int] = {}  # task id -> re-runs of its group after infrastructure failures
 
+    def train_step(self, seqs: Sequence[TokenSequence], *, version: int, lr: float) -> dict[str, float]:
+        """The trainer's step with the policy loss's gradient function (`k3post.policy_step.train_policy_step`)."""
+        return train_policy_step(self.trainer, seqs, pad_id=self.pad_id, loss_kwargs=self.loss_kwargs,
+                                 micro_batch_tokens=self.cfg.micro_batch_tokens, version=version, lr=lr)
+
     @property
     def engine(self) -> Any:
         return self.rollout.engine
@@ -166,8 +171,7 @@ class PolicyLoop:
         self._check_infra(finished)
         t2 = time.perf_counter()
         lr = self.cfg.lr_at(self.step_no)
-        train_m = train_policy_step(self.trainer, seqs, pad_id=self.pad_id, loss_kwargs=self.loss_kwargs,
-                                    micro_batch_tokens=self.cfg.micro_batch_tokens, version=self.rollout.version, lr=lr)
+        train_m = self.train_step(seqs, version=self.rollout.version, lr=lr)
         version = self.rollout.push_weights(self.trainer.named_weights)
         t3 = time.perf_counter()
         self.step_no += 1
