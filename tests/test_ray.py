@@ -378,8 +378,8 @@ def test_cli_rl_two_trainer_ranks_and_an_engine_actor_equals_one_rank(rl_runs):
 def _kill_rank_1_in_step_2(monkeypatch) -> tuple[list, list[int]]:
     """`ray.kill` the first attempt's rank-1 actor as rank 0 sends step 2's trainer call. Returns (each
     attempt's `RayFollowers`, the attempt number of every trainer step call)."""
-    from k3post.trainer.ranks import Leader
     from k3post.distributed.ray_cluster import RayFollowers
+    from k3post.trainer.ranks import Leader
 
     started: list = []
     steps: list[int] = []
