@@ -13,6 +13,10 @@ over a response for RL (SPEC §3.1), the clipped teacher − student log-ratio f
 Micro-batches are formed by length (longest first) under ``micro_batch_tokens`` padded tokens, so
 gradient accumulation equals one large batch (tested).
 
+Through the trainer (`k3post.trainer.Trainer`, which knows no loss): `train_policy_step(trainer, seqs, ...)` plans
+the micro-batches and hands them to ``trainer.step`` with `PolicyGrads` (this module's `policy_grads`) as the
+gradient function; `policy_step` is the same step over a bare model and optimizer.
+
 Shared prompts. The K samples of a group share their prompt (every token before the first sampled one).
 Such sequences go into micro-batches of their own, where the prompt runs through the model once (batch
 1) and its KV cache is broadcast to the K rows, which run only their own tokens:
