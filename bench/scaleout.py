@@ -5,7 +5,7 @@ What each number measures:
   * ``step_s_<arm>``: seconds of one `k3post.loop.PolicyLoop.step` (rollout, signal, trainer step, weight
     push; λ = 1, synchronous), median of ``--steps`` steps after one warm-up step, for the arms
       ranks1      one process, embedded engine (today's default)
-      ranks2      2 trainer ranks (`k3post.distributed.ranks.on_ranks`, FSDP2 over gloo), rank 1 a local process,
+      ranks2      2 trainer ranks (`k3post.trainer.ranks.on_ranks`, FSDP2 over gloo), rank 1 a local process,
                   embedded engine on rank 0
       ranks2_ray  the same with rank 1 a `TrainerRankActor` on a Ray placement group (``distributed.enabled``)
       servers1    one process, rollout on 1 local engine server (``rl.engine.kind=http``, ``launch=1``)
@@ -55,7 +55,7 @@ from k3post.commands import default_corpus
 from k3post.config.distributed import DistributedConfig, FSDPConfig, RolesConfig
 from k3post.config.rl import RLConfig
 from k3post.config.rollout import EngineConfig
-from k3post.distributed.ranks import on_ranks
+from k3post.trainer.ranks import on_ranks
 from k3post.envs.families.streams import train_tasks
 from k3post.loop import PolicyLoop
 from k3post.models import build_tiny_moe, save_model

@@ -15,7 +15,7 @@ rather than starting again from step 0 (which truncated the metrics and rotated 
 holds tensors and plain data only and loads with ``torch.load(weights_only=True)``; a ``dcp/`` folder's
 pickled metadata loads through an allow-list unpickler (`load_dcp`), so a planted file runs no code.
 
-A sharded trainer (`k3post.distributed.fsdp.FSDPTrainer`) writes no HF model folder: its weights and
+A sharded trainer (`k3post.trainer.fsdp.FSDPTrainer`) writes no HF model folder: its weights and
 optimizer are a ``dcp/`` folder (torch.distributed.checkpoint, keyed by parameter name) beside
 ``trainer_state.pt``, which `load_dcp` reads on any number of ranks, one process included.
 

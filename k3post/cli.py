@@ -63,7 +63,7 @@ def _on_ranks(fn, cfg, command: str):  # noqa: ANN001, ANN202
     if ranks > 1 and command == "sft" and cfg.sft.mtp_weight > 0:
         raise UserError(f"sft.mtp_weight={cfg.sft.mtp_weight}: the MTP head is not supported with "
                         f"distributed.fsdp.ranks={ranks} (set sft.mtp_weight=0 or distributed.fsdp.ranks=1)")
-    from k3post.distributed.ranks import on_ranks
+    from k3post.trainer.ranks import on_ranks
 
     d = cfg.distributed
     if not d.enabled or command in ("demo", "draft") or (command == "sft" and ranks == 1):

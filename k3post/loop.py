@@ -5,7 +5,8 @@
                                                    has all K samples
         seqs, m = signal(groups)                   RL: reward → effort override → advantage (k3post.rl);
                                                    MOPD: teacher − student log-ratio (k3post.mopd)
-        trainer.step(seqs)                         `policy_step` (SPEC §3.1)
+        train_step(seqs)                           the trainer's step with the policy loss's gradient
+                                                   function (`train_policy_step`, SPEC §3.1)
         rollout.push_weights(trainer)              policy version + 1
         metrics; checkpoint                        weights, optimizer, rollout state: exact resume
 
@@ -57,7 +58,7 @@ from k3post.checkpoint import latest_checkpoint, resuming
 from k3post.envs.task import Task
 from k3post.errors import InfrastructureError, StepFailed
 from k3post.metrics import MetricsLogger, iter_metrics
-from k3post.policy_step import TokenSequence
+from k3post.policy_step import TokenSequence, train_policy_step
 from k3post.rollout.factory import Rollout, RolloutConfig
 from k3post.rollout.trajectory import Group, infra_metrics, outcome_metrics
 from k3post.trainer import OptimConfig, build_trainer
@@ -116,14 +117,18 @@ class PolicyLoop:
     ) -> None:
         self.cfg, self.tokenizer, self.signal = cfg, tokenizer, signal
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.trainer = build_trainer(model, cfg.optim_config(), device=cfg.device, pad_id=pad_id,
-                                     loss_kwargs=cfg.loss_kwargs(), micro_batch_tokens=cfg.micro_batch_tokens,
-                                     grad_clip=cfg.grad_clip)
+        self.pad_id, self.loss_kwargs = pad_id, cfg.loss_kwargs()  # what `train_policy_step` is handed every step
+        self.trainer = build_trainer(model, cfg.optim_config(), device=cfg.device, pad_id=pad_id, grad_clip=cfg.grad_clip)
         self.model = model  # trained in place (a sharded trainer copies its weights back after every step)
         self.rollout = Rollout(self.model, tokenizer, cfg.rollout_config(), effort_fn=effort_fn)
         self.step_no, self.cursor = 0, 0
         self.last_groups: list[Group] = []  # the groups the last step trained on
         self.infra_retries: dict[str, int] = {}  # task id -> re-runs of its group after infrastructure failures
+
+    def train_step(self, seqs: Sequence[TokenSequence], *, version: int, lr: float) -> dict[str, float]:
+        """The trainer's step with the policy loss's gradient function (`k3post.policy_step.train_policy_step`)."""
+        return train_policy_step(self.trainer, seqs, pad_id=self.pad_id, loss_kwargs=self.loss_kwargs,
+                                 micro_batch_tokens=self.cfg.micro_batch_tokens, version=version, lr=lr)
 
     @property
     def engine(self) -> Any:
@@ -166,7 +171,7 @@ class PolicyLoop:
         self._check_infra(finished)
         t2 = time.perf_counter()
         lr = self.cfg.lr_at(self.step_no)
-        train_m = self.trainer.step(seqs, version=self.rollout.version, lr=lr)
+        train_m = self.train_step(seqs, version=self.rollout.version, lr=lr)
         version = self.rollout.push_weights(self.trainer.named_weights)
         t3 = time.perf_counter()
         self.step_no += 1

@@ -13,6 +13,10 @@ over a response for RL (SPEC §3.1), the clipped teacher − student log-ratio f
 Micro-batches are formed by length (longest first) under ``micro_batch_tokens`` padded tokens, so
 gradient accumulation equals one large batch (tested).
 
+Through the trainer (`k3post.trainer.Trainer`, which knows no loss): `train_policy_step(trainer, seqs, ...)` plans
+the micro-batches and hands them to ``trainer.step`` with `PolicyGrads` (this module's `policy_grads`) as the
+gradient function; `policy_step` is the same step over a bare model and optimizer.
+
 Shared prompts. The K samples of a group share their prompt (every token before the first sampled one).
 Such sequences go into micro-batches of their own, where the prompt runs through the model once (batch
 1) and its KV cache is broadcast to the K rows, which run only their own tokens:
@@ -39,10 +43,10 @@ from typing import Any
 import torch
 
 from k3post.algos.policy_loss import policy_loss
+from k3post.trainer.local import clip_grad_norm
 
 __all__ = ["TokenSequence", "token_logprobs", "shared_prefix_logprobs", "sequence_logprobs", "micro_batches",
-           "plan_micro_batches", "clip_grad_norm", "policy_grads", "step_metrics",
-           "policy_step"]
+           "plan_micro_batches", "policy_grads", "PolicyGrads", "step_metrics", "train_policy_step", "policy_step"]
 
 log = logging.getLogger(__name__)
 _NO_SHARED_PREFIX: set[str] = set()  # model classes already logged as using the full forward
@@ -274,23 +278,9 @@ def _collate(seqs: Sequence[TokenSequence], pad_id: int, version: int | None = N
     return out
 
 
-def clip_grad_norm(params: Sequence[torch.Tensor], grad_clip: float) -> float:
-    """The global L2 norm of the gradients of ``params``; with ``grad_clip`` > 0 they are scaled so that it is at
-    most ``grad_clip`` (``torch.nn.utils.clip_grad_norm_``). Sharded (DTensor) gradients give the norm over every
-    shard (a collective: every rank calls it)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-    if hasattr(total, "full_tensor"):  # DTensor: the partial norms of the shards, reduced over the ranks
-        total = total.full_tensor()
-    if grad_clip > 0 and grads:
-        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, total)
-    return float(total)
-
-
 def policy_grads(
     model: torch.nn.Module,
-    seqs: Sequence[TokenSequence],
-    groups: Sequence[tuple[list[int], int]],
+    groups: Sequence[tuple[Sequence[TokenSequence], int]],
     *,
     pad_id: int,
     token_normalizer: float,
@@ -298,10 +288,11 @@ def policy_grads(
     version: int | None = None,
     before_backward: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
-    """Forward and backward of `policy_loss` over the micro-batches ``groups`` (from `plan_micro_batches`),
-    gradients accumulated into ``model``'s ``.grad`` (not zeroed here), each micro-batch's loss divided by
-    ``token_normalizer`` (the sampled tokens of the whole step, over every rank). ``before_backward(i)`` runs
-    before the i-th backward (a sharded trainer turns its gradient reduction on for the last one).
+    """Forward and backward of `policy_loss` over the micro-batches ``groups`` (each its sequences and their
+    shared prefix length, as `plan_micro_batches` plans them), gradients accumulated into ``model``'s ``.grad``
+    (not zeroed here), each micro-batch's loss divided by ``token_normalizer`` (the sampled tokens of the whole
+    step, over every rank). ``before_backward(i)`` runs before the i-th backward (a sharded trainer turns its
+    gradient reduction on for the last one).
 
     Returns sums to combine over ranks: ``loss``, ``forward_tokens``, ``gap_sum``, ``gap_n``, ``tokens``
     (sampled tokens seen), ``sum/<metric>`` (policy_loss's metrics × their tokens), and maxima ``max/gap``,
@@ -310,8 +301,8 @@ def policy_grads(
     device = next(model.parameters()).device
     out: dict[str, float] = {"loss": 0.0, "forward_tokens": 0.0, "gap_sum": 0.0, "gap_n": 0.0, "tokens": 0.0,
                              "max/gap": 0.0, "max/max_abs_log_ratio": 0.0}
-    for i, (idx, prefix) in enumerate(groups):
-        batch = _collate([seqs[j] for j in idx], pad_id, version, device)
+    for i, (group, prefix) in enumerate(groups):
+        batch = _collate(group, pad_id, version, device)
         got = None
         if prefix:
             got = shared_prefix_logprobs(model, batch["ids"], batch["attn"], prefix, entropy_mask_BT=batch["mask"])
@@ -363,6 +354,41 @@ def step_metrics(sums: Mapping[str, float], *, n_total: int, n_seqs: int, micro_
     return out
 
 
+@dataclass(frozen=True)
+class PolicyGrads:
+    """`policy_grads` as a trainer's gradient function (`k3post.trainer.local.Grads`): micro-batches are
+    (sequences, shared prefix length); ``token_normalizer`` is the sampled tokens of the whole step."""
+
+    pad_id: int
+    token_normalizer: float
+    loss_kwargs: Mapping[str, Any] | None = None
+
+    def __call__(self, model: torch.nn.Module, micro_batches: Sequence[tuple[Sequence[TokenSequence], int]], *,
+                 version: int | None = None, before_backward: Callable[[int], None] | None = None) -> dict[str, float]:
+        return policy_grads(model, micro_batches, pad_id=self.pad_id, token_normalizer=self.token_normalizer,
+                            loss_kwargs=self.loss_kwargs, version=version, before_backward=before_backward)
+
+
+def train_policy_step(trainer: Any, seqs: Sequence[TokenSequence], *, pad_id: int,
+                      loss_kwargs: Mapping[str, Any] | None = None, micro_batch_tokens: int = 8192,
+                      version: int | None = None, lr: float | None = None) -> dict[str, float]:
+    """One optimizer step of `policy_loss` over ``seqs`` through ``trainer`` (`k3post.trainer.Trainer.step` with
+    `PolicyGrads`), at learning rate ``lr`` (None: the trainer's current one): the sequences with sampled tokens,
+    planned into micro-batches of ``micro_batch_tokens`` (shared prompts run once when the trainer allows it,
+    ``trainer.share_prefix``). Returns `policy_step`'s metrics; with no sampled token only the learning rate is
+    set."""
+    seqs = [s for s in seqs if s.num_trainable > 0]
+    if not seqs:
+        trainer.step([], PolicyGrads(pad_id, 0.0, loss_kwargs), lr=lr, version=version)
+        return {"num_tokens": 0.0, "num_sequences": 0.0}
+    n_total = sum(s.num_trainable for s in seqs)
+    groups = plan_micro_batches(seqs, micro_batch_tokens, share_prefix=trainer.share_prefix)
+    sums = trainer.step([([seqs[j] for j in idx], prefix) for idx, prefix in groups],
+                        PolicyGrads(pad_id, n_total, loss_kwargs), lr=lr, version=version)
+    return step_metrics(sums, n_total=n_total, n_seqs=len(seqs), micro_batches=len(groups),
+                        grad_norm=sums["grad_norm"], version=version)
+
+
 def policy_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -395,8 +421,8 @@ def policy_step(
     model.train()
     optimizer.zero_grad(set_to_none=True)
     groups = plan_micro_batches(seqs, micro_batch_tokens, share_prefix=share_prefix)
-    sums = policy_grads(model, seqs, groups, pad_id=pad_id, token_normalizer=n_total, loss_kwargs=loss_kwargs,
-                        version=version)
+    sums = policy_grads(model, [([seqs[j] for j in idx], prefix) for idx, prefix in groups], pad_id=pad_id,
+                        token_normalizer=n_total, loss_kwargs=loss_kwargs, version=version)
     grad_norm = clip_grad_norm([p for p in model.parameters() if p.requires_grad], grad_clip)
     optimizer.step()
     return step_metrics(sums, n_total=n_total, n_seqs=len(seqs), micro_batches=len(groups), grad_norm=grad_norm,

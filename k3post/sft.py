@@ -7,8 +7,9 @@ The loop, as the algorithm box reads::
             loss += CE(model(packed rows), next tokens where loss_mask) / N_tokens(step)
             [sft.mtp_weight > 0, step >= sft.mtp_start_fraction * sft.steps]
                                   loss += mtp_weight * CE(MTP head, token t+2) / N_mtp_tokens(step)
-        clip grads; AdamW step; warmup+cosine LR          `k3post.trainer.Trainer.sft_step` (build_trainer: one
+        clip grads; AdamW step; warmup+cosine LR          `sft_step`: the trainer's step (build_trainer: one
                                                           process, or sharded over distributed.fsdp.ranks)
+                                                          with the SFT gradient function `SFTGrads`
         log; checkpoint every `save_every`
 
 The loss is a token mean over the whole optimizer step (all micro-batches), so gradient accumulation gives
@@ -39,7 +40,7 @@ from k3post.checkpoint import latest_checkpoint, resuming, set_rng_state
 from k3post.config.optim import OptimConfig
 from k3post.data import PackedBatch, Sample, collate, iter_microbatches
 from k3post.metrics import MetricsLogger
-from k3post.spec.mtp import MTPHead, capture_final_hidden, load_mtp, mtp_ce_sum, save_mtp
+from k3post.spec.mtp import MTPHead, capture_final_hidden, load_mtp, mtp_ce_sum, mtp_labels, save_mtp
 from k3post.trainer import build_trainer
 
 log = logging.getLogger("k3post.sft")
@@ -187,6 +188,43 @@ def sft_grads(
     return total, mtp_total
 
 
+@dataclass(frozen=True)
+class SFTGrads:
+    """`sft_grads` as a trainer's gradient function (`k3post.trainer.local.Grads`): micro-batches are packed
+    batches; ``n_tok`` / ``n_mtp`` the trained tokens of the whole step. Returns the summed CE ``loss`` and MTP
+    CE ``mtp_loss``."""
+
+    n_tok: int
+    precision: str = "fp32"
+    mtp: MTPHead | None = None
+    mtp_weight: float = 0.0
+    n_mtp: int = 0
+
+    def __call__(self, model: torch.nn.Module, micro_batches: Sequence[PackedBatch], *, version: int | None = None,
+                 before_backward: Callable[[int], None] | None = None) -> dict[str, float]:
+        loss, mtp_loss = sft_grads(model, micro_batches, n_tok=self.n_tok, precision=self.precision, mtp=self.mtp,
+                                   mtp_weight=self.mtp_weight, n_mtp=self.n_mtp, before_backward=before_backward)
+        return {"loss": loss, "mtp_loss": mtp_loss}
+
+
+def sft_step(trainer: Any, batches: Sequence[PackedBatch], *, lr: float | None = None, precision: str = "fp32",
+             mtp: MTPHead | None = None, mtp_weight: float = 0.0) -> dict[str, float]:
+    """One SFT optimizer step through ``trainer`` (`k3post.trainer.Trainer.step` with `SFTGrads`: the token mean
+    over ``batches``) at learning rate ``lr`` (None: unchanged); with ``mtp_weight`` > 0 the MTP head ``mtp``
+    (the trainer's ``extra`` module) trains too and its loss is added. Returns loss, grad_norm, target_tokens
+    (and mtp_loss)."""
+    if mtp_weight > 0 and mtp is None:
+        raise ValueError("sft_step: mtp_weight > 0 needs the MTP head (the trainer's extra module)")
+    mtp = mtp if mtp_weight > 0 else None
+    n_tok = sum(b.n_target_tokens for b in batches)
+    n_mtp = sum(int((mtp_labels(b.labels_RL, b.position_ids_RL) != -100).sum()) for b in batches) if mtp else 0
+    sums = trainer.step(batches, SFTGrads(n_tok, precision, mtp, mtp_weight, n_mtp), lr=lr)
+    out = {"loss": sums["loss"] / max(n_tok, 1), "grad_norm": sums["grad_norm"], "target_tokens": float(n_tok)}
+    if mtp is not None:
+        out["mtp_loss"] = sums["mtp_loss"] / max(n_mtp, 1)
+    return out
+
+
 def train_sft(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -244,7 +282,8 @@ def train_sft(
         n_tok = sum(b.n_target_tokens for b in batches)
         lr = lr_at(step, cfg)
         step_mtp = mtp if step >= mtp_start else None  # before the start: the plain SFT step exactly
-        m = trainer.sft_step(batches, lr=lr, precision=cfg.precision, mtp_weight=cfg.mtp_weight if step_mtp else 0.0)
+        m = sft_step(trainer, batches, lr=lr, precision=cfg.precision, mtp=step_mtp,
+                     mtp_weight=cfg.mtp_weight if step_mtp else 0.0)
         loss_val, grad_norm = m["loss"], m["grad_norm"]
         losses.append(loss_val)
         if step_mtp is not None:

@@ -1,9 +1,10 @@
-"""The sharded trainer (k3post/distributed/fsdp.py): 2 gloo ranks on the CPU against the single-process
+"""The sharded trainer (k3post/trainer/fsdp.py): 2 gloo ranks on the CPU against the single-process
 `Trainer` on the same data and seed; a 2-rank DCP checkpoint resumed on 1 rank; the consolidated export.
 
 One 2-rank job (a module fixture, ~10 s) runs every sharded step the tests compare:
-    RL   QAT on, SGD: 2 `step`s (policy_step), then `named_weights`
-    SFT  AdamW, no clipping: 2 `sft_step`s, DCP checkpoint, a 3rd step, `named_weights`, `export_hf`
+    RL   QAT on, SGD: 2 `step`s with the policy gradient function (`train_policy_step`), then `named_weights`
+    SFT  AdamW, no clipping: 2 `step`s with the SFT gradient function (`sft_step`), DCP checkpoint, a 3rd step,
+         `named_weights`, `export_hf`
     bf16 one `sft_step` under MixedPrecisionPolicy(bf16 params, fp32 reduce)
 The single-process reference runs in the test process.
 
@@ -37,11 +38,12 @@ import torch
 from k3post.config import ConfigError, load_config
 from k3post.config.distributed import FSDPConfig
 from k3post.data import Sample, collate
-from k3post.distributed.fsdp import FSDPTrainer, launch_local
 from k3post.models import build_tiny_moe, load_model
-from k3post.policy_step import TokenSequence, sequence_logprobs
+from k3post.policy_step import TokenSequence, sequence_logprobs, train_policy_step
 from k3post.quant.qat import QATConfig, apply_qat
+from k3post.sft import sft_step
 from k3post.trainer import OptimConfig, Trainer
+from k3post.trainer.fsdp import FSDPTrainer, launch_local
 
 VOCAB = 512
 SGD = OptimConfig(name="sgd", lr=0.5)
@@ -92,17 +94,17 @@ def _two_rank_worker(rank: int, out: str) -> None:
     res: dict = {}
     model = _model(qat=True)
     seqs = _rl_seqs(model)
-    tr = FSDPTrainer(model, SGD, micro_batch_tokens=24)
-    res["rl"] = [tr.step(seqs, version=0) for _ in range(2)]
+    tr = FSDPTrainer(model, SGD)
+    res["rl"] = [train_policy_step(tr, seqs, pad_id=0, micro_batch_tokens=24, version=0) for _ in range(2)]
     res["rl_w"] = dict(tr.named_weights())
     tr = FSDPTrainer(_model(), ADAMW, grad_clip=0.0)
-    res["sft"] = [tr.sft_step(_sft_batches(s), lr=SFT_LRS[s]) for s in range(2)]
+    res["sft"] = [sft_step(tr, _sft_batches(s), lr=SFT_LRS[s]) for s in range(2)]
     tr.save_checkpoint(Path(out) / "ckpt", 2, state={"losses": [m["loss"] for m in res["sft"]]})
-    res["sft"].append(tr.sft_step(_sft_batches(2), lr=SFT_LRS[2]))
+    res["sft"].append(sft_step(tr, _sft_batches(2), lr=SFT_LRS[2]))
     res["sft_w"] = dict(tr.named_weights())
     tr.export_hf(Path(out) / "export")
     bf16 = FSDPTrainer(_model(), ADAMW, mixed_precision="bf16")
-    res["bf16"] = bf16.sft_step(_sft_batches(0), lr=SFT_LRS[0])
+    res["bf16"] = sft_step(bf16, _sft_batches(0), lr=SFT_LRS[0])
     res["bf16_dtypes"] = {str(p.dtype) for p in bf16.model.parameters()}
     if rank == 0:
         torch.save(res, Path(out) / "two_ranks.pt")
@@ -112,7 +114,7 @@ def _resume_worker(rank: int, out: str, cpu_offload: bool) -> None:
     tr = FSDPTrainer(_model(), ADAMW, cpu_offload=cpu_offload, grad_clip=0.0)
     state = tr.load_checkpoint(Path(out) / "ckpt" / "step-000002")
     step3 = [_sft_batches(2)[i] for i in RANKS_ORDER]  # one rank adds them in the 2 ranks' order: bit-equal
-    res = {"state": state, "sft": tr.sft_step(step3, lr=SFT_LRS[2]), "w": dict(tr.named_weights())}
+    res = {"state": state, "sft": sft_step(tr, step3, lr=SFT_LRS[2]), "w": dict(tr.named_weights())}
     torch.save(res, Path(out) / f"one_rank_offload{int(cpu_offload)}.pt")
 
 
@@ -138,8 +140,8 @@ def test_rl_steps_on_two_ranks_equal_one_process(two_ranks):
     _, res = two_ranks
     model = _model(qat=True)
     seqs = _rl_seqs(model)
-    tr = Trainer(model, SGD, micro_batch_tokens=24)
-    ref = [tr.step(seqs, version=0) for _ in range(2)]
+    tr = Trainer(model, SGD)
+    ref = [train_policy_step(tr, seqs, pad_id=0, micro_batch_tokens=24, version=0) for _ in range(2)]
     for got, want in zip(res["rl"], ref):
         assert got["micro_batches"] == want["micro_batches"] == 3 and got["num_tokens"] == want["num_tokens"]
         for key, rel in (("loss", 1e-6), ("entropy", 1e-6), ("grad_norm", 1e-5)):
@@ -158,7 +160,7 @@ def test_sft_steps_on_two_ranks_equal_one_process(two_ranks, ranks_threads):
     ranks' order and neither clips)."""
     _, res = two_ranks
     tr = Trainer(_model(), ADAMW, grad_clip=0.0)
-    ref = [tr.sft_step([_sft_batches(s)[i] for i in RANKS_ORDER], lr=SFT_LRS[s]) for s in range(3)]
+    ref = [sft_step(tr, [_sft_batches(s)[i] for i in RANKS_ORDER], lr=SFT_LRS[s]) for s in range(3)]
     for got, want in zip(res["sft"], ref):
         assert got["target_tokens"] == want["target_tokens"]
         assert _close(got["loss"], want["loss"], 1e-6) and _close(got["grad_norm"], want["grad_norm"], 1e-5)
@@ -167,7 +169,7 @@ def test_sft_steps_on_two_ranks_equal_one_process(two_ranks, ranks_threads):
     # control: the single-process order (g0 + g1) + g2 is another computation (rounding-level, amplified by AdamW)
     other = Trainer(_model(), ADAMW, grad_clip=0.0)
     for s in range(3):
-        other.sft_step(_sft_batches(s), lr=SFT_LRS[s])
+        sft_step(other, _sft_batches(s), lr=SFT_LRS[s])
     assert _max_diff(dict(other.named_weights()), res["sft_w"]) > 0.0
 
 
@@ -186,9 +188,9 @@ def test_two_rank_checkpoint_resumes_on_one_rank(two_ranks, cpu_offload):
     assert _max_diff(one["w"], res["sft_w"]) == 0.0  # same reduction order, no clipping (module doc): exact
     ref = Trainer(_model(), ADAMW, grad_clip=0.0)  # control: step 3 from step 2's weights with a fresh optimizer is another step
     for s in range(2):
-        ref.sft_step(_sft_batches(s), lr=SFT_LRS[s])
+        sft_step(ref, _sft_batches(s), lr=SFT_LRS[s])
     fresh = Trainer(copy.deepcopy(ref.model), ADAMW, grad_clip=0.0)
-    fresh.sft_step(_sft_batches(2), lr=SFT_LRS[2])
+    sft_step(fresh, _sft_batches(2), lr=SFT_LRS[2])
     assert _max_diff(dict(fresh.named_weights()), res["sft_w"]) > 1e-4
 
 
@@ -208,7 +210,7 @@ def test_consolidated_export_loads_and_matches(two_ranks):
 
 def test_bf16_mixed_precision_keeps_fp32_masters(two_ranks):
     _, res = two_ranks
-    want = Trainer(_model(), ADAMW).sft_step(_sft_batches(0), lr=SFT_LRS[0])
+    want = sft_step(Trainer(_model(), ADAMW), _sft_batches(0), lr=SFT_LRS[0])
     assert res["bf16_dtypes"] == {"torch.float32"}
     assert res["bf16"]["loss"] != want["loss"] and _close(res["bf16"]["loss"], want["loss"], 1e-2)
 

@@ -1,4 +1,4 @@
-"""The stages on trainer ranks (k3post/distributed/ranks.py): `k3post sft` and `k3post rl` with
+"""The stages on trainer ranks (k3post/trainer/ranks.py): `k3post sft` and `k3post rl` with
 ``distributed.fsdp.ranks=2`` (this process is rank 0 and spawns rank 1, gloo) against the same command on one
 process, and a 2-rank run killed after a checkpoint and resumed on 1 rank.
 
@@ -138,7 +138,7 @@ def test_a_killed_local_rank_is_replaced_and_the_run_resumes(sft_runs, init_dir,
     import os
     import signal
 
-    from k3post.distributed.ranks import Followers, Leader
+    from k3post.trainer.ranks import Followers, Leader
 
     started, steps = [], []
     start, tell = Followers.start, Leader.tell
@@ -148,7 +148,7 @@ def test_a_killed_local_rank_is_replaced_and_the_run_resumes(sft_runs, init_dir,
         return start(self, *a, **kw)
 
     def tell_and_kill(self, command):
-        if command[:2] == ("call", "sft_step"):
+        if command[:2] == ("call", "step"):
             steps.append(len(started))
             if steps == [1, 1, 1]:
                 os.kill(started[0].procs.processes[0].pid, signal.SIGKILL)

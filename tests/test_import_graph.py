@@ -21,7 +21,6 @@ from tests.bench_module import load_bench
 graph_mod = load_bench("import_graph")
 
 ALLOWED_CIRCLES: set[frozenset[str]] = {
-    frozenset({"k3post.distributed.fsdp", "k3post.distributed.ranks", "k3post.sft", "k3post.trainer"}),
     frozenset({"k3post.rollout.embedded", "k3post.rollout.factory", "k3post.rollout.speculative", "k3post.spec.drafter"}),
     frozenset({"k3post.commands", "k3post.demo", "k3post.pretrain"}),
     frozenset({"k3post.synth.pipeline", "k3post.synth.review", "k3post.synth.verify"}),
@@ -57,6 +56,17 @@ def test_the_registry_and_io_sit_at_the_bottom(graph: Any) -> None:
     # the registry imports no family (it imports them by name on first use: registry.BUILTIN_MODULES)
     assert not [m for m in g.edges["k3post.envs.families.registry"] if m.startswith("k3post.envs.families.")]
     assert g.edges["k3post.io"] == set()  # the standard library only
+
+
+def test_the_trainer_knows_no_algorithm(graph: Any) -> None:
+    """Issue 33 §trainer: `k3post.trainer` (local, fsdp, ranks) imports no stage and no loss; each stage hands
+    its step a gradient function (`k3post.trainer.local.Grads`)."""
+    trainer = [m for m in graph.modules if m == "k3post.trainer" or m.startswith("k3post.trainer.")]
+    assert {"k3post.trainer.local", "k3post.trainer.fsdp", "k3post.trainer.ranks"} <= set(trainer)
+    algorithmic = ("k3post.sft", "k3post.policy_step", "k3post.loop", "k3post.rl", "k3post.mopd", "k3post.spec",
+                   "k3post.algos", "k3post.pretrain")
+    bad = {m: sorted(e for e in graph.edges[m] if e.startswith(algorithmic)) for m in trainer}
+    assert not any(bad.values()), bad
 
 
 def test_the_graph_sees_function_level_imports_and_leaves_type_checking_out(tmp_path: Path) -> None:

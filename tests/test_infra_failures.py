@@ -300,7 +300,8 @@ def _loop(cfg, script):
     pl = PolicyLoop.__new__(PolicyLoop)
     pl.cfg, pl.signal = cfg, rl_signal(_budgets(TASK), cfg)
     pl.rollout = _Rollout(script)
-    pl.trainer = SimpleNamespace(step=lambda seqs, version, lr=None: {"sequences": float(len(seqs))}, named_weights=None)
+    pl.trainer = SimpleNamespace(named_weights=None)
+    pl.train_step = lambda seqs, version, lr=None: {"sequences": float(len(seqs))}
     pl.step_no, pl.cursor, pl.last_groups, pl.infra_retries = 0, 0, [], {}
     return pl
 

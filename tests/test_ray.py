@@ -281,13 +281,13 @@ def _same_rows(got, ref, *, skip=()):
 def _ray_only(monkeypatch):
     """Fail the test when this process starts a local trainer rank or runs a policy's episode in a local
     environment (the families' scripted reference solutions, run once to check the turn caps, are local)."""
-    import k3post.distributed.ranks
+    import k3post.trainer.ranks
     from k3post.rollout.agent_loop import AgentLoop
 
     def no_local(*a, **kw):
         raise AssertionError("a local trainer rank was started in the driver")
 
-    monkeypatch.setattr(k3post.distributed.ranks.Followers, "start", no_local)
+    monkeypatch.setattr(k3post.trainer.ranks.Followers, "start", no_local)
     start = AgentLoop.start
 
     def start_remote(self, traj):
@@ -378,8 +378,8 @@ def test_cli_rl_two_trainer_ranks_and_an_engine_actor_equals_one_rank(rl_runs):
 def _kill_rank_1_in_step_2(monkeypatch) -> tuple[list, list[int]]:
     """`ray.kill` the first attempt's rank-1 actor as rank 0 sends step 2's trainer call. Returns (each
     attempt's `RayFollowers`, the attempt number of every trainer step call)."""
-    from k3post.distributed.ranks import Leader
     from k3post.distributed.ray_cluster import RayFollowers
+    from k3post.trainer.ranks import Leader
 
     started: list = []
     steps: list[int] = []

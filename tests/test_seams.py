@@ -13,7 +13,7 @@ import torch
 
 from k3post.config import ConfigError, load_config
 from k3post.models import build_tiny_moe
-from k3post.policy_step import TokenSequence, policy_step
+from k3post.policy_step import TokenSequence, policy_step, train_policy_step
 from k3post.config.rollout import EngineConfig
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.factory import Rollout, RolloutConfig, build_engine
@@ -94,12 +94,13 @@ def _seqs(vocab: int) -> list[TokenSequence]:
 
 
 def test_trainer_step_is_policy_step_on_its_device():
-    """The trainer's step equals `policy_step` with the same optimizer settings (bitwise on one thread),
-    leaves the model in eval mode, and `named_weights` are the live parameters by name."""
+    """The trainer's step with the policy gradient function equals `policy_step` with the same optimizer
+    settings (bitwise on one thread), leaves the model in eval mode, and `named_weights` are the live
+    parameters by name."""
     model = build_tiny_moe(64, seed=0, **_TINY)
     ref = copy.deepcopy(model)
-    tr = Trainer(model, OptimConfig(lr=1e-2), device="cpu", micro_batch_tokens=64, grad_clip=1.0)
-    m1 = tr.step(_seqs(64), version=0)
+    tr = Trainer(model, OptimConfig(lr=1e-2), device="cpu", grad_clip=1.0)
+    m1 = train_policy_step(tr, _seqs(64), pad_id=0, micro_batch_tokens=64, version=0)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     m2 = policy_step(ref, opt, _seqs(64), pad_id=0, micro_batch_tokens=64, grad_clip=1.0, version=0)
     assert m1 == m2 and not model.training

@@ -84,6 +84,43 @@ def test_resume_equals_an_uninterrupted_run(world, tmp_path, monkeypatch) -> Non
         assert torch.equal(a, b), n
 
 
+def test_the_draft_trains_through_the_trainer_as_a_plain_adamw_loop(world, tmp_path) -> None:
+    """`train_draft` steps through the trainer (`build_trainer`, `DraftGrads`): bit for bit the plain loop the
+    stage ran before (torch's AdamW at its default betas and eps, `clip_grad_norm_`, the same batches), with
+    clipping active; the draft is left in eval mode and the shared embedding untouched."""
+    import random
+
+    from k3post.sft import lr_at
+    from k3post.spec.eagle3 import step_weights
+    from k3post.spec.train import draft_batch, draft_step_losses
+
+    tok, target, train, _ = world
+    cfg = _cfg(steps=3, save_every=3, grad_clip=0.05, weight_decay=0.01)
+    got = _draft(target)
+    embed = got.embed_tokens.weight.clone()
+    res = train_draft(target, got, train, cfg, tmp_path, pad_id=tok.pad_token_id)
+    ref = _draft(target)
+    params = [p for n, p in ref.named_parameters() if not n.startswith("embed_tokens.")]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    weights, norms = step_weights(cfg.ttt_steps, cfg.step_decay), []
+    for step in range(cfg.steps):
+        order = random.Random(step // (len(train) // cfg.batch_size)).sample(range(len(train)), len(train))
+        batch = [train[order[(step * cfg.batch_size + j) % len(train)]] for j in range(cfg.batch_size)]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        losses = draft_step_losses(target, ref, *draft_batch(batch, cfg.max_len, tok.pad_token_id), cfg, tok.pad_token_id)
+        loss = sum(float(weights[i]) * dl.loss for i, dl in enumerate(losses))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)))
+        opt.step()
+        assert res.history[step]["loss"] == float(loss.detach()), step
+    assert min(norms) > cfg.grad_clip  # every step clipped
+    for (n, a), b in zip(got.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), n
+    assert not got.training and torch.equal(got.embed_tokens.weight, embed)
+
+
 def _draft_args(tmp_path, folder, *extra: str) -> list[str]:
     return ["draft", "configs/demo.yaml", f"run.root={tmp_path}", "run.name=r", f"draft.target={folder}",
             "draft.families=[general.arithmetic]", "draft.n_per_family=6", "draft.efforts=[low]", "draft.max_tokens=16",

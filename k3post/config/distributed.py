@@ -1,4 +1,4 @@
-"""Scale-out settings (`k3post.distributed.fsdp.FSDPTrainer` reads ``distributed.fsdp``,
+"""Scale-out settings (`k3post.trainer.fsdp.FSDPTrainer` reads ``distributed.fsdp``,
 `k3post.distributed.ray_cluster.RayCluster` the Ray keys)."""
 
 from __future__ import annotations

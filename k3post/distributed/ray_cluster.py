@@ -18,7 +18,7 @@ roles have bundles of their own. ``disaggregated``: every member has a bundle of
 ``cpus_per_bundle`` CPUs, split evenly between the members sharing it.
 
 **The stage loops do not change.** Trainer rank r > 0 is a `TrainerRankActor` on trainer slot r running
-`k3post.distributed.ranks.serve_rank` (the same follower loop as a local rank process); rank 0 is the driver,
+`k3post.trainer.ranks.serve_rank` (the same follower loop as a local rank process); rank 0 is the driver,
 which runs the stage and hands it the sharded trainer (`k3post.trainer.build_trainer`). An engine server is an
 `EngineServerActor` running the ``k3post serve`` engine API on a port of its node; the stage's `Rollout` is an
 ``engine.kind = http`` client of its URL (`engine_config`). Teachers answer `TeacherPool.score` calls
@@ -36,7 +36,7 @@ continuation, so counter-based sampling draws the tokens it would have drawn (no
 An expert job whose worker dies is retried ``task_retries`` times and resumes from its checkpoints. A
 trainer-rank actor is not restarted by Ray: rank 0 notices the death at its next collective and restarts the
 whole rank group, the stage resuming from its last checkpoint (``distributed.fsdp.max_restarts``,
-`k3post.distributed.ranks.on_ranks`). A killed environment worker: `k3post.distributed.env_workers`.
+`k3post.trainer.ranks.on_ranks`). A killed environment worker: `k3post.distributed.env_workers`.
 
 Shape legend: none (no tensors here).
 """
@@ -282,12 +282,12 @@ def engine_config(actors: Sequence[Any], base: EngineConfig | None = None, *, re
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class TrainerRankActor:
-    """Trainer rank r > 0 of a command on Ray: `k3post.distributed.ranks.serve_rank` in an actor on trainer
+    """Trainer rank r > 0 of a command on Ray: `k3post.trainer.ranks.serve_rank` in an actor on trainer
     slot r (it joins rank 0's process group and follows its trainer until ``stop``). Not restarted by Ray:
-    rank 0 restarts the whole group (`k3post.distributed.ranks.on_ranks`)."""
+    rank 0 restarts the whole group (`k3post.trainer.ranks.on_ranks`)."""
 
     def serve(self, rank: int, world: int, init_method: str, fsdp: FSDPConfig, threads: int) -> None:
-        from k3post.distributed.ranks import serve_rank
+        from k3post.trainer.ranks import serve_rank
 
         serve_rank(rank, world, init_method, fsdp, threads)
 
@@ -296,7 +296,7 @@ class TrainerRankActor:
 
 
 class RayFollowers:
-    """`k3post.distributed.ranks.Followers` as `TrainerRankActor` s: rank r on the cluster's trainer slot r
+    """`k3post.trainer.ranks.Followers` as `TrainerRankActor` s: rank r on the cluster's trainer slot r
     (slot 0 is rank 0's: the driver). Rank 0 listens on this node's IP."""
 
     def __init__(self, cluster: RayCluster) -> None:

@@ -9,6 +9,8 @@
                         sampled (cfg.loss: LK_α, LK_λ or KL)
         AdamW step on the draft (fc, midlayer, norm, lm_head; the shared embedding stays frozen)
 
+The step is the trainer's (`k3post.trainer.build_trainer`: the device check, gradient clipping, the optimizer)
+with the draft's gradient function `DraftGrads` (the loss above over the step's one micro-batch).
 Checkpoints (`k3post.checkpoint.save_checkpoint`: ``checkpoints/step-NNNNNN/trainer_state.pt`` holds the draft
 weights without the shared embedding, the optimizer, step and RNG) are written atomically and ``latest`` last, so
 a killed run resumes exactly. Metrics (stage
@@ -18,7 +20,7 @@ a killed run resumes exactly. Metrics (stage
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,13 +30,15 @@ from tqdm.auto import tqdm
 
 from k3post.checkpoint import latest_checkpoint, load_trainer_state, resuming, save_checkpoint, set_rng_state
 from k3post.config.draft import DraftConfig
+from k3post.config.optim import OptimConfig
 from k3post.metrics import MetricsLogger
 from k3post.sft import lr_at
 from k3post.spec.data import DraftSample
 from k3post.spec.eagle3 import Eagle3Draft, step_weights, target_features, unrolled_logits
 from k3post.spec.losses import acceptance, draft_loss
+from k3post.trainer import build_trainer
 
-__all__ = ["DraftResult", "draft_batch", "draft_step_losses", "evaluate_alpha", "expected_accept_length", "fit_fc",
+__all__ = ["DraftGrads", "DraftResult", "draft_batch", "draft_step_losses", "evaluate_alpha", "expected_accept_length", "fit_fc",
            "train_draft"]
 
 STAGE = "draft"
@@ -94,6 +98,32 @@ def draft_step_losses(
     target's distribution at t+1+i, where token t+2+i was sampled by the target."""
     return [draft_loss(p, q, mask, kind=cfg.loss, eta=cfg.eta, draft_ids=_draft_ids(draft, p.shape[-1]))
             for p, q, mask in _aligned_steps(target, draft, ids_BT, sampled_BT, real_BT, cfg, pad_id)]
+
+
+@dataclass(frozen=True)
+class DraftGrads:
+    """The draft's gradient function (`k3post.trainer.local.Grads`): Σ_i decay^i · the draft loss of unrolled
+    step i against the frozen ``target`` (module doc), backward into the draft. One micro-batch per step, an
+    ``(ids_BT, sampled_BT, real_BT)`` of `draft_batch`. Returns ``loss`` and ``alpha_<i>`` per unrolled step."""
+
+    target: torch.nn.Module
+    cfg: DraftConfig
+    pad_id: int
+
+    def __call__(self, draft: torch.nn.Module, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                 *, version: int | None = None, before_backward: Callable[[int], None] | None = None) -> dict[str, float]:
+        if len(micro_batches) > 1:
+            raise ValueError(f"DraftGrads trains one micro-batch per step, got {len(micro_batches)}")
+        out: dict[str, float] = {}
+        weights = step_weights(self.cfg.ttt_steps, self.cfg.step_decay)
+        for i, batch in enumerate(micro_batches):
+            losses = draft_step_losses(self.target, draft, *batch, self.cfg, self.pad_id)  # type: ignore[arg-type]
+            loss = sum(float(weights[k]) * dl.loss for k, dl in enumerate(losses))
+            if before_backward is not None:
+                before_backward(i)
+            loss.backward()
+            out = {"loss": float(loss.detach()), **{f"alpha_{k}": dl.alpha for k, dl in enumerate(losses)}}
+        return out
 
 
 @torch.no_grad()
@@ -156,11 +186,6 @@ def expected_accept_length(alpha_by_depth: Sequence[float], k: int) -> float:
     return total
 
 
-def _trainable(draft: Eagle3Draft) -> dict[str, torch.nn.Parameter]:
-    """The draft's own parameters (not the target's shared, frozen embedding)."""
-    return {n: p for n, p in draft.named_parameters() if not n.startswith("embed_tokens.")}
-
-
 def train_draft(
     target: torch.nn.Module,
     draft: Eagle3Draft,
@@ -179,45 +204,37 @@ def train_draft(
     if not samples:
         raise ValueError("no draft samples to train on")
     target.eval()
-    for p in target.parameters():
+    for p in [*target.parameters(), *draft.embed_tokens.parameters()]:  # the embedding is the target's: frozen
         p.requires_grad_(False)
     out = Path(out_dir)
     ckpts = out / "checkpoints"
-    params = _trainable(draft)
-    opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # the draft's own parameters train (the target's shared embedding is frozen); AdamW at torch's defaults
+    trainer = build_trainer(draft, OptimConfig(lr=cfg.lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=cfg.weight_decay),
+                            device=next(draft.parameters()).device, pad_id=pad_id, grad_clip=cfg.grad_clip)
     start = 0
     latest = latest_checkpoint(ckpts, keep_last=cfg.keep_last) if resume else None
     if latest is not None:
         with resuming(latest):
             state = load_trainer_state(latest)
             draft.load_state_dict(state["draft"], strict=False)
-            opt.load_state_dict(state["optimizer"])
+            trainer.load_state_dict(state)
         set_rng_state(state["rng"])
         start = int(state["step"])
         if metrics is not None:
             metrics.truncate(stage, start)
     else:
         torch.manual_seed(seed)
-    weights = step_weights(cfg.ttt_steps, cfg.step_decay)
+    grads = DraftGrads(target, cfg, pad_id)
     result = DraftResult(draft)
     bar = tqdm(total=cfg.steps, initial=start, desc=stage, disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0)
-    draft.train()
     for step in range(start, cfg.steps):
         order = random.Random(seed * 1_000_003 + step // max(1, len(samples) // cfg.batch_size)).sample(
             range(len(samples)), len(samples))  # one shuffle per epoch, a pure function of (seed, epoch)
         at = (step * cfg.batch_size) % len(samples)
         batch = [samples[order[(at + j) % len(samples)]] for j in range(min(cfg.batch_size, len(samples)))]
         lr = lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        losses = draft_step_losses(target, draft, *draft_batch(batch, cfg.max_len, pad_id), cfg, pad_id)
-        loss = sum(float(weights[i]) * dl.loss for i, dl in enumerate(losses))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.grad_clip)
-        opt.step()
-        row = {"loss": float(loss.detach()), "lr": lr, **{f"alpha_{i}": dl.alpha for i, dl in enumerate(losses)}}
+        m = trainer.step([draft_batch(batch, cfg.max_len, pad_id)], grads, lr=lr)
+        row = {"loss": m["loss"], "lr": lr, **{k: v for k, v in m.items() if k.startswith("alpha_")}}
         bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.3f}", alpha_0=f"{row.get('alpha_0', float('nan')):.3f}")
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
@@ -226,8 +243,7 @@ def train_draft(
                 metrics.log(stage, step + 1, row)
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             own = {n: t for n, t in draft.state_dict().items() if not n.startswith("embed_tokens.")}  # not the target's
-            save_checkpoint(ckpts, step + 1, None, None, {"optimizer": opt.state_dict(), "draft": own},
-                            keep_last=cfg.keep_last)
+            save_checkpoint(ckpts, step + 1, None, None, {**trainer.state_dict(), "draft": own}, keep_last=cfg.keep_last)
     bar.close()
     draft.eval()
     return result

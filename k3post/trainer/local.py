@@ -1,40 +1,77 @@
-"""The trainer seam: model, optimizer, device and dtype behind one object (the optimizer settings SFT
-and RL share, `OptimConfig`, are in `k3post.config.optim`).
+"""The trainer seam: model, optimizer, device and dtype behind one object that knows no algorithm (the
+optimizer settings every stage shares, `OptimConfig`, are in `k3post.config.optim`).
 
     trainer = Trainer(model, OptimConfig(lr=1e-4), device="cuda")   # the model moves to the device
-    metrics = trainer.step(seqs, version=v)                          # one `policy_step`
-    metrics = trainer.sft_step(batches, lr=lr)                       # one SFT step (`k3post.sft.sft_grads`)
+    sums = trainer.step(micro_batches, grads_fn, lr=lr, version=v)   # one optimizer step (below)
     for name, tensor in trainer.named_weights(): ...                 # what a weight sync sends
     trainer.save_checkpoint(root, step, state=...) / state = trainer.load_checkpoint(ckpt)   # weights + optimizer
     trainer.state_dict() / trainer.load_state_dict(...)               # the optimizer alone
 
+One step: zero the gradients, ``grads_fn`` (a `Grads`: the stage's forward and backward over a list of
+micro-batches) accumulates them, clip, optimizer step. Each stage passes its own gradient function and
+turns the sums it returns into its metrics: SFT `k3post.sft.SFTGrads` (`k3post.sft.sft_step`), RL and MOPD
+`k3post.policy_step.PolicyGrads` (`k3post.policy_step.train_policy_step`), the EAGLE-3 draft
+`k3post.spec.train.DraftGrads`.
+
 `build_trainer` is what a stage calls: this `Trainer`, or, when the command runs on trainer ranks
-(``distributed.fsdp.ranks`` > 1, `k3post.distributed.ranks.on_ranks`), the sharded
-`k3post.distributed.fsdp.FSDPTrainer` that rank 0 drives. Either trains the caller's ``model``: this one in
+(``distributed.fsdp.ranks`` > 1, `k3post.trainer.ranks.on_ranks`), the sharded
+`k3post.trainer.fsdp.FSDPTrainer` that rank 0 drives. Either trains the caller's ``model``: this one in
 place, the sharded one a copy whose full weights it copies back into ``model`` after every step.
 
 The device is resolved once (`resolve_device`): "cuda" when asked for and present, else a clear error,
 never a silent fall back to the CPU. The same code runs on either. QAT is applied to the model before it
 is handed over (`k3post.quant.qat.apply_qat`); the fake-quant modules move with it.
 
-Shape legend: none here (`k3post.policy_step` holds the tensors).
+Shape legend: none here (the stages' gradient functions hold the tensors).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from k3post import checkpoint
 from k3post.config.optim import OPTIMIZERS, OptimConfig
 from k3post.distributed.weight_sync import named_weights
-from k3post.data import PackedBatch
-from k3post.policy_step import TokenSequence, clip_grad_norm, plan_micro_batches, policy_grads, step_metrics
 
-__all__ = ["OPTIMIZERS", "OptimConfig", "build_optimizer", "build_trainer", "resolve_device", "Trainer"]
+if TYPE_CHECKING:
+    from k3post.trainer.ranks import Leader
+
+__all__ = ["OPTIMIZERS", "OptimConfig", "Grads", "build_optimizer", "build_trainer", "clip_grad_norm", "leading",
+           "leading_ranks", "resolve_device", "Trainer"]
+
+_LEADER: Leader | None = None
+
+
+class Grads(Protocol):
+    """A stage's gradient function, what `Trainer.step` is handed: forward and backward of the stage's loss over
+    ``micro_batches`` (all of a step's on one process, one rank's share on a sharded trainer), gradients
+    accumulated into the model's ``.grad`` (not zeroed here), each micro-batch's loss already divided by the
+    whole step's normaliser so that the shares of all ranks add up to the step's gradient. ``before_backward(i)``
+    runs before the i-th backward (a sharded trainer turns its gradient reduction on for the last one);
+    ``version`` is the policy version of the weights being trained, for a function that measures against it.
+    Returns sums that add over the ranks (a key starting ``max/`` is a maximum). A sharded trainer sends it to
+    its other ranks: it must pickle (a module-level class holding plain data)."""
+
+    def __call__(self, model: torch.nn.Module, micro_batches: Sequence[Any], *, version: int | None,
+                 before_backward: Callable[[int], None] | None) -> dict[str, float]: ...
+
+
+def clip_grad_norm(params: Sequence[torch.Tensor], grad_clip: float) -> float:
+    """The global L2 norm of the gradients of ``params``; with ``grad_clip`` > 0 they are scaled so that it is at
+    most ``grad_clip`` (``torch.nn.utils.clip_grad_norm_``). Sharded (DTensor) gradients give the norm over every
+    shard (a collective: every rank calls it)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    if hasattr(total, "full_tensor"):  # DTensor: the partial norms of the shards, reduced over the ranks
+        total = total.full_tensor()
+    if grad_clip > 0 and grads:
+        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, total)
+    return float(total)
 
 
 def build_optimizer(params: Any, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -59,13 +96,30 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def leading() -> Leader | None:
+    """Rank 0's `k3post.trainer.ranks.Leader` while a command runs on trainer ranks, else None (one process)."""
+    return _LEADER
+
+
+@contextmanager
+def leading_ranks(leader: Leader) -> Iterator[Leader]:
+    """While the block runs, `build_trainer` asks ``leader`` for the sharded trainer (`k3post.trainer.ranks`
+    enters it around the command rank 0 runs)."""
+    global _LEADER
+    if _LEADER is not None:
+        raise RuntimeError("leading_ranks: this process already leads trainer ranks")
+    _LEADER = leader
+    try:
+        yield leader
+    finally:
+        _LEADER = None
+
+
 def build_trainer(model: torch.nn.Module, optim: OptimConfig, *, extra: torch.nn.Module | None = None,
                   **trainer_kwargs: Any) -> "Trainer":
     """The trainer of ``model`` for this process (module doc): a `Trainer`, or on rank 0 of trainer ranks
-    (`k3post.distributed.ranks.on_ranks`) the sharded trainer the other ranks follow. ``extra`` (the MTP
+    (`k3post.trainer.ranks.on_ranks`) the sharded trainer the other ranks follow. ``extra`` (the MTP
     head) and ``trainer_kwargs`` are `Trainer`'s."""
-    from k3post.distributed.ranks import leading
-
     leader = leading()
     if leader is None:
         return Trainer(model, optim, extra=extra, **trainer_kwargs)
@@ -76,9 +130,9 @@ def build_trainer(model: torch.nn.Module, optim: OptimConfig, *, extra: torch.nn
 
 
 class Trainer:
-    """One model and its optimizer on one device (module doc). ``loss_kwargs``, ``micro_batch_tokens``
-    and ``grad_clip`` are `policy_step`'s; ``pad_id`` pads its batches. ``extra``: a module trained beside
-    the model by `sft_step` (the MTP head), its parameters after the model's in the optimizer."""
+    """One model and its optimizer on one device (module doc). ``grad_clip``: the gradient norm a step clips to
+    (0: none); ``pad_id`` pads the idle forwards of a sharded trainer. ``extra``: a module trained beside the
+    model (the MTP head), its parameters after the model's in the optimizer."""
 
     def __init__(
         self,
@@ -87,8 +141,6 @@ class Trainer:
         *,
         device: str | torch.device = "cpu",
         pad_id: int = 0,
-        loss_kwargs: Mapping[str, Any] | None = None,
-        micro_batch_tokens: int = 8192,
         grad_clip: float = 1.0,
         extra: torch.nn.Module | None = None,
     ) -> None:
@@ -100,12 +152,10 @@ class Trainer:
             list(self.extra.parameters()) if self.extra is not None else [])
         self.optimizer = build_optimizer(self.params, optim)
         self.pad_id = pad_id
-        self.loss_kwargs = dict(loss_kwargs or {})
-        self.micro_batch_tokens = micro_batch_tokens
         self.grad_clip = grad_clip
 
-    # what a data-parallel trainer (k3post.distributed.fsdp.FSDPTrainer) replaces
-    share_prefix = True  # `policy_step`'s shared-prompt forward
+    # what a data-parallel trainer (k3post.trainer.fsdp.FSDPTrainer) replaces
+    share_prefix = True  # a prompt shared by several sequences may run once (False: one forward per micro-batch)
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model the optimizer trains (here: as given)."""
@@ -129,46 +179,20 @@ class Trainer:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
 
-    def step(self, seqs: Sequence[TokenSequence], *, version: int | None = None, lr: float | None = None) -> dict[str, float]:
-        """One optimizer step of `policy_step` over ``seqs`` (its metrics) at learning rate ``lr`` (None: the
-        optimizer's current one; a given one stays set); leaves the model in eval mode."""
+    def step(self, batch: Sequence[Any], grads_fn: Grads, *, lr: float | None = None,
+             version: int | None = None) -> dict[str, float]:
+        """One optimizer step at learning rate ``lr`` (None: the optimizer's current one; a given one stays set):
+        gradients zeroed, ``grads_fn`` over the micro-batches ``batch`` (`Grads`; ``version`` is passed on), clip,
+        optimizer step; leaves the model in eval mode. Returns ``grads_fn``'s sums (over every rank) and
+        ``grad_norm``. An empty ``batch`` only sets the learning rate and returns {}."""
         self._set_lr(lr)
-        seqs = [s for s in seqs if s.num_trainable > 0]
-        if not seqs:
-            return {"num_tokens": 0.0, "num_sequences": 0.0}
-        n_total = sum(s.num_trainable for s in seqs)
-        groups = plan_micro_batches(seqs, self.micro_batch_tokens, share_prefix=self.share_prefix)
+        if not batch:
+            return {}
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = self._data_parallel(groups, lambda share, hook: policy_grads(
-            self.model, seqs, share, pad_id=self.pad_id, token_normalizer=n_total, loss_kwargs=self.loss_kwargs,
-            version=version, before_backward=hook))
-        return step_metrics(sums, n_total=n_total, n_seqs=len(seqs), micro_batches=len(groups),
-                            grad_norm=self._finish(), version=version)
-
-    def sft_step(self, batches: Sequence[PackedBatch], *, lr: float | None = None, precision: str = "fp32",
-                 mtp_weight: float = 0.0) -> dict[str, float]:
-        """One SFT optimizer step (`k3post.sft.sft_grads`, the token mean over ``batches``) at learning rate ``lr``
-        (None: unchanged); with ``mtp_weight`` > 0 the ``extra`` module is the MTP head and its loss is added.
-        Returns loss, grad_norm, target_tokens (and mtp_loss)."""
-        from k3post.sft import sft_grads
-        from k3post.spec.mtp import mtp_labels
-
-        mtp = self.extra if mtp_weight > 0 else None
-        if mtp_weight > 0 and mtp is None:
-            raise ValueError("sft_step: mtp_weight > 0 needs the trainer's extra module (the MTP head)")
-        n_tok = sum(b.n_target_tokens for b in batches)
-        n_mtp = sum(int((mtp_labels(b.labels_RL, b.position_ids_RL) != -100).sum()) for b in batches) if mtp else 0
-        self._set_lr(lr)
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        sums = self._data_parallel(batches, lambda share, hook: dict(zip(("loss", "mtp_loss"), sft_grads(
-            self.model, share, n_tok=n_tok, precision=precision, mtp=mtp, mtp_weight=mtp_weight, n_mtp=n_mtp,
-            before_backward=hook))))
-        out = {"loss": sums["loss"] / max(n_tok, 1), "grad_norm": self._finish(), "target_tokens": float(n_tok)}
-        if mtp is not None:
-            out["mtp_loss"] = sums["mtp_loss"] / max(n_mtp, 1)
-        return out
+        sums = self._data_parallel(batch, lambda share, hook: grads_fn(self.model, share, version=version,
+                                                                       before_backward=hook))
+        return {**sums, "grad_norm": self._finish()}
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, detached tensor) of every parameter (a tied one once) and persistent buffer, in the

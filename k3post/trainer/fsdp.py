@@ -2,8 +2,7 @@
 
     launch_local(worker, ranks, *args)                  N local processes in one gloo / NCCL group
     trainer = FSDPTrainer(model, OptimConfig(...))       every rank, same model (same seed): fully_shard
-    trainer.step(seqs, version=v)                        one `policy_step` (RL, MOPD) over all ranks (Trainer's)
-    trainer.sft_step(batches, lr=lr)                     one SFT optimizer step over all ranks (Trainer's)
+    trainer.step(micro_batches, grads_fn, lr=lr)         one optimizer step over all ranks (Trainer's; SFT, RL, MOPD)
     trainer.named_weights()                              full (unsharded) tensors: what a weight sync sends
     trainer.save_checkpoint(root, step) / load_checkpoint(path)   torch.distributed.checkpoint (DCP)
     trainer.export_hf(folder, tokenizer)                 one consolidated safetensors folder (load_model)
@@ -13,15 +12,15 @@ norm) another: parameters, gradients and AdamW moments are DTensors sharded on d
 experts, [E, out, in], that is the expert dim). Parameters are all-gathered per layer for its forward and
 backward and freed after (``reshard_after_forward``); gradients are reduce-scattered.
 
-Data parallelism. Every rank is handed the step's whole batch (token ids: cheap to send) and plans the same
-micro-batches; rank r trains micro-batches r, r + N, r + 2N, ... Each micro-batch's loss is divided by the
+Data parallelism. Every rank is handed the step's micro-batches (token ids: cheap to send) and its gradient
+function; rank r trains micro-batches r, r + N, r + 2N, ... Each micro-batch's loss is divided by the
 trained tokens of the whole step, so the gradients of all ranks SUM to the single-process gradient: the
 reduce-scatter sums (``set_gradient_divide_factor(1)``) instead of FSDP's default mean. Gradient
 accumulation: the reduction is off for all but a rank's last micro-batch (``set_requires_gradient_sync``),
 whose backward reduces the accumulated gradient once. All ranks must run the same number of forwards and
 backwards (each is a collective), so a rank with fewer micro-batches runs zero-loss idle ones. The
-shared-prompt forward of `policy_step` (two forwards per micro-batch) is off here: every micro-batch is
-one forward.
+shared-prompt forward of `k3post.policy_step` (two forwards per micro-batch) is off here
+(``share_prefix``): every micro-batch is one forward.
 
 QAT (`k3post.quant.qat.apply_qat`, before or after sharding) works on sharded experts unchanged: inside a
 layer's forward FSDP has swapped the all-gathered (full) expert tensors in, so the fake-quant blocks along
@@ -31,14 +30,14 @@ Checkpoints follow `k3post.checkpoint`'s layout (``step-NNNNNN/`` renamed into p
 last, the newest ``keep_last`` kept); the weights and optimizer are a DCP folder ``dcp/`` inside it, keyed by
 parameter name, so a checkpoint written by N ranks loads on M ranks (resharded on load).
 
-Driven by rank 0 (`k3post.distributed.ranks`: a stage command on N ranks). Built with ``lead`` (rank 0) or
+Driven by rank 0 (`k3post.trainer.ranks`: a stage command on N ranks). Built with ``lead`` (rank 0) or
 ``mirror`` (every rank), the trainer trains a deep copy of the caller's model and keeps the caller's model
 (rank 0's) a full copy of the trained weights: after every optimizer step and checkpoint load the ranks
 all-gather the weights and rank 0 copies them in place, so a co-located engine decoding with it sees the
 update as it would the single-process optimizer's, and `named_weights` on rank 0 reads it (no collective).
 ``lead(command)`` sends each collective call to the other ranks before rank 0 runs it.
 
-Shape legend: none here (`k3post.policy_step` holds the tensors).
+Shape legend: none here (the stages' gradient functions hold the tensors).
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ from k3post import checkpoint
 from k3post.config.distributed import MIXED_PRECISIONS
 from k3post.config.optim import OptimConfig
 from k3post.distributed.weight_sync import named_weights
-from k3post.trainer import Trainer
+from k3post.trainer.local import Trainer
 
 __all__ = ["FSDPTrainer", "launch_local", "free_port"]
 
@@ -119,8 +118,8 @@ class FSDPTrainer(Trainer):
     """`k3post.trainer.Trainer` over the ranks of the default process group (module doc). Build it on every
     rank with the same model (same seed) and settings; every method is collective (every rank calls it, in
     the same order). ``mixed_precision`` "fp32" | "bf16" and ``cpu_offload`` are ``distributed.fsdp``'s
-    (`k3post.config.distributed.FSDPConfig`); the rest is `Trainer`'s. ``step`` and ``sft_step`` are
-    `Trainer`'s, each rank training its share of the micro-batches."""
+    (`k3post.config.distributed.FSDPConfig`); the rest is `Trainer`'s. ``step`` is `Trainer`'s, each rank
+    training its share of the micro-batches."""
 
     share_prefix = False  # one forward per micro-batch: every rank runs the same collectives
 
@@ -162,16 +161,10 @@ class FSDPTrainer(Trainer):
                     assert name == dst_name, (name, dst_name)
                     dst.copy_(src)
 
-    def step(self, seqs: Sequence[Any], *, version: int | None = None, lr: float | None = None) -> dict[str, float]:
-        self._lead("step", seqs, version=version, lr=lr)
-        return super().step(seqs, version=version, lr=lr)
-
-    def sft_step(self, batches: Sequence[Any], *, lr: float | None = None, precision: str = "fp32",
-                 mtp_weight: float = 0.0) -> dict[str, float]:
-        if mtp_weight > 0:
-            raise ValueError("sft.mtp_weight > 0: the MTP head is not supported with distributed.fsdp.ranks > 1")
-        self._lead("sft_step", batches, lr=lr, precision=precision)
-        return super().sft_step(batches, lr=lr, precision=precision)
+    def step(self, batch: Sequence[Any], grads_fn: Any, *, lr: float | None = None,
+             version: int | None = None) -> dict[str, float]:
+        self._lead("step", batch, grads_fn, lr=lr, version=version)
+        return super().step(batch, grads_fn, lr=lr, version=version)
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``fully_shard`` every decoder layer, then the root; gradients summed over the ranks."""

@@ -5,12 +5,12 @@
 
 Rank 0 owns everything but the trainer's shards: the run folder, the data, the rollout, metrics, the
 report. The stage loops are the single-process ones; `k3post.trainer.build_trainer` hands them a
-`k3post.distributed.fsdp.FSDPTrainer` that tells the other ranks every collective call before it runs it.
+`k3post.trainer.fsdp.FSDPTrainer` that tells the other ranks every collective call before it runs it.
 The other ranks only serve trainer calls:
 
     ("build", spec)               build the same model (rank 0's config and QAT scheme, its weights
                                   broadcast) and the sharded trainer over it, replacing the last one
-    ("call", method, args, kw)    trainer.method(*args, **kw): step, sft_step, save / load_checkpoint, ...
+    ("call", method, args, kw)    trainer.method(*args, **kw): step (with its gradient function), save / load_checkpoint, ...
     ("stop",)                     the command is done
 
 Commands travel as pickled objects over a gloo group of their own (token ids and small metadata; the
@@ -43,12 +43,11 @@ import torch.distributed as dist
 from k3post.config.distributed import FSDPConfig
 from k3post.config.optim import OptimConfig
 from k3post.threads import RANKS, active_plan
+from k3post.trainer.local import leading, leading_ranks
 
-__all__ = ["Followers", "Leader", "leading", "on_ranks", "serve_rank"]
+__all__ = ["Followers", "Leader", "on_ranks", "serve_rank"]
 
 log = logging.getLogger("k3post.ranks")
-
-_LEADER: Leader | None = None
 
 
 @dataclass
@@ -64,7 +63,7 @@ class Leader:
     def build_trainer(self, model: torch.nn.Module, optim: OptimConfig, **trainer_kwargs: Any) -> Any:
         """The sharded trainer of ``model`` on every rank (the others build the same model); it trains a copy
         and keeps ``model`` the full trained weights."""
-        from k3post.distributed.fsdp import FSDPTrainer
+        from k3post.trainer.fsdp import FSDPTrainer
         from k3post.distributed.weight_sync import module_qat
 
         spec = {"config": model.config, "dtype": next(model.parameters()).dtype, "qat": module_qat(model),
@@ -73,11 +72,6 @@ class Leader:
         _broadcast_weights(model)
         return FSDPTrainer(model, optim, mixed_precision=self.fsdp.mixed_precision, cpu_offload=self.fsdp.cpu_offload,
                            lead=self.tell, **trainer_kwargs)
-
-
-def leading() -> Leader | None:
-    """Rank 0's `Leader` while a command runs on trainer ranks, else None (one process)."""
-    return _LEADER
 
 
 def _broadcast_weights(model: torch.nn.Module) -> None:
@@ -90,7 +84,7 @@ def _broadcast_weights(model: torch.nn.Module) -> None:
 def _follower_trainer(spec: dict[str, Any], fsdp: FSDPConfig) -> Any:
     from transformers import AutoModelForCausalLM
 
-    from k3post.distributed.fsdp import FSDPTrainer
+    from k3post.trainer.fsdp import FSDPTrainer
     from k3post.quant.qat import apply_qat
 
     cfg = spec["config"]
@@ -190,7 +184,6 @@ class Followers:
 def _run_leader(fsdp: FSDPConfig, followers: Followers, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     """One attempt: start the followers, run ``fn(*args)`` as rank 0, stop them. A failure is re-raised
     with ``lost_ranks`` (the followers that died, one line each) set on the exception."""
-    global _LEADER
     world = fsdp.ranks
     with socket.socket() as s:  # a port on the address the followers reach rank 0 at
         s.bind((followers.host, 0))
@@ -202,12 +195,11 @@ def _run_leader(fsdp: FSDPConfig, followers: Followers, fn: Callable[..., Any], 
     try:
         control = _init(0, world, init, fsdp.timeout_s)
         try:
-            _LEADER = leader = Leader(fsdp, control)
-            out = fn(*args)
-            leader.tell(("stop",))
-            done = True
+            with leading_ranks(Leader(fsdp, control)) as leader:
+                out = fn(*args)
+                leader.tell(("stop",))
+                done = True
         finally:
-            _LEADER = None
             dist.destroy_process_group()
         followers.join()
         return out
@@ -231,7 +223,7 @@ def on_ranks(fsdp: FSDPConfig, fn: Callable[..., Any], *args: Any,
     ``fsdp.max_restarts`` times; then the error says which rank was lost."""
     if fsdp.ranks == 1:
         return fn(*args)
-    if _LEADER is not None or dist.is_initialized():
+    if leading() is not None or dist.is_initialized():
         raise RuntimeError("on_ranks: this process already is in a process group")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (one process per rank, any nodes)
         return _under_torchrun(fsdp, fn, args)
@@ -256,7 +248,6 @@ def on_ranks(fsdp: FSDPConfig, fn: Callable[..., Any], *args: Any,
 
 def _under_torchrun(fsdp: FSDPConfig, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     """Every process of a torchrun job runs the command line: rank 0 runs ``fn``, the others follow."""
-    global _LEADER
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != fsdp.ranks:
         raise ValueError(f"distributed.fsdp.ranks is {fsdp.ranks} but torchrun started WORLD_SIZE={world} processes")
@@ -265,10 +256,9 @@ def _under_torchrun(fsdp: FSDPConfig, fn: Callable[..., Any], args: tuple[Any, .
         if rank != 0:
             follow(control, fsdp)
             return None
-        _LEADER = leader = Leader(fsdp, control)
-        out = fn(*args)
-        leader.tell(("stop",))
+        with leading_ranks(Leader(fsdp, control)) as leader:
+            out = fn(*args)
+            leader.tell(("stop",))
         return out
     finally:
-        _LEADER = None
         dist.destroy_process_group()
