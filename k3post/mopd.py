@@ -523,23 +523,21 @@ def evaluate_mopd(
         cap = max_tokens if isinstance(max_tokens, int) else max_tokens[d]
         for e in efforts:
             expert = expert_name(d, e)
-            if _is_url(pool.experts.get(expert, "")):
-                s = _episodes(student, xtml, ts, e, cap)
-                nan = float("nan")
-                rows.append({"domain": d, "effort": e, "expert": expert, "n": s["n"], "teacher_endpoint": pool.experts[expert],
-                             "student_pass": s["pass_rate"], "teacher_pass": nan, "student_ci95": s["pass_ci95"],
-                             "teacher_ci95": None, "student_tokens": s["mean_effort_tokens"], "teacher_tokens": nan})
-                continue
-            teacher = build_engine(pool.model(expert), xtml.tokenizer, engine=engine, role=f"MOPD teacher {expert}",
-                                   max_batch_size=student.max_batch_size, max_model_len=student.max_model_len)
-            try:
-                s = _episodes(student, xtml, ts, e, cap)
-                t = _episodes(teacher, xtml, ts, e if teacher_sees_effort else None, cap)
-            finally:
-                close_engine(teacher)
-            rows.append({"domain": d, "effort": e, "expert": expert, "n": s["n"],
-                         "student_pass": s["pass_rate"], "teacher_pass": t["pass_rate"],
-                         "student_ci95": s["pass_ci95"], "teacher_ci95": t["pass_ci95"],
-                         "student_vs_teacher": paired_change(*paired_passes(t, s)),  # same tasks (infra left out)
-                         "student_tokens": s["mean_effort_tokens"], "teacher_tokens": t["mean_effort_tokens"]})
+            s = _episodes(student, xtml, ts, e, cap)
+            row = {"domain": d, "effort": e, "expert": expert, "n": s["n"], "student_pass": s["pass_rate"],
+                   "student_ci95": s["pass_ci95"], "student_tokens": s["mean_effort_tokens"]}
+            spec = pool.experts.get(expert, "")
+            if _is_url(spec):
+                row.update(teacher_endpoint=spec, teacher_pass=float("nan"), teacher_ci95=None,
+                           teacher_tokens=float("nan"))
+            else:
+                teacher = build_engine(pool.model(expert), xtml.tokenizer, engine=engine, role=f"MOPD teacher {expert}",
+                                       max_batch_size=student.max_batch_size, max_model_len=student.max_model_len)
+                try:
+                    t = _episodes(teacher, xtml, ts, e if teacher_sees_effort else None, cap)
+                finally:
+                    close_engine(teacher)
+                row.update(teacher_pass=t["pass_rate"], teacher_ci95=t["pass_ci95"], teacher_tokens=t["mean_effort_tokens"],
+                           student_vs_teacher=paired_change(*paired_passes(t, s)))  # same tasks (infra left out)
+            rows.append(row)
     return mopd_checks(rows, pass_ratio_min=pass_ratio_min, token_tolerance=token_tolerance, teacher_pass_min=teacher_pass_min)
