@@ -294,9 +294,10 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
             table["before"][stage.domain] = {
                 e: evaluate_episodes(engine, xtml, held_out, effort=e, max_tokens=rcfg.eval_max_tokens) for e in efforts
             }
-            if rcfg.eval_samples:  # avg@k of the SFT model at each effort, the same seeds as each expert's
-                for e in efforts:
-                    table["before"][stage.domain][e]["sampled"] = sampled_eval(engine, xtml, held_out, rcfg, e)["overall"]
+            for e in efforts:  # avg@k of the SFT model at each effort whose expert samples it, with that expert's
+                ecfg = cfg.for_domain(stage.domain, e)  # k, temperature and seeds: the pairs of its paired test
+                if ecfg.eval_samples:
+                    table["before"][stage.domain][e]["sampled"] = sampled_eval(engine, xtml, held_out, ecfg, e)["overall"]
         finally:
             close_engine(engine)
         del sft_model, engine

@@ -564,6 +564,24 @@ def test_bad_rl_config_fails_at_load_naming_the_key(override, message, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
 
 
+def test_avg_at_k_set_for_one_expert_samples_the_sft_model_at_that_effort_only(warm_policy, tmp_path):
+    """``{general.max: {eval_samples: 2}}``: the "before" row holds the SFT model's avg@2 at max alone, with the
+    expert's own temperature (the pairs of its test), and only the max expert gets a sampled verdict."""
+    from k3post.experts import train_experts
+
+    model, tok = warm_policy
+    init = _save(model, tok, tmp_path / "init")
+    cfg = _cfg(domains=["general"], steps=1, effort_control=EffortConfig(curriculum=["max", "low"]), n_tasks=4,
+               domain_overrides={"general.max": {"eval_samples": 2, "temperature": 0.7}})
+    table = train_experts(init, cfg, tmp_path / "experts")
+    before = table["before"]["general"]
+    assert "sampled" in before["max"] and "sampled" not in before["low"]
+    assert before["max"]["sampled"]["n"] == 2 * before["max"]["overall"]["n"] == 8
+    smp = table["experts"]["general.max"]["sampled"]
+    assert smp["k"] == 2 and smp["temperature"] == 0.7 and smp["change"]["n"] == 4
+    assert table["experts"]["general.low"]["sampled"] is None
+
+
 def test_expert_overrides_apply_after_the_domain_s_and_cannot_split_its_task_sets():
     """`domain_overrides` under "domain.effort" set one expert's fields on top of the domain's; the fields that
     define the domain's shared task sets (b0 table, "before" row) are refused there, as are unknown efforts."""
@@ -574,6 +592,7 @@ def test_expert_overrides_apply_after_the_domain_s_and_cannot_split_its_task_set
     assert cfg.for_domain("agents").steps == 24 and cfg.for_domain("general", "low").steps == 40
     with pytest.raises(ValueError, match=r"rl.domain_overrides.agents.low: \['n_tasks'\] define the domain's task sets"):
         RLConfig(domain_overrides={"agents.low": {"n_tasks": 4}})
+    assert RLConfig(domain_overrides={"agents.max": {"eval_samples": 8}}).for_domain("agents", "max").eval_samples == 8
     with pytest.raises(ValueError, match="rl.domain_overrides.agents.medium: unknown effort 'medium'"):
         RLConfig(domain_overrides={"agents.medium": {"steps": 4}})
     with pytest.raises(ValueError, match=r"rl.domain_overrides: unknown domain\(s\) \['web'\]"):

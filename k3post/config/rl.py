@@ -47,8 +47,10 @@ class RLConfig:
     ``domain_overrides`` sets numeric fields (and ``lr_schedule``) per domain (e.g. ``{agents: {steps: 4, eval_n: 24}}``:
     agentic episodes cost far more than arithmetic ones) and, under a ``domain.effort`` key, per expert
     (e.g. ``{agents.low: {steps: 12}}``, applied after the domain's); an expert key may not change what
-    defines the domain's task sets (``n_tasks``, ``eval_n``, ``difficulty``, ``eval_samples``: b0 and the "before" row are
-    shared by its three experts). See `for_domain`.
+    defines the domain's task sets (``n_tasks``, ``eval_n``, ``difficulty``: b0 and the "before" row are
+    shared by its three experts). ``eval_samples`` may be set per expert (e.g. ``{general.max: {eval_samples: 8}}``:
+    avg@k where the paired test is wanted, not at every effort); the "before" row then holds the SFT model's avg@k
+    at exactly those efforts, with each expert's own k, temperature and seed. See `for_domain`.
     ``init``: the checkpoint RL starts from (empty: the run folder's ``sft/final``).
     Infrastructure failures (`k3post.errors.InfrastructureError`: an env worker lost, the sandbox, the
     browser or the GRM judge unavailable; RL and MOPD, `k3post.loop`): such samples are masked out of their
@@ -131,7 +133,7 @@ class RLConfig:
             effort = k.split(".", 1)[1]
             if effort not in EFFORTS:
                 raise ValueError(f"rl.domain_overrides.{k}: unknown effort {effort!r}; expected one of {EFFORTS}")
-            shared = sorted(set(self.domain_overrides[k]) & {"n_tasks", "eval_n", "difficulty", "eval_samples"})
+            shared = sorted(set(self.domain_overrides[k]) & {"n_tasks", "eval_n", "difficulty"})
             if shared:
                 raise ValueError(f"rl.domain_overrides.{k}: {shared} define the domain's task sets, shared by its "
                                  f"experts; set them under rl.domain_overrides.{k.split('.', 1)[0]}")
