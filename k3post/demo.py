@@ -263,9 +263,13 @@ def domains_to_show(experts: dict[str, Any], k_of: dict[str, int] | None = None)
             verdict = f"too easy: SFT passes {p:.0%} > {hi_w:.0%}, little left for RL to gain"
         else:
             verdict = f"can show RL: SFT passes {p:.0%}, inside {lo_w:.0%}–{hi_w:.0%}"
+        smp = e.get("sampled")  # avg@k at the rollout temperature, paired per task (rl.eval_samples)
         out.append({"domain": domain, "n": n, "sft_pass": p, "sft_ci95": list(wilson_interval(round(p * n), n)),
                     "inside": bool(lo_w <= p <= hi_w), "room": 1 - p, "k": k, "mixed_groups": mixed,
-                    "rl_verdict": e.get("change", {}).get("verdict"), "rl_pass": e.get("pass_rate"), "verdict": verdict})
+                    "rl_verdict": e.get("change", {}).get("verdict"), "rl_pass": e.get("pass_rate"), "verdict": verdict,
+                    "rl_sampled": None if not smp else {"k": smp["k"], "sft": smp["sft"], "rl": smp["rl"],
+                                                        "delta": smp["change"]["delta"], "p_value": smp["change"]["p_value"],
+                                                        "verdict": smp["change"]["verdict"]}})
     return out
 
 
@@ -408,6 +412,10 @@ def _run_demo(cfg: K3Config) -> Path:
         for name, e in table["experts"].items():
             print(f"  expert {name:14}: pass {e['sft_pass_rate']:.3f} → {e['pass_rate']:.3f} (n={e['n']}, {e['change']['verdict']}, "
                   f"p = {e['change']['p_value']:.3g})   T(y) {e['sft_mean_effort_tokens']:.1f} → {e['mean_effort_tokens']:.1f}")
+            if e.get("sampled"):  # avg@k at the rollout temperature: the expected reward RL optimises, paired per task
+                smp, ch = e["sampled"], e["sampled"]["change"]
+                print(f"  {'':21} avg@{smp['k']} (T {smp['temperature']:g}) {smp['sft']:.3f} → {smp['rl']:.3f} "
+                      f"(Δ {ch['delta']:+.3f} [{ch['ci95'][0]:+.3f}, {ch['ci95'][1]:+.3f}], {ch['verdict']}, p = {ch['p_value']:.3g})")
         for name, f in table["failed"].items():
             print(f"  expert {name:14}: FAILED{f' in step ' + str(f['step']) if f.get('step') is not None else ''}: "
                   f"{f['error']}{'  (traceback: ' + f['log'] + ')' if f.get('log') else ''}")

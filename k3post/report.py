@@ -137,7 +137,11 @@ def _domains_section(run: Path, summary: dict[str, Any]) -> str:
         return "<h2>Domains the run can show</h2><p>No max-effort RL expert in this run: nothing to judge.</p>"
     body = [[r["domain"], r["n"], _rate(r["sft_pass"], r["sft_ci95"]), "yes" if r["inside"] else "no", r["room"],
              "" if r["mixed_groups"] is None else f"{r['mixed_groups']:.2f} (k {r['k']})",
-             "" if r["rl_pass"] is None else f"{r['rl_pass']:.3f} ({r['rl_verdict']})", r["verdict"]] for r in rows]
+             "" if r["rl_pass"] is None else f"greedy {r['sft_pass']:.3f} → {r['rl_pass']:.3f} ({r['rl_verdict']})"
+             + ("" if not r.get("rl_sampled") else
+                f"; avg@{r['rl_sampled']['k']} {r['rl_sampled']['sft']:.3f} → {r['rl_sampled']['rl']:.3f} "
+                f"(Δ {r['rl_sampled']['delta']:+.3f}, p {r['rl_sampled']['p_value']:.2g}: {r['rl_sampled']['verdict']})"),
+             r["verdict"]] for r in rows]
     return ("<h2>Domains the run can show</h2><p class=muted>From the SFT pass rate at max on RL's held-out tasks: "
             "RL shows where SFT passes 20–70 % (below, few sampled groups hold a success; above, little is left to gain).</p>"
             + _table(["domain", "n", "SFT pass at max [95%]", "inside 0.2–0.7", "room (SFT fails)",

@@ -12,7 +12,8 @@ from toy_sizes import TOY_DEMO
 
 
 def _small(tmp_path, name="d"):
-    return [f"run.root={tmp_path}", f"run.name={name}", *TOY_DEMO]
+    # the QAT comparison is opt-in (demo.compare_no_qat): on here, so the pair of SFT processes stays tested
+    return [f"run.root={tmp_path}", f"run.name={name}", *TOY_DEMO, "demo.compare_no_qat=true"]
 
 
 def test_demo_small_writes_run_folder(tmp_path):

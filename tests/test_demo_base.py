@@ -186,3 +186,15 @@ def test_domains_to_show_follow_the_sft_pass_rate():
     assert not by["agents"]["inside"] and by["agents"]["verdict"].startswith("too hard") and by["agents"]["mixed_groups"] == 0
     assert not by["coding"]["inside"] and by["coding"]["verdict"].startswith("too easy") and by["coding"]["mixed_groups"] is None
     assert by["coding"]["room"] == pytest.approx(0.18)
+    assert by["general"]["rl_sampled"] is None  # no rl.eval_samples: greedy only
+
+
+def test_domains_to_show_carry_the_sampled_verdict_and_the_report_prints_it(tmp_path):
+    from k3post.report import _domains_section
+
+    e = {**_expert(0.3, 400), "sampled": {"k": 8, "sft": 0.2, "rl": 0.23, "change": {"delta": 0.03, "p_value": 0.004,
+                                                                                          "verdict": "higher"}}}
+    (row,) = domains_to_show({"general.max": e}, {"general": 8})
+    assert row["rl_sampled"] == {"k": 8, "sft": 0.2, "rl": 0.23, "delta": 0.03, "p_value": 0.004, "verdict": "higher"}
+    html = _domains_section(tmp_path, {"domains": [row]})
+    assert "greedy 0.300 → 0.300 (no significant change); avg@8 0.200 → 0.230 (Δ +0.030, p 0.004: higher)" in html

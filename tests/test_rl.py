@@ -585,6 +585,8 @@ def test_avg_at_k_set_for_one_expert_samples_the_sft_model_at_that_effort_only(w
 def test_expert_overrides_apply_after_the_domain_s_and_cannot_split_its_task_sets():
     """`domain_overrides` under "domain.effort" set one expert's fields on top of the domain's; the fields that
     define the domain's shared task sets (b0 table, "before" row) are refused there, as are unknown efforts."""
+    from k3post.config import load_config
+
     cfg = RLConfig(steps=40, domain_overrides={"agents": {"steps": 24, "eval_n": 50}, "agents.low": {"steps": 12, "lr": 5e-5}})
     low, mx = cfg.for_domain("agents", "low"), cfg.for_domain("agents", "max")
     assert (low.effort, low.steps, low.lr, low.eval_n) == ("low", 12, 5e-5, 50)
@@ -593,6 +595,11 @@ def test_expert_overrides_apply_after_the_domain_s_and_cannot_split_its_task_set
     with pytest.raises(ValueError, match=r"rl.domain_overrides.agents.low: \['n_tasks'\] define the domain's task sets"):
         RLConfig(domain_overrides={"agents.low": {"n_tasks": 4}})
     assert RLConfig(domain_overrides={"agents.max": {"eval_samples": 8}}).for_domain("agents", "max").eval_samples == 8
+    # the nested form (a YAML mapping, or rl.domain_overrides.agents.low.steps=12 on the command line) is the same,
+    # and wins over the dotted key it repeats (the command line over the config file)
+    nested = RLConfig(domain_overrides={"agents": {"eval_n": 50, "low": {"steps": 12}}, "agents.low": {"steps": 30, "lr": 5e-5}})
+    assert nested.domain_overrides == {"agents": {"eval_n": 50}, "agents.low": {"steps": 12, "lr": 5e-5}}
+    assert load_config(None, ["rl.domain_overrides.general.max.lr=1e-4"]).rl.for_domain("general", "max").lr == 1e-4
     with pytest.raises(ValueError, match="rl.domain_overrides.agents.medium: unknown effort 'medium'"):
         RLConfig(domain_overrides={"agents.medium": {"steps": 4}})
     with pytest.raises(ValueError, match=r"rl.domain_overrides: unknown domain\(s\) \['web'\]"):

@@ -20,6 +20,8 @@ TOY_STAGES = [
     # general at the sizes above, also where a recipe sizes the domain itself (configs/full.yaml)
     *(f"{sec}.domain_overrides.general.{k}={v}" for sec in ("rl", "mopd.rl")
       for k, v in (("n_tasks", 4), ("eval_n", 4), ("max_tokens", 24), ("eval_max_tokens", 24))),
+    # general.max's own batch (the demo's 32 prompts and avg@8) at the toy size
+    *(f"{sec}.domain_overrides.general.max.{k}={v}" for sec in ("rl", "mopd.rl") for k, v in (("n_prompts", 2), ("eval_samples", 2))),
     "mopd.rl.steps=2", "mopd.rl.n_prompts=3", "mopd.rl.k=2", "mopd.rl.n_tasks=2", "mopd.rl.eval_n=2",
     "mopd.rl.max_tokens=24", "mopd.rl.eval_max_tokens=24", "mopd.rl.progress=false", "mopd.effort_mix.high=0",
     "draft.families=[general.arithmetic]", "draft.efforts=[low]", "draft.n_per_family=10", "draft.max_tokens=16",

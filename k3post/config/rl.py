@@ -13,11 +13,32 @@ from k3post.config.ranges import check_range, field_range, ranged
 from k3post.config.rollout import EngineConfig, RolloutConfig
 from k3post.constants import DOMAINS, EFFORTS
 
-__all__ = ["LR_SCHEDULES", "RLConfig", "loss_kwargs"]
+__all__ = ["GENERAL_MAX_SETTING", "LR_SCHEDULES", "RLConfig", "default_domain_overrides", "loss_kwargs"]
 
 LR_SCHEDULES = ("constant", "linear")
 CHOICE_OVERRIDES: dict[str, tuple[str, ...]] = {"lr_schedule": LR_SCHEDULES}
 """The settings other than numbers that ``domain_overrides`` may set, with their choices."""
+
+
+def default_domain_overrides() -> dict[str, dict[str, Any]]:
+    """`RLConfig.domain_overrides`' default: the agents and coding experts' sizes (their episodes cost far more)."""
+    return {
+        # 256: the search references think at max in every turn (issue 31 §effort), up to ~230 tokens a turn with the
+        # demo's tokenizer (configs/full.yaml's lexicon tokenizer: ~140, so it keeps 192)
+        "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16, "max_tokens": 256, "eval_max_tokens": 256},
+        "coding": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 32, "max_tokens": 384, "eval_max_tokens": 384},
+    }
+
+
+GENERAL_MAX_SETTING: dict[str, dict[str, Any]] = {
+    "general": {"n_tasks": 1280},
+    "general.max": {"n_prompts": 32, "lr": 2e-4, "lr_schedule": "linear", "lambda_": 1, "max_staleness": 0, "eval_samples": 8},
+}
+"""What `k3post demo` / `rl` / `experts` (the recipe's ``rl``, `k3post.config.K3Config`) add for general.max: 32 prompts a
+step, each prompt once (40 × 32 = 1,280 tasks), lr 2e-4 decaying linearly, on-policy, and held-out avg@8 at T 1
+beside greedy (the expected reward RL optimises; greedy outcomes churn). It raised general.max's held-out avg@8 in
+every run measured over four demo SFT models (docs/decisions.md, issue 31 §seeds, §demo). A bare `RLConfig` (the
+library's, MOPD's) does not carry it."""
 
 
 @dataclass
@@ -98,12 +119,7 @@ class RLConfig:
     grm_sigma: float = ranged(1.5, gt=0)
     effort_control: EffortConfig = field(default_factory=EffortConfig)
     domains: list[str] = field(default_factory=lambda: ["general", "agents", "coding"])
-    domain_overrides: dict[str, dict[str, Any]] = field(default_factory=lambda: {
-        # 256: the search references think at max in every turn (issue 31 §effort), up to ~230 tokens a turn with the
-        # demo's tokenizer (configs/full.yaml's lexicon tokenizer: ~140, so it keeps 192)
-        "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16, "max_tokens": 256, "eval_max_tokens": 256},
-        "coding": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 32, "max_tokens": 384, "eval_max_tokens": 384},
-    })
+    domain_overrides: dict[str, dict[str, Any]] = field(default_factory=lambda: default_domain_overrides())
     infra_min_valid: int = ranged(2, ge=1)
     infra_retries: int = ranged(1, ge=0)
     infra_max_rate: float = ranged(0.5, ge=0, le=1)
@@ -117,6 +133,7 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         check_keep_last(self.keep_last, "rl.keep_last")
+        self.domain_overrides = _flatten_expert_keys(self.domain_overrides)
         if self.judge.startswith(("http://", "https://")) and not self.judge_model:
             raise ValueError("rl.judge is a URL: set rl.judge_model to the served model's name")
         if self.effort not in EFFORTS:
@@ -192,6 +209,25 @@ class RLConfig:
         if effort is None:
             return replace(self, domain=domain, **self._overrides(domain))
         return replace(self, domain=domain, effort=effort, **{**self._overrides(domain), **self._overrides(f"{domain}.{effort}")})
+
+
+def _flatten_expert_keys(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{general: {max: {lr: 1e-4}, n_tasks: 64}}`` (how ``rl.domain_overrides.general.max.lr=1e-4`` on the command
+    line and a nested YAML mapping arrive) as ``{general: {n_tasks: 64}, general.max: {lr: 1e-4}}``. A value set both
+    ways takes the nested one: the command line can only write that form, and it overrides the config file's."""
+    out: dict[str, dict[str, Any]] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for key, values in dict(overrides).items():
+        values = dict(values or {})
+        for k, v in values.items():
+            if k in EFFORTS and "." not in key:
+                nested.setdefault(f"{key}.{k}", {}).update(dict(v or {}))
+            else:
+                out.setdefault(key, {})[k] = v
+        out.setdefault(key, {})
+    for key, values in nested.items():
+        out.setdefault(key, {}).update(values)
+    return {k: v for k, v in out.items() if v or k in overrides}
 
 
 def loss_kwargs(cfg: RLConfig) -> dict[str, Any]:
