@@ -12,8 +12,7 @@ from toy_sizes import TOY_DEMO
 
 
 def _small(tmp_path, name="d"):
-    # the QAT comparison is opt-in (demo.compare_no_qat): on here, so the pair of SFT processes stays tested
-    return [f"run.root={tmp_path}", f"run.name={name}", *TOY_DEMO, "demo.compare_no_qat=true"]
+    return [f"run.root={tmp_path}", f"run.name={name}", *TOY_DEMO]
 
 
 def test_demo_small_writes_run_folder(tmp_path):

@@ -81,8 +81,7 @@ DEMO_BASES = ("build", "cached", "none")
 class DemoConfig:
     """What `k3post demo` runs besides the pipeline itself."""
 
-    compare_no_qat: bool = False  # also train the same SFT run without QAT and compare held-out pass rate (opt-in:
-    # at the demo's scale the seed and the CPU's rounding move SFT more than QAT does, and it halves SFT's threads)
+    compare_no_qat: bool = True  # also train the same SFT run without QAT and compare held-out pass rate
     drafts: list[str] = field(default_factory=lambda: ["lk_alpha", "kl"])  # EAGLE-3 drafts for the MOPD student, one per loss (draft.*); [] skips the stage
     mtp_weight: float = 0.3  # the demo's SFT runs train an MTP head (as sft.mtp_weight, which is off by default)
     mtp_start_fraction: float = 0.8  # ... from this fraction of sft.steps on (as sft.mtp_start_fraction)
