@@ -24,6 +24,7 @@ from k3post.sft import train_sft
 from k3post.spec.layout import draft_aux_layers, draft_target
 from k3post.spec.mtp import MTPHead, load_mtp, save_mtp
 from k3post.tokenizer import ensure_xtml_tokens, load_tokenizer, train_tokenizer
+from k3post.urls import is_url
 from k3post.xtml import XTML, text_segments
 
 if TYPE_CHECKING:
@@ -179,7 +180,7 @@ def _start_rl_run(cfg: K3Config, stage: str) -> tuple[Path, Path]:
 def check_judge_slots(cfg: K3Config) -> None:
     """A UserError, before anything runs, when judge slots are asked for a judge that cannot use them."""
     n = cfg.distributed.roles.judges
-    if cfg.distributed.enabled and n > 0 and cfg.rl.judge.startswith(("http://", "https://")):
+    if cfg.distributed.enabled and n > 0 and is_url(cfg.rl.judge):
         raise UserError(f"distributed.roles.judges={n}, but rl.judge is a URL ({cfg.rl.judge}): that judge is served "
                         "elsewhere, so nothing would run on the judges bundles; set distributed.roles.judges=0, or "
                         "rl.judge to a model folder (or 'policy') to serve it there")

@@ -73,6 +73,7 @@ from k3post.rollout.engine import request_seed, token_uniform
 from k3post.rollout.evaluation import evaluate_episodes, make_env, paired_passes
 from k3post.rollout.trajectory import Group, Trajectory
 from k3post.stats import paired_change, paired_ratio
+from k3post.urls import is_url
 from k3post.xtml import EFFORTS, OMIT_EFFORT, XTML
 
 log = logging.getLogger(__name__)
@@ -96,10 +97,6 @@ class MOPDResult:
 def expert_name(domain: str, effort: str) -> str:
     """The name of expert π^(d,e): ``"domain.effort"``."""
     return f"{domain}.{effort}"
-
-
-def _is_url(spec: str) -> bool:
-    return spec.startswith(("http://", "https://"))
 
 
 def effort_sampler(mix: Mapping[str, float], seed: int) -> Callable[[Task], str]:
@@ -151,7 +148,7 @@ class TeacherPool:
         for name, spec in experts.items():
             if not isinstance(spec, str) or not spec:
                 raise ValueError(f"expert {name!r}: expected a model folder or an http(s) URL, got {spec!r}")
-            if not _is_url(spec) and not (Path(spec) / "config.json").is_file():
+            if not is_url(spec) and not (Path(spec) / "config.json").is_file():
                 raise ValueError(f"expert {name!r}: {spec} is neither a model folder (no config.json) nor an http(s) URL")
         self.experts = dict(experts)
         self.max_resident = max_resident
@@ -181,7 +178,7 @@ class TeacherPool:
     def model(self, expert: str) -> torch.nn.Module:
         """The local teacher ``expert`` (eval mode, no gradients), loaded when not resident."""
         spec = self._spec(expert)
-        if _is_url(spec):
+        if is_url(spec):
             raise ValueError(f"expert {expert!r} is an endpoint ({spec}), not a local model")
         if expert in self._resident:
             self.stats["hits"] += 1
@@ -210,7 +207,7 @@ class TeacherPool:
                 raise ValueError(f"sequence {b}: positions must lie in [1, {len(seq)}), got {list(pos)[:8]}...")
         self.stats["sequences"] += len(ids)
         self.stats["tokens"] += sum(len(p) for p in positions)
-        if _is_url(spec):
+        if is_url(spec):
             return self._score_endpoint(expert, spec, ids, positions)
         full = sequence_logprobs(self.model(expert), ids, self.batch_tokens)
         return [[lp[p] for p in pos] for lp, pos in zip(full, positions)]
@@ -527,7 +524,7 @@ def evaluate_mopd(
             row = {"domain": d, "effort": e, "expert": expert, "n": s["n"], "student_pass": s["pass_rate"],
                    "student_ci95": s["pass_ci95"], "student_tokens": s["mean_effort_tokens"]}
             spec = pool.experts.get(expert, "")
-            if _is_url(spec):
+            if is_url(spec):
                 row.update(teacher_endpoint=spec, teacher_pass=float("nan"), teacher_ci95=None,
                            teacher_tokens=float("nan"))
             else:

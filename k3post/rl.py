@@ -54,6 +54,7 @@ from k3post.rewards.grm import EngineJudge, GroupGRM, PolicyJudge, estimate_l0, 
 from k3post.rollout.evaluation import evaluate_episodes, reference_turn_tokens, run_episodes
 from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.trajectory import Group
+from k3post.urls import is_url
 from k3post.xtml import XTML
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ def judged_families(cfg: RLConfig, family_names: Sequence[str]) -> list[str]:
 
 def judge_model_dir(cfg: RLConfig, cold_start: str | Path) -> Path | None:
     """The model folder ``cfg.judge`` names ("policy": the cold-start model), None when it is a URL."""
-    if cfg.judge.startswith(("http://", "https://")):
+    if is_url(cfg.judge):
         return None
     path = Path(cold_start) if cfg.judge == "policy" else Path(cfg.judge)
     if not (path / "config.json").is_file():

@@ -39,6 +39,7 @@ from k3post.errors import UserError, attach_run_log
 from k3post.io import atomic_write
 from k3post.spec.layout import draft_aux_layers, draft_target
 from k3post.threads import record_plan
+from k3post.urls import is_url
 
 __all__ = ["STAGES", "FREE_KEYS", "LOCK", "RECORD", "open_run", "check_inputs", "changed_keys", "release_runs",
            "stage_id", "RunInUse", "RunSummary"]
@@ -198,7 +199,7 @@ def check_inputs(cfg: K3Config, stage: str, run: Path | None = None) -> None:
                   "" if cfg.rl.init else "; train SFT first or set rl.init")
     if stage == "mopd":
         for name, path in cfg.mopd.experts.items():
-            if not path.startswith(("http://", "https://")):  # an endpoint teacher is checked when it is called
+            if not is_url(path):  # an endpoint teacher is checked when it is called
                 model_dir(f"mopd.experts.{name}", path)
     if stage == "draft":
         target = draft_target(cfg, run)

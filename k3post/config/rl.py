@@ -12,6 +12,7 @@ from k3post.config.optim import OptimConfig, check_keep_last
 from k3post.config.ranges import check_range, field_range, ranged
 from k3post.config.rollout import EngineConfig, RolloutConfig
 from k3post.constants import DOMAINS, EFFORTS
+from k3post.urls import is_url
 
 __all__ = ["GENERAL_MAX_SETTING", "LR_SCHEDULES", "RLConfig", "default_domain_overrides", "loss_kwargs"]
 
@@ -134,7 +135,7 @@ class RLConfig:
     def __post_init__(self) -> None:
         check_keep_last(self.keep_last, "rl.keep_last")
         self.domain_overrides = _flatten_expert_keys(self.domain_overrides)
-        if self.judge.startswith(("http://", "https://")) and not self.judge_model:
+        if is_url(self.judge) and not self.judge_model:
             raise ValueError("rl.judge is a URL: set rl.judge_model to the served model's name")
         if self.effort not in EFFORTS:
             raise ValueError(f"rl.effort must be one of {EFFORTS}, got {self.effort!r}")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from k3post.urls import is_url
+
 __all__ = ["ENGINE_DIALECTS", "ENGINE_KINDS", "WEIGHT_SYNCS", "EngineConfig", "RolloutConfig"]
 
 ENGINE_KINDS = ("embedded", "http")
@@ -93,7 +95,7 @@ class EngineConfig:
         if self.kind == "http" and not self.urls and self.launch < 1:
             raise ValueError("engine.kind is http: list the servers in engine.urls, or set engine.launch to start "
                              "local ones")
-        bad = [u for u in self.urls if not str(u).startswith(("http://", "https://"))]
+        bad = [u for u in self.urls if not is_url(u)]
         if bad:
             raise ValueError(f"engine.urls: not http(s) URLs: {bad}")
         if self.weight_sync not in WEIGHT_SYNCS:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from k3post.envs.env import Environment, StepResult
 from k3post.envs.harness import Harness, HarnessConfig
 from k3post.envs.task import Task, Verdict
+from k3post.urls import is_url
 
 __all__ = [
     "EndpointHTTPError",
@@ -476,7 +477,7 @@ class OpenAIPolicy:
             keep_reasoning: send ``reasoning_content`` of past assistant messages back.
             transport: an httpx transport (for tests or custom networking).
         """
-        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+        if not is_url(base_url):
             raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
         if not isinstance(model, str) or not model:
             raise ValueError("model must be a non-empty string")

@@ -83,6 +83,7 @@ from k3post.rollout.engine import (
     generate_by_stepping,
     request_seed,
 )
+from k3post.urls import is_url
 
 __all__ = ["HTTPEngine", "EngineUnavailableError"]
 
@@ -195,7 +196,7 @@ class HTTPEngine:
         transport: httpx.AsyncBaseTransport | None = None,
         api_key: str | None = None,
     ) -> None:
-        if isinstance(urls, str) or not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
+        if isinstance(urls, str) or not urls or not all(is_url(u) for u in urls):
             raise ValueError(f"urls must be a non-empty list of http(s):// base URLs, got {urls!r}")
         if len(set(urls)) != len(urls):
             raise ValueError(f"urls has duplicates: {list(urls)}")
