@@ -391,25 +391,23 @@ def run_mopd(cfg: K3Config) -> Path:
 
 
 def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[str],
-                 metrics: MetricsLogger | None = None) -> dict:
+                 metrics: MetricsLogger | None = None, *, processes: int = 1) -> dict:
     """EAGLE-3 drafts for the frozen target in ``target_dir`` (QAT as it runs), one per loss in ``losses``, all on
     the same data (the target's own episodes, `k3post.spec.data`; every tenth held out), steps and seed; each is
     trained into ``run/draft/<loss>`` and exported (vLLM / SGLang layout) to ``run/draft/<loss>/final``.
-    Returns (and writes to ``run/draft/summary.json``) held-out acceptance by depth at temperature 1 and 0 before
-    and after training, and the expected acceptance length at k = 3 and 5 drafted tokens."""
+    With ``processes`` > 1 the losses train side by side in that many spawned processes (each at the thread count
+    of the caller's plan, `k3post.threads.child_threads`), after the data is made once here; a failed one raises
+    with its message. Returns (and writes to ``run/draft/summary.json``) held-out acceptance by depth at
+    temperature 1 and 0 before and after training, and the expected acceptance length at k = 3 and 5 drafted tokens."""
     from k3post.envs.families import default_families
     from k3post.experts import load_policy
     from k3post.rollout.factory import build_engine, close_engine
-    from k3post.spec.data import load_samples, save_samples, target_generations, token_counts
-    from k3post.spec.eagle3 import DraftVocab, Eagle3Draft
-    from k3post.spec.export import export_eagle3
-    from k3post.spec.train import evaluate_alpha, expected_accept_length, fit_fc, train_draft
+    from k3post.spec.data import save_samples, target_generations
 
     d = cfg.draft
     tokenizer = load_tokenizer(target_dir)
     target = load_policy(target_dir, cfg.qat)
-    L = len(target.model.layers)
-    aux = draft_aux_layers(d, L)  # an input error before any data is generated
+    aux = draft_aux_layers(d, len(target.model.layers))  # an input error before any data is generated
     out = run / "draft"
     data = out / "data.jsonl"
     fams = d.families or [f.name for f in default_families()]
@@ -421,7 +419,34 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
                                             seed=cfg.run.seed), data)
         finally:
             close_engine(engine)
-    samples = load_samples(data)
+    inputs = _draft_inputs(cfg, run, target_dir)
+    mtp_from = inputs["mtp_from"]
+    summary: dict = {"target": _run_relative(target_dir, run), "aux_layers": list(aux),
+                     "mtp_init": mtp_from and _run_relative(mtp_from, run),
+                     "train_episodes": len(inputs["train"]), "held_out_episodes": len(inputs["held"]), "steps": d.steps,
+                     "ttt_steps": d.ttt_steps, "losses": {}}
+    if processes > 1 and len(losses) > 1:
+        del target
+        results = _drafts_in_processes(cfg, run, target_dir, list(losses), processes)
+    else:
+        results = {loss: _train_one_draft(cfg, run, target, loss, inputs, metrics) for loss in losses}
+    for loss in losses:
+        summary["fc_fit_positions"], summary["losses"][loss] = results[loss]
+        after = summary["losses"][loss]["acceptance_by_depth"]
+        print(f"  draft {loss:9}: held-out α by depth (T=1) " + ", ".join(f"{a:.3f}" for a in after["t1"]))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
+    return summary
+
+
+def _draft_inputs(cfg: K3Config, run: Path, target_dir: Path) -> dict[str, Any]:
+    """What every draft of a run trains from: the episodes split into train / held out (every tenth), the draft
+    vocabulary (``draft.draft_vocab``), the MTP head it starts from and the pad id."""
+    from k3post.spec.data import load_samples, token_counts
+    from k3post.spec.eagle3 import DraftVocab
+
+    d = cfg.draft
+    tokenizer = load_tokenizer(target_dir)
+    samples = load_samples(run / "draft" / "data.jsonl")
     held = samples[::10]  # every tenth episode is held out for the acceptance-by-depth table
     train = [s for k, s in enumerate(samples) if k % 10]
     vocab = None
@@ -429,30 +454,81 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
         counts = token_counts(train)
         vocab = DraftVocab.from_counts(torch.tensor([counts.get(i, 0) for i in range(len(tokenizer))]), d.draft_vocab)
     mtp, mtp_from = _draft_mtp(d.mtp, target_dir, run)
-    pad = tokenizer.pad_token_id
-    summary: dict = {"target": _run_relative(target_dir, run), "aux_layers": list(aux),
-                     "mtp_init": mtp_from and _run_relative(mtp_from, run),
-                     "train_episodes": len(train), "held_out_episodes": len(held), "steps": d.steps,
-                     "ttt_steps": d.ttt_steps, "losses": {}}
-    for loss in losses:
-        lc = replace(d, loss=loss)
-        torch.manual_seed(cfg.run.seed)
-        draft = Eagle3Draft.from_target(target, aux, mtp=mtp, draft_vocab=vocab)
-        summary["fc_fit_positions"] = fit_fc(target, draft, train, lc, pad)  # high id < L: fc ≈ the MTP head's input
-        before = evaluate_alpha(target, draft, held, lc, pad)
-        res = train_draft(target, draft, train, lc, out / loss, pad_id=pad, seed=cfg.run.seed, metrics=metrics,
-                          stage=f"draft_{loss}")
-        after = evaluate_alpha(target, draft, held, lc, pad)
-        export_eagle3(draft, out / loss / "final", nonstock=d.nonstock_export)
-        summary["losses"][loss] = {
-            "acceptance_by_depth_before": before, "acceptance_by_depth": after,
-            "expected_accept_length": {t: {str(k): expected_accept_length(after[t], k) for k in (3, 5) if k <= d.ttt_steps}
-                                       for t in after},
-            "final_loss": res.history[-1]["loss"] if res.history else None,
-        }
-        print(f"  draft {loss:9}: held-out α by depth (T=1) " + ", ".join(f"{a:.3f}" for a in after["t1"]))
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
-    return summary
+    return {"train": train, "held": held, "vocab": vocab, "mtp": mtp, "mtp_from": mtp_from, "pad": tokenizer.pad_token_id}
+
+
+def _train_one_draft(cfg: K3Config, run: Path, target: Any, loss: str, inputs: dict[str, Any],
+                     metrics: MetricsLogger | None) -> tuple[int, dict[str, Any]]:
+    """One draft of ``train_drafts``: the fc fit, held-out acceptance before, training, acceptance after, the
+    export. Returns the fc fit's positions and the loss's summary entry."""
+    from k3post.spec.eagle3 import Eagle3Draft
+    from k3post.spec.export import export_eagle3
+    from k3post.spec.train import evaluate_alpha, expected_accept_length, fit_fc, train_draft
+
+    d = cfg.draft
+    out = run / "draft"
+    lc = replace(d, loss=loss)
+    aux = draft_aux_layers(d, len(target.model.layers))
+    train, held, pad = inputs["train"], inputs["held"], inputs["pad"]
+    torch.manual_seed(cfg.run.seed)
+    draft = Eagle3Draft.from_target(target, aux, mtp=inputs["mtp"], draft_vocab=inputs["vocab"])
+    fc_positions = fit_fc(target, draft, train, lc, pad)  # high id < L: fc ≈ the MTP head's input
+    before = evaluate_alpha(target, draft, held, lc, pad)
+    res = train_draft(target, draft, train, lc, out / loss, pad_id=pad, seed=cfg.run.seed, metrics=metrics,
+                      stage=f"draft_{loss}")
+    after = evaluate_alpha(target, draft, held, lc, pad)
+    export_eagle3(draft, out / loss / "final", nonstock=d.nonstock_export)
+    return fc_positions, {
+        "acceptance_by_depth_before": before, "acceptance_by_depth": after,
+        "expected_accept_length": {t: {str(k): expected_accept_length(after[t], k) for k in (3, 5) if k <= d.ttt_steps}
+                                   for t in after},
+        "final_loss": res.history[-1]["loss"] if res.history else None,
+    }
+
+
+def _draft_worker(cfg: K3Config, run: Path, target_dir: Path, loss: str, out: Any) -> None:
+    """Child process of ``train_drafts``: one loss's draft, its metrics rows appended to the run's."""
+    try:
+        from k3post.experts import load_policy
+        from k3post.threads import child_threads
+
+        torch.set_num_threads(child_threads())  # the caller's plan for the drafts side by side
+        target = load_policy(target_dir, cfg.qat)
+        metrics = MetricsLogger(run)
+        try:
+            result = _train_one_draft(cfg, run, target, loss, _draft_inputs(cfg, run, target_dir), metrics)
+        finally:
+            metrics.close()
+        out.put(("ok", result))
+    except BaseException as e:  # reported by the parent, with the child's message
+        out.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def _drafts_in_processes(cfg: K3Config, run: Path, target_dir: Path, losses: list[str],
+                         processes: int) -> dict[str, tuple[int, dict[str, Any]]]:
+    """``_train_one_draft`` for each loss in spawned processes, at most ``processes`` at once."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results: dict[str, tuple[int, dict[str, Any]]] = {}
+    errors: list[str] = []
+    for i in range(0, len(losses), processes):
+        started = []
+        for loss in losses[i : i + processes]:
+            q = ctx.Queue()
+            proc = ctx.Process(target=_draft_worker, args=(cfg, run, target_dir, loss, q), daemon=True)
+            proc.start()
+            started.append((loss, proc, q))
+        for loss, proc, q in started:
+            status, payload = q.get()
+            proc.join()
+            if status == "ok":
+                results[loss] = payload
+            else:
+                errors.append(f"draft {loss}: {payload}")
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    return results
 
 
 def _run_relative(path: str | Path, run: Path) -> str:

@@ -443,7 +443,10 @@ def _run_demo(cfg: K3Config) -> Path:
     t0 = time.perf_counter()
     if cfg.demo.drafts and cfg.draft.steps > 0:
         target_dir = run / "mopd" / "final" if (run / "mopd" / "final" / "config.json").is_file() else run / "sft" / "final"
-        summary.update(draft=train_drafts(cfg, run, target_dir, cfg.demo.drafts, metrics))
+        n = len(cfg.demo.drafts)  # side by side, one process each: with idle OpenMP workers asleep, one process
+        # gains little from a second thread on this model (docs/decisions.md, issue 31 §demo)
+        with use_threads(command_plan(cfg, "demo", workers={"drafts": n}), "demo: drafts", run) if n > 1 else nullcontext():
+            summary.update(draft=train_drafts(cfg, run, target_dir, cfg.demo.drafts, metrics, processes=n))
         phase("draft", t0)
 
     k_of = {dom: cfg.rl.for_domain(dom, "max").k for dom in cfg.rl.domains}
