@@ -396,8 +396,8 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
     the same data (the target's own episodes, `k3post.spec.data`; every tenth held out), steps and seed; each is
     trained into ``run/draft/<loss>`` and exported (vLLM / SGLang layout) to ``run/draft/<loss>/final``.
     With ``processes`` > 1 the losses train side by side in that many spawned processes (each at the thread count
-    of the caller's plan, `k3post.threads.child_threads`), after the data is made once here; a failed one raises
-    with its message. Returns (and writes to ``run/draft/summary.json``) held-out acceptance by depth at
+    of the caller's plan, `k3post.threads.child_threads`), after the data is made once here; a failed one's
+    exception is raised here. Returns (and writes to ``run/draft/summary.json``) held-out acceptance by depth at
     temperature 1 and 0 before and after training, and the expected acceptance length at k = 3 and 5 drafted tokens."""
     from k3post.envs.families import default_families
     from k3post.experts import load_policy
@@ -419,7 +419,7 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
                                             seed=cfg.run.seed), data)
         finally:
             close_engine(engine)
-    inputs = _draft_inputs(cfg, run, target_dir)
+    inputs = _draft_inputs(cfg, run, target_dir, tokenizer)
     mtp_from = inputs["mtp_from"]
     summary: dict = {"target": _run_relative(target_dir, run), "aux_layers": list(aux),
                      "mtp_init": mtp_from and _run_relative(mtp_from, run),
@@ -438,14 +438,13 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
     return summary
 
 
-def _draft_inputs(cfg: K3Config, run: Path, target_dir: Path) -> dict[str, Any]:
+def _draft_inputs(cfg: K3Config, run: Path, target_dir: Path, tokenizer: Any) -> dict[str, Any]:
     """What every draft of a run trains from: the episodes split into train / held out (every tenth), the draft
     vocabulary (``draft.draft_vocab``), the MTP head it starts from and the pad id."""
     from k3post.spec.data import load_samples, token_counts
     from k3post.spec.eagle3 import DraftVocab
 
     d = cfg.draft
-    tokenizer = load_tokenizer(target_dir)
     samples = load_samples(run / "draft" / "data.jsonl")
     held = samples[::10]  # every tenth episode is held out for the acceptance-by-depth table
     train = [s for k, s in enumerate(samples) if k % 10]
@@ -486,49 +485,32 @@ def _train_one_draft(cfg: K3Config, run: Path, target: Any, loss: str, inputs: d
     }
 
 
-def _draft_worker(cfg: K3Config, run: Path, target_dir: Path, loss: str, out: Any) -> None:
-    """Child process of ``train_drafts``: one loss's draft, its metrics rows appended to the run's."""
-    try:
-        from k3post.experts import load_policy
-        from k3post.threads import child_threads
+def _draft_worker(cfg: K3Config, run: Path, target_dir: Path, loss: str) -> tuple[int, dict[str, Any]]:
+    """One loss's draft in a worker process of ``train_drafts`` (the threads of the caller's plan, as the RL domain
+    workers, `k3post.experts._domain_worker`); its log lines and metrics rows go to the run's."""
+    from k3post.errors import attach_run_log
+    from k3post.experts import load_policy
+    from k3post.threads import child_threads
 
-        torch.set_num_threads(child_threads())  # the caller's plan for the drafts side by side
-        target = load_policy(target_dir, cfg.qat)
-        metrics = MetricsLogger(run)
-        try:
-            result = _train_one_draft(cfg, run, target, loss, _draft_inputs(cfg, run, target_dir), metrics)
-        finally:
-            metrics.close()
-        out.put(("ok", result))
-    except BaseException as e:  # reported by the parent, with the child's message
-        out.put(("error", f"{type(e).__name__}: {e}"))
+    torch.set_num_threads(child_threads())
+    attach_run_log(run)
+    target = load_policy(target_dir, cfg.qat)
+    metrics = MetricsLogger(run)
+    try:
+        return _train_one_draft(cfg, run, target, loss, _draft_inputs(cfg, run, target_dir, load_tokenizer(target_dir)),
+                                metrics)
+    finally:
+        metrics.close()
 
 
 def _drafts_in_processes(cfg: K3Config, run: Path, target_dir: Path, losses: list[str],
                          processes: int) -> dict[str, tuple[int, dict[str, Any]]]:
-    """``_train_one_draft`` for each loss in spawned processes, at most ``processes`` at once."""
+    """``_train_one_draft`` for each loss in spawned worker processes, at most ``processes`` at once; a worker's
+    exception is raised here."""
     import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
-    results: dict[str, tuple[int, dict[str, Any]]] = {}
-    errors: list[str] = []
-    for i in range(0, len(losses), processes):
-        started = []
-        for loss in losses[i : i + processes]:
-            q = ctx.Queue()
-            proc = ctx.Process(target=_draft_worker, args=(cfg, run, target_dir, loss, q), daemon=True)
-            proc.start()
-            started.append((loss, proc, q))
-        for loss, proc, q in started:
-            status, payload = q.get()
-            proc.join()
-            if status == "ok":
-                results[loss] = payload
-            else:
-                errors.append(f"draft {loss}: {payload}")
-    if errors:
-        raise RuntimeError("; ".join(errors))
-    return results
+    with mp.get_context("spawn").Pool(min(processes, len(losses)), maxtasksperchild=1) as pool:
+        return dict(zip(losses, pool.starmap(_draft_worker, [(cfg, run, target_dir, loss) for loss in losses], chunksize=1)))
 
 
 def _run_relative(path: str | Path, run: Path) -> str:

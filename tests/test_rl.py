@@ -600,6 +600,8 @@ def test_expert_overrides_apply_after_the_domain_s_and_cannot_split_its_task_set
     nested = RLConfig(domain_overrides={"agents": {"eval_n": 50, "low": {"steps": 12}}, "agents.low": {"steps": 30, "lr": 5e-5}})
     assert nested.domain_overrides == {"agents": {"eval_n": 50}, "agents.low": {"steps": 12, "lr": 5e-5}}
     assert load_config(None, ["rl.domain_overrides.general.max.lr=1e-4"]).rl.for_domain("general", "max").lr == 1e-4
+    with pytest.raises(ValueError, match=r"rl.domain_overrides.general.max: expected a mapping of RL settings .* got 5"):
+        RLConfig(domain_overrides={"general": {"max": 5}})
     with pytest.raises(ValueError, match="rl.domain_overrides.agents.medium: unknown effort 'medium'"):
         RLConfig(domain_overrides={"agents.medium": {"steps": 4}})
     with pytest.raises(ValueError, match=r"rl.domain_overrides: unknown domain\(s\) \['web'\]"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
+from collections.abc import Mapping
 from typing import Any
 
 from k3post.config.effort import EffortConfig
@@ -215,20 +216,29 @@ class RLConfig:
 def _flatten_expert_keys(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``{general: {max: {lr: 1e-4}, n_tasks: 64}}`` (how ``rl.domain_overrides.general.max.lr=1e-4`` on the command
     line and a nested YAML mapping arrive) as ``{general: {n_tasks: 64}, general.max: {lr: 1e-4}}``. A value set both
-    ways takes the nested one: the command line can only write that form, and it overrides the config file's."""
+    ways takes the nested one: the command line can only write that form, and it overrides the config file's.
+    ValueError naming the key when a domain's or an expert's entry is not a mapping of settings."""
     out: dict[str, dict[str, Any]] = {}
     nested: dict[str, dict[str, Any]] = {}
     for key, values in dict(overrides).items():
-        values = dict(values or {})
-        for k, v in values.items():
+        own = out.setdefault(key, {})
+        for k, v in _settings(f"rl.domain_overrides.{key}", values).items():
             if k in EFFORTS and "." not in key:
-                nested.setdefault(f"{key}.{k}", {}).update(dict(v or {}))
+                nested.setdefault(f"{key}.{k}", {}).update(_settings(f"rl.domain_overrides.{key}.{k}", v))
             else:
-                out.setdefault(key, {})[k] = v
-        out.setdefault(key, {})
+                own[k] = v
     for key, values in nested.items():
         out.setdefault(key, {}).update(values)
-    return {k: v for k, v in out.items() if v or k in overrides}
+    return out
+
+
+def _settings(key: str, values: Any) -> dict[str, Any]:
+    """``values`` (a mapping of settings, or nothing) as a dict; ValueError naming ``key`` otherwise."""
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{key}: expected a mapping of RL settings (e.g. {{steps: 16}}), got {values!r}")
+    return dict(values)
 
 
 def loss_kwargs(cfg: RLConfig) -> dict[str, Any]:
