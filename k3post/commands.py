@@ -15,7 +15,7 @@ import torch
 
 from k3post.config import K3Config
 from k3post.data import load_sft_jsonl
-from k3post.errors import UserError
+from k3post.errors import UserError, attach_run_log
 from k3post.metrics import MetricsLogger
 from k3post.models import build_tiny_moe, count_parameters, load_model, new_folder, save_model
 from k3post.quant.qat import apply_qat
@@ -23,6 +23,7 @@ from k3post.runs import RunSummary, open_run
 from k3post.sft import train_sft
 from k3post.spec.layout import draft_aux_layers, draft_target
 from k3post.spec.mtp import MTPHead, load_mtp, save_mtp
+from k3post.threads import child_threads
 from k3post.tokenizer import ensure_xtml_tokens, load_tokenizer, train_tokenizer
 from k3post.urls import is_url
 from k3post.xtml import XTML, text_segments
@@ -488,9 +489,7 @@ def _train_one_draft(cfg: K3Config, run: Path, target: Any, loss: str, inputs: d
 def _draft_worker(cfg: K3Config, run: Path, target_dir: Path, loss: str) -> tuple[int, dict[str, Any]]:
     """One loss's draft in a worker process of ``train_drafts`` (the threads of the caller's plan, as the RL domain
     workers, `k3post.experts._domain_worker`); its log lines and metrics rows go to the run's."""
-    from k3post.errors import attach_run_log
     from k3post.experts import load_policy
-    from k3post.threads import child_threads
 
     torch.set_num_threads(child_threads())
     attach_run_log(run)
