@@ -246,14 +246,14 @@ def test_mopd_lowers_reverse_kl(world, sft_low, tmp_path, seed):
     """Teacher: the 200-step SFT model (expert general.low). Student: the teacher with Gaussian noise on every
     weight (0.5 of each tensor's std, noise and run seeded by ``seed``), so it disagrees with the teacher from
     the start. The reverse KL E_student[log π_s − log π_t] per sampled token, on 8 samples of each of 12 prompts
-    at temperature 1, falls to at most 0.75 of its start within 12 steps, for each of 2 seeds.
+    at temperature 1, falls to at most 0.3 of its start within 24 steps, for each of 2 seeds.
 
-    Margin (issue 30, docs/decisions.md): the final / initial ratio over seeds 0-4 × kernels default / avx2 /
-    avx512 (each kernel its own teacher) at lr 1e-3 was 0.08-0.56 (seeds 0-1: 0.08-0.43), so 0.75 is 1.3× the
-    worst measured run; the 12-step ratio is a noisy walk (per-step estimates jump by ±0.1), not a converged
-    value, which is why one seed and a 0.4 bound failed on another machine. A bigger step is less stable (lr 3e-3:
-    seed 1 stalls at 0.74), a smaller one slower (lr 3e-4: 0.22-0.47). Teacher and student swapped: 0.29 -> 8.65
-    (ratio 30), fails."""
+    Margin (docs/decisions.md, issue 30 §0 and its follow-up): at 24 steps, lr 1e-3, the final / initial ratio
+    over seeds 0-5 on an AMD EPYC was 0.04-0.09, the per-step estimate settled at 0.02-0.04 (its sampling floor),
+    so 0.3 is 3.3× the worst run. At 12 steps (the old length) the end point was a noisy walk, not a converged
+    value: there, seed 0's student (0.44 at the start) first climbs to 0.78 on step 11, then falls to 0.05 by step
+    18 (ratio 1.93 at 12 steps, 0.07 at 24, 0.05 at 30), which failed the old 0.75 bound on that machine.
+    Teacher and student swapped: 0.29 -> 8.65 (ratio 30), fails."""
     from k3post.mopd import MOPDConfig, train_mopd
 
     teacher = sft_low[1]
@@ -275,7 +275,7 @@ def test_mopd_lowers_reverse_kl(world, sft_low, tmp_path, seed):
 
     kl0 = reverse_kl()
     cfg = MOPDConfig(experts={"general.low": str(teacher_dir)}, effort_mix={"low": 1.0}, domains=["general"],
-                     families={"general": [FAMILY]}, rl=_rl_cfg(steps=12, k=4, temperature=1.0, seed=seed))
+                     families={"general": [FAMILY]}, rl=_rl_cfg(steps=24, k=4, temperature=1.0, seed=seed))
     train_mopd(student, world["tok"], cfg, tmp_path / "mopd")
     kl1 = reverse_kl()
-    assert kl0 > 0.05 and kl1 <= 0.75 * kl0, (kl0, kl1)  # kl0 measured 0.12-0.57
+    assert kl0 > 0.05 and kl1 <= 0.3 * kl0, (kl0, kl1)  # kl0 measured 0.12-0.62
