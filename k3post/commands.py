@@ -23,7 +23,7 @@ from k3post.runs import RunSummary, open_run
 from k3post.sft import train_sft
 from k3post.spec.layout import draft_aux_layers, draft_target
 from k3post.spec.mtp import MTPHead, load_mtp, save_mtp
-from k3post.threads import child_threads
+from k3post.threads import child_threads, exit_with_parent
 from k3post.tokenizer import ensure_xtml_tokens, load_tokenizer, train_tokenizer
 from k3post.urls import is_url
 from k3post.xtml import XTML, text_segments
@@ -491,6 +491,7 @@ def _draft_worker(cfg: K3Config, run: Path, target_dir: Path, loss: str) -> tupl
     workers, `k3post.experts._domain_worker`); its log lines and metrics rows go to the run's."""
     from k3post.experts import load_policy
 
+    exit_with_parent()
     torch.set_num_threads(child_threads())
     attach_run_log(run)
     target = load_policy(target_dir, cfg.qat)

@@ -44,7 +44,7 @@ from k3post.quant.qat import apply_qat
 from k3post.rewards.judging import evaluate_recipe_judge, judge_eval_enabled, recipe_judge_records
 from k3post.report import write_report
 from k3post.sft import train_sft
-from k3post.threads import active_plan, child_threads, command_plan, use_threads
+from k3post.threads import active_plan, child_threads, command_plan, exit_with_parent, use_threads
 from k3post.spec.mtp import save_mtp
 from k3post.commands import default_corpus, distill, raise_if_failed, sft_summary, train_drafts
 from k3post.runs import RunSummary, open_run
@@ -80,6 +80,7 @@ def demo_sft(cfg: K3Config) -> SFTConfig:
 def _baseline_worker(cfg: K3Config, run: Path, init_dir: Path, train_file: Path, out: Any) -> None:
     """Child process: the same SFT run as the parent's, from the same initial weights, without QAT."""
     try:
+        exit_with_parent()
         torch.set_num_threads(child_threads())  # the parent's plan for the pair (`run_demo`)
         tokenizer = load_tokenizer(init_dir)
         model = load_model(init_dir)

@@ -98,8 +98,9 @@ def _domain_worker(args: _Job, until: str | None = None, threads: int | None = N
     """One domain's experts (up to ``until``) in this process at ``threads`` torch threads (None: the parent's
     plan for the domain workers, `k3post.threads.child_threads`; 1 without one)."""
     domain, sft_dir, cfg, out_dir, qat, metrics_dir, judge_engine = args
-    from k3post.threads import child_threads
+    from k3post.threads import child_threads, exit_with_parent
 
+    exit_with_parent()
     torch.set_num_threads(threads or child_threads())
     if metrics_dir:  # the worker's warnings and engine launches go to the run's k3post.log too (appended)
         from k3post.errors import attach_run_log

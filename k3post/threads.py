@@ -26,6 +26,10 @@ libgomp's default spins a waiting worker for ~300,000 iterations before it sleep
 but beside other work (another k3post process, a CI job, a user's editor) the spinning threads take the cores the
 others need, and a step that waits at a barrier for a descheduled thread waits a whole time slice.
 `bench/threads_load.py` measures both policies, quiet and beside a CPU hog (docs/decisions.md, "Issue 32 §waits").
+
+A child a command starts (the demo's no-QAT SFT, the RL domain and draft workers, trainer ranks) calls
+`exit_with_parent` first: when the command is killed (SIGTERM or SIGKILL, which run no cleanup in it) the child
+exits too, instead of training on for minutes beside the rerun that resumes the same folders.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import logging
 import math
 import os
 import sys
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -250,6 +256,25 @@ def wait_policy() -> str:
     key, _ = WAIT_ENV
     got = os.environ.get(key)
     return f"{key}={got}" if got else f"{key} unset (libgomp spins, then sleeps)"
+
+
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """In a child process: exit at once (status 1, no cleanup) when the process that started it is gone (the
+    child is re-parented, so ``os.getppid`` changes), checked every ``poll_s`` seconds by a daemon thread. What
+    the child wrote stays as a killed run leaves it: every stage resumes from its checkpoints. The parent is the
+    one multiprocessing names (so a parent killed while the child was still starting is noticed too), else the
+    current one."""
+    import multiprocessing
+
+    known = multiprocessing.parent_process()
+    parent = known.pid if known is not None and known.pid is not None else os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="k3post-exit-with-parent", daemon=True).start()
 
 
 def child_threads(default: int = 1) -> int:

@@ -4,6 +4,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import sys
 
 import pytest
 import torch
@@ -226,3 +227,54 @@ def test_the_recorded_plan_names_the_wait_policy(tmp_path, monkeypatch):
         pass
     (entry,) = json.loads((tmp_path / "threads.json").read_text())
     assert entry["wait_policy"] == "OMP_WAIT_POLICY=PASSIVE"
+
+
+_PARENT = '''
+import multiprocessing as mp, sys, time
+
+def child(watch):
+    if watch:
+        from k3post.threads import exit_with_parent
+        exit_with_parent(poll_s=0.1)
+    time.sleep(120)
+
+if __name__ == "__main__":
+    p = mp.get_context("spawn").Process(target=child, args=(sys.argv[1] == "watch",))
+    p.start()
+    print(p.pid, flush=True)
+    time.sleep(120)
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped by init) counts as gone
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("watch", [True, False])
+def test_a_child_exits_when_its_command_is_killed(tmp_path, watch):
+    """A spawned child that called exit_with_parent is gone within seconds of its parent's SIGKILL (which runs no
+    cleanup: a daemon child would survive it); without the call the child lives on (the control)."""
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script), "watch" if watch else "plain"], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        assert _alive(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + (30 if watch else 2)
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _alive(child) is not watch
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)

@@ -69,6 +69,7 @@ from k3post.config.distributed import MIXED_PRECISIONS
 from k3post.config.optim import OptimConfig
 from k3post.distributed.weight_sync import named_weights
 from k3post.trainer.local import Trainer
+from k3post.threads import exit_with_parent
 
 __all__ = ["FSDPTrainer", "launch_local", "free_port"]
 
@@ -84,6 +85,7 @@ def free_port() -> int:
 
 def _rank_entry(rank: int, worker: Callable[..., Any], ranks: int, port: int, backend: str, threads: int,
                 args: tuple[Any, ...]) -> None:
+    exit_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(ranks),
                       LOCAL_RANK=str(rank))
     if threads > 0:

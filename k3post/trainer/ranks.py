@@ -147,6 +147,9 @@ def serve_rank(rank: int, world: int, init_method: str, fsdp: FSDPConfig, thread
 
 
 def _follower_entry(i: int, world: int, init_method: str, fsdp: FSDPConfig, threads: int) -> None:
+    from k3post.threads import exit_with_parent
+
+    exit_with_parent()
     serve_rank(i + 1, world, init_method, fsdp, threads)
 
 
