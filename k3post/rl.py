@@ -44,6 +44,7 @@ from k3post.config.rl import RLConfig, loss_kwargs
 from k3post.config.rollout import EngineConfig
 from k3post.envs.families.registry import get_family
 from k3post.envs.families.streams import domain_families, eval_tasks, train_tasks
+from k3post.envs.task import Task
 from k3post.errors import JudgeUnavailableError
 from k3post.metrics import MetricsLogger
 from k3post.models import load_model
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["RLConfig", "RLResult", "GroupScorer", "Signal", "PolicyLoop", "domain_families", "train_tasks", "eval_tasks", "loss_kwargs",
            "rl_signal", "train_policy", "train_rl", "check_turn_caps", "rollout_gap", "build_group_scorer",
-           "judged_families", "judge_model_dir", "sampled_eval"]
+           "judged_families", "judge_model_dir", "sampled_eval", "select_by_pass"]
 
 @dataclass
 class RLResult:
@@ -221,6 +222,7 @@ def train_rl(
     missing = [t.id for t in tasks if t not in budgets]
     if missing:
         raise ValueError(f"the budget table lacks b0 for {len(missing)} training tasks (e.g. {missing[:3]}); run estimate_budgets")
+    tasks = select_by_pass(tasks, budgets, cfg)
     check_turn_caps(cfg, tokenizer, fams)
     step, rows, resumed_from, pl = train_policy(
         model, tokenizer, cfg, out_dir, tasks=tasks, signal=rl_signal(budgets, cfg, scorer), metrics=metrics,
@@ -241,6 +243,24 @@ def train_rl(
     finally:
         pl.close()
     return RLResult(step, rows, result_eval, resumed_from, time.perf_counter() - t_start)
+
+
+def select_by_pass(tasks: Sequence[Task], budgets: BudgetTable, cfg: RLConfig) -> list[Task]:
+    """The training tasks whose pass fraction in their b0 samples (`BudgetTable.pass_fraction`) lies in
+    [``cfg.train_pass_min``, ``cfg.train_pass_max``], in their order; all of them when the range is [0, 1].
+    ValueError naming the settings when none is left."""
+    lo, hi = cfg.train_pass_min, cfg.train_pass_max
+    if lo <= 0 and hi >= 1:
+        return list(tasks)
+    kept = [t for t in tasks if lo <= budgets.pass_fraction(t) <= hi]
+    n_samples = len(next(iter(budgets.entries.values())).samples.correct) if len(budgets) else 0
+    if not kept:
+        raise ValueError(f"rl.train_pass_min / rl.train_pass_max = {lo} / {hi}: none of the {len(tasks)} training tasks "
+                         f"of {cfg.domain} has a b0 pass fraction in that range ({n_samples} samples each); widen it or "
+                         "raise rl.n_tasks")
+    log.info("%s.%s trains on %d of %d tasks: those the cold-start model solves in [%g, %g] of their %d b0 samples",
+             cfg.domain, cfg.effort, len(kept), len(tasks), lo, hi, n_samples)
+    return kept
 
 
 def _score(

@@ -550,6 +550,7 @@ def test_masked_entropy_equals_full_entropy_at_the_mask(warm_policy):
     ("rl.domains=[general,web]", r"rl.domains: unknown domain\(s\) \['web'\]"),
     ("rl.domain_overrides.agents.foo=1", "rl.domain_overrides.agents.foo: not a numeric RL setting"),
     ("rl.domain_overrides.agents.steps=1.5", "rl.domain_overrides.agents.steps: must be an integer"),
+    ("rl.train_pass_max=1.5", "rl.train_pass_max"),
 ])
 def test_bad_rl_config_fails_at_load_naming_the_key(override, message, tmp_path):
     """Caught when the config loads, before any run folder, budget estimate or training exists."""
@@ -720,3 +721,60 @@ def test_one_rl_step_moves_log_probs_the_way_the_advantages_say(warm_policy, qat
     neg = [d for a, d in zip(A, delta) if a < 0]
     assert sum(a * d for a, d in zip(A, delta)) > 0, (A, delta)
     assert sum(pos) / len(pos) > 0 > sum(neg) / len(neg), (pos, neg)
+
+
+def _pass_table(tasks, hits, k=4):
+    """A budget table whose task i was solved by hits[i] of its k b0 samples."""
+    from k3post.rewards.effort import task_key
+
+    table = BudgetTable({"test": "select"})
+    table.add_samples({task_key(t): TaskSamples(t.family, [10] * k, [j < h for j in range(k)]) for t, h in zip(tasks, hits)},
+                      q=0.9, min_b0=1.0)
+    return table
+
+
+def test_prompt_selection_keeps_the_tasks_the_cold_start_model_sometimes_solves(caplog):
+    """rl.train_pass_min / max: a task solved by 0, 1, 2, 3, 4 of its 4 b0 samples (pass 0 .. 1); the range
+    [0.25, 0.75] keeps the middle three in their order, [0, 1] all, a range none falls in is an error naming
+    the settings, a task without b0 an error naming it."""
+    from k3post.rl import select_by_pass
+
+    tasks = train_tasks(["general.arithmetic"], 5, difficulty=1, seed=0)
+    table = _pass_table(tasks, [0, 1, 2, 3, 4])
+    assert [table.pass_fraction(t) for t in tasks] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    cfg = RLConfig(train_pass_min=0.25, train_pass_max=0.75)
+    with caplog.at_level("INFO", logger="k3post.rl"):
+        assert select_by_pass(tasks, table, cfg) == tasks[1:4]
+    assert "trains on 3 of 5 tasks" in caplog.text
+    assert select_by_pass(tasks, table, RLConfig()) == tasks
+    assert select_by_pass(tasks, table, RLConfig(train_pass_min=1.0)) == tasks[4:]
+    with pytest.raises(ValueError, match=r"rl.train_pass_min / rl.train_pass_max = 0.3 / 0.4: none of the 5 training tasks"):
+        select_by_pass(tasks, table, RLConfig(train_pass_min=0.3, train_pass_max=0.4))
+    with pytest.raises(ValueError, match=r"rl.train_pass_min \(0.8\) must be <= rl.train_pass_max \(0.5\)"):
+        RLConfig(train_pass_min=0.8, train_pass_max=0.5)
+    with pytest.raises(ValueError, match=r"rl.domain_overrides.general.max: train_pass_min \(0.8\) must be <= train_pass_max \(0.5\)"):
+        RLConfig(domain_overrides={"general": {"train_pass_min": 0.8}, "general.max": {"train_pass_max": 0.5}})
+    other = train_tasks(["general.arithmetic"], 6, difficulty=1, seed=1)[-1]
+    with pytest.raises(ValueError, match="has no b0 in the budget table"):
+        table.pass_fraction(other)
+
+
+def test_train_rl_rolls_out_only_the_selected_prompts(warm_policy, tmp_path, monkeypatch):
+    """With a pass range set for the expert, the loop's prompt stream holds exactly the tasks in range."""
+    import k3post.rl as rl_mod
+
+    model, tok = warm_policy
+    cfg = _cfg(n_tasks=6, steps=1).for_domain("general", "max")
+    cfg = replace(cfg, train_pass_min=0.5, train_pass_max=0.75)
+    tasks = train_tasks(domain_families("general", cfg.families), cfg.n_tasks, difficulty=cfg.difficulty, seed=cfg.seed)
+    table = _pass_table(tasks, [0, 2, 4, 3, 1, 2])
+    seen = {}
+    real = rl_mod.train_policy
+
+    def spy(*a, **kw):
+        seen["tasks"] = list(kw["tasks"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(rl_mod, "train_policy", spy)
+    train_rl(copy.deepcopy(model), tok, cfg, tmp_path / "rl", budgets=table, evaluate=False)
+    assert seen["tasks"] == [tasks[1], tasks[3], tasks[5]]

@@ -60,6 +60,10 @@ class RLConfig:
     verifiable families, plus the non-verifiable ones when a ``judge`` is set), ``difficulty``, ``n_tasks`` training prompts per family (cycled), ``eval_n``
     held-out tasks per family, evaluated greedily and, with ``eval_samples`` = k > 0, also k times each at
     ``temperature`` (avg@k: the expected reward RL optimises, paired per task with the SFT model's, same seeds).
+    Prompt selection: with ``train_pass_min`` > 0 or ``train_pass_max`` < 1 the expert trains only on the
+    training tasks whose pass fraction in their b0 samples (the cold-start model's, `rewards.effort`) lies in
+    [train_pass_min, train_pass_max]: a prompt the model never or always solves gives a group without variance,
+    which carries no policy gradient (difficulty curriculum; set per expert like ``lr``).
     Optimiser: ``lr`` with ``lr_schedule`` ("constant", or "linear" decay to ``lr / steps`` at the last step).
     Judge (SPEC §3.4): ``judge`` = "" (none), "policy" (the cold-start checkpoint through the embedded
     engine), a local checkpoint folder, or an OpenAI-compatible base URL (``judge_model`` names the
@@ -101,6 +105,8 @@ class RLConfig:
     eval_n: int = ranged(400, ge=0)
     eval_max_tokens: int = ranged(128, ge=1)
     eval_samples: int = ranged(0, ge=0)
+    train_pass_min: float = ranged(0.0, ge=0, le=1)
+    train_pass_max: float = ranged(1.0, ge=0, le=1)
     lr: float = ranged(1e-4, ge=0)
     lr_schedule: str = "constant"
     weight_decay: float = ranged(0.0, ge=0)
@@ -140,6 +146,8 @@ class RLConfig:
             raise ValueError("rl.judge is a URL: set rl.judge_model to the served model's name")
         if self.effort not in EFFORTS:
             raise ValueError(f"rl.effort must be one of {EFFORTS}, got {self.effort!r}")
+        if self.train_pass_min > self.train_pass_max:
+            raise ValueError(f"rl.train_pass_min ({self.train_pass_min}) must be <= rl.train_pass_max ({self.train_pass_max})")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"rl.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         stage_keys = [k for k in self.domain_overrides if "." in k]
@@ -157,7 +165,10 @@ class RLConfig:
                 raise ValueError(f"rl.domain_overrides.{k}: {shared} define the domain's task sets, shared by its "
                                  f"experts; set them under rl.domain_overrides.{k.split('.', 1)[0]}")
         for d in self.domain_overrides:
-            self._overrides(d)
+            over = {**self._overrides(d.split(".", 1)[0]), **self._overrides(d)}
+            lo, hi = over.get("train_pass_min", self.train_pass_min), over.get("train_pass_max", self.train_pass_max)
+            if lo > hi:
+                raise ValueError(f"rl.domain_overrides.{d}: train_pass_min ({lo}) must be <= train_pass_max ({hi})")
 
     def _overrides(self, domain: str) -> dict[str, int | float | str]:
         """``domain_overrides[domain]`` cast to the fields' types (ValueError naming a non-numeric or

@@ -326,6 +326,14 @@ class BudgetTable:
             raise ValueError(f"{what} has no b0 in the budget table; estimate it first (estimate_budgets)")
         return entry.b0
 
+    def pass_fraction(self, task_or_key: Task | str) -> float:
+        """The share of a task's b0 samples that were correct (the cold-start model's pass rate on it);
+        ValueError when it was never estimated."""
+        self.b0(task_or_key)  # the error for a task without an entry
+        key = task_key(task_or_key) if isinstance(task_or_key, Task) else task_or_key
+        c = self.entries[key].samples.correct
+        return sum(c) / len(c)
+
     def b0s(self, tasks: Sequence[Task]) -> torch.Tensor:
         """b0 of each task, [N] float64."""
         return torch.tensor([self.b0(t) for t in tasks], dtype=torch.float64)
