@@ -6,7 +6,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +23,7 @@ from k3post.runs import RunSummary, open_run
 from k3post.sft import train_sft
 from k3post.spec.layout import draft_aux_layers, draft_target
 from k3post.spec.mtp import MTPHead, load_mtp, save_mtp
-from k3post.threads import child_threads, exit_with_parent
+from k3post.threads import child_threads, command_plan, exit_with_parent, use_threads
 from k3post.tokenizer import ensure_xtml_tokens, load_tokenizer, train_tokenizer
 from k3post.urls import is_url
 from k3post.xtml import XTML, text_segments
@@ -361,10 +361,16 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
         save_model(student, run / "mopd" / "final", tokenizer)
         engine = build_engine(student, tokenizer, engine=m.rl.engine, role="MOPD student (final)",
                               max_batch_size=m.rl.slots, seed=m.rl.seed)
+        # with two threads or more to spend: the student's episodes here, the local teachers' in a second process,
+        # each on its share (as the RL domain workers: one process gains little from a second thread here)
+        plan = command_plan(cfg, "mopd", workers={"MOPD evaluation (student, teachers)": 2})
+        split = plan.budget >= 2
         try:
-            table = evaluate_mopd(engine, XTML(tokenizer), pool, mopd_eval_tasks(m), max_tokens=eval_caps(m),
-                                  efforts=[e for e, w in m.effort_mix.items() if w > 0],
-                                  teacher_sees_effort=m.teacher_sees_effort, engine=m.rl.engine)
+            with use_threads(plan, "mopd: evaluation", run) if split else nullcontext():
+                table = evaluate_mopd(engine, XTML(tokenizer), pool, mopd_eval_tasks(m), max_tokens=eval_caps(m),
+                                      efforts=[e for e, w in m.effort_mix.items() if w > 0],
+                                      teacher_sees_effort=m.teacher_sees_effort, engine=m.rl.engine,
+                                      processes=2 if split else 1)
         finally:
             close_engine(engine)
         teacher_stats = dict(pool.stats)  # training and evaluation together

@@ -507,6 +507,7 @@ def evaluate_mopd(
     token_tolerance: float = 0.2,
     teacher_pass_min: float = 0.2,
     engine: EngineConfig | None = None,
+    processes: int = 1,
 ) -> dict[str, Any]:
     """The student vs each teacher on held-out ``tasks`` (domain → tasks, e.g. `mopd_eval_tasks`): greedy episodes of the student at each effort and of expert (d, e) as it scores in
     MOPD (no effort message unless ``teacher_sees_effort``); pass rate with its Wilson interval, the paired
@@ -514,27 +515,70 @@ def evaluate_mopd(
     then `mopd_checks`. An endpoint teacher (a URL: it scores log-probs, it is not sampled here) gets the
     student's numbers only: its row has ``teacher_endpoint`` and NaN teacher numbers.
     ``max_tokens``: the per-turn cap, one for all or domain → cap (e.g. `eval_caps`). ``engine``: the teachers'
-    engine (default: embedded; over ``http`` each teacher runs on launched servers of its own)."""
-    rows = []
-    for d, ts in tasks.items():
-        cap = max_tokens if isinstance(max_tokens, int) else max_tokens[d]
-        for e in efforts:
-            expert = expert_name(d, e)
-            s = _episodes(student, xtml, ts, e, cap)
-            row = {"domain": d, "effort": e, "expert": expert, "n": s["n"], "student_pass": s["pass_rate"],
-                   "student_ci95": s["pass_ci95"], "student_tokens": s["mean_effort_tokens"]}
-            spec = pool.experts.get(expert, "")
-            if is_url(spec):
-                row.update(teacher_endpoint=spec, teacher_pass=float("nan"), teacher_ci95=None,
-                           teacher_tokens=float("nan"))
-            else:
-                teacher = build_engine(pool.model(expert), xtml.tokenizer, engine=engine, role=f"MOPD teacher {expert}",
+    engine (default: embedded; over ``http`` each teacher runs on launched servers of its own).
+    ``processes`` = 2 (embedded engines only): the local teachers' episodes run in a spawned process (the threads of
+    the caller's plan, `k3post.threads.child_threads`; each teacher loaded there from its folder as the pool loads
+    it) while this one runs the student's: the same episodes, so the same table."""
+    cells = [(d, e, expert_name(d, e), max_tokens if isinstance(max_tokens, int) else max_tokens[d])
+             for d in tasks for e in efforts]
+    local = [(d, e, x, cap) for d, e, x, cap in cells if not is_url(pool.experts.get(x, ""))]
+    workers = job = None
+    if processes > 1 and local and (engine is None or engine.kind == "embedded"):
+        import multiprocessing as mp
+
+        workers = mp.get_context("spawn").Pool(1)
+        job = workers.apply_async(_teacher_episodes, ((
+            local, {d: list(tasks[d]) for d, _, _, _ in local}, {x: pool.experts[x] for _, _, x, _ in local}, pool.dtype,
+            pool.qat, xtml.tokenizer, teacher_sees_effort, student.max_batch_size, student.max_model_len),))
+    try:
+        students = {x: _episodes(student, xtml, tasks[d], e, cap) for d, e, x, cap in cells}
+        if job is not None:
+            teachers, stats = job.get()
+            for k, v in stats.items():  # the worker's teacher loads count in the pool's
+                pool.stats[k] = pool.stats.get(k, 0) + v
+        else:
+            teachers = {}
+            for d, e, x, cap in local:
+                teacher = build_engine(pool.model(x), xtml.tokenizer, engine=engine, role=f"MOPD teacher {x}",
                                        max_batch_size=student.max_batch_size, max_model_len=student.max_model_len)
                 try:
-                    t = _episodes(teacher, xtml, ts, e if teacher_sees_effort else None, cap)
+                    teachers[x] = _episodes(teacher, xtml, tasks[d], e if teacher_sees_effort else None, cap)
                 finally:
                     close_engine(teacher)
-                row.update(teacher_pass=t["pass_rate"], teacher_ci95=t["pass_ci95"], teacher_tokens=t["mean_effort_tokens"],
-                           student_vs_teacher=paired_change(*paired_passes(t, s)))  # same tasks (infra left out)
-            rows.append(row)
+    finally:
+        if workers is not None:
+            workers.terminate()
+            workers.join()
+    rows = []
+    for d, e, x, _ in cells:
+        s = students[x]
+        row = {"domain": d, "effort": e, "expert": x, "n": s["n"], "student_pass": s["pass_rate"],
+               "student_ci95": s["pass_ci95"], "student_tokens": s["mean_effort_tokens"]}
+        if x not in teachers:  # an endpoint: it scores log-probs, it is not sampled here
+            row.update(teacher_endpoint=pool.experts.get(x, ""), teacher_pass=float("nan"), teacher_ci95=None,
+                       teacher_tokens=float("nan"))
+        else:
+            t = teachers[x]
+            row.update(teacher_pass=t["pass_rate"], teacher_ci95=t["pass_ci95"], teacher_tokens=t["mean_effort_tokens"],
+                       student_vs_teacher=paired_change(*paired_passes(t, s)))  # same tasks (infra left out)
+        rows.append(row)
     return mopd_checks(rows, pass_ratio_min=pass_ratio_min, token_tolerance=token_tolerance, teacher_pass_min=teacher_pass_min)
+
+
+def _teacher_episodes(args: tuple[Any, ...]) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
+    """`evaluate_mopd`'s teacher half in a worker process: (expert → the summary of its greedy episodes, the
+    worker's pool stats)."""
+    from k3post.threads import child_threads, exit_with_parent
+
+    exit_with_parent()
+    torch.set_num_threads(child_threads())
+    cells, tasks, experts, dtype, qat, tokenizer, teacher_sees_effort, max_batch_size, max_model_len = args
+    pool, xtml, out = TeacherPool(experts, max_resident=1, dtype=dtype, qat=qat), XTML(tokenizer), {}
+    for d, e, x, cap in cells:
+        teacher = build_engine(pool.model(x), tokenizer, role=f"MOPD teacher {x}", max_batch_size=max_batch_size,
+                               max_model_len=max_model_len)
+        try:
+            out[x] = _episodes(teacher, xtml, tasks[d], e if teacher_sees_effort else None, cap)
+        finally:
+            close_engine(teacher)
+    return out, pool.stats

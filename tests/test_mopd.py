@@ -565,6 +565,24 @@ def test_evaluate_mopd_with_an_endpoint_teacher_reports_the_student_alone(xtml_t
     assert "n/a (endpoint teacher: not sampled)" in html
 
 
+def test_evaluate_mopd_with_the_teachers_in_a_second_process_gives_the_same_table(xtml_tokenizer, folders):
+    """processes=2: the local teachers' episodes run in a spawned worker beside the student's. Two different
+    teachers and an endpoint row: the table equals the one-process table exactly (same episodes, greedy), and the
+    worker's teacher loads count in the pool's stats."""
+    tok = xtml_tokenizer
+    x = XTML(tok)
+    experts = {"general.low": folders["t1"], "general.high": "http://127.0.0.1:9/v1", "general.max": folders["t2"]}
+    student = EmbeddedEngine(_model(tok, 1, initializer_range=0.1), tok)
+    tasks = {"general": get_family("general.arithmetic").generate(3, seed=9)}
+    kw = dict(efforts=("low", "high", "max"), max_tokens=12)
+    one = evaluate_mopd(student, x, TeacherPool(experts), tasks, **kw)
+    pool = TeacherPool(experts)
+    two = evaluate_mopd(student, x, pool, tasks, processes=2, **kw)
+    assert json.dumps(two, sort_keys=True, default=str) == json.dumps(one, sort_keys=True, default=str)
+    assert [r["expert"] for r in two["rows"]] == ["general.low", "general.high", "general.max"]
+    assert pool.stats["loads"] == 2 and not pool.resident  # loaded in the worker, not here
+
+
 @pytest.mark.parametrize("override, message", [
     ("mopd.effort_mix.medium=1", "mopd.effort_mix: unknown efforts"),
     ("mopd.domains=[web]", r"unknown domain\(s\) \['web'\]"),
