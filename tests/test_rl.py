@@ -551,6 +551,8 @@ def test_masked_entropy_equals_full_entropy_at_the_mask(warm_policy):
     ("rl.domain_overrides.agents.foo=1", "rl.domain_overrides.agents.foo: not a numeric RL setting"),
     ("rl.domain_overrides.agents.steps=1.5", "rl.domain_overrides.agents.steps: must be an integer"),
     ("rl.train_pass_max=1.5", "rl.train_pass_max"),
+    ("rl.domain_overrides.general.max.normalize_std=maybe", "rl.domain_overrides.general.max.normalize_std: must be true or false"),
+    ("rl.domain_overrides.general.max.progress=false", "rl.domain_overrides.general.max.progress: not a numeric RL setting"),
 ])
 def test_bad_rl_config_fails_at_load_naming_the_key(override, message, tmp_path):
     """Caught when the config loads, before any run folder, budget estimate or training exists."""
@@ -596,6 +598,8 @@ def test_expert_overrides_apply_after_the_domain_s_and_cannot_split_its_task_set
     with pytest.raises(ValueError, match=r"rl.domain_overrides.agents.low: \['n_tasks'\] define the domain's task sets"):
         RLConfig(domain_overrides={"agents.low": {"n_tasks": 4}})
     assert RLConfig(domain_overrides={"agents.max": {"eval_samples": 8}}).for_domain("agents", "max").eval_samples == 8
+    std = load_config(None, ["rl.domain_overrides.general.max.normalize_std=true"]).rl  # a loss switch, per expert
+    assert std.for_domain("general", "max").normalize_std and not std.for_domain("general", "low").normalize_std
     # the nested form (a YAML mapping, or rl.domain_overrides.agents.low.steps=12 on the command line) is the same,
     # and wins over the dotted key it repeats (the command line over the config file)
     nested = RLConfig(domain_overrides={"agents": {"eval_n": 50, "low": {"steps": 12}}, "agents.low": {"steps": 30, "lr": 5e-5}})

@@ -19,6 +19,8 @@ __all__ = ["GENERAL_MAX_SETTING", "LR_SCHEDULES", "RLConfig", "default_domain_ov
 
 LR_SCHEDULES = ("constant", "linear")
 CHOICE_OVERRIDES: dict[str, tuple[str, ...]] = {"lr_schedule": LR_SCHEDULES}
+# the loss switches an expert may set for itself (domain_overrides), besides the numeric fields
+BOOL_OVERRIDES: tuple[str, ...] = ("normalize_std", "skip_zero_variance", "seq_mean", "sequence_ratio", "stop_gradient_ratio")
 """The settings other than numbers that ``domain_overrides`` may set, with their choices."""
 
 
@@ -71,7 +73,7 @@ class RLConfig:
     Effort control (SPEC §3.3): ``effort`` and ``effort_control`` (τ per effort and domain, the b0
     estimate's samples and quantile, the curriculum order).
     Experts: ``domains``, each trained through ``effort_control.curriculum`` for ``steps`` per effort;
-    ``domain_overrides`` sets numeric fields (and ``lr_schedule``) per domain (e.g. ``{agents: {steps: 4, eval_n: 24}}``:
+    ``domain_overrides`` sets numeric fields (and ``lr_schedule`` and the loss switches of ``BOOL_OVERRIDES``) per domain (e.g. ``{agents: {steps: 4, eval_n: 24}}``:
     agentic episodes cost far more than arithmetic ones) and, under a ``domain.effort`` key, per expert
     (e.g. ``{agents.low: {steps: 12}}``, applied after the domain's); an expert key may not change what
     defines the domain's task sets (``n_tasks``, ``eval_n``, ``difficulty``: b0 and the "before" row are
@@ -181,6 +183,11 @@ class RLConfig:
                     raise ValueError(f"rl.domain_overrides.{domain}.{key}: must be one of {CHOICE_OVERRIDES[key]}, "
                                      f"got {value!r}")
                 over[key] = str(value)
+                continue
+            if types.get(key) is bool and key in BOOL_OVERRIDES:
+                if not isinstance(value, bool) and str(value).lower() not in ("true", "false"):
+                    raise ValueError(f"rl.domain_overrides.{domain}.{key}: must be true or false, got {value!r}")
+                over[key] = value if isinstance(value, bool) else str(value).lower() == "true"
                 continue
             if types.get(key) not in (int, float) or key == "seed":
                 raise ValueError(f"rl.domain_overrides.{domain}.{key}: not a numeric RL setting")
