@@ -248,7 +248,8 @@ def domains_to_show(experts: dict[str, Any], k_of: dict[str, int] | None = None)
     whether that pass is inside `SHOW_WINDOW`, the room RL has (the share of tasks SFT fails, and the share of
     RL's groups of ``k_of[domain]`` samples expected to hold both a pass and a fail, the groups with a learning
     signal: 1 - p^k - (1 - p)^k if every task passed with the greedy rate p; concave in p, so an upper bound for
-    tasks of uneven difficulty), what RL did (the paired verdict) and a one-line verdict."""
+    tasks of uneven difficulty), what RL did (the paired verdict) and a one-line verdict: "RL > SFT shown" when a
+    paired test (greedy, or avg@k) found RL higher, else where the SFT pass sits against the window."""
     lo_w, hi_w = SHOW_WINDOW
     out = []
     for name, e in experts.items():
@@ -258,13 +259,19 @@ def domains_to_show(experts: dict[str, Any], k_of: dict[str, int] | None = None)
         p, n = e["sft_pass_rate"], e["n"]
         k = (k_of or {}).get(domain)
         mixed = None if k is None else 1 - p ** k - (1 - p) ** k
-        if p < lo_w:
+        smp = e.get("sampled")  # avg@k at the rollout temperature, paired per task (rl.eval_samples)
+        shown = [what for what, v in (("greedy", e.get("change", {}).get("verdict")),
+                                      (f"avg@{smp['k']}" if smp else "", smp["change"]["verdict"] if smp else None))
+                 if v == "higher"]
+        if shown:  # the paired test resolved a gain: that is what the run shows, whatever the window says
+            verdict = (f"RL > SFT shown ({' and '.join(shown)}, paired p < 0.05); SFT passes {p:.0%}"
+                       + ("" if lo_w <= p <= hi_w else f", outside {lo_w:.0%}–{hi_w:.0%}"))
+        elif p < lo_w:
             verdict = f"too hard: SFT passes {p:.0%} < {lo_w:.0%}, few RL groups hold a success"
         elif p > hi_w:
             verdict = f"too easy: SFT passes {p:.0%} > {hi_w:.0%}, little left for RL to gain"
         else:
             verdict = f"can show RL: SFT passes {p:.0%}, inside {lo_w:.0%}–{hi_w:.0%}"
-        smp = e.get("sampled")  # avg@k at the rollout temperature, paired per task (rl.eval_samples)
         out.append({"domain": domain, "n": n, "sft_pass": p, "sft_ci95": list(wilson_interval(round(p * n), n)),
                     "inside": bool(lo_w <= p <= hi_w), "room": 1 - p, "k": k, "mixed_groups": mixed,
                     "rl_verdict": e.get("change", {}).get("verdict"), "rl_pass": e.get("pass_rate"), "verdict": verdict,

@@ -258,16 +258,20 @@ def wait_policy() -> str:
     return f"{key}={got}" if got else f"{key} unset (libgomp spins, then sleeps)"
 
 
-def exit_with_parent(poll_s: float = 0.5) -> None:
+PARENT_ENV = "K3POST_PARENT_PID"  # set by a command for the k3post processes it launches (`k3post serve` servers)
+
+
+def exit_with_parent(poll_s: float = 0.5, parent: int | None = None) -> None:
     """In a child process: exit at once (status 1, no cleanup) when the process that started it is gone (the
     child is re-parented, so ``os.getppid`` changes), checked every ``poll_s`` seconds by a daemon thread. What
     the child wrote stays as a killed run leaves it: every stage resumes from its checkpoints. The parent is the
-    one multiprocessing names (so a parent killed while the child was still starting is noticed too), else the
-    current one."""
+    one given, else the one multiprocessing names (so a parent killed while the child was still starting is
+    noticed too), else the current one."""
     import multiprocessing
 
     known = multiprocessing.parent_process()
-    parent = known.pid if known is not None and known.pid is not None else os.getppid()
+    if parent is None:
+        parent = known.pid if known is not None and known.pid is not None else os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:

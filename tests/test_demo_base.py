@@ -178,7 +178,7 @@ def test_domains_to_show_follow_the_sft_pass_rate():
                             "agents.max": _expert(0.0), "coding.max": _expert(0.82, 50)}, {"general": 8, "agents": 8})
     by = {r["domain"]: r for r in rows}
     assert set(by) == {"general", "agents", "coding"}  # one line per domain, from its max expert
-    assert by["general"]["inside"] and by["general"]["verdict"].startswith("can show RL")
+    assert by["general"]["inside"] and by["general"]["verdict"] == "RL > SFT shown (greedy, paired p < 0.05); SFT passes 45%"
     assert by["general"]["n"] == 400 and by["general"]["rl_verdict"] == "higher"
     lo, hi = by["general"]["sft_ci95"]
     assert lo < 0.45 < hi and hi - lo < 0.11  # Wilson at n 400
@@ -198,3 +198,9 @@ def test_domains_to_show_carry_the_sampled_verdict_and_the_report_prints_it(tmp_
     assert row["rl_sampled"] == {"k": 8, "sft": 0.2, "rl": 0.23, "delta": 0.03, "p_value": 0.004, "verdict": "higher"}
     html = _domains_section(tmp_path, {"domains": [row]})
     assert "greedy 0.300 → 0.300 (no significant change); avg@8 0.200 → 0.230 (Δ +0.030, p 0.004: higher)" in html
+    # a gain the paired test resolves is what the run shows, also outside the window (the demo's seed 0: greedy 0.175)
+    low = {**e, "sft_pass_rate": 0.175, "change": {"verdict": "higher"}}
+    (row,) = domains_to_show({"general.max": low}, {"general": 8})
+    assert row["verdict"] == "RL > SFT shown (greedy and avg@8, paired p < 0.05); SFT passes 18%, outside 20%–70%"
+    quiet = {**e, "sft_pass_rate": 0.175, "sampled": {**e["sampled"], "change": {**e["sampled"]["change"], "verdict": "no significant change"}}}
+    assert domains_to_show({"general.max": quiet}, {"general": 8})[0]["verdict"].startswith("too hard")

@@ -127,3 +127,49 @@ def test_evaluate_family_over_a_launched_server_equals_in_process(xtml_tokenizer
     ref = evaluate_family(model, XTML(tok), fam, tasks, effort="max", cfg=cfg)
     got = evaluate_family(model, XTML(tok), fam, tasks, effort="max", cfg=dataclasses.replace(cfg, engine=LAUNCH))
     assert got == ref and ref["n"] == 4 and ref["mean_output_tokens"] > 0
+
+
+_LAUNCHER = '''
+import sys, time
+from k3post.serve.launch import LocalServers
+servers = LocalServers(sys.argv[1], 1, ready_timeout_s=120)
+print(servers.servers[0].proc.pid, flush=True)
+time.sleep(300)
+'''
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc")
+def test_a_launched_server_exits_when_its_command_is_killed(tmp_path: Path, xtml_tokenizer):
+    """The command that launched `k3post serve` processes is killed (SIGKILL: no cleanup, no close): its
+    servers notice (K3POST_PARENT_PID, `k3post.threads.exit_with_parent`) and exit instead of serving on."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    save_model(_model(xtml_tokenizer), tmp_path / "m", xtml_tokenizer)
+    (tmp_path / "launch.py").write_text(_LAUNCHER)
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "launch.py"), str(tmp_path / "m")], stdout=subprocess.PIPE,
+                              text=True)
+    server = int(parent.stdout.readline())
+    try:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 60
+        while _alive(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(server), "the server outlived its command"
+    finally:
+        try:
+            os.kill(server, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (exited, not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

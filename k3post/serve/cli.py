@@ -137,7 +137,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     check_exposure(ns.host, api_key, ns.allow_unauthenticated_engine_api)
     if ns.threads < 0:
         raise UserError(f"--threads must be >= 0 (0: chosen from the cores, k3post.threads), got {ns.threads}")
-    from k3post.threads import plan_threads, seen_cores
+    from k3post.threads import PARENT_ENV, exit_with_parent, plan_threads, seen_cores
+
+    if os.environ.get(PARENT_ENV, "").isdigit():  # launched by a k3post command: exit when it is killed
+        exit_with_parent(parent=int(os.environ[PARENT_ENV]))
 
     plan = plan_threads(seen_cores(), {"server": 1}, ns.threads, key="--threads")
     for w in plan.warnings:

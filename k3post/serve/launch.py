@@ -29,6 +29,8 @@ from typing import Any
 
 import httpx
 
+from k3post.threads import PARENT_ENV
+
 __all__ = ["LocalServers", "ServerProcess"]
 
 log = logging.getLogger(__name__)
@@ -129,6 +131,7 @@ class LocalServers:
         # the servers import the same k3post as this process (a source checkout on PYTHONPATH included)
         here = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+        env[PARENT_ENV] = str(os.getpid())  # the server exits when this process is killed (k3post.threads)
         cmd = [sys.executable, "-m", "k3post", "serve", str(self.model_dir), "--host", self.host, "--port", str(port),
                *self._args]
         with logf.open("wb") as out:
