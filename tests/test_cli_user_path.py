@@ -77,7 +77,7 @@ def test_sft_and_rl_run_folders_report(tiny_model_dir, tmp_path, capsys, caplog)
           "rl.eval_max_tokens=8", "rl.families=[general.arithmetic]", "rl.progress=true",
           "rl.effort_control.b0_samples=1",
           # the recipe's general.max setting (GENERAL_MAX_SETTING) sizes the domain itself: shrunk too
-          "rl.domain_overrides.general.n_tasks=2", "rl.domain_overrides.general.max.n_prompts=2",
+          "rl.domain_overrides.general.n_tasks=2", "rl.domain_overrides.general.eval_n=2", "rl.domain_overrides.general.max.n_prompts=2",
           "rl.domain_overrides.general.max.eval_samples=0"]
     capsys.readouterr()
     with caplog.at_level("INFO"):

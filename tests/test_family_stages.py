@@ -64,7 +64,9 @@ def test_rl_cli_on_a_local_checkpoint(checkpoints, family, tmp_path):
     args = [f"run.root={tmp_path}", "run.name=r", f"rl.init={checkpoints[family]}", "rl.steps=1", "rl.n_tasks=2",
             "rl.n_prompts=2", "rl.k=2", "rl.eval_n=2", "rl.max_tokens=12", "rl.eval_max_tokens=8",
             "rl.families=[general.arithmetic]", "rl.progress=false", "qat.enabled=false",
-            "rl.effort_control.b0_samples=1"]
+            "rl.effort_control.b0_samples=1",
+            # the recipe sizes general itself (config.rl.GENERAL_MAX_SETTING): shrunk too
+            "rl.domain_overrides.general.n_tasks=2", "rl.domain_overrides.general.eval_n=2", "rl.domain_overrides.general.max.eval_samples=0"]
     cfg = tmp_path / "c.yaml"
     cfg.write_text("run: {name: r}\n")
     assert main(["rl", str(cfg), *args]) == 0

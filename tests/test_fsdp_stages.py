@@ -28,7 +28,9 @@ SFT_ARGS = ["run.threads=1", "sft.steps=4", "sft.rows_per_batch=2", "sft.grad_ac
             "sft.progress=false", "sft.lr=2e-3", "sft.warmup_steps=1", "sft.max_len=512"]
 RL_ARGS = ["run.threads=1", "rl.steps=2", "rl.n_tasks=4", "rl.n_prompts=2", "rl.k=4", "rl.lambda_=1.0", "rl.max_tokens=40",
            "rl.eval_n=2", "rl.eval_max_tokens=16", "rl.effort_control.tau_max=1.0", "rl.effort_control.max_cap=1.0", "rl.families=[general.arithmetic]", "rl.progress=false",
-           "rl.lr=1e-2", "rl.micro_batch_tokens=256", "rl.save_every=1", "qat.enabled=false"]
+           "rl.lr=1e-2", "rl.micro_batch_tokens=256", "rl.save_every=1", "qat.enabled=false",
+           # the recipe sizes general itself (config.rl.GENERAL_MAX_SETTING): shrunk too
+           "rl.domain_overrides.general.n_tasks=2", "rl.domain_overrides.general.eval_n=2", "rl.domain_overrides.general.max.eval_samples=0"]
 
 
 @pytest.fixture(scope="module")

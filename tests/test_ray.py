@@ -153,6 +153,7 @@ def _cli(warm_policy, tmp_path: Path, command: str, *overrides: str) -> list[str
     return [command, str(cfg), f"run.root={tmp_path}", "run.name=r", f"rl.init={init}", "rl.n_tasks=2",
             "rl.n_prompts=1", "rl.k=2", "rl.eval_n=2", "rl.max_tokens=16", "rl.eval_max_tokens=16",
             "rl.families=[general.arithmetic]", "rl.progress=false", "qat.enabled=false", "distributed.enabled=true",
+            "rl.domain_overrides.general.n_tasks=2", "rl.domain_overrides.general.eval_n=2", "rl.domain_overrides.general.max.eval_samples=0",  # the recipe sizes general itself
             *overrides]
 
 

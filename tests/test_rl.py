@@ -321,7 +321,10 @@ def test_cli_rl_trains_one_expert(warm_policy, tmp_path):
     init = _save(model, tok, tmp_path / "init")
     args = [f"run.root={tmp_path}", "run.name=r", f"rl.init={init}", "rl.steps=2", "rl.n_tasks=4", "rl.n_prompts=2",
             "rl.k=4", "rl.eval_n=4", "rl.max_tokens=32", "rl.eval_max_tokens=32", "rl.families=[general.arithmetic]",
-            "rl.progress=false", "qat.enabled=false"]
+            "rl.progress=false", "qat.enabled=false",
+            # the recipe sizes general itself (config.rl.GENERAL_MAX_SETTING): shrunk too
+            "rl.domain_overrides.general.n_tasks=4", "rl.domain_overrides.general.eval_n=4",
+            "rl.domain_overrides.general.max.eval_samples=0"]
     cfg = tmp_path / "c.yaml"
     cfg.write_text("run: {name: r}\n")
     assert main(["rl", str(cfg), *args]) == 0
