@@ -73,6 +73,7 @@ from k3post.rollout.engine import request_seed, token_uniform
 from k3post.rollout.evaluation import evaluate_episodes, make_env, paired_passes
 from k3post.rollout.trajectory import Group, Trajectory
 from k3post.stats import paired_change, paired_ratio
+from k3post.threads import child_threads, exit_with_parent
 from k3post.urls import is_url
 from k3post.xtml import EFFORTS, OMIT_EFFORT, XTML
 
@@ -537,14 +538,8 @@ def evaluate_mopd(
             for k, v in stats.items():  # the worker's teacher loads count in the pool's
                 pool.stats[k] = pool.stats.get(k, 0) + v
         else:
-            teachers = {}
-            for d, e, x, cap in local:
-                teacher = build_engine(pool.model(x), xtml.tokenizer, engine=engine, role=f"MOPD teacher {x}",
-                                       max_batch_size=student.max_batch_size, max_model_len=student.max_model_len)
-                try:
-                    teachers[x] = _episodes(teacher, xtml, tasks[d], e if teacher_sees_effort else None, cap)
-                finally:
-                    close_engine(teacher)
+            teachers = _teacher_cells(pool, xtml, local, tasks, teacher_sees_effort, student.max_batch_size,
+                                      student.max_model_len, engine)
     finally:
         if workers is not None:
             workers.terminate()
@@ -565,20 +560,27 @@ def evaluate_mopd(
     return mopd_checks(rows, pass_ratio_min=pass_ratio_min, token_tolerance=token_tolerance, teacher_pass_min=teacher_pass_min)
 
 
-def _teacher_episodes(args: tuple[Any, ...]) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
-    """`evaluate_mopd`'s teacher half in a worker process: (expert → the summary of its greedy episodes, the
-    worker's pool stats)."""
-    from k3post.threads import child_threads, exit_with_parent
-
-    exit_with_parent()
-    torch.set_num_threads(child_threads())
-    cells, tasks, experts, dtype, qat, tokenizer, teacher_sees_effort, max_batch_size, max_model_len = args
-    pool, xtml, out = TeacherPool(experts, max_resident=1, dtype=dtype, qat=qat), XTML(tokenizer), {}
+def _teacher_cells(pool: TeacherPool, xtml: XTML, cells: Sequence[tuple[str, str, str, int]],
+                   tasks: Mapping[str, Sequence[Task]], teacher_sees_effort: bool, max_batch_size: int,
+                   max_model_len: int, engine: EngineConfig | None = None) -> dict[str, dict[str, Any]]:
+    """Expert → the summary of its greedy episodes on its domain's tasks, for each (domain, effort, expert, cap)
+    cell, each teacher on an engine of its own (`evaluate_mopd`'s teacher half, here or in its worker)."""
+    out = {}
     for d, e, x, cap in cells:
-        teacher = build_engine(pool.model(x), tokenizer, role=f"MOPD teacher {x}", max_batch_size=max_batch_size,
-                               max_model_len=max_model_len)
+        teacher = build_engine(pool.model(x), xtml.tokenizer, engine=engine, role=f"MOPD teacher {x}",
+                               max_batch_size=max_batch_size, max_model_len=max_model_len)
         try:
             out[x] = _episodes(teacher, xtml, tasks[d], e if teacher_sees_effort else None, cap)
         finally:
             close_engine(teacher)
-    return out, pool.stats
+    return out
+
+
+def _teacher_episodes(args: tuple[Any, ...]) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
+    """`evaluate_mopd`'s teacher half in a worker process: (`_teacher_cells` on a pool of its own, that pool's
+    stats)."""
+    exit_with_parent()
+    torch.set_num_threads(child_threads())
+    cells, tasks, experts, dtype, qat, tokenizer, teacher_sees_effort, max_batch_size, max_model_len = args
+    pool = TeacherPool(experts, max_resident=1, dtype=dtype, qat=qat)
+    return _teacher_cells(pool, XTML(tokenizer), cells, tasks, teacher_sees_effort, max_batch_size, max_model_len), pool.stats
