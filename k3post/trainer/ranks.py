@@ -44,6 +44,7 @@ from k3post.config.distributed import FSDPConfig
 from k3post.config.optim import OptimConfig
 from k3post.threads import RANKS, active_plan
 from k3post.trainer.local import leading, leading_ranks
+from k3post.threads import exit_with_parent
 
 __all__ = ["Followers", "Leader", "on_ranks", "serve_rank"]
 
@@ -147,8 +148,6 @@ def serve_rank(rank: int, world: int, init_method: str, fsdp: FSDPConfig, thread
 
 
 def _follower_entry(i: int, world: int, init_method: str, fsdp: FSDPConfig, threads: int) -> None:
-    from k3post.threads import exit_with_parent
-
     exit_with_parent()
     serve_rank(i + 1, world, init_method, fsdp, threads)
 
