@@ -211,12 +211,15 @@ class PackedBatch:
     input_ids_RL, position_ids_RL: tokens and per-segment positions (restart at 0 for every sample)
     attention_mask_R1LL: block-diagonal causal mask (True = may attend): no attention across samples
     labels_RL: next-token targets, -100 where not trained (mask off, segment end, padding)
+    segments: per row, the lengths of its samples in order (the padding after them not listed): what
+      `k3post.packed_attention` runs one causal attention call per; None when not known
     """
 
     input_ids_RL: torch.Tensor
     position_ids_RL: torch.Tensor
     attention_mask_R1LL: torch.Tensor
     labels_RL: torch.Tensor
+    segments: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def n_target_tokens(self) -> int:
@@ -266,7 +269,7 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]], max_len: i
     attn = (same & causal)[:, None]
     # padding rows attend to themselves only, so softmax never sees an all-masked row
     attn = attn | torch.eye(L, dtype=torch.bool)[None, None]
-    return PackedBatch(ids, pos, attn, labels)
+    return PackedBatch(ids, pos, attn, labels, tuple(tuple(len(samples[i]) for i in row) for row in rows))
 
 
 def iter_microbatches(

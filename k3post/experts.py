@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import statistics
 import time
@@ -46,8 +47,8 @@ from k3post.metrics import MetricsLogger
 from k3post.models import load_model
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rewards.effort import BudgetTable, Curriculum, estimate_budgets
-from k3post.rl import (GroupScorer, RLConfig, build_group_scorer, domain_families, eval_tasks, rollout_gap, train_rl,
-                       sampled_eval, train_tasks)
+from k3post.rl import (GroupScorer, RLConfig, build_group_scorer, domain_families, eval_tasks, judged_families, rollout_gap,
+                       train_rl, sampled_eval, train_tasks)
 from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.evaluation import evaluate_episodes, paired_passes, paired_shares
 from k3post.stats import paired_change, paired_mean_change
@@ -162,6 +163,8 @@ def train_experts(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     domains = list(cfg.domains)
+    for d in domains:  # a "before" row that failed in an earlier run is retried
+        _before_paths(out, d)[1].unlink(missing_ok=True)
     if cluster is not None:
         if scorer is not None:
             raise ValueError("train_experts on a cluster builds each judge from cfg.judge: pass no live scorer")
@@ -175,7 +178,13 @@ def train_experts(
         jobs = [  # scorers (judges) are built inside each worker from cfg.judge
             (d, str(sft_dir), cfg, str(out), qat, str(metrics_dir) if metrics_dir else None, judge_engine) for d in domains]
         with mp.get_context("spawn").Pool(min(processes, len(domains)), maxtasksperchild=1) as pool:
-            tables = dict(zip(domains, pool.map(_domain_worker, jobs, chunksize=1)))
+            pending = [pool.apply_async(_domain_worker, (job,)) for job in jobs]
+            # then each domain's "before" row as a job of its own: a worker whose domain finished early computes
+            # it while that domain's worker trains (`before_row`: whoever reaches a row first computes it)
+            extra = [pool.apply_async(_before_job, (job,)) for job in jobs]
+            tables = dict(zip(domains, (r.get() for r in pending)))
+            for r in extra:
+                r.get()
     else:
         tables = {d: train_domain_experts(d, sft_dir, cfg, out, qat=qat, metrics=metrics, scorer=scorer,
                                           judge_engine=judge_engine) for d in domains}
@@ -274,15 +283,15 @@ def train_domain_experts(
 def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RLConfig, out: Path, tok: Any, xtml: XTML,
                  fams: list[str], efforts: list[str], qat: QATConfig | None, metrics: MetricsLogger | None,
                  scorer: GroupScorer | None) -> None:
-    """One expert of the curriculum (b0 and the "before" row first, once per domain) into ``table``."""
+    """One expert of the curriculum into ``table``: b0 first, once per domain; the SFT model's "before" row, once per
+    domain, when the first expert has trained (`before_row`: read, computed here, or awaited from the pool's job)."""
     t0 = time.perf_counter()
     rcfg = replace(cfg.for_domain(stage.domain, stage.effort), families=fams)
     dest = expert_dir(out, stage.expert)
     budget_path = out / f"budgets.{stage.domain}.json"
-    if stage.domain not in table["before"] or not budget_path.is_file():
-        # once per domain, from the cold-start (SFT) model: b0 at max effort, and the "before" row
+    if not budget_path.is_file():  # once per domain, from the cold-start (SFT) model: b0 at max effort
         sft_model = load_policy(sft_dir, qat)
-        engine = build_engine(sft_model, tok, engine=rcfg.engine, role=f"{stage.domain} budgets and 'before' row (SFT model)",
+        engine = build_engine(sft_model, tok, engine=rcfg.engine, role=f"{stage.domain} budgets (SFT model)",
                               max_batch_size=rcfg.slots, seed=rcfg.seed)
         try:
             t_b = time.perf_counter()
@@ -291,14 +300,6 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
             table["budgets"][stage.domain] = {"tasks": len(b0s), "median_b0": statistics.median(b0s),
                                               "seconds": time.perf_counter() - t_b,
                                               "sources": dict(_count(e.source for e in budgets.entries.values()))}
-            held_out = eval_tasks(fams, rcfg.eval_n, difficulty=rcfg.difficulty)
-            table["before"][stage.domain] = {
-                e: evaluate_episodes(engine, xtml, held_out, effort=e, max_tokens=rcfg.eval_max_tokens) for e in efforts
-            }
-            for e in efforts:  # avg@k of the SFT model at each effort whose expert samples it, with that expert's
-                ecfg = cfg.for_domain(stage.domain, e)  # k, temperature and seeds: the pairs of its paired test
-                if ecfg.eval_samples:
-                    table["before"][stage.domain][e]["sampled"] = sampled_eval(engine, xtml, held_out, ecfg, e)["overall"]
         finally:
             close_engine(engine)
         del sft_model, engine
@@ -317,6 +318,8 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
     if dest.exists():
         shutil.rmtree(dest)
     tmp.rename(dest)
+    if stage.domain not in table["before"]:  # the SFT model's row: here, or from the pool's job for it
+        table["before"][stage.domain] = before_row(stage.domain, sft_dir, cfg, out, qat=qat, families=fams)
     before = table["before"][stage.domain][stage.effort]
     after = res.eval["overall"]
     last = res.metrics.tail(3)
@@ -345,6 +348,113 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
     ch = table["experts"][stage.expert]["change"]
     log.info("expert %s: pass %.3f (SFT %.3f; %s, p = %.3g), T %.1f", stage.expert, after["pass_rate"],
              before["overall"]["pass_rate"], ch["verdict"], ch["p_value"], after["mean_effort_tokens"])
+
+
+def _before_paths(out: Path, domain: str) -> tuple[Path, Path, Path]:
+    """The "before" row's result file, its error file and its claim file for ``domain`` under ``out``."""
+    return out / f"before.{domain}.json", out / f".before.{domain}.error", out / f".before.{domain}.claim"
+
+
+def _claim(path: Path) -> bool:
+    """Take the claim file ``path`` (it holds this process's pid): True when this process now owns the work. A
+    claim whose process is gone (a killed run) is taken over."""
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if _claim_alive(path):
+                return False
+            path.unlink(missing_ok=True)  # its owner died: take it over
+            continue
+        with os.fdopen(fd, "w") as fh:
+            fh.write(str(os.getpid()))
+        return True
+    return False
+
+
+def _claim_alive(path: Path) -> bool:
+    try:
+        pid = int(path.read_text() or "0")
+    except (OSError, ValueError):
+        return True  # being written: its owner is alive
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _compute_before(domain: str, sft_dir: str | Path, cfg: RLConfig, qat: QATConfig | None,
+                    families: list[str]) -> dict[str, Any]:
+    """The SFT model at every effort of the curriculum on the domain's held-out tasks: greedy, and avg@k at each
+    effort whose expert samples it (with that expert's k, temperature and seeds: the pairs of its paired test)."""
+    efforts = list(cfg.effort_control.curriculum)
+    rcfg = replace(cfg.for_domain(domain, efforts[0]), families=families)
+    tok = load_tokenizer(sft_dir)
+    xtml = XTML(tok)
+    sft_model = load_policy(sft_dir, qat)
+    engine = build_engine(sft_model, tok, engine=rcfg.engine, role=f"{domain} 'before' row (SFT model)",
+                          max_batch_size=rcfg.slots, seed=rcfg.seed)
+    try:
+        held_out = eval_tasks(families, rcfg.eval_n, difficulty=rcfg.difficulty)
+        row = {e: evaluate_episodes(engine, xtml, held_out, effort=e, max_tokens=rcfg.eval_max_tokens) for e in efforts}
+        for e in efforts:
+            ecfg = cfg.for_domain(domain, e)
+            if ecfg.eval_samples:
+                row[e]["sampled"] = sampled_eval(engine, xtml, held_out, ecfg, e)["overall"]
+        return row
+    finally:
+        close_engine(engine)
+
+
+def before_row(domain: str, sft_dir: str | Path, cfg: RLConfig, out_dir: str | Path, *, qat: QATConfig | None,
+               families: list[str], wait_s: float = 0.5) -> dict[str, Any]:
+    """The domain's "before" row (`_compute_before`), once per ``out_dir``: read from ``before.<domain>.json``
+    when there; else computed here when this process takes its claim; else another process (`_before_job`, a job
+    of `train_experts`' pool) is computing it: wait for its file (its error re-raised here; a claimant that died
+    is taken over). So a domain's row is computed by whichever process reaches it first, and nobody waits on a
+    job that has not started."""
+    out = Path(out_dir)
+    done, error, claim = _before_paths(out, domain)
+    while True:
+        if done.is_file():
+            return json.loads(done.read_text())
+        if _claim(claim):
+            error.unlink(missing_ok=True)
+            try:
+                row = _compute_before(domain, sft_dir, cfg, qat, families)
+            except BaseException:
+                atomic_write(error, traceback.format_exc())
+                raise
+            _write_json(done, row)
+            return row
+        if error.is_file():  # its claimant (alive) failed
+            raise RuntimeError(f"the 'before' row of {domain} failed in another process:\n{error.read_text()}")
+        time.sleep(wait_s)
+
+
+def _before_job(args: _Job) -> None:
+    """`before_row` of one domain as a job of `train_experts`' pool: it starts when a worker is free (a domain
+    whose experts finished early) and computes the row unless the domain's own worker got there first."""
+    domain, sft_dir, cfg, out_dir, qat = args[:5]
+    from k3post.threads import child_threads, exit_with_parent
+
+    exit_with_parent()
+    torch.set_num_threads(child_threads())
+    if args[5]:
+        from k3post.errors import attach_run_log
+
+        attach_run_log(args[5])
+    every = domain_families(domain, cfg.families, with_judge=True)  # the worker's families: judged ones when it
+    try:                                                               # has a judge (`build_group_scorer`)
+        before_row(domain, sft_dir, cfg, out_dir, qat=qat,
+                   families=domain_families(domain, cfg.families, with_judge=bool(judged_families(cfg, every))))
+    except Exception:  # noqa: BLE001 - recorded in the error file; the domain's worker raises it in its cell
+        log.exception("the 'before' row of %s failed", domain)
 
 
 def _sampled_change(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None, cfg: RLConfig) -> dict[str, Any] | None:

@@ -40,6 +40,7 @@ from k3post.checkpoint import latest_checkpoint, resuming, set_rng_state
 from k3post.config.optim import OptimConfig
 from k3post.data import PackedBatch, Sample, collate, iter_microbatches
 from k3post.metrics import MetricsLogger
+from k3post.packed_attention import use_packed_attention
 from k3post.spec.mtp import MTPHead, capture_final_hidden, load_mtp, mtp_ce_sum, mtp_labels, save_mtp
 from k3post.trainer import build_trainer
 
@@ -137,12 +138,18 @@ def packed_attention_mask(model: torch.nn.Module, batch: PackedBatch) -> Any:
 
 def masked_ce_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     """Σ over trainable positions of −log p(next token): packed rows, no attention across samples
-    (``packed_attention_mask``)."""
+    (``packed_attention_mask``; for a model whose layers all attend fully and run HF's SDPA, one causal
+    attention call per sample instead of the masked rows, `k3post.packed_attention`)."""
+    mask = packed_attention_mask(model, batch)
+    extra: dict[str, Any] = {}
+    if batch.segments is not None and isinstance(mask, torch.Tensor) and use_packed_attention(model):
+        extra["packed_segments"] = batch.segments
     out = model(
         input_ids=batch.input_ids_RL,
         position_ids=batch.position_ids_RL,
-        attention_mask=packed_attention_mask(model, batch),
+        attention_mask=mask,
         use_cache=False,
+        **extra,
     )
     logits_RLV = out.logits
     return F.cross_entropy(logits_RLV.flatten(0, 1).float(), batch.labels_RL.flatten(), ignore_index=-100, reduction="sum")

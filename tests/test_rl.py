@@ -460,6 +460,47 @@ def test_a_failed_domain_worker_process_is_reported_by_the_parent(warm_policy, t
     assert f["step"] is None and f["error"].startswith("UnpicklingError") and "load_trainer_state" in f["traceback"]
     assert "expert agents.max failed: UnpicklingError" in caplog.text and "load_trainer_state" in caplog.text
     assert (tmp_path / "experts" / "general.low" / "model.safetensors").is_file()
+    # the SFT model's "before" rows: one file per domain, written by whichever process claimed it first
+    assert json.loads((tmp_path / "experts" / "before.general.json").read_text()) == table["before"]["general"]
+
+
+def test_before_row_is_computed_once_by_whoever_claims_it(tmp_path, monkeypatch):
+    """`before_row`: a row on disk is read; a claim held by a live process is waited for (its file read when it
+    appears; its error raised when it failed); a claim whose process is gone is taken over and computed here."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    from k3post import experts
+
+    calls = []
+    monkeypatch.setattr(experts, "_compute_before", lambda *a: calls.append(a) or {"max": {"overall": {"n": 1}}})
+    done, error, claim = experts._before_paths(tmp_path, "general")
+    args = ("general", tmp_path / "sft", _cfg(), tmp_path)
+
+    # held by this (live) process: wait until the claimant's file appears
+    claim.write_text(str(os.getpid()))
+    timer = threading.Timer(0.3, lambda: done.write_text(json.dumps({"max": {"overall": {"n": 7}}})))
+    timer.start()
+    assert experts.before_row(*args, qat=None, families=["general.arithmetic"], wait_s=0.05) == {"max": {"overall": {"n": 7}}}
+    timer.join()
+    assert calls == []
+    # a live claimant that failed: its error is raised here
+    done.unlink()
+    error.write_text("Traceback ... boom")
+    with pytest.raises(RuntimeError, match="failed in another process:\n.*boom"):
+        experts.before_row(*args, qat=None, families=["general.arithmetic"], wait_s=0.05)
+    # a claimant that died (a killed run): taken over, computed here, written, its stale error gone
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    claim.write_text(str(gone.pid))
+    assert experts.before_row(*args, qat=None, families=["general.arithmetic"]) == {"max": {"overall": {"n": 1}}}
+    assert len(calls) == 1 and not error.exists() and claim.read_text() == str(os.getpid())
+    assert json.loads(done.read_text()) == {"max": {"overall": {"n": 1}}}
+    # on disk: read, not computed again
+    assert experts.before_row(*args, qat=None, families=["general.arithmetic"]) == {"max": {"overall": {"n": 1}}}
+    assert len(calls) == 1
 
 
 def test_cli_failure_that_is_not_input_points_at_the_run_log(warm_policy, tmp_path, capsys):

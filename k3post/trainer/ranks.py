@@ -85,10 +85,12 @@ def _broadcast_weights(model: torch.nn.Module) -> None:
 def _follower_trainer(spec: dict[str, Any], fsdp: FSDPConfig) -> Any:
     from transformers import AutoModelForCausalLM
 
+    from k3post.packed_attention import register as register_packed_attention
     from k3post.trainer.fsdp import FSDPTrainer
     from k3post.quant.qat import apply_qat
 
     cfg = spec["config"]
+    register_packed_attention()  # rank 0's model may already run it (`k3post.packed_attention`)
     model = AutoModelForCausalLM.from_config(cfg, dtype=spec["dtype"],
                                              attn_implementation=getattr(cfg, "_attn_implementation", None))
     if spec["qat"] is not None:
