@@ -258,6 +258,8 @@ def train_sft(
     ckpt_root = out / "checkpoints"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     mtp = _new_mtp_head(model, seed) if cfg.mtp_weight > 0 else None
+    if not has_local_attention(model.config.get_text_config(decoder=True)):
+        use_packed_attention(model)  # before the trainer: its ranks build their models from this config
     trainer = build_trainer(model, OptimConfig(lr=cfg.lr, betas=list(cfg.betas), eps=1e-8, weight_decay=cfg.weight_decay),
                             device=next(model.parameters()).device, pad_id=pad_id, grad_clip=cfg.grad_clip, extra=mtp)
     start, stream, losses, mtp_losses = 0, _DataStream(samples, cfg, seed), [], []

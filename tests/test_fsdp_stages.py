@@ -116,8 +116,16 @@ def test_sft_command_on_two_ranks_equals_one_process(sft_runs, init_dir):
     final_one, final_two = _weights(sft_runs / "one" / "sft" / "final"), _weights(sft_runs / "two" / "sft" / "final")
     # fp32 reduction order: besides the ranks' sum, a GEMM's order depends on the intra-op thread count, which
     # for the in-process run is whatever earlier tests left (3.3e-7 run alone, 3.5e-6 in the full suite: AdamW
-    # at lr 2e-3 turns last-bit gradient differences into weight differences of up to ~lr * 1e-3)
-    assert _max_diff(final_one, final_two) < 1e-5
+    # at lr 2e-3 turns last-bit gradient differences into weight differences of up to ~lr * 1e-3). A token whose
+    # top-2 router scores tie to the last bit may go to another expert in one run: that moves its gradient between
+    # two experts' weights, and AdamW's first steps move an element by up to ~lr a step whatever its gradient's size,
+    # so expert weights are bounded by lr × steps (8e-3; seen: 3.6e-4 in layer 1 with packed attention). Everything
+    # else keeps the 1e-5 bound: a rank that skipped its share or summed wrongly moves every weight.
+    experts = [k for k in final_one if ".mlp.experts." in k]
+    rest = [k for k in final_one if k not in experts]
+    assert experts and rest
+    assert _max_diff({k: final_one[k] for k in rest}, {k: final_two[k] for k in rest}) < 1e-5
+    assert _max_diff({k: final_one[k] for k in experts}, {k: final_two[k] for k in experts}) < 2e-3 * 4
     assert _max_diff(final_one, _weights(init_dir)) > 1e-3  # the steps moved the weights
 
 
