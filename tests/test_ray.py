@@ -257,7 +257,10 @@ def test_a_killed_engine_actor_restarts_and_its_trajectories_resume(cluster, mod
 # λ = 1, SGD (AdamW would turn step 1's rounding-level gradients, all-equal rewards there, into lr-sized steps);
 # colocated: trainer rank r and the engine share bundle 0 / rank 1 has bundle 1, the env worker bundle 2
 # (3 x 0.15 CPU next to the module's 1.5)
-RANKS_ARGS = ("rl.steps=3", "rl.save_every=1", "rl.lambda_=1.0", "rl.k=4", "rl.n_prompts=2", "rl.max_tokens=80",
+# 4 prompts x 8 samples a step: the warm policy passes 3-6 % of its samples at T 1, so with 2 x 4 a run's groups could
+# all fail (no advantage, no gradient) and the comparison below would hold trivially; 12 groups of 8 leave that at
+# <= 0.97^96 ~ 5 % for the weakest policy seen, 0.3 % for today's
+RANKS_ARGS = ("rl.steps=3", "rl.save_every=1", "rl.lambda_=1.0", "rl.k=8", "rl.n_prompts=4", "rl.max_tokens=80",
               "rl.optimizer=sgd", "rl.lr=0.5", "distributed.cpus_per_bundle=0.15", "distributed.roles.engines=1",
               "distributed.roles.trainers=2")
 ON_RAY = ("distributed.fsdp.ranks=2", "distributed.roles.env_workers=1")
