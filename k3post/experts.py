@@ -41,7 +41,7 @@ import torch
 
 from k3post.config.rollout import EngineConfig
 from k3post.constants import DOMAINS, EFFORTS
-from k3post.errors import StepFailed
+from k3post.errors import StepFailed, attach_run_log
 from k3post.io import atomic_write
 from k3post.metrics import MetricsLogger
 from k3post.models import load_model
@@ -52,6 +52,7 @@ from k3post.rl import (GroupScorer, RLConfig, build_group_scorer, domain_familie
 from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.evaluation import evaluate_episodes, paired_passes, paired_shares
 from k3post.stats import paired_change, paired_mean_change
+from k3post.threads import child_threads, exit_with_parent
 from k3post.tokenizer import load_tokenizer
 from k3post.xtml import XTML
 
@@ -95,18 +96,19 @@ _Job = tuple[str, str, RLConfig, str, "QATConfig | None", "str | None", "EngineC
 """One domain's expert job: (domain, sft_dir, cfg, out_dir, qat, metrics_dir, judge_engine)."""
 
 
-def _domain_worker(args: _Job, until: str | None = None, threads: int | None = None) -> dict[str, Any]:
-    """One domain's experts (up to ``until``) in this process at ``threads`` torch threads (None: the parent's
-    plan for the domain workers, `k3post.threads.child_threads`; 1 without one)."""
-    domain, sft_dir, cfg, out_dir, qat, metrics_dir, judge_engine = args
-    from k3post.threads import child_threads, exit_with_parent
-
+def _enter_worker(metrics_dir: str | None, threads: int | None = None) -> None:
+    """A pool worker's start: exit with the parent, ``threads`` torch threads (None: the parent's plan for the
+    workers, `k3post.threads.child_threads`; 1 without one), its log appended to the run's k3post.log."""
     exit_with_parent()
     torch.set_num_threads(threads or child_threads())
     if metrics_dir:  # the worker's warnings and engine launches go to the run's k3post.log too (appended)
-        from k3post.errors import attach_run_log
-
         attach_run_log(metrics_dir)
+
+
+def _domain_worker(args: _Job, until: str | None = None, threads: int | None = None) -> dict[str, Any]:
+    """One domain's experts (up to ``until``) in this process at ``threads`` torch threads (`_enter_worker`)."""
+    domain, sft_dir, cfg, out_dir, qat, metrics_dir, judge_engine = args
+    _enter_worker(metrics_dir, threads)
     metrics = MetricsLogger(metrics_dir) if metrics_dir else None
     try:
         return train_domain_experts(domain, sft_dir, cfg, out_dir, qat=qat, metrics=metrics, until=until,
@@ -268,7 +270,7 @@ def train_domain_experts(
                                                  "blocked_by": blocked_by}
                 continue
             try:
-                _train_stage(stage, table, sft_dir, cfg, out, tok, xtml, fams, efforts, qat, metrics, scorer)
+                _train_stage(stage, table, sft_dir, cfg, out, tok, xtml, fams, qat, metrics, scorer)
             except Exception as e:  # noqa: BLE001 - one failed cell must not take the other domains down
                 table["failed"][stage.expert] = _failure(stage, e, out / f"{stage.expert}.run")
                 blocked_by = stage.expert
@@ -281,7 +283,7 @@ def train_domain_experts(
 
 
 def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RLConfig, out: Path, tok: Any, xtml: XTML,
-                 fams: list[str], efforts: list[str], qat: QATConfig | None, metrics: MetricsLogger | None,
+                 fams: list[str], qat: QATConfig | None, metrics: MetricsLogger | None,
                  scorer: GroupScorer | None) -> None:
     """One expert of the curriculum into ``table``: b0 first, once per domain; the SFT model's "before" row, once per
     domain, when the first expert has trained (`before_row`: read, computed here, or awaited from the pool's job)."""
@@ -440,15 +442,8 @@ def before_row(domain: str, sft_dir: str | Path, cfg: RLConfig, out_dir: str | P
 def _before_job(args: _Job) -> None:
     """`before_row` of one domain as a job of `train_experts`' pool: it starts when a worker is free (a domain
     whose experts finished early) and computes the row unless the domain's own worker got there first."""
-    domain, sft_dir, cfg, out_dir, qat = args[:5]
-    from k3post.threads import child_threads, exit_with_parent
-
-    exit_with_parent()
-    torch.set_num_threads(child_threads())
-    if args[5]:
-        from k3post.errors import attach_run_log
-
-        attach_run_log(args[5])
+    domain, sft_dir, cfg, out_dir, qat, metrics_dir, _ = args
+    _enter_worker(metrics_dir)
     every = domain_families(domain, cfg.families, with_judge=True)  # the worker's families: judged ones when it
     try:                                                               # has a judge (`build_group_scorer`)
         before_row(domain, sft_dir, cfg, out_dir, qat=qat,

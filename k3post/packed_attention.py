@@ -28,6 +28,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 __all__ = ["IMPLEMENTATION", "packed_sdpa", "register", "use_packed_attention"]
 
@@ -42,8 +45,6 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                 packed_segments: Segments | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """HF attention function (``AttentionInterface``): q [R, H, L, E], k / v [R, G, L, E] → ([R, L, H, E], None).
     With ``packed_segments`` one causal SDPA per sample (module doc), the mask unused; without, HF's SDPA."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if packed_segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -73,9 +74,6 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 def register() -> None:
     """Make ``k3post_packed`` a known attention implementation in this process (idempotent): a model whose
     config names it (one switched over in another process, e.g. the trainer's rank 0) can then be built here."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
     if IMPLEMENTATION not in AttentionInterface._global_mapping:
         AttentionInterface.register(IMPLEMENTATION, packed_sdpa)
         ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, sdpa_mask)
