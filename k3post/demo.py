@@ -39,7 +39,7 @@ from k3post.evaluate import evaluate_family
 from k3post.experts import train_experts
 from k3post.metrics import MetricsLogger
 from k3post.models import PRESETS, build_tiny_moe, count_parameters, load_model, save_model
-from k3post.pretrain import base_key, base_record, build_base, cache_root, cached_base
+from k3post.pretrain import base_key, base_record, build_base, cache_root, cached_base, copy_warning
 from k3post.quant.qat import apply_qat
 from k3post.rewards.judging import evaluate_recipe_judge, judge_eval_enabled, recipe_judge_records
 from k3post.report import write_report
@@ -233,8 +233,12 @@ def stage0(cfg: K3Config, run: Path, summary: RunSummary, metrics: MetricsLogger
         build_s = round(time.perf_counter() - t0, 1)
     _check_base_model(base, cfg)
     record = base_record(base, cfg)
-    summary.update(pretrain={"mode": mode, "used": True, "built": built, "build_s": build_s, **record})
+    warning = copy_warning(record.get("probe") or {})
+    summary.update(pretrain={"mode": mode, "used": True, "built": built, "build_s": build_s, **record, "warning": warning})
     print(f"stage 0: pretrained base {key} ({'built in this run' if built else 'cached'}): {base}")
+    if warning:
+        log.warning("stage 0: %s", warning)
+        print(f"WARNING: stage 0: {warning}")
     return base
 
 

@@ -28,7 +28,7 @@ import logging
 import os
 import random
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -45,7 +45,7 @@ from k3post.synth.corpus import (CORPUS_VERSION, KEYS, document_text, draw_name,
                                  generate_document, held_out_names, record_pieces)
 
 __all__ = ["base_key", "cache_root", "cached_base", "base_record", "build_base", "corpus_samples", "copy_probe",
-           "run_pretrain", "BASE_FREE_KEYS"]
+           "run_pretrain", "BASE_FREE_KEYS", "copy_warning", "induction_samples", "induction_settings", "train_base"]
 
 log = logging.getLogger("k3post.pretrain")
 
@@ -63,6 +63,8 @@ def base_key_fields(cfg: K3Config) -> dict[str, Any]:
     from k3post.models import PRESETS
 
     p = {k: v for k, v in asdict(cfg.pretrain).items() if k not in BASE_FREE_KEYS}
+    if not p["induction_steps"]:  # hashed only when on, so the keys of bases built without it stay the same
+        del p["induction_steps"]
     if cfg.tokenizer.path:
         tok: dict[str, Any] = {"tokenizer.json": _sha256_file(Path(cfg.tokenizer.path).expanduser() / "tokenizer.json")}
     else:
@@ -101,6 +103,24 @@ def corpus_samples(tokenizer: Any, docs: Sequence[Sequence[str]], seq_len: int) 
     return out
 
 
+def induction_samples(tokenizer: Any, n: int, seq_len: int, seed: int) -> list[Sample]:
+    """``n`` rows of ``seq_len`` tokens, each a span of 8–30 tokens drawn uniformly from the tokenizer's ordinary
+    ids, repeated (a newline between repeats) until the row is full. From the first repeat on every token is
+    predictable only by finding where the token before it stood earlier in the row and copying the one that
+    followed: the induction pattern, over tokens the corpus may never put side by side, so what is learnt is
+    copying itself (docs/decisions.md, issue 31 §copy)."""
+    nl = encode_pieces(tokenizer, ["\n"])
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {}) | set(nl)
+    pool = [i for i in range(len(tokenizer)) if i not in special]
+    rng = random.Random(f"k3post-induction|{seed}")
+    out = []
+    for i in range(n):
+        span = [rng.choice(pool) for _ in range(rng.randint(8, 30))] + nl
+        ids = (span * (seq_len // len(span) + 1))[:seq_len]
+        out.append(Sample(ids=ids, loss_mask=[True] * seq_len, source=f"induction:{i}"))
+    return out
+
+
 def _tokenizer(cfg: K3Config, docs: Sequence[Sequence[str]], out: Path) -> Any:
     from k3post.tokenizer import load_tokenizer, train_tokenizer
 
@@ -113,6 +133,12 @@ def _tokenizer(cfg: K3Config, docs: Sequence[Sequence[str]], out: Path) -> Any:
     texts = tokenizer_texts(cfg) + [document_text(d) for d in docs[:2000]]
     return train_tokenizer(texts, vocab_size=cfg.tokenizer.vocab_size, out_dir=out,
                            word_boundaries=cfg.tokenizer.word_boundaries)
+
+
+def induction_settings(p: PretrainConfig) -> SFTConfig:
+    """The trainer settings of phase 1 (``p.induction_steps`` steps on induction rows): the corpus phase's, with
+    its own warmup and cosine over its own steps."""
+    return replace(sft_settings(p), steps=p.induction_steps)
 
 
 def sft_settings(p: PretrainConfig) -> SFTConfig:
@@ -207,6 +233,26 @@ def format_probe(probe: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------------------- the command
 
 
+#: Exact copy accuracy at the probe's shortest distance below which a base is said not to copy (`copy_warning`).
+COPY_OK = 0.5
+
+
+def copy_warning(probe: dict[str, Any]) -> str | None:
+    """A one-line warning when the base cannot copy: exact copy accuracy below `COPY_OK` at the probe's shortest
+    distance (None when it copies, or when there is no probe). A base that cannot attend back and copy a name
+    teaches later stages nothing that random weights would not (docs/decisions.md, issue 31 §copy), so every
+    place that builds or uses one says so."""
+    if not probe:
+        return None
+    d = min(probe, key=int)
+    exact = probe[d]["exact"]
+    if exact >= COPY_OK:
+        return None
+    return (f"this base does not copy: {exact:.3f} of held-out names copied exactly from {d} tokens back "
+            f"(n {probe[d]['n']}; a copying base scores >= {COPY_OK}); what starts from it starts about where random "
+            "weights do (docs/decisions.md, issue 31 §copy)")
+
+
 def _probe_of(base: Path, cfg: K3Config) -> dict[str, Any]:
     """The base's probe at the configured settings: ``probe.json`` when it matches, else measured now."""
     from k3post.models import load_model
@@ -261,13 +307,27 @@ def base_record(base: Path, cfg: K3Config) -> dict[str, Any]:
             "final_loss": train.get("final_loss"), "probe": _probe_of(base, cfg)}
 
 
+def train_base(model: torch.nn.Module, tokenizer: Any, samples: Sequence[Sample], p: PretrainConfig, out: Path, *,
+               seed: int, metrics: Any = None) -> Any:
+    """Stage 0's two phases on ``model`` in place: ``p.induction_steps`` steps on `induction_samples` (checkpoints in
+    ``out/induction``, metrics stage ``pretrain/induction``), then ``p.steps`` on the corpus ``samples``
+    (``out/checkpoints``, stage ``pretrain``); returns the corpus phase's `k3post.sft.SFTResult`. Each phase
+    resumes its own checkpoints: a run killed in phase 2 reloads phase 1's last one, then phase 2's."""
+    from k3post.sft import train_sft
+
+    if p.induction_steps:
+        rows = induction_samples(tokenizer, p.induction_steps * p.rows_per_batch, p.seq_len, seed)
+        train_sft(model, tokenizer, rows, induction_settings(p), Path(out) / "induction", seed=seed, metrics=metrics,
+                  stage="pretrain/induction")
+    return train_sft(model, tokenizer, samples, sft_settings(p), out, seed=seed, metrics=metrics, stage="pretrain")
+
+
 def build_base(cfg: K3Config, run: Path, metrics: Any) -> Path:
     """Stage 0 into ``run/pretrain`` (resuming its checkpoints), the probe logged to ``metrics`` (stage
     ``pretrain/probe``), the final model in ``run/pretrain/final`` with ``probe.json``, ``base_key.json`` and
     ``train.json``, then published to the cache (`publish_base`) unless ``pretrain.cache`` is off; returns
     the base's folder."""
     from k3post.models import build_tiny_moe, save_model
-    from k3post.sft import train_sft
 
     p = cfg.pretrain
     key = base_key(cfg)
@@ -281,8 +341,7 @@ def build_base(cfg: K3Config, run: Path, metrics: Any) -> Path:
     model = build_tiny_moe(len(tokenizer), cfg.model.preset, seed=cfg.run.seed, pad_token_id=tokenizer.pad_token_id,
                            eos_token_id=tokenizer.convert_tokens_to_ids("<|end_of_msg|>"),
                            max_position_embeddings=cfg.model.max_position_embeddings)
-    res = train_sft(model, tokenizer, samples, sft_settings(p), out, seed=cfg.run.seed, metrics=metrics,
-                    stage="pretrain")
+    res = train_base(model, tokenizer, samples, p, out, seed=cfg.run.seed, metrics=metrics)
     probe = copy_probe(model, tokenizer, p.probe_distances, p.probe_names, cfg.run.seed)
     if metrics is not None:
         metrics.log("pretrain/probe", p.steps, {f"copy_exact_{d}": r["exact"] for d, r in probe.items()}
@@ -293,15 +352,24 @@ def build_base(cfg: K3Config, run: Path, metrics: Any) -> Path:
     (final / "base_key.json").write_text(json.dumps({"key": key, "fields": base_key_fields(cfg)}, indent=1, default=str))
     (final / "train.json").write_text(json.dumps({"steps": res.steps, "final_loss": res.final_loss, "corpus_tokens": n_tok,
                                                   "tokens_per_step": p.rows_per_batch * p.seq_len,
+                                                  "induction_steps": p.induction_steps,
                                                   "resumed_from": res.resumed_from}, indent=1))
     print(f"pretrain: {res.steps} steps, final loss {res.final_loss:.4f}, {res.wall_s:.0f} s, corpus {n_tok} tokens")
     print(format_probe(probe))
+    _warn_copy(probe)
     if not p.cache:
         print(f"pretrained base: {final}")
         return final
     base = publish_base(final, cache_root(cfg) / "bases" / key)
     print(f"pretrained base (cached, key {key}): {base}")
     return base
+
+
+def _warn_copy(probe: dict[str, Any]) -> None:
+    msg = copy_warning(probe)
+    if msg:
+        log.warning(msg)
+        print(f"WARNING: {msg}")
 
 
 def run_pretrain(cfg: K3Config) -> Path:
@@ -314,7 +382,9 @@ def run_pretrain(cfg: K3Config) -> Path:
     check_inputs(cfg, "pretrain")  # tokenizer.path, before it is hashed
     cached = cached_base(cfg)
     if cached is not None:
-        print(format_probe(_probe_of(cached, cfg)))
+        probe = _probe_of(cached, cfg)
+        print(format_probe(probe))
+        _warn_copy(probe)
         print(f"pretrained base (cached, key {base_key(cfg)}): {cached}")
         return cached
     run = open_run(cfg.run.dir, cfg, "pretrain")

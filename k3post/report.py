@@ -111,9 +111,15 @@ def _pretrain_section(run: Path, summary: dict[str, Any]) -> str:
         parts.append(_table(["base", ""], [["key", pre.get("key")], ["folder", pre.get("path")], ["how", how],
                                             ["steps", pre.get("steps")], ["corpus tokens", pre.get("corpus_tokens") or "not recorded"],
                                             ["tokens per step", pre.get("tokens_per_step") or "not recorded"]]))
+        if pre.get("warning"):
+            parts.append(f"<p><b>Warning: {html.escape(str(pre['warning']))}.</b></p>")
+    ind = read_metrics(path, "pretrain/induction") if path.is_file() else []
     if rows:
-        parts.append(_img(_plot_png({"pretrain": ([r["step"] for r in rows], [r["loss"] for r in rows])},
-                                    title="pretraining loss (CE, token mean)", xlabel="step", ylabel="loss", logy=True), "pretraining loss"))
+        shift = ind[-1]["step"] if ind else 0  # the corpus phase's steps come after the induction phase's
+        series = {"induction rows": ([r["step"] for r in ind], [r["loss"] for r in ind])} if ind else {}
+        series["corpus"] = ([r["step"] + shift for r in rows], [r["loss"] for r in rows])
+        parts.append(_img(_plot_png(series, title="pretraining loss (CE, token mean)", xlabel="step", ylabel="loss",
+                                    logy=True), "pretraining loss"))
     table = []
     probe = read_metrics(path, "pretrain/probe") if path.is_file() else []
     if pre is not None and pre.get("probe"):

@@ -25,7 +25,7 @@ def _tiny(tmp_path, name, *extra):
         "sft.steps=2", "sft.log_every=1", "sft.save_every=1", "sft.rows_per_batch=1", "sft.max_len=4096", "sft.progress=false", "demo.mtp_weight=0",
         "eval.max_new_tokens=8", "eval.efforts=[max]", "rl.steps=0", "mopd.rl.steps=0", "demo.drafts=[]",
         "demo.compare_no_qat=false",
-        "pretrain.steps=3", "pretrain.n_docs=8", "pretrain.seq_len=64", "pretrain.rows_per_batch=2",
+        "pretrain.steps=3", "pretrain.induction_steps=2", "pretrain.n_docs=8", "pretrain.seq_len=64", "pretrain.rows_per_batch=2",
         "pretrain.save_every=1", "pretrain.log_every=1", "pretrain.warmup_steps=1", "pretrain.progress=false",
         "pretrain.probe_names=2", "pretrain.probe_distances=[60]", f"pretrain.cache_dir={tmp_path / 'cache'}",
         *extra,
@@ -82,6 +82,7 @@ def test_demo_builds_the_base_once_resumes_it_and_starts_from_it(tmp_path, monke
     release_runs()
     assert json.loads((base / "train.json").read_text())["resumed_from"] == 2
     assert _rows(run, "pretrain") == [1, 2, 3] and _rows(run, "pretrain/probe") == [3]
+    assert _rows(run, "pretrain/induction") == [1, 2]  # phase 1 once: the resume reloaded it and went on
     assert [p.name for p in base.parent.iterdir()] == [key]
     monkeypatch.setattr(ck, "save_checkpoint", real)
 
@@ -105,7 +106,9 @@ def test_demo_builds_the_base_once_resumes_it_and_starts_from_it(tmp_path, monke
     assert _same(_weights(run / "model_init"), _weights(base))
     page = (run / "report.html").read_text()
     assert "Stage 0: pretrained base" in page and key in page and "built in this run" in page and "Copy probe" in page
-    capsys.readouterr()
+    # three steps teach no copying: the run, its log and its report say so
+    assert "does not copy" in pre["warning"] and "does not copy" in page
+    assert "WARNING: stage 0: this base does not copy" in capsys.readouterr().out
 
     assert main(["demo", *_tiny(tmp_path, "b", "sft.lr=0", "qat.enabled=false")]) == 0
     run_b = tmp_path / "runs" / "b"

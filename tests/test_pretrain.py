@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -134,7 +135,7 @@ def test_probe_sequences_restate_at_the_distance(tok):
 
 def _cfg_file(tmp_path: Path, tok_dir: Path, **extra: str) -> Path:
     body = {"run.root": str(tmp_path / "runs"), "run.name": "pt", "tokenizer.path": str(tok_dir),
-            "pretrain.steps": "4", "pretrain.n_docs": "24", "pretrain.seq_len": "96", "pretrain.rows_per_batch": "2",
+            "pretrain.steps": "4", "pretrain.induction_steps": "2", "pretrain.n_docs": "24", "pretrain.seq_len": "96", "pretrain.rows_per_batch": "2",
             "pretrain.save_every": "2", "pretrain.warmup_steps": "1", "pretrain.progress": "false",
             "pretrain.probe_names": "4", "pretrain.probe_distances": "[20]",
             "pretrain.cache_dir": str(tmp_path / "cache"), **extra}
@@ -257,8 +258,8 @@ def test_readme_commands(tmp_path, tok_dir, capsys, monkeypatch):
     import importlib.util
 
     monkeypatch.setenv("K3POST_CACHE", str(tmp_path / "cache"))
-    small = [f"run.root={tmp_path / 'runs'}", f"tokenizer.path={tok_dir}", "pretrain.steps=2", "pretrain.n_docs=8",
-             "pretrain.seq_len=64", "pretrain.rows_per_batch=2", "pretrain.progress=false", "pretrain.probe_names=2"]
+    small = [f"run.root={tmp_path / 'runs'}", f"tokenizer.path={tok_dir}", "pretrain.steps=2", "pretrain.induction_steps=2",
+             "pretrain.n_docs=8", "pretrain.seq_len=64", "pretrain.rows_per_batch=2", "pretrain.progress=false", "pretrain.probe_names=2"]
     assert main(["pretrain", "configs/demo.yaml", *small]) == 0
     base = Path(capsys.readouterr().out.strip().splitlines()[-1].split(": ", 1)[1])
     assert base.parent == tmp_path / "cache" / "bases" and (base / "config.json").is_file()
@@ -284,13 +285,12 @@ def _fresh_names(pieces, rng, draw):
 def _copy_after_pretrain(tok, tmp_path, seed):
     from k3post.config.pretrain import PretrainConfig
     from k3post.models import build_tiny_moe
-    from k3post.sft import train_sft
 
     p = PretrainConfig(**_LEARN)
     samples = pretrain.corpus_samples(tok, pretrain.corpus_documents(p, seed), p.seq_len)
     model = build_tiny_moe(len(tok), "tiny", seed=seed, pad_token_id=tok.pad_token_id)
     before = pretrain.copy_probe(model, tok, [20], n=48, seed=seed)["20"]["token_acc"]
-    train_sft(model, tok, samples, pretrain.sft_settings(p), tmp_path / f"s{seed}", seed=seed)
+    pretrain.train_base(model, tok, samples, p, tmp_path / f"s{seed}", seed=seed)
     return before, pretrain.copy_probe(model, tok, [20], n=48, seed=seed)["20"]["token_acc"]
 
 
@@ -309,3 +309,47 @@ def test_copying_needs_the_restatements(tok, tmp_path, monkeypatch):
     monkeypatch.setattr(corpus, "restate", _fresh_names)
     before, after = _copy_after_pretrain(tok, tmp_path, 0)
     assert after < LEARN_BUG_MAX, (before, after)
+
+
+# ------------------------------------------------------------------------------------- induction rows, warning
+
+
+def test_induction_rows_repeat_a_span_of_ordinary_tokens(tok):
+    rows = pretrain.induction_samples(tok, 40, 96, seed=3)
+    special = set(tok.all_special_ids)
+    nl = encode_pieces(tok, ["\n"])
+    assert len(rows) == 40 and all(len(r.ids) == 96 and all(r.loss_mask) for r in rows)
+    periods = set()
+    for r in rows:
+        period = r.ids.index(nl[-1]) + 1  # the span, then the newline: the row repeats with that period
+        assert 8 + len(nl) <= period <= 30 + len(nl)
+        assert all(r.ids[i] == r.ids[i + period] for i in range(96 - period))
+        assert not special & set(r.ids[:period - len(nl)])
+        periods.add(period)
+    assert len(periods) > 5  # spans of many lengths
+    assert [r.ids for r in pretrain.induction_samples(tok, 40, 96, seed=3)] == [r.ids for r in rows]
+    assert [r.ids for r in pretrain.induction_samples(tok, 40, 96, seed=4)] != [r.ids for r in rows]
+
+
+def test_induction_steps_run_first_and_enter_the_key_only_when_on(tmp_path, tok_dir):
+    from k3post.metrics import read_metrics
+
+    cfg = load_config(_cfg_file(tmp_path, tok_dir))
+    off = load_config(_cfg_file(tmp_path, tok_dir), ["pretrain.induction_steps=0"])
+    assert "induction_steps" not in pretrain.base_key_fields(off)["pretrain"]  # keys of bases built without it stay
+    assert pretrain.base_key(off) != pretrain.base_key(cfg)
+    base = pretrain.run_pretrain(cfg)
+    rows = read_metrics(cfg.run.dir / "metrics.jsonl")
+    stages = [r["stage"] for r in rows if r["stage"].startswith("pretrain")]
+    assert stages.index("pretrain/induction") < stages.index("pretrain")  # phase 1, then the corpus
+    assert (cfg.run.dir / "pretrain" / "induction" / "checkpoints").is_dir()
+    assert json.loads((base / "train.json").read_text())["induction_steps"] == 2
+
+
+def test_copy_warning_says_when_a_base_does_not_copy():
+    probe = {"100": {"exact": 0.9, "token_acc": 0.95, "n": 48}, "20": {"exact": 0.125, "token_acc": 0.4, "n": 48}}
+    msg = pretrain.copy_warning(probe)
+    assert msg is not None and "does not copy" in msg and "0.125" in msg and "20 tokens back" in msg and "n 48" in msg
+    probe["20"]["exact"] = pretrain.COPY_OK
+    assert pretrain.copy_warning(probe) is None  # the shortest distance decides
+    assert pretrain.copy_warning({}) is None

@@ -14,7 +14,7 @@ __all__ = ["PretrainConfig"]
 class PretrainConfig:
     """Stage 0 trainer, corpus, cache and probe settings."""
 
-    steps: int = ranged(2400, ge=1)  # optimizer steps (8 x 128 tokens each); copying appears at step ~1,500-1,800 (docs/decisions.md, Issue 31 §base)
+    steps: int = ranged(2400, ge=1)  # optimizer steps on the corpus (8 x 128 tokens each), after induction_steps
     n_docs: int = ranged(4000, ge=1)  # generated documents (k3post.synth.corpus), cycled over epochs
     seq_len: int = ranged(128, ge=16)  # a document is cut at this many tokens; rows are packed to it (512: no copying by step 2,400)
     rows_per_batch: int = ranged(8, ge=1)  # packed rows per optimizer step
@@ -25,6 +25,7 @@ class PretrainConfig:
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables
     recall_share: float = ranged(0.45, ge=0, le=1)  # chance, at each turn of a document, to restate something introduced earlier
     recent_share: float = ranged(0.7, ge=0, le=1)  # share of restatements of a recent segment (a short copy distance) instead of any earlier one
+    induction_steps: int = ranged(1800, ge=0)  # steps on induction rows (a random token span repeated) before the corpus steps; 0: none (docs/decisions.md, issue 31 §copy)
     save_every: int = ranged(100, ge=1)  # checkpoint every N steps (and at the end)
     keep_last: int = 2
     log_every: int = ranged(10, ge=1)
