@@ -8,8 +8,9 @@ a fresh ``--preset`` on the generated corpus (`k3post.synth.corpus`; the tokeniz
 ``--vocab`` trained on the documents only, so the run needs no family episodes), checkpoint every --every
 steps, then probe each checkpoint: teacher-forced copy accuracy of held-out 2–3-token names restated 20 /
 100 / 300 tokens after their introduction, against the steps and the training seconds they took (one torch
-thread unless --threads). With --induction-steps N, N steps on induction rows (`k3post.pretrain.induction_samples`)
-come first, as stage 0 runs them (`k3post.pretrain.train_base`; the curve's steps count the corpus phase). The final line is JSON.
+thread unless --threads). With --induction-steps N, at most N steps on induction rows
+(`k3post.pretrain.induction_samples`) come first, stopping once held-out induction accuracy reaches --induction-target
+(0: all N on a cosine), as stage 0 runs them (`k3post.pretrain.train_base`; the curve's steps count the corpus phase). The final line is JSON.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def train_curve(a: argparse.Namespace, distances: list[int]) -> list[dict]:
     from k3post.tokenizer import train_tokenizer
 
     p = PretrainConfig(steps=a.steps, n_docs=a.n_docs, seq_len=a.seq_len, rows_per_batch=a.rows, lr=a.lr,
-                       warmup_steps=a.warmup, recall_share=a.recall_share, recent_share=a.recent_share, induction_steps=a.induction_steps, min_lr_ratio=a.min_lr_ratio, save_every=a.every, keep_last=a.steps // a.every + 1, progress=False)
+                       warmup_steps=a.warmup, recall_share=a.recall_share, recent_share=a.recent_share, induction_steps=a.induction_steps, induction_target=a.induction_target, min_lr_ratio=a.min_lr_ratio, save_every=a.every, keep_last=a.steps // a.every + 1, progress=False)
     docs = generate_corpus(p.n_docs, a.seed, 4 * p.seq_len, recall_share=p.recall_share, recent_share=p.recent_share)
     tok = train_tokenizer([document_text(d) for d in docs[:2000]], vocab_size=a.vocab, word_boundaries=False)
     samples = corpus_samples(tok, docs, p.seq_len)
@@ -45,6 +46,10 @@ def train_curve(a: argparse.Namespace, distances: list[int]) -> list[dict]:
     print(f"step 0: {format_probe(rows[0]['probe'])}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         res = train_base(model, tok, samples, p, Path(tmp), seed=a.seed)  # stage 0's phases (induction rows first)
+        formed = Path(tmp) / "induction" / "formed.json"
+        if formed.is_file():
+            rows[0]["induction"] = json.loads(formed.read_text())
+            print(f"induction phase: {rows[0]['induction']}", flush=True)
         for step in range(a.every, a.steps + 1, a.every):
             load_weights_into(model, Path(tmp) / "checkpoints" / f"step-{step:06d}")
             row = {"step": step, "train_s": round(res.wall_s * step / a.steps, 1),
@@ -73,7 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=0, help="override the preset's layer count (0: keep it)")
     ap.add_argument("--recall-share", type=float, default=0.45)
     ap.add_argument("--recent-share", type=float, default=0.0)
-    ap.add_argument("--induction-steps", type=int, default=0, help="phase 1: steps on induction rows before the corpus")
+    ap.add_argument("--induction-steps", type=int, default=0, help="phase 1: at most this many steps on induction rows")
+    ap.add_argument("--induction-target", type=float, default=0.9, help="phase 1 stops at this induction accuracy")
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--preset", default="tiny")
     a = ap.parse_args(argv)

@@ -45,7 +45,7 @@ from k3post.synth.corpus import (CORPUS_VERSION, KEYS, document_text, draw_name,
                                  generate_document, held_out_names, record_pieces)
 
 __all__ = ["base_key", "cache_root", "cached_base", "base_record", "build_base", "corpus_samples", "copy_probe",
-           "run_pretrain", "BASE_FREE_KEYS", "copy_warning", "induction_samples", "induction_settings", "train_base"]
+           "run_pretrain", "BASE_FREE_KEYS", "copy_warning", "induction_accuracy", "induction_samples", "induction_settings", "train_base"]
 
 log = logging.getLogger("k3post.pretrain")
 
@@ -64,7 +64,8 @@ def base_key_fields(cfg: K3Config) -> dict[str, Any]:
 
     p = {k: v for k, v in asdict(cfg.pretrain).items() if k not in BASE_FREE_KEYS}
     if not p["induction_steps"]:  # hashed only when on, so the keys of bases built without it stay the same
-        del p["induction_steps"]
+        for k in ("induction_steps", "induction_target", "induction_check_every"):
+            del p[k]
     if cfg.tokenizer.path:
         tok: dict[str, Any] = {"tokenizer.json": _sha256_file(Path(cfg.tokenizer.path).expanduser() / "tokenizer.json")}
     else:
@@ -103,22 +104,48 @@ def corpus_samples(tokenizer: Any, docs: Sequence[Sequence[str]], seq_len: int) 
     return out
 
 
+def _induction_rows(tokenizer: Any, n: int, seq_len: int, key: str) -> list[tuple[list[int], int]]:
+    """(ids, period) of ``n`` induction rows (`induction_samples`), drawn from ``random.Random(key)``."""
+    nl = encode_pieces(tokenizer, ["\n"])
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {}) | set(nl)
+    pool = [i for i in range(len(tokenizer)) if i not in special]
+    rng = random.Random(key)
+    out = []
+    for _ in range(n):
+        span = [rng.choice(pool) for _ in range(rng.randint(8, 30))] + nl
+        out.append(((span * (seq_len // len(span) + 1))[:seq_len], len(span)))
+    return out
+
+
 def induction_samples(tokenizer: Any, n: int, seq_len: int, seed: int) -> list[Sample]:
     """``n`` rows of ``seq_len`` tokens, each a span of 8–30 tokens drawn uniformly from the tokenizer's ordinary
     ids, repeated (a newline between repeats) until the row is full. From the first repeat on every token is
     predictable only by finding where the token before it stood earlier in the row and copying the one that
     followed: the induction pattern, over tokens the corpus may never put side by side, so what is learnt is
     copying itself (docs/decisions.md, issue 31 §copy)."""
-    nl = encode_pieces(tokenizer, ["\n"])
-    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {}) | set(nl)
-    pool = [i for i in range(len(tokenizer)) if i not in special]
-    rng = random.Random(f"k3post-induction|{seed}")
-    out = []
-    for i in range(n):
-        span = [rng.choice(pool) for _ in range(rng.randint(8, 30))] + nl
-        ids = (span * (seq_len // len(span) + 1))[:seq_len]
-        out.append(Sample(ids=ids, loss_mask=[True] * seq_len, source=f"induction:{i}"))
-    return out
+    return [Sample(ids=ids, loss_mask=[True] * seq_len, source=f"induction:{i}")
+            for i, (ids, _) in enumerate(_induction_rows(tokenizer, n, seq_len, f"k3post-induction|{seed}"))]
+
+
+@torch.no_grad()
+def induction_accuracy(model: torch.nn.Module, tokenizer: Any, seq_len: int, seed: int, n: int = 64) -> float:
+    """Share of the first repeat's tokens (after its first) that ``model`` predicts by argmax, teacher-forced, on
+    ``n`` held-out induction rows (another random stream than the training rows): whether the induction circuit
+    has formed (~0 before, ~1 after)."""
+    was_training = model.training
+    model.eval()
+    try:
+        rows = _induction_rows(tokenizer, n, seq_len, f"k3post-induction-probe|{seed}")
+        ids = torch.tensor([r for r, _ in rows])
+        pred = model(input_ids=ids, use_cache=False).logits.argmax(-1)
+        right = total = 0
+        for b, (_, period) in enumerate(rows):
+            end = min(2 * period, seq_len)  # the first repeat: positions period .. 2·period − 1
+            right += int((pred[b, period:end - 1] == ids[b, period + 1:end]).sum())
+            total += end - 1 - period
+        return right / max(total, 1)
+    finally:
+        model.train(was_training)
 
 
 def _tokenizer(cfg: K3Config, docs: Sequence[Sequence[str]], out: Path) -> Any:
@@ -295,8 +322,8 @@ def cached_base(cfg: K3Config) -> Path | None:
 
 
 def base_record(base: Path, cfg: K3Config) -> dict[str, Any]:
-    """What a report says about ``base``: its key, folder, steps, corpus tokens (``train.json``; a base
-    written before it existed gives its configured steps and no token count) and copy probe (`_probe_of`)."""
+    """What a report says about ``base``: its key, folder, steps, corpus tokens, phase 1's outcome (``train.json``; a
+    base written before it existed gives its configured steps and no token count) and copy probe (`_probe_of`)."""
     train_path = base / "train.json"
     train = json.loads(train_path.read_text()) if train_path.is_file() else {}
     key_path = base / "base_key.json"
@@ -304,7 +331,36 @@ def base_record(base: Path, cfg: K3Config) -> dict[str, Any]:
     steps = train.get("steps", key.get("fields", {}).get("pretrain", {}).get("steps"))
     return {"key": key.get("key", base_key(cfg)), "path": str(base), "steps": steps,
             "corpus_tokens": train.get("corpus_tokens"), "tokens_per_step": train.get("tokens_per_step"),
-            "final_loss": train.get("final_loss"), "probe": _probe_of(base, cfg)}
+            "final_loss": train.get("final_loss"), "induction": train.get("induction"), "probe": _probe_of(base, cfg)}
+
+
+def _induction_until_formed(model: torch.nn.Module, tokenizer: Any, rows: Sequence[Sample], p: PretrainConfig,
+                            out: Path, seed: int, metrics: Any) -> None:
+    """Phase 1 with a stopping rule: at a constant learning rate (after warmup), in chunks of
+    ``p.induction_check_every`` steps, each ending with a checkpoint and `induction_accuracy`; stop once it reaches
+    ``p.induction_target`` or after ``p.induction_steps``. The schedule does not depend on where it stops, so the
+    chunks are one run cut at its checkpoints (a rerun walks them again from disk, training nothing it has done)."""
+    from k3post.sft import train_sft
+
+    every = p.induction_check_every
+    base = replace(induction_settings(p), min_lr_ratio=1.0, save_every=every)
+    end = 0
+    while end < p.induction_steps:
+        end = min(end + every, p.induction_steps)
+        train_sft(model, tokenizer, rows, replace(base, steps=end), out, seed=seed, metrics=metrics,
+                  stage="pretrain/induction")
+        acc = induction_accuracy(model, tokenizer, p.seq_len, seed)
+        if metrics is not None:
+            metrics.truncate("pretrain/induction_probe", end - 1)
+            metrics.log("pretrain/induction_probe", end, {"induction_acc": acc})
+        log.info("pretrain: induction accuracy %.3f after %d steps (target %.2f)", acc, end, p.induction_target)
+        if acc >= p.induction_target:
+            break
+    (out / "formed.json").write_text(json.dumps({"steps": end, "induction_acc": acc, "target": p.induction_target,
+                                                 "formed": acc >= p.induction_target}))
+    if acc < p.induction_target:
+        log.warning("pretrain: the induction circuit did not form in %d steps (accuracy %.3f < %.2f)", end, acc,
+                    p.induction_target)
 
 
 def train_base(model: torch.nn.Module, tokenizer: Any, samples: Sequence[Sample], p: PretrainConfig, out: Path, *,
@@ -317,9 +373,18 @@ def train_base(model: torch.nn.Module, tokenizer: Any, samples: Sequence[Sample]
 
     if p.induction_steps:
         rows = induction_samples(tokenizer, p.induction_steps * p.rows_per_batch, p.seq_len, seed)
-        train_sft(model, tokenizer, rows, induction_settings(p), Path(out) / "induction", seed=seed, metrics=metrics,
-                  stage="pretrain/induction")
+        if p.induction_target <= 0:
+            train_sft(model, tokenizer, rows, induction_settings(p), Path(out) / "induction", seed=seed,
+                      metrics=metrics, stage="pretrain/induction")
+        else:
+            _induction_until_formed(model, tokenizer, rows, p, Path(out) / "induction", seed, metrics)
     return train_sft(model, tokenizer, samples, sft_settings(p), out, seed=seed, metrics=metrics, stage="pretrain")
+
+
+def _formed(folder: Path) -> dict[str, Any] | None:
+    """Phase 1's outcome (``formed.json``: steps run, induction accuracy, target, formed), None without a stopping rule."""
+    path = folder / "formed.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def build_base(cfg: K3Config, run: Path, metrics: Any) -> Path:
@@ -353,6 +418,7 @@ def build_base(cfg: K3Config, run: Path, metrics: Any) -> Path:
     (final / "train.json").write_text(json.dumps({"steps": res.steps, "final_loss": res.final_loss, "corpus_tokens": n_tok,
                                                   "tokens_per_step": p.rows_per_batch * p.seq_len,
                                                   "induction_steps": p.induction_steps,
+                                                  "induction": _formed(out / "induction"),
                                                   "resumed_from": res.resumed_from}, indent=1))
     print(f"pretrain: {res.steps} steps, final loss {res.final_loss:.4f}, {res.wall_s:.0f} s, corpus {n_tok} tokens")
     print(format_probe(probe))

@@ -93,6 +93,15 @@ pre{background:#f7f7f7;padding:.6em;overflow-x:auto;font-size:12px;white-space:p
 """
 
 
+def _induction_line(ind: dict[str, Any] | None) -> str:
+    """Stage 0's phase 1 in words (`k3post.pretrain._formed`)."""
+    if not ind:
+        return "no stopping rule recorded"
+    verdict = "formed" if ind.get("formed") else "did not form"
+    return (f"{verdict}: held-out induction accuracy {ind['induction_acc']:.3f} after {ind['steps']} steps "
+            f"(target {ind['target']})")
+
+
 def _pretrain_section(run: Path, summary: dict[str, Any]) -> str:
     """Stage 0: the base the run started from (``summary["pretrain"]``, the demo's; or why it has none), the
     loss curve when the run trained it, and the copy probe."""
@@ -110,7 +119,8 @@ def _pretrain_section(run: Path, summary: dict[str, Any]) -> str:
                else "built in this run" if pre.get("built") else "cached (built by an earlier run; nothing trained here)")
         parts.append(_table(["base", ""], [["key", pre.get("key")], ["folder", pre.get("path")], ["how", how],
                                             ["steps", pre.get("steps")], ["corpus tokens", pre.get("corpus_tokens") or "not recorded"],
-                                            ["tokens per step", pre.get("tokens_per_step") or "not recorded"]]))
+                                            ["tokens per step", pre.get("tokens_per_step") or "not recorded"],
+                                            ["induction phase", _induction_line(pre.get("induction"))]]))
         if pre.get("warning"):
             parts.append(f"<p><b>Warning: {html.escape(str(pre['warning']))}.</b></p>")
     ind = read_metrics(path, "pretrain/induction") if path.is_file() else []

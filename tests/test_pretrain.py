@@ -353,3 +353,65 @@ def test_copy_warning_says_when_a_base_does_not_copy():
     probe["20"]["exact"] = pretrain.COPY_OK
     assert pretrain.copy_warning(probe) is None  # the shortest distance decides
     assert pretrain.copy_warning({}) is None
+
+
+class _InductionOracle(torch.nn.Module):
+    """Predicts the token that followed the last earlier occurrence of the current token (a perfect induction head)."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, input_ids, **kw):
+        B, L = input_ids.shape
+        logits = torch.zeros(B, L, self.vocab)
+        for b in range(B):
+            row = input_ids[b].tolist()
+            for t in range(L):
+                prev = [j for j in range(t) if row[j] == row[t]]
+                logits[b, t, row[prev[-1] + 1] if prev else 0] = 1.0
+        return type("Out", (), {"logits": logits})()
+
+
+def test_induction_accuracy_separates_a_copier_from_an_untrained_model(tok):
+    from k3post.models import build_tiny_moe
+
+    # where a token occurs once in its span, the oracle is right by construction; a token drawn twice may mislead it
+    rows = pretrain._induction_rows(tok, 8, 96, "k3post-induction-probe|0")
+    sure = sum(sum(ids[:period].count(ids[t]) == 1 for t in range(period, min(2 * period, 96) - 1)) for ids, period in rows)
+    total = sum(min(2 * period, 96) - 1 - period for _, period in rows)
+    assert sure / total > 0.8
+    assert pretrain.induction_accuracy(_InductionOracle(len(tok)), tok, 96, seed=0, n=8) >= sure / total
+    untrained = build_tiny_moe(len(tok), "tiny", seed=0, pad_token_id=tok.pad_token_id)
+    assert pretrain.induction_accuracy(untrained, tok, 96, seed=0, n=8) < 0.05
+
+
+def test_phase_one_stops_when_induction_has_formed_and_resumes_the_same(tmp_path, tok_dir, monkeypatch):
+    from k3post.metrics import read_metrics
+
+    seen = []
+
+    def fake_accuracy(model, tokenizer, seq_len, seed, n=64):
+        seen.append(1)
+        return 0.95 if len(seen) % 10 == 2 else 0.1  # formed at the second check (of each walk)
+
+    monkeypatch.setattr(pretrain, "induction_accuracy", fake_accuracy)
+    cfg = load_config(_cfg_file(tmp_path, tok_dir, **{"pretrain.induction_steps": "8", "pretrain.induction_check_every": "2",
+                                                      "pretrain.cache": "false", "pretrain.log_every": "1"}))
+    base = pretrain.run_pretrain(cfg)
+    formed = json.loads((base / "train.json").read_text())["induction"]
+    assert formed == {"steps": 4, "induction_acc": 0.95, "target": 0.9, "formed": True}
+    rows = read_metrics(cfg.run.dir / "metrics.jsonl")
+    assert [r["step"] for r in rows if r["stage"] == "pretrain/induction"] == [1, 2, 3, 4]  # stopped at 4 of 8
+    assert [r["step"] for r in rows if r["stage"] == "pretrain/induction_probe"] == [2, 4]
+    lrs = [r["lr"] for r in rows if r["stage"] == "pretrain/induction"]
+    assert lrs[1:] == [cfg.pretrain.lr] * 3  # constant after the one warmup step: where it stops changes nothing before
+
+
+def test_phase_one_that_never_forms_runs_its_cap_and_the_base_says_so(tmp_path, tok_dir, monkeypatch, capsys):
+    monkeypatch.setattr(pretrain, "induction_accuracy", lambda *a, **k: 0.2)
+    cfg = load_config(_cfg_file(tmp_path, tok_dir, **{"pretrain.induction_steps": "6", "pretrain.induction_check_every": "4",
+                                                      "pretrain.cache": "false"}))
+    base = pretrain.run_pretrain(cfg)
+    assert json.loads((base / "train.json").read_text())["induction"] == {"steps": 6, "induction_acc": 0.2, "target": 0.9,
+                                                                         "formed": False}

@@ -25,7 +25,9 @@ class PretrainConfig:
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables
     recall_share: float = ranged(0.45, ge=0, le=1)  # chance, at each turn of a document, to restate something introduced earlier
     recent_share: float = ranged(0.7, ge=0, le=1)  # share of restatements of a recent segment (a short copy distance) instead of any earlier one
-    induction_steps: int = ranged(1800, ge=0)  # steps on induction rows (a random token span repeated) before the corpus steps; 0: none (docs/decisions.md, issue 31 §copy)
+    induction_steps: int = ranged(4000, ge=0)  # at most this many steps on induction rows (a random token span repeated) before the corpus steps; 0: none (docs/decisions.md, issue 31 §copy)
+    induction_target: float = ranged(0.9, ge=0, le=1)  # phase 1 stops once held-out induction accuracy reaches it (checked every induction_check_every steps, constant lr); 0: run all induction_steps on a cosine
+    induction_check_every: int = ranged(200, ge=1)
     save_every: int = ranged(100, ge=1)  # checkpoint every N steps (and at the end)
     keep_last: int = 2
     log_every: int = ranged(10, ge=1)
