@@ -357,10 +357,10 @@ def _induction_until_formed(model: torch.nn.Module, tokenizer: Any, rows: Sequen
         if acc >= p.induction_target:
             break
     (out / "formed.json").write_text(json.dumps({"steps": end, "induction_acc": acc, "target": p.induction_target,
-                                                 "formed": acc >= p.induction_target}))
-    if acc < p.induction_target:
-        log.warning("pretrain: the induction circuit did not form in %d steps (accuracy %.3f < %.2f)", end, acc,
-                    p.induction_target)
+                                                 "reached": acc >= p.induction_target}))
+    if acc < p.induction_target:  # not an error: the corpus phase may still make a base that copies (the probe says)
+        log.info("pretrain: induction accuracy %.3f after the cap of %d steps, below the target %.2f", acc, end,
+                 p.induction_target)
 
 
 def train_base(model: torch.nn.Module, tokenizer: Any, samples: Sequence[Sample], p: PretrainConfig, out: Path, *,
@@ -382,7 +382,7 @@ def train_base(model: torch.nn.Module, tokenizer: Any, samples: Sequence[Sample]
 
 
 def _formed(folder: Path) -> dict[str, Any] | None:
-    """Phase 1's outcome (``formed.json``: steps run, induction accuracy, target, formed), None without a stopping rule."""
+    """Phase 1's outcome (``formed.json``: steps run, induction accuracy, target, reached), None without a stopping rule."""
     path = folder / "formed.json"
     return json.loads(path.read_text()) if path.is_file() else None
 

@@ -97,9 +97,9 @@ def _induction_line(ind: dict[str, Any] | None) -> str:
     """Stage 0's phase 1 in words (`k3post.pretrain._formed`)."""
     if not ind:
         return "no stopping rule recorded"
-    verdict = "formed" if ind.get("formed") else "did not form"
-    return (f"{verdict}: held-out induction accuracy {ind['induction_acc']:.3f} after {ind['steps']} steps "
-            f"(target {ind['target']})")
+    verdict = "reached the target" if ind.get("reached") else "stopped at its cap"
+    return (f"held-out induction accuracy {ind['induction_acc']:.3f} after {ind['steps']} steps ({verdict} "
+            f"{ind['target']})")
 
 
 def _pretrain_section(run: Path, summary: dict[str, Any]) -> str:

@@ -108,6 +108,7 @@ def test_demo_builds_the_base_once_resumes_it_and_starts_from_it(tmp_path, monke
     assert "Stage 0: pretrained base" in page and key in page and "built in this run" in page and "Copy probe" in page
     # three steps teach no copying: the run, its log and its report say so
     assert "does not copy" in pre["warning"] and "does not copy" in page
+    assert pre["induction"]["steps"] == 2 and "held-out induction accuracy" in page  # phase 1 stopped at its cap
     assert "WARNING: stage 0: this base does not copy" in capsys.readouterr().out
 
     assert main(["demo", *_tiny(tmp_path, "b", "sft.lr=0", "qat.enabled=false")]) == 0

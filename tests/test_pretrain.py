@@ -386,21 +386,21 @@ def test_induction_accuracy_separates_a_copier_from_an_untrained_model(tok):
     assert pretrain.induction_accuracy(untrained, tok, 96, seed=0, n=8) < 0.05
 
 
-def test_phase_one_stops_when_induction_has_formed_and_resumes_the_same(tmp_path, tok_dir, monkeypatch):
+def test_phase_one_stops_when_its_target_is_reached_at_a_constant_lr(tmp_path, tok_dir, monkeypatch):
     from k3post.metrics import read_metrics
 
     seen = []
 
     def fake_accuracy(model, tokenizer, seq_len, seed, n=64):
         seen.append(1)
-        return 0.95 if len(seen) % 10 == 2 else 0.1  # formed at the second check (of each walk)
+        return 0.95 if len(seen) == 2 else 0.1  # reached at the second check
 
     monkeypatch.setattr(pretrain, "induction_accuracy", fake_accuracy)
     cfg = load_config(_cfg_file(tmp_path, tok_dir, **{"pretrain.induction_steps": "8", "pretrain.induction_check_every": "2",
                                                       "pretrain.cache": "false", "pretrain.log_every": "1"}))
     base = pretrain.run_pretrain(cfg)
     formed = json.loads((base / "train.json").read_text())["induction"]
-    assert formed == {"steps": 4, "induction_acc": 0.95, "target": 0.9, "formed": True}
+    assert formed == {"steps": 4, "induction_acc": 0.95, "target": 0.9, "reached": True}
     rows = read_metrics(cfg.run.dir / "metrics.jsonl")
     assert [r["step"] for r in rows if r["stage"] == "pretrain/induction"] == [1, 2, 3, 4]  # stopped at 4 of 8
     assert [r["step"] for r in rows if r["stage"] == "pretrain/induction_probe"] == [2, 4]
@@ -408,10 +408,10 @@ def test_phase_one_stops_when_induction_has_formed_and_resumes_the_same(tmp_path
     assert lrs[1:] == [cfg.pretrain.lr] * 3  # constant after the one warmup step: where it stops changes nothing before
 
 
-def test_phase_one_that_never_forms_runs_its_cap_and_the_base_says_so(tmp_path, tok_dir, monkeypatch, capsys):
+def test_phase_one_that_never_reaches_its_target_runs_its_cap_and_says_so(tmp_path, tok_dir, monkeypatch, capsys):
     monkeypatch.setattr(pretrain, "induction_accuracy", lambda *a, **k: 0.2)
     cfg = load_config(_cfg_file(tmp_path, tok_dir, **{"pretrain.induction_steps": "6", "pretrain.induction_check_every": "4",
                                                       "pretrain.cache": "false"}))
     base = pretrain.run_pretrain(cfg)
     assert json.loads((base / "train.json").read_text())["induction"] == {"steps": 6, "induction_acc": 0.2, "target": 0.9,
-                                                                         "formed": False}
+                                                                         "reached": False}
