@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from k3post.checkpoint import load_weights_into  # noqa: E402
-from k3post.pretrain import copy_probe, corpus_samples, format_probe, train_base  # noqa: E402  # noqa: E402
+from k3post.pretrain import copy_probe, corpus_samples, format_probe, train_base  # noqa: E402
 
 
 def train_curve(a: argparse.Namespace, distances: list[int]) -> list[dict]:

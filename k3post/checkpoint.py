@@ -81,7 +81,8 @@ class CheckpointWriteError(OSError):
     the step and the last complete checkpoint, which is left intact."""
 
 
-def _step_of(folder: Path) -> int:
+def checkpoint_step(folder: Path) -> int:
+    """The step of a ``step-N`` checkpoint folder."""
     return int(folder.name.split("-", 1)[1])
 
 
@@ -179,9 +180,9 @@ def disk_full(e: BaseException) -> bool:
 def _rotate(root: Path, newest: Path, keep_last: int) -> None:
     """Delete every complete checkpoint but the ``keep_last`` newest up to ``newest`` (which `latest` names);
     a folder of a later step (left by a killed run that resumed from an earlier checkpoint) goes too."""
-    step = _step_of(newest)
-    ckpts = sorted((p for p in root.glob("step-*") if p.is_dir()), key=_step_of)
-    kept = [p for p in ckpts if _step_of(p) <= step][-keep_last:]
+    step = checkpoint_step(newest)
+    ckpts = sorted((p for p in root.glob("step-*") if p.is_dir()), key=checkpoint_step)
+    kept = [p for p in ckpts if checkpoint_step(p) <= step][-keep_last:]
     for old in ckpts:
         if old not in kept:
             shutil.rmtree(old, ignore_errors=True)
@@ -219,7 +220,7 @@ def checkpoint_problem(folder: str | Path) -> str | None:
 
 
 def _step_folders(root: Path) -> list[Path]:
-    return sorted((p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()), key=_step_of)
+    return sorted((p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()), key=checkpoint_step)
 
 
 def _newest_intact(root: Path) -> Path | None:
@@ -260,7 +261,7 @@ def resuming(ckpt: str | Path) -> Iterator[None]:
     except Exception as e:
         ckpt = Path(ckpt)
         older = next((p for p in reversed(_step_folders(ckpt.parent))
-                      if _step_of(p) < _step_of(ckpt) and checkpoint_problem(p) is None), None)
+                      if checkpoint_step(p) < checkpoint_step(ckpt) and checkpoint_problem(p) is None), None)
         if older is None:
             raise
         why = str(e).strip().splitlines()[-1] if str(e).strip() else ""
@@ -288,7 +289,7 @@ def fall_back(ckpt_root: str | Path) -> Path:
         raise BrokenCheckpointError(f"{what}; no intact checkpoint to fall back to: move the folder away or start "
                                     "over with run.restart=true (the old run is moved aside, not deleted)")
     for p in _step_folders(root):
-        if _step_of(p) > _step_of(intact):
+        if checkpoint_step(p) > checkpoint_step(intact):
             dest, k = root / f"broken-{p.name}", 1
             while dest.exists():
                 k += 1

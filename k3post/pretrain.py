@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
+from k3post.checkpoint import checkpoint_step, latest_checkpoint
 from k3post.config import K3Config
 from k3post.config.model import ModelConfig
 from k3post.config.pretrain import PretrainConfig
@@ -41,6 +42,7 @@ from k3post.config.sft import SFTConfig
 from k3post.data import Sample
 from k3post.envs.families.common import REFERENCE_VERSION
 from k3post.errors import UserError
+from k3post.sft import train_sft
 from k3post.synth.corpus import (CORPUS_VERSION, KEYS, document_text, draw_name, encode_pieces, generate_corpus,
                                  generate_document, held_out_names, record_pieces)
 
@@ -340,13 +342,11 @@ def _induction_until_formed(model: torch.nn.Module, tokenizer: Any, rows: Sequen
     ``p.induction_check_every`` steps, each ending with a checkpoint and `induction_accuracy`; stop once it reaches
     ``p.induction_target`` or after ``p.induction_steps``. The schedule does not depend on where it stops, so the
     chunks are one run cut at its checkpoints (a rerun walks them again from disk, training nothing it has done)."""
-    from k3post.sft import train_sft
-
     every = p.induction_check_every
     base = replace(induction_settings(p), min_lr_ratio=1.0, save_every=every)
-    end = 0
-    while end < p.induction_steps:
-        end = min(end + every, p.induction_steps)
+
+    def check(end: int) -> float:
+        """Train (or, resumed, reload) up to step ``end``, then measure and log the induction accuracy there."""
         train_sft(model, tokenizer, rows, replace(base, steps=end), out, seed=seed, metrics=metrics,
                   stage="pretrain/induction")
         acc = induction_accuracy(model, tokenizer, p.seq_len, seed)
@@ -354,8 +354,16 @@ def _induction_until_formed(model: torch.nn.Module, tokenizer: Any, rows: Sequen
             metrics.truncate("pretrain/induction_probe", end - 1)
             metrics.log("pretrain/induction_probe", end, {"induction_acc": acc})
         log.info("pretrain: induction accuracy %.3f after %d steps (target %.2f)", acc, end, p.induction_target)
-        if acc >= p.induction_target:
-            break
+        return acc
+
+    # a rerun starts at phase 1's newest checkpoint (a check's end: every check saves one), never before it:
+    # train_sft resumes from the newest checkpoint whatever ``steps`` says, so an earlier check would see later weights
+    ckpt = latest_checkpoint(out / "checkpoints")
+    end = checkpoint_step(ckpt) if ckpt is not None else 0
+    acc = check(end) if end else 0.0
+    while end < p.induction_steps and (end == 0 or acc < p.induction_target):
+        end = min(end + every, p.induction_steps)
+        acc = check(end)
     (out / "formed.json").write_text(json.dumps({"steps": end, "induction_acc": acc, "target": p.induction_target,
                                                  "reached": acc >= p.induction_target}))
     if acc < p.induction_target:  # not an error: the corpus phase may still make a base that copies (the probe says)
@@ -369,8 +377,6 @@ def train_base(model: torch.nn.Module, tokenizer: Any, samples: Sequence[Sample]
     ``out/induction``, metrics stage ``pretrain/induction``), then ``p.steps`` on the corpus ``samples``
     (``out/checkpoints``, stage ``pretrain``); returns the corpus phase's `k3post.sft.SFTResult`. Each phase
     resumes its own checkpoints: a run killed in phase 2 reloads phase 1's last one, then phase 2's."""
-    from k3post.sft import train_sft
-
     if p.induction_steps:
         rows = induction_samples(tokenizer, p.induction_steps * p.rows_per_batch, p.seq_len, seed)
         if p.induction_target <= 0:

@@ -162,7 +162,7 @@ def test_pretrain_caches_the_base_by_content_hash(tmp_path, tok_dir, monkeypatch
     def no_training(*a, **k):
         raise AssertionError("a cache hit trains nothing")
 
-    monkeypatch.setattr("k3post.sft.train_sft", no_training)
+    monkeypatch.setattr(pretrain, "train_sft", no_training)
     assert main(["pretrain", str(cfg_path), "pretrain.log_every=1", "pretrain.probe_names=3"]) == 0  # same key
     assert f"(cached, key {pretrain.base_key(cfg)})" in capsys.readouterr().out
     # a setting the weights depend on is another key: a miss, which trains
@@ -416,3 +416,37 @@ def test_phase_one_that_never_reaches_its_target_runs_its_cap_and_says_so(tmp_pa
     base = pretrain.run_pretrain(cfg)
     assert json.loads((base / "train.json").read_text())["induction"] == {"steps": 6, "induction_acc": 0.2, "target": 0.9,
                                                                          "reached": False}
+
+
+def test_a_rerun_of_phase_one_resumes_where_it_stopped_not_at_its_first_check(tmp_path, tok, monkeypatch):
+    """Phase 1 stopped at its second check (step 4 of 8); a rerun over the same folder (a kill in the corpus phase)
+    must reload step 4 and keep the record: not measure the final weights at check 1 and stop there."""
+    from k3post.config.pretrain import PretrainConfig
+
+    table = {}  # weights fingerprint -> the accuracy the first run gave them
+
+    def fingerprint(model):
+        return round(float(sum(p.detach().double().sum() for p in model.parameters())), 6)
+
+    def first_run(model, tokenizer, seq_len, seed, n=64):
+        acc = 0.95 if table else 0.1  # reached at the second check
+        table[fingerprint(model)] = acc
+        return acc
+
+    def rerun(model, tokenizer, seq_len, seed, n=64):
+        return table[fingerprint(model)]
+
+    p = PretrainConfig(steps=2, induction_steps=8, induction_check_every=2, n_docs=8, seq_len=64, rows_per_batch=2,
+                       warmup_steps=1, save_every=2, progress=False)
+    samples = pretrain.corpus_samples(tok, pretrain.corpus_documents(p, 0), p.seq_len)
+
+    def run(acc):
+        from k3post.models import build_tiny_moe
+
+        monkeypatch.setattr(pretrain, "induction_accuracy", acc)
+        model = build_tiny_moe(len(tok), "tiny", seed=0, pad_token_id=tok.pad_token_id)
+        pretrain.train_base(model, tok, samples, p, tmp_path, seed=0)
+        return json.loads((tmp_path / "induction" / "formed.json").read_text())
+
+    assert run(first_run)["steps"] == 4
+    assert run(rerun) == {"steps": 4, "induction_acc": 0.95, "target": 0.9, "reached": True}
