@@ -9,7 +9,7 @@ switch turns per-sample problems into counted skips instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -224,6 +224,13 @@ class PackedBatch:
     @property
     def n_target_tokens(self) -> int:
         return int((self.labels_RL != -100).sum())
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        """The batch with its tensors on ``device`` (itself when they are there already)."""
+        if self.input_ids_RL.device == torch.device(device):
+            return self
+        return replace(self, input_ids_RL=self.input_ids_RL.to(device), position_ids_RL=self.position_ids_RL.to(device),
+                                   attention_mask_R1LL=self.attention_mask_R1LL.to(device), labels_RL=self.labels_RL.to(device))
 
 
 def pack_rows(samples: Sequence[Sample], order: Sequence[int], max_len: int) -> list[list[int]]:

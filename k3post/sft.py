@@ -172,11 +172,13 @@ def sft_grads(
 
     ``n_tok`` / ``n_mtp``: the trained tokens of the whole optimizer step (over every rank, for a sharded
     trainer), so the micro-batches' gradients add up to the token mean. ``precision`` "bf16" runs the forward
-    under CPU bf16 autocast. ``before_backward(i)`` runs before the i-th backward. Returns the summed CE and
-    MTP CE (not normalised)."""
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    under bf16 autocast. ``before_backward(i)`` runs before the i-th backward. The batches move to the model's
+    device. Returns the summed CE and MTP CE (not normalised)."""
+    device = next(model.parameters()).device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     total, mtp_total = 0.0, 0.0
     for i, b in enumerate(batches):
+        b = b.to(device)
         if mtp is None:
             with autocast:
                 loss_sum = masked_ce_sum(model, b)
@@ -260,8 +262,9 @@ def train_sft(
     mtp = _new_mtp_head(model, seed) if cfg.mtp_weight > 0 else None
     if not has_local_attention(model.config.get_text_config(decoder=True)):
         use_packed_attention(model)  # before the trainer: its ranks build their models from this config
+    home = next(model.parameters()).device  # where the model goes back to after training on cfg.device
     trainer = build_trainer(model, OptimConfig(lr=cfg.lr, betas=list(cfg.betas), eps=1e-8, weight_decay=cfg.weight_decay),
-                            device=next(model.parameters()).device, pad_id=pad_id, grad_clip=cfg.grad_clip, extra=mtp)
+                            device=cfg.device, pad_id=pad_id, grad_clip=cfg.grad_clip, extra=mtp)
     start, stream, losses, mtp_losses = 0, _DataStream(samples, cfg, seed), [], []
     window_loss, window_n = 0.0, 0  # token-weighted loss sum and tokens since the last logged row
     resumed_from = None
@@ -324,6 +327,9 @@ def train_sft(
             )
     bar.close()
     wall = time.perf_counter() - t0
+    model.to(home)
+    if mtp is not None:
+        mtp.to(home)
     return SFTResult(
         steps=cfg.steps,
         final_loss=losses[-1] if losses else loss_val,

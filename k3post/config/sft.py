@@ -33,6 +33,7 @@ class SFTConfig:
     on_bad_sample: str = "error"  # error | skip (skips are counted and logged)
     mode: str = "think"  # XTML mode: think | instruct
     progress: bool = True  # tqdm progress bar
+    device: str = "cpu"  # where the trainer runs: cpu | cuda | cuda:N (no CUDA: an error, never a silent CPU run); the model comes back to its own device after training
     mtp_weight: float = ranged(0.0, ge=0)  # weight of the MTP head's next-next-token loss (k3post.spec.mtp); 0 = no MTP head
     mtp_start_fraction: float = ranged(0.0, ge=0, lt=1)  # the MTP loss is on from step int(fraction * steps); earlier: no loss, no gradient to the head
 
