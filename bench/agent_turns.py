@@ -8,7 +8,10 @@ continues the reference history greedily (one turn, at most --max-tokens tokens)
                the same answer text (whitespace-normalised)
     name ok  : the same tool names only (the argument values are where copying from tool results happens)
 Episode success needs every turn right, so with per-turn accuracy p over m turns a policy passes about p^m
-of the episodes; the table gives p per turn position. Not a timing benchmark. The final line is JSON.
+of the episodes; the table gives p per turn position. A turn is generated up to --max-tokens tokens; the
+default, 0, gives each turn its reference's length plus --slack, rounded up to 64 (a cap below the reference's own length
+fails turns that are right: at --effort max a search turn is ~230 tokens). Turns that hit their cap are
+counted ("capped"). Not a timing benchmark. The final line is JSON.
 """
 
 from __future__ import annotations
@@ -48,11 +51,13 @@ def _norm(text: str | None) -> str:
     return " ".join((text or "").split())
 
 
-def turn_accuracy(model: torch.nn.Module, xtml: XTML, family: str, n: int, effort: str, max_tokens: int) -> list[dict]:
-    """Per task, per assistant turn of the reference: whether the policy's greedy turn matches it."""
+def turn_accuracy(model: torch.nn.Module, xtml: XTML, family: str, n: int, effort: str, max_tokens: int,
+                  slack: int = 64) -> list[dict]:
+    """Per task, per assistant turn of the reference: whether the policy's greedy turn matches it, and whether
+    it hit its cap (``max_tokens``; 0: the reference turn's own length + ``slack``)."""
     fam = get_family(family)
     tasks = eval_tasks([family], n, difficulty=1)
-    prompts, refs = [], []
+    prompts, refs, caps = [], [], []
     for task in tasks:
         ep = run_episode_sync(fam.reference_policy(task, effort), make_env(task), task, verify=False)
         msgs = list(ep.messages)
@@ -61,10 +66,16 @@ def turn_accuracy(model: torch.nn.Module, xtml: XTML, family: str, n: int, effor
                 continue
             r = xtml.render(msgs[:i], tools=ep.tools or None, effort=effort, mode="think", add_generation_prompt=True)
             prompts.append(r.ids)
+            ref_len = len(xtml.render(msgs[:i + 1], tools=ep.tools or None, effort=effort, mode="think").ids) - len(r.ids)
+            caps.append(max_tokens or -(-(ref_len + slack) // 64) * 64)  # in steps of 64: few batched calls
             refs.append((task.id, sum(1 for x in msgs[:i] if x.get("role") == "assistant"), m))
-    outs = complete(model, prompts, max_new_tokens=max_tokens, stop_id=xtml.eom_id, batch_size=32)
+    outs: list[list[int]] = [[] for _ in prompts]
+    for cap in sorted(set(caps)):  # one batched call per cap
+        idx = [j for j, c in enumerate(caps) if c == cap]
+        for j, ids in zip(idx, complete(model, [prompts[j] for j in idx], max_new_tokens=cap, stop_id=xtml.eom_id, batch_size=32)):
+            outs[j] = ids
     rows = []
-    for (tid, k, ref), ids in zip(refs, outs):
+    for (tid, k, ref), ids, cap in zip(refs, outs, caps):
         try:
             got = xtml.parse(ids, after_prefix=True)
         except ValueError:
@@ -74,7 +85,7 @@ def turn_accuracy(model: torch.nn.Module, xtml: XTML, family: str, n: int, effor
             ok = got_calls == ref_calls
         else:
             ok = bool(got) and not got_calls and _norm(got.get("content")) == _norm(ref.get("content"))
-        rows.append({"task": tid, "turn": k, "call_ok": ok,
+        rows.append({"task": tid, "turn": k, "call_ok": ok, "capped": len(ids) >= cap and (not ids or ids[-1] != xtml.eom_id),
                      "name_ok": [c[0] for c in got_calls] == [c[0] for c in ref_calls]})
     return rows
 
@@ -85,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--families", default="agents.search,agents.assistant")
     p.add_argument("--n", type=int, default=40)
     p.add_argument("--effort", default="max")
-    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--max-tokens", type=int, default=0, help="per-turn cap; 0: the reference turn's length + --slack, rounded up to 64")
+    p.add_argument("--slack", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     ns = p.parse_args(argv)
     torch.set_num_threads(ns.threads)
@@ -93,19 +105,21 @@ def main(argv: list[str] | None = None) -> int:
     model = load_policy(ns.model, None)
     result = {}
     for family in ns.families.split(","):
-        rows = turn_accuracy(model, xtml, family, ns.n, ns.effort, ns.max_tokens)
+        rows = turn_accuracy(model, xtml, family, ns.n, ns.effort, ns.max_tokens, ns.slack)
         by_turn: dict[int, list[dict]] = {}
         for r in rows:
             by_turn.setdefault(r["turn"], []).append(r)
         tasks = {r["task"] for r in rows}
         all_ok = sum(all(r["call_ok"] for r in rows if r["task"] == t) for t in tasks)
-        per_turn = {k: {"n": len(v), "call_ok": sum(r["call_ok"] for r in v) / len(v), "name_ok": sum(r["name_ok"] for r in v) / len(v)}
+        per_turn = {k: {"n": len(v), "call_ok": sum(r["call_ok"] for r in v) / len(v), "name_ok": sum(r["name_ok"] for r in v) / len(v),
+                        "capped": sum(r["capped"] for r in v)}
                     for k, v in sorted(by_turn.items())}
         result[family] = {"per_turn": per_turn, "turns_all_ok": all_ok, "tasks": len(tasks),
-                          "call_ok": sum(r["call_ok"] for r in rows) / len(rows)}
-        print(f"{family}: every turn right on {all_ok}/{len(tasks)} tasks; per turn (call ok / tool names ok): " +
+                          "call_ok": sum(r["call_ok"] for r in rows) / len(rows), "capped": sum(r["capped"] for r in rows)}
+        print(f"{family}: every turn right on {all_ok}/{len(tasks)} tasks ({result[family]['capped']} of {len(rows)} turns hit their cap); "
+              "per turn (call ok / tool names ok): " +
               ", ".join(f"{k}: {v['call_ok']:.2f}/{v['name_ok']:.2f}" for k, v in per_turn.items()))
-    print(json.dumps({"model": ns.model, "effort": ns.effort, "n": ns.n, "families": result}))
+    print(json.dumps({"model": ns.model, "effort": ns.effort, "n": ns.n, "max_tokens": ns.max_tokens, "slack": ns.slack, "families": result}))
     return 0
 
 
