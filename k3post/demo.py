@@ -136,7 +136,8 @@ def tokenizer_texts(cfg: K3Config) -> list[str]:
 
 def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = None) -> Path:
     """SFT data from the synthesis pipeline: the reference teachers of every built-in family at every effort
-    (`data.n_train` tasks of `data.eval_family`, `data.family_tasks` or `data.n_per_family` of each other family), verified stage by
+    (`data.n_train` tasks of `data.eval_family`, `data.family_tasks` or `data.n_per_family` of each other family, at
+    `data.family_efforts` or `data.efforts`), verified stage by
     stage (structure, outcome, quality, judge), plus `data.judge_tasks` reference pairs as scripted GRM judge episodes
     in both orders (`k3post.rewards.judging`); writes `run/data/sft_train.jsonl` and returns its path.
     `record(synth=...)` receives the funnel and per-family counts (and the judge records' counts) for the report.
@@ -147,14 +148,14 @@ def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = 
     main_path, funnel = build_sft_dataset(
         [main], d.efforts, d.n_train, cfg.run.seed, run / "data" / "main.jsonl", tokenizer, difficulty=d.difficulty, config=verify
     )
-    by_count: dict[int, list[Any]] = {}  # the other families, grouped by their number of tasks
+    groups: dict[tuple[int, tuple[str, ...]], list[Any]] = {}  # the other families, by number of tasks and efforts
     for f in default_families():
         if f.name != main.name and d.tasks_of(f.name) > 0:
-            by_count.setdefault(d.tasks_of(f.name), []).append(f)
+            groups.setdefault((d.tasks_of(f.name), tuple(d.efforts_of(f.name))), []).append(f)
     rest_paths = []
-    for n, fams in sorted(by_count.items()):
-        name = "families.jsonl" if n == d.n_per_family else f"families.n{n}.jsonl"
-        path, rest_funnel = build_sft_dataset(fams, d.efforts, n, cfg.run.seed, run / "data" / name, tokenizer,
+    for (n, efforts), fams in sorted(groups.items()):
+        name = "families" + ("" if n == d.n_per_family else f".n{n}") + ("" if list(efforts) == list(d.efforts) else "." + "-".join(efforts))
+        path, rest_funnel = build_sft_dataset(fams, list(efforts), n, cfg.run.seed, run / "data" / f"{name}.jsonl", tokenizer,
                                               difficulty=d.difficulty, config=verify)
         funnel.merge(rest_funnel)
         rest_paths.append(path)

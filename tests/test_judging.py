@@ -237,6 +237,25 @@ def test_recipe_sft_data_holds_the_judge_episodes(tmp_path: Any, xtml_tokenizer:
     assert kept == [] and counts["too_long"] == 4
 
 
+def test_recipe_sft_data_gives_a_family_its_own_efforts(tmp_path: Any, xtml_tokenizer: Any) -> None:
+    """data.family_efforts: the named family's samples are at its efforts only; the others keep data.efforts."""
+    import json
+
+    from k3post.config import load_config
+    from k3post.demo import synthesize_sft_data
+
+    cfg = load_config(None, ["data.n_train=2", "data.n_per_family=0", "data.family_tasks.coding.write_function=0",
+                             "data.family_tasks.agents.search=3", "data.family_tasks.general.faithfulness=2",
+                             "data.family_efforts.agents.search=[high, low]", "data.effort_mix={}", "sft.max_len=8192"])
+    path = synthesize_sft_data(cfg, tmp_path, xtml_tokenizer)
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    by = Counter((r["family"], r["effort"]) for r in recs)
+    assert {e for f, e in by if f == "agents.search"} == {"high", "low"}
+    assert by[("agents.search", "high")] == by[("agents.search", "low")] == 3
+    assert {e for f, e in by if f == "general.faithfulness"} == {"max", "high", "low"}
+    assert {e for f, e in by if f == "general.arithmetic"} == {"max", "high", "low"}
+
+
 @pytest.mark.usefixtures("one_torch_thread")
 def test_recipe_judge_evaluation_of_an_untrained_model(tmp_path: Any, xtml_tokenizer: Any) -> None:
     """The recipe's evaluation through the real EngineJudge: an untrained checkpoint never completes the

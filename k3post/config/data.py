@@ -19,6 +19,9 @@ class DataConfig:
     # training tasks of the families named here instead of n_per_family: coding.write_function gets enough
     # samples for the SFT model to pass some of its tasks, so coding RL starts with reward variance
     family_tasks: dict[str, int] = field(default_factory=lambda: {"coding.write_function": 100})
+    # efforts of the families named here instead of `efforts` (their samples at those efforts only): the demo's
+    # agents.search samples at high and low, where the tiny model learns whole episodes (docs/decisions.md, issue 31 §agents)
+    family_efforts: dict[str, list[str]] = field(default_factory=dict)
     n_eval: int = ranged(400, ge=0)  # held-out eval_family tasks, disjoint from training (400: a +5-point change is detectable)
     difficulty: int = ranged(1, ge=1)
     efforts: list[str] = field(default_factory=lambda: ["max", "high", "low"])
@@ -47,9 +50,24 @@ class DataConfig:
                 raise ValueError(f"data.family_tasks.{name}: must be a non-negative integer, got {n!r}")
         if self.eval_family in self.family_tasks:
             raise ValueError(f"data.family_tasks.{self.eval_family}: the eval family's task count is data.n_train")
+        for name, efforts in dict(self.family_efforts).items():
+            try:
+                get_family(name)
+            except ValueError as e:
+                raise ValueError(f"data.family_efforts.{name}: {e}") from None
+            if isinstance(efforts, str) or not efforts or not set(efforts) <= set(self.efforts):
+                raise ValueError(f"data.family_efforts.{name}: a non-empty list of efforts out of data.efforts "
+                                 f"{list(self.efforts)}, got {efforts!r}")
+        if self.eval_family in self.family_efforts:
+            raise ValueError(f"data.family_efforts.{self.eval_family}: the eval family's efforts are data.efforts "
+                             "(weighted by data.effort_mix)")
 
     def tasks_of(self, family: str) -> int:
         """Training tasks of ``family``: ``n_train`` for the eval family, else ``family_tasks`` or ``n_per_family``."""
         if family == self.eval_family:
             return self.n_train
         return int(self.family_tasks.get(family, self.n_per_family))
+
+    def efforts_of(self, family: str) -> list[str]:
+        """Efforts of ``family``'s training samples: ``family_efforts`` or ``efforts``."""
+        return list(self.family_efforts.get(family, self.efforts))
