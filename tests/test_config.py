@@ -78,11 +78,11 @@ def test_dotted_override_reaches_mapping_entries_whose_names_contain_dots():
     while nested mappings (rl.domain_overrides.<domain>.<key>) still split."""
     cfg = load_config(None, ["data.family_tasks.coding.bugfix=3", "mopd.experts.general.max=/ckpt/g",
                              "rl.domain_overrides.agents.steps=5", "data.effort_mix.*/low=0.5"])
-    assert cfg.data.family_tasks == {"coding.write_function": 100, "coding.bugfix": 3}
+    assert cfg.data.family_tasks == {"coding.write_function": 100, "agents.search": 200, "coding.bugfix": 3}
     assert cfg.mopd.experts == {"general.max": "/ckpt/g"}
     assert cfg.rl.domain_overrides["agents"]["steps"] == 5
     assert cfg.data.effort_mix["*/low"] == 0.5
-    assert cfg.data.tasks_of("coding.bugfix") == 3 and cfg.data.tasks_of("agents.search") == cfg.data.n_per_family
+    assert cfg.data.tasks_of("coding.bugfix") == 3 and cfg.data.tasks_of("agents.assistant") == cfg.data.n_per_family
     assert cfg.data.tasks_of("general.arithmetic") == cfg.data.n_train
 
 

@@ -20,7 +20,7 @@ from k3post.runs import release_runs
 def _tiny(tmp_path, name, *extra):
     return [
         f"run.root={tmp_path / 'runs'}", f"run.name={name}", "demo.base=build", "data.n_train=12", "data.n_per_family=0",
-        "data.family_tasks.coding.write_function=0", "data.n_eval=3", "data.efforts=[max]", "data.effort_mix={}",
+        "data.family_tasks.coding.write_function=0", "data.family_tasks.agents.search=0", "data.n_eval=3", "data.efforts=[max]", "data.effort_mix={}",
         "data.corpus_per_family=1", "tokenizer.vocab_size=400",
         "sft.steps=2", "sft.log_every=1", "sft.save_every=1", "sft.rows_per_batch=1", "sft.max_len=4096", "sft.progress=false", "demo.mtp_weight=0",
         "eval.max_new_tokens=8", "eval.efforts=[max]", "rl.steps=0", "mopd.rl.steps=0", "demo.drafts=[]",

@@ -217,7 +217,7 @@ def test_recipe_sft_data_holds_the_judge_episodes(tmp_path: Any, xtml_tokenizer:
     from k3post.demo import synthesize_sft_data
     from k3post.xtml import XTML
 
-    cfg = load_config(None, ["data.n_train=2", "data.n_per_family=0", "data.family_tasks.coding.write_function=0", "data.judge_tasks=3",
+    cfg = load_config(None, ["data.n_train=2", "data.n_per_family=0", "data.family_tasks.coding.write_function=0", "data.family_tasks.agents.search=0", "data.judge_tasks=3",
                              "data.efforts=[low]", "data.effort_mix={}", "sft.max_len=8192"])
     got: dict[str, Any] = {}
     path = synthesize_sft_data(cfg, tmp_path, xtml_tokenizer, lambda **kw: got.update(kw))

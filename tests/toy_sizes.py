@@ -5,7 +5,7 @@ from __future__ import annotations
 
 # SFT data and the SFT stage
 TOY_SFT = [
-    "demo.base=none", "data.n_train=60", "data.n_per_family=1", "data.family_tasks.coding.write_function=1",
+    "demo.base=none", "data.n_train=60", "data.n_per_family=1", "data.family_tasks.coding.write_function=1", "data.family_tasks.agents.search=1",
     "data.n_eval=8", "data.corpus_per_family=1", "sft.steps=6", "sft.save_every=3", "sft.rows_per_batch=1",
     "sft.max_len=4096", "sft.progress=false", "eval.max_new_tokens=24", "eval.efforts=[max,low]",
 ]
