@@ -150,7 +150,7 @@ def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = 
     )
     groups: dict[tuple[int, tuple[str, ...]], list[Any]] = {}  # the other families, by number of tasks and efforts
     for f in default_families():
-        if f.name != main.name and d.tasks_of(f.name) > 0:
+        if f.name != main.name and d.tasks_of(f.name) > 0 and d.efforts_of(f.name):
             groups.setdefault((d.tasks_of(f.name), tuple(d.efforts_of(f.name))), []).append(f)
     rest_paths = []
     for (n, efforts), fams in sorted(groups.items()):

@@ -111,7 +111,7 @@ def test_family_efforts_set_one_familys_efforts_and_name_a_bad_entry():
     assert cfg.data.efforts_of("agents.search") == ["high", "low"]
     assert cfg.data.efforts_of("agents.assistant") == cfg.data.efforts == ["max", "high", "low"]
     for override, message in [
-        ("data.family_efforts.agents.search=[huge]", r"data.family_efforts.agents.search: a non-empty list of efforts out of data.efforts"),
+        ("data.family_efforts.agents.search=[huge]", r"data.family_efforts.agents.search: a non-empty list of efforts out of \['low', 'high', 'max'\]"),
         ("data.family_efforts.agents.search=[]", r"data.family_efforts.agents.search: a non-empty list"),
         ("data.family_efforts.agents.search=high", r"bad value for 'data.family_efforts.agents.search'"),
         ("data.family_efforts.agents.nope=[high]", r"data.family_efforts.agents.nope: unknown task family"),
@@ -119,8 +119,9 @@ def test_family_efforts_set_one_familys_efforts_and_name_a_bad_entry():
     ]:
         with pytest.raises((ValueError, ConfigError), match=message):
             load_config(None, [override])
-    with pytest.raises(ValueError, match=r"data.family_efforts.agents.search: .*out of data.efforts \['low'\]"):
-        load_config(None, ["data.efforts=[low]", "data.family_efforts.agents.search=[high]"])
+    # only the run's efforts: a family whose efforts are none of them gets no samples
+    assert load_config(None, ["data.efforts=[low, max]"]).data.efforts_of("agents.search") == ["low"]
+    assert load_config(None, ["data.efforts=[max]"]).data.efforts_of("agents.search") == []
 
 
 _HEAVY = ("torch", "transformers", "k3post.rl", "k3post.mopd", "k3post.sft", "k3post.rollout.embedded")

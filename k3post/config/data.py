@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from k3post.config.ranges import ranged
+from k3post.constants import EFFORTS
 
 __all__ = ["DataConfig"]
 
@@ -16,12 +17,12 @@ class DataConfig:
     eval_family: str = "general.arithmetic"  # single-turn family the held-out pass rate is measured on
     n_train: int = ranged(1500, ge=0)  # training tasks of eval_family (each solved at every effort)
     n_per_family: int = ranged(2, ge=0)  # training tasks of every other built-in family (each at every effort)
-    # training tasks of the families named here instead of n_per_family: coding.write_function gets enough
-    # samples for the SFT model to pass some of its tasks, so coding RL starts with reward variance
-    family_tasks: dict[str, int] = field(default_factory=lambda: {"coding.write_function": 100})
-    # efforts of the families named here instead of `efforts` (their samples at those efforts only): the demo's
+    # training tasks of the families named here instead of n_per_family: coding.write_function and agents.search get
+    # enough samples for the SFT model to pass some of their tasks, so their RL starts with reward variance
+    family_tasks: dict[str, int] = field(default_factory=lambda: {"coding.write_function": 100, "agents.search": 200})
+    # efforts of the families named here (those of them in `efforts`; none: no samples), instead of `efforts`: the demo's
     # agents.search samples at high and low, where the tiny model learns whole episodes (docs/decisions.md, issue 31 §agents)
-    family_efforts: dict[str, list[str]] = field(default_factory=dict)
+    family_efforts: dict[str, list[str]] = field(default_factory=lambda: {"agents.search": ["high", "low"]})
     n_eval: int = ranged(400, ge=0)  # held-out eval_family tasks, disjoint from training (400: a +5-point change is detectable)
     difficulty: int = ranged(1, ge=1)
     efforts: list[str] = field(default_factory=lambda: ["max", "high", "low"])
@@ -55,9 +56,9 @@ class DataConfig:
                 get_family(name)
             except ValueError as e:
                 raise ValueError(f"data.family_efforts.{name}: {e}") from None
-            if isinstance(efforts, str) or not efforts or not set(efforts) <= set(self.efforts):
-                raise ValueError(f"data.family_efforts.{name}: a non-empty list of efforts out of data.efforts "
-                                 f"{list(self.efforts)}, got {efforts!r}")
+            if isinstance(efforts, str) or not efforts or not set(efforts) <= set(EFFORTS):
+                raise ValueError(f"data.family_efforts.{name}: a non-empty list of efforts out of {list(EFFORTS)}, "
+                                 f"got {efforts!r}")
         if self.eval_family in self.family_efforts:
             raise ValueError(f"data.family_efforts.{self.eval_family}: the eval family's efforts are data.efforts "
                              "(weighted by data.effort_mix)")
@@ -69,5 +70,7 @@ class DataConfig:
         return int(self.family_tasks.get(family, self.n_per_family))
 
     def efforts_of(self, family: str) -> list[str]:
-        """Efforts of ``family``'s training samples: ``family_efforts`` or ``efforts``."""
-        return list(self.family_efforts.get(family, self.efforts))
+        """Efforts of ``family``'s training samples: those of ``efforts`` that ``family_efforts`` names for it (none:
+        the family gets no samples), else ``efforts``."""
+        own = self.family_efforts.get(family)
+        return list(self.efforts) if own is None else [e for e in self.efforts if e in own]

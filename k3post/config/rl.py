@@ -29,7 +29,8 @@ def default_domain_overrides() -> dict[str, dict[str, Any]]:
     return {
         # 256: the search references think at max in every turn (issue 31 §effort), up to ~230 tokens a turn with the
         # demo's tokenizer (configs/full.yaml's lexicon tokenizer: ~140, so it keeps 192)
-        "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 16, "max_tokens": 256, "eval_max_tokens": 256},
+        # eval_n 32: the SFT model passes some agents.search episodes now (issue 31 §agents)
+        "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 32, "max_tokens": 256, "eval_max_tokens": 256},
         "coding": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 32, "max_tokens": 384, "eval_max_tokens": 384},
     }
 
