@@ -29,8 +29,9 @@ def test_demo_small_writes_run_folder(tmp_path):
         "general.arithmetic", "general.faithfulness", "general.writing", "agents.search", "agents.assistant",
         "coding.write_function", "coding.bugfix",
     }
-    # every family x 3 efforts; all pass verification except trajectories longer than sft.max_len (counted)
-    assert funnel["total"] == 60 * 3 + 6 * 3
+    # every family x 3 efforts but agents.search (high and low: data.family_efforts); all pass verification except
+    # trajectories longer than sft.max_len (counted)
+    assert funnel["total"] == 60 * 3 + 5 * 3 + 1 * 2
     too_long = next(s["reject_reasons"].get("too_long", 0) for s in funnel["stages"] if s["name"] == "quality")
     assert sum(summary["synth"]["samples_by_family"].values()) == funnel["total"] - too_long == funnel["kept"]
     assert "Synthesis funnel" in (run / "report.html").read_text()
