@@ -12,6 +12,7 @@ import array
 import hashlib
 import math
 import random
+import statistics
 
 import pytest
 
@@ -20,11 +21,15 @@ from k3post.envs.families import default_families, families, get_family
 from k3post.envs.families.kernel.family import (
     KERNEL,
     MAX_RUNS,
+    ROUND_ORDERS,
+    ROUNDS,
+    WARMUP,
     Measurement,
     _hidden_cases,
     _public_cases,
     compare,
     expert_files,
+    paired_times,
     speed_score,
     verify_files,
     verify_kernel,
@@ -88,6 +93,46 @@ def test_compare_is_dtype_aware_and_exact_on_nan_inf():
 
 def _m(t_agent: float, noise: float = 0.01, **kw) -> Measurement:
     return Measurement(None, "", kw.get("t_ref", 1e-2), kw.get("t_expert", 1e-4), t_agent, kw.get("t_roof", 1e-6), noise)
+
+
+def _rounds(cost: dict[str, float], slow: dict[int, float], orders=None) -> dict[str, list[float]]:
+    """Timed rounds of the harness (rounds WARMUP .. WARMUP + ROUNDS - 1) when each role's call costs ``cost[role]``
+    times ``slow[position]`` (load that hits a position of the round: the call after the parent drew the inputs)."""
+    times: dict[str, list[float]] = {r: [] for r in cost}
+    for i in range(WARMUP, WARMUP + ROUNDS):
+        for pos, role in enumerate((orders or ROUND_ORDERS)[i % len(orders or ROUND_ORDERS)]):
+            times[role].append(cost[role] * slow.get(pos, 1.0))
+    return times
+
+
+def test_load_on_one_position_of_the_round_pays_no_reference_copy():
+    # the suite run of 2026-12-04 scored a reference copy (the patches_timer hack) 0.17 under load: with the
+    # reference always first and unpaired medians, load that slows the round's first call reads as a speedup
+    cost = {"ref": 1.0, "agent": 1.0, "expert": 0.05, "null": 0.001}
+    for slow in ({0: 3.0}, {0: 3.0, 1: 2.0}, {3: 2.5}, {1: 4.0}):
+        old = _rounds(cost, slow, orders=[("ref", "agent", "expert", "null")])
+        s_old = statistics.median(old["ref"]) / statistics.median(old["agent"])
+        t_ref, t_expert, t_agent, noise = paired_times(_rounds(cost, slow))
+        assert t_ref / t_agent == pytest.approx(1.0)  # every role sat in every position equally often
+        assert speed_score(t_ref, t_expert, t_agent, 1e-4, min(0.5, max(0.15, 3 * noise))) == 0.0
+        if slow.get(0, 1.0) / slow.get(1, 1.0) > 1.5:  # the old harness (reference first) paid it: the test can fail
+            assert s_old > 1.5 and speed_score(statistics.median(old["ref"]), 0.05, statistics.median(old["agent"]),
+                                               1e-4, 0.15) > 0
+    # every role in every position equally often over the timed rounds
+    for role in ("ref", "agent", "expert", "null"):
+        positions = [ROUND_ORDERS[i % len(ROUND_ORDERS)].index(role) for i in range(WARMUP, WARMUP + ROUNDS)]
+        assert sorted(positions) == sorted(list(range(4)) * (ROUNDS // 4)), role
+
+
+def test_paired_times_golden():
+    # agent 2 s in every round; the reference 10, 12, 30 (one slow round), 10: paired ratios 5, 6, 15, 5 -> median
+    # 5.5, t_ref = 2 * 5.5; the expert's ratios 0.5 each; noise = median |log r - log 5.5| over the reference's
+    times = {"agent": [2.0] * 4, "ref": [10.0, 12.0, 30.0, 10.0], "expert": [1.0] * 4, "null": [0.1] * 4}
+    t_ref, t_expert, t_agent, noise = paired_times(times)
+    assert (t_agent, t_expert) == (2.0, 1.0)
+    assert t_ref == pytest.approx(2.0 * math.sqrt(5 * 6))  # the median of an even count is the mean of the middle two logs
+    mid = math.log(math.sqrt(30))
+    assert noise == pytest.approx(statistics.median([abs(math.log(r) - mid) for r in (5, 6, 15, 5)]))
 
 
 def test_verify_files_scores_fixed_measured_times_monotonically():

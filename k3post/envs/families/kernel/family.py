@@ -30,13 +30,17 @@ Verification (`verify_kernel`, `measure`; issue 30 redesigned it) trusts nothing
    are pinned to one CPU and are stopped whenever they are not being timed;
 5. the hidden correctness cases (the task's shape, an odd shape, NaN / ±Inf entries, large magnitudes) run
    first, then `WARMUP` untimed and `ROUNDS` timed rounds; a round is `BATCH` fresh input sets in one call
-   (sharing the fixed cost of a call), given to the reference first (its child's results are the check) and
-   then to the expert, the null kernel and the agent in a rotating order. **Every** result of the agent
-   (cases, warm-up, timed) is compared with the reference's, and every call echoes its inputs as the kernel
-   left them (modified inputs are a hack).
+   (sharing the fixed cost of a call), given to the reference, the expert, the null kernel and the agent in
+   an order that rotates every role through every position (`ROUND_ORDERS`: a role's place in the round
+   biases no ratio). **Every** result of the agent (cases, warm-up, timed) is compared with the reference
+   child's on the same inputs (after the round when the agent ran first), and every call echoes its inputs as
+   the kernel left them (modified inputs are a hack).
 
-Speed score (`speed_score`), with medians ``t_ref`` (reference), ``t_exp`` (expert), ``t`` (agent),
-the roofline time ``t_roof = max(bytes / bandwidth, flops / flop_rate)`` from the calibration
+Speed score (`speed_score`), with ``t`` the agent's median time and ``t_ref = t · median_i(ref_i / t_i)``,
+``t_exp = t · median_i(exp_i / t_i)`` the reference's and the expert's times paired with the agent's round by round
+(a burst of load that slows one round slows every role in it; unpaired medians let a reference copy score under
+load: issue 31, test_every_hack_scores_zero), ``noise`` the larger of the two paired ratios' MADs (in log),
+and the roofline time ``t_roof = max(bytes / bandwidth, flops / flop_rate)`` from the calibration
 kernels measured in the trusted sandbox on a buffer of the task's size, ``s = t_ref / t`` (speedup),
 ``s_e = t_ref / t_exp``, ``q = t_exp / t`` and the parity band ``b = clip(3 * noise, MIN_BAND, 0.5)`` (`MIN_BAND` 0.15)::
 
@@ -90,10 +94,12 @@ __all__ = [
     "KERNEL",
     "KernelFamily",
     "Measurement",
+    "ROUND_ORDERS",
     "RTOL",
     "compare",
     "expert_files",
     "measure",
+    "paired_times",
     "score",
     "speed_score",
     "verify_files",
@@ -118,6 +124,11 @@ REF_GATE = 1.5
 MIN_BAND = 0.15
 """Smallest parity band: the same code timed twice differs by up to ~10-20% on a shared machine."""
 MAX_RUNS = 3
+ROLES = ("ref", "agent", "expert", "null")
+ROUND_ORDERS = tuple(tuple(ROLES[(i + j) % 4] for j in range(4)) if i % 2 == 0 else
+                     tuple(ROLES[(i - j) % 4] for j in range(4)) for i in range(8))
+"""The order of the roles in round i (``ROUND_ORDERS[i % 8]``): every role in every position twice in any eight
+consecutive rounds (`ROUNDS`), so no role's place in the round biases a paired ratio."""
 VERIFY_LIMITS = SandboxLimits(cpu_s=60.0, wall_s=120.0, memory_bytes=1024**3, max_output_bytes=32 * 1024**2,
                               nproc=64)
 _CTYPE = {"d": "double", "f": "float"}
@@ -240,7 +251,8 @@ def speed_score(t_ref: float, t_expert: float, t_agent: float, t_roof: float, ba
 
 @dataclass(frozen=True)
 class Measurement:
-    """One harness run's outcome: an error (``error`` and ``why``) or medians, noise and the roofline time."""
+    """One harness run's outcome: an error (``error`` and ``why``) or times (the agent's median, the reference's
+    and the expert's paired with it: module docstring), noise and the roofline time."""
 
     error: str | None = None
     why: str = ""
@@ -280,13 +292,19 @@ class _Reject(Exception):
 
 def _checked_call(child: KernelChild, op: KernelOp, tc: str, sets: Sequence[Sequence[array.array]],
                   dims: Mapping[str, int], where: str, timeout: float, want: Sequence[array.array] | None = None) -> int:
-    """One call of the agent's child on ``sets`` of inputs, every result checked; the child's CPU nanoseconds.
-
-    ``want``: the expected results (the trusted reference child's, on the same inputs); by default the
-    reference is run here.
-    """
+    """One call of the agent's child on ``sets`` of inputs, every result checked (`_check_outputs`); the child's
+    CPU nanoseconds. ``want``: the expected results; by default the reference is run here."""
     sent = [[a.tobytes() for a in args] for args in sets]
     outs, echoes, ns = child.call(sent, [dims[k] for k in op.dims], timeout=timeout)
+    _check_outputs(op, tc, sets, sent, outs, echoes, dims, where, want)
+    return ns
+
+
+def _check_outputs(op: KernelOp, tc: str, sets: Sequence[Sequence[array.array]], sent: Sequence[Sequence[bytes]],
+                   outs: Sequence[bytes], echoes: Sequence[bytes], dims: Mapping[str, int], where: str,
+                   want: Sequence[array.array] | None) -> None:
+    """Every input echoed unchanged and every result equal to ``want`` (the trusted reference child's results on
+    the same inputs; None: the reference run here) within the dtype's tolerance, else `_Reject`."""
     for k, (args, raw, out, echo) in enumerate(zip(sets, sent, outs, echoes)):
         if echo != b"".join(raw):
             raise _Reject("mutated", "the kernel modified its input buffers")
@@ -297,7 +315,6 @@ def _checked_call(child: KernelChild, op: KernelOp, tc: str, sets: Sequence[Sequ
         bad = compare(got, want[k] if want is not None else _expected(op, args, dims, tc), tc)
         if bad:
             raise _Reject("mismatch", f"{where}: {bad}")
-    return ns
 
 
 def _trusted_call(child: KernelChild, role: str, op: KernelOp, sets: Sequence[Sequence[array.array]],
@@ -379,20 +396,23 @@ def measure(task: Task, sandbox: Sandbox, *, run: int = 0, public: bool = False,
             times: dict[str, list[int]] = {r: [] for r in roles}
             for i in range(n_warm + n_rounds):  # fresh inputs per round (BATCH sets); every role gets the same
                 sets = [_random_inputs(op, dims, tc, rng) for _ in range(BATCH)]
-                # the reference first (its results are the check), then the expert, the null kernel and the
-                # agent in an order that puts the agent before and after the expert equally often
-                order = ["ref", *(("expert", "null") if i % 2 == 0 else ("null", "expert"))]
-                order.insert(1 + i % 3, "agent")
+                # every role in every position (ROUND_ORDERS); the agent's results are checked against the
+                # reference child's once both have run
                 want: list[array.array] = []
-                for role in order:
+                agent_reply: tuple[list[list[bytes]], list[bytes], list[bytes]] | None = None
+                for role in ROUND_ORDERS[i % len(ROUND_ORDERS)]:
                     if role == "agent":
-                        ns = _checked_call(agent, op, tc, sets, dims, f"timed round {i}", left(), want)
+                        sent = [[a.tobytes() for a in args] for args in sets]
+                        outs, echoes, ns = agent.call(sent, [dims[k] for k in op.dims], timeout=left())
+                        agent_reply = (sent, outs, echoes)
                     else:
                         outs, ns = _trusted_call(roles[role], role, op, sets, dims)
                         if role == "ref":
                             want = [array.array(tc, o) for o in outs]
                     if i >= n_warm:
                         times[role].append(max(ns, 1))
+                assert agent_reply is not None
+                _check_outputs(op, tc, sets, *agent_reply, dims, f"timed round {i}", want)
                 if time.monotonic() > deadline:
                     raise _Reject("timeout", f"the measurement ran past its {timeout:g} s")
     except ChildError as exc:
@@ -403,15 +423,25 @@ def measure(task: Task, sandbox: Sandbox, *, run: int = 0, public: bool = False,
         for child in children:
             child.close()
     t = {k: [v * 1e-9 / BATCH for v in vals] for k, vals in times.items()}  # seconds per call
-    # the expert's time is the agent's median times the median paired ratio q = t_expert / t_agent,
-    # so speed_score's q is exactly that paired ratio
-    logq = [math.log(e / a) for e, a in zip(t["expert"], t["agent"])]
-    mid = statistics.median(logq)
-    t_agent = statistics.median(t["agent"])
+    t_ref, t_expert, t_agent, noise = paired_times(t)
     t_roof = max(n_bytes / cal["bandwidth"], op.flops(dims) / cal["flop_rate"])
-    return Measurement(None, "", statistics.median(t["ref"]), t_agent * math.exp(mid), t_agent, t_roof,
-                       statistics.median(abs(x - mid) for x in logq), weak, statistics.median(t["null"]),
+    return Measurement(None, "", t_ref, t_expert, t_agent, t_roof, noise, weak, statistics.median(t["null"]),
                        time.monotonic() - start)
+
+
+def paired_times(times: Mapping[str, Sequence[float]]) -> tuple[float, float, float, float]:
+    """(t_ref, t_expert, t_agent, noise) of per-round times (``times[role][i]``: role's time in round i): the
+    agent's median, the reference's and the expert's as the agent's median times their median ratio to the agent
+    in the same round (so speed_score's s = t_ref / t_agent and q = t_expert / t_agent are exactly those paired
+    ratios), and the larger MAD of the two log ratios."""
+    t_agent = statistics.median(times["agent"])
+    paired, noise = {}, 0.0
+    for role in ("ref", "expert"):
+        logr = [math.log(x / a) for x, a in zip(times[role], times["agent"], strict=True)]
+        mid = statistics.median(logr)
+        paired[role] = t_agent * math.exp(mid)
+        noise = max(noise, statistics.median(abs(x - mid) for x in logr))
+    return paired["ref"], paired["expert"], t_agent, noise
 
 
 def _kernel_files(state: Any) -> dict[str, str]:
