@@ -1,16 +1,20 @@
-"""One point of an RL sweep: the demo's general.max expert trained from an existing SFT checkpoint with some
-``rl.*`` settings changed, measured the way the demo reports it, plus what says whether the policy moved.
+"""One point of an RL sweep: one of the demo's max experts (general.max unless ``--domain`` names another)
+trained from an existing SFT checkpoint with some ``rl.*`` settings changed, measured the way the demo reports
+it, plus what says whether the policy moved.
 
-    python bench/rl_sweep.py RUN POINT [key=value ...]
+    python bench/rl_sweep.py RUN POINT [--domain general|agents|coding] [key=value ...]
 
 RUN: a demo run folder holding ``sft/final`` (e.g. one run with ``rl.steps=0``); the config is the demo's,
 ``configs/demo.yaml``, with the overrides on top (``rl.lr=3e-4 rl.temperature=1.2 ...``). The expert is trained
 exactly as `k3post demo` trains it (`train_domain_experts`, one torch thread, the demo's QAT), into
 ``RUN/sweep/POINT/``. b0 and the SFT "before" row are computed once per run (``RUN/sweep/_before``) and reused
-by every point (they depend on neither the optimiser nor the sampling settings).
+by every point (they depend on neither the optimiser nor the sampling settings; ``RUN/sweep/_before.DOMAIN``
+for a domain other than general). Points that change what b0 or the "before" row measure (``n_tasks``,
+``eval_n``, ``eval_samples``, ``difficulty``, ``families``) must use a run folder of their own, or a POINT named
+``_fresh*`` (which computes them itself and does not share them).
 
 Writes ``RUN/sweep/POINT/point.json`` and prints it as the final JSON line, after one readable line: held-out
-pass at max before → after (n, the paired McNemar p), the training pass rate over the first and the second
+pass at max before → after (n, the paired McNemar p; with ``eval_samples`` the avg@k row is in the JSON), the training pass rate over the first and the second
 half of the steps, the policy entropy over the first and the last quarter, the share of zero-variance groups,
 and the parameter change mean |θ_RL − θ_SFT| / mean |θ_SFT| (the whole model; the MX expert values too).
 
@@ -62,6 +66,11 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     run, point, overrides = Path(argv[0]), argv[1], argv[2:]
+    domain = "general"
+    if "--domain" in overrides:
+        i = overrides.index("--domain")
+        domain = overrides[i + 1]
+        overrides = overrides[:i] + overrides[i + 2:]
     from k3post.config import load_config
     from k3post.experts import load_policy, train_domain_experts
     from k3post.metrics import iter_metrics
@@ -69,36 +78,39 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     cfg = load_config(Path(__file__).parents[1] / "configs" / "demo.yaml", ["rl.progress=false", *overrides])
     sft = run / "sft" / "final"
-    before_dir = run / "sweep" / "_before"
+    before_dir = run / "sweep" / ("_before" if domain == "general" else f"_before.{domain}")
+    share = not point.startswith("_fresh")
     out = run / "sweep" / point
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     rcfg = cfg.rl
     t0 = time.perf_counter()
-    if (before_dir / "table.general.json").is_file():  # b0 and the "before" row: computed once
-        shutil.copy(before_dir / "budgets.general.json", out)
-        table = json.loads((before_dir / "table.general.json").read_text())
-        (out / "table.general.json").write_text(json.dumps({"before": table["before"], "budgets": table["budgets"]}))
-    table = train_domain_experts("general", sft, rcfg, out, qat=cfg.qat, until="max")
-    if not (before_dir / "table.general.json").is_file():
+    table_name, budgets_name = f"table.{domain}.json", f"budgets.{domain}.json"
+    if share and (before_dir / table_name).is_file():  # b0 and the "before" row: computed once
+        shutil.copy(before_dir / budgets_name, out)
+        table = json.loads((before_dir / table_name).read_text())
+        (out / table_name).write_text(json.dumps({"before": table["before"], "budgets": table["budgets"]}))
+    table = train_domain_experts(domain, sft, rcfg, out, qat=cfg.qat, until="max")
+    if share and not (before_dir / table_name).is_file():
         before_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copy(out / "budgets.general.json", before_dir)
-        (before_dir / "table.general.json").write_text(json.dumps({"before": table["before"], "budgets": table["budgets"]}))
+        shutil.copy(out / budgets_name, before_dir)
+        (before_dir / table_name).write_text(json.dumps({"before": table["before"], "budgets": table["budgets"]}))
     if table["failed"]:
         print(json.dumps(table["failed"], indent=1, default=str))
         return 1
-    e = table["experts"]["general.max"]
-    rows = [r for r in iter_metrics(out / "general.max.run" / "metrics.jsonl", "rl/general.max")]
+    name = f"{domain}.max"
+    e = table["experts"][name]
+    rows = [r for r in iter_metrics(out / f"{name}.run" / "metrics.jsonl", f"rl/{name}")]
     steps = len(rows)
     half, q = steps // 2, max(1, steps // 4)
     col = lambda key: [float(r.get(key, float("nan"))) for r in rows]  # noqa: E731
     zero, groups = sum(col("zero_variance_groups")), sum(col("groups"))
     ent = col("train/entropy")
-    moved = param_change(load_policy(sft, cfg.qat), load_policy(out / "general.max", cfg.qat))
+    moved = param_change(load_policy(sft, cfg.qat), load_policy(out / name, cfg.qat))
     ch = e["change"]
     res = {
-        "point": point, "overrides": overrides, "seed": rcfg.seed, "steps": steps,
+        "point": point, "domain": domain, "overrides": overrides, "seed": rcfg.seed, "steps": steps,
         "n": e["n"], "sft_pass": e["sft_pass_rate"], "rl_pass": e["pass_rate"], "delta": ch["delta"],
         "ci95": ch["ci95"], "b": ch["b"], "c": ch["c"], "p": ch["p_value"], "verdict": ch["verdict"],
         "train_pass_first_half": _mean(col("pass_rate")[:half]), "train_pass_second_half": _mean(col("pass_rate")[half:]),
@@ -111,8 +123,10 @@ def main(argv: list[str]) -> int:
         "sft_tokens": e["sft_mean_effort_tokens"], "rl_tokens": e["mean_effort_tokens"],
         "seconds": round(time.perf_counter() - t0, 1), "expert_seconds": round(e["seconds"], 1),
     }
+    if e.get("sampled"):
+        res["sampled"] = e["sampled"]
     (out / "point.json").write_text(json.dumps(res, indent=1))
-    shutil.rmtree(out / "general.max.run" / "checkpoints", ignore_errors=True)
+    shutil.rmtree(out / f"{name}.run" / "checkpoints", ignore_errors=True)
     print(f"{point:>14} seed {rcfg.seed}: max {res['sft_pass']:.3f} → {res['rl_pass']:.3f} (n {res['n']}, b {ch['b']} c {ch['c']}, "
           f"p {ch['p_value']:.3g}) train pass {res['train_pass_first_half']:.3f} → {res['train_pass_second_half']:.3f} "
           f"entropy {res['entropy_first_quarter']:.3f} → {res['entropy_last_quarter']:.3f} zero-var {res['zero_variance_share']:.2f} "
