@@ -77,12 +77,12 @@ def load_policy(path: str | Path, qat: QATConfig | None) -> torch.nn.Module:
 
 def domain_budgets(engine: Any, xtml: XTML, cfg: RLConfig, path: str | Path) -> BudgetTable:
     """b0 of every training task of ``cfg`` (its domain and families) from the cold-start model
-    behind ``engine``, at max effort, cached in ``path`` (`estimate_budgets`)."""
+    behind ``engine``, at max effort and the domain's rollout temperature, cached in ``path`` (`estimate_budgets`)."""
     ec = cfg.effort_control
     return estimate_budgets(
         engine, train_tasks(cfg.families, cfg.n_tasks, difficulty=cfg.difficulty, seed=cfg.seed), xtml=xtml,
         samples_per_task=ec.b0_samples, seed=cfg.seed, max_tokens=cfg.max_tokens, q=ec.b0_quantile,
-        min_b0=ec.min_b0, path=path, progress=cfg.progress,
+        min_b0=ec.min_b0, temperature=cfg.temperature, path=path, progress=cfg.progress,
     )
 
 

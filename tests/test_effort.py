@@ -353,3 +353,28 @@ def test_estimate_budgets_untrained_model_falls_back_to_family_median(xtml_token
     # other settings against the same file: an error naming it
     with pytest.raises(ValueError, match=r"b0\.json: budget table estimated with"):
         estimate_budgets(engine, tasks, **{**kw, "samples_per_task": 2})
+    # another temperature (the RL rollouts'): recorded, a conflict with the temperature-1 table, and the samples
+    # are the AgentLoop's at that temperature
+    with pytest.raises(ValueError, match=r"b0\.json: budget table estimated with"):
+        estimate_budgets(engine, tasks, **{**kw, "temperature": 0.5})
+    cold = estimate_budgets(EmbeddedEngine(model, tok, max_batch_size=9), tasks,
+                            **{**kw, "temperature": 0.5, "path": tmp_path / "b0_t05.json"})
+    assert cold.settings["temperature"] == 0.5 and "temperature" not in table.settings
+    changed = 0
+    for task in tasks:
+        g = int(task_key(task)[:12], 16)
+        runs = {}
+        for temp in (0.5, 1.0):
+            loop = AgentLoop(EmbeddedEngine(model, tok, max_batch_size=9), xtml,
+                             lambda task: get_family(task.family).make_env(task),
+                             sampling=SamplingParams(temperature=temp, max_tokens=16), effort="max")
+            runs[temp] = loop.run([
+                Trajectory(traj_id=f"g{g}/s{j}", group_id=g, sample_index=j, seed=trajectory_seed(5, g, j),
+                           task=task.to_dict())
+                for j in range(3)
+            ])
+        assert [t.thinking_tokens for t in runs[0.5]] == cold.entries[task_key(task)].samples.tokens
+        changed += [t.token_ids for t in runs[0.5]] != [t.token_ids for t in runs[1.0]]
+    assert changed  # the two temperatures sample differently: the check above can fail
+    with pytest.raises(ValueError, match="temperature"):
+        estimate_budgets(engine, tasks, **{**kw, "temperature": -1.0, "path": None})

@@ -18,7 +18,7 @@ token across turns (reasoning, responses, tool-call arguments; tool results are 
 for the agentic domains "agents" and "coding".
 
 b0(x) is estimated once from the cold-start model (`estimate_budgets`): K samples of x at
-temperature 1 with the effort message of the estimated effort (``max``) rendered exactly as
+the RL rollouts' temperature (``rl.temperature``, 1 by default) with the effort message of the estimated effort (``max``) rendered exactly as
 the rollout renders it (`AgentLoop(effort=...)` → the XTML ``thinking-effort`` option
 message), then
 
@@ -404,13 +404,15 @@ def estimate_budgets(
     q: float = 0.9,
     min_b0: float = 1.0,
     correct_reward: float = 1.0,
+    temperature: float = 1.0,
     env_factory: Callable[[Task], Environment] | None = None,
     path: str | Path | None = None,
     progress: bool = False,
 ) -> BudgetTable:
     """b0 of every task from the cold-start model behind ``engine`` (SPEC §3.3).
 
-    Runs ``samples_per_task`` episodes per task through `AgentLoop` at temperature 1 with
+    Runs ``samples_per_task`` episodes per task through `AgentLoop` at ``temperature`` (the RL rollouts' own, so
+    the pass fractions of `BudgetTable.pass_fraction` are the policy's as RL samples it) with
     ``max_tokens`` per turn and the ``thinking-effort`` message of ``effort``; records
     T(y) = `Trajectory.effort_tokens` and `is_correct` of each; estimates b0 as in the
     module doc. Sample j of a task samples with ``trajectory_seed(seed, g, j)``, g from the
@@ -433,6 +435,10 @@ def estimate_budgets(
         "effort": effort, "samples_per_task": samples_per_task, "seed": int(seed), "max_tokens": int(max_tokens),
         "quantile": float(q), "min_b0": float(min_b0), "correct_reward": float(correct_reward),
     }
+    if not temperature >= 0:
+        raise ValueError(f"b0's temperature must be >= 0 (0: greedy), got {temperature!r}")
+    if temperature != 1.0:  # recorded only when not the default, so tables estimated before it keep loading
+        settings["temperature"] = float(temperature)
     table = BudgetTable(settings)
     if path is not None and Path(path).exists():
         table = BudgetTable.load(path)
@@ -450,10 +456,11 @@ def estimate_budgets(
         return table
     keys = list(todo)
     if progress:
-        log.info("b0 budgets: %d tasks x %d samples of the cold-start model at %s effort, up to %d tokens per turn%s",
-                 len(keys), samples_per_task, effort, max_tokens, f" (cached in {path})" if path is not None else "")
+        log.info("b0 budgets: %d tasks x %d samples of the cold-start model at %s effort and temperature %g, up to %d "
+                 "tokens per turn%s", len(keys), samples_per_task, effort, temperature, max_tokens,
+                 f" (cached in {path})" if path is not None else "")
     per_task = run_episodes(
-        engine, xtml, [todo[k] for k in keys], effort=effort, max_tokens=max_tokens, temperature=1.0,
+        engine, xtml, [todo[k] for k in keys], effort=effort, max_tokens=max_tokens, temperature=temperature,
         samples=samples_per_task, seed=seed, env_factory=env_factory or make_env,
         group_ids=[int(k[:12], 16) for k in keys], progress="b0 budgets" if progress else None,
     )
