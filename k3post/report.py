@@ -360,6 +360,10 @@ def _rl_section(run: Path, summary: dict[str, Any]) -> str:
                  "same tasks gives p &lt; 0.05); <code>low</code> uses ≤ 40% of <code>max</code>'s "
                  "tokens; budget violations ≤ 3% at the end of each effort's training.</p>")
     parts.append(_table(["domain", "efforts where RL > SFT (p < 0.05)", "T(low) / T(max)", "≤ 0.4", "max violation rate", "≤ 3%"], checks))
+    below = below_start_notes(ex)
+    if below:
+        parts.append("<p><b>Experts significantly below their SFT start</b> (paired McNemar p &lt; 0.05):</p><ul>"
+                     + "".join(f"<li>{html.escape(n)}</li>" for n in below) + "</ul>")
     parts.append(_gap_table([(name, e.get("rollout_gap", {})) for name, e in ex.items()]))
     for d in domains:
         series = {e: (list(range(1, len(ex[f"{d}.{e}"]["reward_curve"]) + 1)), ex[f"{d}.{e}"]["reward_curve"])
@@ -378,6 +382,33 @@ def _rl_section(run: Path, summary: dict[str, Any]) -> str:
             parts.append(_img(_hist_png(hist, title=f"{d}: T(y) of held-out episodes per effort expert", xlabel="T(y) tokens"),
                               f"{d} T(y) histograms"))
     return "\n".join(parts)
+
+
+def below_start_notes(experts: dict[str, dict[str, Any]]) -> list[str]:
+    """One sentence per expert whose held-out pass is significantly below the SFT model's at its effort (paired
+    verdict "lower"), saying what the expert's table shows about why: where it trained from (the effort curriculum
+    starts high from max's expert and low from high's, not from the SFT model) and whether its T(y) fell (consistent
+    with the effort budget trading accuracy for tokens) or not (then the loss is not the budget's)."""
+    notes = []
+    for name, e in experts.items():
+        ch = e.get("change") or {}
+        if ch.get("verdict") != "lower":
+            continue
+        text = f"{name}: {e['sft_pass_rate']:.3f} → {e['pass_rate']:.3f} (n {e.get('n', '?')}, p {ch['p_value']:.2g})."
+        start = e.get("init_from", "sft")
+        if start != "sft":
+            parent = experts.get(start)
+            text += (f" It trained from {start}'s expert (the effort curriculum), not from the SFT model"
+                     + (f"; {start} itself passes {parent['pass_rate']:.3f} at {parent['effort']} against the SFT model's "
+                        f"{parent['sft_pass_rate']:.3f}" if parent else "") + ".")
+        t0, t1 = e["sft_mean_effort_tokens"], e["mean_effort_tokens"]
+        if t1 < t0:
+            text += (f" Its mean T(y) fell {t0:.1f} → {t1:.1f} tokens under the {e['effort']} budget (scale "
+                     f"{e.get('scale', '?')} of b0), consistent with the effort budget trading accuracy for tokens.")
+        else:
+            text += f" Its mean T(y) did not fall ({t0:.1f} → {t1:.1f}): the loss is not the effort budget's."
+        notes.append(text)
+    return notes
 
 
 def _rl_run_section(run: Path, summary: dict[str, Any]) -> str:

@@ -826,3 +826,29 @@ def test_train_rl_rolls_out_only_the_selected_prompts(warm_policy, tmp_path, mon
     monkeypatch.setattr(rl_mod, "train_policy", spy)
     train_rl(copy.deepcopy(model), tok, cfg, tmp_path / "rl", budgets=table, evaluate=False)
     assert seen["tasks"] == [tasks[1], tasks[3], tasks[5]]
+
+
+def test_the_report_says_why_an_expert_is_below_its_sft_start():
+    """Issue 31: no expert significantly below its SFT start unless the effort budget trades accuracy for tokens,
+    and then the report says so (seed 1's demo: coding.low 0.469 -> 0.000, from coding.high's expert, T 137.6 -> 58.0)."""
+    from k3post.report import below_start_notes
+
+    def cell(effort, init, sft, rl, verdict, t0, t1, p=0.01):
+        return {"domain": "coding", "effort": effort, "init_from": init, "scale": {"max": 2.0, "high": 1.0, "low": 0.4}[effort],
+                "n": 32, "sft_pass_rate": sft, "pass_rate": rl, "sft_mean_effort_tokens": t0, "mean_effort_tokens": t1,
+                "change": {"verdict": verdict, "p_value": p}}
+
+    ex = {"coding.max": cell("max", "sft", 0.031, 0.0, "no significant change", 359.4, 326.9, 1.0),
+          "coding.high": cell("high", "coding.max", 0.0625, 0.03125, "no significant change", 365.9, 338.2, 1.0),
+          "coding.low": cell("low", "coding.high", 0.46875, 0.0, "lower", 137.625, 58.03125, 6.1e-05)}
+    (note,) = below_start_notes(ex)
+    assert note == ("coding.low: 0.469 → 0.000 (n 32, p 6.1e-05). It trained from coding.high's expert (the effort "
+                    "curriculum), not from the SFT model; coding.high itself passes 0.031 at high against the SFT model's "
+                    "0.062. Its mean T(y) fell 137.6 → 58.0 tokens under the low budget (scale 0.4 of b0), consistent "
+                    "with the effort budget trading accuracy for tokens.")
+    # a max expert below its start with no fewer tokens: not the budget's
+    ex["coding.max"] = cell("max", "sft", 0.5, 0.1, "lower", 300.0, 310.0, 0.001)
+    notes = below_start_notes(ex)
+    assert notes[0] == ("coding.max: 0.500 → 0.100 (n 32, p 0.001). Its mean T(y) did not fall (300.0 → 310.0): the "
+                        "loss is not the effort budget's.") and len(notes) == 2
+    assert below_start_notes({k: v for k, v in ex.items() if k == "coding.high"}) == []
