@@ -69,6 +69,9 @@ def main(argv: list[str]) -> int:
     domain = "general"
     if "--domain" in overrides:
         i = overrides.index("--domain")
+        if i + 1 == len(overrides):
+            print("--domain needs a value: general, agents or coding", file=sys.stderr)
+            return 2
         domain = overrides[i + 1]
         overrides = overrides[:i] + overrides[i + 2:]
     from k3post.config import load_config

@@ -294,10 +294,18 @@ def _checked_call(child: KernelChild, op: KernelOp, tc: str, sets: Sequence[Sequ
                   dims: Mapping[str, int], where: str, timeout: float, want: Sequence[array.array] | None = None) -> int:
     """One call of the agent's child on ``sets`` of inputs, every result checked (`_check_outputs`); the child's
     CPU nanoseconds. ``want``: the expected results; by default the reference is run here."""
-    sent = [[a.tobytes() for a in args] for args in sets]
-    outs, echoes, ns = child.call(sent, [dims[k] for k in op.dims], timeout=timeout)
+    sent, outs, echoes, ns = _agent_call(child, op, sets, dims, timeout)
     _check_outputs(op, tc, sets, sent, outs, echoes, dims, where, want)
     return ns
+
+
+def _agent_call(child: KernelChild, op: KernelOp, sets: Sequence[Sequence[array.array]], dims: Mapping[str, int],
+                timeout: float) -> tuple[list[list[bytes]], list[bytes], list[bytes], int]:
+    """One unchecked call of the agent's child: (the input bytes sent, its results, its echoed inputs, its CPU
+    nanoseconds); `_check_outputs` judges them."""
+    sent = [[a.tobytes() for a in args] for args in sets]
+    outs, echoes, ns = child.call(sent, [dims[k] for k in op.dims], timeout=timeout)
+    return sent, outs, echoes, ns
 
 
 def _check_outputs(op: KernelOp, tc: str, sets: Sequence[Sequence[array.array]], sent: Sequence[Sequence[bytes]],
@@ -402,8 +410,7 @@ def measure(task: Task, sandbox: Sandbox, *, run: int = 0, public: bool = False,
                 agent_reply: tuple[list[list[bytes]], list[bytes], list[bytes]] | None = None
                 for role in ROUND_ORDERS[i % len(ROUND_ORDERS)]:
                     if role == "agent":
-                        sent = [[a.tobytes() for a in args] for args in sets]
-                        outs, echoes, ns = agent.call(sent, [dims[k] for k in op.dims], timeout=left())
+                        sent, outs, echoes, ns = _agent_call(agent, op, sets, dims, left())
                         agent_reply = (sent, outs, echoes)
                     else:
                         outs, ns = _trusted_call(roles[role], role, op, sets, dims)
