@@ -80,9 +80,28 @@ quantiles. ``machine`` (``machine_state()``) records the load average and CPU at
 Prints human-readable lines, then one final JSON line: the ratios first (headline ``speedup_vs_sync``),
 then ``partial_groups_per_s_*``, ``sync_groups_per_s_*``, counts, distributions, ``wall_s``, ``machine``.
 
+**The cost model** (`k3post.rollout.cost_model`, issue 32). The scheduler makes no wall-clock decision, so a
+run's time is the sum of its engine steps' costs plus the agent loop between them. Every timed step's
+`StepWork` (rows decoded, their total context, prefill tokens) is recorded. ``--fit-curve FILE`` fits
+``a + b·rows + c·context + d·[prefill] + e·prefill tokens`` (ms) to the synchronous runs' steps, writes it
+(with the outside-engine cost per finished turn) and predicts both modes with it: the partial runs are out
+of sample. ``--curve FILE`` predicts with another curve (e.g. ``bench/step_cost.py``'s kernel-level one).
+Printed: predicted vs measured engine and wall seconds per mode, and by kind of step.
+
+**The simulator** (``--simulate COST_CURVE --book FILE``, every number labelled SIMULATED). ``--save-book
+FILE`` keeps every turn a real run sampled (after the timed iterations each mode drains its stream, untimed,
+so every trajectory of every task is recorded). ``--simulate`` then runs the real scheduler, agent loop and
+environments over `ReplayEngine`s (`k3post.rollout.replay`: the engine protocol over recorded tokens, each
+step priced by the curve) for every (λ, staleness) of ``--sim-lambdas`` x ``--sim-staleness``, and with
+``--sim-fixed-scale`` the same setting under the curve's fixed step cost scaled; prints the speed-up of each
+and the best. With the weights unchanged, sampling is a function of (seed, context), so the replay of the
+recorded setting reproduces the real run's step trace exactly (tests/test_replay.py).
+
 Usage: OMP_NUM_THREADS=1 python bench/partial_rollout.py [--repeats 3] [--iters 10] [--n 8] [--k 4] [--regimes ...]
-(measured: 5 minutes with the defaults at load average 3-5 on 2 cores: 56 s of policy training, then
-~80 s per repeat; ``--policy-cache FILE`` skips the training on later runs).
+    [--device cuda] [--fit-curve fit.json] [--curve curve.json] [--save-book book.json.gz] [--policy-cache p.pt]
+    python bench/partial_rollout.py --simulate fit.json --book book.json.gz [--sim-fixed-scale 1,4,16]
+(measured: 3.5 minutes with the defaults on a quiet 2-core machine: 50 s of policy training, then ~50 s per
+repeat; ``--policy-cache FILE`` skips the training on later runs; a simulation takes ~12 s per grid point).
 
 Shape legend: T tokens of one training sequence, V vocabulary, R length regimes.
 """
@@ -117,7 +136,9 @@ from k3post.models import build_tiny_moe  # noqa: E402
 from k3post.rollout.agent_loop import AgentLoop  # noqa: E402
 from k3post.rollout.embedded import EmbeddedEngine  # noqa: E402
 from k3post.rollout.engine import GenerationResult, SamplingParams  # noqa: E402
+from k3post.rollout.cost_model import CostCurve, fit_linear, predict_engine_s, step_work_summary  # noqa: E402
 from k3post.rollout.kv_pool import KVPool  # noqa: E402
+from k3post.rollout.replay import RecordingMixin, ReplayBook, ReplayEngine, load_books, save_books  # noqa: E402
 from k3post.rollout.scheduler import PartialRolloutScheduler  # noqa: E402
 from k3post.tokenizer import train_tokenizer  # noqa: E402
 from k3post.xtml import XTML  # noqa: E402
@@ -143,18 +164,29 @@ def parse_regimes(spec: str) -> list[tuple[str, float, float]]:
     return out
 
 
-class TimedEngine(EmbeddedEngine):
-    """`EmbeddedEngine` that records (rows decoded, seconds) of every ``step()``."""
+class TimedEngine(RecordingMixin, EmbeddedEngine):
+    """`EmbeddedEngine` that records (rows decoded, seconds) of every ``step()``, its `StepWork`
+    (``work_log``), the finished turns (``turns``) and their tokens (``book``, for ``--simulate``).
+    On CUDA the clock stops after a ``torch.cuda.synchronize()``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.step_log: list[tuple[int, float]] = []
+        self.turns = 0
+        self.recording = True
+        self._cuda = self.device.type == "cuda"
 
     def step(self) -> list[GenerationResult]:
         rows = self.num_running
         t0 = time.perf_counter()
         out = super().step()
-        self.step_log.append((rows, time.perf_counter() - t0))
+        if self._cuda:
+            torch.cuda.synchronize()
+        if self.recording:
+            self.step_log.append((rows, time.perf_counter() - t0))
+            self.turns += sum(r.finish_reason in ("stop", "length") for r in out)
+        else:  # drain after the timed iterations: recorded into the book, not into the trace
+            self.work_log.pop()
         return out
 
 
@@ -192,12 +224,17 @@ def fixed_action_turns(task: Task) -> list[dict[str, Any]]:
     return out
 
 
+def make_tokenizer() -> tuple[Any, XTML]:
+    """The policy's BPE tokenizer (trained on the built-in corpus; deterministic) and its XTML."""
+    tok = train_tokenizer(default_corpus(n_per_family=2, n_main=4), vocab_size=1024)
+    return tok, XTML(tok)
+
+
 def train_policy(args: argparse.Namespace, tasks: list[Task]) -> tuple[Any, Any, XTML]:
     """The policy (module doc), trained on the reference trajectories of ``tasks`` (one drawn task per
     step, each with a freshly drawn filler): returns (model, tokenizer, xtml)."""
     regimes = parse_regimes(args.regimes)
-    tok = train_tokenizer(default_corpus(n_per_family=2, n_main=4), vocab_size=1024)
-    xtml = XTML(tok)
+    tok, xtml = make_tokenizer()
     first_ids, next_ids = [], []
     for word, _, _ in regimes:
         a, b = (tok(s, add_special_tokens=False)["input_ids"] for s in (word, " " + word))
@@ -279,34 +316,55 @@ class ModeRun:
     scheduler, fed ``tasks`` (one group of K per task, in order); `iteration` runs and times one
     scheduler iteration, `summary` the repeat's totals."""
 
-    def __init__(self, args: argparse.Namespace, policy: tuple[Any, Any, XTML], lambda_: float, tasks: list[Task]) -> None:
+    def __init__(self, args: argparse.Namespace, policy: tuple[Any, Any, XTML], lambda_: float, tasks: list[Task],
+                 engine: Any = None, max_staleness: int | None = None) -> None:
         model, self.tok, xtml = policy
-        self.engine = TimedEngine(model, self.tok, max_batch_size=args.slots, seed=args.seed)
+        self.engine = engine if engine is not None else TimedEngine(model, self.tok, max_batch_size=args.slots,
+                                                                    seed=args.seed)
         sampling = SamplingParams(temperature=1.0, max_tokens=args.max_turn_tokens)
         self.loop = AgentLoop(self.engine, xtml, get_family("agents.search").make_env, sampling=sampling)
         self.sch = PartialRolloutScheduler(
-            self.loop, n_prompts=args.n, k=args.k, lambda_=lambda_, max_staleness=args.max_staleness,
+            self.loop, n_prompts=args.n, k=args.k, lambda_=lambda_,
+            max_staleness=args.max_staleness if max_staleness is None else max_staleness,
             seed=args.seed, kv_pool=KVPool(args.pool_mb << 20), resident_kv_bytes=0,
         )
         self.sch.add_prompts(tasks)
-        self.weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        self.weights = {n: p.detach().clone() for n, p in model.named_parameters()} if model is not None else {}
         self.groups: list[Any] = []
         self.per_iter: list[dict[str, Any]] = []
+        self.simulated = isinstance(self.engine, ReplayEngine)
 
     def iteration(self) -> None:
         """One scheduler iteration (timed), then the weight sync of the train step (not timed)."""
         blocked = self.sch.stats["admission_blocked"]
-        n_steps = len(self.engine.step_log)
-        t0, c0 = time.perf_counter(), time.process_time()
-        gs = self.sch.run_iteration()
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        n_work = len(self.engine.work_log)
+        if self.simulated:  # the modelled engine's clock; outside the engine: the curve's cost per turn
+            t0, turns0 = self.engine.clock_s, self.engine.stats["turns"]
+            gs = self.sch.run_iteration()
+            turns = self.engine.stats["turns"] - turns0
+            engine_s = self.engine.clock_s - t0
+            wall = cpu = engine_s + turns * self.engine.curve.outside_ms_per_turn / 1000.0
+        else:
+            n_steps, turns0 = len(self.engine.step_log), self.engine.turns
+            t0, c0 = time.perf_counter(), time.process_time()
+            gs = self.sch.run_iteration()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            turns = self.engine.turns - turns0
+            engine_s = sum(t for _, t in self.engine.step_log[n_steps:])
         self.groups += gs
+        work = self.engine.work_log[n_work:]
         self.per_iter.append({
-            "groups": len(gs), "steps": len(self.engine.step_log) - n_steps, "wall_s": wall, "cpu_s": cpu,
-            "engine_s": sum(t for _, t in self.engine.step_log[n_steps:]),
-            "blocked": self.sch.stats["admission_blocked"] > blocked,
+            "groups": len(gs), "steps": len(work), "wall_s": wall, "cpu_s": cpu, "engine_s": engine_s,
+            "turns": turns, "work": work, "blocked": self.sch.stats["admission_blocked"] > blocked,
         })
         self.engine.update_weights(self.weights)  # same tensors: only the version moves
+
+    def drain(self) -> None:
+        """Untimed, after the timed iterations: run every prompt of the stream and every paused
+        trajectory to its end, so the replay book holds every turn any scheduling of this stream needs."""
+        self.engine.recording = False
+        while self.sch.num_pending_prompts or self.sch.paused():
+            self.sch.run_iteration()
 
     def summary(self) -> dict[str, Any]:
         """This repeat's rates (all iterations; steady: without the first) and raw records to combine."""
@@ -324,6 +382,14 @@ class ModeRun:
             "groups_per_kstep": 1000.0 * rate(per_iter, "steps"),
             "groups_per_kstep_steady": 1000.0 * rate(steady, "steps"),
             "outside_engine_s": sum(it["wall_s"] - it["engine_s"] for it in per_iter),
+            "engine_s": sum(it["engine_s"] for it in per_iter),
+            "turns": sum(it["turns"] for it in per_iter),
+            "work": [w for it in per_iter for w in it["work"]],
+            "engine_s_steady": sum(it["engine_s"] for it in steady),
+            "wall_s_steady": sum(it["wall_s"] for it in steady),
+            "groups_steady": sum(it["groups"] for it in steady),
+            "turns_steady": sum(it["turns"] for it in steady),
+            "work_steady": [w for it in steady for w in it["work"]],
             "per_iter": [(it["groups"], it["steps"], round(it["wall_s"], 2)) + (("blocked",) if it["blocked"] else ())
                          for it in per_iter],
             "blocked_iters": sum(it["blocked"] for it in per_iter),
@@ -332,34 +398,48 @@ class ModeRun:
             "staleness_hist": Counter(self.sch.staleness_hist),
             "stats": Counter(self.sch.stats),
             "engine_steps": self.engine.stats["steps"],
-            "step_log": list(self.engine.step_log),
+            "step_log": list(getattr(self.engine, "step_log", [])),
             "prefill_tokens": self.engine.stats["prefill_tokens"],
             "decode_tokens": self.engine.stats["decode_tokens"],
         }
+        if not self.simulated and self.engine.recording:
+            self.drain()
+        out["book"] = getattr(self.engine, "book", None)
         self.loop.close()
         return out
 
 
 def run_repeats(
-    args: argparse.Namespace, policy: tuple[Any, Any, XTML], tasks: list[Task]
+    args: argparse.Namespace, policy: tuple[Any, Any, XTML], tasks: list[Task], *,
+    replay: list[ReplayBook] | None = None, curve: CostCurve | None = None, lambda_: float | None = None,
+    max_staleness: int | None = None, quiet: bool = False,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``args.repeats`` repeats; in repeat r both modes get the same slice of distinct tasks (a fresh engine
     and scheduler each) and run their iterations interleaved (sync 1, partial 1, sync 2, ...; partial
-    first in odd repeats) so that load from other processes hits both alike."""
+    first in odd repeats) so that load from other processes hits both alike. With ``replay`` (one book
+    per repeat) and ``curve``, each mode runs on a `ReplayEngine` instead: simulated."""
     per = prompts_per_repeat(args)
+    lam = args.lambda_ if lambda_ is None else lambda_
     sync_runs, part_runs = [], []
     for r in range(args.repeats):
         stream = tasks[r * per : (r + 1) * per]
-        sync, part = ModeRun(args, policy, 1.0, stream), ModeRun(args, policy, args.lambda_, stream)
+        engines: list[Any] = [None, None]
+        if replay is not None:
+            engines = [ReplayEngine(replay[r], curve, max_batch_size=args.slots, max_model_len=args.max_pos,
+                                    seed=args.seed) for _ in range(2)]
+        sync = ModeRun(args, policy, 1.0, stream, engines[0], max_staleness)
+        part = ModeRun(args, policy, lam, stream, engines[1], max_staleness)
         order = (sync, part) if r % 2 == 0 else (part, sync)
         for _ in range(args.iters):
             for mode in order:
                 mode.iteration()
         sync_runs.append(sync.summary())
         part_runs.append(part.summary())
-        print(f"repeat {r}: sync {sync_runs[-1]['groups_per_s']:.3f} groups/s, partial {part_runs[-1]['groups_per_s']:.3f} "
-              f"groups/s, ratio {part_runs[-1]['groups_per_s'] / sync_runs[-1]['groups_per_s']:.2f} "
-              f"(load average {os.getloadavg()[0]:.2f})", flush=True)
+        if not quiet:
+            print(f"repeat {r}: sync {sync_runs[-1]['groups_per_s']:.3f} groups/s, partial "
+                  f"{part_runs[-1]['groups_per_s']:.3f} groups/s, ratio "
+                  f"{part_runs[-1]['groups_per_s'] / sync_runs[-1]['groups_per_s']:.2f} "
+                  f"(load average {os.getloadavg()[0]:.2f})", flush=True)
     return sync_runs, part_runs
 
 
@@ -430,9 +510,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-steps", type=int, default=600)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--policy-cache", default="", help="load the policy from / save it to this file")
+    p.add_argument("--device", default="cpu", help="where the policy runs in rollout (cpu, cuda); trained on CPU")
+    p.add_argument("--curve", default="", help="a cost curve (bench/step_cost.py) to predict this run's times with")
+    p.add_argument("--fit-curve", default="", help="fit a linear cost curve to the synchronous runs' steps, write it "
+                   "here and predict both modes with it")
+    p.add_argument("--save-book", default="", help="write the sampled turns here (gzipped JSON) for --simulate")
+    p.add_argument("--simulate", default="", metavar="COST_CURVE",
+                   help="SIMULATE: replay --book's turns through the real scheduler, steps priced by this curve")
+    p.add_argument("--book", default="", help="the --save-book file of a real run (for --simulate)")
+    p.add_argument("--sim-lambdas", default="0.5,0.6,0.7,0.8,0.9")
+    p.add_argument("--sim-staleness", default="1,2,4,8")
+    p.add_argument("--sim-fixed-scale", default="",
+                   help="--simulate: also price --lambda_ / --max-staleness with the curve's fixed step cost x each "
+                        "of these factors (e.g. 1,4,16,64): how the gain grows with the share of fixed cost")
+    p.add_argument("--outside-ms-per-turn", type=float, default=None,
+                   help="--simulate: agent loop / env cost per finished turn (default: the curve's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
+    if args.simulate and not args.book:
+        raise ValueError("--simulate needs --book (the --save-book file of a real run)")
+    for flag in ("curve", "simulate", "book"):  # checked before the run, not after it
+        if getattr(args, flag) and not os.path.isfile(getattr(args, flag)):
+            raise ValueError(f"--{flag.replace('_', '-')}: no such file {getattr(args, flag)!r}")
     if not 0.0 < args.lambda_ < 1.0:
         raise ValueError(f"--lambda_ must be in (0, 1) for the partial mode, got {args.lambda_}")
     if args.repeats < 3:
@@ -442,14 +542,139 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+BOOK_ARGS = ("seed", "n", "k", "iters", "repeats", "max_turn_tokens", "max_pos", "regimes", "filler_cap",
+             "train_steps", "lr")
+
+
+def residuals(runs: list[dict[str, Any]], curve: CostCurve) -> dict[str, list[float]]:
+    """Measured vs predicted engine seconds by kind of step (decode only by rows, prefill only, decode +
+    prefill): {kind: [steps, measured s, predicted s]}, to see where the model misses."""
+    out: dict[str, list[float]] = {}
+    for r in runs:
+        for w, (_, t) in zip(r["work"], r["step_log"]):
+            if w.rows and w.prefill:
+                kind = "decode+prefill"
+            elif w.prefill:
+                kind = "prefill"
+            else:
+                kind = next(f"decode {lo}-{hi - 1}" for lo, hi in zip(BATCH_BUCKETS, BATCH_BUCKETS[1:] + (10**9,))
+                            if lo <= w.rows < hi)
+            row = out.setdefault(kind, [0, 0.0, 0.0])
+            row[0] += 1
+            row[1] += t
+            row[2] += curve.price(w) / 1000.0
+    return {k: [v[0], round(v[1], 2), round(v[2], 2)] for k, v in sorted(out.items())}
+
+
+def predict(sync_runs: list[dict[str, Any]], part_runs: list[dict[str, Any]], curve: CostCurve) -> dict[str, Any]:
+    """The cost model against this run: engine seconds predicted from each mode's step trace by ``curve``
+    vs measured, and the wall time with the outside-engine cost per turn of the synchronous runs."""
+    turns = sum(r["turns"] for r in sync_runs)
+    outside_ms = 1000.0 * sum(r["outside_engine_s"] for r in sync_runs) / max(1, turns)
+    out: dict[str, Any] = {"outside_ms_per_turn_from_sync": round(outside_ms, 3), "curve_source": curve.source}
+    rates = {}
+    for mode, runs in (("sync", sync_runs), ("partial", part_runs)):
+        pred_engine = [predict_engine_s(r["work"], curve) for r in runs]
+        meas_engine = [r["engine_s"] for r in runs]
+        pred_wall = [e + r["turns"] * outside_ms / 1000.0 for e, r in zip(pred_engine, runs)]
+        meas_wall = [r["wall_s"] for r in runs]
+        out[f"{mode}_engine_s_measured"] = round(sum(meas_engine), 2)
+        out[f"{mode}_engine_s_predicted"] = round(sum(pred_engine), 2)
+        out[f"{mode}_engine_error"] = round(sum(pred_engine) / sum(meas_engine) - 1.0, 4)
+        out[f"{mode}_wall_s_measured"] = round(sum(meas_wall), 2)
+        out[f"{mode}_wall_s_predicted"] = round(sum(pred_wall), 2)
+        out[f"{mode}_wall_error"] = round(sum(pred_wall) / sum(meas_wall) - 1.0, 4)
+        out[f"{mode}_work"] = {k: round(v, 1) for k, v in step_work_summary([w for r in runs for w in r["work"]]).items()}
+        out[f"{mode}_by_kind"] = residuals(runs, curve)
+        rates[mode] = [r["groups"] / w for r, w in zip(runs, pred_wall)]
+    out.update(ratio_summary("predicted_speedup_vs_sync", rates["partial"], rates["sync"]))
+    return out
+
+
+def simulate(args: argparse.Namespace) -> None:
+    """``--simulate``: the real scheduler, agent loop and environments over `ReplayEngine`s (the --book's
+    turns, steps priced by the curve), sync vs partial for every (λ, staleness) of the grid. SIMULATED."""
+    curve = CostCurve.load(args.simulate)
+    books, meta = load_books(args.book)
+    for k in BOOK_ARGS:
+        if k in meta and meta[k] != getattr(args, k):
+            print(f"--simulate: {k} = {meta[k]!r} as recorded in {args.book} (not {getattr(args, k)!r})")
+            setattr(args, k, meta[k])
+    if len(books) < args.repeats:
+        raise ValueError(f"{args.book}: {len(books)} books for {args.repeats} repeats")
+    if args.outside_ms_per_turn is not None:
+        curve.outside_ms_per_turn = float(args.outside_ms_per_turn)
+    tok, xtml = make_tokenizer()
+    tasks = make_tasks(args.repeats * prompts_per_repeat(args), seed=args.seed)
+    print(f"SIMULATED with the cost curve {args.simulate}: {curve.source}")
+    print(f"  outside the engine {curve.outside_ms_per_turn:.2f} ms per finished turn; {args.slots} slots; "
+          f"recorded by: {meta.get('recorded_on', '?')}")
+    grid = []
+    t0 = time.perf_counter()
+    for lam in (float(x) for x in args.sim_lambdas.split(",")):
+        for st in (int(x) for x in args.sim_staleness.split(",")):
+            sync_runs, part_runs = run_repeats(args, (None, tok, xtml), tasks, replay=books, curve=curve, lambda_=lam,
+                                               max_staleness=st, quiet=True)
+            sync, part = combine(tok, sync_runs), combine(tok, part_runs)
+            row = {"lambda": lam, "max_staleness": st}
+            row.update(ratio_summary("sim_speedup_vs_sync", part["groups_per_s"], sync["groups_per_s"]))
+            row.update(ratio_summary("sim_speedup_vs_sync_steady", part["groups_per_s_steady"], sync["groups_per_s_steady"]))
+            row["sim_blocked_iters"] = part["blocked_iters"]
+            row["sim_mean_rows_partial"] = round(step_work_summary([w for r in part_runs for w in r["work"]])["mean_rows"], 1)
+            row["sim_mean_rows_sync"] = round(step_work_summary([w for r in sync_runs for w in r["work"]])["mean_rows"], 1)
+            grid.append(row)
+            print(f"SIMULATED λ {lam:.2f} staleness {st}: speedup {row['sim_speedup_vs_sync']:.2f}x "
+                  f"({row['sim_speedup_vs_sync_min']:.2f}-{row['sim_speedup_vs_sync_max']:.2f}), steady "
+                  f"{row['sim_speedup_vs_sync_steady']:.2f}x; rows per step sync {row['sim_mean_rows_sync']}, partial "
+                  f"{row['sim_mean_rows_partial']}; blocked iterations {row['sim_blocked_iters']}", flush=True)
+    scales = []
+    for m in (float(x) for x in args.sim_fixed_scale.split(",") if x):
+        c = curve.with_fixed_cost(m * float(curve.step_ms or 0.0), f"fixed step cost x {m:g}")
+        sync_runs, part_runs = run_repeats(args, (None, tok, xtml), tasks, replay=books, curve=c, quiet=True)
+        sync, part = combine(tok, sync_runs), combine(tok, part_runs)
+        row = {"fixed_scale": m, "step_ms": round(float(c.step_ms or 0.0), 4)}
+        row.update(ratio_summary("sim_speedup_vs_sync", part["groups_per_s"], sync["groups_per_s"]))
+        engine_s = sum(r["engine_s"] for r in sync_runs)
+        row["sync_fixed_share"] = round(sum(len(r["work"]) for r in sync_runs) * float(c.step_ms or 0.0) / 1000.0
+                                        / max(1e-9, sum(r["wall_s"] for r in sync_runs)), 3)
+        row["sync_engine_share"] = round(engine_s / max(1e-9, sum(r["wall_s"] for r in sync_runs)), 3)
+        scales.append(row)
+        print(f"SIMULATED fixed step cost x {m:g} ({row['step_ms']} ms; {100 * row['sync_fixed_share']:.0f} % of the "
+              f"synchronous rollout time): λ {args.lambda_} staleness {args.max_staleness}: speedup "
+              f"{row['sim_speedup_vs_sync']:.2f}x ({row['sim_speedup_vs_sync_min']:.2f}-{row['sim_speedup_vs_sync_max']:.2f})",
+              flush=True)
+    best = max(grid, key=lambda r: r["sim_speedup_vs_sync"])
+    print(f"SIMULATED best: λ {best['lambda']} staleness {best['max_staleness']}: {best['sim_speedup_vs_sync']:.2f}x "
+          f"({time.perf_counter() - t0:.0f} s of simulation)")
+    print(json.dumps({"simulated": True, "curve": args.simulate, "curve_source": curve.source,
+                      "outside_ms_per_turn": curve.outside_ms_per_turn, "slots": args.slots,
+                      "best_lambda": best["lambda"], "best_max_staleness": best["max_staleness"],
+                      "best_sim_speedup_vs_sync": best["sim_speedup_vs_sync"], "grid": grid, "fixed_scale": scales}))
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average {os.getloadavg()}")
+    if args.simulate:
+        simulate(args)
+        return
     t_start = time.perf_counter()
     tasks = make_tasks(args.repeats * prompts_per_repeat(args), seed=args.seed)
-    policy = train_policy(args, tasks)
+    model, tok, xtml = train_policy(args, tasks)
+    policy = (model.to(args.device), tok, xtml)
     sync_runs, part_runs = run_repeats(args, policy, tasks)
+    if args.save_book:
+        books, conflicts = [], 0
+        for s_run, p_run in zip(sync_runs, part_runs):
+            book = ReplayBook()
+            conflicts += book.merge(s_run["book"]) + book.merge(p_run["book"])
+            books.append(book)
+        print(f"turns sampled differently by the two modes (batch-dependent rounding): {conflicts}")
+        meta = {k: getattr(args, k) for k in BOOK_ARGS}
+        meta["recorded_on"] = f"{args.device} {machine_state()['cpu']}"
+        save_books(args.save_book, books, meta)
+        print(f"replay book: {sum(len(b) for b in books)} turns in {args.save_book}")
     tok = policy[1]
     sync, part = combine(tok, sync_runs), combine(tok, part_runs)
     lengths = quantiles(sync["output_tokens"])  # every admitted trajectory of a λ = 1 run: the unbiased sample
@@ -473,6 +698,38 @@ def main() -> None:
     result.update(ratio_summary("speedup_vs_sync_steady_cpu", part["groups_per_cpu_s_steady"], sync["groups_per_cpu_s_steady"]))
     result.update(ratio_summary("projected_speedup_vs_sync_const_step_cost", part["groups_per_kstep"], sync["groups_per_kstep"]))
     result["projected_speedup_assumption"] = PROJECTION_ASSUMPTION
+    curves: list[tuple[str, CostCurve]] = []
+    if args.fit_curve:
+        steps = [(w, t) for r in sync_runs for w, (_, t) in zip(r["work"], r["step_log"])]
+        where = torch.cuda.get_device_name() if args.device.startswith("cuda") else machine_state()["cpu"]
+        fitted = fit_linear([w for w, _ in steps], [t for _, t in steps], source=(
+            f"bench/partial_rollout.py --fit-curve: linear fit to the {len(steps)} timed engine steps of the synchronous "
+            f"runs on {where} ({args.device}, {torch.get_num_threads()} thread(s), torch {torch.__version__}), the "
+            f"bench's policy, {time.strftime('%Y-%m-%d')}"))
+        turns = sum(r["turns"] for r in sync_runs)
+        fitted.outside_ms_per_turn = 1000.0 * sum(r["outside_engine_s"] for r in sync_runs) / max(1, turns)
+        fitted.save(args.fit_curve)
+        lin = fitted.meta["linear"]
+        print(f"fitted cost (ms) = {lin['a_ms']:.4f} + {lin['b_ms_per_row']:.4f}·rows + {lin['c_ms_per_context']:.3g}·context "
+              f"+ {lin['d_ms_prefill_step']:.4f}·[prefill] + {lin['e_ms_per_prefill_token']:.5f}·prefill tokens "
+              f"(R² per step {lin['r2']:.2f}); outside the engine {fitted.outside_ms_per_turn:.3f} ms a turn -> {args.fit_curve}")
+        curves.append(("fitted on the synchronous runs (partial: out of sample)", fitted))
+    if args.curve:
+        curves.append((args.curve, CostCurve.load(args.curve)))
+    result["cost_model"] = {}
+    for name, curve in curves:
+        pred = predict(sync_runs, part_runs, curve)
+        print(f"cost model, {name}: engine s sync {pred['sync_engine_s_predicted']} predicted / "
+              f"{pred['sync_engine_s_measured']} measured ({100 * pred['sync_engine_error']:+.1f} %), partial "
+              f"{pred['partial_engine_s_predicted']} / {pred['partial_engine_s_measured']} "
+              f"({100 * pred['partial_engine_error']:+.1f} %); wall s sync {pred['sync_wall_s_predicted']} / "
+              f"{pred['sync_wall_s_measured']} ({100 * pred['sync_wall_error']:+.1f} %), partial "
+              f"{pred['partial_wall_s_predicted']} / {pred['partial_wall_s_measured']} "
+              f"({100 * pred['partial_wall_error']:+.1f} %); predicted speedup {pred['predicted_speedup_vs_sync']:.2f}x")
+        print(f"  work per mode: sync {pred['sync_work']}, partial {pred['partial_work']}")
+        print(f"  by kind of step {{kind: [steps, measured s, predicted s]}}: sync {pred['sync_by_kind']}; partial "
+              f"{pred['partial_by_kind']}")
+        result["cost_model"][name] = pred
     for mode, r in (("partial", part), ("sync", sync)):
         result.update(summary(f"{mode}_groups_per_s", r["groups_per_s"]))
     for name, key in (("headline", "speedup_vs_sync"), ("secondary", "speedup_vs_sync_steady"),
@@ -503,6 +760,7 @@ def main() -> None:
         "repeats": args.repeats,
         "regimes": args.regimes,
         "threads": torch.get_num_threads(),
+        "device": args.device,
         "wall_s": round(time.perf_counter() - t_start, 1),
         "machine": machine_state(),
     })

@@ -103,6 +103,7 @@ from k3post.rollout.engine import (
     GenerationResult,
     KVState,
     NamedTensors,
+    QueuedRequestsMixin,
     generate_by_stepping,
     request_seed,
     sample_from_logits,
@@ -396,7 +397,7 @@ def lean_blocker(model: Any, max_model_len: int) -> str | None:
     return None
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(QueuedRequestsMixin):
     """Continuous-batching rollout engine over a Hugging Face causal LM (pure PyTorch).
 
     Args:
@@ -707,31 +708,6 @@ class EmbeddedEngine:
             )
         seq.kv = kv
 
-    def import_kv(self, request_id: str, kv: KVState) -> None:
-        """Attach ``kv`` to a queued request so its admission skips the prefill."""
-        for seq in self._queue:
-            if seq.rid == request_id:
-                self._attach_kv(seq, kv)
-                return
-        raise ValueError(f"import_kv: request {request_id!r} is not queued in this engine")
-
-    def take_kv(self, request_id: str) -> KVState | None:
-        """The KV cache kept for a finished ``keep_kv`` request (CPU tensors), removed from
-        the engine; None when none is kept (not finished with "stop", already taken or
-        dropped). Its ``context_ids`` are the request's prompt + output ids but the last."""
-        return self._kept.pop(request_id, None)
-
-    def drop_kv(self, request_ids: Sequence[str] | None = None) -> int:
-        """Discard kept KV states of finished requests (all when ``request_ids`` is None);
-        unknown ids are ignored. Returns how many were dropped."""
-        if isinstance(request_ids, str):
-            raise ValueError("drop_kv takes a sequence of request ids, not a single str")
-        if request_ids is None:
-            n = len(self._kept)
-            self._kept.clear()
-            return n
-        return sum(self._kept.pop(r, None) is not None for r in request_ids)
-
     def export_kv(self, request_id: str) -> KVState:
         """Take a paused request out of the engine with its KV cache (CPU tensors), or the
         kept KV of a finished ``keep_kv`` request (as ``take_kv``, but raising when none).
@@ -783,37 +759,6 @@ class EmbeddedEngine:
             if self._spec is not None:  # rebuilt from the context when it runs again
                 self._spec.drafter.release(rid)
         return [found[r] for r in wanted]
-
-    def pause(self, request_ids: Sequence[str]) -> list[GenerationResult]:
-        """Pause queued / running requests: their slots are freed, their KV caches kept in
-        the engine; returns partial results (finish_reason "paused")."""
-        if isinstance(request_ids, str):
-            raise ValueError("pause takes a sequence of request ids, not a single str")
-        already = [r for r in request_ids if r in self._paused]
-        if already:
-            raise ValueError(f"pause: requests {already} are already paused")
-        taken = self._take(request_ids, "pause")
-        out = []
-        for seq, _ in taken:
-            self._paused[seq.rid] = seq
-            out.append(seq.result("paused"))
-        return out
-
-    def resume(self, request_ids: Sequence[str]) -> None:
-        """Re-queue paused requests ahead of new ones, in the given order; they reuse the
-        KV cache kept at pause time (no prefill)."""
-        if isinstance(request_ids, str):
-            raise ValueError("resume takes a sequence of request ids, not a single str")
-        missing = [r for r in request_ids if r not in self._paused]
-        if missing:
-            raise ValueError(f"resume: requests {missing} are not paused in this engine")
-        for rid in reversed(list(dict.fromkeys(request_ids))):
-            self._queue.appendleft(self._paused.pop(rid))
-
-    def abort(self, request_ids: Sequence[str]) -> list[GenerationResult]:
-        """Drop queued, running or paused requests; partial results (finish_reason "abort")."""
-        taken = self._take(request_ids, "abort")
-        return [seq.result("abort") for seq, _ in taken]
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:

@@ -27,7 +27,7 @@ import math
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -41,6 +41,7 @@ __all__ = [
     "RolloutEngine",
     "SteppableEngine",
     "generate_by_stepping",
+    "QueuedRequestsMixin",
     "NamedTensors",
     "request_seed",
     "token_uniform",
@@ -308,6 +309,83 @@ class SteppableEngine(RolloutEngine, Protocol):
     def import_kv(self, request_id: str, kv: KVState) -> None:
         """Attach a KV cache to a queued request so it skips the prefill."""
         ...
+
+
+class QueuedRequestsMixin:
+    """Request bookkeeping shared by steppable engines that hold their own queue (`EmbeddedEngine`,
+    `k3post.rollout.replay.ReplayEngine`): import / take / drop KV, pause, resume, abort.
+
+    The engine provides ``_queue`` (a deque of sequences with ``rid`` and ``result(reason)``), ``_paused``
+    (request id -> sequence), ``_kept`` (request id -> `KVState` of finished ``keep_kv`` requests),
+    ``_attach_kv(seq, kv)`` and ``_take(request_ids, what) -> [(seq, where it was)]``, which removes the
+    requests from queue, slots and paused, keeping the KV of running ones.
+    """
+
+    _queue: Any
+    _paused: dict[str, Any]
+    _kept: dict[str, KVState]
+
+    def _attach_kv(self, seq: Any, kv: KVState) -> None:
+        raise NotImplementedError
+
+    def _take(self, request_ids: Sequence[str], what: str) -> list[tuple[Any, str]]:
+        raise NotImplementedError
+
+    def import_kv(self, request_id: str, kv: KVState) -> None:
+        """Attach ``kv`` to a queued request so its admission skips the prefill."""
+        for seq in self._queue:
+            if seq.rid == request_id:
+                self._attach_kv(seq, kv)
+                return
+        raise ValueError(f"import_kv: request {request_id!r} is not queued in this engine")
+
+    def take_kv(self, request_id: str) -> KVState | None:
+        """The KV cache kept for a finished ``keep_kv`` request (CPU tensors), removed from
+        the engine; None when none is kept (not finished with "stop", already taken or
+        dropped). Its ``context_ids`` are the request's prompt + output ids but the last."""
+        return self._kept.pop(request_id, None)
+
+    def drop_kv(self, request_ids: Sequence[str] | None = None) -> int:
+        """Discard kept KV states of finished requests (all when ``request_ids`` is None);
+        unknown ids are ignored. Returns how many were dropped."""
+        if isinstance(request_ids, str):
+            raise ValueError("drop_kv takes a sequence of request ids, not a single str")
+        if request_ids is None:
+            n = len(self._kept)
+            self._kept.clear()
+            return n
+        return sum(self._kept.pop(r, None) is not None for r in request_ids)
+
+    def pause(self, request_ids: Sequence[str]) -> list[GenerationResult]:
+        """Pause queued / running requests: their slots are freed, their KV caches kept in
+        the engine; returns partial results (finish_reason "paused")."""
+        if isinstance(request_ids, str):
+            raise ValueError("pause takes a sequence of request ids, not a single str")
+        already = [r for r in request_ids if r in self._paused]
+        if already:
+            raise ValueError(f"pause: requests {already} are already paused")
+        taken = self._take(request_ids, "pause")
+        out = []
+        for seq, _ in taken:
+            self._paused[seq.rid] = seq
+            out.append(seq.result("paused"))
+        return out
+
+    def resume(self, request_ids: Sequence[str]) -> None:
+        """Re-queue paused requests ahead of new ones, in the given order; they reuse the
+        KV cache kept at pause time (no prefill)."""
+        if isinstance(request_ids, str):
+            raise ValueError("resume takes a sequence of request ids, not a single str")
+        missing = [r for r in request_ids if r not in self._paused]
+        if missing:
+            raise ValueError(f"resume: requests {missing} are not paused in this engine")
+        for rid in reversed(list(dict.fromkeys(request_ids))):
+            self._queue.appendleft(self._paused.pop(rid))
+
+    def abort(self, request_ids: Sequence[str]) -> list[GenerationResult]:
+        """Drop queued, running or paused requests; partial results (finish_reason "abort")."""
+        taken = self._take(request_ids, "abort")
+        return [seq.result("abort") for seq, _ in taken]
 
 
 def generate_by_stepping(engine: SteppableEngine, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
