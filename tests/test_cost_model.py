@@ -126,3 +126,16 @@ def test_step_cost_bench_writes_a_curve_the_model_loads(tmp_path):
     assert len(curve.decode_ms) == 2 and all(len(r) == 2 and min(r) > 0 for r in curve.decode_ms)
     assert "bench/step_cost.py" in curve.source and "hidden 32" in curve.source
     assert curve.meta["setup"]["batches"] == [1, 4]
+
+
+def test_the_shipped_curves_load_and_cite_their_source():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).parents[1] / "bench" / "curves").glob("*.json"))
+    assert len(files) >= 4
+    for f in files:
+        c = CostCurve.load(f)
+        assert ("H200" in c.source) == f.name.startswith("h200") and "2026-" in c.source, f.name
+        # a GPU curve at small batch is nearly flat; the CPU's grows with rows (the point of issue 32 §partial)
+        flat = c.decode_step_ms(8, 1024) / c.decode_step_ms(1, 1024)
+        assert flat < 1.6 if f.name.startswith("h200") else flat > 1.6, (f.name, flat)
