@@ -84,18 +84,20 @@ def test_resume_equals_an_uninterrupted_run(world, tmp_path, monkeypatch) -> Non
         assert torch.equal(a, b), n
 
 
-def test_the_draft_trains_through_the_trainer_as_a_plain_adamw_loop(world, tmp_path) -> None:
+@pytest.mark.parametrize("bucket", [1, 8])
+def test_the_draft_trains_through_the_trainer_as_a_plain_adamw_loop(world, tmp_path, bucket) -> None:
     """`train_draft` steps through the trainer (`build_trainer`, `DraftGrads`): bit for bit the plain loop the
-    stage ran before (torch's AdamW at its default betas and eps, `clip_grad_norm_`, the same batches), with
-    clipping active; the draft is left in eval mode and the shared embedding untouched."""
+    stage ran before (torch's AdamW at its default betas and eps, `clip_grad_norm_`, the same batches: random ones
+    with ``length_bucket`` 1, `epoch_batches` otherwise), with clipping active; the draft is left in eval mode and
+    the shared embedding untouched."""
     import random
 
     from k3post.sft import lr_at
     from k3post.spec.eagle3 import step_weights
-    from k3post.spec.train import draft_batch, draft_step_losses
+    from k3post.spec.train import draft_batch, draft_step_losses, epoch_batches
 
     tok, target, train, _ = world
-    cfg = _cfg(steps=3, save_every=3, grad_clip=0.05, weight_decay=0.01)
+    cfg = _cfg(steps=3, save_every=3, grad_clip=0.05, weight_decay=0.01, length_bucket=bucket)
     got = _draft(target)
     embed = got.embed_tokens.weight.clone()
     res = train_draft(target, got, train, cfg, tmp_path, pad_id=tok.pad_token_id)
@@ -104,14 +106,23 @@ def test_the_draft_trains_through_the_trainer_as_a_plain_adamw_loop(world, tmp_p
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     weights, norms = step_weights(cfg.ttt_steps, cfg.step_decay), []
     for step in range(cfg.steps):
-        order = random.Random(step // (len(train) // cfg.batch_size)).sample(range(len(train)), len(train))
-        batch = [train[order[(step * cfg.batch_size + j) % len(train)]] for j in range(cfg.batch_size)]
+        per_epoch = len(train) // cfg.batch_size
+        if bucket == 1:
+            order = random.Random(step // per_epoch).sample(range(len(train)), len(train))
+            batch = [train[order[(step * cfg.batch_size + j) % len(train)]] for j in range(cfg.batch_size)]
+        else:
+            lengths = [min(len(s.ids), cfg.max_len) for s in train]
+            batch = [train[i] for i in epoch_batches(lengths, cfg.batch_size, 0, step // per_epoch, bucket)[step % per_epoch]]
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        losses = draft_step_losses(target, ref, *draft_batch(batch, cfg.max_len, tok.pad_token_id), cfg, tok.pad_token_id)
+        ids_BT, sampled_BT, real_BT = draft_batch(batch, cfg.max_len, tok.pad_token_id)
+        losses = draft_step_losses(target, ref, ids_BT, sampled_BT, real_BT, cfg, tok.pad_token_id)
         loss = sum(float(weights[i]) * dl.loss for i, dl in enumerate(losses))
+        # bucketed batches weigh each step by its sampled tokens against the mean batch's (DraftGrads)
+        per_step = cfg.batch_size * sum(sum(s.mask[: cfg.max_len]) for s in train) / len(train)
+        scale = float(sampled_BT.sum()) / per_step if bucket > 1 else 1.0
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss * scale if scale != 1.0 else loss).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)))
         opt.step()
         assert res.history[step]["loss"] == float(loss.detach()), step
@@ -241,3 +252,29 @@ def test_draft_mtp_resolution(world, tmp_path) -> None:
     assert _draft_mtp("none", student, run) == (None, None)
     with pytest.raises(UserError, match="draft.mtp: .* has no MTP head"):
         _draft_mtp(str(tmp_path), student, run)
+
+
+def test_epoch_batches_bucket_by_length_and_cover_the_epoch() -> None:
+    """Length bucketing: each sample at most once an epoch (every one when the batch size divides n), batches of
+    near lengths (padding far below random batches'), a pure function of (seed, epoch), n < batch one batch."""
+    import random
+
+    from k3post.spec.train import epoch_batches
+
+    rng = random.Random(0)
+    lengths = [rng.choice([rng.randint(20, 80), rng.randint(300, 768)]) for _ in range(96)]
+
+    def padding(batches):
+        return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in batches)
+
+    got = epoch_batches(lengths, 8, seed=3, epoch=2, bucket=8)
+    assert len(got) == 12 and all(len(b) == 8 for b in got)
+    assert sorted(i for b in got for i in b) == list(range(96))
+    assert got == epoch_batches(lengths, 8, seed=3, epoch=2, bucket=8)
+    assert got != epoch_batches(lengths, 8, seed=3, epoch=3, bucket=8)
+    plain = epoch_batches(lengths, 8, seed=3, epoch=2, bucket=1)  # runs of one batch: random batches
+    assert sorted(i for b in plain for i in b) == list(range(96))
+    assert padding(got) < 0.25 * padding(plain)
+    odd = epoch_batches(lengths[:21], 8, seed=0, epoch=0, bucket=8)  # 21 // 8 = 2 full batches, 5 left for later
+    assert len(odd) == 2 and len({i for b in odd for i in b}) == 16
+    assert epoch_batches(lengths[:5], 8, seed=0, epoch=0, bucket=8) == [random.Random(0).sample(range(5), 5)]

@@ -25,7 +25,8 @@ class DraftConfig:
     target ids (0: the whole vocabulary). Training: ``loss`` (``lk_alpha``, the K3
     loss; ``lk_lambda`` with ``eta``; ``kl``, the baseline) over ``ttt_steps`` unrolled steps weighted
     ``step_decay``^i, AdamW at ``lr`` with cosine decay, ``batch_size`` samples of at most ``max_len`` tokens a
-    step, checkpoints every ``save_every`` steps (exact resume). The defaults are the demo's CPU sizing (about a
+    step (``length_bucket`` batches' worth of an epoch's shuffled samples sorted by length before they are cut
+    into batches, so a batch pads to a near length; 1: plain random batches), checkpoints every ``save_every`` steps (exact resume). The defaults are the demo's CPU sizing (about a
     minute per draft on 2 cores); the report's 7-step unroll (EAGLE-3) is ``ttt_steps=7``."""
 
     target: str = ""  # target model folder; empty: the run's MOPD student, else its SFT model
@@ -50,6 +51,7 @@ class DraftConfig:
     grad_clip: float = 1.0
     batch_size: int = 8
     max_len: int = 768
+    length_bucket: int = 8  # each epoch's shuffled samples, in runs of this many batches, are sorted by length before batching (less padding); 1: random batches
     save_every: int = 30
     keep_last: int = 2  # checkpoints kept on disk (>= 1); older ones are deleted after a newer one is complete
     log_every: int = 10
@@ -64,7 +66,8 @@ class DraftConfig:
             raise ValueError(f"draft.efforts must be a non-empty list of {EFFORTS}, got {self.efforts!r}")
         if len(self.aux_layers) not in (0, 3):
             raise ValueError(f"draft.aux_layers lists 3 layer ids (low, middle, high) or none, got {self.aux_layers!r}")
-        for key in ("n_per_family", "max_tokens", "ttt_steps", "steps", "batch_size", "max_len", "save_every", "log_every"):
+        for key in ("n_per_family", "max_tokens", "ttt_steps", "steps", "batch_size", "max_len", "length_bucket",
+                    "save_every", "log_every"):
             if getattr(self, key) < 1:
                 raise ValueError(f"draft.{key} must be >= 1, got {getattr(self, key)!r}")
         if self.draft_vocab < 0:

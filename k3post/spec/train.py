@@ -1,7 +1,7 @@
 """Train an EAGLE-3 draft for a frozen target (SPEC §6.2): one readable loop.
 
     for step in steps:
-        batch         = draft samples (the target's own episodes), padded, seeded order
+        batch         = draft samples (the target's own episodes), padded, seeded order (length-bucketed)
         fused, final  = frozen target forward (QAT as the target runs it): [h_low ; h_mid ; h_high], h_final
         p             = target logits = lm_head(norm(h_final))
         q_0 … q_{N-1} = unrolled_logits(draft, fused, ids)          (training-time test, N = cfg.ttt_steps)
@@ -38,7 +38,7 @@ from k3post.spec.eagle3 import Eagle3Draft, step_weights, target_features, unrol
 from k3post.spec.losses import acceptance, draft_loss
 from k3post.trainer import build_trainer
 
-__all__ = ["DraftGrads", "DraftResult", "draft_batch", "draft_step_losses", "evaluate_alpha", "expected_accept_length", "fit_fc",
+__all__ = ["DraftGrads", "DraftResult", "draft_batch", "epoch_batches", "draft_step_losses", "evaluate_alpha", "expected_accept_length", "fit_fc",
            "train_draft"]
 
 STAGE = "draft"
@@ -65,6 +65,26 @@ def draft_batch(samples: Sequence[DraftSample], max_len: int, pad_id: int) -> tu
         sampled[b, :n] = torch.tensor(s.mask[:n])
         real[b, :n] = True
     return ids, sampled, real
+
+
+def epoch_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int, bucket: int) -> list[list[int]]:
+    """The batches (sample indices) of one epoch with length bucketing: a seeded shuffle (a pure function of
+    (seed, epoch)), the first ``max(1, n // batch_size)`` batches' worth of it in runs of ``bucket`` batches, each run
+    sorted by length and cut into batches, then the batches shuffled. Each sample is in at most one batch of the
+    epoch (all of them when ``batch_size`` divides n); with n < ``batch_size`` the one batch is every sample."""
+    n = len(lengths)
+    rng = random.Random(seed * 1_000_003 + epoch)
+    order = rng.sample(range(n), n)
+    if n <= batch_size:
+        return [order]
+    order = order[: (n // batch_size) * batch_size]
+    run = bucket * batch_size
+    batches = []
+    for k in range(0, len(order), run):
+        chunk = sorted(order[k:k + run], key=lambda i: (lengths[i], i))
+        batches += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
 
 
 def _aligned_steps(
@@ -104,11 +124,17 @@ def draft_step_losses(
 class DraftGrads:
     """The draft's gradient function (`k3post.trainer.local.Grads`): Σ_i decay^i · the draft loss of unrolled
     step i against the frozen ``target`` (module doc), backward into the draft. One micro-batch per step, an
-    ``(ids_BT, sampled_BT, real_BT)`` of `draft_batch`. Returns ``loss`` and ``alpha_<i>`` per unrolled step."""
+    ``(ids_BT, sampled_BT, real_BT)`` of `draft_batch`. Returns ``loss`` and ``alpha_<i>`` per unrolled step.
+
+    ``tokens_per_step`` (> 0): the gradient is scaled by the batch's sampled tokens / ``tokens_per_step``, so every
+    token weighs the same across steps (each step's loss is a mean over its own tokens). Length-bucketed batches
+    (`epoch_batches`) need it: without it a batch of short episodes would weigh as much as one of long ones, and
+    the draft trains towards short episodes. ``loss`` is reported unscaled."""
 
     target: torch.nn.Module
     cfg: DraftConfig
     pad_id: int
+    tokens_per_step: float = 0.0
 
     def __call__(self, draft: torch.nn.Module, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                  *, version: int | None = None, before_backward: Callable[[int], None] | None = None) -> dict[str, float]:
@@ -119,9 +145,10 @@ class DraftGrads:
         for i, batch in enumerate(micro_batches):
             losses = draft_step_losses(self.target, draft, *batch, self.cfg, self.pad_id)  # type: ignore[arg-type]
             loss = sum(float(weights[k]) * dl.loss for k, dl in enumerate(losses))
+            scale = float(batch[1].sum()) / self.tokens_per_step if self.tokens_per_step > 0 else 1.0
             if before_backward is not None:
                 before_backward(i)
-            loss.backward()
+            (loss * scale if scale != 1.0 else loss).backward()
             out = {"loss": float(loss.detach()), **{f"alpha_{k}": dl.alpha for k, dl in enumerate(losses)}}
         return out
 
@@ -224,14 +251,26 @@ def train_draft(
             metrics.truncate(stage, start)
     else:
         torch.manual_seed(seed)
-    grads = DraftGrads(target, cfg, pad_id)
+    # bucketed batches: weigh each step by its sampled tokens against the mean batch's (DraftGrads)
+    sampled_per_sample = [sum(s.mask[: cfg.max_len]) for s in samples]
+    per_step = min(cfg.batch_size, len(samples)) * sum(sampled_per_sample) / len(samples)
+    grads = DraftGrads(target, cfg, pad_id, tokens_per_step=per_step if cfg.length_bucket > 1 else 0.0)
     result = DraftResult(draft)
     bar = tqdm(total=cfg.steps, initial=start, desc=stage, disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0)
+    per_epoch = max(1, len(samples) // cfg.batch_size)
+    lengths = [min(len(s.ids), cfg.max_len) for s in samples]
+    epoch_cache: dict[int, list[list[int]]] = {}
     for step in range(start, cfg.steps):
-        order = random.Random(seed * 1_000_003 + step // max(1, len(samples) // cfg.batch_size)).sample(
-            range(len(samples)), len(samples))  # one shuffle per epoch, a pure function of (seed, epoch)
-        at = (step * cfg.batch_size) % len(samples)
-        batch = [samples[order[(at + j) % len(samples)]] for j in range(min(cfg.batch_size, len(samples)))]
+        epoch = step // per_epoch
+        if cfg.length_bucket > 1:  # a pure function of (seed, epoch): a resumed run draws the same batches
+            if epoch not in epoch_cache:
+                epoch_cache = {epoch: epoch_batches(lengths, cfg.batch_size, seed, epoch, cfg.length_bucket)}
+            batch = [samples[i] for i in epoch_cache[epoch][step % per_epoch]]
+        else:
+            order = random.Random(seed * 1_000_003 + epoch).sample(
+                range(len(samples)), len(samples))  # one shuffle per epoch, a pure function of (seed, epoch)
+            at = (step * cfg.batch_size) % len(samples)
+            batch = [samples[order[(at + j) % len(samples)]] for j in range(min(cfg.batch_size, len(samples)))]
         lr = lr_at(step, cfg)
         m = trainer.step([draft_batch(batch, cfg.max_len, pad_id)], grads, lr=lr)
         row = {"loss": m["loss"], "lr": lr, **{k: v for k, v in m.items() if k.startswith("alpha_")}}
