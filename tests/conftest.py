@@ -113,3 +113,18 @@ def pytest_addoption(parser):
     parser.addoption("--inject-bug", action="store", default=None, dest="inject_bug",
                      help="tests/test_learning.py: plant a bug in the library (loss_mask, advantage_sign, override_off, "
                           "teacher_student) to show the learning checks catch it")
+
+
+@pytest.fixture(scope="module")
+def tiny_agent_policy(xtml_tokenizer):
+    """(model, tokenizer, xtml): an untrained 1-layer Qwen3-MoE (hidden 32, 2 experts, 4,096 positions) over
+    `xtml_tokenizer`, in eval mode: the policy of the partial-rollout bench tests."""
+    from k3post.models import build_tiny_moe
+    from k3post.xtml import XTML
+
+    tok = xtml_tokenizer
+    xtml = XTML(tok)
+    model = build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id, eos_token_id=xtml.eom_id, hidden_size=32,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                           moe_intermediate_size=32, intermediate_size=64, num_experts=2, max_position_embeddings=4096)
+    return model.eval(), tok, xtml

@@ -17,8 +17,6 @@ import pytest
 from k3post.envs.episode import run_episode_sync
 from k3post.envs.families.common import scripted_policy
 from k3post.envs.families.registry import get_family
-from k3post.models import build_tiny_moe
-from k3post.xtml import XTML
 
 _BENCH = Path(__file__).parents[1] / "bench" / "partial_rollout.py"
 _spec = importlib.util.spec_from_file_location("bench_partial_rollout", _BENCH)
@@ -58,21 +56,17 @@ def test_fixed_action_episodes_are_valid_and_see_task_specific_results():
     assert len(set(results)) == len(tasks)  # ... what it reads does
 
 
-def test_repeats_get_disjoint_task_slices_and_a_wall_clock_headline(xtml_tokenizer):
+def test_repeats_get_disjoint_task_slices_and_a_wall_clock_headline(tiny_agent_policy):
     import torch
 
-    tok = xtml_tokenizer
+    tok = tiny_agent_policy[1]
     args = bench.parse_args(["--repeats", "3", "--iters", "2", "--n", "2", "--k", "2", "--max-turn-tokens", "4",
                              "--slots", "4", "--max-pos", "4096"])
     tasks = bench.make_tasks(args.repeats * bench.prompts_per_repeat(args), seed=0)
-    xtml = XTML(tok)
-    model = build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id, eos_token_id=xtml.eom_id, hidden_size=32,
-                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                           moe_intermediate_size=32, intermediate_size=64, num_experts=2, max_position_embeddings=4096)
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        sync_runs, part_runs = bench.run_repeats(args, (model.eval(), tok, xtml), tasks)
+        sync_runs, part_runs = bench.run_repeats(args, tiny_agent_policy, tasks)
     finally:
         torch.set_num_threads(n)
     per = bench.prompts_per_repeat(args)

@@ -18,11 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3post.models import build_tiny_moe
 from k3post.rollout.cost_model import CostCurve, predict_engine_s
 from k3post.rollout.engine import GenerationRequest, SamplingParams
 from k3post.rollout.replay import ReplayBook, ReplayEngine, ReplayMiss, load_books, save_books
-from k3post.xtml import XTML
 
 _BENCH = Path(__file__).parents[1] / "bench" / "partial_rollout.py"
 _spec = importlib.util.spec_from_file_location("bench_partial_rollout_replay", _BENCH)
@@ -36,18 +34,14 @@ CURVE = CostCurve(batches=[1, 4], contexts=[100, 1000], decode_ms=[[0.5, 0.6], [
 
 
 @pytest.fixture(scope="module")
-def recorded(xtml_tokenizer):
-    tok = xtml_tokenizer
+def recorded(tiny_agent_policy):
+    model, tok, xtml = tiny_agent_policy
     args = bench.parse_args(ARGS)
     tasks = bench.make_tasks(args.repeats * bench.prompts_per_repeat(args), seed=0)
-    xtml = XTML(tok)
-    model = build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id, eos_token_id=xtml.eom_id, hidden_size=32,
-                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                           moe_intermediate_size=32, intermediate_size=64, num_experts=2, max_position_embeddings=4096)
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        sync_runs, part_runs = bench.run_repeats(args, (model.eval(), tok, xtml), tasks)
+        sync_runs, part_runs = bench.run_repeats(args, tiny_agent_policy, tasks)
     finally:
         torch.set_num_threads(n)
     books = []
