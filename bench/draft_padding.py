@@ -44,26 +44,15 @@ from k3post.envs.families import default_families  # noqa: E402
 from k3post.rollout import EmbeddedEngine  # noqa: E402
 from k3post.spec.data import target_generations  # noqa: E402
 from k3post.spec.eagle3 import Eagle3Draft, stock_aux_layers  # noqa: E402
-from k3post.spec.train import epoch_batches, evaluate_alpha, train_draft  # noqa: E402
+from k3post.spec.train import evaluate_alpha, step_batch, train_draft  # noqa: E402
 from k3post.xtml import XTML  # noqa: E402
 
 
 def padding_share(lengths: list[int], cfg: DraftConfig, seed: int) -> float:
-    """Padded share of the positions the ``cfg.steps`` batches of `train_draft` hold (its batch order)."""
-    per_epoch = max(1, len(lengths) // cfg.batch_size)
+    """Padded share of the positions the ``cfg.steps`` batches of `train_draft` hold (`step_batch`)."""
     pad = total = 0
-    if cfg.length_bucket > 1:
-        batches = [epoch_batches(lengths, cfg.batch_size, seed, s // per_epoch, cfg.length_bucket)[s % per_epoch]
-                   for s in range(cfg.steps)]
-    else:
-        import random
-
-        batches = []
-        for s in range(cfg.steps):
-            order = random.Random(seed * 1_000_003 + s // per_epoch).sample(range(len(lengths)), len(lengths))
-            at = (s * cfg.batch_size) % len(lengths)
-            batches.append([order[(at + j) % len(lengths)] for j in range(min(cfg.batch_size, len(lengths)))])
-    for b in batches:
+    for s in range(cfg.steps):
+        b = step_batch(lengths, cfg.batch_size, cfg.length_bucket, seed, s)
         T = max(lengths[i] for i in b)
         total += T * len(b)
         pad += sum(T - lengths[i] for i in b)

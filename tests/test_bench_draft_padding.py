@@ -12,7 +12,6 @@ import random
 import sys
 from pathlib import Path
 
-import torch
 
 from k3post.config.draft import DraftConfig
 from k3post.spec.train import epoch_batches
@@ -38,13 +37,9 @@ def test_padding_share_counts_the_batches_train_draft_draws():
     assert want > 0.0 and bench.padding_share(lengths, plain, 0) == want
 
 
-def test_a_tiny_run_reports_both_arms(capsys):
-    n = torch.get_num_threads()
-    try:
-        bench.main(["--sft-steps", "0", "--n-per-family", "1", "--held-per-family", "1", "--max-tokens", "8",
-                    "--steps", "2", "--repeats", "1"])
-    finally:
-        torch.set_num_threads(n)
+def test_a_tiny_run_reports_both_arms(capsys, one_torch_thread):
+    bench.main(["--sft-steps", "0", "--n-per-family", "1", "--held-per-family", "1", "--max-tokens", "8",
+                "--steps", "2", "--repeats", "1"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["speedup_n"] == 1.0 and len(out["seconds_random"]) == len(out["seconds_bucketed"]) == 1
     assert 0.0 <= out["padding_bucketed"] <= out["padding_random"] < 1.0

@@ -38,7 +38,7 @@ from k3post.spec.eagle3 import Eagle3Draft, step_weights, target_features, unrol
 from k3post.spec.losses import acceptance, draft_loss
 from k3post.trainer import build_trainer
 
-__all__ = ["DraftGrads", "DraftResult", "draft_batch", "epoch_batches", "draft_step_losses", "evaluate_alpha", "expected_accept_length", "fit_fc",
+__all__ = ["DraftGrads", "DraftResult", "draft_batch", "epoch_batches", "step_batch", "draft_step_losses", "evaluate_alpha", "expected_accept_length", "fit_fc",
            "train_draft"]
 
 STAGE = "draft"
@@ -85,6 +85,20 @@ def epoch_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int
         batches += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
     rng.shuffle(batches)
     return batches
+
+
+def step_batch(lengths: Sequence[int], batch_size: int, bucket: int, seed: int, step: int) -> list[int]:
+    """The sample indices `train_draft` trains on at ``step``, a pure function of (seed, step) (so a resumed run
+    draws the same batches): with ``bucket`` > 1 the step's batch of `epoch_batches`; with 1, ``batch_size``
+    consecutive samples (wrapping) of the epoch's seeded shuffle."""
+    n = len(lengths)
+    per_epoch = max(1, n // batch_size)
+    epoch = step // per_epoch
+    if bucket > 1:
+        return epoch_batches(lengths, batch_size, seed, epoch, bucket)[step % per_epoch]
+    order = random.Random(seed * 1_000_003 + epoch).sample(range(n), n)  # one shuffle per epoch
+    at = (step * batch_size) % n
+    return [order[(at + j) % n] for j in range(min(batch_size, n))]
 
 
 def _aligned_steps(
@@ -257,20 +271,9 @@ def train_draft(
     grads = DraftGrads(target, cfg, pad_id, tokens_per_step=per_step if cfg.length_bucket > 1 else 0.0)
     result = DraftResult(draft)
     bar = tqdm(total=cfg.steps, initial=start, desc=stage, disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0)
-    per_epoch = max(1, len(samples) // cfg.batch_size)
     lengths = [min(len(s.ids), cfg.max_len) for s in samples]
-    epoch_cache: dict[int, list[list[int]]] = {}
     for step in range(start, cfg.steps):
-        epoch = step // per_epoch
-        if cfg.length_bucket > 1:  # a pure function of (seed, epoch): a resumed run draws the same batches
-            if epoch not in epoch_cache:
-                epoch_cache = {epoch: epoch_batches(lengths, cfg.batch_size, seed, epoch, cfg.length_bucket)}
-            batch = [samples[i] for i in epoch_cache[epoch][step % per_epoch]]
-        else:
-            order = random.Random(seed * 1_000_003 + epoch).sample(
-                range(len(samples)), len(samples))  # one shuffle per epoch, a pure function of (seed, epoch)
-            at = (step * cfg.batch_size) % len(samples)
-            batch = [samples[order[(at + j) % len(samples)]] for j in range(min(cfg.batch_size, len(samples)))]
+        batch = [samples[i] for i in step_batch(lengths, cfg.batch_size, cfg.length_bucket, seed, step)]
         lr = lr_at(step, cfg)
         m = trainer.step([draft_batch(batch, cfg.max_len, pad_id)], grads, lr=lr)
         row = {"loss": m["loss"], "lr": lr, **{k: v for k, v in m.items() if k.startswith("alpha_")}}
