@@ -173,7 +173,6 @@ class TimedEngine(RecordingMixin, EmbeddedEngine):
         super().__init__(*args, **kwargs)
         self.step_log: list[tuple[int, float]] = []
         self.turns = 0
-        self.recording = True
         self._cuda = self.device.type == "cuda"
 
     def step(self) -> list[GenerationResult]:
@@ -182,11 +181,9 @@ class TimedEngine(RecordingMixin, EmbeddedEngine):
         out = super().step()
         if self._cuda:
             torch.cuda.synchronize()
-        if self.recording:
+        if self.tracing:  # not while draining after the timed iterations: then only the book records
             self.step_log.append((rows, time.perf_counter() - t0))
             self.turns += sum(r.finish_reason in ("stop", "length") for r in out)
-        else:  # drain after the timed iterations: recorded into the book, not into the trace
-            self.work_log.pop()
         return out
 
 
@@ -362,7 +359,7 @@ class ModeRun:
     def drain(self) -> None:
         """Untimed, after the timed iterations: run every prompt of the stream and every paused
         trajectory to its end, so the replay book holds every turn any scheduling of this stream needs."""
-        self.engine.recording = False
+        self.engine.tracing = False
         while self.sch.num_pending_prompts or self.sch.paused():
             self.sch.run_iteration()
 
@@ -402,7 +399,7 @@ class ModeRun:
             "prefill_tokens": self.engine.stats["prefill_tokens"],
             "decode_tokens": self.engine.stats["decode_tokens"],
         }
-        if not self.simulated and self.engine.recording:
+        if not self.simulated and self.engine.tracing:
             self.drain()
         out["book"] = getattr(self.engine, "book", None)
         self.loop.close()

@@ -56,19 +56,12 @@ def test_fixed_action_episodes_are_valid_and_see_task_specific_results():
     assert len(set(results)) == len(tasks)  # ... what it reads does
 
 
-def test_repeats_get_disjoint_task_slices_and_a_wall_clock_headline(tiny_agent_policy):
-    import torch
-
+def test_repeats_get_disjoint_task_slices_and_a_wall_clock_headline(tiny_agent_policy, one_torch_thread):
     tok = tiny_agent_policy[1]
     args = bench.parse_args(["--repeats", "3", "--iters", "2", "--n", "2", "--k", "2", "--max-turn-tokens", "4",
                              "--slots", "4", "--max-pos", "4096"])
     tasks = bench.make_tasks(args.repeats * bench.prompts_per_repeat(args), seed=0)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        sync_runs, part_runs = bench.run_repeats(args, tiny_agent_policy, tasks)
-    finally:
-        torch.set_num_threads(n)
+    sync_runs, part_runs = bench.run_repeats(args, tiny_agent_policy, tasks)
     per = bench.prompts_per_repeat(args)
     seen: set[str] = set()
     for r, (s, p) in enumerate(zip(sync_runs, part_runs)):

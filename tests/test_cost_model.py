@@ -105,22 +105,16 @@ def test_curve_files_round_trip_and_bad_ones_name_the_file_and_key(tmp_path):
         _curve(source=" ")
 
 
-def test_step_cost_bench_writes_a_curve_the_model_loads(tmp_path):
+def test_step_cost_bench_writes_a_curve_the_model_loads(tmp_path, one_torch_thread):
     import importlib.util
     from pathlib import Path
-
-    import torch
 
     spec = importlib.util.spec_from_file_location("bench_step_cost", Path(__file__).parents[1] / "bench" / "step_cost.py")
     sc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sc)  # type: ignore[union-attr]
     out = tmp_path / "curve.json"
-    n = torch.get_num_threads()
-    try:
-        sc.main(["--out", str(out), "--batches", "1,4", "--contexts", "32,96", "--prefill", "8,64", "--steps", "2",
-                 "--repeats", "1", "--hidden", "32", "--moe", "32", "--vocab", "300"])
-    finally:
-        torch.set_num_threads(n)
+    sc.main(["--out", str(out), "--batches", "1,4", "--contexts", "32,96", "--prefill", "8,64", "--steps", "2",
+             "--repeats", "1", "--hidden", "32", "--moe", "32", "--vocab", "300"])
     curve = CostCurve.load(out)
     assert curve.batches == [1, 4] and curve.contexts == [32, 96] and curve.prefill_tokens == [8, 64]
     assert len(curve.decode_ms) == 2 and all(len(r) == 2 and min(r) > 0 for r in curve.decode_ms)

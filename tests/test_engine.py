@@ -938,3 +938,14 @@ def test_abort_running_after_cache_growth(tiny):
     done = _run_until(engine, 10)
     assert set(done) == {"r1"} and done["r1"].num_tokens == 8
     _assert_parity(model, [done["r1"]])
+
+
+def test_shared_prefix_len_leaves_each_context_a_token_and_respects_the_minimum():
+    from k3post.rollout.engine import shared_prefix_len
+
+    a, b = [1, 2, 3, 4, 5], [1, 2, 3, 9]
+    assert shared_prefix_len([a, b], 2) == 3  # 1 2 3 in common
+    assert shared_prefix_len([a, b], 4) == 0  # shorter than the minimum
+    assert shared_prefix_len([a, list(a)], 1) == 4  # identical: all but the last token, which must produce logits
+    assert shared_prefix_len([a, b, [1, 7]], 1) == 1 and shared_prefix_len([a, b, [7]], 1) == 0
+    assert shared_prefix_len([a], 1) == 0 and shared_prefix_len([a, b], 0) == 0  # one row; sharing off

@@ -16,7 +16,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from k3post.rollout.cost_model import CostCurve, predict_engine_s
 from k3post.rollout.engine import GenerationRequest, SamplingParams
@@ -34,16 +33,11 @@ CURVE = CostCurve(batches=[1, 4], contexts=[100, 1000], decode_ms=[[0.5, 0.6], [
 
 
 @pytest.fixture(scope="module")
-def recorded(tiny_agent_policy):
+def recorded(tiny_agent_policy, one_torch_thread):
     model, tok, xtml = tiny_agent_policy
     args = bench.parse_args(ARGS)
     tasks = bench.make_tasks(args.repeats * bench.prompts_per_repeat(args), seed=0)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        sync_runs, part_runs = bench.run_repeats(args, tiny_agent_policy, tasks)
-    finally:
-        torch.set_num_threads(n)
+    sync_runs, part_runs = bench.run_repeats(args, tiny_agent_policy, tasks)
     books = []
     for s, p in zip(sync_runs, part_runs):
         book = ReplayBook()

@@ -32,7 +32,8 @@ rollout), and `fit_linear` fits the steps of a measured rollout to
 
     c = a + b·rows + c·context + d·[prefill > 0] + e·prefill_tokens        (ms)
 
-and writes it as the same table (exactly: the form is bilinear in rows and context). On a CPU, where
+and writes it as the same table (exactly, the form being bilinear in rows and context, unless a fitted slope is
+negative: the table never prices a step below 1e-6 ms nor, past the last context, below the last column). On a CPU, where
 every term is real work, the fit on one run predicts another (``bench/partial_rollout.py
 --fit-curve``: fitted on the synchronous runs, it predicts the partial ones).
 
@@ -48,6 +49,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 __all__ = ["StepWork", "CostCurve", "fit_linear", "predict_engine_s", "step_work_summary"]
 
@@ -236,8 +239,6 @@ def fit_linear(
     measured steps, written as a `CostCurve` table on the given grid (module doc). Coefficients
     (and the fit's R² and step count) are in ``meta["linear"]``. Raises when the steps cannot
     identify the five coefficients (no decode steps of two batch sizes, no prefill)."""
-    import numpy as np
-
     if len(work) != len(seconds) or not work:
         raise ValueError(f"fit_linear: {len(work)} steps of work for {len(seconds)} times")
     X = np.array([[1.0, w.rows, w.context, float(w.prefill > 0), w.prefill] for w in work])

@@ -107,6 +107,7 @@ from k3post.rollout.engine import (
     generate_by_stepping,
     request_seed,
     sample_from_logits,
+    shared_prefix_len,
     sample_unfiltered,
     token_uniforms,
 )
@@ -1394,18 +1395,10 @@ class EmbeddedEngine(QueuedRequestsMixin):
         a common prefix of at least ``min_shared_prefix`` tokens (e.g. the system / effort
         header), prefill it once, copy its K/V into the other rows' slots and mark it cached."""
         fresh = [s for s in rows if s.n_cached == 0]
-        if len(fresh) < 2 or self.min_shared_prefix <= 0:
+        n = shared_prefix_len([s.context for s in fresh], self.min_shared_prefix)
+        if not n:
             return
         first = fresh[0].context
-        n = min(len(s.context) for s in fresh) - 1  # leave one token per row to produce logits
-        for s in fresh[1:]:
-            ctx = s.context
-            i = 0
-            while i < n and ctx[i] == first[i]:
-                i += 1
-            n = i
-            if n < self.min_shared_prefix:
-                return
         self._forward_chunks([first[:n]], [0], [fresh[0].slot], logits=False)
         for s in fresh:
             if s is not fresh[0]:

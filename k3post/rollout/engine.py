@@ -42,6 +42,7 @@ __all__ = [
     "SteppableEngine",
     "generate_by_stepping",
     "QueuedRequestsMixin",
+    "shared_prefix_len",
     "NamedTensors",
     "request_seed",
     "token_uniform",
@@ -309,6 +310,24 @@ class SteppableEngine(RolloutEngine, Protocol):
     def import_kv(self, request_id: str, kv: KVState) -> None:
         """Attach a KV cache to a queued request so it skips the prefill."""
         ...
+
+
+def shared_prefix_len(contexts: Sequence[Sequence[int]], min_len: int) -> int:
+    """Length of the prefix common to every context, leaving each at least one token of its own (its last position
+    must produce logits); 0 when fewer than two contexts, ``min_len`` <= 0, or the prefix is shorter than
+    ``min_len``. What an engine prefills once for fresh rows admitted together (`EmbeddedEngine`'s prefix sharing)."""
+    if len(contexts) < 2 or min_len <= 0:
+        return 0
+    first = contexts[0]
+    n = min(len(c) for c in contexts) - 1
+    for ctx in contexts[1:]:
+        i = 0
+        while i < n and ctx[i] == first[i]:
+            i += 1
+        n = i
+        if n < min_len:
+            return 0
+    return n
 
 
 class QueuedRequestsMixin:

@@ -42,6 +42,7 @@ from k3post.rollout.engine import (
     QueuedRequestsMixin,
     generate_by_stepping,
     request_seed,
+    shared_prefix_len,
 )
 
 __all__ = ["ReplayBook", "ReplayEngine", "ReplayMiss", "RecordingMixin", "save_books", "load_books"]
@@ -65,10 +66,17 @@ class ReplayBook:
 
     turns: dict[int, tuple[tuple[int, int], list[int], list[float], str]] = field(default_factory=dict)
 
-    def add(self, seed: int, prompt_ids: Sequence[int], output_ids: Sequence[int], logprobs: Sequence[float],
-            finish: str) -> None:
+    @staticmethod
+    def _check(output_ids: Sequence[int], logprobs: Sequence[float], finish: str) -> None:
         if finish not in ("stop", "length"):
             raise ValueError(f"only finished turns are recorded, got finish {finish!r}")
+        if len(logprobs) != len(output_ids) or not output_ids:
+            raise ValueError(f"a turn needs one log-prob per output token and at least one token, got "
+                             f"{len(output_ids)} tokens and {len(logprobs)} log-probs")
+
+    def add(self, seed: int, prompt_ids: Sequence[int], output_ids: Sequence[int], logprobs: Sequence[float],
+            finish: str) -> None:
+        self._check(output_ids, logprobs, finish)
         key = _prompt_key(prompt_ids)
         old = self.turns.get(seed)
         if old is not None and (old[0] != key or old[1] != list(output_ids)):
@@ -105,7 +113,9 @@ class ReplayBook:
         for i, row in enumerate(rows):
             try:
                 s, k, o, lp, f = row
-                book.turns[int(s)] = ((int(k[0]), int(k[1])), [int(x) for x in o], [float(x) for x in lp], str(f))
+                ids, lps = [int(x) for x in o], [float(x) for x in lp]
+                cls._check(ids, lps, str(f))
+                book.turns[int(s)] = ((int(k[0]), int(k[1])), ids, lps, str(f))
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{where}: turn {i} is malformed ({e})") from None
         return book
@@ -135,14 +145,15 @@ def load_books(path: str | Path) -> tuple[list[ReplayBook], dict[str, Any]]:
 
 class RecordingMixin:
     """Mix into an engine class (before it): every request that finishes ("stop" / "length") goes
-    into ``self.book`` under its sampling seed, and every step's `StepWork` into ``self.work_log``
-    (needs the engine's ``_running`` list of sequences with ``context`` and ``stats["prefill_tokens"]``,
-    as `EmbeddedEngine` has)."""
+    into ``self.book`` under its sampling seed, and, while ``tracing``, every step's `StepWork` into
+    ``self.work_log`` (needs the engine's ``_running`` list of sequences with ``context`` and
+    ``stats["prefill_tokens"]``, as `EmbeddedEngine` has)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.book = ReplayBook()
         self.work_log: list[StepWork] = []
+        self.tracing = True
         self._seeds: dict[str, int] = {}
 
     def add_request(self, request: GenerationRequest, kv: KVState | None = None) -> None:
@@ -156,7 +167,8 @@ class RecordingMixin:
         rows, ctx = len(running), sum(len(s.context) for s in running)
         before = self.stats["prefill_tokens"]  # type: ignore[attr-defined]
         out = super().step()  # type: ignore[misc]
-        self.work_log.append(StepWork(rows, ctx, self.stats["prefill_tokens"] - before))  # type: ignore[attr-defined]
+        if self.tracing:
+            self.work_log.append(StepWork(rows, ctx, self.stats["prefill_tokens"] - before))  # type: ignore[attr-defined]
         for res in out:
             seed = self._seeds.pop(res.request_id, None)
             if seed is not None and res.finish_reason in ("stop", "length"):
@@ -326,7 +338,7 @@ class ReplayEngine(QueuedRequestsMixin):
         if i >= len(ids):
             raise ReplayMiss(f"replay: request {seq.rid!r} runs past its recorded {len(ids)} tokens")
         seq.output_ids.append(ids[i])
-        seq.logprobs.append(lps[i] if i < len(lps) else 0.0)
+        seq.logprobs.append(lps[i])
         seq.versions.append(self._version)
         seq.context.append(ids[i])
         reason = None
@@ -378,20 +390,9 @@ class ReplayEngine(QueuedRequestsMixin):
                 seen.add(key)
             rows.append(s)
         fresh = [s for s in rows if s.n_cached == 0]
-        shared = 0
-        if self.prefix_sharing and len(fresh) > 1:
-            n = min(len(s.context) for s in fresh) - 1
-            first = fresh[0].context
-            for s in fresh[1:]:
-                i = 0
-                while i < n and s.context[i] == first[i]:
-                    i += 1
-                n = i
-            if n >= self.min_shared_prefix:
-                shared = n
-                self.stats["shared_prefix_tokens"] += n * (len(fresh) - 1)
-        total = sum(len(s.context) - s.n_cached for s in rows)
-        return total - shared * (len(fresh) - 1) if shared else total
+        shared = shared_prefix_len([s.context for s in fresh], self.min_shared_prefix) if self.prefix_sharing else 0
+        self.stats["shared_prefix_tokens"] += shared * (len(fresh) - 1)
+        return sum(len(s.context) - s.n_cached for s in rows) - shared * (len(fresh) - 1)
 
     def step(self) -> list[GenerationResult]:
         """Decode one recorded token for every running request, admit and prefill queued ones
