@@ -129,3 +129,24 @@ def test_the_simulate_command_prices_a_grid_and_labels_it(recorded, tmp_path, ca
     assert result["fixed_scale"][1]["sim_speedup_vs_sync"] >= result["fixed_scale"][0]["sim_speedup_vs_sync"]
     with pytest.raises(ValueError, match="--book: no such file"):
         bench.parse_args(["--simulate", str(curve), "--book", str(tmp_path / "missing.gz")])
+
+
+def test_the_bench_command_fits_predicts_and_saves_a_book_that_replays(tmp_path, capsys, monkeypatch, one_torch_thread):
+    fit, book = tmp_path / "fit.json", tmp_path / "book.json.gz"
+    argv = ["partial_rollout.py", "--repeats", "3", "--iters", "2", "--n", "2", "--k", "2", "--max-turn-tokens", "64",
+            "--slots", "4", "--max-pos", "4096", "--train-steps", "20", "--fit-curve", str(fit), "--save-book", str(book)]
+    monkeypatch.setattr("sys.argv", argv)
+    bench.main()
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    (pred,) = result["cost_model"].values()
+    assert pred["sync_engine_s_predicted"] > 0 and pred["partial_engine_s_predicted"] > 0
+    assert "fitted cost (ms) =" in out and CostCurve.load(fit).meta["linear"]["steps"] > 0
+    books, meta = load_books(book)
+    assert len(books) == 3 and all(len(b) for b in books) and meta["iters"] == 2
+    # the simulation of the recorded setting with the fitted curve is that curve's price of the real run
+    monkeypatch.setattr("sys.argv", ["partial_rollout.py", "--simulate", str(fit), "--book", str(book), "--slots", "4",
+                                     "--sim-lambdas", "0.7", "--sim-staleness", "4"])
+    bench.main()
+    sim = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sim["grid"][0]["sim_speedup_vs_sync"] == pytest.approx(pred["predicted_speedup_vs_sync"], rel=1e-9)
