@@ -38,8 +38,11 @@ def test_timed_steps_decode_every_row_and_the_summary_has_its_keys():
     model = build_tiny_moe(300, "tiny", seed=0).eval()
     step_s, ctx = bench.decode_step(model, 3, 8, 2)
     assert step_s > 0 and ctx == 8 + 1 + 3 + 0.5  # prompt, the first token, 3 warm-up steps, the timed steps' mean
-    res = bench.measure([1, 2], context=8, steps=2, vocab=300)
-    assert {"limit_ratio_b1", "limit_ratio_b2", "limit_ratio_b1_noqat", "limit_ratio_b2_noqat"} <= set(res)
+    res = bench.measure([1, 2], context=8, steps=2, vocab=300, repeats=2)
+    assert {"limit_ratio_b1", "limit_ratio_b2", "limit_ratio_b1_noqat", "limit_ratio_b2_noqat",
+            "qat_hf_over_fast_b1", "qat_hf_over_fast_b2"} <= set(res)
+    assert [r["batch"] for r in res["qat_orders"]] == [1, 2]
+    assert all(r["min"] <= r["median"] <= r["max"] and r["fast_ms"] > 0 and r["hf_ms"] > 0 for r in res["qat_orders"])
     assert [(r["batch"], r["qat"]) for r in res["rows"]] == [(1, True), (2, True), (1, False), (2, False)]
     # a step cannot beat the arithmetic it has to do at the machine's GEMM rate
     assert all(r["ratio"] > 1 for r in res["rows"]) and res["peak_gflops"] > 0

@@ -18,6 +18,7 @@ __all__ = ["ENGINE_DIALECTS", "ENGINE_KINDS", "WEIGHT_SYNCS", "EngineConfig", "R
 
 ENGINE_KINDS = ("embedded", "http")
 ENGINE_FORWARDS = ("auto", "lean", "general")
+QAT_OP_ORDERS = ("hf", "fast")
 WEIGHT_SYNCS = ("disk", "distributed")
 ENGINE_DIALECTS = ("k3post", "sglang", "vllm")
 
@@ -56,6 +57,11 @@ class EngineConfig:
         forward: ``embedded`` only: the engine's forward, ``auto`` (the lean forward where it reproduces the
             model exactly, else the model's own forward over a KV cache), ``lean`` (an error where it cannot)
             or ``general`` (docs/post-train-your-own-model.md).
+        qat_op_order: ``embedded`` only, lean forward under QAT: ``hf`` (HF's op order: F.linear, SDPA,
+            per-expert down products summed in expert order), ``fast`` (pre-transposed GEMMs, batched-GEMM decode
+            attention, the routing weights folded into the down GEMM): 1.1-1.3x a decode step, 1.13x the
+            rollout time of the demo's general.max RL, but a train-rollout log-prob gap ~4x larger (median per
+            step 4e-6 against 1e-6), so an opt-in (docs/decisions.md, issue 32 §qatorder).
         draft: ``embedded`` only: speculative decoding with this draft folder: an EAGLE-3 export of
             `k3post draft` (``run/draft/<loss>/final``) or a small causal LM sharing the tokenizer; empty: off.
         num_draft_tokens: tokens drafted and verified per row and round when ``draft`` is set.
@@ -75,6 +81,7 @@ class EngineConfig:
     dialect: str = "k3post"
     server_slots: int = 0
     forward: str = "auto"
+    qat_op_order: str = "hf"
     draft: str = ""
     num_draft_tokens: int = 4
 
@@ -83,6 +90,8 @@ class EngineConfig:
             raise ValueError(f"engine.kind must be one of {ENGINE_KINDS}, got {self.kind!r}")
         if self.forward not in ENGINE_FORWARDS:
             raise ValueError(f"engine.forward must be one of {ENGINE_FORWARDS}, got {self.forward!r}")
+        if self.qat_op_order not in QAT_OP_ORDERS:
+            raise ValueError(f"engine.qat_op_order must be one of {QAT_OP_ORDERS}, got {self.qat_op_order!r}")
         if self.draft and self.kind != "embedded":
             raise ValueError(f"engine.draft (speculative decoding) needs engine.kind=embedded, got {self.kind!r}")
         if self.num_draft_tokens < 1:

@@ -345,7 +345,7 @@ class _Weights:
     """Everything the forward reads from the model, for one weight version."""
 
     key: tuple[tuple[int, int], ...]  # (id, version) of every model parameter, then QAT config ids
-    exact: bool  # reproduce HF's op sequence bit for bit where the engine can (QAT on)
+    exact: bool  # HF's op sequence where the engine can (QAT on and qat_op_order "hf")
     embed: torch.Tensor | None  # weight of a plain nn.Embedding (None: call the module)
     layers: list[_LayerWeights]
     final_norm: _Norm
@@ -436,6 +436,14 @@ class EmbeddedEngine(QueuedRequestsMixin):
             k tokens per row with the drafter and verifies them in one target forward; the tokens
             follow the target's law (greedy: plain decoding's tokens) and carry the target's log-probs.
             Admission then prefills a context but its last token, which the next step's round decodes.
+        qat_op_order: the lean forward's ops under QAT. "hf" (default): HF's op order (``F.linear``,
+            SDPA, per-expert down products summed in expert order); "fast": the same ops as without QAT
+            (pre-transposed GEMMs, batched-GEMM decode attention, routing weights folded into the down
+            GEMM) around the same fake-quantized tensors. Either differs from HF's whole-sequence forward
+            in the last bit of some values (other GEMM shapes), and an MXFP8 rounding boundary turns such
+            a bit into ~1e-4 of log-prob. Measured in RL (docs/decisions.md, issue 32 §qatorder): "fast"
+            1.1-1.3x a decode step, a train-rollout gap ~4x larger (median per step 4e-6 against 1e-6):
+            an opt-in (``engine.qat_op_order``).
 
     ``shares_weights``: the engine decodes with the model object's own parameters, so a co-located
     trainer's optimizer step is visible to it and a weight push is a version bump
@@ -460,6 +468,7 @@ class EmbeddedEngine(QueuedRequestsMixin):
         min_shared_prefix: int = 16,
         path: str = "auto",
         speculative: SpeculativeConfig | None = None,
+        qat_op_order: str = "hf",
     ) -> None:
         model: Any
         if isinstance(model_or_dir, (str, Path)):
@@ -478,6 +487,9 @@ class EmbeddedEngine(QueuedRequestsMixin):
             raise ValueError(f"model_or_dir must be an nn.Module or a model folder, got {type(model_or_dir).__name__}")
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        if qat_op_order not in ("fast", "hf"):
+            raise ValueError(f"qat_op_order must be 'fast' or 'hf', got {qat_op_order!r}")
+        self.qat_op_order = qat_op_order
         if path not in ("auto", "lean", "general"):
             raise ValueError(f"path must be 'auto', 'lean' or 'general', got {path!r}")
         if not isinstance(model, nn.Module) or not callable(getattr(model, "get_input_embeddings", None)) \
@@ -517,7 +529,8 @@ class EmbeddedEngine(QueuedRequestsMixin):
             raise ValueError(f"path='lean': the lean forward cannot run {type(model).__name__}: {blocker}")
         self.path: str = "general" if path == "general" or blocker is not None else "lean"
         why = "forced by path='general'" if path == "general" else blocker or "a Llama-style decoder it mirrors exactly"
-        log.info("EmbeddedEngine: %s path for %s (%s)", self.path, type(model).__name__, why)
+        log.info("EmbeddedEngine: %s path for %s (%s); under QAT the %s op order", self.path, type(model).__name__, why,
+                 qat_op_order)
         self._general: HFForward | None = None
         self.cache: Any
         self._layers: list[Any] = []
@@ -581,7 +594,7 @@ class EmbeddedEngine(QueuedRequestsMixin):
         half = self._head_dim // 2
         self._ssin_PE = torch.cat([-sin_1PE[0, :, :half], sin_1PE[0, :, half:]], dim=-1)  # for roll()
         self._dense_moe_ok = [self._dense_moe_eligible(layer.mlp) for layer in self._layers]
-        # modules QAT patches (apply_qat / remove_qat flip the forward's exact mode and the dense-MoE weights)
+        # modules QAT patches (apply_qat / remove_qat change the dense-MoE weights and, under qat_op_order 'hf', the op order)
         self._qat_targets = [m for _, m, _ in qat_module._find_expert_modules(model)]
         # where every parameter lives (module._parameters, name): _weights() checks their identity and version per forward
         self._param_slots = [(m._parameters, n) for m in model.modules() for n, p in m._parameters.items() if p is not None]
@@ -1008,7 +1021,7 @@ class EmbeddedEngine(QueuedRequestsMixin):
 
     def _build_weights(self, key: tuple[tuple[int, int], ...]) -> _Weights:
         H, G = self._n_heads, self._n_kv
-        exact = any(k != id(None) for k, _ in key[len(self._param_slots):])  # QAT on
+        exact = self.qat_op_order == "hf" and any(k != id(None) for k, _ in key[len(self._param_slots):])  # QAT on
         layers = []
         for li, layer in enumerate(self._layers):
             attn: Any = layer.self_attn
@@ -1054,7 +1067,7 @@ class EmbeddedEngine(QueuedRequestsMixin):
         # other routers are called as modules
         norm_topk = _topk_router_rule(router, X, D)
         plain_router = norm_topk is not None
-        fuse = plain_router and not exact
+        fuse = plain_router and not exact and cfg is None  # under QAT the up GEMM's input is fake-quantized, the router's not
         return _MoEWeights(
             n_experts=X, width=I, top_k=int(router.top_k) if plain_router else 0,
             router=_Proj.of(router.weight, None, exact) if plain_router else None,
@@ -1155,8 +1168,10 @@ class EmbeddedEngine(QueuedRequestsMixin):
         weighted sum folded into the down GEMM, ``sum_x w_nx a_nx W_down[x]^T = [w_n1 a_n1
         ... w_nX a_nX] W_down_stacked^T``, with the residual added by ``addmm``. ``exact``:
         HF's op order (softmax, top-k, divide by the sum; per-expert down products, then the
-        weighted sum over experts in expert order, then the residual), which reproduces
-        HF's QAT rounding of the activations (an FQ8 flip shifts log-probs by ~1e-4).
+        weighted sum over experts in expert order, then the residual): the engine's
+        ``qat_op_order="hf"``. Under QAT both forms fake-quantize the same tensors (h before the
+        up GEMM, a before the down GEMM; the router reads h unquantized, so the fast form
+        does not fuse the router into the up GEMM then).
         """
         N, X, I = h_ND.shape[0], m.n_experts, m.width
         logits_NX: torch.Tensor | None = None

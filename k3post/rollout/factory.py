@@ -103,7 +103,7 @@ def build_engine(
             model = load_model(model) if isinstance(model, (str, Path)) else model
             embedded = {"speculative": _speculative(model, cfg), **embedded}
         return EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size, max_model_len=max_model_len,
-                              seed=seed, **{"path": cfg.forward, **embedded})
+                              seed=seed, **{"path": cfg.forward, "qat_op_order": cfg.qat_op_order, **embedded})
     if cfg.kind == "http":
         from k3post.rollout.http_engine import HTTPEngine
 
