@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from k3post.algos.policy_loss import policy_loss
+from k3post.quant.qat import weight_quant_cache
 from k3post.trainer.local import clip_grad_norm
 
 __all__ = ["TokenSequence", "token_logprobs", "shared_prefix_logprobs", "sequence_logprobs", "micro_batches",
@@ -301,6 +302,15 @@ def policy_grads(
     device = next(model.parameters()).device
     out: dict[str, float] = {"loss": 0.0, "forward_tokens": 0.0, "gap_sum": 0.0, "gap_n": 0.0, "tokens": 0.0,
                              "max/gap": 0.0, "max/max_abs_log_ratio": 0.0}
+    with weight_quant_cache(model):  # the weights are the same in every micro-batch: QAT quantizes them once
+        return _policy_grads(model, groups, pad_id=pad_id, token_normalizer=token_normalizer, kwargs=kwargs,
+                             version=version, before_backward=before_backward, device=device, out=out)
+
+
+def _policy_grads(model: torch.nn.Module, groups: Sequence[tuple[Sequence[TokenSequence], int]], *, pad_id: int,
+                  token_normalizer: float, kwargs: dict[str, Any], version: int | None,
+                  before_backward: Callable[[int], None] | None, device: torch.device,
+                  out: dict[str, float]) -> dict[str, float]:
     for i, (group, prefix) in enumerate(groups):
         batch = _collate(group, pad_id, version, device)
         got = None

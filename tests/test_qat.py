@@ -6,6 +6,7 @@ Shape legend: B batch, T sequence, H hidden, E experts, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -300,3 +301,53 @@ def test_per_expert_linear_layout(monkeypatch):
     assert moe.experts[0].gate_proj.weight.grad.abs().sum() > 0 and torch.isfinite(x_TH.grad).all()
     remove_qat(moe)
     assert torch.equal(moe(x_TH).detach(), ref)
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert_linear"])
+def test_weight_quant_cache_equals_quantizing_every_forward(layout, monkeypatch):
+    """Inside `weight_quant_cache` several forwards + backwards (the micro-batches of one step) give the same losses
+    and the same accumulated gradients, bit for bit, as quantizing the weights in every forward; each weight is
+    quantized once; a weight changed in place inside the block is quantized again; the block leaves no cache."""
+    def build() -> nn.Module:
+        if layout == "fused":
+            m = _tiny_qwen3_moe().train()
+        else:
+            torch.manual_seed(0)
+            m = _OldStyleMoE()
+        apply_qat(m, QATConfig())
+        return m
+
+    def run(m: nn.Module, cached: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        losses = []
+        with qat.weight_quant_cache(m) if cached else contextlib.nullcontext():
+            for seed in (1, 2, 3):
+                if layout == "fused":
+                    ids = _ids(seed)
+                    loss = m(input_ids=ids, labels=ids).loss
+                else:
+                    loss = m(torch.randn(10, 64, generator=torch.Generator().manual_seed(seed))).square().mean()
+                loss.backward()
+                losses.append(float(loss))
+        return losses, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    ref_losses, ref_grads = run(build(), cached=False)
+    model = build()
+    calls = []
+    real = qat.fake_quant_mx
+    monkeypatch.setattr(qat, "fake_quant_mx", lambda x, fmt, *a: (calls.append(fmt), real(x, fmt, *a))[1])
+    losses, grads = run(model, cached=True)
+    n_quantized = calls.count("fp4_e2m1")
+    assert losses == ref_losses and grads.keys() == ref_grads.keys()
+    assert all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+    assert n_quantized == len(quantized_expert_weights(model))  # once each, not once per forward (3 forwards)
+    assert not any(qat._WCACHE_ATTR in m.__dict__ for m in model.modules())
+    # a weight changed in place inside the block (an optimizer step would be a bug there, but the cache must not
+    # serve the old value): the next forward quantizes it again and sees the new value
+    changed = [p for n, p in model.named_parameters() if n in quantized_expert_weights(model)]
+    with qat.weight_quant_cache(model):
+        first = model(input_ids=_ids(1)).logits if layout == "fused" else model(torch.ones(10, 64))
+        with torch.no_grad():
+            for w in changed:
+                w.mul_(-1.0)
+        again = model(input_ids=_ids(1)).logits if layout == "fused" else model(torch.ones(10, 64))
+        assert not torch.equal(first, again)

@@ -51,8 +51,10 @@ Shape legend:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -68,6 +70,7 @@ __all__ = [
     "remove_qat",
     "quantized_expert_weights",
     "qat_fake_quant",
+    "weight_quant_cache",
 ]
 
 logger = logging.getLogger("k3post.qat")
@@ -75,6 +78,7 @@ logger = logging.getLogger("k3post.qat")
 _CFG_ATTR = "_k3post_qat"
 _ORIG_FORWARD_ATTR = "_k3post_qat_orig_forward"
 _KIND_ATTR = "_k3post_qat_kind"
+_WCACHE_ATTR = "_k3post_qat_wcache"
 
 
 class _STEFakeQuant(torch.autograd.Function):
@@ -101,6 +105,51 @@ def qat_fake_quant(x: torch.Tensor, fmt: str, block_size: int = 32, axis: int = 
         same shape and dtype as x.
     """
     return _STEFakeQuant.apply(x, fmt, block_size, axis)
+
+
+class _STECached(torch.autograd.Function):
+    """y = w_q (the already fake-quantized value of w) forward; dL/dw = dL/dy backward: `qat_fake_quant`'s
+    value and gradient, without quantizing again."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return w_q.view_as(w_q)
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad_y, None
+
+
+@contextlib.contextmanager
+def weight_quant_cache(model: nn.Module) -> Iterator[None]:
+    """Inside, every QAT weight of ``model`` is fake-quantized once and reused by later forwards (same value,
+    same straight-through gradient), instead of once per forward: for the micro-batches of one optimizer step,
+    where the weights cannot change (an RL step runs 2 forwards per group: 64 quantizations of every expert
+    weight at 32 groups). The caller promises that; a parameter replaced or changed in place (its tensor, data
+    pointer or version counter) is quantized again anyway. Leaving the block drops the cache."""
+    mods = [m for _, m in _qat_modules(model)]
+    for m in mods:
+        m.__dict__[_WCACHE_ATTR] = {}
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.__dict__.pop(_WCACHE_ATTR, None)
+
+
+def _weight_fake_quant(module: nn.Module, name: str, w: torch.Tensor, fmt: str, block_size: int, axis: int) -> torch.Tensor:
+    """``qat_fake_quant(w, ...)`` for the weight ``name`` of ``module``: from `weight_quant_cache` when one is open."""
+    cache = module.__dict__.get(_WCACHE_ATTR)
+    if cache is None:
+        return qat_fake_quant(w, fmt, block_size, axis)
+    key = (id(w), w.data_ptr(), w._version, fmt, block_size, axis)
+    hit = cache.get(name)
+    if hit is None or hit[0] != key:
+        with torch.no_grad():
+            hit = cache[name] = (key, fake_quant_mx(w.detach(), fmt, block_size, axis))
+    if torch.is_grad_enabled() and w.requires_grad:
+        return _STECached.apply(w, hit[1])
+    return hit[1]
 
 
 # --------------------------------------------------------------------------- discovery
@@ -219,8 +268,8 @@ def _fused_experts_qat_forward(
     has_bias = bool(getattr(self, "has_bias", False))
     up_name = "gate_up_proj" if has_gate else "up_proj"
 
-    w_up_E = qat_fake_quant(getattr(self, up_name), fmt_w, bs, axis)
-    w_down_E = qat_fake_quant(self.down_proj, fmt_w, bs, axis)
+    w_up_E = _weight_fake_quant(self, up_name, getattr(self, up_name), fmt_w, bs, axis)
+    w_down_E = _weight_fake_quant(self, "down_proj", self.down_proj, fmt_w, bs, axis)
     x_TH = qat_fake_quant(hidden_states, fmt_a, bs, -1)
 
     T, K = top_k_index.shape
@@ -258,7 +307,7 @@ def _linear_qat_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """QAT forward of one per-expert Linear: y = FQ8(x) FQ4(W)^T + b, blocks along
     in_features. x: [..., N]; W: [O, N]; returns [..., O]."""
     cfg: QATConfig = getattr(self, _CFG_ATTR)
-    w_ON = qat_fake_quant(self.weight, cfg.weight_format, cfg.block_size, -1)
+    w_ON = _weight_fake_quant(self, "weight", self.weight, cfg.weight_format, cfg.block_size, -1)
     x_q = qat_fake_quant(x, cfg.activation_format, cfg.block_size, -1)
     return F.linear(x_q.to(w_ON.dtype), w_ON, self.bias)
 
