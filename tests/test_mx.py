@@ -336,3 +336,31 @@ def test_idempotent_and_on_grid_large(fmt):
     scale_RN = torch.ldexp(torch.ones((), dtype=torch.float64), scales.double() - 127)
     mags = (fq.double().abs().reshape(-1, 2, 32) / scale_RN[..., None]).reshape(-1)
     assert torch.isin(mags, grid.double()).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_few_op_form_equals_the_kernel(fmt, monkeypatch):
+    """fake_quant_mx's few-op form (float32, last axis: `fake_quant_fp8_lastdim`) against the blocked kernel it
+    replaced there (forced by a chunk size of 0), bit for bit, over wide-range values, exact grid midpoints,
+    subnormals, zero blocks and NaN / Inf blocks."""
+    from k3post.quant import mx
+
+    g = torch.Generator().manual_seed(7)
+    wide = torch.randn(64, 96, generator=g) * torch.pow(2.0, torch.randint(-140, 120, (64, 96), generator=g).float())
+    spec = mx.MX_FORMATS[fmt]
+    step = 2.0 ** (-spec.mbits)  # midpoints of the grid [1, 2): ties to even
+    ties = (1.0 + step * (torch.arange(96, dtype=torch.float32) % (2 ** spec.mbits) + 0.5)).repeat(8, 1)
+    ties[:, 0] = 8.0 * 2.0 ** spec.emax  # amax fixes the scale at 2^3
+    special = torch.zeros(6, 96)
+    special[1] = 1e-40  # subnormal
+    special[2, 5] = float("nan")
+    special[3, 40] = float("inf")
+    special[4, 70] = -float("inf")
+    special[5] = -3.0
+    x = torch.cat([wide, ties, special])
+    fast = mx.fake_quant_mx(x, fmt, 32, -1)
+    monkeypatch.setattr(mx, "_CHUNK_ELEMS", 0)
+    kernel = mx.fake_quant_mx(x, fmt, 32, -1)
+    assert torch.equal(fast.isnan(), kernel.isnan())
+    assert torch.equal(fast.nan_to_num().view(torch.int32), kernel.nan_to_num().view(torch.int32))
+    assert torch.equal(mx.fake_quant_fp8_lastdim(x, fmt, 32).nan_to_num().view(torch.int32), kernel.nan_to_num().view(torch.int32))

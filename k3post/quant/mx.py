@@ -72,6 +72,7 @@ __all__ = [
     "quantize_mx",
     "dequantize_mx",
     "fake_quant_mx",
+    "fake_quant_fp8_lastdim",
     "pack_fp4",
     "unpack_fp4",
 ]
@@ -403,6 +404,36 @@ def dequantize_mx(
     return _from_blocks(v_NB.to(dtype), moved_shape, axis_n, False, block_size)
 
 
+_EXP_MASK = 0x7F800000  # fp32 exponent bits
+
+
+def fake_quant_fp8_lastdim(x_S: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
+    """``fake_quant_mx(x, fmt, block_size, -1)`` for a float32 x and an MXFP8 format in few ops, without input
+    checks (the caller's: x float32, its last dim a multiple of ``block_size``, fmt an FP8 format) and
+    bit-identical (tested): the hot path of QAT activations and of the engine's decode steps, where tensors are
+    small and per-op overhead dominates. Blocks along the last dim; with amax the block's largest |x| and emax,
+    emin, mbits, max of the element format (OCP MX v1.0):
+
+        2^shared = 2^(floor(log2 amax) - emax), at least 2^-127
+        a        = |x| / 2^shared                                         (exact)
+        c        = 2^(max(floor(log2 a), emin) - mbits + 23)
+        q        = min((a + c) - c, max) * sign(x) * 2^shared
+
+    (a + c) - c rounds a to the element grid with the FPU's ties-to-even (c's ulp is the grid step at a), as
+    ``_mx_kernel`` does; floor(log2) is read from the fp32 exponent bits. An all-zero block gives zeros; a
+    block holding NaN / Inf gives NaNs (the NaN scale: its amax's exponent bits read as +Inf)."""
+    spec = MX_FORMATS[fmt]
+    x_NB = x_S.detach().reshape(-1, block_size)
+    a_NB = x_NB.abs()
+    pow2_N1 = a_NB.amax(1, keepdim=True).view(torch.int32).bitwise_and_(_EXP_MASK).view(torch.float32)
+    scale_N1 = pow2_N1.clamp_(min=2.0 ** (spec.emax - 127)).mul_(2.0 ** -spec.emax)
+    a_NB.div_(scale_N1)
+    c_NB = a_NB.view(torch.int32).bitwise_and(_EXP_MASK).clamp_(min=(127 + spec.emin) << 23)
+    c_NB = c_NB.add_((23 - spec.mbits) << 23).view(torch.float32)
+    a_NB.add_(c_NB).sub_(c_NB).clamp_(max=spec.max_value).copysign_(x_NB).mul_(scale_N1)
+    return a_NB.view(x_S.shape)
+
+
 def fake_quant_mx(x: torch.Tensor, fmt: str, block_size: int = 32, axis: int = -1) -> torch.Tensor:
     """MX fake quantization: ``dequantize_mx(*quantize_mx(x, ...), dtype=x.dtype)``.
 
@@ -420,6 +451,9 @@ def fake_quant_mx(x: torch.Tensor, fmt: str, block_size: int = 32, axis: int = -
     spec = _check_format(fmt)
     _check_input(x)
     x_NB, axis_n, moved_shape = _to_blocks(x.detach(), block_size, axis)
+    if (spec.name != "fp4_e2m1" and x.dtype == torch.float32 and axis_n == x.dim() - 1
+            and 0 < x_NB.numel() <= _CHUNK_ELEMS):  # the few-op form: activations and small tensors
+        return fake_quant_fp8_lastdim(x_NB, fmt, block_size).view(x.shape)
     out_NB = torch.empty(x_NB.shape, dtype=x.dtype, device=x.device)
     scales_N = torch.empty(x_NB.shape[0], dtype=torch.uint8, device=x.device)
     if x_NB.numel() > 0:

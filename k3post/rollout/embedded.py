@@ -96,7 +96,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3post.quant import qat as qat_module
-from k3post.quant.mx import MX_FORMATS, fake_quant_mx
+from k3post.quant.mx import MX_FORMATS, fake_quant_fp8_lastdim, fake_quant_mx
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rollout.engine import (
     GenerationRequest,
@@ -206,37 +206,14 @@ def _rotate(qk_SNE: torch.Tensor, cos_S1E: torch.Tensor, ssin_S1E: torch.Tensor,
     return torch.addcmul(qk_SNE * cos_S1E, rolled_SNE, ssin_S1E)
 
 
-_EXP_MASK = 0x7F800000  # fp32 exponent bits
-
-
 def _fake_quant_act(x_S: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
-    """``fake_quant_mx(x, fmt, block_size, -1)`` for the MXFP8 activation formats in fewer
-    ops (bit-identical, tested), since decode steps quantize tiny tensors where per-op
-    overhead dominates; other formats and dtypes call ``fake_quant_mx``. Blocks of
-    ``block_size`` along the last dim; with amax the block's largest |x| and emax, emin,
-    mbits, max of the element format (OCP MX v1.0):
-
-        2^shared = 2^(floor(log2 amax) - emax), at least 2^-127
-        a        = |x| / 2^shared                                         (exact)
-        c        = 2^(max(floor(log2 a), emin) - mbits + 23)
-        q        = min((a + c) - c, max) * sign(x) * 2^shared
-
-    (a + c) - c rounds a to the element grid with the FPU's ties-to-even (c's ulp is the
-    grid step at a), as ``k3post.quant.mx`` does; floor(log2) is read from the fp32
-    exponent bits. An all-zero block gives zeros; a block holding NaN / Inf gives NaNs
-    (the reference's NaN scale)."""
-    spec = MX_FORMATS[fmt]
-    if spec.name == "fp4_e2m1" or x_S.dtype != torch.float32:
+    """``fake_quant_mx(x, fmt, block_size, -1)`` of an expert-GEMM input: the few-op MXFP8 form
+    (`k3post.quant.mx.fake_quant_fp8_lastdim`, bit-identical) without fake_quant_mx's checks, since
+    decode steps quantize tiny tensors where per-op overhead dominates; other formats and dtypes
+    call ``fake_quant_mx``."""
+    if MX_FORMATS[fmt].name == "fp4_e2m1" or x_S.dtype != torch.float32:
         return fake_quant_mx(x_S, fmt, block_size, -1)
-    x_NB = x_S.reshape(-1, block_size)
-    a_NB = x_NB.abs()
-    pow2_N1 = a_NB.amax(1, keepdim=True).view(torch.int32).bitwise_and_(_EXP_MASK).view(torch.float32)
-    scale_N1 = pow2_N1.clamp_(min=2.0 ** (spec.emax - 127)).mul_(2.0 ** -spec.emax)
-    a_NB.div_(scale_N1)
-    c_NB = a_NB.view(torch.int32).bitwise_and(_EXP_MASK).clamp_(min=(127 + spec.emin) << 23)
-    c_NB = c_NB.add_((23 - spec.mbits) << 23).view(torch.float32)
-    a_NB.add_(c_NB).sub_(c_NB).clamp_(max=spec.max_value).copysign_(x_NB).mul_(scale_N1)
-    return a_NB.view(x_S.shape)
+    return fake_quant_fp8_lastdim(x_S, fmt, block_size)
 
 
 def _plain_silu(act: Any) -> bool:
