@@ -327,7 +327,7 @@ def test_weight_quant_cache_equals_quantizing_every_forward(layout, monkeypatch)
                 else:
                     loss = m(torch.randn(10, 64, generator=torch.Generator().manual_seed(seed))).square().mean()
                 loss.backward()
-                losses.append(float(loss))
+                losses.append(float(loss.detach()))
         return losses, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
     ref_losses, ref_grads = run(build(), cached=False)
