@@ -73,7 +73,7 @@ def gemm_peak(n: int = 1024, repeats: int = 5) -> float:
 
 
 def decoding_engine(model: torch.nn.Module, batch: int, context: int, steps: int, warmup: int = 3,
-                    qat_op_order: str = "fast") -> EmbeddedEngine:
+                    qat_op_order: str = "hf") -> EmbeddedEngine:
     """An engine holding ``batch`` running rows that all sit at the same position (``context`` prompt tokens each,
     prefilled, then ``warmup`` decode steps), with room for ``steps`` more decode steps before any row finishes."""
     g = torch.Generator().manual_seed(batch)

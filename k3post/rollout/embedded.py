@@ -95,6 +95,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3post.config.rollout import QAT_OP_ORDERS
 from k3post.quant import qat as qat_module
 from k3post.quant.mx import MX_FORMATS, fake_quant_fp8_lastdim, fake_quant_mx
 from k3post.quant.qat import QATConfig, apply_qat
@@ -464,8 +465,8 @@ class EmbeddedEngine(QueuedRequestsMixin):
             raise ValueError(f"model_or_dir must be an nn.Module or a model folder, got {type(model_or_dir).__name__}")
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
-        if qat_op_order not in ("fast", "hf"):
-            raise ValueError(f"qat_op_order must be 'fast' or 'hf', got {qat_op_order!r}")
+        if qat_op_order not in QAT_OP_ORDERS:
+            raise ValueError(f"qat_op_order must be one of {QAT_OP_ORDERS}, got {qat_op_order!r}")
         self.qat_op_order = qat_op_order
         if path not in ("auto", "lean", "general"):
             raise ValueError(f"path must be 'auto', 'lean' or 'general', got {path!r}")
