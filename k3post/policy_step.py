@@ -303,48 +303,40 @@ def policy_grads(
     out: dict[str, float] = {"loss": 0.0, "forward_tokens": 0.0, "gap_sum": 0.0, "gap_n": 0.0, "tokens": 0.0,
                              "max/gap": 0.0, "max/max_abs_log_ratio": 0.0}
     with weight_quant_cache(model):  # the weights are the same in every micro-batch: QAT quantizes them once
-        return _policy_grads(model, groups, pad_id=pad_id, token_normalizer=token_normalizer, kwargs=kwargs,
-                             version=version, before_backward=before_backward, device=device, out=out)
-
-
-def _policy_grads(model: torch.nn.Module, groups: Sequence[tuple[Sequence[TokenSequence], int]], *, pad_id: int,
-                  token_normalizer: float, kwargs: dict[str, Any], version: int | None,
-                  before_backward: Callable[[int], None] | None, device: torch.device,
-                  out: dict[str, float]) -> dict[str, float]:
-    for i, (group, prefix) in enumerate(groups):
-        batch = _collate(group, pad_id, version, device)
-        got = None
-        if prefix:
-            got = shared_prefix_logprobs(model, batch["ids"], batch["attn"], prefix, entropy_mask_BT=batch["mask"])
-            if got is None and type(model).__name__ not in _NO_SHARED_PREFIX:
-                _NO_SHARED_PREFIX.add(type(model).__name__)
-                log.warning("%s: its KV cache cannot be broadcast to the samples of a group; the trainer runs "
-                            "their shared prompt once per sample", type(model).__name__)
-        logp_BT, ent_BT = got if got is not None else token_logprobs(model, batch["ids"], batch["attn"],
-                                                                     entropy_mask_BT=batch["mask"])
-        B, T = batch["ids"].shape
-        out["forward_tokens"] += prefix + B * (T - prefix) if got is not None else B * T
-        with torch.no_grad():
-            gap_N = (logp_BT.detach() - batch["behavior"])[batch["fresh"]].abs()
-            if gap_N.numel():
-                out["gap_sum"] += float(gap_N.sum())
-                out["max/gap"] = max(out["max/gap"], float(gap_N.max()))
-                out["gap_n"] += gap_N.numel()
-        loss, m = policy_loss(
-            logp_BT, batch["behavior"], batch["adv"], batch["mask"], token_normalizer=float(token_normalizer),
-            entropy_BT=ent_BT, **kwargs,
-        )
-        if before_backward is not None:
-            before_backward(i)
-        loss.backward()
-        out["loss"] += float(loss.detach())
-        n = m["num_tokens"]
-        out["tokens"] += n
-        for k, v in m.items():
-            if k == "max_abs_log_ratio":
-                out["max/max_abs_log_ratio"] = max(out["max/max_abs_log_ratio"], v)
-            elif k != "num_tokens":
-                out[f"sum/{k}"] = out.get(f"sum/{k}", 0.0) + v * n
+        for i, (group, prefix) in enumerate(groups):
+            batch = _collate(group, pad_id, version, device)
+            got = None
+            if prefix:
+                got = shared_prefix_logprobs(model, batch["ids"], batch["attn"], prefix, entropy_mask_BT=batch["mask"])
+                if got is None and type(model).__name__ not in _NO_SHARED_PREFIX:
+                    _NO_SHARED_PREFIX.add(type(model).__name__)
+                    log.warning("%s: its KV cache cannot be broadcast to the samples of a group; the trainer runs "
+                                "their shared prompt once per sample", type(model).__name__)
+            logp_BT, ent_BT = got if got is not None else token_logprobs(model, batch["ids"], batch["attn"],
+                                                                         entropy_mask_BT=batch["mask"])
+            B, T = batch["ids"].shape
+            out["forward_tokens"] += prefix + B * (T - prefix) if got is not None else B * T
+            with torch.no_grad():
+                gap_N = (logp_BT.detach() - batch["behavior"])[batch["fresh"]].abs()
+                if gap_N.numel():
+                    out["gap_sum"] += float(gap_N.sum())
+                    out["max/gap"] = max(out["max/gap"], float(gap_N.max()))
+                    out["gap_n"] += gap_N.numel()
+            loss, m = policy_loss(
+                logp_BT, batch["behavior"], batch["adv"], batch["mask"], token_normalizer=float(token_normalizer),
+                entropy_BT=ent_BT, **kwargs,
+            )
+            if before_backward is not None:
+                before_backward(i)
+            loss.backward()
+            out["loss"] += float(loss.detach())
+            n = m["num_tokens"]
+            out["tokens"] += n
+            for k, v in m.items():
+                if k == "max_abs_log_ratio":
+                    out["max/max_abs_log_ratio"] = max(out["max/max_abs_log_ratio"], v)
+                elif k != "num_tokens":
+                    out[f"sum/{k}"] = out.get(f"sum/{k}", 0.0) + v * n
     return out
 
 
