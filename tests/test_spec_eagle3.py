@@ -109,6 +109,33 @@ def _brute_force(draft, fused_T3D, ids_T, pos_T, steps, pad_id=0):
     return out
 
 
+def test_attend_unrolled_equals_one_masked_softmax_over_concatenated_keys(target):
+    """The unroll's attention at step N (step-0 keys + the N diagonal keys, `MidLayer.attend_unrolled`) equals
+    `attend` over the concatenated keys [k0, k1, …, kN] with the step-0 mask and N diagonal masks, in value and
+    in every input's gradient (float64, GQA 4 query heads over 2 key heads, a packed row: two samples)."""
+    block = Eagle3Draft.from_target(target, (1, 2, 4)).midlayer.double()
+    H, K, d = block.n_heads, block.n_kv, block.head_dim
+    assert H > K  # grouped-query attention is exercised
+    B, T, N = 2, 9, 3
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, H, T, d, generator=g, dtype=torch.float64, requires_grad=True)
+    k0, v0 = (torch.randn(B, K, T, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    kd, vd = (torch.randn(B, K, T, N, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    seg = torch.tensor([0] * 4 + [1] * 5)
+    allowed0 = (torch.ones(T, T, dtype=torch.bool).tril() & (seg[:, None] == seg[None, :])).expand(B, 1, T, T)
+    got = block.attend_unrolled(q, k0, v0, allowed0, kd, vd)
+    diag = torch.eye(T, dtype=torch.bool).expand(B, 1, T, T)
+    want = block.attend(q, torch.cat([k0, *kd.unbind(3)], 2), torch.cat([v0, *vd.unbind(3)], 2),
+                        torch.cat([allowed0] + [diag] * N, -1))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    w = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads_got = torch.autograd.grad((got * w).sum(), (q, k0, v0, kd, vd))
+    grads_want = torch.autograd.grad((want * w).sum(), (q, k0, v0, kd, vd))
+    for a, b in zip(grads_got, grads_want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert grads_got[3].abs().sum() > 0  # the diagonal keys are attended to
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["one-sample", "packed"])
 def test_unrolled_steps_equal_autoregressive_drafting(packed):
     target = build_tiny_moe(V, "tiny", seed=0)  # its own: the draft shares (and here casts) its embedding

@@ -100,6 +100,29 @@ class MidLayer(nn.Module):
             scale=self.head_dim ** -0.5,
         )
 
+    def attend_unrolled(self, q_BHTd: torch.Tensor, k0_BKTd: torch.Tensor, v0_BKTd: torch.Tensor,
+                        allowed0_B1TT: torch.Tensor, kd_BKTNd: torch.Tensor, vd_BKTNd: torch.Tensor) -> torch.Tensor:
+        """The training-time test's attention at unrolled step N ≥ 1 (`k3post.spec.eagle3.unrolled_logits`): the
+        query at t over the step-0 keys it is allowed (``allowed0``) and over the N keys at t of steps 1 … N
+        (``kd``/``vd`` stack them on their fourth axis), in one softmax. The same softmax as `attend` over the
+        concatenated keys [k0, k1, …, kN] with the diagonal masks, without computing the N · T · T masked-out
+        scores of the later steps: T · (T + N) scores a head instead of T · (N + 1) · T."""
+        groups = self.n_heads // self.n_kv
+        scale = self.head_dim ** -0.5
+        k0, v0 = repeat_kv(k0_BKTd, groups), repeat_kv(v0_BKTd, groups)
+        B, K, T, N, d = kd_BKTNd.shape
+        kd = kd_BKTNd[:, :, None].expand(B, K, groups, T, N, d).reshape(B, K * groups, T, N, d)
+        vd = vd_BKTNd[:, :, None].expand(B, K, groups, T, N, d).reshape(B, K * groups, T, N, d)
+        q_BHTd = q_BHTd * scale
+        s0_BHTT = (q_BHTd @ k0.transpose(-1, -2)).masked_fill(~allowed0_B1TT, float("-inf"))
+        sd_BHTN = torch.einsum("bhtd,bhtnd->bhtn", q_BHTd, kd)
+        # the softmax over [s0, sd] in two parts (no concatenated copy, no sliced gradients): every query may
+        # attend to its own step-0 key, so each row holds a finite score
+        m_BHT1 = torch.maximum(s0_BHTT.amax(-1, keepdim=True), sd_BHTN.amax(-1, keepdim=True)).detach()
+        e0, ed = torch.exp(s0_BHTT - m_BHT1), torch.exp(sd_BHTN - m_BHT1)
+        z_BHT1 = e0.sum(-1, keepdim=True) + ed.sum(-1, keepdim=True)
+        return (e0 @ v0 + torch.einsum("bhtn,bhtnd->bhtd", ed, vd)) / z_BHT1
+
     def finish(self, hidden_BTD: torch.Tensor, o_BHTd: torch.Tensor) -> torch.Tensor:
         """Output projection, the residual (the hidden input), then the MLP block: the pre-norm out_BTD."""
         B, _, T, _ = o_BHTd.shape

@@ -7,7 +7,7 @@
 
 Training-time test (``unrolled_logits``): step i's query at t attends to the causal step-0 keys (s ≤ t, same
 sample) and to the one key at t of each step 1 … i: the keys inference holds when it drafts i tokens after
-position t. Started from an MTP head (``MTPHead``) whose input is h_high, step 0 is that head exactly; with
+position t (one softmax over T + i scores per query, `MidLayer.attend_unrolled`). Started from an MTP head (``MTPHead``) whose input is h_high, step 0 is that head exactly; with
 the stock layout h_high enters the last layer instead, and `k3post draft` starts fc at the least-squares map onto
 the final hidden state (``k3post.spec.train.fit_fc``).
 
@@ -43,7 +43,8 @@ from k3post.spec.mtp import MTPHead, capture_final_hidden
 
 __all__ = [
     "DraftVocab", "Eagle3Config", "Eagle3Draft", "engine_capturable", "from_sglang_ids", "from_vllm_ids",
-    "sglang_ids", "step_weights", "stock_aux_layers", "target_features", "unrolled_logits", "vllm_ids",
+    "sglang_ids", "step_weights", "stock_aux_layers", "target_features", "unrolled_logits", "unrolled_step_logits",
+    "vllm_ids",
 ]
 
 
@@ -249,24 +250,37 @@ def unrolled_logits(draft: Eagle3Draft, fused_BT3D: torch.Tensor, input_ids_BT: 
 
     Teacher forcing: step i reads the true token x_{t+1+i} (``pad_id`` past the row's end; such positions,
     and those whose token lies in another packed sample, must be masked by the loss). The attention is one
-    masked softmax over the concatenated keys of steps 0 … i."""
+    masked softmax over the keys of steps 0 … i."""
+    return torch.stack(unrolled_step_logits(draft, fused_BT3D, input_ids_BT, steps, position_ids_BT, pad_id))
+
+
+def unrolled_step_logits(draft: Eagle3Draft, fused_BT3D: torch.Tensor, input_ids_BT: torch.Tensor, steps: int = 7,
+                         position_ids_BT: torch.Tensor | None = None, pad_id: int = 0) -> list[torch.Tensor]:
+    """`unrolled_logits` as one logits_BTW per step, for the loss: a step read from the stacked tensor would
+    give each step's backward a zero gradient of all N steps' size."""
     B, T = input_ids_BT.shape
     dev = input_ids_BT.device
     pos_BT = torch.arange(T, device=dev).expand(B, T) if position_ids_BT is None else position_ids_BT
     seg_BT = _segments(pos_BT)
     causal_TT = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
     step0_B1TT = (causal_TT & (seg_BT[:, :, None] == seg_BT[:, None, :]))[:, None]
-    diag_B1TT = torch.eye(T, dtype=torch.bool, device=dev).expand(B, 1, T, T)
     padded_BT = torch.cat([input_ids_BT, torch.full((B, steps), pad_id, dtype=input_ids_BT.dtype, device=dev)], 1)
     block = draft.midlayer
     hidden_BTD = draft.fc(fused_BT3D)
-    keys, values, out = [], [], []
+    k0 = v0 = None
+    diag_k: list[torch.Tensor] = []
+    diag_v: list[torch.Tensor] = []
+    out = []
     for i in range(steps):
         tok_BT = padded_BT[:, 1 + i: 1 + i + T]
         q, k, v = block.qkv(draft.embed_tokens(tok_BT), hidden_BTD, pos_BT + i)
-        keys.append(k)
-        values.append(v)
-        allowed = torch.cat([step0_B1TT] + [diag_B1TT] * i, dim=-1)
-        hidden_BTD = block.finish(hidden_BTD, block.attend(q, torch.cat(keys, 2), torch.cat(values, 2), allowed))
+        if i == 0:  # the causal step-0 keys
+            k0, v0 = k, v
+            o = block.attend(q, k, v, step0_B1TT)
+        else:  # step 0's keys and, at each t, the key at t of every later step so far
+            diag_k.append(k)
+            diag_v.append(v)
+            o = block.attend_unrolled(q, k0, v0, step0_B1TT, torch.stack(diag_k, 3), torch.stack(diag_v, 3))
+        hidden_BTD = block.finish(hidden_BTD, o)
         out.append(draft.logits(hidden_BTD))
-    return torch.stack(out)
+    return out

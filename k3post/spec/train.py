@@ -34,7 +34,7 @@ from k3post.config.optim import OptimConfig
 from k3post.metrics import MetricsLogger
 from k3post.sft import lr_at
 from k3post.spec.data import DraftSample
-from k3post.spec.eagle3 import Eagle3Draft, step_weights, target_features, unrolled_logits
+from k3post.spec.eagle3 import Eagle3Draft, step_weights, target_features, unrolled_step_logits
 from k3post.spec.losses import acceptance, draft_loss
 from k3post.trainer import build_trainer
 
@@ -110,13 +110,13 @@ def _aligned_steps(
     fused, final = target_features(target, ids_BT, draft.config.aux_layer_ids, attention_mask=real_BT.long())
     with torch.no_grad():
         p_BTV = target.lm_head(target.model.norm(final))
-    q_NBTW = unrolled_logits(draft, fused, ids_BT, steps=cfg.ttt_steps, pad_id=pad_id)
+    q_N = unrolled_step_logits(draft, fused, ids_BT, steps=cfg.ttt_steps, pad_id=pad_id)
     T = ids_BT.shape[1]
     for i in range(cfg.ttt_steps):
         n = T - 2 - i  # positions t whose predicted token t+2+i exists
         if n <= 0:
             return
-        yield p_BTV[:, 1 + i: 1 + i + n], q_NBTW[i][:, :n], sampled_BT[:, 2 + i:] & real_BT[:, 2 + i:]
+        yield p_BTV[:, 1 + i: 1 + i + n], q_N[i][:, :n], sampled_BT[:, 2 + i:] & real_BT[:, 2 + i:]
 
 
 def _draft_ids(draft: Eagle3Draft, vocab: int) -> torch.Tensor | None:
