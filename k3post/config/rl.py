@@ -36,14 +36,16 @@ def default_domain_overrides() -> dict[str, dict[str, Any]]:
 
 
 GENERAL_MAX_SETTING: dict[str, dict[str, Any]] = {
-    "general": {"n_tasks": 1280, "eval_n": 800},
+    "general": {"n_tasks": 1280, "eval_n": 800, "slots": 256},
     "general.max": {"n_prompts": 32, "lr": 2e-4, "lr_schedule": "linear", "lambda_": 1, "max_staleness": 0, "eval_samples": 8},
 }
 """What `k3post demo` / `rl` / `experts` (the recipe's ``rl``, `k3post.config.K3Config`) add for general.max: 32 prompts a
 step, each prompt once (40 × 32 = 1,280 tasks), lr 2e-4 decaying linearly, on-policy, and held-out avg@8 at T 1
 beside greedy (the expected reward RL optimises; greedy outcomes churn), on 800 held-out tasks: at 400 a gain of
 +0.015 resolved in about half the runs (docs/decisions.md, issue 31 §power). It raised general.max's held-out avg@8 in
-every one of 25 runs over eight demo SFT models (docs/decisions.md, issue 31 §seeds, §demo, §levers). A bare
+every one of 25 runs over eight demo SFT models (docs/decisions.md, issue 31 §seeds, §demo, §levers). General's engines
+decode 256 sequences at once (its episodes are short: b0's 5,120 and the held-out 7,200 fill them): general.max from the
+demo's SFT model in 333 s instead of 455 s, the same learning (docs/decisions.md, issue 32 §slots). A bare
 `RLConfig` (the library's, MOPD's) does not carry it."""
 
 
