@@ -96,6 +96,31 @@ def test_domain_overrides_set_the_lr_schedule_and_numbers_given_as_text():
     assert general.lr_at(general.steps - 1) == pytest.approx(2e-4 / general.steps)
 
 
+def test_agents_rl_setting_as_overrides_and_in_the_full_recipe():
+    """`AGENTS_RL_SETTING` through `domain_override_args` sets each field on top of the demo's agents entry (which
+    keeps its other fields); configs/full.yaml trains agents with it, per family (two families: half the tasks and
+    held-out tasks each)."""
+    from k3post.config.rl import AGENTS_RL_SETTING, domain_override_args
+
+    cfg = load_config(None, domain_override_args(AGENTS_RL_SETTING))
+    base = load_config(None)
+    for effort in ("max", "high", "low"):
+        got, was = cfg.rl.for_domain("agents", effort), base.rl.for_domain("agents", effort)
+        want = {**AGENTS_RL_SETTING["agents"], **AGENTS_RL_SETTING.get(f"agents.{effort}", {})}
+        assert {k: getattr(got, k) for k in want} == want
+        assert (got.max_tokens, got.k) == (was.max_tokens, was.k)  # the fields it does not name are the demo's
+    assert cfg.rl.for_domain("agents", "high").steps == base.rl.for_domain("agents", "high").steps == 16
+    full = load_config(ROOT / "configs/full.yaml")
+    families = [f for f in full.rl.families if f.startswith("agents.")]
+    for effort in ("max", "high", "low"):
+        got = full.rl.for_domain("agents", effort)
+        want = {**AGENTS_RL_SETTING["agents"], **AGENTS_RL_SETTING.get(f"agents.{effort}", {})}
+        want.update(n_tasks=want["n_tasks"] // len(families), eval_n=want["eval_n"] // len(families))
+        if effort != "max":
+            want.pop("steps", None)
+        assert {k: getattr(got, k) for k in want} == want, effort
+
+
 @pytest.mark.parametrize("override, message", [
     ("data.family_tasks.coding.nope=3", r"data.family_tasks.coding.nope: unknown task family 'coding.nope'"),
     ("data.family_tasks.coding.bugfix=-1", r"data.family_tasks.coding.bugfix: must be a non-negative integer"),

@@ -15,7 +15,8 @@ from k3post.config.rollout import EngineConfig, RolloutConfig
 from k3post.constants import DOMAINS, EFFORTS
 from k3post.urls import is_url
 
-__all__ = ["GENERAL_MAX_SETTING", "LR_SCHEDULES", "RLConfig", "default_domain_overrides", "loss_kwargs"]
+__all__ = ["AGENTS_RL_SETTING", "GENERAL_MAX_SETTING", "LR_SCHEDULES", "RLConfig", "default_domain_overrides", "domain_override_args",
+           "loss_kwargs"]
 
 LR_SCHEDULES = ("constant", "linear")
 CHOICE_OVERRIDES: dict[str, tuple[str, ...]] = {"lr_schedule": LR_SCHEDULES}
@@ -47,6 +48,26 @@ every one of 25 runs over eight demo SFT models (docs/decisions.md, issue 31 §s
 decode 256 sequences at once (its episodes are short: b0's 5,120 and the held-out 7,200 fill them): general.max from the
 demo's SFT model in 333 s instead of 455 s, the same learning (docs/decisions.md, issue 32 §slots). A bare
 `RLConfig` (the library's, MOPD's) does not carry it."""
+
+
+AGENTS_RL_SETTING: dict[str, dict[str, Any]] = {
+    "agents": {"n_prompts": 4, "n_tasks": 192, "eval_n": 100, "temperature": 0.5, "train_pass_min": 0.01, "lambda_": 1,
+               "max_staleness": 0, "lr": 2e-4, "lr_schedule": "linear"},
+    "agents.max": {"steps": 64, "eval_samples": 4},
+}
+"""The agents setting that made RL beat its SFT start (docs/decisions.md, issue 31 §agentslearn): rollouts at T 0.5 (at
+T 1 most agents episodes end malformed), a curriculum of the tasks b0's 4 samples solved at least once (32 of 192),
+4 of them a step on-policy (λ 1), lr 2e-4 decaying linearly, 64 steps (256 groups), and held-out avg@4 at the rollout
+temperature on 100 tasks. On the demo's seed-0 SFT model agents.max's avg@4 went 0.11 → 0.24–0.25 (p 0.0001, two
+learning rates); 32 steps over 96 tasks did not resolve. It costs ~14 minutes of one core for agents.max, so the demo
+keeps its smaller agents experts (`default_domain_overrides`); configs/full.yaml and the slow test
+`tests/test_agents_rl_learns.py` use it."""
+
+
+def domain_override_args(setting: dict[str, dict[str, Any]]) -> list[str]:
+    """``setting`` (expert or domain → fields) as command-line overrides, ``rl.domain_overrides.<key>.<field>=<value>``,
+    each merged into the config's entry for that key instead of replacing it."""
+    return [f"rl.domain_overrides.{key}.{name}={value}" for key, fields in setting.items() for name, value in fields.items()]
 
 
 @dataclass
