@@ -15,8 +15,8 @@ from k3post.config.rollout import EngineConfig, RolloutConfig
 from k3post.constants import DOMAINS, EFFORTS
 from k3post.urls import is_url
 
-__all__ = ["AGENTS_RL_SETTING", "GENERAL_MAX_SETTING", "LR_SCHEDULES", "RLConfig", "default_domain_overrides", "domain_override_args",
-           "loss_kwargs"]
+__all__ = ["AGENTS_RL_SETTING", "GENERAL_MAX_SETTING", "LR_SCHEDULES", "RLConfig", "default_domain_overrides",
+           "domain_override_args", "loss_kwargs"]
 
 LR_SCHEDULES = ("constant", "linear")
 CHOICE_OVERRIDES: dict[str, tuple[str, ...]] = {"lr_schedule": LR_SCHEDULES}
@@ -31,7 +31,10 @@ def default_domain_overrides() -> dict[str, dict[str, Any]]:
         # 256: the search references think at max in every turn (issue 31 §effort), up to ~230 tokens a turn with the
         # demo's tokenizer (configs/full.yaml's lexicon tokenizer: ~140, so it keeps 192)
         # eval_n 32: the SFT model passes some agents.search episodes now (issue 31 §agents)
-        "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 32, "max_tokens": 256, "eval_max_tokens": 256},
+        # T 0.5, the tasks b0 solved (of 64), on-policy: AGENTS_RL_SETTING's rollouts at the demo's 16 steps; at T 1 70-90 %
+        # of the episodes end malformed and the demo's agents.low fell 7 -> 2 of 32 (issue 31 §agentslearn)
+        "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 64, "eval_n": 32, "max_tokens": 256, "eval_max_tokens": 256,
+                   "temperature": 0.5, "train_pass_min": 0.01, "lambda_": 1, "max_staleness": 0},
         "coding": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 32, "max_tokens": 384, "eval_max_tokens": 384},
     }
 
