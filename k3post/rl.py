@@ -248,16 +248,21 @@ def train_rl(
 def select_by_pass(tasks: Sequence[Task], budgets: BudgetTable, cfg: RLConfig) -> list[Task]:
     """The training tasks whose pass fraction in their b0 samples (`BudgetTable.pass_fraction`) lies in
     [``cfg.train_pass_min``, ``cfg.train_pass_max``], in their order; all of them when the range is [0, 1].
-    ValueError naming the settings when none is left."""
+    When none is left: all of them with a warning under ``cfg.train_pass_empty`` = "all", else a ValueError naming
+    the settings."""
     lo, hi = cfg.train_pass_min, cfg.train_pass_max
     if lo <= 0 and hi >= 1:
         return list(tasks)
     kept = [t for t in tasks if lo <= budgets.pass_fraction(t) <= hi]
     n_samples = len(next(iter(budgets.entries.values())).samples.correct) if len(budgets) else 0
     if not kept:
-        raise ValueError(f"rl.train_pass_min / rl.train_pass_max = {lo} / {hi}: none of the {len(tasks)} training tasks "
-                         f"of {cfg.domain} has a b0 pass fraction in that range ({n_samples} samples each); widen it or "
-                         "raise rl.n_tasks")
+        what = (f"rl.train_pass_min / rl.train_pass_max = {lo} / {hi}: none of the {len(tasks)} training tasks of "
+                f"{cfg.domain} has a b0 pass fraction in that range ({n_samples} samples each)")
+        if cfg.train_pass_empty == "all":
+            log.warning("%s.%s: %s; rl.train_pass_empty=all: training on all %d tasks (their groups start without "
+                        "variance)", cfg.domain, cfg.effort, what, len(tasks))
+            return list(tasks)
+        raise ValueError(f"{what}; widen it, raise rl.n_tasks, or set rl.train_pass_empty=all to train on every task")
     log.info("%s.%s trains on %d of %d tasks: those the cold-start model solves in [%g, %g] of their %d b0 samples",
              cfg.domain, cfg.effort, len(kept), len(tasks), lo, hi, n_samples)
     return kept

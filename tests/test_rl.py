@@ -796,8 +796,21 @@ def test_prompt_selection_keeps_the_tasks_the_cold_start_model_sometimes_solves(
     assert "trains on 3 of 5 tasks" in caplog.text
     assert select_by_pass(tasks, table, RLConfig()) == tasks
     assert select_by_pass(tasks, table, RLConfig(train_pass_min=1.0)) == tasks[4:]
-    with pytest.raises(ValueError, match=r"rl.train_pass_min / rl.train_pass_max = 0.3 / 0.4: none of the 5 training tasks"):
+    with pytest.raises(ValueError, match=r"rl.train_pass_min / rl.train_pass_max = 0.3 / 0.4: none of the 5 training tasks"
+                                         r".*rl.train_pass_empty=all"):
         select_by_pass(tasks, table, RLConfig(train_pass_min=0.3, train_pass_max=0.4))
+    # the explicit opt-in: a cold-start model that solves none of them trains on all, saying so (the demo's agents:
+    # from random weights its SFT model solves no agents task, and the demo must still run)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="k3post.rl"):
+        assert select_by_pass(tasks, table, RLConfig(train_pass_min=0.3, train_pass_max=0.4, train_pass_empty="all")) == tasks
+    assert "rl.train_pass_empty=all: training on all 5 tasks" in caplog.text
+    over = RLConfig(train_pass_min=0.3, train_pass_max=0.4, domain_overrides={"agents": {"train_pass_empty": "all"}})
+    assert (over.for_domain("agents", "max").train_pass_empty, over.for_domain("general", "max").train_pass_empty) == ("all", "error")
+    with pytest.raises(ValueError, match=r"rl.train_pass_empty must be one of \('error', 'all'\), got 'some'"):
+        RLConfig(train_pass_empty="some")
+    with pytest.raises(ValueError, match=r"rl.domain_overrides.agents.train_pass_empty: must be one of"):
+        RLConfig(domain_overrides={"agents": {"train_pass_empty": "x"}})
     with pytest.raises(ValueError, match=r"rl.train_pass_min \(0.8\) must be <= rl.train_pass_max \(0.5\)"):
         RLConfig(train_pass_min=0.8, train_pass_max=0.5)
     with pytest.raises(ValueError, match=r"rl.domain_overrides.general.max: train_pass_min \(0.8\) must be <= train_pass_max \(0.5\)"):

@@ -19,7 +19,8 @@ __all__ = ["AGENTS_RL_SETTING", "GENERAL_MAX_SETTING", "LR_SCHEDULES", "RLConfig
            "domain_override_args", "loss_kwargs"]
 
 LR_SCHEDULES = ("constant", "linear")
-CHOICE_OVERRIDES: dict[str, tuple[str, ...]] = {"lr_schedule": LR_SCHEDULES}
+TRAIN_PASS_EMPTY = ("error", "all")
+CHOICE_OVERRIDES: dict[str, tuple[str, ...]] = {"lr_schedule": LR_SCHEDULES, "train_pass_empty": TRAIN_PASS_EMPTY}
 # the loss switches an expert may set for itself (domain_overrides), besides the numeric fields
 BOOL_OVERRIDES: tuple[str, ...] = ("normalize_std", "skip_zero_variance", "seq_mean", "sequence_ratio", "stop_gradient_ratio")
 """The settings other than numbers that ``domain_overrides`` may set, with their choices."""
@@ -34,7 +35,7 @@ def default_domain_overrides() -> dict[str, dict[str, Any]]:
         # T 0.5, the tasks b0 solved (of 64), on-policy: AGENTS_RL_SETTING's rollouts at the demo's 16 steps; at T 1 70-90 %
         # of the episodes end malformed and the demo's agents.low fell 7 -> 2 of 32 (issue 31 §agentslearn)
         "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 64, "eval_n": 32, "max_tokens": 256, "eval_max_tokens": 256,
-                   "temperature": 0.5, "train_pass_min": 0.01, "lambda_": 1, "max_staleness": 0},
+                   "temperature": 0.5, "train_pass_min": 0.01, "train_pass_empty": "all", "lambda_": 1, "max_staleness": 0},
         "coding": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 32, "max_tokens": 384, "eval_max_tokens": 384},
     }
 
@@ -54,8 +55,8 @@ demo's SFT model in 333 s instead of 455 s, the same learning (docs/decisions.md
 
 
 AGENTS_RL_SETTING: dict[str, dict[str, Any]] = {
-    "agents": {"n_prompts": 4, "n_tasks": 192, "eval_n": 100, "temperature": 0.5, "train_pass_min": 0.01, "lambda_": 1,
-               "max_staleness": 0, "lr": 2e-4, "lr_schedule": "linear"},
+    "agents": {"n_prompts": 4, "n_tasks": 192, "eval_n": 100, "temperature": 0.5, "train_pass_min": 0.01,
+               "train_pass_empty": "all", "lambda_": 1, "max_staleness": 0, "lr": 2e-4, "lr_schedule": "linear"},
     "agents.max": {"steps": 64, "eval_samples": 4},
 }
 """The agents setting that made RL beat its SFT start (docs/decisions.md, issue 31 §agentslearn): rollouts at T 0.5 (at
@@ -93,7 +94,10 @@ class RLConfig:
     Prompt selection: with ``train_pass_min`` > 0 or ``train_pass_max`` < 1 the expert trains only on the
     training tasks whose pass fraction in their b0 samples (the cold-start model's, `rewards.effort`) lies in
     [train_pass_min, train_pass_max]: a prompt the model never or always solves gives a group without variance,
-    which carries no policy gradient (difficulty curriculum; set per expert like ``lr``).
+    which carries no policy gradient (difficulty curriculum; set per expert like ``lr``). When none is in the range
+    (a cold-start model that solves none of them), ``train_pass_empty`` says what happens: "error" (the default) fails
+    the expert naming the settings; "all" trains on every task, with a warning in the log (an explicit opt-in: every
+    group then starts without variance, as without the curriculum).
     Optimiser: ``lr`` with ``lr_schedule`` ("constant", or "linear" decay to ``lr / steps`` at the last step).
     Judge (SPEC §3.4): ``judge`` = "" (none), "policy" (the cold-start checkpoint through the embedded
     engine), a local checkpoint folder, or an OpenAI-compatible base URL (``judge_model`` names the
@@ -137,6 +141,7 @@ class RLConfig:
     eval_samples: int = ranged(0, ge=0)
     train_pass_min: float = ranged(0.0, ge=0, le=1)
     train_pass_max: float = ranged(1.0, ge=0, le=1)
+    train_pass_empty: str = "error"
     lr: float = ranged(1e-4, ge=0)
     lr_schedule: str = "constant"
     weight_decay: float = ranged(0.0, ge=0)
@@ -180,6 +185,8 @@ class RLConfig:
             raise ValueError(f"rl.train_pass_min ({self.train_pass_min}) must be <= rl.train_pass_max ({self.train_pass_max})")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"rl.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if self.train_pass_empty not in TRAIN_PASS_EMPTY:
+            raise ValueError(f"rl.train_pass_empty must be one of {TRAIN_PASS_EMPTY}, got {self.train_pass_empty!r}")
         stage_keys = [k for k in self.domain_overrides if "." in k]
         for key, ds in (("rl.domain", [self.domain]), ("rl.domains", list(self.domains)),
                         ("rl.domain_overrides", [k.split(".", 1)[0] for k in self.domain_overrides])):
