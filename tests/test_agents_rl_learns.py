@@ -14,12 +14,11 @@ import torch
 from k3post.cli import main
 from k3post.config import load_config
 from k3post.config.rl import AGENTS_RL_SETTING, domain_override_args
+from k3post.experts import train_domain_experts
 
 
 @pytest.mark.slow
 def test_agents_rl_beats_its_sft_start(tmp_path):
-    from k3post.experts import train_domain_experts
-
     sft_only = ["rl.steps=0", "mopd.rl.steps=0", "demo.drafts=[]", "demo.base=build", "sft.progress=false"]
     assert main(["demo", f"run.root={tmp_path}", "run.name=d", *sft_only]) == 0
     cfg = load_config(None, ["rl.progress=false", *domain_override_args(AGENTS_RL_SETTING)])

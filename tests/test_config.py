@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from k3post.config import ConfigError, K3Config, load_config, to_yaml
+from k3post.config.rl import AGENTS_RL_SETTING, domain_override_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,8 +101,6 @@ def test_agents_rl_setting_as_overrides_and_in_the_full_recipe():
     """`AGENTS_RL_SETTING` through `domain_override_args` sets each field on top of the demo's agents entry (which
     keeps its other fields); configs/full.yaml trains agents with it, per family (two families: half the tasks and
     held-out tasks each)."""
-    from k3post.config.rl import AGENTS_RL_SETTING, domain_override_args
-
     cfg = load_config(None, domain_override_args(AGENTS_RL_SETTING))
     base = load_config(None)
     for effort in ("max", "high", "low"):

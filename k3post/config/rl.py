@@ -26,6 +26,12 @@ BOOL_OVERRIDES: tuple[str, ...] = ("normalize_std", "skip_zero_variance", "seq_m
 """The settings other than numbers that ``domain_overrides`` may set, with their choices."""
 
 
+_AGENTS_ROLLOUTS: dict[str, Any] = {"temperature": 0.5, "train_pass_min": 0.01, "train_pass_empty": "all", "lambda_": 1,
+                                    "max_staleness": 0}
+"""How agents experts roll out and pick their tasks, in the demo and in `AGENTS_RL_SETTING` alike: T 0.5, the tasks b0
+solved at least once (every task, with a warning, when it solved none), on-policy."""
+
+
 def default_domain_overrides() -> dict[str, dict[str, Any]]:
     """`RLConfig.domain_overrides`' default: the agents and coding experts' sizes (their episodes cost far more)."""
     return {
@@ -35,7 +41,7 @@ def default_domain_overrides() -> dict[str, dict[str, Any]]:
         # T 0.5, the tasks b0 solved (of 64), on-policy: AGENTS_RL_SETTING's rollouts at the demo's 16 steps; at T 1 70-90 %
         # of the episodes end malformed and the demo's agents.low fell 7 -> 2 of 32 (issue 31 §agentslearn)
         "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 64, "eval_n": 32, "max_tokens": 256, "eval_max_tokens": 256,
-                   "temperature": 0.5, "train_pass_min": 0.01, "train_pass_empty": "all", "lambda_": 1, "max_staleness": 0},
+                   **_AGENTS_ROLLOUTS},
         "coding": {"steps": 16, "n_prompts": 2, "n_tasks": 8, "eval_n": 32, "max_tokens": 384, "eval_max_tokens": 384},
     }
 
@@ -55,8 +61,7 @@ demo's SFT model in 333 s instead of 455 s, the same learning (docs/decisions.md
 
 
 AGENTS_RL_SETTING: dict[str, dict[str, Any]] = {
-    "agents": {"n_prompts": 4, "n_tasks": 192, "eval_n": 100, "temperature": 0.5, "train_pass_min": 0.01,
-               "train_pass_empty": "all", "lambda_": 1, "max_staleness": 0, "lr": 2e-4, "lr_schedule": "linear"},
+    "agents": {"n_prompts": 4, "n_tasks": 192, "eval_n": 100, **_AGENTS_ROLLOUTS, "lr": 2e-4, "lr_schedule": "linear"},
     "agents.max": {"steps": 64, "eval_samples": 4},
 }
 """The agents setting that made RL beat its SFT start (docs/decisions.md, issue 31 §agentslearn): rollouts at T 0.5 (at

@@ -7,9 +7,10 @@
 
 Training-time test (``unrolled_logits``): step i's query at t attends to the causal step-0 keys (s ≤ t, same
 sample) and to the one key at t of each step 1 … i: the keys inference holds when it drafts i tokens after
-position t (one softmax over T + i scores per query, `MidLayer.attend_unrolled`). Started from an MTP head (``MTPHead``) whose input is h_high, step 0 is that head exactly; with
-the stock layout h_high enters the last layer instead, and `k3post draft` starts fc at the least-squares map onto
-the final hidden state (``k3post.spec.train.fit_fc``).
+position t (one softmax over T + i scores per query, `MidLayer.attend_unrolled`). Started from an MTP head
+(``MTPHead``) whose input is h_high, step 0 is that head exactly; with the stock layout h_high enters the last layer
+instead, and `k3post draft` starts fc at the least-squares map onto the final hidden state
+(``k3post.spec.train.fit_fc``).
 
 Layer ids (``Eagle3Config.aux_layer_ids``, k3post's convention): id i ∈ [0, L] names the hidden state
 *entering* decoder layer i (transformers' ``output_hidden_states[i]`` for i < L); id L names the last layer's
