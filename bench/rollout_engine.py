@@ -33,10 +33,9 @@ with the order rotated, ratio of medians with ``_min`` / ``_max`` over paired ro
 * ``speedup_vs_hf_generate_equal_len``: the same on the equal-length control: the engine's
   per-step efficiency only (lean forward, slot KV cache, no per-step ``generate()`` machinery);
   continuous batching has nothing to gain there.
-* ``..._qat``: the same two with QAT on (``apply_qat``) on both sides, weights quantized once.
-  Caveat: the engine's prefill of many tokens calls the QAT-patched ``layer.mlp`` (which
-  re-quantizes the expert weights once per prefill call) while HF's prefill uses the
-  pre-quantized copy, so the QAT ratios are slightly conservative for the engine.
+* ``..._qat``: the same two with QAT on (``apply_qat``) on both sides, weights quantized once
+  per weight version on both (the engine's prefill of many tokens calls the QAT-patched
+  ``layer.mlp`` inside its own ``weight_quant_cache``).
 
 Excluded from the timings: engine construction (slot-cache allocation), building HF's
 pre-quantized copy (once per weight version), tokenizer / model setup, the warm-up runs

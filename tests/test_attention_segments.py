@@ -100,3 +100,38 @@ def test_engine_decodes_ragged_batch_in_segments_with_solo_results(qat):
         alone = EmbeddedEngine(model, max_batch_size=1).generate([r])[0]
         assert got.output_ids == alone.output_ids
         assert max(abs(a - b) for a, b in zip(got.output_logprobs, alone.output_logprobs)) < 1e-5
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=14), c=st.integers(0, 400),
+       max_blocks=st.integers(1, 5))
+def test_blocked_optimal_over_every_block_aligned_partition(lengths, c, max_blocks):
+    """Above ``max_blocks`` rows the ranges start at multiples of g = ceil(B / max_blocks): the result is
+    such a partition and no other (every set of block-aligned split points) costs less."""
+    B = len(lengths)
+    g = -(-B // max_blocks)
+    segs = attention_segments(lengths, c, max_blocks)
+    assert segs[0][0] == 0 and segs[-1][1] == B
+    assert all(a < b for a, b, _ in segs) and all(s[1] == t[0] for s, t in zip(segs, segs[1:]))
+    assert all(length == max(lengths[a:b]) for a, b, length in segs)
+    assert all(a % g == 0 for a, _, _ in segs) or segs == [(0, B, max(lengths))]
+    cut_points = range(g, B, g)
+    best = min(
+        _cost([(a, b, max(lengths[a:b])) for a, b in zip((0, *cuts), (*cuts, B))], c)
+        for r in range(len(cut_points) + 1)
+        for cuts in itertools.combinations(cut_points, r)
+    )
+    assert _cost(segs, c) == best
+
+
+def test_blocked_keeps_a_long_row_apart_at_256_rows():
+    """The engine's 256-slot batch: one resumed long context among short ones is still split off (to
+    within its block of 8 rows), instead of padding 255 short rows to it."""
+    lengths = [70 + (7 * i) % 60 for i in range(256)]
+    lengths[100] = 1500
+    segs = attention_segments(lengths)
+    long_range = [s for s in segs if s[2] == 1500]
+    assert len(long_range) == 1 and long_range[0][:2] == (96, 104)
+    assert sum(b - a for a, b, _ in segs) == 256 and max(n for _, _, n in segs if n != 1500) < 130
+    with pytest.raises(ValueError, match="max_blocks"):
+        attention_segments([1, 2], 5, 0)

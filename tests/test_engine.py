@@ -891,6 +891,51 @@ def test_weight_plan_follows_inplace_updates_and_qat(xtml_tokenizer, monkeypatch
     _assert_parity(model, engine.generate(reqs))
 
 
+def test_hf_path_quantizes_expert_weights_once_per_version(xtml_tokenizer, monkeypatch):
+    """With every MoE call on HF's path (dense_moe_max_tokens=0, as decode steps above 64 rows and every prefill
+    run), the QAT expert weights are fake-quantized once per weight version, not once per call: the same tokens
+    and log-probs, bit for bit, as an engine quantizing them at every call; an in-place update (an optimizer
+    step, update_weights) is quantized again, and refresh_weights drops the quantized copies."""
+    from k3post.quant import qat
+
+    tok = xtml_tokenizer
+    model = build_tiny_moe(len(tok), seed=6).eval()
+    apply_qat(model, QATConfig())
+    n_weights = 2 * len(model.model.layers)  # gate_up_proj and down_proj of every layer
+    weight_quants: list[tuple[int, ...]] = []
+    real = qat.fake_quant_mx
+
+    def counting(x, *args, **kw):
+        if x.dim() == 3:  # the expert weights; token activations are 2-D
+            weight_quants.append(tuple(x.shape))
+        return real(x, *args, **kw)
+
+    monkeypatch.setattr(qat, "fake_quant_mx", counting)
+    reqs = _requests(len(tok), 3, temperature=0.0)
+    engine = EmbeddedEngine(model, tok, max_batch_size=3, dense_moe_max_tokens=0)
+    got = engine.generate(reqs)
+    steps = engine.stats["steps"]
+    assert steps > 5 and len(weight_quants) == n_weights, (steps, len(weight_quants))
+    # the reference quantizes at every call: the weight cache is off when its context manager does nothing
+    import contextlib
+
+    monkeypatch.setattr(qat, "weight_quant_cache", lambda model, store=None: contextlib.nullcontext())
+    ref = EmbeddedEngine(model, tok, max_batch_size=3, dense_moe_max_tokens=0).generate(reqs)
+    assert len(weight_quants) > 2 * n_weights  # the control quantized again and again
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert [r.output_logprobs for r in got] == [r.output_logprobs for r in ref]
+    monkeypatch.undo()
+    # an in-place update is seen (quantized again, and the output follows it)
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj.mul_(-3.0)
+    after = engine.generate(reqs)
+    fresh = EmbeddedEngine(model, tok, max_batch_size=3, dense_moe_max_tokens=0).generate(reqs)
+    assert [r.output_logprobs for r in after] == [r.output_logprobs for r in fresh]
+    assert [r.output_logprobs for r in after] != [r.output_logprobs for r in got]
+    engine.refresh_weights()
+    assert all(not store for store in engine._wq_stores)
+
+
 def test_finished_slot_refilled_by_the_last_running(tiny):
     model, tok = tiny
     engine = EmbeddedEngine(model, tok, max_batch_size=4)

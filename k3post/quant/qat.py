@@ -121,19 +121,30 @@ class _STECached(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def weight_quant_cache(model: nn.Module) -> Iterator[None]:
+def weight_quant_cache(model: nn.Module, store: dict[str, dict[str, Any]] | None = None) -> Iterator[None]:
     """Inside, every QAT weight of ``model`` is fake-quantized once and reused by later forwards (same value,
     same straight-through gradient), instead of once per forward: for the micro-batches of one optimizer step,
     where the weights cannot change (an RL step runs 2 forwards per group: 64 quantizations of every expert
-    weight at 32 groups). The caller promises that; a parameter replaced or changed in place (its tensor, data
-    pointer or version counter) is quantized again anyway. Leaving the block drops the cache."""
-    mods = [m for _, m in _qat_modules(model)]
-    for m in mods:
-        m.__dict__[_WCACHE_ATTR] = {}
+    weight at 32 groups). A parameter replaced or changed in place (its tensor, data pointer or version
+    counter) is quantized again anyway, so a stale value is never used.
+
+    Args:
+        model: any module; its QAT modules get the cache.
+        store: where the quantized values live: None (default) drops them when the block ends; a dict the
+            caller keeps (keyed by module name) carries them into its next block, for a caller that runs
+            many forwards between weight changes (the rollout engine's MoE calls: one quantization per weight
+            version instead of one per decode step).
+    A module whose cache an enclosing block opened keeps that one (the outer block owns it)."""
+    opened = []
+    for name, m in _qat_modules(model):
+        if _WCACHE_ATTR in m.__dict__:
+            continue
+        m.__dict__[_WCACHE_ATTR] = {} if store is None else store.setdefault(name, {})
+        opened.append(m)
     try:
         yield
     finally:
-        for m in mods:
+        for m in opened:
             m.__dict__.pop(_WCACHE_ATTR, None)
 
 

@@ -401,8 +401,9 @@ class EmbeddedEngine(QueuedRequestsMixin):
         dense_moe_max_tokens: forwards of at most this many tokens (decode steps) run the
             MoE experts as dense GEMMs over all experts with cached (QAT: MXFP4
             fake-quantized once per weight version) expert weights; larger ones (prefill)
-            call ``layer.mlp`` itself. HF's router module picks the experts either way.
-            0 always calls ``layer.mlp``.
+            call ``layer.mlp`` itself (under QAT with its expert weights fake-quantized once
+            per weight version too, `k3post.quant.qat.weight_quant_cache`). HF's router
+            module picks the experts either way. 0 always calls ``layer.mlp``.
         max_prefill_tokens: most context tokens prefilled in one step (bounds activation
             memory); further queued requests are admitted in the next steps.
         path: "auto" (default) runs the lean forward when ``lean_blocker`` finds nothing it
@@ -518,6 +519,7 @@ class EmbeddedEngine(QueuedRequestsMixin):
         else:
             self._init_lean(model)
         self._plan: _Weights | None = None
+        self._wq_stores: list[dict[str, dict[str, Any]]] = [{} for _ in self._layers]  # HF-path MoE weights, quantized
         self._pos_P = torch.arange(self.max_model_len, device=self.device)
         self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
         self._neg_inf = torch.full((), float("-inf"), dtype=self.dtype, device=self.device)
@@ -1063,6 +1065,7 @@ class EmbeddedEngine(QueuedRequestsMixin):
         only after changing parameters through ``.data`` (which bypasses the tensor version
         counter the engine watches)."""
         self._plan = None
+        self._wq_stores = [{} for _ in self._layers]
 
     # ------------------------------------------------------------------ forward pieces
     def _qkv(self, w: _Weights, lw: _LayerWeights, x_BTD: torch.Tensor, cos_BT1E: torch.Tensor, sin_BT1E: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -1100,9 +1103,13 @@ class EmbeddedEngine(QueuedRequestsMixin):
         lw = w.layers[li]
         h_ND = _rms(x_ND, lw.post_norm, w.exact)
         N = h_ND.shape[0]
+        mlp = self._layers[li].mlp
         if lw.moe is not None and N <= self.dense_moe_max_tokens:
-            return self._dense_moe(lw.moe, self._layers[li].mlp, h_ND, x_ND, w.exact)
-        return x_ND + self._layers[li].mlp(h_ND[:, None]).view(N, -1)
+            return self._dense_moe(lw.moe, mlp, h_ND, x_ND, w.exact)
+        # QAT: the expert weights are fake-quantized once per weight version, not once per call (the same
+        # values: 0.6 ms of a 1.6 ms MoE call at 256 tokens; docs/decisions.md, issue 32 §segments)
+        with qat_module.weight_quant_cache(mlp, self._wq_stores[li]):
+            return x_ND + mlp(h_ND[:, None]).view(N, -1)
 
     @staticmethod
     def _dense_moe_eligible(mlp: nn.Module) -> bool:
