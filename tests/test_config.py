@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from k3post.config import ConfigError, K3Config, load_config, to_yaml
-from k3post.config.rl import AGENTS_RL_SETTING, domain_override_args
+from k3post.config.rl import AGENTS_RL_SETTING, CODING_RL_SETTING, domain_override_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,7 +79,7 @@ def test_dotted_override_reaches_mapping_entries_whose_names_contain_dots():
     while nested mappings (rl.domain_overrides.<domain>.<key>) still split."""
     cfg = load_config(None, ["data.family_tasks.coding.bugfix=3", "mopd.experts.general.max=/ckpt/g",
                              "rl.domain_overrides.agents.steps=5", "data.effort_mix.*/low=0.5"])
-    assert cfg.data.family_tasks == {"coding.write_function": 100, "agents.search": 200, "coding.bugfix": 3}
+    assert cfg.data.family_tasks == {"coding.write_function": 200, "agents.search": 200, "coding.bugfix": 3}
     assert cfg.mopd.experts == {"general.max": "/ckpt/g"}
     assert cfg.rl.domain_overrides["agents"]["steps"] == 5
     assert cfg.data.effort_mix["*/low"] == 0.5
@@ -97,27 +97,38 @@ def test_domain_overrides_set_the_lr_schedule_and_numbers_given_as_text():
     assert general.lr_at(general.steps - 1) == pytest.approx(2e-4 / general.steps)
 
 
-def test_agents_rl_setting_as_overrides_and_in_the_full_recipe():
-    """`AGENTS_RL_SETTING` through `domain_override_args` sets each field on top of the demo's agents entry (which
-    keeps its other fields); configs/full.yaml trains agents with it, per family (two families: half the tasks and
-    held-out tasks each)."""
-    cfg = load_config(None, domain_override_args(AGENTS_RL_SETTING))
+@pytest.mark.parametrize("domain, setting", [("agents", AGENTS_RL_SETTING), ("coding", CODING_RL_SETTING)])
+def test_domain_rl_setting_as_overrides_and_in_the_full_recipe(domain, setting):
+    """`AGENTS_RL_SETTING` / `CODING_RL_SETTING` through `domain_override_args` set each field on top of the demo's
+    entry (which keeps its other fields); configs/full.yaml trains the domain with it, per family (two families: half
+    the tasks and held-out tasks each)."""
+    cfg = load_config(None, domain_override_args(setting))
     base = load_config(None)
     for effort in ("max", "high", "low"):
-        got, was = cfg.rl.for_domain("agents", effort), base.rl.for_domain("agents", effort)
-        want = {**AGENTS_RL_SETTING["agents"], **AGENTS_RL_SETTING.get(f"agents.{effort}", {})}
+        got, was = cfg.rl.for_domain(domain, effort), base.rl.for_domain(domain, effort)
+        want = {**setting[domain], **setting.get(f"{domain}.{effort}", {})}
         assert {k: getattr(got, k) for k in want} == want
         assert (got.max_tokens, got.k) == (was.max_tokens, was.k)  # the fields it does not name are the demo's
-    assert cfg.rl.for_domain("agents", "high").steps == base.rl.for_domain("agents", "high").steps == 16
+    assert cfg.rl.for_domain(domain, "high").steps == base.rl.for_domain(domain, "high").steps == 16
     full = load_config(ROOT / "configs/full.yaml")
-    families = [f for f in full.rl.families if f.startswith("agents.")]
+    families = [f for f in full.rl.families if f.startswith(f"{domain}.")]
     for effort in ("max", "high", "low"):
-        got = full.rl.for_domain("agents", effort)
-        want = {**AGENTS_RL_SETTING["agents"], **AGENTS_RL_SETTING.get(f"agents.{effort}", {})}
+        got = full.rl.for_domain(domain, effort)
+        want = {**setting[domain], **setting.get(f"{domain}.{effort}", {})}
         want.update(n_tasks=want["n_tasks"] // len(families), eval_n=want["eval_n"] // len(families))
         if effort != "max":
             want.pop("steps", None)
         assert {k: getattr(got, k) for k in want} == want, effort
+
+
+def test_demo_agents_and_coding_roll_out_as_their_settings():
+    """The demo's agents and coding experts sample, pick tasks and stay on-policy exactly as the settings that made
+    RL beat SFT (fewer steps and tasks)."""
+    base = load_config(None)
+    for domain, setting in (("agents", AGENTS_RL_SETTING), ("coding", CODING_RL_SETTING)):
+        got = base.rl.for_domain(domain, "max")
+        for key in ("temperature", "train_pass_min", "train_pass_empty", "lambda_", "max_staleness"):
+            assert getattr(got, key) == setting[domain][key], (domain, key)
 
 
 @pytest.mark.parametrize("override, message", [

@@ -18,8 +18,10 @@ class DataConfig:
     n_train: int = ranged(1500, ge=0)  # training tasks of eval_family (each solved at every effort)
     n_per_family: int = ranged(2, ge=0)  # training tasks of every other built-in family (each at every effort)
     # training tasks of the families named here instead of n_per_family: coding.write_function and agents.search get
-    # enough samples for the SFT model to pass some of their tasks, so their RL starts with reward variance
-    family_tasks: dict[str, int] = field(default_factory=lambda: {"coding.write_function": 100, "agents.search": 200})
+    # enough samples for the SFT model to pass some of their tasks, so their RL starts with reward variance; coding
+    # 200: with 100 the model wrote its training data's constants (coding.max 0.08 greedy), with 200 it copies them
+    # from the task (0.35), with 300 0.82, each step costing arithmetic and search (docs/decisions.md, issue 31 §coding)
+    family_tasks: dict[str, int] = field(default_factory=lambda: {"coding.write_function": 200, "agents.search": 200})
     # efforts of the families named here (those of them in `efforts`; none: no samples), instead of `efforts`: the demo's
     # agents.search samples at high and low, where the tiny model learns whole episodes (docs/decisions.md, issue 31 §agents)
     family_efforts: dict[str, list[str]] = field(default_factory=lambda: {"agents.search": ["high", "low"]})
