@@ -72,10 +72,11 @@ AGENTS_RL_SETTING: dict[str, dict[str, Any]] = {
 """The agents setting that made RL beat its SFT start (docs/decisions.md, issue 31 §agentslearn): rollouts at T 0.5 (at
 T 1 most agents episodes end malformed), a curriculum of the tasks b0's 4 samples solved at least once (32 of 192),
 4 of them a step on-policy (λ 1), lr 2e-4 decaying linearly, 64 steps (256 groups), and held-out avg@4 at the rollout
-temperature on 100 tasks. On the demo's seed-0 SFT model agents.max's avg@4 went 0.11 → 0.24–0.25 (p 0.0001, two
-learning rates); 32 steps over 96 tasks did not resolve. It costs ~14 minutes of one core for agents.max, so the demo
+temperature on 100 tasks. On the demo's seed-0 SFT model with 100 coding tasks in its data agents.max's avg@4 went
+0.11 → 0.24–0.25 (p 0.0001, two learning rates; 32 steps over 96 tasks did not resolve); on the one with 200 (the
+demo's data since issue 31 §coding, agents weaker at SFT) 0.105 → 0.158 (p 0.014). It costs ~14 minutes of one core for agents.max, so the demo
 keeps its smaller agents experts (`default_domain_overrides`); configs/full.yaml and the slow test
-`tests/test_agents_rl_learns.py` use it."""
+`tests/test_rl_learns.py` use it."""
 
 
 CODING_RL_SETTING: dict[str, dict[str, Any]] = {
