@@ -10,6 +10,7 @@ H heads, G kv heads, L attended positions, E head dim.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -21,6 +22,7 @@ import torch
 from k3post.config.rollout import EngineConfig
 from k3post.models import build_tiny_moe, save_model
 from k3post.rollout.factory import build_engine
+from k3post.quant import qat
 from k3post.quant.mx import dequantize_mx, fake_quant_mx, quantize_mx
 from k3post.quant.qat import QATConfig, apply_qat, remove_qat
 from k3post.rollout import (
@@ -896,8 +898,6 @@ def test_hf_path_quantizes_expert_weights_once_per_version(xtml_tokenizer, monke
     run), the QAT expert weights are fake-quantized once per weight version, not once per call: the same tokens
     and log-probs, bit for bit, as an engine quantizing them at every call; an in-place update (an optimizer
     step, update_weights) is quantized again, and refresh_weights drops the quantized copies."""
-    from k3post.quant import qat
-
     tok = xtml_tokenizer
     model = build_tiny_moe(len(tok), seed=6).eval()
     apply_qat(model, QATConfig())
@@ -917,8 +917,6 @@ def test_hf_path_quantizes_expert_weights_once_per_version(xtml_tokenizer, monke
     steps = engine.stats["steps"]
     assert steps > 5 and len(weight_quants) == n_weights, (steps, len(weight_quants))
     # the reference quantizes at every call: the weight cache is off when its context manager does nothing
-    import contextlib
-
     monkeypatch.setattr(qat, "weight_quant_cache", lambda model, store=None: contextlib.nullcontext())
     ref = EmbeddedEngine(model, tok, max_batch_size=3, dense_moe_max_tokens=0).generate(reqs)
     assert len(weight_quants) > 2 * n_weights  # the control quantized again and again
