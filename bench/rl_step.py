@@ -136,7 +136,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleaved, machine_state, ratio_summary, summary  # noqa: E402
 
-from k3post.commands import default_corpus  # noqa: E402
+from k3post.sft_data import default_corpus  # noqa: E402
 from k3post.data import Sample  # noqa: E402
 from k3post.envs.episode import run_episode_sync  # noqa: E402
 from k3post.envs.families import get_family  # noqa: E402

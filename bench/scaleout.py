@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from k3post.commands import default_corpus
+from k3post.sft_data import default_corpus
 from k3post.config.distributed import DistributedConfig, FSDPConfig, RolesConfig
 from k3post.config.rl import RLConfig
 from k3post.config.rollout import EngineConfig

@@ -252,7 +252,7 @@ def episode_counts(groups: Any, xtml: Any) -> dict[str, float]:
 
 def _single_turn(seed: int, families: tuple[str, ...], steps: int, **rl: Any) -> tuple[Any, Any, Any, Any, Any]:
     """The single-turn soak: an untrained tiny model (it calls no tools), lr 1e-3, 24-token turns."""
-    from k3post.commands import default_corpus
+    from k3post.sft_data import default_corpus
     from k3post.config.effort import EffortConfig
     from k3post.config.rl import RLConfig
     from k3post.envs.families.streams import train_tasks
@@ -274,7 +274,7 @@ def _tool_using(seed: int, families: tuple[str, ...], steps: int, work: Path, sf
     solutions of its few training tasks at effort high, so that it makes their tool calls itself (search /
     open / submit; write_file / run_tests, then the verifier's run in a fresh sandbox); RL samples at
     temperature 0.3 with lr 1e-6 (the calls stay what it learned; the trainer still steps every time)."""
-    from k3post.commands import default_corpus
+    from k3post.sft_data import default_corpus
     from k3post.config.effort import EffortConfig
     from k3post.config.rl import RLConfig
     from k3post.data import Sample, render_record

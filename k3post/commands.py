@@ -21,34 +21,19 @@ from k3post.models import build_tiny_moe, count_parameters, load_model, new_fold
 from k3post.quant.qat import apply_qat
 from k3post.runs import RunSummary, open_run
 from k3post.sft import train_sft
+from k3post.sft_data import default_corpus, run_tokenizer, synthesize_sft_data
 from k3post.spec.layout import draft_aux_layers, draft_target
 from k3post.spec.mtp import MTPHead, load_mtp, save_mtp
 from k3post.threads import child_threads, command_plan, exit_with_parent, use_threads
 from k3post.tokenizer import ensure_xtml_tokens, load_tokenizer, train_tokenizer
 from k3post.urls import is_url
-from k3post.xtml import XTML, text_segments
+from k3post.xtml import XTML
 
 if TYPE_CHECKING:
     from k3post.config.rollout import EngineConfig
     from k3post.mopd import MOPDConfig
 
 log = logging.getLogger("k3post.commands")
-
-
-def default_corpus(n_per_family: int = 6, seed: int = 123, *, n_main: int = 60, main: str = "general.arithmetic") -> list[str]:
-    """Tokenizer training text: the XTML text segments (`text_segments`, each encoded on its own) of
-    reference trajectories of every built-in family at every effort (`n_main` tasks of `main`,
-    `n_per_family` of the others), tools and effort messages included."""
-    from k3post.envs.episode import run_episode_sync
-    from k3post.envs.families import EFFORTS, default_families
-
-    corpus = []
-    for fam in default_families():
-        for task in fam.generate(n_main if fam.name == main else n_per_family, seed=seed):
-            for effort in EFFORTS:
-                ep = run_episode_sync(fam.reference_policy(task, effort), fam.make_env(task), task)
-                corpus.extend(text_segments(ep.messages, tools=ep.tools or None, effort=effort))
-    return corpus
 
 
 def init_model(out_dir: str | Path, *, preset: str = "tiny", vocab_size: int = 512, seed: int = 0) -> Path:
@@ -140,8 +125,6 @@ def run_sft(cfg: K3Config) -> Path:
 
 def _sft_in(cfg: K3Config, run: Path, summary: RunSummary) -> Path:
     """`run_sft` in its opened run folder."""
-    from k3post.demo import run_tokenizer, synthesize_sft_data
-
     torch.manual_seed(cfg.run.seed)  # first: the XTML token rows ensure_xtml_tokens adds are drawn from this RNG
     if cfg.model.path:
         model = load_model(cfg.model.path, cfg.model.dtype)

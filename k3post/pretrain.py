@@ -8,7 +8,7 @@
    tokenizer settings with `REFERENCE_VERSION` (the families' references its corpus is made of), or the sha256
    of ``tokenizer.path``'s tokenizer.json, ``run.seed`` and `CORPUS_VERSION`. A base already in ``<cache>/bases/<key>/`` is returned without training.
 2. Otherwise: the tokenizer (``tokenizer.path``, else a byte-level BPE trained on the families' XTML text,
-   as `k3post.demo.run_tokenizer` trains it, plus the generated documents), the corpus (``pretrain.n_docs``
+   as `k3post.sft_data.run_tokenizer` trains it, plus the generated documents), the corpus (``pretrain.n_docs``
    documents, each cut at ``pretrain.seq_len`` tokens, every token a target), and the training loop of SFT
    (`k3post.sft.train_sft`: packed rows with no attention across documents, AdamW with warmup + cosine,
    checkpoints in ``<run>/pretrain/checkpoints``, exact resume, progress bar, metrics rows of stage
@@ -43,6 +43,7 @@ from k3post.data import Sample
 from k3post.envs.families.common import REFERENCE_VERSION
 from k3post.errors import UserError
 from k3post.sft import train_sft
+from k3post.sft_data import tokenizer_texts
 from k3post.synth.corpus import (CORPUS_VERSION, KEYS, document_text, draw_name, encode_pieces, generate_corpus,
                                  generate_document, held_out_names, record_pieces)
 
@@ -157,8 +158,6 @@ def _tokenizer(cfg: K3Config, docs: Sequence[Sequence[str]], out: Path) -> Any:
         return load_tokenizer(Path(cfg.tokenizer.path).expanduser())
     if (out / "tokenizer.json").is_file():  # a resumed run: the same tokenizer
         return load_tokenizer(out)
-    from k3post.demo import tokenizer_texts
-
     texts = tokenizer_texts(cfg) + [document_text(d) for d in docs[:2000]]
     return train_tokenizer(texts, vocab_size=cfg.tokenizer.vocab_size, out_dir=out,
                            word_boundaries=cfg.tokenizer.word_boundaries)

@@ -283,6 +283,19 @@ def test_subagent_delegation_runs_a_nested_episode_on_the_same_state() -> None:
     assert ep2.final_answer == "sub-agent said: ['get']" and "sub" not in env2.state["store"]
 
 
+def test_a_harness_applied_without_the_episode_runner_refuses_to_delegate() -> None:
+    """The harness sits below the episode runner (no import of it, issue 33 §circles): the runner hands it
+    `run_episode`; applied without one, a delegation fails with an error naming what is missing instead of
+    importing the runner behind the caller's back."""
+    env = make_kv_env()
+    task = kv_task(0)
+    asyncio.run(env.reset(task))
+    cfg = HarnessConfig(subagents=SubagentConfig(enabled=True, max_turns=2))
+    applied = Harness(cfg, subagent_policy=kv_solver).apply(task, env, kv_solver)
+    with pytest.raises(ValueError, match="sub-agents need the episode runner"):
+        asyncio.run(applied._delegate(None, "say what x is"))  # type: ignore[arg-type]
+
+
 def test_resume_with_harness_state_continues_exactly() -> None:
     cfg = CONFIGS["aliased+summary+skills"]
     full = run_episode_sync(kv_solver, make_kv_env(), kv_task(4), Harness(cfg))

@@ -146,7 +146,7 @@ class _Env:
 
 @pytest.fixture(scope="module")
 def xtml():
-    from k3post.commands import default_corpus
+    from k3post.sft_data import default_corpus
     from k3post.tokenizer import train_tokenizer
     from k3post.xtml import XTML
 

@@ -214,7 +214,7 @@ def test_recipe_sft_data_holds_the_judge_episodes(tmp_path: Any, xtml_tokenizer:
     load as SFT samples with trainable tokens."""
     from k3post.config import load_config
     from k3post.data import load_sft_jsonl
-    from k3post.demo import synthesize_sft_data
+    from k3post.sft_data import synthesize_sft_data
     from k3post.xtml import XTML
 
     cfg = load_config(None, ["data.n_train=2", "data.n_per_family=0", "data.family_tasks.coding.write_function=0", "data.family_tasks.agents.search=0", "data.judge_tasks=3",
@@ -242,7 +242,7 @@ def test_recipe_sft_data_gives_a_family_its_own_efforts(tmp_path: Any, xtml_toke
     import json
 
     from k3post.config import load_config
-    from k3post.demo import synthesize_sft_data
+    from k3post.sft_data import synthesize_sft_data
 
     cfg = load_config(None, ["data.n_train=2", "data.n_per_family=0", "data.family_tasks.coding.write_function=0",
                              "data.family_tasks.agents.search=3", "data.family_tasks.general.faithfulness=2",

@@ -687,7 +687,7 @@ def test_default_turn_caps_fit_every_reference_turn(tmp_path):
     for the reference solution's longest turn of each demo family at every effort, with the demo's tokenizer:
     a cap below it makes the tasks unsolvable at that effort (agents / coding at max used to be cut at 128)."""
     from k3post.config import K3Config
-    from k3post.demo import run_tokenizer
+    from k3post.sft_data import run_tokenizer
     from k3post.rl import check_turn_caps
 
     cfg = K3Config()

@@ -18,7 +18,7 @@ from k3post.xtml import XTML
 
 @pytest.fixture(scope="module")
 def tok():
-    from k3post.commands import default_corpus
+    from k3post.sft_data import default_corpus
     from k3post.tokenizer import train_tokenizer
 
     return train_tokenizer(default_corpus(2, n_main=30), vocab_size=384)

@@ -22,8 +22,8 @@ from k3post.models import build_tiny_moe
 from k3post.rollout import EmbeddedEngine, GenerationRequest, SamplingParams
 from k3post.rollout import speculative as spec_mod
 from k3post.rollout.engine import sampling_probs
+from k3post.rollout.model_drafter import ModelDrafter
 from k3post.rollout.speculative import (
-    ModelDrafter,
     SpeculativeConfig,
     acceptance_probs,
     residual_probs,

@@ -200,7 +200,7 @@ class EpisodeRunner:
     async def start(self, task: Task) -> None:
         """Reset the env for ``task`` and apply the harness."""
         env_msgs = await self.env.reset(task)
-        self.applied = self.harness.apply(task, self.env, self.policy)
+        self.applied = self.harness.apply(task, self.env, self.policy, run_episode)
         self.messages = self.applied.initial_messages(env_msgs)
         self.tools = self.applied.tools
         self.turn_info = []
@@ -286,7 +286,7 @@ class EpisodeRunner:
         runner = cls(env, policy, harness)
         env.load_state_dict(state["env"])
         assert env.task is not None
-        runner.applied = harness.apply(env.task, env, policy)
+        runner.applied = harness.apply(env.task, env, policy, run_episode)
         runner.applied.load_state_dict(state["harness"]["state"])
         runner.messages = copy.deepcopy(list(state["messages"]))
         runner.tools = copy.deepcopy(list(state["tools"]))

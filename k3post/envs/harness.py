@@ -768,9 +768,13 @@ class Harness:
         self.subagent_policy = subagent_policy
         self.depth = depth
 
-    def apply(self, task: Task, env: Environment, policy: Callable[..., Any] | None = None) -> "AppliedHarness":
-        """The harness for one episode of ``task`` on ``env`` (call after ``env.reset``)."""
-        return AppliedHarness(self, task, env, policy)
+    def apply(self, task: Task, env: Environment, policy: Callable[..., Any] | None = None,
+              run_episode: Callable[..., Any] | None = None) -> "AppliedHarness":
+        """The harness for one episode of ``task`` on ``env`` (call after ``env.reset``). ``run_episode``: the
+        coroutine function that runs a sub-agent's episode (`k3post.envs.episode.run_episode`, which the episode
+        runner passes in: the harness sits below the runner and does not import it); without it a delegation is
+        refused with an error the policy sees."""
+        return AppliedHarness(self, task, env, policy, run_episode)
 
 
 _SKILL_TOOL = "load_skill"
@@ -781,9 +785,11 @@ _DELEGATE_TOOL = "delegate"
 class AppliedHarness:
     """A harness applied to one episode: presented tools, the policy's view, call routing."""
 
-    def __init__(self, harness: Harness, task: Task, env: Environment, policy: Callable[..., Any] | None) -> None:
+    def __init__(self, harness: Harness, task: Task, env: Environment, policy: Callable[..., Any] | None,
+                 run_episode: Callable[..., Any] | None = None) -> None:
         """Build the presented tool set; see `Harness.apply`."""
         self.harness = harness
+        self._run_episode = run_episode
         self.cfg = harness.config
         self.task = task
         self.env = env
@@ -1031,8 +1037,9 @@ class AppliedHarness:
         return f"Notes saved ({len(new)} characters)."
 
     async def _delegate(self, ctx: ToolContext, task: str) -> str:
-        from k3post.envs.episode import run_episode  # local: episode.py imports this module
-
+        run_episode = self._run_episode
+        if run_episode is None:
+            raise ValueError("sub-agents need the episode runner (Harness.apply(..., run_episode=...))")
         sub = self.cfg.subagents
         policy = self.harness.subagent_policy or self.policy
         if policy is None:

@@ -11,7 +11,7 @@
 * ``agent_loop``: ``AgentLoop``, multi-turn episodes over the engine with the XTML multi-turn extension.
 * ``kv_pool``: ``KVPool``, the byte-budgeted LRU CPU pool of paused trajectories' KV caches.
 * ``scheduler``: ``PartialRolloutScheduler`` (SPEC §3.2).
-* ``speculative``: speculative decoding in ``EmbeddedEngine`` (``Drafter``, ``ModelDrafter``, ``SpeculativeConfig``).
+* ``speculative``: speculative decoding in ``EmbeddedEngine`` (``Drafter``, ``SpeculativeConfig``); ``model_drafter``: ``ModelDrafter``.
 
 Shape legend: none here (see each module).
 """
@@ -33,8 +33,9 @@ from k3post.rollout.engine import (
 from k3post.rollout.http_engine import EngineUnavailableError, HTTPEngine
 from k3post.rollout.kv_cache import SlotKVCache
 from k3post.rollout.kv_pool import KVPool
+from k3post.rollout.model_drafter import ModelDrafter
 from k3post.rollout.scheduler import PartialRolloutScheduler
-from k3post.rollout.speculative import Drafter, ModelDrafter, SpeculativeConfig
+from k3post.rollout.speculative import Drafter, SpeculativeConfig
 from k3post.rollout.trajectory import Group, Trajectory
 
 __all__ = [

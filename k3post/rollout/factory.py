@@ -46,7 +46,8 @@ def _speculative(target: torch.nn.Module, cfg: EngineConfig) -> Any:
     import json
 
     from k3post.errors import UserError
-    from k3post.rollout.speculative import ModelDrafter, SpeculativeConfig
+    from k3post.rollout.model_drafter import ModelDrafter
+    from k3post.rollout.speculative import SpeculativeConfig
 
     folder = Path(cfg.draft)
     config = folder / "config.json"

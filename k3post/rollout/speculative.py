@@ -1,6 +1,6 @@
 """Speculative decoding in the embedded engine (SPEC §6.2): chain drafting and rejection sampling.
 
-A ``Drafter`` proposes k tokens per running sequence with the distributions q it drew them from; one
+A ``Drafter`` (`k3post.rollout.model_drafter.ModelDrafter`, `k3post.spec.drafter.Eagle3Drafter`) proposes k tokens per running sequence with the distributions q it drew them from; one
 target forward over the chunk [pending token, d_1 .. d_k] of every row (k+1 positions on the slot KV
 cache) gives p at each position, and ``verify_drafts`` keeps the target's law (Leviathan et al. 2023;
 Chen et al. 2023):
@@ -42,14 +42,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch import nn
 
 from k3post.rollout.engine import SamplingParams, _inverse_cdf, _splitmix64, sampling_probs, token_uniforms
 
 __all__ = [
     "DraftRow",
     "Drafter",
-    "ModelDrafter",
     "SpeculativeConfig",
     "STREAM_DRAFT",
     "STREAM_ACCEPT",
@@ -173,7 +171,8 @@ class DraftRow:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """A draft model the engine drives (classic: ``ModelDrafter``; EAGLE-3 reads ``aux_layers``)."""
+    """A draft model the engine drives (classic: `k3post.rollout.model_drafter.ModelDrafter`; EAGLE-3 reads
+    ``aux_layers``)."""
 
     aux_layers: tuple[int, ...]
     """Target decoder layers whose output hidden states the drafter reads (empty: none)."""
@@ -215,86 +214,3 @@ class SpeculativeConfig:
         if not isinstance(self.num_draft_tokens, int) or isinstance(self.num_draft_tokens, bool) \
                 or self.num_draft_tokens < 1:
             raise ValueError(f"SpeculativeConfig.num_draft_tokens must be an int >= 1, got {self.num_draft_tokens!r}")
-
-
-class ModelDrafter:
-    """Classic speculative decoding: a small causal LM over the target's token ids drafts autoregressively.
-
-    It runs an embedded engine of its own over the draft model (lean or general path, slot KV caches) as
-    a forward, with one slot per live request: a proposal feeds each row's context past what its slot
-    holds (the whole context for a new or resumed row), then k - 1 single tokens, drawing d_j from q_j
-    (the request's temperature / top-k / top-p on the draft logits). ``rollback`` shortens what a slot
-    holds (the positions past it are simply overwritten); ``release`` frees the slot.
-    """
-
-    aux_layers: tuple[int, ...] = ()
-
-    def __init__(self, model: nn.Module, path: str = "auto") -> None:
-        self.model = model
-        self.path = path
-        self._fwd: Any = None
-        self._vocab = 0
-        self._slot: dict[str, int] = {}
-        self._ids: dict[str, list[int]] = {}  # token ids whose K/V the slot holds
-        self._free: list[int] = []
-        self.forwards = 0  # draft forwards (one per drafted position per round)
-
-    def bind(self, max_sequences: int, max_len: int, vocab_size: int) -> None:
-        from k3post.rollout.factory import build_engine  # engines are built in one place (the factory seam)
-
-        n_draft = int(self.model.get_input_embeddings().num_embeddings)
-        if n_draft > vocab_size:
-            raise ValueError(f"ModelDrafter: the draft vocabulary ({n_draft}) is larger than the target's ({vocab_size})")
-        self._fwd = build_engine(self.model, role="draft model", max_batch_size=max_sequences, max_model_len=max_len,
-                                 stop_ids=(), prefix_sharing=False, path=self.path)
-        self._vocab = vocab_size
-        self._free = list(range(max_sequences - 1, -1, -1))
-        self._slot.clear()
-        self._ids.clear()
-
-    def rollback(self, key: str, num_tokens: int) -> None:
-        ids = self._ids.get(key)
-        if ids is not None:
-            del ids[num_tokens:]
-
-    def release(self, key: str) -> None:
-        slot = self._slot.pop(key, None)
-        if slot is not None:
-            self._free.append(slot)
-            del self._ids[key]
-
-    def propose(self, rows: Sequence[DraftRow], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._fwd is None:
-            raise ValueError("ModelDrafter.propose before bind (pass it to EmbeddedEngine through SpeculativeConfig)")
-        B, V = len(rows), self._vocab
-        slots, chunks, starts = [], [], []
-        for r in rows:
-            if r.key not in self._slot:
-                self._slot[r.key] = self._free.pop()
-                self._ids[r.key] = []
-            ids = self._ids[r.key]
-            n = 0  # keep the longest prefix of what the slot holds that is still the context
-            while n < len(ids) and n < len(r.context) - 1 and ids[n] == r.context[n]:
-                n += 1
-            del ids[n:]
-            slots.append(self._slot[r.key])
-            starts.append(n)
-            chunks.append(list(r.context[n:]))
-        seeds = [r.seed for r in rows]
-        draft_BK = torch.zeros(B, k, dtype=torch.long)
-        q_BKV = torch.zeros(B, k, V, dtype=torch.float64)
-        fwd = self._fwd
-        with torch.inference_mode():
-            for j in range(k):
-                logits_BV = fwd._forward_chunks(chunks, starts, slots)
-                self.forwards += 1
-                q_BV = row_sampling_probs(logits_BV[:, None], [r.sampling for r in rows])[:, 0].cpu()
-                u_B = stream_uniforms(seeds, [r.position + j for r in rows], STREAM_DRAFT)
-                d_B = _inverse_cdf(torch.cumsum(q_BV, dim=-1), u_B)
-                q_BKV[:, j, : q_BV.shape[1]] = q_BV
-                draft_BK[:, j] = d_B
-                for b, r in enumerate(rows):
-                    self._ids[r.key].extend(chunks[b])
-                starts = [st + len(c) for st, c in zip(starts, chunks)]
-                chunks = [[t] for t in d_B.tolist()]
-        return draft_BK, q_BKV

@@ -29,11 +29,11 @@ from k3post.errors import UserError
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from k3post.serve.app import ServeLimits
+    from k3post.serve.server import ServeLimits
 
 __all__ = ["add_serve_parser", "build_server", "serve", "cmd_serve", "check_exposure", "is_loopback"]
 
-_EFFORT_CHOICES = ("low", "high", "max", "none")  # k3post.serve.app.EFFORT_CHOICES, without importing FastAPI
+_EFFORT_CHOICES = ("low", "high", "max", "none")  # k3post.serve.server.EFFORT_CHOICES, without importing it
 
 
 def build_server(
@@ -66,7 +66,7 @@ def build_server(
         default_effort: ``thinking_effort`` of requests that give none.
         default_max_tokens: output cap of requests without ``max_tokens`` (None: the room left).
         api_key: require ``Authorization: Bearer <api_key>`` on every route but ``/health``.
-        limits: request bounds (`k3post.serve.app.ServeLimits`; None: its safe defaults).
+        limits: request bounds (`k3post.serve.server.ServeLimits`; None: its safe defaults).
         torch_threads: torch CPU threads of the engine thread (None: torch's default).
         draft: speculative decoding with this draft folder (an EAGLE-3 export of ``k3post draft`` or a small
             causal LM; `k3post.config.rollout.EngineConfig.draft`), ``num_draft_tokens`` a round; None: off.
@@ -74,7 +74,8 @@ def build_server(
     from k3post.config.rollout import EngineConfig
     from k3post.quant.qat import QATConfig
     from k3post.rollout.factory import build_engine
-    from k3post.serve.app import ServeConfig, ServeLimits, create_app
+    from k3post.serve.app import create_app
+    from k3post.serve.server import ServeConfig, ServeLimits
     from k3post.serve.runner import EngineRunner
     from k3post.tokenizer import load_tokenizer
 
@@ -146,7 +147,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     for w in plan.warnings:
         print(f"k3post serve: WARNING: {w}", file=sys.stderr)
     print(f"k3post serve: {plan.describe()}", file=sys.stderr)
-    from k3post.serve.app import ServeLimits
+    from k3post.serve.server import ServeLimits
 
     try:
         limits = ServeLimits.parse(ns.limit)
@@ -193,7 +194,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
                    help="a request bound (repeatable): max_body_bytes, max_prompts, max_n, max_tokens, max_inflight, "
                         "request_timeout_s, echo_batch_tokens, retry_after_s, max_prompt_chars, max_json_depth, "
-                        "max_weight_values, max_drain_bytes (k3post.serve.app.ServeLimits)")
+                        "max_weight_values, max_drain_bytes (k3post.serve.server.ServeLimits)")
     p.add_argument("--api-key", default=None, help="require this Bearer key on every route but /health: the OpenAI "
                    "API and the engine API (or set K3POST_API_KEY; engine.kind=http clients send it)")
     p.add_argument("--allow-unauthenticated-engine-api", action="store_true",

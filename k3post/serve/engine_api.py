@@ -91,7 +91,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from k3post.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
-from k3post.serve.app import APIError, _Server, json_body
+from k3post.serve.server import APIError, ServerState, json_body
 from k3post.tokenizer import decode
 
 __all__ = ["engine_router", "read_weights_folder", "apply_weights", "check_complete"]
@@ -111,7 +111,7 @@ def _ids(v: Any, name: str, vocab: int) -> list[int]:
     return list(v)
 
 
-def _sampling(sp: Any, *, context_len: int, srv: _Server) -> SamplingParams:
+def _sampling(sp: Any, *, context_len: int, srv: ServerState) -> SamplingParams:
     """SamplingParams from SGLang-style ``sampling_params``; 400s name the key."""
     if sp is None:
         sp = {}
@@ -165,7 +165,7 @@ def _sampling(sp: Any, *, context_len: int, srv: _Server) -> SamplingParams:
                           stop_ids=stop_ids, seed=seed, ignore_eos=ignore_eos)
 
 
-def _generation_request(body: Mapping[str, Any], srv: _Server) -> GenerationRequest:
+def _generation_request(body: Mapping[str, Any], srv: ServerState) -> GenerationRequest:
     if "text" in body and "input_ids" not in body:
         raise APIError("this server's /generate takes 'input_ids' (token ids), not 'text'", param="input_ids")
     prompt = _ids(body.get("input_ids"), "input_ids", srv.vocab)
@@ -328,7 +328,7 @@ def apply_weights(engine: Any, files: list[tuple[str, dict[str, torch.Tensor]]],
 # --------------------------------------------------------------------------- routes
 
 
-def engine_router(srv: _Server) -> APIRouter:
+def engine_router(srv: ServerState) -> APIRouter:
     """The engine-protocol routes (module doc) over ``srv``'s runner."""
     router = APIRouter()
     runner = srv.runner

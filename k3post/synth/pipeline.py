@@ -43,8 +43,6 @@ separate files, or load with ``features=`` given explicitly.)
 from __future__ import annotations
 
 import asyncio
-import copy
-import hashlib
 import json
 import logging
 import time
@@ -53,10 +51,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3post.envs.env import count_tokens
-from k3post.envs.episode import run_episode, run_episode_sync
+from k3post.envs.episode import run_episode
 from k3post.envs.task import Task
 from k3post.io import atomic_write, read_jsonl, write_jsonl
+from k3post.synth.samples import (builtin_families, count_sample_tokens, find_family, replay_sample,
+                                  resolve_families, sample_id, sft_record)
+from k3post.synth.review import ReviewQueue
 from k3post.synth.teachers import EFFORTS, ReferenceTeacher, Teacher
 from k3post.synth.verify import Funnel, Judge, VerifyConfig, VerifyContext, verify_samples
 
@@ -76,9 +76,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("k3post.synth")
-
-SFT_KEYS = ("id", "messages", "tools", "effort", "family", "domain", "teacher", "seed", "difficulty", "task_id", "tokens")
-
 
 @dataclass
 class SynthConfig:
@@ -101,122 +98,6 @@ class SynthConfig:
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     mix_weights: dict[str, float] = field(default_factory=dict)
     mix_n: int = 0
-
-
-# --------------------------------------------------------------------------- families
-
-
-def _registry() -> Any:
-    from k3post.envs.families import registry
-
-    return registry
-
-
-def find_family(name: str) -> Any:
-    """The registered family ``name``.
-
-    Works while some built-in family modules cannot be imported: on ImportError from the full registry load it
-    loads the modules that do import (`registry.load_builtin` with ``skip_broken``). Raises ValueError for an
-    unknown name.
-    """
-    reg = _registry()
-    try:
-        return reg.get_family(name)
-    except ImportError:
-        notes = reg.load_builtin(skip_broken=True)
-        fams = reg._FAMILIES
-        if name not in fams:
-            raise ValueError(f"unknown task family {name!r}; available: {sorted(fams)} ({'; '.join(notes)})") from None
-        return fams[name]
-
-
-def builtin_families(domain: str | None = None) -> list[Any]:
-    """The built-in families (of ``domain``) synthesis uses by default, sorted by name: ``default_families``, i.e.
-    without the opt-in kinds (`OPT_IN_KINDS`; AET reference episodes are near-duplicates of each other by design, the same
-    program over other data; name them to synthesise them). Family modules that fail to import are skipped with
-    a warning."""
-    reg = _registry()
-    try:
-        return list(reg.default_families(domain))
-    except ImportError as e:
-        log.warning("not every built-in family module imports (%s); using those that do", e)
-    for note in reg.load_builtin(skip_broken=True):
-        log.warning("skipping families: %s", note)
-    return [f for n, f in sorted(reg._FAMILIES.items())
-            if (domain is None or f.domain == domain) and getattr(f, "kind", "") not in reg.OPT_IN_KINDS]
-
-
-def _resolve_families(families: Sequence[Any] | None) -> list[Any]:
-    if not families:
-        out = builtin_families()
-        if not out:
-            raise ValueError("no built-in task family could be loaded")
-        return out
-    return [find_family(f) if isinstance(f, str) else f for f in families]
-
-
-# --------------------------------------------------------------------------- samples
-
-
-def count_sample_tokens(
-    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None, effort: str | None, xtml: Any = None
-) -> dict[str, Any]:
-    """Token counts of a trajectory: ``reasoning``, ``output``, ``total`` and the ``method`` (see the module docstring)."""
-    asst = [m for m in messages if m.get("role") == "assistant"]
-    if xtml is not None:
-        from k3post.tokenizer import encode_text
-
-        try:
-            r = xtml.render(messages, tools=tools or None, effort=effort)
-        except ValueError:
-            r = None
-        if r is not None:
-            reasoning = sum(len(encode_text(xtml.tokenizer, m.get("reasoning_content") or "")) for m in asst)
-            return {"reasoning": reasoning, "output": int(sum(r.loss_mask)), "total": len(r.ids), "method": "xtml"}
-    reasoning = sum(len((m.get("reasoning_content") or "").split()) for m in asst)
-    output = sum(count_tokens(m) for m in asst)
-    rest = sum(len(m["content"].split()) for m in messages if m.get("role") != "assistant" and isinstance(m.get("content"), str))
-    return {"reasoning": reasoning, "output": output, "total": output + rest, "method": "words"}
-
-
-def sample_id(teacher: str, family: str, task_id: str, effort: str, seed: int, difficulty: int) -> str:
-    """A short stable id: ``s-`` + 12 hex digits of SHA-256 over the provenance."""
-    h = hashlib.sha256(f"{teacher}|{family}|{task_id}|{effort}|{seed}|{difficulty}".encode()).hexdigest()
-    return f"s-{h[:12]}"
-
-
-def sft_record(sample: Mapping[str, Any]) -> dict[str, Any]:
-    """The SFT-file form of a sample: SFT keys + flat provenance (+ ``reward``); drops task internals."""
-    rec = {k: copy.deepcopy(sample.get(k)) for k in SFT_KEYS}
-    verdict = sample.get("verdict") or {}
-    rec["reward"] = verdict.get("reward")
-    return rec
-
-
-def _scripted_replay(turns: Sequence[Mapping[str, Any]]) -> Callable[[list[dict[str, Any]], list[dict[str, Any]]], dict[str, Any]]:
-    script = [json.loads(json.dumps(t)) for t in turns]
-
-    def policy(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
-        k = sum(1 for m in messages if m.get("role") == "assistant")
-        return copy.deepcopy(script[k]) if k < len(script) else {"role": "assistant", "content": ""}
-
-    return policy
-
-
-def replay_sample(sample: Mapping[str, Any], family: Any) -> Any:
-    """Re-run the sample's assistant turns, in order, in a fresh environment of its task; returns the `Episode`.
-
-    The verdict of the replay is the environment's on the state those turns produce, whatever
-    the sample says; an edited sample is re-verified this way.
-    """
-    try:
-        task = Task.from_dict(sample["task"])
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"sample {sample.get('id')!r}: no task to replay ({e})") from e
-    turns = [m for m in sample.get("messages") or [] if m.get("role") == "assistant"]
-    if not turns:
-        raise ValueError(f"sample {sample.get('id')!r}: no assistant turn to replay")
-    return run_episode_sync(_scripted_replay(turns), family.make_env(task), task)
 
 
 async def _one(teacher: Teacher, family: Any, task: Task, effort: str, seed: int, difficulty: int, xtml: Any) -> dict[str, Any]:
@@ -365,8 +246,6 @@ def verify_and_route(
 ) -> tuple[Path, Funnel]:
     """Verify ``samples``; write kept (+ review-accepted) samples to ``out``, queue uncertain ones,
     log rejected ones to ``<out>.rejected.jsonl`` and the funnel to ``<out>.funnel.json``."""
-    from k3post.synth.review import ReviewQueue
-
     outp = Path(out)
     rep = verify_samples(samples, ctx)
     queue = ReviewQueue(review_dir if review_dir is not None else _sibling(outp, ".review"))
@@ -423,7 +302,7 @@ def build_sft_dataset(
     Returns:
         ``(out path, funnel)``; ``funnel.table()`` prints the per-stage counts.
     """
-    fams = _resolve_families(families)
+    fams = resolve_families(families)
     for e in efforts:
         if e not in EFFORTS:
             raise ValueError(f"efforts: unknown effort {e!r}; expected some of {EFFORTS}")

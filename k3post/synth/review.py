@@ -43,6 +43,8 @@ from filelock import FileLock
 
 from k3post.errors import UserError
 from k3post.io import MalformedLineError, append_jsonl, atomic_write, read_values, write_jsonl
+from k3post.synth.samples import count_sample_tokens, sft_record
+from k3post.synth.verify import VerifyContext, outcome_stage, quality_stage, structure_stage
 
 __all__ = ["ReviewQueue", "DECISIONS", "STATUSES", "default_reviewer", "reverify", "render_item_plain", "render_item_rich"]
 
@@ -74,8 +76,6 @@ def reverify(sample: Mapping[str, Any], tokenizer: Any = None) -> list[dict[str,
     """Re-check an edited sample: structure, outcome (replayed in a fresh environment) and the
     quality checks that do not depend on other samples (budget, repetition). Returns the
     ``{"stage", "status", "reason", "detail"}`` of every stage run."""
-    from k3post.synth.verify import VerifyContext, outcome_stage, quality_stage, structure_stage
-
     ctx = VerifyContext(tokenizer=tokenizer)  # a fresh dedup index: the sample only meets itself
     out = []
     for name, stage in (("structure", structure_stage), ("outcome", outcome_stage), ("quality", quality_stage)):
@@ -223,8 +223,6 @@ class ReviewQueue:
         open; on saving, an item someone else decided or edited meanwhile is a conflict
         (ValueError) rather than an overwrite.
         """
-        from k3post.synth.pipeline import count_sample_tokens
-
         item_id = self.resolve(ref)
         before = self._with_status(self._read_item(item_id), self.log())
         if before["status"] != "pending" and not force:
@@ -289,9 +287,7 @@ class ReviewQueue:
         return entry
 
     def export(self, out: str | Path) -> Path:
-        """Write the accepted samples as SFT records (`k3post.synth.pipeline.sft_record`) to ``out``."""
-        from k3post.synth.pipeline import sft_record
-
+        """Write the accepted samples as SFT records (`k3post.synth.samples.sft_record`) to ``out``."""
         return write_jsonl(out, [sft_record(s) for s in self.accepted_samples()])
 
     # ------------------------------------------------------------------ display

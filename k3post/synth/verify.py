@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from k3post.envs.episode import offered_tools
+from k3post.synth.samples import find_family, replay_sample
 
 __all__ = [
     "KEEP",
@@ -371,7 +372,7 @@ class VerifyContext:
             tokenizer: the run's tokenizer (default: `structure_tokenizer`).
             judges: family name → `Judge` (default: `WritingRuleJudge` for ``general.writing``);
                 ``"*"`` is used for any non-verifiable family without its own.
-            family_lookup: name → TaskFamily or None (default `k3post.synth.pipeline.find_family`).
+            family_lookup: name → TaskFamily or None (default `k3post.synth.samples.find_family`).
             mode: XTML mode of the samples.
         """
         from k3post.xtml import XTML
@@ -380,8 +381,6 @@ class VerifyContext:
         self.xtml = XTML(tokenizer if tokenizer is not None else structure_tokenizer())
         self.judges: dict[str, Judge] = dict(_default_judges() if judges is None else judges)
         if family_lookup is None:
-            from k3post.synth.pipeline import find_family
-
             family_lookup = find_family
         self.family_lookup = family_lookup
         self.mode = mode
@@ -522,8 +521,6 @@ def outcome_stage(sample: Mapping[str, Any], ctx: VerifyContext) -> StageResult:
         fam = ctx.family(sample.get("family"))
         if fam is None or not sample.get("task"):
             return _unsure("no_verdict", "no recorded verdict and no known family to replay the episode in")
-        from k3post.synth.pipeline import replay_sample
-
         try:
             ep = replay_sample(sample, fam)
         except ValueError as e:
