@@ -89,6 +89,23 @@ def test_request_limits_answer_4xx_naming_the_setting(model_dir: Path) -> None:
     _run(model_dir, go, default_max_tokens=5)
 
 
+def test_stream_options_of_the_wrong_type_are_a_400_naming_the_field(model_dir: Path) -> None:
+    """Found by tests/test_fuzz_serve.py: ``stream_options: true`` with ``stream: true`` was a 500 (the server read it
+    as an object). Either endpoint now answers 400 naming the field; a well-formed one still streams its usage."""
+    async def go(c: httpx.AsyncClient, runner: Any) -> None:
+        for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": MSG})):
+            for opts, param in ((True, "stream_options"), ([1], "stream_options"),
+                                ({"include_usage": "yes"}, "stream_options.include_usage")):
+                r = await c.post(path, json={**body, "max_tokens": 1, "stream": True, "stream_options": opts})
+                assert r.status_code == 400, (path, opts, r.text)
+                assert r.json()["error"]["param"] == param
+        ok = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "stream": True,
+                                                   "stream_options": {"include_usage": True}})
+        assert ok.status_code == 200 and '"usage"' in ok.text
+
+    _run(model_dir, go)
+
+
 def test_full_queue_is_429_with_retry_after_and_slow_request_504(model_dir: Path) -> None:
     async def go(c: httpx.AsyncClient, runner: Any) -> None:
         await runner.pause_generation()  # requests stay queued

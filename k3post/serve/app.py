@@ -334,6 +334,20 @@ def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     return tools or None
 
 
+def _include_usage(body: Mapping[str, Any]) -> bool:
+    """``stream_options.include_usage``; ``stream_options`` must be an object (or null) and ``include_usage`` a
+    boolean, else a 400 naming the field."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, Mapping):
+        raise APIError(f"'stream_options' must be an object, got {type(opts).__name__}", param="stream_options")
+    v = opts.get("include_usage")
+    if v is not None and not isinstance(v, bool):
+        raise APIError(f"'stream_options.include_usage' must be a boolean, got {v!r}", param="stream_options.include_usage")
+    return bool(v)
+
+
 def _render_param(message: str) -> str:
     """The request field an XTML render error is about."""
     for key in ("tool_choice", "response_format", "tools"):
@@ -590,7 +604,7 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
             raise APIError("'top_logprobs' > 0 is not supported: only the sampled token's log-prob is recorded",
                            param="top_logprobs", code="unsupported_parameter")
         stream = _boolean(body, "stream")
-        include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
+        include_usage = stream and _include_usage(body)
         _check_prompt_chars(config.limits, _text_chars(messages, tools, body.get("tool_choice"),
                                                        body.get("response_format")), "messages")
         try:  # tokenising in a worker thread: the event loop (other clients, /health) goes on meanwhile
@@ -687,7 +701,7 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise APIError("'stop' must be a non-empty string or a list of them", param="stop")
         stream = _boolean(body, "stream")
-        include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
+        include_usage = stream and _include_usage(body)
         cid = f"cmpl-{uuid.uuid4().hex}"
         reqs: list[GenerationRequest] = []
         stop_ids: frozenset[int] = srv.default_stop_ids
