@@ -58,9 +58,9 @@ def tokenizer_texts(cfg: K3Config) -> list[str]:
 
 
 def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = None) -> Path:
-    """SFT data from the synthesis pipeline: the reference teachers of every built-in family at every effort
+    """SFT data from the synthesis pipeline: the reference teachers of every default family at every effort
     (`data.n_train` tasks of `data.eval_family`, `data.family_tasks` or `data.n_per_family` of each other family, at
-    `data.family_efforts` or `data.efforts`), verified stage by
+    `data.family_efforts` or `data.efforts`; an opt-in or plugin family when `data.family_tasks` names it), verified stage by
     stage (structure, outcome, quality, judge), plus `data.judge_tasks` reference pairs as scripted GRM judge episodes
     in both orders (`k3post.rewards.judging`); writes `run/data/sft_train.jsonl` and returns its path.
     `record(synth=...)` receives the funnel and per-family counts (and the judge records' counts) for the report.
@@ -72,7 +72,9 @@ def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = 
         [main], d.efforts, d.n_train, cfg.run.seed, run / "data" / "main.jsonl", tokenizer, difficulty=d.difficulty, config=verify
     )
     groups: dict[tuple[int, tuple[str, ...]], list[Any]] = {}  # the other families, by number of tasks and efforts
-    for f in default_families():
+    defaults = default_families()
+    named = [get_family(n) for n in d.family_tasks if n not in {f.name for f in defaults}]  # opt-in and plugin
+    for f in defaults + named:  # families are used where data.family_tasks names them
         if f.name != main.name and d.tasks_of(f.name) > 0 and d.efforts_of(f.name):
             groups.setdefault((d.tasks_of(f.name), tuple(d.efforts_of(f.name))), []).append(f)
     rest_paths = []

@@ -122,6 +122,9 @@ BLOCKS: dict[tuple[str, str], Run | NotRun] = {
                   "mopd.rl.engine.launch=1"): Run("slow", sizes=TOY_DEMO),
     (_OWN, "k3post add-tokens /models/my-llama /models/my-llama-xtml"): Run("fast", subs=(("/models/", "models/"),)),
     (_OWN, "k3post sft my-model.yaml"): Run("slow", sizes=_OWN_SIZES),
+    ("docs/extending.md", "K3POST_FAMILIES=reverse_words PYTHONPATH=docs/examples k3post tasks check "
+                          "general.reverse_words --n 8"):
+        Run("fast", subs=(("PYTHONPATH=docs/examples", f"PYTHONPATH={ROOT / 'docs' / 'examples'}"),)),
     ("docs/scale-out.md", "torchrun --nnodes 4 --nproc-per-node 8 --node-rank $NODE_RANK --rdzv-backend c10d "
                           "--rdzv-endpoint HEAD:29500 -m k3post rl configs/qwen3-30b-a3b-64gpu.yaml "
                           "rl.init=/ckpt/sft/final"):
@@ -389,3 +392,23 @@ def test_post_train_your_own_model(family, shell):
     exported = sh.cwd / "out" / "my-model-mxfp4"
     assert exported.is_dir() == (family != "llama")
     assert (sh.cwd / "out" / "my-model-bf16" / "config.json").is_file()
+
+
+def test_extending_snippets_are_what_k3post_reads(tmp_path):
+    """docs/extending.md's YAML is a config `k3post` loads with the values it says, and its entry-point table names
+    the group the family registry reads."""
+    import tomllib
+
+    import yaml
+
+    from k3post.config import load_config
+    from k3post.envs.families.registry import PLUGIN_GROUP
+
+    (loss,) = blocks("docs/extending.md", ("yaml",))
+    cfg_file = tmp_path / "dapo.yaml"
+    cfg_file.write_text(loss.text)
+    rl = load_config(cfg_file).rl
+    want = yaml.safe_load(loss.text)["rl"]
+    assert {k: getattr(rl, k) for k in want} == want and rl.clip_eps_high == 0.28
+    (toml,) = blocks("docs/extending.md", ("toml",))
+    assert list(tomllib.loads(toml.text)["project"]["entry-points"]) == [PLUGIN_GROUP]

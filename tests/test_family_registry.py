@@ -8,6 +8,9 @@ Shape legend: none.
 from __future__ import annotations
 
 import importlib
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,3 +49,124 @@ def test_a_broken_family_module_raises_or_is_skipped_with_a_note(monkeypatch: py
 def test_get_family_names_the_closest_known_family() -> None:
     with pytest.raises(ValueError, match=r"unknown task family 'coding.bugfx' \(did you mean 'coding.bugfix'\?\)"):
         registry.get_family("coding.bugfx")
+
+
+# --------------------------------------------------------------------------- plugins (issue 33, docs/extending.md)
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
+
+LAX = '''
+from reverse_words import ReverseWordsFamily
+from k3post.envs.families.common import submission_text
+from k3post.envs.families.registry import register_family
+from k3post.envs.task import Verdict, register_verifier
+
+
+class LaxFamily(ReverseWordsFamily):
+    name = "general.reverse_words_lax"
+
+
+@register_verifier("general.reverse_words_lax")
+def lax(task, final):  # a planted bug: any part of the answer passes, the empty one included
+    got = " ".join(submission_text(final.submission).lower().split())
+    return Verdict(float(got in task.metadata["answer"]), {}, "")
+
+
+register_family(LaxFamily())
+'''
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The registry and verifier tables as they are, restored afterwards; the plugins' modules forgotten."""
+    from k3post.envs import task as task_mod
+
+    registry.load_builtin()
+    monkeypatch.setattr(registry, "_FAMILIES", dict(registry._FAMILIES))
+    monkeypatch.setattr(registry, "_PLUGIN_FAMILIES", {})
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setattr(task_mod, "_VERIFIERS", dict(task_mod._VERIFIERS))
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    for name in ("reverse_words", "lax_words", "empty_plugin", "ep_words"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.delenv(registry.PLUGIN_ENV, raising=False)
+    return monkeypatch
+
+
+def test_a_plugin_named_in_the_environment_is_registered_opt_in(fresh_registry: Any) -> None:
+    """``K3POST_FAMILIES`` modules load after the built-ins; their families answer `get_family` and list as plugins
+    but stay out of `default_families` (the demo's data and corpus do not change when one is installed)."""
+    fresh_registry.setenv(registry.PLUGIN_ENV, " reverse_words , ")
+    fam = registry.get_family("general.reverse_words")
+    assert registry.plugin_families() == {"general.reverse_words": "reverse_words"}
+    assert fam in registry.families("general")
+    assert fam not in registry.default_families()
+    assert registry.default_families() == [f for f in registry.families()
+                                           if f is not fam and getattr(f, "kind", "") not in registry.OPT_IN_KINDS]
+    from k3post.envs.families.cli import list_text
+
+    assert "general.reverse_words" in list_text("general") and "[plugin reverse_words, opt-in]" in list_text("general")
+
+
+def test_an_installed_distribution_registers_its_families_through_an_entry_point(fresh_registry: Any,
+                                                                                  tmp_path: Path) -> None:
+    """The entry-point group ``k3post.families`` of an installed distribution (a dist-info folder on the path, as
+    pip leaves it) names the module; importing it registers the family."""
+    (tmp_path / "ep_words.py").write_text((EXAMPLES / "reverse_words.py").read_text())
+    info = tmp_path / "ep_words-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ep-words\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[k3post.families]\nwords = ep_words\n")
+    fresh_registry.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    sources = registry.plugin_sources()
+    assert any(target == "ep_words" and "ep-words" in where for where, target in sources)
+    assert registry.plugin_families() == {"general.reverse_words": "ep_words"}
+
+
+def test_a_broken_or_empty_plugin_is_an_error_naming_it(fresh_registry: Any, tmp_path: Path) -> None:
+    (tmp_path / "empty_plugin.py").write_text("X = 1\n")
+    fresh_registry.syspath_prepend(str(tmp_path))
+    fresh_registry.setenv(registry.PLUGIN_ENV, "no_such_plugin_module")
+    with pytest.raises(ImportError, match=r"plugin 'no_such_plugin_module' \(K3POST_FAMILIES="):
+        registry.load_builtin()
+    notes = registry.load_builtin(skip_broken=True)
+    assert len(notes) == 1 and "no_such_plugin_module" in notes[0] and registry._loaded is False
+    assert "general.arithmetic" in registry._FAMILIES  # the built-ins are there all the same
+    fresh_registry.setenv(registry.PLUGIN_ENV, "empty_plugin")
+    with pytest.raises(ValueError, match="'empty_plugin' .* registered no family"):
+        registry.load_builtin()
+
+
+def test_tasks_check_passes_the_example_and_catches_a_hack_that_pays(fresh_registry: Any, tmp_path: Path) -> None:
+    """`k3post tasks check`: the docs' example family passes every gate; the same family with a verifier that takes
+    any part of the answer fails, naming the wrong policies it paid (the empty answer among them)."""
+    from k3post.envs.families.cli import check_family
+
+    (tmp_path / "lax_words.py").write_text(LAX)
+    fresh_registry.syspath_prepend(str(tmp_path))
+    fresh_registry.setenv(registry.PLUGIN_ENV, "reverse_words,lax_words")
+    ok, text = check_family("general.reverse_words", n=4)
+    assert ok, text
+    assert "ok: every gate passed" in text
+    ok, text = check_family("general.reverse_words_lax", n=4)
+    assert not ok
+    assert "wrong policy 'empty': reward 1.0, expected 0 (a hack that pays)" in text
+
+
+def test_recipe_sft_data_uses_a_plugin_family_where_data_family_tasks_names_it(fresh_registry: Any, tmp_path: Path,
+                                                                               xtml_tokenizer: Any) -> None:
+    """Opt-in families join the SFT data when `data.family_tasks` names them (before, a named opt-in family was
+    validated and then silently left out)."""
+    import json
+
+    from k3post.config import load_config
+    from k3post.sft_data import synthesize_sft_data
+
+    fresh_registry.setenv(registry.PLUGIN_ENV, "reverse_words")
+    cfg = load_config(None, ["data.n_train=2", "data.n_per_family=0", "data.family_tasks.coding.write_function=0",
+                             "data.family_tasks.agents.search=0", "data.family_tasks.general.reverse_words=3",
+                             "data.efforts=[low, max]", "data.effort_mix={}", "data.judge_tasks=0"])
+    path = synthesize_sft_data(cfg, tmp_path, xtml_tokenizer)
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sum(r["family"] == "general.reverse_words" for r in recs) == 6  # 3 tasks x 2 efforts

@@ -13,11 +13,20 @@ Adding a built-in family: a folder ``k3post/envs/families/<name>/`` with an ``__
 that defines the family (`common.FamilyBase` does the plumbing; `k3post.envs.sandbox_tools` is the kit of a family
 whose agent edits files in a sandbox), registers its verifier (`k3post.envs.task.register_verifier`) and ends with
 ``register_family(MyFamily())``; then ``<name>`` in `BUILTIN_MODULES`. The registry imports no family itself.
+
+Families from outside the package (plugins, docs/extending.md) are modules that register families the same way,
+found on the first question after the built-ins: those of installed distributions, through the entry-point group
+``k3post.families`` (``[project.entry-points."k3post.families"] my_tasks = "my_tasks.family"``), and those named in
+the environment variable ``K3POST_FAMILIES`` (comma-separated module names on the import path). A plugin family is
+opt-in, as the `OPT_IN_KINDS` are: it is used where it is named (``data.family_tasks``, ``rl.families``, ``k3post
+synth --families``), never by default, so installing one leaves every default run as it was.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import os
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from k3post.constants import EFFORTS
@@ -65,7 +74,14 @@ OPT_IN_KINDS = ("aet", "workflow", "research", "kernel", "visual", "webdev")
 """Family ``kind`` values left out of `default_families`: AET, professional workflows and deep research (issue 21),
 kernel optimisation, visual reasoning and web development (issue 22)."""
 
+PLUGIN_GROUP = "k3post.families"
+"""Entry-point group of installed plugin families: each entry point names a module that registers families."""
+
+PLUGIN_ENV = "K3POST_FAMILIES"
+"""Environment variable: comma-separated modules (on the import path) that register plugin families."""
+
 _loaded = False
+_PLUGIN_FAMILIES: dict[str, str] = {}  # family name -> the plugin (entry point or module) that registered it
 
 
 def register_family(family: TaskFamily) -> TaskFamily:
@@ -88,10 +104,48 @@ def builtin_module(name: str) -> str:
     return f"k3post.envs.families.{name}.family"
 
 
+def plugin_sources() -> list[tuple[str, str]]:
+    """The plugin modules to load, as (where it was declared, module name): the ``k3post.families`` entry points of
+    the installed distributions (in name order), then the modules of ``K3POST_FAMILIES`` in the order given."""
+    out = []
+    for ep in sorted(importlib.metadata.entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
+        dist = getattr(getattr(ep, "dist", None), "name", None) or "an installed distribution"
+        out.append((f"entry point {ep.name!r} = {ep.value!r} of {dist} (group {PLUGIN_GROUP})", ep.value))
+    for name in (n.strip() for n in os.environ.get(PLUGIN_ENV, "").split(",")):
+        if name:
+            out.append((f"{PLUGIN_ENV}={os.environ[PLUGIN_ENV]!r}", name))
+    return out
+
+
+def _import_plugin(where: str, target: str) -> None:
+    """Import one plugin: a module (``pkg.mod``) whose import registers families, or an object (``pkg.mod:obj``) that
+    is a family, registered here. Families it registers are recorded as plugin families (opt-in)."""
+    module, _, attr = target.partition(":")
+    before = set(_FAMILIES)
+    try:
+        obj: Any = importlib.import_module(module.strip())
+        for part in filter(None, attr.strip().split(".")):
+            obj = getattr(obj, part)
+    except Exception as e:
+        raise ImportError(f"task family plugin {target!r} ({where}) cannot be loaded: {type(e).__name__}: {e}") from e
+    if attr and isinstance(obj, TaskFamily) and obj.name not in _FAMILIES:
+        register_family(obj)
+    new = sorted(set(_FAMILIES) - before)
+    if not new:  # imported before the registry asked (its families registered then): those its module defines
+        new = sorted(n for n, f in _FAMILIES.items() if type(f).__module__ == module.strip()
+                     or (attr and f is obj))
+    if not new:
+        raise ValueError(f"task family plugin {target!r} ({where}) registered no family: its module must call "
+                         "register_family(...) (or the entry point name a TaskFamily object)")
+    for name in new:
+        _PLUGIN_FAMILIES[name] = target
+
+
 def load_builtin(*, skip_broken: bool = False) -> list[str]:
-    """Import every module of `BUILTIN_MODULES` (once; importing registers its families). A module that fails
-    to import raises, unless ``skip_broken``: then it is skipped and the returned notes say which and why (the
-    families of the others are registered; the next call tries the failed ones again)."""
+    """Import every module of `BUILTIN_MODULES`, then every plugin (`plugin_sources`), once; importing registers
+    their families. A module that fails to import raises, unless ``skip_broken``: then it is skipped and the
+    returned notes say which and why (the families of the others are registered; the next call tries the failed
+    ones again)."""
     global _loaded
     if _loaded:
         return []
@@ -103,8 +157,23 @@ def load_builtin(*, skip_broken: bool = False) -> list[str]:
             if not skip_broken:
                 raise
             notes.append(f"{builtin_module(name)} cannot be imported: {type(e).__name__}: {e}")
+    for where, target in plugin_sources():
+        if target in _PLUGIN_FAMILIES.values():
+            continue  # loaded by an earlier call
+        try:
+            _import_plugin(where, target)
+        except Exception as e:  # noqa: BLE001 - as for the built-ins
+            if not skip_broken:
+                raise
+            notes.append(str(e))
     _loaded = not notes
     return notes
+
+
+def plugin_families() -> dict[str, str]:
+    """The registered plugin families: name -> the plugin module that registered it."""
+    load_builtin()
+    return dict(_PLUGIN_FAMILIES)
 
 
 def get_family(name: str) -> TaskFamily:
@@ -129,11 +198,11 @@ def families(domain: str | None = None) -> list[TaskFamily]:
 
 def default_families(domain: str | None = None) -> list[TaskFamily]:
     """``families(domain)`` without the opt-in kinds: what the demo's tokenizer corpus, SFT mix and draft data use
-    when no list is given. The families of the `OPT_IN_KINDS` are opt-in: the verify-in-the-loop (AET) ones run
+    when no list is given. Plugin families (`plugin_families`) and the families of the `OPT_IN_KINDS` are opt-in: the verify-in-the-loop (AET) ones run
     sandboxed verifiers, the kernel family compiles and times code, the visual one carries images, the web one drives a
     browser, and they all came after the demo's and the
     full recipe's numbers were measured."""
-    return [f for f in families(domain) if getattr(f, "kind", "") not in OPT_IN_KINDS]
+    return [f for f in families(domain) if getattr(f, "kind", "") not in OPT_IN_KINDS and f.name not in _PLUGIN_FAMILIES]
 
 
 def lexicon(domain: str | None = None) -> list[str]:
