@@ -11,7 +11,9 @@ Episode success needs every turn right, so with per-turn accuracy p over m turns
 of the episodes; the table gives p per turn position. A turn is generated up to --max-tokens tokens; the
 default, 0, gives each turn its reference's length plus --slack, rounded up to 64 (a cap below the reference's own length
 fails turns that are right: at --effort max a search turn is ~230 tokens). Turns that hit their cap are
-counted ("capped"). Not a timing benchmark. The final line is JSON.
+counted ("capped"). A turn whose reference history alone fills the model's context (``max_position_embeddings``;
+late turns of long episodes) cannot be generated: it is left out of the rates and counted ("no_room").
+Not a timing benchmark. The final line is JSON.
 """
 
 from __future__ import annotations
@@ -52,12 +54,15 @@ def _norm(text: str | None) -> str:
 
 
 def turn_accuracy(model: torch.nn.Module, xtml: XTML, family: str, n: int, effort: str, max_tokens: int,
-                  slack: int = 64) -> list[dict]:
+                  slack: int = 64, max_len: int | None = None) -> list[dict]:
     """Per task, per assistant turn of the reference: whether the policy's greedy turn matches it, and whether
-    it hit its cap (``max_tokens``; 0: the reference turn's own length + ``slack``)."""
+    it hit its cap (``max_tokens``; 0: the reference turn's own length + ``slack``). A turn whose history holds
+    ``max_len`` tokens or more (default: the model's ``max_position_embeddings``) is a row with ``no_room``."""
     fam = get_family(family)
     tasks = eval_tasks([family], n, difficulty=1)
+    room = max_len if max_len is not None else int(model.config.get_text_config(decoder=True).max_position_embeddings)
     prompts, refs, caps = [], [], []
+    no_room: list[tuple[str, int]] = []
     for task in tasks:
         ep = run_episode_sync(fam.reference_policy(task, effort), make_env(task), task, verify=False)
         msgs = list(ep.messages)
@@ -65,10 +70,14 @@ def turn_accuracy(model: torch.nn.Module, xtml: XTML, family: str, n: int, effor
             if m.get("role") != "assistant":
                 continue
             r = xtml.render(msgs[:i], tools=ep.tools or None, effort=effort, mode="think", add_generation_prompt=True)
+            turn = sum(1 for x in msgs[:i] if x.get("role") == "assistant")
+            if len(r.ids) >= room:  # the history alone fills the context: nothing can be generated
+                no_room.append((task.id, turn))
+                continue
             prompts.append(r.ids)
             ref_len = len(xtml.render(msgs[:i + 1], tools=ep.tools or None, effort=effort, mode="think").ids) - len(r.ids)
             caps.append(max_tokens or -(-(ref_len + slack) // 64) * 64)  # in steps of 64: few batched calls
-            refs.append((task.id, sum(1 for x in msgs[:i] if x.get("role") == "assistant"), m))
+            refs.append((task.id, turn, m))
     outs: list[list[int]] = [[] for _ in prompts]
     for cap in sorted(set(caps)):  # one batched call per cap
         idx = [j for j, c in enumerate(caps) if c == cap]
@@ -87,6 +96,7 @@ def turn_accuracy(model: torch.nn.Module, xtml: XTML, family: str, n: int, effor
             ok = bool(got) and not got_calls and _norm(got.get("content")) == _norm(ref.get("content"))
         rows.append({"task": tid, "turn": k, "call_ok": ok, "capped": len(ids) >= cap and (not ids or ids[-1] != xtml.eom_id),
                      "name_ok": [c[0] for c in got_calls] == [c[0] for c in ref_calls]})
+    rows += [{"task": tid, "turn": k, "no_room": True} for tid, k in no_room]
     return rows
 
 
@@ -106,17 +116,22 @@ def main(argv: list[str] | None = None) -> int:
     result = {}
     for family in ns.families.split(","):
         rows = turn_accuracy(model, xtml, family, ns.n, ns.effort, ns.max_tokens, ns.slack)
+        no_room = sum(1 for r in rows if r.get("no_room"))
+        unfinished = {r["task"] for r in rows if r.get("no_room")}  # not every turn could be tried: never "all right"
+        rows = [r for r in rows if not r.get("no_room")]
         by_turn: dict[int, list[dict]] = {}
         for r in rows:
             by_turn.setdefault(r["turn"], []).append(r)
         tasks = {r["task"] for r in rows}
-        all_ok = sum(all(r["call_ok"] for r in rows if r["task"] == t) for t in tasks)
+        all_ok = sum(all(r["call_ok"] for r in rows if r["task"] == t) for t in tasks - unfinished)
         per_turn = {k: {"n": len(v), "call_ok": sum(r["call_ok"] for r in v) / len(v), "name_ok": sum(r["name_ok"] for r in v) / len(v),
                         "capped": sum(r["capped"] for r in v)}
                     for k, v in sorted(by_turn.items())}
         result[family] = {"per_turn": per_turn, "turns_all_ok": all_ok, "tasks": len(tasks),
-                          "call_ok": sum(r["call_ok"] for r in rows) / len(rows), "capped": sum(r["capped"] for r in rows)}
-        print(f"{family}: every turn right on {all_ok}/{len(tasks)} tasks ({result[family]['capped']} of {len(rows)} turns hit their cap); "
+                          "call_ok": sum(r["call_ok"] for r in rows) / len(rows), "capped": sum(r["capped"] for r in rows),
+                          "no_room": no_room}
+        print(f"{family}: every turn right on {all_ok}/{len(tasks)} tasks ({result[family]['capped']} of {len(rows)} turns hit their cap, "
+              f"{no_room} left out: no room in the context); "
               "per turn (call ok / tool names ok): " +
               ", ".join(f"{k}: {v['call_ok']:.2f}/{v['name_ok']:.2f}" for k, v in per_turn.items()))
     print(json.dumps({"model": ns.model, "effort": ns.effort, "n": ns.n, "max_tokens": ns.max_tokens, "slack": ns.slack, "families": result}))

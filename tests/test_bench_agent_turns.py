@@ -39,16 +39,38 @@ def test_oracle_policies_score_as_expected(xtml_tokenizer, monkeypatch):
     conts = _continuations(x, "agents.search", 3)
     table = {pre: ids for turns in conts for pre, ids in turns}
     monkeypatch.setattr(bench, "complete", lambda model, prompts, **kw: [table[tuple(p)] for p in prompts])
-    rows = bench.turn_accuracy(None, x, "agents.search", 3, "max", 192)
+    rows = bench.turn_accuracy(None, x, "agents.search", 3, "max", 192, max_len=1 << 20)
     assert len(rows) == sum(len(t) for t in conts) and all(r["call_ok"] and r["name_ok"] for r in rows)
 
     # task k answered with task k+1's reference turns: same tools, other entity names and doc ids
     shifted = {pre: conts[(k + 1) % 3][j][1] for k, turns in enumerate(conts) for j, (pre, _) in enumerate(turns)}
     monkeypatch.setattr(bench, "complete", lambda model, prompts, **kw: [shifted[tuple(p)] for p in prompts])
-    rows = bench.turn_accuracy(None, x, "agents.search", 3, "max", 192)
+    rows = bench.turn_accuracy(None, x, "agents.search", 3, "max", 192, max_len=1 << 20)
     assert all(r["name_ok"] for r in rows) and not any(r["call_ok"] for r in rows if r["turn"] == 0)
 
 
 def test_arguments_that_are_not_json_count_as_wrong_not_as_a_crash():
     msg = {"tool_calls": [{"function": {"name": "search", "arguments": "{\"query\": \"Calla"}}]}
     assert bench._calls(msg) == [("search", {"<unparsed>": '{"query": "Calla'})]
+
+
+def test_a_turn_whose_history_fills_the_context_is_left_out_not_a_crash(xtml_tokenizer, monkeypatch):
+    """Found on the full recipe's SFT model: an agents.assistant turn's history was 2,065 tokens, over the model's
+    2,048 positions, and the engine refused it, ending the bench. Such turns are rows marked ``no_room``; the
+    others are scored as before."""
+    x = XTML(xtml_tokenizer)
+    conts = _continuations(x, "agents.search", 3)
+    table = {pre: ids for turns in conts for pre, ids in turns}
+    asked: list[int] = []
+
+    def fake(model, prompts, **kw):
+        asked.extend(len(p) for p in prompts)
+        return [table[tuple(p)] for p in prompts]
+
+    monkeypatch.setattr(bench, "complete", fake)
+    lens = sorted(len(pre) for turns in conts for pre, _ in turns)
+    limit = lens[len(lens) // 2]  # about half the turns have no room
+    rows = bench.turn_accuracy(None, x, "agents.search", 3, "max", 192, max_len=limit)
+    kept = [r for r in rows if not r.get("no_room")]
+    assert len(rows) == len(lens) and 0 < len(kept) < len(rows)
+    assert max(asked) < limit and all(r["call_ok"] for r in kept)
