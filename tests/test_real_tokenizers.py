@@ -26,7 +26,8 @@ from k3post.tokenizer import (
     special_ids,
     train_tokenizer,
 )
-from k3post.xtml import XTML, _build, render_text
+from k3post.xtml import XTML, render_text
+from k3post.xtml.render import _build
 
 # the GPT-4-style split pattern both tiktoken and transformers' converter accept
 PATTERN = (

@@ -222,7 +222,7 @@ def test_tokenising_runs_off_the_event_loop_and_prompts_are_bounded(model_dir: P
     400 naming the setting, for completions and for chat."""
     import threading
 
-    import k3post.xtml
+    import k3post.xtml.template
 
     async def go(c: httpx.AsyncClient, app: Any) -> None:
         srv = app.state.server
@@ -243,7 +243,7 @@ def test_tokenising_runs_off_the_event_loop_and_prompts_are_bounded(model_dir: P
                     mp.setattr(srv.tokenizer, "encode", held(srv.tokenizer.encode))
                     call = c.post("/v1/completions", json={"prompt": "hello " * 50, "max_tokens": 1})
                 else:
-                    mp.setattr(k3post.xtml, "encode_text", held(k3post.xtml.encode_text))
+                    mp.setattr(k3post.xtml.template, "encode_text", held(k3post.xtml.template.encode_text))
                     call = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                                 "max_tokens": 1})
                 task = asyncio.ensure_future(call)
