@@ -22,6 +22,7 @@ from k3post.models import build_tiny_moe
 from k3post.rollout import EmbeddedEngine, GenerationRequest, SamplingParams
 from k3post.rollout import speculative as spec_mod
 from k3post.rollout.engine import sampling_probs
+from k3post.rollout.factory import draft_forward, model_drafter
 from k3post.rollout.model_drafter import ModelDrafter
 from k3post.rollout.speculative import (
     SpeculativeConfig,
@@ -56,7 +57,7 @@ def models():
 
 
 def _spec_engine(target, drafter_model, k: int, **kw) -> EmbeddedEngine:
-    return EmbeddedEngine(target, speculative=SpeculativeConfig(ModelDrafter(drafter_model), k), stop_ids=(), **kw)
+    return EmbeddedEngine(target, speculative=SpeculativeConfig(model_drafter(drafter_model), k), stop_ids=(), **kw)
 
 
 def _probs(model, contexts: list[list[int]], sp: SamplingParams) -> torch.Tensor:
@@ -277,12 +278,15 @@ def test_batching_stops_max_tokens_pause_resume_same_tokens(models, path):
 def test_speculative_config_validation(models):
     target, close, _ = models
     with pytest.raises(ValueError, match="num_draft_tokens"):
-        SpeculativeConfig(ModelDrafter(close), 0)
+        SpeculativeConfig(model_drafter(close), 0)
     with pytest.raises(ValueError, match="Drafter"):
         SpeculativeConfig(object(), 2)
     big = build_tiny_moe(2 * V, seed=0, hidden_size=64, num_hidden_layers=1)
     with pytest.raises(ValueError, match="draft vocabulary"):
-        EmbeddedEngine(target, speculative=SpeculativeConfig(ModelDrafter(big), 2))
+        EmbeddedEngine(target, speculative=SpeculativeConfig(model_drafter(big), 2))
+    # engines are built by the factory only: a ModelDrafter made without its forward builder says where to get one
+    with pytest.raises(ValueError, match=r"factory.model_drafter\(model\)"):
+        EmbeddedEngine(target, speculative=SpeculativeConfig(ModelDrafter(close), 2))
 
 
 class _AuxRecorder(ModelDrafter):
@@ -291,7 +295,7 @@ class _AuxRecorder(ModelDrafter):
     aux_layers = (0, 1)
 
     def __init__(self, model) -> None:
-        super().__init__(model)
+        super().__init__(model, build_forward=draft_forward)
         self.seen: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
     def propose(self, rows, k):  # type: ignore[no-untyped-def]

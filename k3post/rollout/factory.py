@@ -34,7 +34,7 @@ from k3post.rollout.scheduler import PartialRolloutScheduler
 from k3post.rollout.trajectory import Group
 from k3post.xtml import XTML
 
-__all__ = ["RolloutConfig", "build_engine", "close_engine", "Rollout"]
+__all__ = ["RolloutConfig", "build_engine", "close_engine", "draft_forward", "model_drafter", "Rollout"]
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,6 @@ def _speculative(target: torch.nn.Module, cfg: EngineConfig) -> Any:
     import json
 
     from k3post.errors import UserError
-    from k3post.rollout.model_drafter import ModelDrafter
     from k3post.rollout.speculative import SpeculativeConfig
 
     folder = Path(cfg.draft)
@@ -61,10 +60,25 @@ def _speculative(target: torch.nn.Module, cfg: EngineConfig) -> Any:
     else:
         from k3post.models import load_model
 
-        drafter = ModelDrafter(load_model(folder).eval())
+        drafter = model_drafter(load_model(folder).eval())
     log.info("speculative decoding: %s drafts %d tokens a round (%s)", type(drafter).__name__, cfg.num_draft_tokens,
              folder)
     return SpeculativeConfig(drafter, cfg.num_draft_tokens)
+
+
+def draft_forward(model: torch.nn.Module, max_sequences: int, max_len: int, path: str = "auto") -> SteppableEngine:
+    """The engine a `ModelDrafter` runs its draft model on: embedded, one slot per live sequence, no stop ids and
+    no prefix sharing (the drafter manages what each slot holds), on the given forward ``path``."""
+    return build_engine(model, role="draft model", max_batch_size=max_sequences, max_model_len=max_len, stop_ids=(),
+                        prefix_sharing=False, path=path)
+
+
+def model_drafter(model: torch.nn.Module, path: str = "auto") -> Any:
+    """A classic drafter over ``model`` (`k3post.rollout.model_drafter.ModelDrafter`) whose forward this factory
+    builds (`draft_forward`) when the driving engine binds it."""
+    from k3post.rollout.model_drafter import ModelDrafter
+
+    return ModelDrafter(model, path, build_forward=draft_forward)
 
 
 def build_engine(

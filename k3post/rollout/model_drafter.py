@@ -1,22 +1,22 @@
 """Classic speculative decoding's drafter: a small causal LM over the target's token ids (`ModelDrafter`).
 
-The draft model runs as an `EmbeddedEngine` of its own, used as a forward over slot KV caches (its lean or
-general path); it is part of the drafter, not a rollout engine (no role, no HTTP, no weight pushes), so the
-drafter builds it itself in ``bind``. The engine that drives a drafter (`k3post.rollout.speculative`) sits
-below this module: the drafter imports the engine, never the other way round.
+The draft model runs as an embedded engine of its own, used as a forward over slot KV caches (its lean or
+general path). Engines are built by the factory only: `k3post.rollout.factory.model_drafter` makes a drafter whose
+``build_forward`` is the factory's (`k3post.rollout.factory.draft_forward`), called in ``bind`` once the driving
+engine says how many sequences and positions it needs. The speculative machinery (`k3post.rollout.speculative`) sits
+below this module and the factory above it: neither circle closes.
 
 Shape legend: B rows, K drafted tokens per row, V target vocabulary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.engine import _inverse_cdf
 from k3post.rollout.speculative import STREAM_DRAFT, DraftRow, row_sampling_probs, stream_uniforms
 
@@ -35,9 +35,13 @@ class ModelDrafter:
 
     aux_layers: tuple[int, ...] = ()
 
-    def __init__(self, model: nn.Module, path: str = "auto") -> None:
+    def __init__(self, model: nn.Module, path: str = "auto",
+                 build_forward: Callable[[nn.Module, int, int, str], Any] | None = None) -> None:
+        """``build_forward(model, max_sequences, max_len, path)``: the engine that runs the draft model (the
+        factory's `k3post.rollout.factory.draft_forward`; `k3post.rollout.factory.model_drafter` wires it)."""
         self.model = model
         self.path = path
+        self._build_forward = build_forward
         self._fwd: Any = None
         self._vocab = 0
         self._slot: dict[str, int] = {}
@@ -49,8 +53,10 @@ class ModelDrafter:
         n_draft = int(self.model.get_input_embeddings().num_embeddings)
         if n_draft > vocab_size:
             raise ValueError(f"ModelDrafter: the draft vocabulary ({n_draft}) is larger than the target's ({vocab_size})")
-        self._fwd = EmbeddedEngine(self.model, max_batch_size=max_sequences, max_model_len=max_len, stop_ids=(),
-                                   prefix_sharing=False, path=self.path)
+        if self._build_forward is None:
+            raise ValueError("ModelDrafter: no forward builder; make the drafter with "
+                             "k3post.rollout.factory.model_drafter(model) (engines are built by the factory only)")
+        self._fwd = self._build_forward(self.model, max_sequences, max_len, self.path)
         self._vocab = vocab_size
         self._free = list(range(max_sequences - 1, -1, -1))
         self._slot.clear()
