@@ -73,7 +73,8 @@ def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = 
     )
     groups: dict[tuple[int, tuple[str, ...]], list[Any]] = {}  # the other families, by number of tasks and efforts
     defaults = default_families()
-    named = [get_family(n) for n in d.family_tasks if n not in {f.name for f in defaults}]  # opt-in and plugin
+    default_names = {f.name for f in defaults}
+    named = [get_family(n) for n in d.family_tasks if n not in default_names]  # opt-in and plugin
     for f in defaults + named:  # families are used where data.family_tasks names them
         if f.name != main.name and d.tasks_of(f.name) > 0 and d.efforts_of(f.name):
             groups.setdefault((d.tasks_of(f.name), tuple(d.efforts_of(f.name))), []).append(f)

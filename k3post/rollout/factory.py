@@ -30,6 +30,7 @@ from k3post.rollout.agent_loop import AgentLoop
 from k3post.rollout.engine import SamplingParams, SteppableEngine
 from k3post.rollout.evaluation import make_env
 from k3post.rollout.kv_pool import KVPool
+from k3post.rollout.model_drafter import ModelDrafter
 from k3post.rollout.scheduler import PartialRolloutScheduler
 from k3post.rollout.trajectory import Group
 from k3post.xtml import XTML
@@ -73,11 +74,9 @@ def draft_forward(model: torch.nn.Module, max_sequences: int, max_len: int, path
                         prefix_sharing=False, path=path)
 
 
-def model_drafter(model: torch.nn.Module, path: str = "auto") -> Any:
+def model_drafter(model: torch.nn.Module, path: str = "auto") -> ModelDrafter:
     """A classic drafter over ``model`` (`k3post.rollout.model_drafter.ModelDrafter`) whose forward this factory
     builds (`draft_forward`) when the driving engine binds it."""
-    from k3post.rollout.model_drafter import ModelDrafter
-
     return ModelDrafter(model, path, build_forward=draft_forward)
 
 
