@@ -190,7 +190,7 @@ def train_experts(
     else:
         tables = {d: train_domain_experts(d, sft_dir, cfg, out, qat=qat, metrics=metrics, scorer=scorer,
                                           judge_engine=judge_engine) for d in domains}
-    merged: dict[str, Any] = {"experts": {}, "before": {}, "budgets": {}, "failed": {}}
+    merged: dict[str, Any] = {"experts": {}, "before": {}, "budgets": {}, "failed": {}, "judge_gate": {}}
     for d in domains:
         for key in merged:
             merged[key].update(tables[d].get(key, {}))
@@ -251,6 +251,8 @@ def train_domain_experts(
             scorer = build_group_scorer(cfg, sft_dir, tok, domain_families(domain, cfg.families, with_judge=True),
                                         qat=bool(qat is not None and qat.enabled), judge_engine=judge_engine)
         fams = domain_families(domain, cfg.families, with_judge=scorer is not None)
+        if getattr(scorer, "gate", None) is not None:
+            table.setdefault("judge_gate", {})[domain] = scorer.gate  # type: ignore[union-attr]
     except Exception as e:  # noqa: BLE001 - the domain's judge could not be built: every cell of it failed
         for stage in stages:
             table["failed"][stage.expert] = _failure(stage, e, out / f"{stage.expert}.run")

@@ -187,10 +187,12 @@ def _sft_section(run: Path, summary: dict[str, Any]) -> str:
 
 
 def _judge_section(run: Path, summary: dict[str, Any]) -> str:
-    """The SFT model as the GRM judge on held-out reference pairs (`k3post.rewards.judging.evaluate_judge`)."""
+    """The SFT model as the GRM judge on held-out reference pairs (`k3post.rewards.judging.evaluate_judge`), and
+    RL's judge gate per domain (`k3post.rewards.judging.gate_judge`, in the experts' table)."""
     j = summary.get("judge")
+    gates = (_stage_file(run, summary, "experts") or {}).get("judge_gate") or {}
     if not j:
-        return ""
+        return _gate_part(gates)
     taught = (summary.get("synth") or {}).get("judge")
     parts = ["<h2>GRM judge: the SFT model judging held-out pairs</h2>",
              f"<p class=muted>{j['pairs']} held-out pairs whose better answer is known (the reference teacher's "
@@ -207,7 +209,22 @@ def _judge_section(run: Path, summary: dict[str, Any]) -> str:
     parts.append(_table(["pairs of", "judgements", "valid [95%]", "agrees [95%]", "agrees among valid", "ties", "prefers A"], rows))
     if j.get("invalid_reasons"):
         parts.append("<p>Invalid judgements by reason: " + html.escape(", ".join(f"{k} {v}" for k, v in sorted(j["invalid_reasons"].items()))) + "</p>")
-    return "\n".join(parts)
+    parts.append(_gate_part(gates))
+    return "\n".join(p for p in parts if p)
+
+
+def _gate_part(gates: dict[str, Any]) -> str:
+    """RL's judge gate per domain (``rl.judge_min_agreement``): what it measured and what rewarded the judged families."""
+    if not gates:
+        return ""
+    rows = [[d, ", ".join(g["families"]), g["n"], _rate(g["valid"]["rate"], g["valid"]["ci95"]),
+             _rate(g["agreement"]["rate"], g["agreement"]["ci95"]), f"{g['min_agreement']:g}",
+             "the judge" if g["passed"] else "their own verifier (rl.judge_fallback: format_gate)"]
+            for d, g in sorted(gates.items())]
+    return ("<h3>RL's judge gate</h3><p class=muted>Before a domain's experts train, the judge judges held-out reference "
+            "pairs as RL samples it; below rl.judge_min_agreement the judged families are rewarded by their own verifier "
+            "(an explicit opt-in, rl.judge_fallback: format_gate) or the domain fails (the default).</p>"
+            + _table(["domain", "pairs of", "judgements", "valid [95%]", "agrees [95%]", "threshold", "judged families rewarded by"], rows))
 
 
 def _gap_table(rows: list[tuple[str, dict[str, float]]]) -> str:

@@ -52,6 +52,7 @@ from k3post.loop import PolicyLoop, Signal, StageLog, rollout_gap, train_policy
 from k3post.policy_step import TokenSequence
 from k3post.rewards.effort import BudgetTable, group_override
 from k3post.rewards.grm import EngineJudge, GroupGRM, PolicyJudge, estimate_l0, trajectory_candidate
+from k3post.rewards.judging import gate_judge, gate_summary
 from k3post.rollout.evaluation import evaluate_episodes, reference_turn_tokens, run_episodes
 from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.trajectory import Group
@@ -62,7 +63,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["RLConfig", "RLResult", "GroupScorer", "Signal", "PolicyLoop", "domain_families", "train_tasks", "eval_tasks", "loss_kwargs",
            "rl_signal", "train_policy", "train_rl", "check_turn_caps", "rollout_gap", "build_group_scorer",
-           "judged_families", "judge_model_dir", "sampled_eval", "select_by_pass"]
+           "judged_families", "judge_model_dir", "sampled_eval", "select_by_pass", "VerifierScorer", "apply_judge_gate"]
 
 @dataclass
 class RLResult:
@@ -104,7 +105,11 @@ def build_group_scorer(
     (`trajectory_candidate`) of the cold-start model on 16 of its training tasks at ``cfg.effort``.
     ``judge_engine``: an ``http`` `EngineConfig` of servers holding the judge model (the judge actors of
     ``distributed.roles.judges``, `k3post.distributed.ray_cluster`): the judge decodes there, not in
-    ``cfg.engine``; ℓ0 is measured here as always."""
+    ``cfg.engine``; ℓ0 is measured here as always.
+
+    With ``cfg.judge_min_agreement`` > 0 the judge passes its gate first (`gate_judge`); below it, the judge is
+    closed and ``cfg.judge_fallback`` either raises ("fail") or returns a `VerifierScorer` ("format_gate"). The
+    scorer's ``gate`` attribute holds the gate's result (None without a gate)."""
     judged = judged_families(cfg, family_names)
     if not judged:
         return None
@@ -118,8 +123,12 @@ def build_group_scorer(
     else:
         judge = EngineJudge.from_checkpoint(path, qat=qat, max_batch_size=cfg.slots, seed=cfg.seed,
                                             engine=judge_engine or cfg.engine, served=judge_engine is not None)
+    gate = apply_judge_gate(judge, cfg, judged)
+    if gate is not None and not gate["passed"]:
+        return VerifierScorer(gate)
     xtml = XTML(tokenizer)
     scorer = GroupGRM(judge, xtml, sigma=cfg.grm_sigma, seed=cfg.seed)
+    scorer.gate = gate  # type: ignore[attr-defined]
     try:
         engine = build_engine(load_model(cold_start), tokenizer, engine=cfg.engine,
                               role="GRM length baseline (cold-start model)", max_batch_size=cfg.slots, seed=cfg.seed)
@@ -137,6 +146,53 @@ def build_group_scorer(
     log.info("GRM judge %s (%s), l0 %s", cfg.judge, f"on its servers {judge_engine.urls}" if judge_engine is not None
              else f"on an rl.engine of kind {cfg.engine.kind}" if path is not None else "behind its URL", scorer.l0)
     return scorer
+
+
+def apply_judge_gate(judge: Any, cfg: RLConfig, judged: Sequence[str]) -> dict[str, Any] | None:
+    """RL's judge gate (``cfg.judge_min_agreement`` > 0, else None): the `gate_judge` result of ``judge`` on the
+    ``judged`` families. Below the threshold the judge is closed and, with ``cfg.judge_fallback`` "fail", a
+    ValueError names the measured rates and both ways out; with "format_gate" a warning says the judged
+    families are rewarded by their own verifier, and the (failed) result is returned."""
+    if cfg.judge_min_agreement <= 0:
+        return None
+    try:
+        gate = gate_judge(judge, judged, n_pairs=cfg.judge_gate_pairs, min_agreement=cfg.judge_min_agreement,
+                          seed=cfg.seed, difficulty=cfg.difficulty)
+    except BaseException:
+        _close(judge)
+        raise
+    if gate["passed"]:
+        log.info("GRM judge %s passes its gate: %s", cfg.judge, gate_summary(gate))
+        return gate
+    _close(judge)
+    if cfg.judge_fallback != "format_gate":
+        raise ValueError(f"rl.judge ({cfg.judge}) {gate_summary(gate)}: it would reward {', '.join(judged)} with "
+                         "noise. Teach the judge more (data.judge_tasks) or set rl.judge_fallback: format_gate "
+                         "to reward them with their own verifier instead")
+    log.warning("GRM judge %s %s: %s rewarded by their own verifier (the format gate), not the judge "
+                "(rl.judge_fallback: format_gate)", cfg.judge, gate_summary(gate), ", ".join(judged))
+    return gate
+
+
+def _close(judge: Any) -> None:
+    close = getattr(judge, "close", None)
+    if callable(close):
+        close()
+
+
+class VerifierScorer:
+    """The ``GroupScorer`` of ``rl.judge_fallback: format_gate``: a judged family's samples keep their own
+    verifier's reward (for general.writing the rule-based format gate), because the judge failed its gate
+    (``gate``: the `gate_judge` result that says so)."""
+
+    def __init__(self, gate: dict[str, Any]) -> None:
+        self.gate = gate
+
+    def __call__(self, group: Group) -> list[float]:
+        return group.rewards
+
+    def close(self) -> None:
+        """Nothing to release: the judge was closed when it failed its gate."""
 
 
 def group_rewards(group: Group, scorer: GroupScorer | None) -> list[float] | None:

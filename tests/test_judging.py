@@ -300,3 +300,75 @@ def test_the_full_recipe_teaches_its_judge_and_the_demo_has_none() -> None:
     assert demo.rl.judge == "" and demo.data.judge_tasks == 0 and not judge_eval_enabled(demo)
     with pytest.raises(Exception, match="judge_tasks"):
         load_config(None, ["data.judge_tasks=-1"])
+
+
+# =========================================================================== RL's judge gate
+
+
+def test_gate_passes_a_judge_that_judges_and_fails_one_that_always_prefers_a(pairs: list[JudgePair]) -> None:
+    """`gate_judge` on held-out pairs: the scripted correct judge agrees 1.0 and passes; an always-A judge agrees on
+    exactly half (both orders) and fails a 0.6 threshold; `apply_judge_gate` then raises naming both ways out
+    (fail, the default) or returns the failed result (format_gate), closing the judge either way."""
+    from k3post.config.rl import RLConfig
+    from k3post.rewards.judging import gate_judge, judge_pairs
+    from k3post.rl import apply_judge_gate
+
+    gate_pairs = judge_pairs(4, seed=0 + 3300, families=["general.writing"])
+    good = gate_judge(PolicyJudge(correct_judge(gate_pairs)), ["general.writing"], n_pairs=4, min_agreement=0.6)
+    assert good["passed"] and good["agreement"]["rate"] == 1.0 and good["n"] == 8 and good["families"] == ["general.writing"]
+    # a verifiable-only or plugin family list without a rubric falls back to the rubric families
+    assert gate_judge(PolicyJudge(always_a), ["plugin.unrubricked"], n_pairs=2, min_agreement=0.6)["families"] == list(JUDGED_FAMILIES)
+
+    class Closing(PolicyJudge):
+        closed = 0
+
+        def close(self) -> None:
+            Closing.closed += 1
+
+    cfg = RLConfig(judge="policy", judge_min_agreement=0.6, judge_gate_pairs=4)
+    with pytest.raises(ValueError, match=r"agrees with the known better answer on 4/8 = 0\.50.*rl\.judge_min_agreement 0\.6.*"
+                                         r"data\.judge_tasks.*rl\.judge_fallback: format_gate"):
+        apply_judge_gate(Closing(always_a), cfg, ["general.writing"])
+    assert Closing.closed == 1
+    fell = apply_judge_gate(Closing(always_a), RLConfig(judge="policy", judge_min_agreement=0.6, judge_gate_pairs=4,
+                                                        judge_fallback="format_gate"), ["general.writing"])
+    assert fell is not None and not fell["passed"] and fell["agreement"]["k"] == 4 and Closing.closed == 2
+    passed = apply_judge_gate(Closing(correct_judge(gate_pairs)), cfg, ["general.writing"])
+    assert passed is not None and passed["passed"] and Closing.closed == 2  # a judge that passes stays open
+    assert apply_judge_gate(Closing(always_a), RLConfig(judge="policy"), ["general.writing"]) is None  # no gate: not measured
+    with pytest.raises(ValueError, match="rl.judge_fallback must be one of"):
+        RLConfig(judge_fallback="drop")
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_an_untrained_judge_fails_its_gate_closed_or_falls_back_to_the_verifier(tmp_path: Any, xtml_tokenizer: Any) -> None:
+    """`build_group_scorer` through the real EngineJudge: an untrained checkpoint as rl.judge agrees on 0 of 2
+    judgements; by default the domain's scorer is not built (the error names the gate); with
+    rl.judge_fallback: format_gate the scorer rewards a writing group with its own verifier's rewards, and the
+    experts' table and report show the gate."""
+    import json
+
+    from k3post.config.rl import RLConfig
+    from k3post.models import build_tiny_moe, save_model
+    from k3post.report import write_report
+    from k3post.rl import VerifierScorer, build_group_scorer
+    from k3post.rollout.trajectory import Group, Trajectory
+
+    tok = xtml_tokenizer
+    save_model(build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id), tmp_path / "m", tok)
+    kw = dict(judge=str(tmp_path / "m"), judge_min_agreement=0.6, judge_gate_pairs=1, slots=2, max_tokens=16)
+    with pytest.raises(ValueError, match=r"on 0/2 = 0\.00 .*valid 0/2"):
+        build_group_scorer(RLConfig(**kw), tmp_path / "m", tok, ["general.writing"])
+    scorer = build_group_scorer(RLConfig(**kw, judge_fallback="format_gate"), tmp_path / "m", tok,
+                                ["general.arithmetic", "general.writing"])
+    assert isinstance(scorer, VerifierScorer) and scorer.gate["agreement"]["k"] == 0 and not scorer.gate["passed"]
+    task = {"id": "w", "family": "general.writing"}
+    trajs = [Trajectory(traj_id=f"g0/s{i}", group_id=0, sample_index=i, seed=i, task=task, status="done", reward=r)
+             for i, r in enumerate([1.0, 0.0, 1.0])]
+    assert scorer(Group(group_id=0, task=task, trajectories=trajs)) == [1.0, 0.0, 1.0]
+    scorer.close()
+    (tmp_path / "experts").mkdir()
+    (tmp_path / "experts" / "table.json").write_text(json.dumps({"experts": {}, "failed": {}, "judge_gate": {"general": scorer.gate}}))
+    html = write_report(tmp_path).read_text()
+    assert "RL&#x27;s judge gate" in html or "RL's judge gate" in html
+    assert "their own verifier (rl.judge_fallback: format_gate)" in html

@@ -20,6 +20,7 @@ __all__ = ["AGENTS_RL_SETTING", "CODING_RL_SETTING", "GENERAL_MAX_SETTING", "LR_
 
 LR_SCHEDULES = ("constant", "linear")
 TRAIN_PASS_EMPTY = ("error", "all")
+JUDGE_FALLBACKS = ("fail", "format_gate")
 CHOICE_OVERRIDES: dict[str, tuple[str, ...]] = {"lr_schedule": LR_SCHEDULES, "train_pass_empty": TRAIN_PASS_EMPTY}
 # the loss switches an expert may set for itself (domain_overrides), besides the numeric fields
 BOOL_OVERRIDES: tuple[str, ...] = ("normalize_std", "skip_zero_variance", "seq_mean", "sequence_ratio", "stop_gradient_ratio")
@@ -125,6 +126,13 @@ class RLConfig:
     Judge (SPEC §3.4): ``judge`` = "" (none), "policy" (the cold-start checkpoint through the embedded
     engine), a local checkpoint folder, or an OpenAI-compatible base URL (``judge_model`` names the
     served model); ``grm_sigma`` the length guard σ (ℓ0 measured on the cold-start model).
+    Judge gate: with ``judge_min_agreement`` > 0 the judge first judges ``judge_gate_pairs`` held-out reference
+    pairs in both orders (`k3post.rewards.judging.gate_judge`: the better answer known, one attempt each, as RL
+    samples it); when it agrees with the known better answer on fewer than that share of its judgements,
+    ``judge_fallback`` says what happens: "fail" (the default) fails the domain's experts with the measured
+    rates; "format_gate" rewards the judged families with their own verifier (for general.writing the rule-based
+    format gate) instead of the judge, an explicit opt-in logged as a warning and recorded in the experts'
+    table (``judge_gate``). A judge that always prefers A agrees on exactly half the judgements.
     Effort control (SPEC §3.3): ``effort`` and ``effort_control`` (τ per effort and domain, the b0
     estimate's samples and quantile, the curriculum order).
     Experts: ``domains``, each trained through ``effort_control.curriculum`` for ``steps`` per effort;
@@ -183,6 +191,9 @@ class RLConfig:
     judge: str = ""
     judge_model: str = ""
     grm_sigma: float = ranged(1.5, gt=0)
+    judge_min_agreement: float = ranged(0.0, ge=0, le=1)
+    judge_gate_pairs: int = ranged(25, ge=1)
+    judge_fallback: str = "fail"
     effort_control: EffortConfig = field(default_factory=EffortConfig)
     domains: list[str] = field(default_factory=lambda: ["general", "agents", "coding"])
     domain_overrides: dict[str, dict[str, Any]] = field(default_factory=lambda: default_domain_overrides())
@@ -208,6 +219,8 @@ class RLConfig:
             raise ValueError(f"rl.train_pass_min ({self.train_pass_min}) must be <= rl.train_pass_max ({self.train_pass_max})")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"rl.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if self.judge_fallback not in JUDGE_FALLBACKS:
+            raise ValueError(f"rl.judge_fallback must be one of {JUDGE_FALLBACKS}, got {self.judge_fallback!r}")
         if self.train_pass_empty not in TRAIN_PASS_EMPTY:
             raise ValueError(f"rl.train_pass_empty must be one of {TRAIN_PASS_EMPTY}, got {self.train_pass_empty!r}")
         stage_keys = [k for k in self.domain_overrides if "." in k]

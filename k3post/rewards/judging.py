@@ -97,6 +97,8 @@ __all__ = [
     "degraded_answers",
     "evaluate_judge",
     "evaluate_recipe_judge",
+    "gate_judge",
+    "gate_summary",
     "judge_episode",
     "judge_eval_enabled",
     "judge_pairs",
@@ -392,7 +394,9 @@ def judge_sft_records(n_pairs: int, *, seed: int, difficulty: int = 1) -> list[d
 
 TRAIN_SEED_OFFSET = 3100
 EVAL_SEED_OFFSET = 3200
-"""Seeds of the recipe's judge pairs: ``run.seed`` + these (`recipe_judge_pairs`)."""
+GATE_SEED_OFFSET = 3300
+"""Seeds of the recipe's judge pairs: ``run.seed`` + these (`recipe_judge_pairs`); RL's judge gate draws its
+pairs with ``rl.seed`` + GATE_SEED_OFFSET (`gate_judge`)."""
 
 
 def recipe_judge_pairs(data: Any, seed: int) -> tuple[list[JudgePair], list[JudgePair]]:
@@ -455,6 +459,27 @@ def evaluate_judge(backend: JudgeBackend, pairs: Sequence[JudgePair], *, total_t
         "by_family": {f: {"n": len(v), "valid": _rate(sum(a for a, _ in v), len(v)), "agreement": _rate(sum(b for _, b in v), len(v))}
                       for f, v in sorted(fam.items())},
     }
+
+
+def gate_judge(backend: JudgeBackend, families: Sequence[str], *, n_pairs: int, min_agreement: float, seed: int = 0,
+               difficulty: int = 1) -> dict[str, Any]:
+    """RL's judge gate (``rl.judge_min_agreement``): `evaluate_judge` of ``backend`` on ``n_pairs`` reference pairs
+    (seed ``seed + GATE_SEED_OFFSET``) of the judged ``families`` that have a rubric (all of `JUDGED_FAMILIES`
+    when none has: the protocol is the same), and whether its agreement rate reaches ``min_agreement``.
+
+    Returns the evaluation plus ``families`` (those the pairs came from), ``min_agreement`` and ``passed``."""
+    fams = [f for f in families if f in RUBRICS] or list(JUDGED_FAMILIES)
+    pairs = judge_pairs(n_pairs, seed=seed + GATE_SEED_OFFSET, families=fams, difficulty=difficulty)
+    res = evaluate_judge(backend, pairs)
+    return {**res, "families": fams, "min_agreement": min_agreement, "passed": res["agreement"]["rate"] >= min_agreement}
+
+
+def gate_summary(gate: Mapping[str, Any]) -> str:
+    """One line of a `gate_judge` result: agreement and validity with n and 95% intervals."""
+    a, v = gate["agreement"], gate["valid"]
+    return (f"agrees with the known better answer on {a['k']}/{a['n']} = {a['rate']:.2f} [{a['ci95'][0]:.2f}, {a['ci95'][1]:.2f}] "
+            f"of its held-out judgements (valid {v['k']}/{v['n']}; {gate['pairs']} pairs of {', '.join(gate['families'])}, "
+            f"both orders, one attempt each; threshold rl.judge_min_agreement {gate['min_agreement']:g})")
 
 
 # =========================================================================== the recipe's use
