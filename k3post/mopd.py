@@ -74,6 +74,7 @@ from k3post.rollout.evaluation import evaluate_episodes, make_env, paired_passes
 from k3post.rollout.trajectory import Group, Trajectory
 from k3post.stats import paired_change, paired_ratio
 from k3post.threads import child_threads, exit_with_parent
+from k3post.httpclient import RetryTransport, retrying_client
 from k3post.urls import is_url
 from k3post.xtml import EFFORTS, OMIT_EFFORT, XTML
 
@@ -128,8 +129,9 @@ class TeacherPool:
 
     A local teacher (a model folder) is loaded on first use into CPU memory; at most ``max_resident`` stay
     loaded, the least recently used is dropped first. An endpoint teacher (an ``http(s)://`` base URL) is
-    asked for prompt log-probs (module doc). ``stats`` counts loads, hits, evictions, endpoint requests,
-    scored sequences and tokens.
+    asked for prompt log-probs (module doc) through the retrying client (`k3post.httpclient`: ``retry``, default
+    4 retries with backoff on 408 / 429 / 5xx and transport errors; its counters are ``retry.stats``). ``stats``
+    counts loads, hits, evictions, endpoint requests, scored sequences and tokens.
     """
 
     def __init__(
@@ -141,6 +143,7 @@ class TeacherPool:
         qat: QATConfig | None = None,
         batch_tokens: int = 8192,
         timeout_s: float = 120.0,
+        retry: RetryTransport | None = None,
     ) -> None:
         if not experts:
             raise ValueError("TeacherPool needs at least one expert (name -> model folder or URL)")
@@ -157,6 +160,7 @@ class TeacherPool:
         self.qat = qat
         self.batch_tokens = batch_tokens
         self.timeout_s = timeout_s
+        self.retry = retry if retry is not None else RetryTransport()
         self._resident: OrderedDict[str, torch.nn.Module] = OrderedDict()
         self._client: Any = None
         self.stats = {"loads": 0, "hits": 0, "evictions": 0, "endpoint_requests": 0, "sequences": 0, "tokens": 0}
@@ -223,13 +227,11 @@ class TeacherPool:
 
     def _score_endpoint(self, expert: str, spec: str, ids: Sequence[Sequence[int]],
                         positions: Sequence[Sequence[int]]) -> list[list[float]]:
-        import httpx  # imported on use: local teachers need no HTTP client
-
         base, _, fragment = spec.partition("#")
         root = base.rstrip("/")
         url = root + ("/completions" if root.endswith("/v1") else "/v1/completions")
         if self._client is None:
-            self._client = httpx.Client(timeout=self.timeout_s)
+            self._client = retrying_client(self.timeout_s, self.retry)
         body = {"model": fragment or expert, "prompt": [list(map(int, s)) for s in ids], "echo": True, "logprobs": 0,
                 "max_tokens": 0, "temperature": 0.0}
         resp = self._client.post(url, json=body)

@@ -527,11 +527,11 @@ class PolicyJudge:
         limits: EpisodeLimits | None = None,
     ) -> "PolicyJudge":
         """A judge behind an OpenAI-compatible ``/v1/chat/completions`` endpoint: `OpenAIPolicy` over the
-        synth teachers' `RetryTransport` (``concurrency`` requests in flight, ``retries`` with backoff)."""
+        retrying client's `k3post.httpclient.RetryTransport` (``concurrency`` requests in flight, ``retries`` with backoff)."""
         from k3post.envs.episode import OpenAIPolicy
-        from k3post.synth.teachers import RetryTransport, _as_transport
+        from k3post.httpclient import RetryTransport, async_transport
 
-        transport = _as_transport(RetryTransport(concurrency=concurrency, retries=retries, backoff_s=backoff_s))
+        transport = async_transport(RetryTransport(concurrency=concurrency, retries=retries, backoff_s=backoff_s))
         policy = OpenAIPolicy(base_url, model, api_key, temperature=temperature, max_tokens=max_tokens,
                               timeout_s=timeout_s, transport=transport)
         return cls(policy, concurrency=concurrency, limits=limits)
@@ -680,10 +680,12 @@ def judge_transport_failure(exc: BaseException) -> bool:
     """Whether ``exc`` (or a cause) says the judge could not be reached, not that it answered wrongly: an
     `k3post.errors.InfrastructureError`, an httpx transport error (connection refused or reset, a timeout),
     `k3post.rollout.http_engine.EngineUnavailableError` (every judge server dead), or an HTTP status the
-    transport retries (`k3post.envs.episode.EndpointHTTPError`: 408 / 429 / 5xx) still failing."""
+    retrying client retries (`k3post.envs.episode.EndpointHTTPError` with a `k3post.httpclient.RETRY_STATUS`:
+    408 / 409 / 425 / 429 / 500 / 502 / 503 / 504) still failing."""
     import httpx
 
     from k3post.envs.episode import EndpointHTTPError
+    from k3post.httpclient import RETRY_STATUS
     from k3post.rollout.http_engine import EngineUnavailableError
 
     seen: set[int] = set()
@@ -691,7 +693,7 @@ def judge_transport_failure(exc: BaseException) -> bool:
     while e is not None and id(e) not in seen:
         if infra_kind(e) is not None or isinstance(e, (httpx.TransportError, EngineUnavailableError)):
             return True
-        if isinstance(e, EndpointHTTPError) and (e.status in (408, 425, 429) or e.status >= 500):
+        if isinstance(e, EndpointHTTPError) and e.status in RETRY_STATUS:
             return True
         seen.add(id(e))
         e = e.__cause__ or e.__context__

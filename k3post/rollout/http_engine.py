@@ -35,7 +35,8 @@ servers instead of the in-process `EmbeddedEngine`:
 
 **Faults.** A call that fails at the transport level (connection refused, reset, the server
 died mid-request) is retried on the same server with exponential backoff
-(``backoff_s * 2**i``, capped at ``backoff_max_s``, ``max_retries`` times); then the server is
+(``backoff_s * 2**i``, capped at ``backoff_max_s``, ``max_retries`` times: `k3post.httpclient.backoff_wait`,
+the one retrying client's rule); then the server is
 marked dead for good and the request re-routed to the least-loaded live server, restarting
 from its last known continuation (the tokens it had when it was submitted; every re-route is
 logged). When no server is left, `EngineUnavailableError` names every URL. An HTTP error
@@ -74,6 +75,7 @@ from typing import Any
 import httpx
 import torch
 
+from k3post.httpclient import backoff_wait
 from k3post.rollout import server_dialects
 from k3post.rollout.engine import (
     GenerationRequest,
@@ -279,7 +281,7 @@ class HTTPEngine:
 
     async def _backoff(self, attempt: int) -> None:
         self.stats["retries"] += 1
-        await asyncio.sleep(min(self.backoff_max_s, self.backoff_s * 2**attempt))
+        await asyncio.sleep(backoff_wait(attempt, self.backoff_s, self.backoff_max_s))
 
     def _mark_dead(self, server: _Server, error: BaseException) -> None:
         if server.alive:

@@ -34,7 +34,7 @@ _EXPORTS: dict[str, str] = {
     "EndpointTeacher": "k3post.synth.teachers",
     "LocalModelTeacher": "k3post.synth.teachers",
     "ReferenceTeacher": "k3post.synth.teachers",
-    "RetryTransport": "k3post.synth.teachers",
+    "RetryTransport": "k3post.httpclient",
     "SamplingParams": "k3post.synth.teachers",
     "Teacher": "k3post.synth.teachers",
     "STAGES": "k3post.synth.verify",

@@ -8,7 +8,8 @@ the real environment, never from the teacher.
 * `ReferenceTeacher`  - the family's programmatic reference solver (built-in families).
 * `EndpointTeacher`   - any OpenAI-compatible ``/v1/chat/completions`` server (vLLM, SGLang,
                         k3post's own server), with a concurrency limit and retries with
-                        exponential backoff on HTTP 429 / 5xx and connection errors.
+                        exponential backoff on HTTP 429 / 5xx and connection errors
+                        (`k3post.httpclient`, the one retrying client).
 * `LocalModelTeacher` - a local Hugging Face checkpoint: XTML render → the rollout engine
                         (`k3post.rollout.EmbeddedEngine`, stop on ``<|end_of_msg|>``) →
                         `XTML.parse`; the turns of the episodes running at once are batched
@@ -21,20 +22,17 @@ Every teacher has a ``name`` (recorded in each sample) and ``concurrency`` (how 
 from __future__ import annotations
 
 import asyncio
-import email.utils
-import time
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from k3post.constants import EFFORTS
+from k3post.httpclient import RetryStats, RetryTransport, async_transport
 from k3post.envs.episode import OpenAIPolicy, Policy
 from k3post.envs.task import Task
 
 if TYPE_CHECKING:
-    import httpx
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from k3post.rollout.embedded import EmbeddedEngine
@@ -97,141 +95,6 @@ class ReferenceTeacher:
 # --------------------------------------------------------------------------- endpoint teacher
 
 
-@dataclass
-class RetryStats:
-    """Counters of a `RetryTransport` (shared by all requests of one teacher)."""
-
-    requests: int = 0  # logical requests
-    attempts: int = 0  # HTTP attempts, retries included
-    retries: int = 0  # attempts beyond the first
-    failures: int = 0  # requests that still failed after all retries
-
-
-_RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
-
-
-class RetryTransport:
-    """An httpx async transport that limits concurrency and retries transient failures.
-
-    Retried: HTTP 408 / 409 / 425 / 429 / 500 / 502 / 503 / 504 and transport errors (connection
-    refused or reset, timeouts, a server closing the connection mid-response). Attempt k (from 0)
-    waits ``min(backoff_s * 2**k, max_backoff_s)`` before the next one, or the server's
-    ``Retry-After`` when that is longer (capped at ``max_backoff_s``). Each attempt uses a fresh
-    connection, and the body is read before the response is handed back, so a client closing
-    the transport never cuts a response short.
-    """
-
-    def __init__(
-        self,
-        *,
-        concurrency: int = 8,
-        retries: int = 4,
-        backoff_s: float = 0.5,
-        max_backoff_s: float = 30.0,
-        inner_factory: Any = None,
-    ) -> None:
-        """Args:
-            concurrency: requests in flight at once (an asyncio semaphore, per event loop).
-            retries: extra attempts after the first.
-            backoff_s: first wait; doubles per retry.
-            max_backoff_s: cap on one wait.
-            inner_factory: ``() -> httpx.AsyncBaseTransport`` for each attempt (default
-                ``httpx.AsyncHTTPTransport``).
-        """
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ValueError(f"concurrency must be a positive int, got {concurrency!r}")
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries must be a non-negative int, got {retries!r}")
-        if not backoff_s >= 0 or not max_backoff_s >= 0:
-            raise ValueError(f"backoff_s and max_backoff_s must be >= 0, got {backoff_s!r}, {max_backoff_s!r}")
-        self.concurrency = concurrency
-        self.retries = retries
-        self.backoff_s = float(backoff_s)
-        self.max_backoff_s = float(max_backoff_s)
-        self.inner_factory = inner_factory
-        self.stats = RetryStats()
-        self._sems: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = weakref.WeakKeyDictionary()
-
-    def _semaphore(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
-        sem = self._sems.get(loop)
-        if sem is None:
-            sem = self._sems[loop] = asyncio.Semaphore(self.concurrency)
-        return sem
-
-    def _wait_s(self, attempt: int, retry_after: str | None) -> float:
-        wait = min(self.backoff_s * (2**attempt), self.max_backoff_s)
-        if retry_after:
-            try:
-                ra = float(retry_after)
-            except ValueError:
-                try:  # an HTTP date
-                    ra = max(0.0, email.utils.parsedate_to_datetime(retry_after).timestamp() - time.time())
-                except (TypeError, ValueError):
-                    ra = 0.0
-            wait = max(wait, min(ra, self.max_backoff_s))
-        return wait
-
-    async def _attempt(self, request: "httpx.Request") -> "httpx.Response":
-        import httpx
-
-        inner = self.inner_factory() if self.inner_factory is not None else httpx.AsyncHTTPTransport()
-        async with inner:
-            resp = await inner.handle_async_request(request)
-            body = await resp.aread()
-            await resp.aclose()
-        return httpx.Response(resp.status_code, headers=resp.headers, content=body, request=request)
-
-    async def handle_async_request(self, request: "httpx.Request") -> "httpx.Response":
-        """Send ``request`` with retries (the httpx transport interface)."""
-        import httpx
-
-        self.stats.requests += 1
-        async with self._semaphore():
-            attempt = 0
-            while True:
-                self.stats.attempts += 1
-                try:
-                    resp = await self._attempt(request)
-                except httpx.TransportError:
-                    if attempt >= self.retries:
-                        self.stats.failures += 1
-                        raise
-                    wait = self._wait_s(attempt, None)
-                else:
-                    if resp.status_code not in _RETRY_STATUS or attempt >= self.retries:
-                        if resp.status_code in _RETRY_STATUS:
-                            self.stats.failures += 1
-                        return resp
-                    wait = self._wait_s(attempt, resp.headers.get("retry-after"))
-                attempt += 1
-                self.stats.retries += 1
-                await asyncio.sleep(wait)
-
-    async def aclose(self) -> None:
-        """Nothing to close: every attempt owns its connection."""
-
-    async def __aenter__(self) -> "RetryTransport":
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.aclose()
-
-
-def _as_transport(t: RetryTransport) -> Any:
-    """Wrap `RetryTransport` in a real ``httpx.AsyncBaseTransport`` subclass (httpx checks the type)."""
-    import httpx
-
-    class _T(httpx.AsyncBaseTransport):
-        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-            return await t.handle_async_request(request)
-
-        async def aclose(self) -> None:
-            await t.aclose()
-
-    return _T()
-
-
 class EndpointTeacher:
     """Any OpenAI-compatible chat-completions endpoint, through `OpenAIPolicy`.
 
@@ -292,7 +155,7 @@ class EndpointTeacher:
         if self.effort_field:
             body[self.effort_field] = _check_effort(effort)
         if self._transport is None:
-            self._transport = _as_transport(self.retry)
+            self._transport = async_transport(self.retry)
         return OpenAIPolicy(self.url, self.model, extra_body=body, transport=self._transport, **self._kw)
 
 
