@@ -188,8 +188,10 @@ def domains_to_show(experts: dict[str, Any], k_of: dict[str, int] | None = None)
     whether that pass is inside `SHOW_WINDOW`, the room RL has (the share of tasks SFT fails, and the share of
     RL's groups of ``k_of[domain]`` samples expected to hold both a pass and a fail, the groups with a learning
     signal: 1 - p^k - (1 - p)^k if every task passed with the greedy rate p; concave in p, so an upper bound for
-    tasks of uneven difficulty), what RL did (the paired verdict) and a one-line verdict: "RL > SFT shown" when a
-    paired test (greedy, or avg@k) found RL higher, else where the SFT pass sits against the window."""
+    tasks of uneven difficulty; ``mixed_measured``: the share the expert's training groups actually held, which the
+    prompt selection ``rl.train_pass_min`` raises), what RL did (the paired verdict) and a one-line verdict: "RL > SFT
+    shown" when a paired test (greedy, or avg@k) found RL higher, else where the SFT pass sits against the window
+    (with the measured share when the expert recorded it)."""
     lo_w, hi_w = SHOW_WINDOW
     out = []
     for name, e in experts.items():
@@ -207,13 +209,16 @@ def domains_to_show(experts: dict[str, Any], k_of: dict[str, int] | None = None)
             verdict = (f"RL > SFT shown ({' and '.join(shown)}, paired p < 0.05); SFT passes {p:.0%}"
                        + ("" if lo_w <= p <= hi_w else f", outside {lo_w:.0%}–{hi_w:.0%}"))
         elif p < lo_w:
-            verdict = f"too hard: SFT passes {p:.0%} < {lo_w:.0%}, few RL groups hold a success"
+            measured = e.get("mixed_groups")
+            verdict = (f"too hard: SFT passes {p:.0%} < {lo_w:.0%}, few RL groups hold a success" if measured is None else
+                       f"too hard: SFT passes {p:.0%} < {lo_w:.0%}; {measured:.0%} of RL's training groups held a pass and a fail")
         elif p > hi_w:
             verdict = f"too easy: SFT passes {p:.0%} > {hi_w:.0%}, little left for RL to gain"
         else:
             verdict = f"can show RL: SFT passes {p:.0%}, inside {lo_w:.0%}–{hi_w:.0%}"
         out.append({"domain": domain, "n": n, "sft_pass": p, "sft_ci95": list(wilson_interval(round(p * n), n)),
                     "inside": bool(lo_w <= p <= hi_w), "room": 1 - p, "k": k, "mixed_groups": mixed,
+                    "mixed_measured": e.get("mixed_groups"),
                     "rl_verdict": e.get("change", {}).get("verdict"), "rl_pass": e.get("pass_rate"), "verdict": verdict,
                     "rl_sampled": None if not smp else {"k": smp["k"], "sft": smp["sft"], "rl": smp["rl"],
                                                         "delta": smp["change"]["delta"], "p_value": smp["change"]["p_value"],

@@ -345,6 +345,7 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
         "final_effort_ratio": _tail(last, "effort_ratio"),
         "infra": {"train": sum(x for x in res.metrics.series("infra_episodes") if x == x),
                   "eval": sum(after.get("infra", {}).values())},  # episodes whose infrastructure failed (masked)
+        "mixed_groups": _mixed_share(res.metrics),
         "reward_curve": res.metrics.series("reward"),
         "effort_tokens_curve": res.metrics.series("effort_tokens"),
         "seconds": time.perf_counter() - t0,
@@ -352,6 +353,14 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
     ch = table["experts"][stage.expert]["change"]
     log.info("expert %s: pass %.3f (SFT %.3f; %s, p = %.3g), T %.1f", stage.expert, after["pass_rate"],
              before["overall"]["pass_rate"], ch["verdict"], ch["p_value"], after["mean_effort_tokens"])
+
+
+def _mixed_share(rows: Any) -> float | None:
+    """The share of the RL run's finished groups that held a pass and a fail (reward variance, the groups that
+    carry a policy gradient): 1 − Σ zero_variance_groups / Σ groups over its steps; None without groups."""
+    groups = [g for g in rows.series("groups") if g == g]
+    flat = [z for z in rows.series("zero_variance_groups") if z == z]
+    return 1.0 - sum(flat) / sum(groups) if groups and sum(groups) > 0 else None
 
 
 def _before_paths(out: Path, domain: str) -> tuple[Path, Path, Path]:

@@ -153,6 +153,7 @@ def _domains_section(run: Path, summary: dict[str, Any]) -> str:
         return "<h2>Domains the run can show</h2><p>No max-effort RL expert in this run: nothing to judge.</p>"
     body = [[r["domain"], r["n"], _rate(r["sft_pass"], r["sft_ci95"]), "yes" if r["inside"] else "no", r["room"],
              "" if r["mixed_groups"] is None else f"{r['mixed_groups']:.2f} (k {r['k']})",
+             "" if r.get("mixed_measured") is None else f"{r['mixed_measured']:.2f}",
              "" if r["rl_pass"] is None else f"greedy {r['sft_pass']:.3f} → {r['rl_pass']:.3f} ({r['rl_verdict']})"
              + ("" if not r.get("rl_sampled") else
                 f"; avg@{r['rl_sampled']['k']} {r['rl_sampled']['sft']:.3f} → {r['rl_sampled']['rl']:.3f} "
@@ -161,7 +162,8 @@ def _domains_section(run: Path, summary: dict[str, Any]) -> str:
     return ("<h2>Domains the run can show</h2><p class=muted>From the SFT pass rate at max on RL's held-out tasks: "
             "RL shows where SFT passes 20–70 % (below, few sampled groups hold a success; above, little is left to gain).</p>"
             + _table(["domain", "n", "SFT pass at max [95%]", "inside 0.2–0.7", "room (SFT fails)",
-                      "groups with a pass and a fail", "RL at max (paired verdict)", "verdict"], body))
+                      "groups with a pass and a fail (expected at the SFT pass)", "measured in RL's training groups",
+                      "RL at max (paired verdict)", "verdict"], body))
 
 
 def _sft_section(run: Path, summary: dict[str, Any]) -> str:

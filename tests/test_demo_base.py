@@ -208,3 +208,26 @@ def test_domains_to_show_carry_the_sampled_verdict_and_the_report_prints_it(tmp_
     assert row["verdict"] == "RL > SFT shown (greedy and avg@8, paired p < 0.05); SFT passes 18%, outside 20%–70%"
     quiet = {**e, "sft_pass_rate": 0.175, "sampled": {**e["sampled"], "change": {**e["sampled"]["change"], "verdict": "no significant change"}}}
     assert domains_to_show({"general.max": quiet}, {"general": 8})[0]["verdict"].startswith("too hard")
+
+
+def test_domains_to_show_state_the_measured_share_of_groups_with_a_signal(tmp_path):
+    """The expected share (from the greedy SFT pass) is a model; an expert that recorded how many of its training
+    groups held a pass and a fail (`experts._mixed_share`) has the measured share in its row, verdict and report."""
+    from k3post.experts import _mixed_share
+    from k3post.loop import StageLog
+    from k3post.report import _domains_section
+
+    import json
+
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("".join(json.dumps({"stage": "rl/general.max", "step": s, "time": 0.0, "groups": g, "zero_variance_groups": z}) + "\n"
+                         for s, g, z in [(1, 32, 8), (2, 32, 16), (3, 0, 0)]))
+    assert _mixed_share(StageLog(f, "rl/general.max", 3)) == pytest.approx(1 - 24 / 64)
+    assert _mixed_share(StageLog(f, "rl/general.high", 3)) is None  # no rows: no groups
+    e = {**_expert(0.1, 300), "mixed_groups": 0.625}
+    (row,) = domains_to_show({"general.max": e}, {"general": 8})
+    assert row["mixed_groups"] == pytest.approx(1 - 0.1 ** 8 - 0.9 ** 8) and row["mixed_measured"] == 0.625
+    assert row["verdict"] == "too hard: SFT passes 10% < 20%; 62% of RL's training groups held a pass and a fail"
+    html = _domains_section(tmp_path, {"domains": [row]})
+    assert "measured in RL&#x27;s training groups" in html or "measured in RL's training groups" in html
+    assert "<td>0.62</td>" in html or ">0.62<" in html
