@@ -39,7 +39,7 @@ from k3post.evaluate import evaluate_family
 from k3post.experts import train_experts
 from k3post.metrics import MetricsLogger
 from k3post.models import PRESETS, build_tiny_moe, count_parameters, load_model, save_model
-from k3post.pretrain import base_key, base_record, build_base, cache_root, cached_base, copy_warning
+from k3post.pretrain import base_key, base_record, build_base, cache_root, cached_base, copy_probe, copy_warning
 from k3post.quant.qat import apply_qat
 from k3post.rewards.judging import evaluate_recipe_judge, judge_eval_enabled
 from k3post.report import write_report
@@ -330,6 +330,13 @@ def _run_demo(cfg: K3Config) -> Path:
     # 5. held-out pass rate after SFT
     t0 = time.perf_counter()
     eval_all("sft")
+    pre = summary.data.get("pretrain") or {}
+    if pre.get("used") and "sft_copy" not in summary.data:  # does the SFT model still read as its base did?
+        dists = sorted(int(d) for d in pre.get("probe") or {}) or [20, 100, 300]
+        summary.update(sft_copy=copy_probe(model, tokenizer, dists))
+        print("  copy probe after SFT (exact, base → SFT): " + ", ".join(
+            f"{d} back {(pre.get('probe') or {}).get(str(d), {}).get('exact', float('nan')):.2f} → "
+            f"{summary.data['sft_copy'][str(d)]['exact']:.2f}" for d in dists))
     phase("eval sft", t0)
 
     if judge_eval_enabled(cfg) and "judge" not in summary.data:  # the SFT model as the GRM judge (issue 31)

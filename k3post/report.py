@@ -138,9 +138,15 @@ def _pretrain_section(run: Path, summary: dict[str, Any]) -> str:
         last = probe[-1]
         dists = sorted(int(k.rsplit("_", 1)[1]) for k in last if k.startswith("copy_exact_"))
         table = [[d, last[f"copy_exact_{d}"], last[f"copy_token_acc_{d}"], ""] for d in dists]
+    after = summary.get("sft_copy") or {}
+    if table and after:  # the same probe on the SFT model: what SFT kept of the base's reading
+        table = [row + [after.get(str(row[0]), {}).get("exact", ""), after.get(str(row[0]), {}).get("token_acc", "")]
+                 for row in table]
     if table:
-        parts.append("<p>Copy probe: held-out 2–3-token names restated d tokens after their introduction (teacher-forced).</p>")
-        parts.append(_table(["tokens back", "names exact", "name tokens", "n"], sorted(table)))
+        parts.append("<p>Copy probe: held-out 2–3-token names restated d tokens after their introduction (teacher-forced)"
+                     + ("; the last two columns are the SFT model's (under QAT when the run uses it)." if after else ".") + "</p>")
+        parts.append(_table(["tokens back", "names exact", "name tokens", "n"] + (["after SFT: exact", "after SFT: tokens"] if after else []),
+                            sorted(table)))
     return "\n".join(parts)
 
 

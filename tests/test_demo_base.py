@@ -106,6 +106,8 @@ def test_demo_builds_the_base_once_resumes_it_and_starts_from_it(tmp_path, monke
     assert _same(_weights(run / "model_init"), _weights(base))
     page = (run / "report.html").read_text()
     assert "Stage 0: pretrained base" in page and key in page and "built in this run" in page and "Copy probe" in page
+    # the same probe on the SFT model, at the base's distances, beside the base's in the report
+    assert set(s["sft_copy"]) == {"60"} and 0 <= s["sft_copy"]["60"]["exact"] <= 1 and "after SFT: exact" in page
     # three steps teach no copying: the run, its log and its report say so
     assert "does not copy" in pre["warning"] and "does not copy" in page
     assert pre["induction"]["steps"] == 2 and "held-out induction accuracy" in page  # phase 1 stopped at its cap
