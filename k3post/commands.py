@@ -14,14 +14,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from k3post.config import K3Config
-from k3post.data import load_sft_jsonl
 from k3post.errors import UserError, attach_run_log
 from k3post.metrics import MetricsLogger
 from k3post.models import build_tiny_moe, count_parameters, load_model, new_folder, save_model
 from k3post.quant.qat import apply_qat
 from k3post.runs import RunSummary, open_run
 from k3post.sft import train_sft
-from k3post.sft_data import default_corpus, run_tokenizer, synthesize_sft_data
+from k3post.sft_data import default_corpus, run_tokenizer, sft_samples, synthesize_sft_data
 from k3post.spec.layout import draft_aux_layers, draft_target
 from k3post.spec.mtp import MTPHead, load_mtp, save_mtp
 from k3post.threads import child_threads, command_plan, exit_with_parent, use_threads
@@ -137,9 +136,8 @@ def _sft_in(cfg: K3Config, run: Path, summary: RunSummary) -> Path:
             eos_token_id=tokenizer.convert_tokens_to_ids("<|end_of_msg|>"),
         )
     summary.update(model=describe_model(model, tokenizer, cfg.model.path or f"a fresh {cfg.model.preset} Qwen3-MoE"))
-    xtml = XTML(tokenizer)
     train_file = cfg.sft.train_file or synthesize_sft_data(cfg, run, tokenizer)
-    samples, stats = load_sft_jsonl(train_file, xtml, max_len=cfg.sft.max_len, on_bad_sample=cfg.sft.on_bad_sample, mode=cfg.sft.mode)
+    samples, stats = sft_samples(cfg, train_file, tokenizer)
     if stats.skipped:
         print(stats.summary())
     quantized = apply_qat(model, cfg.qat) if cfg.qat.enabled else []

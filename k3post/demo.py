@@ -33,7 +33,6 @@ import torch
 from k3post.errors import UserError
 from k3post.config import K3Config
 from k3post.config.sft import SFTConfig
-from k3post.data import load_sft_jsonl
 from k3post.io import write_jsonl
 from k3post.evaluate import evaluate_family
 from k3post.experts import train_experts
@@ -44,7 +43,7 @@ from k3post.quant.qat import apply_qat
 from k3post.rewards.judging import evaluate_recipe_judge, judge_eval_enabled
 from k3post.report import write_report
 from k3post.sft import train_sft
-from k3post.sft_data import run_tokenizer, synthesize_sft_data
+from k3post.sft_data import run_tokenizer, sft_samples, synthesize_sft_data
 from k3post.threads import active_plan, child_threads, command_plan, exit_with_parent, use_threads
 from k3post.spec.mtp import save_mtp
 from k3post.commands import distill, raise_if_failed, sft_summary, train_drafts
@@ -84,7 +83,7 @@ def _baseline_worker(cfg: K3Config, run: Path, init_dir: Path, train_file: Path,
         torch.set_num_threads(child_threads())  # the parent's plan for the pair (`run_demo`)
         tokenizer = load_tokenizer(init_dir)
         model = load_model(init_dir)
-        samples, stats = load_sft_jsonl(train_file, XTML(tokenizer), max_len=cfg.sft.max_len, on_bad_sample=cfg.sft.on_bad_sample, mode=cfg.sft.mode)
+        samples, stats = sft_samples(cfg, train_file, tokenizer)
         sft_cfg = replace(demo_sft(cfg), progress=False)
         metrics = MetricsLogger(run)
         res = train_sft(model, tokenizer, samples, sft_cfg, run / "sft_noqat", seed=cfg.run.seed, metrics=metrics, stage="sft_noqat")
@@ -307,7 +306,7 @@ def _run_demo(cfg: K3Config) -> Path:
     phase("eval base", t0)
 
     # 4. Stage 1 SFT with QAT from the first step (and, for comparison, the same run without QAT)
-    samples, stats = load_sft_jsonl(train_file, xtml, max_len=cfg.sft.max_len, on_bad_sample=cfg.sft.on_bad_sample, mode=cfg.sft.mode)
+    samples, stats = sft_samples(cfg, train_file, tokenizer)
 
     compare = cfg.qat.enabled and cfg.demo.compare_no_qat
     t0 = time.perf_counter()

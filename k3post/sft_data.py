@@ -13,6 +13,7 @@ from typing import Any
 from k3post.config import K3Config
 from k3post.envs.episode import run_episode_sync
 from k3post.envs.families import EFFORTS, default_families, get_family, lexicon as family_lexicon
+from k3post.data import load_sft_jsonl
 from k3post.errors import UserError
 from k3post.io import read_jsonl, write_jsonl
 from k3post.rewards.judging import recipe_judge_records
@@ -20,7 +21,7 @@ from k3post.synth import VerifyConfig, build_sft_dataset, mix
 from k3post.tokenizer import lexicon_corpus, load_tokenizer, train_tokenizer
 from k3post.xtml import XTML, text_segments
 
-__all__ = ["default_corpus", "run_tokenizer", "synthesize_sft_data", "tokenizer_texts"]
+__all__ = ["default_corpus", "run_tokenizer", "sft_samples", "synthesize_sft_data", "tokenizer_texts"]
 
 
 def default_corpus(n_per_family: int = 6, seed: int = 123, *, n_main: int = 60, main: str = "general.arithmetic") -> list[str]:
@@ -102,3 +103,21 @@ def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = 
         record(synth={"funnel": funnel.to_dict(), "samples_by_family": by_family, **({"judge": judge} if judge else {})})
     print(funnel.table())
     return train_file
+
+
+REPLAY_SEED_OFFSET = 4100
+"""The replayed induction rows are drawn with ``run.seed`` + this (stage 0 drew its own with ``run.seed``)."""
+
+
+def sft_samples(cfg: Any, train_file: str | Path, tokenizer: Any) -> tuple[list[Any], Any]:
+    """The SFT samples of ``train_file`` (`k3post.data.load_sft_jsonl` under ``cfg.sft``) and its load stats, plus
+    ``cfg.sft.replay_induction`` induction rows of ``cfg.pretrain.seq_len`` tokens (`k3post.pretrain.induction_samples`,
+    seed ``run.seed`` + `REPLAY_SEED_OFFSET`, every token a target): SFT at the recipe's rate erases most of the base's
+    copying (docs/decisions.md, issue 31 §sftcopy); rehearsing the rows that taught it is the lever this offers."""
+    from k3post.pretrain import induction_samples  # on use: pretrain imports this module (tokenizer_texts)
+
+    s = cfg.sft
+    samples, stats = load_sft_jsonl(train_file, XTML(tokenizer), max_len=s.max_len, on_bad_sample=s.on_bad_sample, mode=s.mode)
+    if s.replay_induction:
+        samples = samples + induction_samples(tokenizer, s.replay_induction, cfg.pretrain.seq_len, cfg.run.seed + REPLAY_SEED_OFFSET)
+    return samples, stats

@@ -450,3 +450,22 @@ def test_a_rerun_of_phase_one_resumes_where_it_stopped_not_at_its_first_check(tm
 
     assert run(first_run)["steps"] == 4
     assert run(rerun) == {"steps": 4, "induction_acc": 0.95, "target": 0.9, "reached": True}
+
+
+def test_sft_samples_replay_induction_rows(tmp_path, tok):
+    """sft.replay_induction: N induction rows of pretrain.seq_len tokens join the file's SFT samples, every token a
+    target, drawn with a seed of their own (not stage 0's rows), the same on every call; 0 adds none."""
+    from k3post.sft_data import REPLAY_SEED_OFFSET, sft_samples
+
+    rec = {"messages": [{"role": "user", "content": "Name the badge."}, {"role": "assistant", "content": "Vorwen."}], "effort": None}
+    f = tmp_path / "sft.jsonl"
+    f.write_text(json.dumps(rec) + "\n")
+    cfg = load_config(None, ["sft.replay_induction=3", "pretrain.seq_len=32", "run.seed=5"])
+    samples, stats = sft_samples(cfg, f, tok)
+    assert stats.kept == 1 and len(samples) == 4
+    rows = samples[1:]
+    assert all(len(r) == 32 and all(r.loss_mask) and r.source.startswith("induction:") for r in rows)
+    assert [r.ids for r in rows] == [r.ids for r in pretrain.induction_samples(tok, 3, 32, 5 + REPLAY_SEED_OFFSET)]
+    assert [r.ids for r in rows] != [r.ids for r in pretrain.induction_samples(tok, 3, 32, 5)]  # not stage 0's own rows
+    assert [r.ids for r in sft_samples(cfg, f, tok)[0][1:]] == [r.ids for r in rows]
+    assert len(sft_samples(load_config(None, ["pretrain.seq_len=32"]), f, tok)[0]) == 1
