@@ -44,6 +44,7 @@ from k3post.envs.families.common import REFERENCE_VERSION
 from k3post.errors import UserError
 from k3post.sft import train_sft
 from k3post.sft_data import tokenizer_texts
+from k3post.synth.corpus import _induction_rows, induction_samples  # noqa: F401  (stage 0's rows; re-exported)
 from k3post.synth.corpus import (CORPUS_VERSION, KEYS, document_text, draw_name, encode_pieces, generate_corpus,
                                  generate_document, held_out_names, record_pieces)
 
@@ -105,29 +106,6 @@ def corpus_samples(tokenizer: Any, docs: Sequence[Sequence[str]], seq_len: int) 
         ids = encode_pieces(tokenizer, d)[:seq_len]
         out.append(Sample(ids=ids, loss_mask=[True] * len(ids), source=f"corpus:{i}"))
     return out
-
-
-def _induction_rows(tokenizer: Any, n: int, seq_len: int, key: str) -> list[tuple[list[int], int]]:
-    """(ids, period) of ``n`` induction rows (`induction_samples`), drawn from ``random.Random(key)``."""
-    nl = encode_pieces(tokenizer, ["\n"])
-    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {}) | set(nl)
-    pool = [i for i in range(len(tokenizer)) if i not in special]
-    rng = random.Random(key)
-    out = []
-    for _ in range(n):
-        span = [rng.choice(pool) for _ in range(rng.randint(8, 30))] + nl
-        out.append(((span * (seq_len // len(span) + 1))[:seq_len], len(span)))
-    return out
-
-
-def induction_samples(tokenizer: Any, n: int, seq_len: int, seed: int) -> list[Sample]:
-    """``n`` rows of ``seq_len`` tokens, each a span of 8–30 tokens drawn uniformly from the tokenizer's ordinary
-    ids, repeated (a newline between repeats) until the row is full. From the first repeat on every token is
-    predictable only by finding where the token before it stood earlier in the row and copying the one that
-    followed: the induction pattern, over tokens the corpus may never put side by side, so what is learnt is
-    copying itself (docs/decisions.md, issue 31 §copy)."""
-    return [Sample(ids=ids, loss_mask=[True] * seq_len, source=f"induction:{i}")
-            for i, (ids, _) in enumerate(_induction_rows(tokenizer, n, seq_len, f"k3post-induction|{seed}"))]
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from k3post.errors import UserError
 from k3post.io import read_jsonl, write_jsonl
 from k3post.rewards.judging import recipe_judge_records
 from k3post.synth import VerifyConfig, build_sft_dataset, mix
+from k3post.synth.corpus import induction_samples
 from k3post.tokenizer import lexicon_corpus, load_tokenizer, train_tokenizer
 from k3post.xtml import XTML, text_segments
 
@@ -111,11 +112,9 @@ REPLAY_SEED_OFFSET = 4100
 
 def sft_samples(cfg: Any, train_file: str | Path, tokenizer: Any) -> tuple[list[Any], Any]:
     """The SFT samples of ``train_file`` (`k3post.data.load_sft_jsonl` under ``cfg.sft``) and its load stats, plus
-    ``cfg.sft.replay_induction`` induction rows of ``cfg.pretrain.seq_len`` tokens (`k3post.pretrain.induction_samples`,
+    ``cfg.sft.replay_induction`` induction rows of ``cfg.pretrain.seq_len`` tokens (`k3post.synth.corpus.induction_samples`,
     seed ``run.seed`` + `REPLAY_SEED_OFFSET`, every token a target): SFT at the recipe's rate erases most of the base's
     copying (docs/decisions.md, issue 31 §sftcopy); rehearsing the rows that taught it is the lever this offers."""
-    from k3post.pretrain import induction_samples  # on use: pretrain imports this module (tokenizer_texts)
-
     s = cfg.sft
     samples, stats = load_sft_jsonl(train_file, XTML(tokenizer), max_len=s.max_len, on_bad_sample=s.on_bad_sample, mode=s.mode)
     if s.replay_induction:

@@ -31,10 +31,11 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from k3post.data import Sample
 from k3post.envs.families.kg import _PHRASE, _SYL, build_graph
 
 __all__ = ["CORPUS_VERSION", "SYLLABLES", "is_held_out", "held_out_names", "draw_name", "generate_document",
-           "generate_corpus", "document_text", "encode_pieces", "KEYS", "OWNERS_KIND", "record_pieces"]
+           "generate_corpus", "document_text", "encode_pieces", "KEYS", "OWNERS_KIND", "record_pieces", "induction_samples"]
 
 CORPUS_VERSION = 1
 SYLLABLES: tuple[str, ...] = tuple(_SYL)
@@ -232,3 +233,29 @@ def encode_pieces(tokenizer: Any, pieces: Sequence[str]) -> list[int]:
 def corpus_json(docs: Sequence[Sequence[str]]) -> str:
     """The documents as JSON lines (one list of pieces per line)."""
     return "".join(json.dumps(list(d)) + "\n" for d in docs)
+
+
+# =========================================================================== induction rows (stage 0, SFT replay)
+
+
+def _induction_rows(tokenizer: Any, n: int, seq_len: int, key: str) -> list[tuple[list[int], int]]:
+    """(ids, period) of ``n`` induction rows (`induction_samples`), drawn from ``random.Random(key)``."""
+    nl = encode_pieces(tokenizer, ["\n"])
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {}) | set(nl)
+    pool = [i for i in range(len(tokenizer)) if i not in special]
+    rng = random.Random(key)
+    out = []
+    for _ in range(n):
+        span = [rng.choice(pool) for _ in range(rng.randint(8, 30))] + nl
+        out.append(((span * (seq_len // len(span) + 1))[:seq_len], len(span)))
+    return out
+
+
+def induction_samples(tokenizer: Any, n: int, seq_len: int, seed: int) -> list[Sample]:
+    """``n`` rows of ``seq_len`` tokens, each a span of 8–30 tokens drawn uniformly from the tokenizer's ordinary
+    ids, repeated (a newline between repeats) until the row is full. From the first repeat on every token is
+    predictable only by finding where the token before it stood earlier in the row and copying the one that
+    followed: the induction pattern, over tokens the corpus may never put side by side, so what is learnt is
+    copying itself (docs/decisions.md, issue 31 §copy)."""
+    return [Sample(ids=ids, loss_mask=[True] * seq_len, source=f"induction:{i}")
+            for i, (ids, _) in enumerate(_induction_rows(tokenizer, n, seq_len, f"k3post-induction|{seed}"))]
