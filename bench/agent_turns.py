@@ -32,6 +32,7 @@ from k3post.envs.families.registry import get_family  # noqa: E402
 from k3post.envs.families.streams import eval_tasks  # noqa: E402
 from k3post.evaluate import complete  # noqa: E402
 from k3post.experts import load_policy  # noqa: E402
+from k3post.quant.qat import QATConfig  # noqa: E402
 from k3post.rollout.evaluation import make_env  # noqa: E402
 from k3post.tokenizer import load_tokenizer  # noqa: E402
 from k3post.xtml import XTML  # noqa: E402
@@ -109,10 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=0, help="per-turn cap; 0: the reference turn's length + --slack, rounded up to 64")
     p.add_argument("--slack", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--qat", action="store_true", help="apply MX QAT (the default QATConfig) as the recipe's engines run a "
+                   "QAT-trained model; without it the weights run unquantized (the numbers before this flag existed)")
     ns = p.parse_args(argv)
     torch.set_num_threads(ns.threads)
     xtml = XTML(load_tokenizer(ns.model, require_xtml=True))
-    model = load_policy(ns.model, None)
+    model = load_policy(ns.model, QATConfig(enabled=True) if ns.qat else None)
     result = {}
     for family in ns.families.split(","):
         rows = turn_accuracy(model, xtml, family, ns.n, ns.effort, ns.max_tokens, ns.slack)
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{no_room} left out: no room in the context); "
               "per turn (call ok / tool names ok): " +
               ", ".join(f"{k}: {v['call_ok']:.2f}/{v['name_ok']:.2f}" for k, v in per_turn.items()))
-    print(json.dumps({"model": ns.model, "effort": ns.effort, "n": ns.n, "max_tokens": ns.max_tokens, "slack": ns.slack, "families": result}))
+    print(json.dumps({"model": ns.model, "qat": ns.qat, "effort": ns.effort, "n": ns.n, "max_tokens": ns.max_tokens, "slack": ns.slack, "families": result}))
     return 0
 
 

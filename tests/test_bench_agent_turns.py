@@ -74,3 +74,21 @@ def test_a_turn_whose_history_fills_the_context_is_left_out_not_a_crash(xtml_tok
     kept = [r for r in rows if not r.get("no_room")]
     assert len(rows) == len(lens) and 0 < len(kept) < len(rows)
     assert max(asked) < limit and all(r["call_ok"] for r in kept)
+
+
+def test_qat_flag_runs_the_model_as_the_recipes_engines_do(tmp_path, xtml_tokenizer, monkeypatch, capsys):
+    """--qat loads the policy with MX QAT applied (a QAT-trained model runs so in the recipe); without it, unquantized;
+    the JSON line says which."""
+    import json
+
+    from k3post.models import build_tiny_moe, save_model
+
+    save_model(build_tiny_moe(len(xtml_tokenizer), seed=0, pad_token_id=xtml_tokenizer.pad_token_id), tmp_path / "m", xtml_tokenizer)
+    seen = []
+    real = bench.load_policy
+    monkeypatch.setattr(bench, "load_policy", lambda path, qat: seen.append(qat) or real(path, qat))
+    monkeypatch.setattr(bench, "turn_accuracy", lambda *a, **k: [{"task": "t", "turn": 0, "call_ok": False, "capped": False, "name_ok": False}])
+    for flags, want in (([], False), (["--qat"], True)):
+        assert bench.main([str(tmp_path / "m"), "--families", "agents.assistant", "--n", "1", *flags]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["qat"] is want
+    assert seen[0] is None and seen[1].enabled
