@@ -331,11 +331,12 @@ def _run_demo(cfg: K3Config) -> Path:
     eval_all("sft")
     pre = summary.data.get("pretrain") or {}
     if pre.get("used") and "sft_copy" not in summary.data:  # does the SFT model still read as its base did?
-        dists = sorted(int(d) for d in pre.get("probe") or {}) or [20, 100, 300]
-        summary.update(sft_copy=copy_probe(model, tokenizer, dists))
+        base_probe = pre.get("probe") or {}
+        dists = sorted(int(d) for d in base_probe) or [20, 100, 300]
+        after = copy_probe(model, tokenizer, dists)
+        summary.update(sft_copy=after)
         print("  copy probe after SFT (exact, base → SFT): " + ", ".join(
-            f"{d} back {(pre.get('probe') or {}).get(str(d), {}).get('exact', float('nan')):.2f} → "
-            f"{summary.data['sft_copy'][str(d)]['exact']:.2f}" for d in dists))
+            f"{d} back {base_probe.get(str(d), {}).get('exact', float('nan')):.2f} → {after[str(d)]['exact']:.2f}" for d in dists))
     phase("eval sft", t0)
 
     if judge_eval_enabled(cfg) and "judge" not in summary.data:  # the SFT model as the GRM judge (issue 31)

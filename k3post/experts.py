@@ -358,9 +358,9 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
 def _mixed_share(rows: Any) -> float | None:
     """The share of the RL run's finished groups that held a pass and a fail (reward variance, the groups that
     carry a policy gradient): 1 − Σ zero_variance_groups / Σ groups over its steps; None without groups."""
-    groups = [g for g in rows.series("groups") if g == g]
-    flat = [z for z in rows.series("zero_variance_groups") if z == z]
-    return 1.0 - sum(flat) / sum(groups) if groups and sum(groups) > 0 else None
+    groups = sum(g for g in rows.series("groups") if g == g)
+    flat = sum(z for z in rows.series("zero_variance_groups") if z == z)
+    return 1.0 - flat / groups if groups > 0 else None
 
 
 def _before_paths(out: Path, domain: str) -> tuple[Path, Path, Path]:

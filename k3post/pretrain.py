@@ -44,9 +44,8 @@ from k3post.envs.families.common import REFERENCE_VERSION
 from k3post.errors import UserError
 from k3post.sft import train_sft
 from k3post.sft_data import tokenizer_texts
-from k3post.synth.corpus import _induction_rows, induction_samples  # noqa: F401  (stage 0's rows; re-exported)
-from k3post.synth.corpus import (CORPUS_VERSION, KEYS, document_text, draw_name, encode_pieces, generate_corpus,
-                                 generate_document, held_out_names, record_pieces)
+from k3post.synth.corpus import (CORPUS_VERSION, KEYS, _induction_rows, document_text, draw_name, encode_pieces,
+                                 generate_corpus, generate_document, held_out_names, induction_samples, record_pieces)
 
 __all__ = ["base_key", "cache_root", "cached_base", "base_record", "build_base", "corpus_samples", "copy_probe",
            "run_pretrain", "BASE_FREE_KEYS", "copy_warning", "induction_accuracy", "induction_samples", "induction_settings", "train_base"]

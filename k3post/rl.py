@@ -128,7 +128,7 @@ def build_group_scorer(
         return VerifierScorer(gate)
     xtml = XTML(tokenizer)
     scorer = GroupGRM(judge, xtml, sigma=cfg.grm_sigma, seed=cfg.seed)
-    scorer.gate = gate  # type: ignore[attr-defined]
+    scorer.gate = gate
     try:
         engine = build_engine(load_model(cold_start), tokenizer, engine=cfg.engine,
                               role="GRM length baseline (cold-start model)", max_batch_size=cfg.slots, seed=cfg.seed)
@@ -159,12 +159,12 @@ def apply_judge_gate(judge: Any, cfg: RLConfig, judged: Sequence[str]) -> dict[s
         gate = gate_judge(judge, judged, n_pairs=cfg.judge_gate_pairs, min_agreement=cfg.judge_min_agreement,
                           seed=cfg.seed, difficulty=cfg.difficulty)
     except BaseException:
-        _close(judge)
+        close_engine(judge)
         raise
     if gate["passed"]:
         log.info("GRM judge %s passes its gate: %s", cfg.judge, gate_summary(gate))
         return gate
-    _close(judge)
+    close_engine(judge)
     if cfg.judge_fallback != "format_gate":
         raise ValueError(f"rl.judge ({cfg.judge}) {gate_summary(gate)}: it would reward {', '.join(judged)} with "
                          "noise. Teach the judge more (data.judge_tasks) or set rl.judge_fallback: format_gate "
@@ -172,12 +172,6 @@ def apply_judge_gate(judge: Any, cfg: RLConfig, judged: Sequence[str]) -> dict[s
     log.warning("GRM judge %s %s: %s rewarded by their own verifier (the format gate), not the judge "
                 "(rl.judge_fallback: format_gate)", cfg.judge, gate_summary(gate), ", ".join(judged))
     return gate
-
-
-def _close(judge: Any) -> None:
-    close = getattr(judge, "close", None)
-    if callable(close):
-        close()
 
 
 class VerifierScorer:
