@@ -30,8 +30,8 @@ import torch  # noqa: E402
 from k3post.envs.episode import run_episode_sync  # noqa: E402
 from k3post.envs.families.registry import get_family  # noqa: E402
 from k3post.envs.families.streams import eval_tasks  # noqa: E402
-from k3post.evaluate import complete  # noqa: E402
-from k3post.experts import load_policy  # noqa: E402
+from k3post.recipes.evaluate import complete  # noqa: E402
+from k3post.recipes.experts import load_policy  # noqa: E402
 from k3post.quant.qat import QATConfig  # noqa: E402
 from k3post.rollout.evaluation import make_env  # noqa: E402
 from k3post.tokenizer import load_tokenizer  # noqa: E402

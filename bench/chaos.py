@@ -67,7 +67,7 @@ def prepare(work: Path, *, model_too: bool = True) -> dict[str, Path]:
     Qwen3-MoE folder; made once per work folder."""
     import torch
 
-    from k3post.sft_data import default_corpus
+    from k3post.stages.sft_data import default_corpus
     from k3post.models import build_tiny_moe, save_model
     from k3post.synth.pipeline import build_sft_dataset
     from k3post.tokenizer import train_tokenizer

@@ -1,4 +1,4 @@
-"""Can the base read? The copy probe of `k3post.pretrain` on a model folder, or its curve over a pretraining run.
+"""Can the base read? The copy probe of `k3post.stages.pretrain` on a model folder, or its curve over a pretraining run.
 
     python bench/copy_probe.py MODEL_DIR [--n 48] [--distances 20,100,300]
     python bench/copy_probe.py --train --steps 400 --every 50 [--seq-len 384] [--rows 8] [--preset tiny] [--induction-steps 1800]
@@ -9,8 +9,8 @@ a fresh ``--preset`` on the generated corpus (`k3post.synth.corpus`; the tokeniz
 steps, then probe each checkpoint: teacher-forced copy accuracy of held-out 2–3-token names restated 20 /
 100 / 300 tokens after their introduction, against the steps and the training seconds they took (one torch
 thread unless --threads). With --induction-steps N, at most N steps on induction rows
-(`k3post.pretrain.induction_samples`) come first, stopping once held-out induction accuracy reaches --induction-target
-(0: all N on a cosine), as stage 0 runs them (`k3post.pretrain.train_base`; the curve's steps count the corpus phase). The final line is JSON.
+(`k3post.stages.pretrain.induction_samples`) come first, stopping once held-out induction accuracy reaches --induction-target
+(0: all N on a cosine), as stage 0 runs them (`k3post.stages.pretrain.train_base`; the curve's steps count the corpus phase). The final line is JSON.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from k3post.checkpoint import load_weights_into  # noqa: E402
-from k3post.pretrain import copy_probe, corpus_samples, format_probe, train_base  # noqa: E402
+from k3post.stages.pretrain import copy_probe, corpus_samples, format_probe, train_base  # noqa: E402
 
 
 def train_curve(a: argparse.Namespace, distances: list[int]) -> list[dict]:

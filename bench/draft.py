@@ -113,16 +113,16 @@ def _batch_hashes(out: list[str]) -> Iterator[None]:
 
 
 def build_target(work: Path, sft_steps: int, seed: int, layers: int = 0) -> tuple[torch.nn.Module, Any]:
-    """The demo-size tiny MoE with a fresh tokenizer (``k3post.commands.init_model``), SFT-trained for
+    """The demo-size tiny MoE with a fresh tokenizer (``k3post.recipes.commands.init_model``), SFT-trained for
     ``sft_steps`` on the arithmetic family's reference solutions; ``layers`` > 0 gives it that many decoder
     layers instead of the preset's 4 (same width, same seed)."""
-    from k3post.commands import init_model
+    from k3post.recipes.commands import init_model
     from k3post.data import load_sft_jsonl
     from k3post.io import write_jsonl
     from k3post.envs.episode import run_episode_sync
     from k3post.envs.families import EFFORTS, get_family
     from k3post.models import build_tiny_moe, load_model
-    from k3post.sft import train_sft
+    from k3post.stages.sft import train_sft
     from k3post.tokenizer import load_tokenizer
 
     init_model(work / "init", seed=seed)

@@ -126,7 +126,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_state, ratio_summary, summary  # noqa: E402
 
-from k3post.sft_data import default_corpus  # noqa: E402
+from k3post.stages.sft_data import default_corpus  # noqa: E402
 from k3post.envs.episode import run_episode_sync  # noqa: E402
 from k3post.envs.families.common import scripted_policy  # noqa: E402
 from k3post.envs.families.registry import get_family  # noqa: E402

@@ -136,7 +136,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleaved, machine_state, ratio_summary, summary  # noqa: E402
 
-from k3post.sft_data import default_corpus  # noqa: E402
+from k3post.stages.sft_data import default_corpus  # noqa: E402
 from k3post.data import Sample  # noqa: E402
 from k3post.envs.episode import run_episode_sync  # noqa: E402
 from k3post.envs.families import get_family  # noqa: E402
@@ -144,8 +144,8 @@ from k3post.envs.task import Task  # noqa: E402
 from k3post.models import build_tiny_moe  # noqa: E402
 from k3post.rewards.effort import BudgetTable, TaskSamples, task_key  # noqa: E402
 from k3post.loop import PolicyLoop  # noqa: E402
-from k3post.rl import RLConfig, rl_signal, train_rl, train_tasks  # noqa: E402
-from k3post.sft import SFTConfig, train_sft  # noqa: E402
+from k3post.stages.rl import RLConfig, rl_signal, train_rl, train_tasks  # noqa: E402
+from k3post.stages.sft import SFTConfig, train_sft  # noqa: E402
 from k3post.tokenizer import train_tokenizer  # noqa: E402
 from k3post.xtml import XTML, XTMLParseError  # noqa: E402
 

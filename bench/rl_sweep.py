@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
         domain = overrides[i + 1]
         overrides = overrides[:i] + overrides[i + 2:]
     from k3post.config import load_config
-    from k3post.experts import load_policy, train_domain_experts
+    from k3post.recipes.experts import load_policy, train_domain_experts
     from k3post.metrics import iter_metrics
 
     torch.set_num_threads(1)

@@ -89,7 +89,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleaved, machine_state, ratio_summary, summary  # noqa: E402
 
 import k3post.quant.qat as qat  # noqa: E402
-from k3post.sft_data import default_corpus  # noqa: E402
+from k3post.stages.sft_data import default_corpus  # noqa: E402
 from k3post.envs.families import EFFORTS, get_family  # noqa: E402
 from k3post.models import build_tiny_moe  # noqa: E402
 from k3post.quant.qat import QATConfig, apply_qat, quantized_expert_weights, remove_qat  # noqa: E402

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from k3post.sft_data import default_corpus
+from k3post.stages.sft_data import default_corpus
 from k3post.config.distributed import DistributedConfig, FSDPConfig, RolesConfig
 from k3post.config.rl import RLConfig
 from k3post.config.rollout import EngineConfig
@@ -59,7 +59,7 @@ from k3post.trainer.ranks import on_ranks
 from k3post.envs.families.streams import train_tasks
 from k3post.loop import PolicyLoop
 from k3post.models import build_tiny_moe, save_model
-from k3post.rl import rl_signal
+from k3post.stages.rl import rl_signal
 from k3post.tokenizer import load_tokenizer, train_tokenizer
 from k3post.xtml import XTML
 

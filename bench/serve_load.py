@@ -228,7 +228,7 @@ def run(model_dir: Path | None, clients: int, requests: int, duration: float, ma
         max_inflight: int | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="serve_load_") as tmp:
         if model_dir is None:
-            from k3post.commands import init_model
+            from k3post.recipes.commands import init_model
 
             model_dir = init_model(Path(tmp) / "model", preset="tiny", seed=seed)
         port = _free_port()

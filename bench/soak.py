@@ -252,7 +252,7 @@ def episode_counts(groups: Any, xtml: Any) -> dict[str, float]:
 
 def _single_turn(seed: int, families: tuple[str, ...], steps: int, **rl: Any) -> tuple[Any, Any, Any, Any, Any]:
     """The single-turn soak: an untrained tiny model (it calls no tools), lr 1e-3, 24-token turns."""
-    from k3post.sft_data import default_corpus
+    from k3post.stages.sft_data import default_corpus
     from k3post.config.effort import EffortConfig
     from k3post.config.rl import RLConfig
     from k3post.envs.families.streams import train_tasks
@@ -274,7 +274,7 @@ def _tool_using(seed: int, families: tuple[str, ...], steps: int, work: Path, sf
     solutions of its few training tasks at effort high, so that it makes their tool calls itself (search /
     open / submit; write_file / run_tests, then the verifier's run in a fresh sandbox); RL samples at
     temperature 0.3 with lr 1e-6 (the calls stay what it learned; the trainer still steps every time)."""
-    from k3post.sft_data import default_corpus
+    from k3post.stages.sft_data import default_corpus
     from k3post.config.effort import EffortConfig
     from k3post.config.rl import RLConfig
     from k3post.data import Sample, render_record
@@ -283,7 +283,7 @@ def _tool_using(seed: int, families: tuple[str, ...], steps: int, work: Path, sf
     from k3post.envs.families.streams import train_tasks
     from k3post.models import build_tiny_moe
     from k3post.rollout.evaluation import make_env
-    from k3post.sft import SFTConfig, train_sft
+    from k3post.stages.sft import SFTConfig, train_sft
     from k3post.tokenizer import train_tokenizer
     from k3post.xtml import XTML
 
@@ -317,7 +317,7 @@ def run_soak(steps: int, work: str | Path, *, sample_every: int = 10, warmup: in
 
     from k3post.loop import PolicyLoop
     from k3post.metrics import MetricsLogger
-    from k3post.rl import rl_signal
+    from k3post.stages.rl import rl_signal
     from k3post.xtml import XTML
 
     if steps < 1 or sample_every < 1:

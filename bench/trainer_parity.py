@@ -51,11 +51,11 @@ def run(out: Path) -> None:
     from k3post.data import Sample, render_record
     from k3post.envs.families.registry import get_family
     from k3post.models import build_tiny_moe, save_model
-    from k3post.mopd import MOPDConfig, train_mopd
+    from k3post.stages.mopd import MOPDConfig, train_mopd
     from k3post.rewards.effort import EffortConfig, estimate_budgets
-    from k3post.rl import RLConfig, domain_families, train_rl, train_tasks
+    from k3post.stages.rl import RLConfig, domain_families, train_rl, train_tasks
     from k3post.rollout.embedded import EmbeddedEngine
-    from k3post.sft import SFTConfig, train_sft
+    from k3post.stages.sft import SFTConfig, train_sft
     from k3post.spec.data import target_generations
     from k3post.spec.eagle3 import Eagle3Draft
     from k3post.spec.train import train_draft

@@ -76,7 +76,7 @@ def _on_ranks(fn, cfg, command: str):  # noqa: ANN001, ANN202
         raise UserError(f"distributed.fsdp.ranks={ranks} needs a trainer slot per rank on Ray, but "
                         f"distributed.roles.trainers is {d.roles.trainers}; set distributed.roles.trainers={ranks}")
     if command in ("rl", "experts"):
-        from k3post.commands import check_judge_slots
+        from k3post.recipes.commands import check_judge_slots
 
         check_judge_slots(cfg)  # before Ray starts
     from k3post.distributed.env_workers import remote_environments
@@ -97,7 +97,7 @@ def _threaded(fn, cfg, command: str, *, ranks: bool = True):  # noqa: ANN001, AN
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
-    from k3post.demo import run_demo
+    from k3post.recipes.demo import run_demo
 
     config, overrides = _split_config(ns.args)
     if config is None and Path("configs/demo.yaml").exists():
@@ -107,7 +107,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
 
 def cmd_sft(ns: argparse.Namespace) -> int:
-    from k3post.commands import run_sft
+    from k3post.recipes.commands import run_sft
 
     config, overrides = _split_config(ns.args)
     if config is None:
@@ -117,7 +117,7 @@ def cmd_sft(ns: argparse.Namespace) -> int:
 
 
 def cmd_pretrain(ns: argparse.Namespace) -> int:
-    from k3post.pretrain import run_pretrain
+    from k3post.stages.pretrain import run_pretrain
 
     config, overrides = _split_config(ns.args)
     if config is None:
@@ -127,12 +127,12 @@ def cmd_pretrain(ns: argparse.Namespace) -> int:
 
 
 def cmd_rl(ns: argparse.Namespace) -> int:
-    from k3post.commands import run_experts, run_rl
+    from k3post.recipes.commands import run_experts, run_rl
 
     config, overrides = _split_config(ns.args)
     if config is None:
         raise ValueError(f"usage: k3post {ns.command} CONFIG [key=value ...]")
-    from k3post.commands import run_draft, run_mopd
+    from k3post.recipes.commands import run_draft, run_mopd
 
     fn = {"experts": run_experts, "rl": run_rl, "mopd": run_mopd, "draft": run_draft}[ns.command]
     _threaded(fn, _load(config, overrides), ns.command)
@@ -140,7 +140,7 @@ def cmd_rl(ns: argparse.Namespace) -> int:
 
 
 def cmd_init_model(ns: argparse.Namespace) -> int:
-    from k3post.commands import init_model
+    from k3post.recipes.commands import init_model
 
     out = init_model(ns.out_dir, preset=ns.preset, vocab_size=ns.vocab_size, seed=ns.seed)
     print(f"wrote {out}")
@@ -148,7 +148,7 @@ def cmd_init_model(ns: argparse.Namespace) -> int:
 
 
 def cmd_add_tokens(ns: argparse.Namespace) -> int:
-    from k3post.commands import add_xtml_tokens
+    from k3post.recipes.commands import add_xtml_tokens
 
     out, added = add_xtml_tokens(ns.model_dir, ns.out_dir, seed=ns.seed)
     if out is None:
@@ -167,7 +167,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 
 def cmd_report(ns: argparse.Namespace) -> int:
-    from k3post.report import write_report
+    from k3post.recipes.report import write_report
 
     print(write_report(ns.run_dir))
     return 0

@@ -1,7 +1,7 @@
 """The one retrying HTTP client: what every k3post caller of a remote model shares.
 
 Callers: OpenAI-compatible teachers (`k3post.synth.teachers.EndpointTeacher`), the GRM judge behind a URL
-(`k3post.rewards.grm.PolicyJudge.from_url`), MOPD teachers behind a URL (`k3post.mopd.Teachers`) and the
+(`k3post.rewards.grm.PolicyJudge.from_url`), MOPD teachers behind a URL (`k3post.stages.mopd.Teachers`) and the
 HTTP rollout engine's per-server retries (`k3post.rollout.http_engine`, which adds rerouting and dead
 servers on top and retries transport errors only: a status is the engine's answer). One rule for all:
 

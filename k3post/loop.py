@@ -3,8 +3,8 @@
     for step in 1..steps:
         groups  = rollout.run_iteration()          partial rollout (SPEC §3.2), repeated until a group
                                                    has all K samples
-        seqs, m = signal(groups)                   RL: reward → effort override → advantage (k3post.rl);
-                                                   MOPD: teacher − student log-ratio (k3post.mopd)
+        seqs, m = signal(groups)                   RL: reward → effort override → advantage (k3post.stages.rl);
+                                                   MOPD: teacher − student log-ratio (k3post.stages.mopd)
         train_step(seqs)                           the trainer's step with the policy loss's gradient
                                                    function (`train_policy_step`, SPEC §3.1)
         rollout.push_weights(trainer)              policy version + 1
@@ -72,7 +72,7 @@ _MAX_EMPTY_ITERATIONS = 64
 
 Signal = Callable[[Sequence[Group]], tuple[list[TokenSequence], dict[str, float]]]
 """Dispatched groups → training sequences (per-token advantages) and step metrics: the only part
-of the loop that differs between RL (`k3post.rl.rl_signal`) and MOPD (`k3post.mopd.opd_signal`)."""
+of the loop that differs between RL (`k3post.stages.rl.rl_signal`) and MOPD (`k3post.stages.mopd.opd_signal`)."""
 
 
 class LoopConfig(Protocol):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3post.sft_data import default_corpus
+from k3post.stages.sft_data import default_corpus
 from k3post.envs.episode import run_episode_sync
 from k3post.envs.families.registry import get_family
 from k3post.envs.tools import openai_tools

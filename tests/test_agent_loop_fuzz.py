@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scripted_engine import ScriptedEngine
 
-from k3post.sft_data import default_corpus
+from k3post.stages.sft_data import default_corpus
 from k3post.envs.episode import run_episode_sync
 from k3post.envs.families import families
 from k3post.rollout.agent_loop import AgentLoop

@@ -159,7 +159,7 @@ def test_family_efforts_set_one_familys_efforts_and_name_a_bad_entry():
     assert load_config(None, ["data.efforts=[max]"]).data.efforts_of("agents.search") == []
 
 
-_HEAVY = ("torch", "transformers", "k3post.rl", "k3post.mopd", "k3post.sft", "k3post.rollout.embedded")
+_HEAVY = ("torch", "transformers", "k3post.stages.rl", "k3post.stages.mopd", "k3post.stages.sft", "k3post.rollout.embedded")
 
 
 def test_loading_a_config_imports_no_torch_and_no_stage():
@@ -176,23 +176,23 @@ def test_loading_a_config_imports_no_torch_and_no_stage():
 def test_mopd_imports_nothing_from_rl():
     # MOPD shares the loop (k3post.loop), the task streams (k3post.envs.families.streams) and the configs
     # (k3post.config), not the RL stage
-    tree = ast.parse((ROOT / "k3post" / "mopd.py").read_text())
+    tree = ast.parse((ROOT / "k3post" / "stages" / "mopd.py").read_text())
     imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
     imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    assert not [m for m in imported if m == "k3post.rl" or m.startswith("k3post.rl.")], imported
+    assert not [m for m in imported if m == "k3post.stages.rl" or m.startswith("k3post.stages.rl.")], imported
 
 
 def test_stage_modules_reexport_their_configs():
     import k3post.config as c
     from k3post.data import DataConfig
-    from k3post.evaluate import EvalConfig
+    from k3post.recipes.evaluate import EvalConfig
     from k3post.models import ModelConfig, TokenizerConfig
-    from k3post.mopd import MOPDConfig
+    from k3post.stages.mopd import MOPDConfig
     from k3post.quant.qat import QATConfig
     from k3post.rewards.effort import EffortConfig
-    from k3post.rl import RLConfig, loss_kwargs
+    from k3post.stages.rl import RLConfig, loss_kwargs
     from k3post.rollout.factory import RolloutConfig
-    from k3post.sft import SFTConfig
+    from k3post.stages.sft import SFTConfig
     from k3post.trainer import OptimConfig
 
     assert (DataConfig, EvalConfig, ModelConfig, TokenizerConfig, MOPDConfig, QATConfig, EffortConfig, RLConfig,

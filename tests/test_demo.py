@@ -184,7 +184,7 @@ def test_demo_tokenizer_takes_the_family_lexicon(tmp_path):
     """`tokenizer.lexicon_repeats` > 0: the run's BPE is trained with the families' lexicon (configs/full.yaml),
     so a knowledge-graph name built from lexicon syllables is a few tokens; 0 (the demo) leaves it out."""
     from k3post.config import load_config
-    from k3post.sft_data import run_tokenizer
+    from k3post.stages.sft_data import run_tokenizer
 
     lengths = {}
     for rep in (0, 200):  # configs/full.yaml's setting

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from k3post import pretrain
+from k3post.stages import pretrain
 from k3post.cli import main
 from k3post.config import load_config
-from k3post.demo import domains_to_show, run_demo
+from k3post.recipes.demo import domains_to_show, run_demo
 from k3post.metrics import read_metrics
 from k3post.runs import release_runs
 
@@ -89,7 +89,7 @@ def test_demo_builds_the_base_once_resumes_it_and_starts_from_it(tmp_path, monke
     def no_build(*a, **k):
         raise AssertionError("the base is built: nothing to train")
 
-    monkeypatch.setattr("k3post.demo.build_base", no_build)
+    monkeypatch.setattr("k3post.recipes.demo.build_base", no_build)
     assert run_demo(cfg) == run
     release_runs()
     s = json.loads((run / "summary.json").read_text())
@@ -196,7 +196,7 @@ def test_domains_to_show_follow_the_sft_pass_rate():
 
 
 def test_domains_to_show_carry_the_sampled_verdict_and_the_report_prints_it(tmp_path):
-    from k3post.report import _domains_section
+    from k3post.recipes.report import _domains_section
 
     e = {**_expert(0.3, 400), "sampled": {"k": 8, "sft": 0.2, "rl": 0.23, "change": {"delta": 0.03, "p_value": 0.004,
                                                                                           "verdict": "higher"}}}
@@ -215,9 +215,9 @@ def test_domains_to_show_carry_the_sampled_verdict_and_the_report_prints_it(tmp_
 def test_domains_to_show_state_the_measured_share_of_groups_with_a_signal(tmp_path):
     """The expected share (from the greedy SFT pass) is a model; an expert that recorded how many of its training
     groups held a pass and a fail (`experts._mixed_share`) has the measured share in its row, verdict and report."""
-    from k3post.experts import _mixed_share
+    from k3post.recipes.experts import _mixed_share
     from k3post.loop import StageLog
-    from k3post.report import _domains_section
+    from k3post.recipes.report import _domains_section
 
     import json
 

@@ -14,7 +14,7 @@ import pytest
 from k3post.config.rollout import EngineConfig
 from k3post.envs.families.registry import get_family
 from k3post.models import build_tiny_moe, save_model
-from k3post.mopd import TeacherPool, evaluate_mopd
+from k3post.stages.mopd import TeacherPool, evaluate_mopd
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rollout import EmbeddedEngine, SamplingParams
 from k3post.rollout.engine import GenerationRequest
@@ -117,7 +117,7 @@ def test_evaluate_family_over_a_launched_server_equals_in_process(xtml_tokenizer
     """``eval.engine`` = http + launch: the evaluated model runs on a server of its own (greedy: the same
     completions, so the same pass rate, tokens and examples as the in-process evaluation)."""
     from k3post.config.eval import EvalConfig
-    from k3post.evaluate import evaluate_family
+    from k3post.recipes.evaluate import evaluate_family
 
     tok = xtml_tokenizer
     fam = get_family("general.arithmetic")

@@ -1,4 +1,4 @@
-"""Tests of k3post.evaluate: completions through the rollout engine (token-for-token parity with
+"""Tests of k3post.recipes.evaluate: completions through the rollout engine (token-for-token parity with
 HF ``generate`` greedy, with and without QAT; seeded sampling checked against an inverse CDF of
 HF's logits by hand), the engine argument (reuse, wrong model, busy engine, left idle after an
 error), ``evaluate_family`` bookkeeping and the think-token count.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from k3post.envs.families.registry import get_family
-from k3post.evaluate import EvalConfig, complete, count_think_tokens, evaluate_family, greedy_complete
+from k3post.recipes.evaluate import EvalConfig, complete, count_think_tokens, evaluate_family, greedy_complete
 from k3post.models import build_tiny_moe
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rollout import EmbeddedEngine, GenerationRequest, SamplingParams

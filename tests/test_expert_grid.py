@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from k3post.experts import GridTargets, expert_grid, format_expert_grid
+from k3post.recipes.experts import GridTargets, expert_grid, format_expert_grid
 
 
 def _cell(domain, effort, *, sft=0.3, after=0.4, verdict="higher", tokens=10.0, viol=0.0, n=120):

@@ -161,7 +161,7 @@ def test_recipe_sft_data_uses_a_plugin_family_where_data_family_tasks_names_it(f
     import json
 
     from k3post.config import load_config
-    from k3post.sft_data import synthesize_sft_data
+    from k3post.stages.sft_data import synthesize_sft_data
 
     fresh_registry.setenv(registry.PLUGIN_ENV, "reverse_words")
     cfg = load_config(None, ["data.n_train=2", "data.n_per_family=0", "data.family_tasks.coding.write_function=0",

@@ -78,8 +78,8 @@ def test_rl_cli_on_a_local_checkpoint(checkpoints, family, tmp_path):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_mopd_on_a_local_checkpoint(checkpoints, xtml_tokenizer, family, tmp_path):
-    from k3post.mopd import MOPDConfig, train_mopd
-    from k3post.rl import RLConfig
+    from k3post.stages.mopd import MOPDConfig, train_mopd
+    from k3post.stages.rl import RLConfig
 
     folder = str(checkpoints[family])
     teacher = build_tiny_family(family, len(xtml_tokenizer), seed=1, initializer_range=0.1)
@@ -125,7 +125,7 @@ def test_sft_packed_loss_keeps_the_sliding_window(xtml_tokenizer):
     """gpt-oss has sliding-window layers (window 8): SFT's packed rows must give each sample the loss of
     its own plain forward (which masks by the window), not of a full-attention block-diagonal mask."""
     from k3post.data import Sample, collate
-    from k3post.sft import masked_ce_sum
+    from k3post.stages.sft import masked_ce_sum
 
     tok = xtml_tokenizer
     model = build_tiny_family("gpt_oss", len(tok), seed=0).eval()

@@ -41,7 +41,7 @@ from k3post.data import Sample, collate
 from k3post.models import build_tiny_moe, load_model
 from k3post.policy_step import TokenSequence, sequence_logprobs, train_policy_step
 from k3post.quant.qat import QATConfig, apply_qat
-from k3post.sft import sft_step
+from k3post.stages.sft import sft_step
 from k3post.trainer import OptimConfig, Trainer
 from k3post.trainer.fsdp import FSDPTrainer, launch_local
 

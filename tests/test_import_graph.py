@@ -1,7 +1,7 @@
 """The import graph of k3post (`bench/import_graph.py`: imports inside functions count) stays free of new circles.
 
 `ALLOWED_CIRCLES` is empty since issue 33 §circles took the last five apart (`k3post.rollout.model_drafter`,
-`k3post.sft_data`, `k3post.synth.samples`, `k3post.serve.server`, the harness handed its sub-agent runner): the
+`k3post.stages.sft_data`, `k3post.synth.samples`, `k3post.serve.server`, the harness handed its sub-agent runner): the
 test fails when any circle appears. The task families, their registry, the sandbox tool kit and `k3post.io`
 were freed by issue 33 §plugins and must stay out of every circle.
 
@@ -57,8 +57,8 @@ def test_the_trainer_knows_no_algorithm(graph: Any) -> None:
     its step a gradient function (`k3post.trainer.local.Grads`)."""
     trainer = [m for m in graph.modules if m == "k3post.trainer" or m.startswith("k3post.trainer.")]
     assert {"k3post.trainer.local", "k3post.trainer.fsdp", "k3post.trainer.ranks"} <= set(trainer)
-    algorithmic = ("k3post.sft", "k3post.policy_step", "k3post.loop", "k3post.rl", "k3post.mopd", "k3post.spec",
-                   "k3post.algos", "k3post.pretrain")
+    algorithmic = ("k3post.stages.sft", "k3post.policy_step", "k3post.loop", "k3post.stages.rl", "k3post.stages.mopd", "k3post.spec",
+                   "k3post.algos", "k3post.stages.pretrain")
     bad = {m: sorted(e for e in graph.edges[m] if e.startswith(algorithmic)) for m in trainer}
     assert not any(bad.values()), bad
 

@@ -29,7 +29,7 @@ from k3post.errors import InfrastructureError, JudgeUnavailableError, infra_kind
 from k3post.loop import PolicyLoop
 from k3post.rewards.effort import BudgetTable, TaskSamples, task_key
 from k3post.rewards.grm import GroupGRM, PolicyJudge, judge_transport_failure
-from k3post.rl import RLConfig, rl_signal
+from k3post.stages.rl import RLConfig, rl_signal
 from k3post.rollout.evaluation import paired_passes, summarize_trajectories
 from k3post.rollout.trajectory import Group, Trajectory, outcome_metrics
 
@@ -146,7 +146,7 @@ class _Env:
 
 @pytest.fixture(scope="module")
 def xtml():
-    from k3post.sft_data import default_corpus
+    from k3post.stages.sft_data import default_corpus
     from k3post.tokenizer import train_tokenizer
     from k3post.xtml import XTML
 

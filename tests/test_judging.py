@@ -214,7 +214,7 @@ def test_recipe_sft_data_holds_the_judge_episodes(tmp_path: Any, xtml_tokenizer:
     load as SFT samples with trainable tokens."""
     from k3post.config import load_config
     from k3post.data import load_sft_jsonl
-    from k3post.sft_data import synthesize_sft_data
+    from k3post.stages.sft_data import synthesize_sft_data
     from k3post.xtml import XTML
 
     cfg = load_config(None, ["data.n_train=2", "data.n_per_family=0", "data.family_tasks.coding.write_function=0", "data.family_tasks.agents.search=0", "data.judge_tasks=3",
@@ -242,7 +242,7 @@ def test_recipe_sft_data_gives_a_family_its_own_efforts(tmp_path: Any, xtml_toke
     import json
 
     from k3post.config import load_config
-    from k3post.sft_data import synthesize_sft_data
+    from k3post.stages.sft_data import synthesize_sft_data
 
     cfg = load_config(None, ["data.n_train=2", "data.n_per_family=0", "data.family_tasks.coding.write_function=0",
                              "data.family_tasks.agents.search=3", "data.family_tasks.general.faithfulness=2",
@@ -265,7 +265,7 @@ def test_recipe_judge_evaluation_of_an_untrained_model(tmp_path: Any, xtml_token
     from k3post.config import load_config
     from k3post.metrics import MetricsLogger
     from k3post.models import build_tiny_moe, save_model
-    from k3post.report import write_report
+    from k3post.recipes.report import write_report
     from k3post.rewards.judging import evaluate_recipe_judge, judge_eval_enabled
 
     tok = xtml_tokenizer
@@ -311,7 +311,7 @@ def test_gate_passes_a_judge_that_judges_and_fails_one_that_always_prefers_a(pai
     (fail, the default) or returns the failed result (format_gate), closing the judge either way."""
     from k3post.config.rl import RLConfig
     from k3post.rewards.judging import gate_judge, judge_pairs
-    from k3post.rl import apply_judge_gate
+    from k3post.stages.rl import apply_judge_gate
 
     gate_pairs = judge_pairs(4, seed=0 + 3300, families=["general.writing"])
     good = gate_judge(PolicyJudge(correct_judge(gate_pairs)), ["general.writing"], n_pairs=4, min_agreement=0.6)
@@ -350,8 +350,8 @@ def test_an_untrained_judge_fails_its_gate_closed_or_falls_back_to_the_verifier(
 
     from k3post.config.rl import RLConfig
     from k3post.models import build_tiny_moe, save_model
-    from k3post.report import write_report
-    from k3post.rl import VerifierScorer, build_group_scorer
+    from k3post.recipes.report import write_report
+    from k3post.stages.rl import VerifierScorer, build_group_scorer
     from k3post.rollout.trajectory import Group, Trajectory
 
     tok = xtml_tokenizer

@@ -240,7 +240,7 @@ def test_tool_call_arguments(args: Any, message: str) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from k3post.commands import init_model
+    from k3post.recipes.commands import init_model
 
     return init_model(tmp_path_factory.mktemp("ckpt") / "model", preset="tiny", vocab_size=300)
 

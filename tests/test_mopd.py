@@ -1,4 +1,4 @@
-"""Stage 3 MOPD (k3post/mopd.py): the teacher's context, the teacher pool, the OPD signal, the run, the checks.
+"""Stage 3 MOPD (k3post/stages/mopd.py): the teacher's context, the teacher pool, the OPD signal, the run, the checks.
 
 Models are tiny Qwen3-MoEs at random init: the student at the default init (near-uniform next-token
 distributions), teachers from other seeds with a larger init (initializer_range 0.1: sharper, clearly
@@ -24,11 +24,11 @@ from k3post.envs.episode import run_episode_sync
 from k3post.envs.families.registry import get_family
 from k3post.envs.tools import openai_tools
 from k3post.models import build_tiny_moe, save_model
-from k3post.mopd import (
+from k3post.stages.mopd import (
     MOPDConfig, TeacherPool, effort_sampler, evaluate_mopd, initial_messages, mopd_checks, opd_signal, teacher_context,
     train_mopd,
 )
-from k3post.rl import RLConfig
+from k3post.stages.rl import RLConfig
 from k3post.rollout.agent_loop import AgentLoop, trajectory_seed
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.engine import SamplingParams, request_seed, token_uniform
@@ -501,7 +501,7 @@ def test_mopd_checks_golden():
     # the threshold travels with the table, and the report labels a not-applicable row with it
     table = mopd_checks([weak], teacher_pass_min=0.1)
     assert table["teacher_pass_min"] == 0.1 and table["rows"][0]["pass_ok"] is False
-    from k3post.report import _mopd_section
+    from k3post.recipes.report import _mopd_section
 
     html = _mopd_section(Path("/nonexistent"), {"mopd": {"table": mopd_checks([weak], teacher_pass_min=0.3), "steps": 1,
                                                          "seconds": 1.0}})
@@ -548,7 +548,7 @@ def test_evaluate_mopd_with_an_endpoint_teacher_reports_the_student_alone(xtml_t
     evaluation raised "is an endpoint, not a local model" after training had finished (the README's command;
     found by tests/test_docs.py). Its row now has the student's numbers, NaN teacher numbers, checks not
     applicable (None) and does not fail the table; the local teacher's row is as before. The report says why."""
-    from k3post.report import _mopd_section
+    from k3post.recipes.report import _mopd_section
 
     tok = xtml_tokenizer
     x = XTML(tok)

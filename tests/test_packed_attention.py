@@ -8,7 +8,7 @@ import torch
 from k3post.data import Sample, collate
 from k3post.models import build_tiny_moe
 from k3post.packed_attention import IMPLEMENTATION, packed_sdpa, use_packed_attention
-from k3post.sft import masked_ce_sum
+from k3post.stages.sft import masked_ce_sum
 
 VOCAB = 96
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import k3post.pretrain as pretrain
+import k3post.stages.pretrain as pretrain
 from k3post.cli import main
 from k3post.config import load_config
 from k3post.synth import corpus
@@ -233,7 +233,7 @@ def test_pretrain_resume_is_exact(tmp_path, tok_dir, monkeypatch):
         return [r["step_loss"] for r in read_metrics(cfg.run.dir / "metrics.jsonl") if r["stage"] == "pretrain"]
 
     assert len(losses(full_cfg)) == 4 and losses(cut_cfg) == losses(full_cfg)
-    from k3post.report import write_report
+    from k3post.recipes.report import write_report
 
     page = write_report(cut_cfg.run.dir).read_text()
     assert "Stage 0: pretrained base" in page and "Copy probe" in page
@@ -455,7 +455,7 @@ def test_a_rerun_of_phase_one_resumes_where_it_stopped_not_at_its_first_check(tm
 def test_sft_samples_replay_induction_rows(tmp_path, tok):
     """sft.replay_induction: N induction rows of pretrain.seq_len tokens join the file's SFT samples, every token a
     target, drawn with a seed of their own (not stage 0's rows), the same on every call; 0 adds none."""
-    from k3post.sft_data import REPLAY_SEED_OFFSET, sft_samples
+    from k3post.stages.sft_data import REPLAY_SEED_OFFSET, sft_samples
 
     rec = {"messages": [{"role": "user", "content": "Name the badge."}, {"role": "assistant", "content": "Vorwen."}], "effort": None}
     f = tmp_path / "sft.jsonl"

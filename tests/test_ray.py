@@ -26,7 +26,7 @@ from k3post.algos.advantages import group_advantages_from_groups  # noqa: E402
 from k3post.config import load_config  # noqa: E402
 from k3post.config.distributed import DistributedConfig, RolesConfig  # noqa: E402
 from k3post.distributed.ray_cluster import RayCluster, RayTeacherPool, engine_config, plan_placement  # noqa: E402
-from k3post.mopd import train_mopd  # noqa: E402
+from k3post.stages.mopd import train_mopd  # noqa: E402
 
 # the tiny models and runs of the stage tests (fixtures imported: pytest finds them in this module)
 from test_http_engine import _rl_run, _same_steps, model_dir  # noqa: E402,F401
@@ -119,7 +119,7 @@ def test_experts_on_ray_equal_the_local_run(warm_policy, cluster, tmp_path):
     """general (2 steps) and agents (1 step), max → low each: four Ray tasks in two chains (one per trainer
     slot, the domains in parallel) give the local run's table (curves, evaluations, budgets) and bit-equal
     expert weights; low started from max in both (init_from, and its weights differ from the SFT model's)."""
-    from k3post.experts import train_experts
+    from k3post.recipes.experts import train_experts
 
     model, tok = warm_policy
     init = _save(model, tok, tmp_path / "init")
@@ -162,13 +162,13 @@ def test_cli_experts_with_distributed_enabled_runs_on_ray(warm_policy, cluster, 
     (this process cannot: its `train_domain_experts` raises), their episodes' environments on an env worker,
     the judged family's GRM judge (the cold-start model) on one judge actor that the command started once on the
     judges bundle: both expert jobs built their judge over its URL."""
-    import k3post.experts
+    import k3post.recipes.experts
     from k3post.cli import main
 
     def not_here(*a, **kw):
         raise AssertionError("an expert was trained in the driver process")
 
-    monkeypatch.setattr(k3post.experts, "train_domain_experts", not_here)
+    monkeypatch.setattr(k3post.recipes.experts, "train_domain_experts", not_here)
     assert main(_cli(warm_policy, tmp_path, "experts", "rl.steps=1", "rl.domains=[general]",
                      "rl.effort_control.curriculum=[max,low]", "distributed.cpus_per_bundle=0.15",
                      "distributed.roles.trainers=2", "distributed.roles.engines=0", "distributed.roles.env_workers=1",
@@ -313,10 +313,10 @@ def test_ray_role_config_errors_name_the_keys(warm_policy, tmp_path, capsys, cap
     judge start no server and say so; a judge engine for a URL judge, or a "served" engine without servers, is
     an error."""
     from k3post.cli import main
-    from k3post.commands import _judge_servers
+    from k3post.recipes.commands import _judge_servers
     from k3post.config.rl import RLConfig
     from k3post.config.rollout import EngineConfig
-    from k3post.rl import build_group_scorer
+    from k3post.stages.rl import build_group_scorer
     from k3post.rollout.factory import build_engine
 
     assert main(_cli(warm_policy, tmp_path, "rl", "distributed.fsdp.ranks=2", "distributed.roles.trainers=1")) == 2

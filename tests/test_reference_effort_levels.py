@@ -101,7 +101,7 @@ def test_thinking_depends_on_the_task(episodes, effort):
 
 def test_cached_base_follows_the_references(monkeypatch, tmp_path):
     """A base whose tokenizer is trained on the references is keyed by their version; a given tokenizer is not."""
-    import k3post.pretrain as pretrain
+    import k3post.stages.pretrain as pretrain
     from k3post.config import K3Config
 
     cfg = K3Config()

@@ -1,4 +1,4 @@
-"""The RL loop (k3post/rl.py) and its trainer step (k3post/policy_step.py).
+"""The RL loop (k3post/stages/rl.py) and its trainer step (k3post/policy_step.py).
 
 A small Qwen3-MoE is taught general.arithmetic at max effort for a few seconds so that its samples
 differ (some right, some wrong, thinking of different lengths): RL then has groups with variance.
@@ -21,10 +21,10 @@ from k3post.envs.families.registry import get_family
 from k3post.models import build_tiny_moe
 from k3post.policy_step import TokenSequence, micro_batches, policy_step, token_logprobs
 from k3post.rewards.effort import BudgetTable, EffortConfig, TaskSamples, estimate_budgets
-from k3post.rl import RLConfig, _score, domain_families, train_rl, train_tasks
+from k3post.stages.rl import RLConfig, _score, domain_families, train_rl, train_tasks
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.trajectory import Group, Trajectory
-from k3post.sft import SFTConfig, train_sft
+from k3post.stages.sft import SFTConfig, train_sft
 from k3post.synth.pipeline import synthesize
 from k3post.xtml import XTML
 
@@ -121,7 +121,7 @@ def test_train_rollout_gap_with_qat_is_kernel_noise(warm_policy, tmp_path, monke
     (4.9e-3 with the XTML segment tokenizer of issue 17) and a max of 0.16-0.19, without its weight fake-quant 1.6-1.9e-2 / 0.45, the trainer without activation fake-quant
     6-7e-3 / 0.17 (docs/decisions.md)."""
     from k3post.quant.qat import QATConfig, apply_qat
-    from k3post.rl import rollout_gap
+    from k3post.stages.rl import rollout_gap
     from k3post.rollout import embedded
 
     model0, tok = warm_policy
@@ -341,7 +341,7 @@ def test_experts_curriculum_chains_and_resumes(warm_policy, tmp_path):
     """max → low of one domain: low starts from max's expert; the table has SFT-before and after rows, greedy and
     avg@2 (rl.eval_samples: the same seeds before and after, paired per task); running again trains nothing
     (finished experts are kept)."""
-    from k3post.experts import train_experts
+    from k3post.recipes.experts import train_experts
 
     model, tok = warm_policy
     init = _save(model, tok, tmp_path / "init")
@@ -366,10 +366,10 @@ def test_experts_curriculum_chains_and_resumes(warm_policy, tmp_path):
     assert again["experts"]["general.low"]["seconds"] == table["experts"]["general.low"]["seconds"]
 
     # Stage 3 on top: the two experts distilled into one student, then the report shows both stages
-    from k3post.commands import distill
+    from k3post.recipes.commands import distill
     from k3post.config import load_config
-    from k3post.mopd import MOPDConfig
-    from k3post.report import write_report
+    from k3post.stages.mopd import MOPDConfig
+    from k3post.recipes.report import write_report
 
     k3 = load_config(None, ["qat.enabled=false"])
     k3.mopd = MOPDConfig(effort_mix={"max": 0.5, "low": 0.5}, domains=["general"], rl=_cfg(steps=2, n_tasks=4))
@@ -404,9 +404,9 @@ def test_a_failed_expert_names_its_step_and_the_other_domain_still_trains(warm_p
     (in the table, in <expert>.run/error.log and in the log); agents.low, which starts from it, is marked
     blocked; general's experts and the report are still written, the failed cell marked; the command's
     final error names the failed expert."""
-    from k3post.commands import raise_if_failed
-    from k3post.experts import train_experts
-    from k3post.report import write_report
+    from k3post.recipes.commands import raise_if_failed
+    from k3post.recipes.experts import train_experts
+    from k3post.recipes.report import write_report
     from k3post.loop import PolicyLoop
 
     model, tok = warm_policy
@@ -445,7 +445,7 @@ def test_a_failed_domain_worker_process_is_reported_by_the_parent(warm_policy, t
     """The demo's path: each domain in its own spawned process. agents.max's run folder holds a corrupt
     checkpoint, so its worker fails while resuming; the parent logs the worker's traceback and general's
     experts are trained and written."""
-    from k3post.experts import train_experts
+    from k3post.recipes.experts import train_experts
 
     model, tok = warm_policy
     init = _save(model, tok, tmp_path / "init")
@@ -472,7 +472,7 @@ def test_before_row_is_computed_once_by_whoever_claims_it(tmp_path, monkeypatch)
     import sys
     import threading
 
-    from k3post import experts
+    from k3post.recipes import experts
 
     calls = []
     monkeypatch.setattr(experts, "_compute_before", lambda *a: calls.append(a) or {"max": {"overall": {"n": 1}}})
@@ -533,7 +533,7 @@ def test_judged_family_is_rewarded_by_the_grm_through_rl_judge(warm_policy, tmp_
     """rl.judge = a local checkpoint: `build_group_scorer` measures ℓ0 on the cold-start model and runs the real
     judge protocol. This judge (a policy never trained to judge) never completes a valid judgement, so every
     comparison is retried and then a tie: rewards are all 0.5, the group has no variance and is skipped."""
-    from k3post.rl import build_group_scorer
+    from k3post.stages.rl import build_group_scorer
 
     model, tok = warm_policy
     init = _save(model, tok, tmp_path / "init")
@@ -562,7 +562,7 @@ def test_judged_family_is_rewarded_by_the_grm_through_rl_judge(warm_policy, tmp_
 
 def test_loss_variants_from_config_reach_policy_loss():
     """Every loss knob of RLConfig is passed to policy_loss: a DAPO config gives the DAPO loss."""
-    from k3post.rl import loss_kwargs
+    from k3post.stages.rl import loss_kwargs
 
     cfg = RLConfig(log_ratio_min=-math.inf, log_ratio_max=math.inf, tau=0.0, clip_eps_low=0.2, clip_eps_high=0.28,
                    seq_mean=True)
@@ -614,7 +614,7 @@ def test_bad_rl_config_fails_at_load_naming_the_key(override, message, tmp_path)
 def test_avg_at_k_set_for_one_expert_samples_the_sft_model_at_that_effort_only(warm_policy, tmp_path):
     """``{general.max: {eval_samples: 2}}``: the "before" row holds the SFT model's avg@2 at max alone, with the
     expert's own temperature (the pairs of its test), and only the max expert gets a sampled verdict."""
-    from k3post.experts import train_experts
+    from k3post.recipes.experts import train_experts
 
     model, tok = warm_policy
     init = _save(model, tok, tmp_path / "init")
@@ -687,8 +687,8 @@ def test_default_turn_caps_fit_every_reference_turn(tmp_path):
     for the reference solution's longest turn of each demo family at every effort, with the demo's tokenizer:
     a cap below it makes the tasks unsolvable at that effort (agents / coding at max used to be cut at 128)."""
     from k3post.config import K3Config
-    from k3post.sft_data import run_tokenizer
-    from k3post.rl import check_turn_caps
+    from k3post.stages.sft_data import run_tokenizer
+    from k3post.stages.rl import check_turn_caps
 
     cfg = K3Config()
     tok = run_tokenizer(cfg, tmp_path)
@@ -701,7 +701,7 @@ def test_default_turn_caps_fit_every_reference_turn(tmp_path):
 
 
 def test_turn_cap_below_the_reference_warns_naming_the_key(xtml_tokenizer, caplog):
-    from k3post.rl import check_turn_caps
+    from k3post.stages.rl import check_turn_caps
 
     cfg = _cfg(domain="coding", families=["coding.write_function"], max_tokens=32, eval_max_tokens=4096)
     with caplog.at_level("WARNING", logger="k3post.rl"):
@@ -785,7 +785,7 @@ def test_prompt_selection_keeps_the_tasks_the_cold_start_model_sometimes_solves(
     """rl.train_pass_min / max: a task solved by 0, 1, 2, 3, 4 of its 4 b0 samples (pass 0 .. 1); the range
     [0.25, 0.75] keeps the middle three in their order, [0, 1] all, a range none falls in is an error naming
     the settings, a task without b0 an error naming it."""
-    from k3post.rl import select_by_pass
+    from k3post.stages.rl import select_by_pass
 
     tasks = train_tasks(["general.arithmetic"], 5, difficulty=1, seed=0)
     table = _pass_table(tasks, [0, 1, 2, 3, 4])
@@ -822,7 +822,7 @@ def test_prompt_selection_keeps_the_tasks_the_cold_start_model_sometimes_solves(
 
 def test_train_rl_rolls_out_only_the_selected_prompts(warm_policy, tmp_path, monkeypatch):
     """With a pass range set for the expert, the loop's prompt stream holds exactly the tasks in range."""
-    import k3post.rl as rl_mod
+    import k3post.stages.rl as rl_mod
 
     model, tok = warm_policy
     cfg = _cfg(n_tasks=6, steps=1).for_domain("general", "max")
@@ -844,7 +844,7 @@ def test_train_rl_rolls_out_only_the_selected_prompts(warm_policy, tmp_path, mon
 def test_the_report_says_why_an_expert_is_below_its_sft_start():
     """Issue 31: no expert significantly below its SFT start unless the effort budget trades accuracy for tokens,
     and then the report says so (seed 1's demo: coding.low 0.469 -> 0.000, from coding.high's expert, T 137.6 -> 58.0)."""
-    from k3post.report import below_start_notes
+    from k3post.recipes.report import below_start_notes
 
     def cell(effort, init, sft, rl, verdict, t0, t1, p=0.01):
         return {"domain": "coding", "effort": effort, "init_from": init, "scale": {"max": 2.0, "high": 1.0, "low": 0.4}[effort],

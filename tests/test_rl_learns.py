@@ -17,7 +17,7 @@ import torch
 from k3post.cli import main
 from k3post.config import load_config
 from k3post.config.rl import AGENTS_RL_SETTING, domain_override_args
-from k3post.experts import train_domain_experts
+from k3post.recipes.experts import train_domain_experts
 
 
 @pytest.fixture(scope="module")

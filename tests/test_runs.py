@@ -232,7 +232,7 @@ def _sft(cfg: Path, *overrides: str) -> int:
 
 def _forbid_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """An input check that loads the model first fails the test."""
-    import k3post.commands as commands
+    import k3post.recipes.commands as commands
 
     def no_load(*a, **k):
         raise AssertionError("loaded a model before checking the input")
@@ -439,7 +439,7 @@ def test_rl_settings_are_per_expert_and_restart_moves_only_that_stage_aside(tmp_
 
 def test_demo_overwrite_moves_the_finished_run_aside_instead_of_deleting_it(tmp_path):
     from k3post.config import load_config
-    from k3post.demo import _run_dir
+    from k3post.recipes.demo import _run_dir
     from k3post.runs import open_run, release_runs
 
     run = tmp_path / "demo"

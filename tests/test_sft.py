@@ -10,7 +10,7 @@ import torch
 from k3post.data import DataError, Sample, collate, load_sft_jsonl, pack_rows
 from k3post.io import write_jsonl
 from k3post.models import build_tiny_moe
-from k3post.sft import SFTConfig, lr_at, masked_ce_sum, train_sft
+from k3post.stages.sft import SFTConfig, lr_at, masked_ce_sum, train_sft
 from k3post.envs.episode import run_episode_sync
 from k3post.envs.families import EFFORTS, get_family
 from k3post.xtml import XTML
@@ -18,7 +18,7 @@ from k3post.xtml import XTML
 
 @pytest.fixture(scope="module")
 def tok():
-    from k3post.sft_data import default_corpus
+    from k3post.stages.sft_data import default_corpus
     from k3post.tokenizer import train_tokenizer
 
     return train_tokenizer(default_corpus(2, n_main=30), vocab_size=384)

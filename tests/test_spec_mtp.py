@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from k3post.data import load_sft_jsonl
 from k3post.models import build_tiny_family, build_tiny_moe, save_model
-from k3post.sft import SFTConfig, train_sft
+from k3post.stages.sft import SFTConfig, train_sft
 from k3post.spec.mtp import MTPHead, capture_final_hidden, load_mtp, mtp_ce_sum, mtp_labels, save_mtp
 from k3post.xtml import XTML
 
@@ -15,7 +15,7 @@ from tests.test_sft import _records, _train_until, _write
 
 @pytest.fixture(scope="module")
 def tok():
-    from k3post.sft_data import default_corpus
+    from k3post.stages.sft_data import default_corpus
     from k3post.tokenizer import train_tokenizer
 
     return train_tokenizer(default_corpus(2, n_main=30), vocab_size=384)
@@ -162,7 +162,7 @@ def test_mtp_start_fraction_trains_plain_sft_until_then_and_resumes_across_it(to
     assert late.losses[:4] == plain.losses[:4] and late.losses[4] != plain.losses[4]
     assert len(late.mtp_losses) == 3
     at_2 = load_mtp(tmp_path / "late" / "checkpoints" / "step-000002")
-    from k3post.sft import _new_mtp_head
+    from k3post.stages.sft import _new_mtp_head
     fresh = _new_mtp_head(_model(tok), 0)
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), at_2.state_dict().values()))
     assert not all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), late.mtp.state_dict().values()))

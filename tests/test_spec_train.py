@@ -92,7 +92,7 @@ def test_the_draft_trains_through_the_trainer_as_a_plain_adamw_loop(world, tmp_p
     the shared embedding untouched."""
     import random
 
-    from k3post.sft import lr_at
+    from k3post.stages.sft import lr_at
     from k3post.spec.eagle3 import step_weights
     from k3post.spec.train import draft_batch, draft_step_losses, epoch_batches
 
@@ -178,7 +178,7 @@ def test_k3post_draft_refuses_a_non_stock_layout_before_generating_data(world, t
 
 def test_draft_aux_layers_resolution() -> None:
     """Empty: the stock default; out of range: an error; non-stock: an error unless draft.nonstock_export."""
-    from k3post.commands import draft_aux_layers
+    from k3post.recipes.commands import draft_aux_layers
     from k3post.errors import UserError
 
     assert draft_aux_layers(DraftConfig(), 12) == (1, 6, 11)
@@ -233,7 +233,7 @@ def test_expected_accept_length() -> None:
 def test_draft_mtp_resolution(world, tmp_path) -> None:
     """draft.mtp: empty finds the target's own head, else the run's SFT model's (the demo's MOPD student has none;
     its SFT model does); "none" skips it; a named folder without a head is an error naming the key."""
-    from k3post.commands import _draft_mtp
+    from k3post.recipes.commands import _draft_mtp
     from k3post.errors import UserError
     from k3post.spec.mtp import MTPHead, save_mtp
 

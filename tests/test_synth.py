@@ -457,7 +457,7 @@ def test_endpoint_teacher_validates_arguments() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_model() -> tuple[Any, Any]:
-    from k3post.sft_data import default_corpus
+    from k3post.stages.sft_data import default_corpus
     from k3post.models import build_tiny_moe
     from k3post.tokenizer import train_tokenizer
 

@@ -226,7 +226,7 @@ def test_synthesis_is_deterministic_with_a_seed(tmp_path: Path) -> None:
 
 def test_cli_end_to_end_on_a_small_corpus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from k3post.cli import _load, main
-    from k3post.report import write_report
+    from k3post.recipes.report import write_report
 
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"id": d, "title": v["title"], "text": v["text"]}) + "\n" for d, v in default_corpus(1).items()))

@@ -177,7 +177,7 @@ def test_family_lexicon_makes_entity_names_short() -> None:
     syllables and first names knowledge-graph entities are built from). Measured while choosing it
     (vocab 2048, 6 tasks per family): 42 tokens for seven names without, 18 with 200 repeats; asserted with
     margin: at most 60% of the tokens, and every name that is built only from lexicon words at most 3 tokens."""
-    from k3post.sft_data import default_corpus
+    from k3post.stages.sft_data import default_corpus
     from k3post.envs.families import lexicon
     from k3post.envs.families.kg import lexicon as kg_lexicon
     from k3post.tokenizer import lexicon_corpus

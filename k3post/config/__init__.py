@@ -85,7 +85,7 @@ class DemoConfig:
     drafts: list[str] = field(default_factory=lambda: ["lk_alpha", "kl"])  # EAGLE-3 drafts for the MOPD student, one per loss (draft.*); [] skips the stage
     mtp_weight: float = 0.3  # the demo's SFT runs train an MTP head (as sft.mtp_weight, which is off by default)
     mtp_start_fraction: float = 0.8  # ... from this fraction of sft.steps on (as sft.mtp_start_fraction)
-    # stage 0 (k3post.pretrain): build = use the cached base of the run's settings, building it (once) when missing;
+    # stage 0 (k3post.stages.pretrain): build = use the cached base of the run's settings, building it (once) when missing;
     # cached = use it when cached, else start from random weights (and say so); none = random weights. The demo's
     # default is cached: building its base costs ~13 min of one core, beyond the demo's 15-minute budget, and
     # whether it helps post-training was not measured yet (docs/decisions.md, Issue 31 §base)

@@ -1,4 +1,4 @@
-"""Held-out evaluation settings (`k3post.evaluate` reads them)."""
+"""Held-out evaluation settings (`k3post.recipes.evaluate` reads them)."""
 
 from __future__ import annotations
 

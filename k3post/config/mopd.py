@@ -1,4 +1,4 @@
-"""Settings of one MOPD run (SPEC §4; `k3post.mopd` reads them)."""
+"""Settings of one MOPD run (SPEC §4; `k3post.stages.mopd` reads them)."""
 
 from __future__ import annotations
 

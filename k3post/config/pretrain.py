@@ -1,4 +1,4 @@
-"""Stage 0 settings: causal-LM pretraining of the base model on the generated corpus (`k3post.pretrain`)."""
+"""Stage 0 settings: causal-LM pretraining of the base model on the generated corpus (`k3post.stages.pretrain`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Settings of one RL run and of `k3post experts` (`k3post.rl` reads them), with the views the loop's
+"""Settings of one RL run and of `k3post experts` (`k3post.stages.rl` reads them), with the views the loop's
 seams take: `RLConfig.rollout_config`, `RLConfig.optim_config` and `loss_kwargs`."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stage 1 SFT trainer settings (`k3post.sft.train_sft` reads them)."""
+"""Stage 1 SFT trainer settings (`k3post.stages.sft.train_sft` reads them)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class SFTConfig:
     device: str = "cpu"  # where the trainer runs: cpu | cuda | cuda:N (no CUDA: an error, never a silent CPU run); the model comes back to its own device after training
     mtp_weight: float = ranged(0.0, ge=0)  # weight of the MTP head's next-next-token loss (k3post.spec.mtp); 0 = no MTP head
     mtp_start_fraction: float = ranged(0.0, ge=0, lt=1)  # the MTP loss is on from step int(fraction * steps); earlier: no loss, no gradient to the head
-    replay_induction: int = ranged(0, ge=0)  # induction rows (k3post.pretrain.induction_samples, pretrain.seq_len tokens) mixed into the SFT samples: copying rehearsed while SFT teaches the formats (docs/decisions.md, issue 31 §replay)
+    replay_induction: int = ranged(0, ge=0)  # induction rows (k3post.stages.pretrain.induction_samples, pretrain.seq_len tokens) mixed into the SFT samples: copying rehearsed while SFT teaches the formats (docs/decisions.md, issue 31 §replay)
 
     def __post_init__(self) -> None:
         check_keep_last(self.keep_last, "sft.keep_last")

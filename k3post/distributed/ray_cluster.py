@@ -22,11 +22,11 @@ roles have bundles of their own. ``disaggregated``: every member has a bundle of
 which runs the stage and hands it the sharded trainer (`k3post.trainer.build_trainer`). An engine server is an
 `EngineServerActor` running the ``k3post serve`` engine API on a port of its node; the stage's `Rollout` is an
 ``engine.kind = http`` client of its URL (`engine_config`). Teachers answer `TeacherPool.score` calls
-(`RayTeacherPool` is a `TeacherPool` for `k3post.mopd.opd_signal`). Expert jobs call
-`k3post.experts.train_domain_experts` in a Ray worker. Environments run in `EnvWorkerActor` s behind
+(`RayTeacherPool` is a `TeacherPool` for `k3post.stages.mopd.opd_signal`). Expert jobs call
+`k3post.recipes.experts.train_domain_experts` in a Ray worker. Environments run in `EnvWorkerActor` s behind
 `k3post.rollout.evaluation.make_env`. A GRM judge (``rl.judge`` a model folder, ``distributed.roles.judges`` > 0)
 is the same `EngineServerActor`, frozen (it refuses weight updates), on a judges bundle; every GRM scorer of
-the command is an `EngineJudge` over the ``http`` engine of those servers (`k3post.rl.build_group_scorer`).
+the command is an `EngineJudge` over the ``http`` engine of those servers (`k3post.stages.rl.build_group_scorer`).
 
 **Faults.** A killed engine-server actor is restarted by Ray (``engine_max_restarts``) on the same port with
 the weights it last loaded (each loaded version is kept in the actor's state folder; a judge's are its
@@ -438,12 +438,12 @@ class EngineServerActor:
 
 @ray.remote(num_cpus=0)
 class TeacherActor:
-    """A `k3post.mopd.TeacherPool` of some experts in a Ray actor: log-prob scoring on its own bundle."""
+    """A `k3post.stages.mopd.TeacherPool` of some experts in a Ray actor: log-prob scoring on its own bundle."""
 
     def __init__(self, experts: dict[str, str], **pool: Any) -> None:
         import torch
 
-        from k3post.mopd import TeacherPool
+        from k3post.stages.mopd import TeacherPool
 
         torch.set_num_threads(1)
         self.pool = TeacherPool(experts, **pool)
@@ -456,14 +456,14 @@ class TeacherActor:
 
 
 class RayTeacherPool:
-    """The `k3post.mopd.TeacherPool` interface over `TeacherActor` s: the experts (sorted by name) are
+    """The `k3post.stages.mopd.TeacherPool` interface over `TeacherActor` s: the experts (sorted by name) are
     dealt round-robin over the ``teachers`` slots, one actor per slot used, each with ``max_resident``
     of its experts in memory. `score_all` asks every actor at once. `model` loads an expert in this
     process (the evaluation samples it here). ``stats`` sums the actors' counters and this process's."""
 
     def __init__(self, cluster: RayCluster, experts: Mapping[str, str], *, max_resident: int = 3,
                  dtype: str = "float32", qat: Any = None, batch_tokens: int = 8192) -> None:
-        from k3post.mopd import TeacherPool
+        from k3post.stages.mopd import TeacherPool
 
         n = cluster.size("teachers")
         if n == 0:

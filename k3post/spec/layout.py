@@ -1,6 +1,6 @@
 """Which model `k3post draft` drafts for and which of its layers the draft reads: resolved from the config and
 the target's folder, before anything is loaded or written (`k3post.runs.check_inputs`) and again where the
-draft is built (`k3post.commands.train_drafts`, which the demo reaches without the run-folder checks)."""
+draft is built (`k3post.recipes.commands.train_drafts`, which the demo reaches without the run-folder checks)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from k3post.checkpoint import latest_checkpoint, load_trainer_state, resuming, s
 from k3post.config.draft import DraftConfig
 from k3post.config.optim import OptimConfig
 from k3post.metrics import MetricsLogger
-from k3post.sft import lr_at
+from k3post.stages.sft import lr_at
 from k3post.spec.data import DraftSample
 from k3post.spec.eagle3 import Eagle3Draft, step_weights, target_features, unrolled_step_logits
 from k3post.spec.losses import acceptance, draft_loss

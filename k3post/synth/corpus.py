@@ -12,12 +12,12 @@ introduces — a name, an identifier, a value — is restated later in the same 
 Names are capitalised runs of 2–3 syllables of the knowledge graphs' syllables (`kg._SYL`, the families'
 entity names are made of them). A fixed share of those names is *held out* (`is_held_out`): the generator
 never writes one, knowledge-graph documents holding one are skipped, and the copy probe
-(`k3post.pretrain.copy_probe`) restates only held-out names, so it measures copying, not memory.
+(`k3post.stages.pretrain.copy_probe`) restates only held-out names, so it measures copying, not memory.
 
 A document is a list of text pieces; every name is a piece of its own (its spaces in the pieces around it), so a name
 tokenizes the same wherever it stands (`encode_pieces`), in training and in the probe.
 
-`CORPUS_VERSION` is part of a pretrained base's cache key (`k3post.pretrain.base_key`): bump it whenever the
+`CORPUS_VERSION` is part of a pretrained base's cache key (`k3post.stages.pretrain.base_key`): bump it whenever the
 documents this module writes for a seed change.
 """
 

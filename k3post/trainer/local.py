@@ -9,7 +9,7 @@ optimizer settings every stage shares, `OptimConfig`, are in `k3post.config.opti
 
 One step: zero the gradients, ``grads_fn`` (a `Grads`: the stage's forward and backward over a list of
 micro-batches) accumulates them, clip, optimizer step. Each stage passes its own gradient function and
-turns the sums it returns into its metrics: SFT `k3post.sft.SFTGrads` (`k3post.sft.sft_step`), RL and MOPD
+turns the sums it returns into its metrics: SFT `k3post.stages.sft.SFTGrads` (`k3post.stages.sft.sft_step`), RL and MOPD
 `k3post.policy_step.PolicyGrads` (`k3post.policy_step.train_policy_step`), the EAGLE-3 draft
 `k3post.spec.train.DraftGrads`.
 

@@ -53,7 +53,7 @@ _PUNCT = string.punctuation.replace("-", "").replace("'", "")
 REFERENCE_VERSION = 2
 """Version of the built-in families' reference solutions (what SFT imitates and the demo's tokenizer is trained on):
 bump it when they change, so a cached base whose tokenizer was trained on older references is not reused
-(`k3post.pretrain.base_key`). 2: issue 31, max-effort references think well beyond the no-thinking floor."""
+(`k3post.stages.pretrain.base_key`). 2: issue 31, max-effort references think well beyond the no-thinking floor."""
 
 
 def check_effort(effort: str) -> str:

@@ -47,7 +47,7 @@ episode policy (a scripted program, `OpenAIPolicy` for an OpenAI-compatible URL)
 runs them as `AgentLoop` trajectories on a steppable engine (`EmbeddedEngine` over any local
 checkpoint): the same XTML rendering, parsing and tool dispatch as RL rollouts, all judgements of a
 batch decoded together. `GRMJudge` adapts a backend to the synth `Judge` protocol (one candidate,
-score = total / (10 Σ_c w_c)); `GroupGRM` is the RL loop's group scorer (``k3post.rl.GroupScorer``):
+score = total / (10 Σ_c w_c)); `GroupGRM` is the RL loop's group scorer (``k3post.stages.rl.GroupScorer``):
 a finished group's trajectories -> `trajectory_candidate` -> `tournament_rewards`.
 
 Shape legend: K candidates in one group.

@@ -8,9 +8,9 @@
    tokenizer settings with `REFERENCE_VERSION` (the families' references its corpus is made of), or the sha256
    of ``tokenizer.path``'s tokenizer.json, ``run.seed`` and `CORPUS_VERSION`. A base already in ``<cache>/bases/<key>/`` is returned without training.
 2. Otherwise: the tokenizer (``tokenizer.path``, else a byte-level BPE trained on the families' XTML text,
-   as `k3post.sft_data.run_tokenizer` trains it, plus the generated documents), the corpus (``pretrain.n_docs``
+   as `k3post.stages.sft_data.run_tokenizer` trains it, plus the generated documents), the corpus (``pretrain.n_docs``
    documents, each cut at ``pretrain.seq_len`` tokens, every token a target), and the training loop of SFT
-   (`k3post.sft.train_sft`: packed rows with no attention across documents, AdamW with warmup + cosine,
+   (`k3post.stages.sft.train_sft`: packed rows with no attention across documents, AdamW with warmup + cosine,
    checkpoints in ``<run>/pretrain/checkpoints``, exact resume, progress bar, metrics rows of stage
    ``pretrain``).
 3. The final model goes to ``<run>/pretrain/final`` and, written in a temporary folder and renamed into
@@ -42,8 +42,8 @@ from k3post.config.sft import SFTConfig
 from k3post.data import Sample
 from k3post.envs.families.common import REFERENCE_VERSION
 from k3post.errors import UserError
-from k3post.sft import train_sft
-from k3post.sft_data import tokenizer_texts
+from k3post.stages.sft import train_sft
+from k3post.stages.sft_data import tokenizer_texts
 from k3post.synth.corpus import (CORPUS_VERSION, KEYS, _induction_rows, document_text, draw_name, encode_pieces,
                                  generate_corpus, generate_document, held_out_names, induction_samples, record_pieces)
 
@@ -351,7 +351,7 @@ def train_base(model: torch.nn.Module, tokenizer: Any, samples: Sequence[Sample]
                seed: int, metrics: Any = None) -> Any:
     """Stage 0's two phases on ``model`` in place: ``p.induction_steps`` steps on `induction_samples` (checkpoints in
     ``out/induction``, metrics stage ``pretrain/induction``), then ``p.steps`` on the corpus ``samples``
-    (``out/checkpoints``, stage ``pretrain``); returns the corpus phase's `k3post.sft.SFTResult`. Each phase
+    (``out/checkpoints``, stage ``pretrain``); returns the corpus phase's `k3post.stages.sft.SFTResult`. Each phase
     resumes its own checkpoints: a run killed in phase 2 reloads phase 1's last one, then phase 2's."""
     if p.induction_steps:
         rows = induction_samples(tokenizer, p.induction_steps * p.rows_per_batch, p.seq_len, seed)

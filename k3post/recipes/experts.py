@@ -47,7 +47,7 @@ from k3post.metrics import MetricsLogger
 from k3post.models import load_model
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rewards.effort import BudgetTable, Curriculum, estimate_budgets
-from k3post.rl import (GroupScorer, RLConfig, build_group_scorer, domain_families, eval_tasks, judged_families, rollout_gap,
+from k3post.stages.rl import (GroupScorer, RLConfig, build_group_scorer, domain_families, eval_tasks, judged_families, rollout_gap,
                        train_rl, sampled_eval, train_tasks)
 from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.evaluation import evaluate_episodes, paired_passes, paired_shares
@@ -56,7 +56,7 @@ from k3post.threads import child_threads, exit_with_parent
 from k3post.tokenizer import load_tokenizer
 from k3post.xtml import XTML
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("k3post.experts")  # the name users filter on, kept when the module moved to recipes/
 
 __all__ = ["train_experts", "train_domain_experts", "domain_budgets", "expert_dir", "load_policy", "GridTargets",
            "expert_grid", "format_expert_grid"]

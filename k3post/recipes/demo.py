@@ -34,19 +34,19 @@ from k3post.errors import UserError
 from k3post.config import K3Config
 from k3post.config.sft import SFTConfig
 from k3post.io import write_jsonl
-from k3post.evaluate import evaluate_family
-from k3post.experts import train_experts
+from k3post.recipes.evaluate import evaluate_family
+from k3post.recipes.experts import train_experts
 from k3post.metrics import MetricsLogger
 from k3post.models import PRESETS, build_tiny_moe, count_parameters, load_model, save_model
-from k3post.pretrain import base_key, base_record, build_base, cache_root, cached_base, copy_probe, copy_warning
+from k3post.stages.pretrain import base_key, base_record, build_base, cache_root, cached_base, copy_probe, copy_warning
 from k3post.quant.qat import apply_qat
 from k3post.rewards.judging import evaluate_recipe_judge, judge_eval_enabled
-from k3post.report import write_report
-from k3post.sft import train_sft
-from k3post.sft_data import run_tokenizer, sft_samples, synthesize_sft_data
+from k3post.recipes.report import write_report
+from k3post.stages.sft import train_sft
+from k3post.stages.sft_data import run_tokenizer, sft_samples, synthesize_sft_data
 from k3post.threads import active_plan, child_threads, command_plan, exit_with_parent, use_threads
 from k3post.spec.mtp import save_mtp
-from k3post.commands import distill, raise_if_failed, sft_summary, train_drafts
+from k3post.recipes.commands import distill, raise_if_failed, sft_summary, train_drafts
 from k3post.runs import RunSummary, open_run
 from k3post.envs.families import get_family
 from k3post.envs.task import canonical_json
@@ -134,7 +134,7 @@ def _check_base_model(base: Path, cfg: K3Config) -> None:
 def stage0(cfg: K3Config, run: Path, summary: RunSummary, metrics: MetricsLogger) -> Path | None:
     """Stage 0 of the demo (``demo.base``): the pretrained base the run starts from, or None; recorded in
     ``summary["pretrain"]`` (key, folder, steps, corpus tokens, built here or cached, copy probe; or why the
-    run has none). ``build`` trains it (`k3post.pretrain.build_base`, resuming ``run/pretrain`` checkpoints)
+    run has none). ``build`` trains it (`k3post.stages.pretrain.build_base`, resuming ``run/pretrain`` checkpoints)
     when neither the cache nor this run holds it; ``cached`` only looks; ``none`` never uses one. A resumed
     run keeps the decision it made when it started."""
     prev = summary.data.get("pretrain")
@@ -247,7 +247,7 @@ def _run_demo(cfg: K3Config) -> Path:
         timings[name] = round(time.perf_counter() - t0, 1)
         summary.update(timings=timings)
 
-    # 0. Stage 0: the pretrained base (k3post.pretrain), built once and cached by content hash (demo.base)
+    # 0. Stage 0: the pretrained base (k3post.stages.pretrain), built once and cached by content hash (demo.base)
     t0 = time.perf_counter()
     base = stage0(cfg, run, summary, metrics)
     if summary.data["pretrain"].get("build_s") is not None and "pretrain" not in timings:

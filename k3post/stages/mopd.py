@@ -30,7 +30,7 @@ Decisions:
   unchanged (sampled tokens and tool results). XTML encodes every message on its own, so the two contexts
   differ only by the thinking-effort message; the teacher log-prob of student position i is at i + offset,
   offset = teacher prompt length − student prompt length (< 0). ``teacher_sees_effort=True`` keeps the
-  message (for effort-conditioned teachers, e.g. experts trained by `k3post.rl` with the message in their
+  message (for effort-conditioned teachers, e.g. experts trained by `k3post.stages.rl` with the message in their
   prompts, or a previous student).
 * **Teachers** (`TeacherPool`): a local checkpoint folder, loaded on demand into CPU memory (at most
   ``max_resident`` at once, least recently used evicted), or an OpenAI-compatible server that returns prompt
@@ -78,7 +78,7 @@ from k3post.httpclient import RetryTransport, retrying_client
 from k3post.urls import is_url
 from k3post.xtml import EFFORTS, OMIT_EFFORT, XTML
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("k3post.mopd")  # the name users filter on, kept when the module moved to stages/
 
 __all__ = ["MOPDConfig", "MOPDResult", "TeacherPool", "expert_name", "effort_sampler", "initial_messages",
            "teacher_context", "opd_signal", "mopd_families", "mopd_eval_tasks", "train_mopd", "mopd_checks", "evaluate_mopd", "eval_caps"]

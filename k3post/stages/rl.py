@@ -59,7 +59,7 @@ from k3post.rollout.trajectory import Group
 from k3post.urls import is_url
 from k3post.xtml import XTML
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("k3post.rl")  # the name users filter on, kept when the module moved to stages/
 
 __all__ = ["RLConfig", "RLResult", "GroupScorer", "Signal", "PolicyLoop", "domain_families", "train_tasks", "eval_tasks", "loss_kwargs",
            "rl_signal", "train_policy", "train_rl", "check_turn_caps", "rollout_gap", "build_group_scorer",

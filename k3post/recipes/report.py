@@ -94,7 +94,7 @@ pre{background:#f7f7f7;padding:.6em;overflow-x:auto;font-size:12px;white-space:p
 
 
 def _induction_line(ind: dict[str, Any] | None) -> str:
-    """Stage 0's phase 1 in words (`k3post.pretrain._formed`)."""
+    """Stage 0's phase 1 in words (`k3post.stages.pretrain._formed`)."""
     if not ind:
         return "no stopping rule recorded"
     verdict = "reached the target" if ind.get("reached") else "stopped at its cap"
@@ -151,7 +151,7 @@ def _pretrain_section(run: Path, summary: dict[str, Any]) -> str:
 
 
 def _domains_section(run: Path, summary: dict[str, Any]) -> str:
-    """Which domains the run can show RL on (``summary["domains"]``, `k3post.demo.domains_to_show`)."""
+    """Which domains the run can show RL on (``summary["domains"]``, `k3post.recipes.demo.domains_to_show`)."""
     rows = summary.get("domains")
     if rows is None:
         return ""
@@ -236,7 +236,7 @@ def _gate_part(gates: dict[str, Any]) -> str:
 
 
 def _gap_table(rows: list[tuple[str, dict[str, float]]]) -> str:
-    """The train–rollout log-prob gap of RL / MOPD runs (`k3post.rl.rollout_gap`)."""
+    """The train–rollout log-prob gap of RL / MOPD runs (`k3post.stages.rl.rollout_gap`)."""
     rows = [(name, g) for name, g in rows if g and g.get("tokens")]
     if not rows:
         return ""
@@ -506,8 +506,8 @@ def _mopd_section(run: Path, summary: dict[str, Any]) -> str:
 
 def _grid_section(run: Path, summary: dict[str, Any]) -> str:
     """The nine experts at a glance: SFT → RL expert → MOPD student per (domain, effort), the per-domain targets
-    (`k3post.experts.expert_grid`) and, in words, which domains this run can and cannot show at its scale."""
-    from k3post.experts import expert_grid
+    (`k3post.recipes.experts.expert_grid`) and, in words, which domains this run can and cannot show at its scale."""
+    from k3post.recipes.experts import expert_grid
 
     table = _stage_file(run, summary, "experts")
     if not table or not table.get("experts"):

@@ -19,8 +19,8 @@ from k3post.metrics import MetricsLogger
 from k3post.models import build_tiny_moe, count_parameters, load_model, new_folder, save_model
 from k3post.quant.qat import apply_qat
 from k3post.runs import RunSummary, open_run
-from k3post.sft import train_sft
-from k3post.sft_data import default_corpus, run_tokenizer, sft_samples, synthesize_sft_data
+from k3post.stages.sft import train_sft
+from k3post.stages.sft_data import default_corpus, run_tokenizer, sft_samples, synthesize_sft_data
 from k3post.spec.layout import draft_aux_layers, draft_target
 from k3post.spec.mtp import MTPHead, load_mtp, save_mtp
 from k3post.threads import child_threads, command_plan, exit_with_parent, use_threads
@@ -30,7 +30,7 @@ from k3post.xtml import XTML
 
 if TYPE_CHECKING:
     from k3post.config.rollout import EngineConfig
-    from k3post.mopd import MOPDConfig
+    from k3post.stages.mopd import MOPDConfig
 
 log = logging.getLogger("k3post.commands")
 
@@ -106,7 +106,7 @@ def describe_model(model: torch.nn.Module, tokenizer: Any, source: str | Path) -
 
 
 def sft_summary(res: Any, stats: Any, n_quantized: int) -> dict[str, Any]:
-    """What the report's SFT section shows of one SFT run (`k3post.sft.SFTResult`, the data's load stats)."""
+    """What the report's SFT section shows of one SFT run (`k3post.stages.sft.SFTResult`, the data's load stats)."""
     return {
         "steps": res.steps, "final_loss": res.final_loss, "wall_s": round(res.wall_s, 1),
         "tokens_per_s": res.tokens_per_s, "n_samples": stats.kept, "skipped": stats.skipped,
@@ -178,7 +178,7 @@ def _judge_servers(stack: ExitStack, cluster: Any, cfg: K3Config, init: Path, ru
 
     from k3post.config.rollout import EngineConfig
     from k3post.distributed.ray_cluster import engine_config
-    from k3post.rl import judge_model_dir
+    from k3post.stages.rl import judge_model_dir
 
     n = cfg.distributed.roles.judges
     if n == 0:
@@ -208,8 +208,8 @@ def run_rl(cfg: K3Config) -> Path:
 
 def _rl_in(cfg: K3Config, run: Path, init: Path, summary: RunSummary) -> Path:
     """`run_rl` in its opened run folder, from the checkpoint ``init``."""
-    from k3post.experts import domain_budgets, load_policy
-    from k3post.rl import build_group_scorer, domain_families, judged_families, train_rl
+    from k3post.recipes.experts import domain_budgets, load_policy
+    from k3post.stages.rl import build_group_scorer, domain_families, judged_families, train_rl
     from k3post.rollout.factory import build_engine, close_engine
 
     tokenizer = load_tokenizer(init)
@@ -270,8 +270,8 @@ def run_experts(cfg: K3Config) -> Path:
 
 def _experts_in(cfg: K3Config, run: Path, init: Path) -> Path:
     """`run_experts` in its opened run folder, from the checkpoint ``init``."""
-    from k3post.experts import expert_grid, format_expert_grid, train_experts
-    from k3post.rl import domain_families, judged_families
+    from k3post.recipes.experts import expert_grid, format_expert_grid, train_experts
+    from k3post.stages.rl import domain_families, judged_families
 
     metrics = MetricsLogger(run)
     out = run / "experts"
@@ -306,7 +306,7 @@ def raise_if_failed(table: dict) -> None:
 
 def mopd_config_for_run(cfg: K3Config, experts_dir: Path) -> "MOPDConfig":
     """``cfg.mopd`` with every missing teacher taken from ``experts_dir/<domain>.<effort>``."""
-    from k3post.mopd import expert_name
+    from k3post.stages.mopd import expert_name
 
     m = cfg.mopd
     experts = dict(m.experts)
@@ -321,9 +321,9 @@ def mopd_config_for_run(cfg: K3Config, experts_dir: Path) -> "MOPDConfig":
 def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None = None) -> dict:
     """MOPD from ``init`` (the SFT checkpoint) into ``run/mopd``, then the student-vs-teacher table;
     returns the summary written to ``run/mopd/summary.json``."""
-    from k3post.experts import load_policy
-    from k3post.mopd import TeacherPool, eval_caps, evaluate_mopd, mopd_eval_tasks, train_mopd
-    from k3post.rl import rollout_gap
+    from k3post.recipes.experts import load_policy
+    from k3post.stages.mopd import TeacherPool, eval_caps, evaluate_mopd, mopd_eval_tasks, train_mopd
+    from k3post.stages.rl import rollout_gap
     from k3post.rollout.factory import build_engine, close_engine
 
     m = mopd_config_for_run(cfg, run / "experts")
@@ -388,7 +388,7 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
     exception is raised here. Returns (and writes to ``run/draft/summary.json``) held-out acceptance by depth at
     temperature 1 and 0 before and after training, and the expected acceptance length at k = 3 and 5 drafted tokens."""
     from k3post.envs.families import default_families
-    from k3post.experts import load_policy
+    from k3post.recipes.experts import load_policy
     from k3post.rollout.factory import build_engine, close_engine
     from k3post.spec.data import save_samples, target_generations
 
@@ -475,8 +475,8 @@ def _train_one_draft(cfg: K3Config, run: Path, target: Any, loss: str, inputs: d
 
 def _draft_worker(cfg: K3Config, run: Path, target_dir: Path, loss: str) -> tuple[int, dict[str, Any]]:
     """One loss's draft in a worker process of ``train_drafts`` (the threads of the caller's plan, as the RL domain
-    workers, `k3post.experts._domain_worker`); its log lines and metrics rows go to the run's."""
-    from k3post.experts import load_policy
+    workers, `k3post.recipes.experts._domain_worker`); its log lines and metrics rows go to the run's."""
+    from k3post.recipes.experts import load_policy
 
     exit_with_parent()
     torch.set_num_threads(child_threads())
