@@ -29,7 +29,7 @@ Sampled every ``sample_every`` steps:
     kv_pool_entries    entries / bytes in the CPU KV pool (its budget bounds the bytes)
     kv_pool_bytes
     engine_*           what the engine holds between steps: paused requests, KV kept for finished requests,
-                       queued / running requests, and the weight plans its attributes hold (`_Weights`, the forward's view of one
+                       queued / running requests, and the weight plans its attributes hold (`WeightPlan`, the forward's view of one
                        weight version: the per-version cache)
     sched_*            the scheduler's and agent loop's maps: admitted groups, engine-resident paused KV,
                        requests in flight, environments, per-trajectory turn KV
@@ -111,14 +111,14 @@ def _probe(pl: Any, ckpt_root: Path) -> dict[str, float]:
     engines left alive by others in the same process (a test session) do not count."""
     import torch
 
-    from k3post.rollout.embedded import _Weights
+    from k3post.rollout.embedded.forward import WeightPlan
 
     def own_plans(engine: Any) -> int:
         found: set[int] = set()
         for value in vars(engine).values():
             items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple, set)) \
                 else (value,)
-            found.update(id(v) for v in items if isinstance(v, _Weights))
+            found.update(id(v) for v in items if isinstance(v, WeightPlan))
         return len(found)
 
     gc.collect()

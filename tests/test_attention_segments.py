@@ -86,13 +86,13 @@ def test_engine_decodes_ragged_batch_in_segments_with_solo_results(qat):
     ]
     engine = EmbeddedEngine(model, max_batch_size=4)
     seen: list[int] = []
-    attend_step = engine._attend_step
+    attend_step = engine._lean.attend_step
 
     def spy(w, q, k, v, mask):  # records the key length of every decode attention call
         seen.append(k.shape[-2])
         return attend_step(w, q, k, v, mask)
 
-    engine._attend_step = spy  # type: ignore[method-assign]
+    engine._lean.attend_step = spy  # type: ignore[method-assign]
     together = engine.generate(reqs)
     assert attention_segments([1201, 11, 11, 11]) == [(0, 1, 1201), (1, 4, 11)]
     assert seen and min(seen) <= 16 and max(seen) >= 1201  # short rows never padded to the long one

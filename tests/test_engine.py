@@ -45,7 +45,7 @@ from k3post.rollout.adapters import (
     to_sglang_sampling_params,
     to_vllm_sampling_kwargs,
 )
-from k3post.rollout.embedded import _fake_quant_act, _norm_of, _rms, _rotate
+from k3post.rollout.embedded.forward import fake_quant_act, norm_of, rms, rotate
 from k3post.rollout.engine import sample_unfiltered, token_uniforms
 from k3post.xtml import EOM
 
@@ -221,7 +221,7 @@ def test_logprob_parity_with_hf_forward_and_continuous_batching(tiny, temperatur
 
 class _ActRecorder:
     """Records every MXFP8 activation fake-quant (the expert-GEMM inputs) as rows (x before, q after,
-    tag). The engine's dense MoE calls ``embedded._fake_quant_act``; the HF experts forward (and the
+    tag). The engine's dense MoE calls ``embedded.forward.fake_quant_act``; the HF experts forward (and the
     engine's prefill of many tokens, which runs ``layer.mlp``) calls ``qat.qat_fake_quant``. During an HF
     forward of one request the rows are tagged with their context position: the token states ``x_TH``
     row by row, the routed intermediates ``h_SI`` through the expert sort of the forward's top-k
@@ -229,13 +229,13 @@ class _ActRecorder:
 
     def __init__(self, model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, act_fmt: str) -> None:
         from k3post.quant import qat as qat_mod
-        from k3post.rollout import embedded as emb_mod
+        from k3post.rollout.embedded import forward as emb_mod
 
         self.rows: dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}  # phase -> (x_W, q_W, position)
         self.phase: str | None = None
         self._topk: torch.Tensor | None = None
         self._pending_hidden = False
-        act, fq = emb_mod._fake_quant_act, qat_mod.qat_fake_quant
+        act, fq = emb_mod.fake_quant_act, qat_mod.qat_fake_quant
 
         def engine_act(x, fmt, block_size):
             q = act(x, fmt, block_size)
@@ -248,7 +248,7 @@ class _ActRecorder:
                 self._add(x, q, self._positions(x))
             return q
 
-        monkeypatch.setattr(emb_mod, "_fake_quant_act", engine_act)
+        monkeypatch.setattr(emb_mod, "fake_quant_act", engine_act)
         monkeypatch.setattr(qat_mod, "qat_fake_quant", hf_fq)
         self._hooks = [m.register_forward_pre_hook(self._pre_hook) for _, m, _ in qat_mod._find_expert_modules(model)]
 
@@ -375,7 +375,7 @@ def test_logprob_parity_with_qat(tiny_qat, temperature, op_order, monkeypatch):
     model, tok = tiny_qat
     reqs = _requests(len(tok), 5, temperature=temperature, top_k=50, top_p=0.9)
     engine = EmbeddedEngine(model, tok, max_batch_size=3, qat_op_order=op_order)
-    assert engine._weights().exact == (op_order == "hf")
+    assert engine._lean.weights().exact == (op_order == "hf")
     _assert_qat_parity(model, engine, reqs, monkeypatch)
 
 
@@ -714,22 +714,22 @@ def test_rms_golden_exact_is_hf_and_fast_agrees():
         norm.weight.copy_(torch.tensor([1.0, 2.0]))
         x = torch.tensor([[3.0, 4.0]])
         for exact in (True, False):
-            assert torch.allclose(_rms(x, _norm_of(norm), exact), torch.tensor([[0.848528, 2.262742]]), atol=1e-6)
+            assert torch.allclose(rms(x, norm_of(norm), exact), torch.tensor([[0.848528, 2.262742]]), atol=1e-6)
         norm = Qwen3MoeRMSNorm(128, eps=1e-6)
         norm.weight.copy_(torch.randn(128))
         x_ND = torch.randn(37, 128) * torch.rand(37, 1) * 4
         ref_ND = norm(x_ND)
-        assert torch.equal(_rms(x_ND, _norm_of(norm), True), ref_ND)  # F.rms_norm: HF's bits
-        assert ((_rms(x_ND, _norm_of(norm), False) - ref_ND).abs() <= 1e-6 * ref_ND.abs().max()).all()
+        assert torch.equal(rms(x_ND, norm_of(norm), True), ref_ND)  # F.rms_norm: HF's bits
+        assert ((rms(x_ND, norm_of(norm), False) - ref_ND).abs() <= 1e-6 * ref_ND.abs().max()).all()
         # stacked per-head weights [N, E] (q heads, then k heads)
         q_norm, k_norm = Qwen3MoeRMSNorm(8, eps=1e-6), Qwen3MoeRMSNorm(8, eps=1e-6)
         q_norm.weight.copy_(torch.randn(8))
         k_norm.weight.copy_(torch.randn(8))
         qk_BNE = torch.randn(5, 3, 8)
-        stacked = _norm_of(q_norm, torch.stack([q_norm.weight, q_norm.weight, k_norm.weight]))
+        stacked = norm_of(q_norm, torch.stack([q_norm.weight, q_norm.weight, k_norm.weight]))
         ref_BNE = torch.cat([q_norm(qk_BNE[:, :2]), k_norm(qk_BNE[:, 2:])], dim=1)
-        assert torch.equal(_rms(qk_BNE, stacked, True), ref_BNE)
-        assert torch.allclose(_rms(qk_BNE, stacked, False), ref_BNE, atol=1e-6)
+        assert torch.equal(rms(qk_BNE, stacked, True), ref_BNE)
+        assert torch.allclose(rms(qk_BNE, stacked, False), ref_BNE, atol=1e-6)
 
 
 def test_rotate_golden_and_hf_bits():
@@ -740,7 +740,7 @@ def test_rotate_golden_and_hf_bits():
     x = torch.tensor([[[1.0, 2.0]]])
     cos, ssin = torch.tensor([[[0.6, 0.6]]]), torch.tensor([[[-0.8, 0.8]]])
     for exact in (True, False):
-        assert torch.allclose(_rotate(x, cos, ssin, exact), torch.tensor([[[-1.0, 2.0]]]), atol=1e-7)
+        assert torch.allclose(rotate(x, cos, ssin, exact), torch.tensor([[[-1.0, 2.0]]]), atol=1e-7)
     # exact: HF's apply_rotary_pos_emb bit for bit (q [B, H, T, E], cos / sin [B, T, E])
     g = torch.Generator().manual_seed(1)
     q_BHTE, k_BHTE = torch.randn(2, 4, 5, 32, generator=g), torch.randn(2, 2, 5, 32, generator=g)
@@ -748,9 +748,9 @@ def test_rotate_golden_and_hf_bits():
     cos_BTE, sin_BTE = ang_BTE.cos(), ang_BTE.sin()
     ref_q, ref_k = apply_rotary_pos_emb(q_BHTE, k_BHTE, cos_BTE, sin_BTE)
     ssin_BTE = torch.cat([-sin_BTE[..., :16], sin_BTE[..., 16:]], dim=-1)
-    assert torch.equal(_rotate(q_BHTE, cos_BTE[:, None], ssin_BTE[:, None], True), ref_q)
-    assert torch.equal(_rotate(k_BHTE, cos_BTE[:, None], ssin_BTE[:, None], True), ref_k)
-    assert torch.allclose(_rotate(q_BHTE, cos_BTE[:, None], ssin_BTE[:, None], False), ref_q, atol=1e-6)
+    assert torch.equal(rotate(q_BHTE, cos_BTE[:, None], ssin_BTE[:, None], True), ref_q)
+    assert torch.equal(rotate(k_BHTE, cos_BTE[:, None], ssin_BTE[:, None], True), ref_k)
+    assert torch.allclose(rotate(q_BHTE, cos_BTE[:, None], ssin_BTE[:, None], False), ref_q, atol=1e-6)
 
 
 def test_fake_quant_act_golden_and_bits_of_fake_quant_mx():
@@ -768,7 +768,7 @@ def test_fake_quant_act_golden_and_bits_of_fake_quant_mx():
     want = [7.0, -5.0, 0.3125, 0.3125, 0.25, 2.0**-10, 3 * 2.0**-15]
     x_B = torch.zeros(2, 32)
     x_B[0, : len(vals)] = torch.tensor(vals)
-    out = _fake_quant_act(x_B, "fp8_e4m3", 32)
+    out = fake_quant_act(x_B, "fp8_e4m3", 32)
     assert out[0, : len(vals)].tolist() == want and out[0, len(vals):].abs().sum() == 0 and out[1].abs().sum() == 0
     # bit-identical to the MX reference (quantize, then decode: no shared code with the few-op form) across
     # magnitudes, zero blocks, fp32 subnormals, saturation, NaN / Inf
@@ -781,11 +781,11 @@ def test_fake_quant_act_golden_and_bits_of_fake_quant_mx():
         x[3] = 448.0 * 2.0 ** torch.randint(-30, 30, (256,), generator=g).float()
         x[4, 7] = float("nan")
         x[5, 40] = float("inf")
-        got, ref = _fake_quant_act(x, fmt, 32), dequantize_mx(*quantize_mx(x, fmt, 32, -1), fmt, 32, -1)
+        got, ref = fake_quant_act(x, fmt, 32), dequantize_mx(*quantize_mx(x, fmt, 32, -1), fmt, 32, -1)
         assert torch.equal(got.isnan(), ref.isnan())
         assert torch.equal(got.nan_to_num().view(torch.int32), ref.nan_to_num().view(torch.int32)), fmt
     y = torch.randn(3, 64, generator=g)
-    assert torch.equal(_fake_quant_act(y, "fp4_e2m1", 32), fake_quant_mx(y, "fp4_e2m1", 32, -1))  # falls back
+    assert torch.equal(fake_quant_act(y, "fp4_e2m1", 32), fake_quant_mx(y, "fp4_e2m1", 32, -1))  # falls back
 
 
 @pytest.mark.parametrize("exact", [False, True])
@@ -800,13 +800,13 @@ def test_dense_moe_matches_hf_qat_block(xtml_tokenizer, exact):
     g = torch.Generator().manual_seed(3)
     mlp = model.model.layers[1].mlp
     with torch.inference_mode():
-        m = engine._moe_weights(mlp, exact)
+        m = engine._lean.moe_weights(mlp, exact)
         assert m.router_up is None and m.qat is not None
         close = rows = 0
         for N in (1, 5, 32):
             h_ND, x_ND = torch.randn(N, 128, generator=g), torch.randn(N, 128, generator=g)
             ref_ND = x_ND + mlp(h_ND[:, None]).view(N, -1)
-            got_ND = engine._dense_moe(m, mlp, h_ND, x_ND, exact)
+            got_ND = engine._lean.dense_moe(m, mlp, h_ND, x_ND, exact)
             close += int(((got_ND - ref_ND).abs().amax(1) <= 2e-6).sum())
             rows += N
         assert close >= rows - 1, (close, rows)
@@ -814,7 +814,7 @@ def test_dense_moe_matches_hf_qat_block(xtml_tokenizer, exact):
         m_noq = dataclasses.replace(m, qat=None)
         h_ND, x_ND = torch.randn(8, 128, generator=g), torch.randn(8, 128, generator=g)
         ref_ND = x_ND + mlp(h_ND[:, None]).view(8, -1)
-        assert int(((engine._dense_moe(m_noq, mlp, h_ND, x_ND, exact) - ref_ND).abs().amax(1) <= 2e-6).sum()) == 0
+        assert int(((engine._lean.dense_moe(m_noq, mlp, h_ND, x_ND, exact) - ref_ND).abs().amax(1) <= 2e-6).sum()) == 0
 
 
 @pytest.mark.parametrize("exact", [False, True])
@@ -823,13 +823,13 @@ def test_dense_moe_matches_hf_block(tiny, exact):
     engine = EmbeddedEngine(model, max_batch_size=2)
     g = torch.Generator().manual_seed(3)
     with torch.inference_mode():
-        w = engine._weights()
+        w = engine._lean.weights()
         assert not w.exact
-        m = engine._moe_weights(model.model.layers[1].mlp, exact)
+        m = engine._lean.moe_weights(model.model.layers[1].mlp, exact)
         for N in (1, 5, 32):
             h_ND, x_ND = torch.randn(N, 128, generator=g), torch.randn(N, 128, generator=g)
             ref_ND = x_ND + model.model.layers[1].mlp(h_ND[:, None]).view(N, -1)
-            got_ND = engine._dense_moe(m, model.model.layers[1].mlp, h_ND, x_ND, exact)
+            got_ND = engine._lean.dense_moe(m, model.model.layers[1].mlp, h_ND, x_ND, exact)
             assert torch.allclose(got_ND, ref_ND, atol=2e-6), (N, (got_ND - ref_ND).abs().max())
 
 
@@ -843,24 +843,24 @@ def test_attend_step_matches_sdpa_and_ignores_masked_positions(tiny):
     pos_B = torch.tensor([8, 4, 6])  # row b attends to positions 0..pos_b
     keep_BL = torch.arange(L) <= pos_B[:, None]
     with torch.inference_mode():
-        fast = engine._weights()  # the model has no QAT: batched GEMMs
+        fast = engine._lean.weights()  # the model has no QAT: batched GEMMs
         exact = dataclasses.replace(fast, exact=True)  # SDPA
         assert not fast.exact
         add_X1L = torch.zeros(B, L).masked_fill(~keep_BL, float("-inf")).repeat_interleave(G, dim=0)[:, None]
         ref_BF = torch.nn.functional.scaled_dot_product_attention(
-            q_BHE[:, :, None], k_BGLE, v_BGLE, attn_mask=keep_BL[:, None, None], scale=engine._scaling, enable_gqa=True
+            q_BHE[:, :, None], k_BGLE, v_BGLE, attn_mask=keep_BL[:, None, None], scale=engine._lean.scaling, enable_gqa=True
         ).view(B, H * E)
-        got_BF = engine._attend_step(fast, q_BHE, k_BGLE, v_BGLE, add_X1L)
+        got_BF = engine._lean.attend_step(fast, q_BHE, k_BGLE, v_BGLE, add_X1L)
         assert torch.allclose(got_BF, ref_BF, atol=1e-6)
         k_BGLE[~keep_BL[:, None].expand(B, G, L)] = 1e4  # masked positions play no part
         v_BGLE[~keep_BL[:, None].expand(B, G, L)] = 1e4
-        assert torch.allclose(engine._attend_step(fast, q_BHE, k_BGLE, v_BGLE, add_X1L), ref_BF, atol=1e-6)
-        assert torch.equal(engine._attend_step(exact, q_BHE, k_BGLE, v_BGLE, keep_BL[:, None, None]), ref_BF)
+        assert torch.allclose(engine._lean.attend_step(fast, q_BHE, k_BGLE, v_BGLE, add_X1L), ref_BF, atol=1e-6)
+        assert torch.equal(engine._lean.attend_step(exact, q_BHE, k_BGLE, v_BGLE, keep_BL[:, None, None]), ref_BF)
         # no mask: every position attended, as SDPA without a mask
         ref_BF = torch.nn.functional.scaled_dot_product_attention(
-            q_BHE[:, :, None], k_BGLE, v_BGLE, scale=engine._scaling, enable_gqa=True
+            q_BHE[:, :, None], k_BGLE, v_BGLE, scale=engine._lean.scaling, enable_gqa=True
         ).view(B, H * E)
-        assert torch.allclose(engine._attend_step(fast, q_BHE, k_BGLE, v_BGLE, None), ref_BF, atol=1e-6)
+        assert torch.allclose(engine._lean.attend_step(fast, q_BHE, k_BGLE, v_BGLE, None), ref_BF, atol=1e-6)
 
 
 def test_weight_plan_follows_inplace_updates_and_qat(xtml_tokenizer, monkeypatch):
@@ -869,7 +869,7 @@ def test_weight_plan_follows_inplace_updates_and_qat(xtml_tokenizer, monkeypatch
     engine = EmbeddedEngine(model, tok, max_batch_size=3)
     reqs = _requests(len(tok), 3)
     _assert_parity(model, engine.generate(reqs))
-    assert not engine._weights().exact
+    assert not engine._lean.weights().exact
     # in-place updates, as an optimizer step does: attention, norms, router, experts, lm_head
     with torch.no_grad():
         layer = model.model.layers[2]
@@ -881,11 +881,11 @@ def test_weight_plan_follows_inplace_updates_and_qat(xtml_tokenizer, monkeypatch
     # HF's op order unless the engine asks for the fast one)
     fast_order = EmbeddedEngine(model, tok, max_batch_size=3, qat_op_order="fast")
     apply_qat(model, QATConfig())
-    assert engine._weights().exact and not fast_order._weights().exact
+    assert engine._lean.weights().exact and not fast_order._lean.weights().exact
     _assert_qat_parity(model, engine, reqs, monkeypatch)
     _assert_qat_parity(model, fast_order, reqs, monkeypatch)
     remove_qat(model)
-    assert not engine._weights().exact and not fast_order._weights().exact
+    assert not engine._lean.weights().exact and not fast_order._lean.weights().exact
     _assert_parity(model, engine.generate(reqs))
     _assert_parity(model, fast_order.generate(reqs))
     # a parameter replaced outright (new tensor identity) is picked up too
@@ -931,7 +931,7 @@ def test_hf_path_quantizes_expert_weights_once_per_version(xtml_tokenizer, monke
     assert [r.output_logprobs for r in after] == [r.output_logprobs for r in fresh]
     assert [r.output_logprobs for r in after] != [r.output_logprobs for r in got]
     engine.refresh_weights()
-    assert all(not store for store in engine._wq_stores)
+    assert all(not store for store in engine._lean._wq_stores)
 
 
 def test_finished_slot_refilled_by_the_last_running(tiny):

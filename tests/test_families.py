@@ -16,7 +16,7 @@ import torch
 from k3post.models import FAMILIES, build_tiny_family
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rollout import EmbeddedEngine, GenerationRequest, GenerationResult, SamplingParams
-from k3post.rollout.embedded import _topk_router_rule
+from k3post.rollout.embedded.forward import topk_router_rule
 from k3post.xtml import EOM
 from test_engine import _hf_logprobs
 
@@ -150,9 +150,9 @@ def test_router_rule_is_read_off_the_router(models):
     for family, want in (("mixtral", True), ("qwen3_moe", True), ("qwen2_moe", False), ("deepseek_v3", None)):
         mlp = models[family].model.layers[-1].mlp
         X, D = mlp.experts.gate_up_proj.shape[0], models[family].config.hidden_size
-        assert _topk_router_rule(mlp.gate, X, D) is want, family
+        assert topk_router_rule(mlp.gate, X, D) is want, family
     gpt = models["gpt_oss"].model.layers[0].mlp.router  # biased router: the engine would call the module
-    assert _topk_router_rule(gpt, gpt.weight.shape[0], gpt.weight.shape[1]) is None
+    assert topk_router_rule(gpt, gpt.weight.shape[0], gpt.weight.shape[1]) is None
 
 
 def test_general_path_shares_prefixes_and_keeps_kv_like_the_lean_path(models):

@@ -122,7 +122,7 @@ def test_train_rollout_gap_with_qat_is_kernel_noise(warm_policy, tmp_path, monke
     6-7e-3 / 0.17 (docs/decisions.md)."""
     from k3post.quant.qat import QATConfig, apply_qat
     from k3post.stages.rl import rollout_gap
-    from k3post.rollout import embedded
+    from k3post.rollout.embedded import forward as embedded
 
     model0, tok = warm_policy
     cfg = _cfg(steps=2, lambda_=1.0)
@@ -137,7 +137,7 @@ def test_train_rollout_gap_with_qat_is_kernel_noise(warm_policy, tmp_path, monke
 
     ok = gaps("ok")
     assert ok["mean"] < 5e-4 and ok["max"] < 2e-2, ok
-    monkeypatch.setattr(embedded, "_fake_quant_act", lambda x, fmt, block_size: x)  # an engine that skips it
+    monkeypatch.setattr(embedded, "fake_quant_act", lambda x, fmt, block_size: x)  # an engine that skips it
     broken = gaps("broken")
     assert broken["mean"] > 5 * 5e-4 and broken["max"] > 2e-2, broken
 

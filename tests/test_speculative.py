@@ -354,7 +354,7 @@ def test_lean_verify_forward_equals_the_chunk_forward(models, aux):
     the rest is padded; its padded logits are not compared)."""
     target = models[0]
     engine = EmbeddedEngine(target, max_batch_size=3, stop_ids=(), path="lean")
-    engine._aux_layers = aux
+    engine._lean.capture_layers = aux
     for i, n in enumerate((4, 9, 6)):
         engine.add_request(GenerationRequest(f"r{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=50, seed=i)))
     for _ in range(3):
@@ -364,10 +364,10 @@ def test_lean_verify_forward_equals_the_chunk_forward(models, aux):
     starts = [s.n_cached for s in seqs]
     with torch.inference_mode():
         want_BTV = engine._forward_chunks(chunks, starts, [s.slot for s in seqs], all_positions=True)
-        want_aux = engine._captured
+        want_aux = engine._lean.captured
         want_kv = [t[:, :, : max(starts) + 4].clone() for t in engine.cache.keys + engine.cache.values]
-        got_BTV = engine._verify_lean(seqs, chunks)
-        got_aux = engine._captured
+        got_BTV = engine._lean.verify(chunks, starts)
+        got_aux = engine._lean.captured
     for b, c in enumerate(chunks):
         assert (got_BTV[b, : len(c)] - want_BTV[b, : len(c)]).abs().max().item() < 1e-5
         if aux:

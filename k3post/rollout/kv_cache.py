@@ -58,6 +58,16 @@ class SlotKVCache:
         self.values: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._row_base_SH: torch.Tensor | None = None  # (s*H + h) * C, for step_index
 
+    def shape_error(self, keys_HND: list[torch.Tensor], values_HND: list[torch.Tensor]) -> str | None:
+        """Why a KV state (per layer [H, N, D] keys and values) does not fit this cache's model (None when it does)."""
+        want = (self.num_kv_heads, self.head_dim)
+        if len(keys_HND) == len(values_HND) == self.num_layers and all(
+                k.dim() == v.dim() == 3 and (k.shape[0], k.shape[2]) == want == (v.shape[0], v.shape[2])
+                for k, v in zip(keys_HND, values_HND)):
+            return None
+        got = f"{len(keys_HND)} x {tuple(keys_HND[0].shape)}" if keys_HND else "no layers"
+        return f"shaped {got}, the model's {self.num_layers} layers x [{self.num_kv_heads}, N, {self.head_dim}]"
+
     @property
     def nbytes(self) -> int:
         """Bytes held by all key and value tensors."""

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3post.rollout.embedded import _Norm, _norm_of, _rms, _rotate
+from k3post.rollout.embedded.forward import Norm, norm_of, rms, rotate
 from k3post.rollout.engine import _inverse_cdf
 from k3post.rollout.kv_cache import SlotKVCache
 from k3post.rollout.speculative import STREAM_DRAFT, DraftRow, row_sampling_probs, stream_uniforms
@@ -60,10 +60,10 @@ class _Lean(NamedTuple):
     rounding, fewer ops), q/k/v fused into one [(H+2K)d, 2D] matrix and the MLP's gate / up into one [2I, D],
     the rotary table of positions 0 … P-1 (cos and sign-folded sin, the engine's ``_rotate``)."""
 
-    in_norm: _Norm
-    hidden_norm: _Norm
-    post_norm: _Norm
-    final_norm: _Norm
+    in_norm: Norm
+    hidden_norm: Norm
+    post_norm: Norm
+    final_norm: Norm
     qkv: torch.Tensor
     o_proj: torch.Tensor
     gate_up: torch.Tensor
@@ -80,8 +80,8 @@ def _lean(draft: Eagle3Draft, positions: int) -> _Lean:
     cos_1PE, sin_1PE = block.rotary_emb(w.new_zeros(1, 1, w.shape[0]), torch.arange(positions, device=w.device)[None])
     half = cos_1PE.shape[-1] // 2
     sign_E = torch.cat([-torch.ones(half, dtype=sin_1PE.dtype), torch.ones(half, dtype=sin_1PE.dtype)]).to(w.device)
-    return _Lean(_norm_of(block.input_layernorm), _norm_of(block.hidden_norm), _norm_of(block.post_attention_layernorm),
-                 _norm_of(draft.norm), torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+    return _Lean(norm_of(block.input_layernorm), norm_of(block.hidden_norm), norm_of(block.post_attention_layernorm),
+                 norm_of(draft.norm), torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
                  attn.o_proj.weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight,
                  draft.lm_head.weight, cos_1PE[0], sin_1PE[0] * sign_E)
 
@@ -154,10 +154,10 @@ class Eagle3Drafter:
         B, T, _ = hidden_BTD.shape
         H, K, d = block.n_heads, block.n_kv, block.head_dim
         g = H // K
-        x_BT2D = torch.cat([_rms(self.draft.embed_tokens(tok_BT), w.in_norm, False),
-                            _rms(hidden_BTD, w.hidden_norm, False)], dim=-1)
+        x_BT2D = torch.cat([rms(self.draft.embed_tokens(tok_BT), w.in_norm, False),
+                            rms(hidden_BTD, w.hidden_norm, False)], dim=-1)
         qkv_BTF = F.linear(x_BT2D, w.qkv)
-        qk_BTNE = _rotate(qkv_BTF[..., : (H + K) * d].view(B, T, H + K, d), w.cos_PE[pos_BT][:, :, None],
+        qk_BTNE = rotate(qkv_BTF[..., : (H + K) * d].view(B, T, H + K, d), w.cos_PE[pos_BT][:, :, None],
                           w.ssin_PE[pos_BT][:, :, None], False)
         L = int(pos_BT.max()) + 1
         cache.ensure_capacity(L)
@@ -171,7 +171,7 @@ class Eagle3Drafter:
         o_BKRd = torch.matmul(torch.softmax(s_BKgTL, dim=-1).view(B, K, g * T, L), v_BKLd)
         o_BTF = o_BKRd.view(B, K, g, T, d).permute(0, 3, 1, 2, 4).reshape(B, T, H * d)
         h_BTD = hidden_BTD + F.linear(o_BTF, w.o_proj)
-        gate_up = F.linear(_rms(h_BTD, w.post_norm, False), w.gate_up)
+        gate_up = F.linear(rms(h_BTD, w.post_norm, False), w.gate_up)
         I = gate_up.shape[-1] // 2
         return h_BTD + F.linear(F.silu(gate_up[..., :I]) * gate_up[..., I:], w.down)
 
@@ -180,7 +180,7 @@ class Eagle3Drafter:
         -inf elsewhere, at each row's sampling parameters."""
         w = self._w
         assert w is not None
-        logits_BW = F.linear(_rms(out_BD, w.final_norm, False), w.lm_head)
+        logits_BW = F.linear(rms(out_BD, w.final_norm, False), w.lm_head)
         if logits_BW.shape[-1] == self._vocab:  # the full vocabulary: draft id = target id
             logits_BV = logits_BW
         else:
