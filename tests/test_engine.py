@@ -601,6 +601,38 @@ def test_pause_queued_and_errors(tiny):
         engine.import_kv("r1", bad_kv)
 
 
+@pytest.mark.parametrize("path", ["lean", "general"])
+def test_kv_state_of_another_shape_is_rejected_on_both_paths(tiny, path):
+    """An imported KV state whose layers, kv heads or head width differ from the model's is refused before it is
+    attached, on either forward, naming the model's shape (the lean path's `SlotKVCache.shape_error`, the general
+    path's `SeqKVCache.shape_error`); the engine is left idle."""
+    model, tok = tiny
+    engine = EmbeddedEngine(model, tok, path=path)
+    prompt = _prompt(8, 7, len(tok))
+    probe = engine.generate([GenerationRequest("p", prompt, SamplingParams(max_tokens=8, stop_ids=(), seed=1))])[0]
+    stop = probe.output_ids[3]  # KV is kept for a turn that ends on a stop id
+    engine.generate([GenerationRequest("a", prompt, SamplingParams(max_tokens=8, stop_ids=(stop,), seed=1), keep_kv=True)])
+    kv = engine.take_kv("a")
+    assert kv is not None
+    k0 = kv.keys[0]
+    H, N, D = k0.shape
+    L = len(kv.keys)
+    wrong = {
+        "layers": ([k0] * (L - 1), [k0] * (L - 1)),
+        "kv heads": ([k0.new_zeros(H + 1, N, D)] * L, [k0.new_zeros(H + 1, N, D)] * L),
+        "head width": ([k0.new_zeros(H, N, D + 2)] * L, [k0.new_zeros(H, N, D + 2)] * L),
+    }
+    for what, (keys, values) in wrong.items():
+        bad = KVState(keys, values, list(kv.context_ids), kv.weight_version)
+        with pytest.raises(ValueError, match="does not fit this model") as err:
+            engine.add_request(GenerationRequest(f"b-{what}", list(kv.context_ids) + [5], SamplingParams(max_tokens=2)),
+                               kv=bad)
+        assert str(D) in str(err.value) and str(H) in str(err.value), (what, str(err.value))
+    assert not engine.has_unfinished()
+    done = engine.generate([GenerationRequest("ok", list(kv.context_ids) + [5], SamplingParams(max_tokens=2))])
+    assert len(done[0].output_ids) == 2  # the engine still serves after the refusals
+
+
 def test_abort_returns_partial_and_frees_slot(tiny):
     model, tok = tiny
     engine = EmbeddedEngine(model, tok, max_batch_size=2)
