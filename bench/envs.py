@@ -29,7 +29,8 @@ from typing import Any
 
 from k3post.envs import run_episode_sync
 from k3post.envs.families import registry
-from k3post.envs.families.registry import EFFORTS, TaskFamily
+from k3post.constants import EFFORTS
+from k3post.envs.families.registry import TaskFamily
 from k3post.envs.sandbox import Sandbox, SandboxLimits
 
 def _percentile(values: list[float], q: float) -> float:

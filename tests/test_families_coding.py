@@ -34,7 +34,8 @@ from k3post.envs.families.coding.problems import (
     encode_value,
     load_modules,
 )
-from k3post.envs.families.registry import EFFORTS, TaskFamily
+from k3post.constants import EFFORTS
+from k3post.envs.families.registry import TaskFamily
 from k3post.envs.sandbox_tools import SandboxState
 from k3post.xtml import render_text
 

@@ -20,13 +20,13 @@ from hypothesis import strategies as st
 from k3post.data import load_sft_jsonl
 from k3post.envs.families.general import family as general
 from k3post.envs.task import Task
+from k3post.rollout.engine import SamplingParams
 from k3post.synth import (
     EndpointTeacher,
     Funnel,
     JudgeResult,
     LocalModelTeacher,
     ReferenceTeacher,
-    SamplingParams,
     StageResult,
     VerifyConfig,
     VerifyContext,
@@ -477,7 +477,7 @@ def _short_tasks(*operands: int) -> list[Task]:
 
 def test_local_model_teacher_garbage_is_recorded_and_rejected(tiny_model: tuple[Any, Any], tmp_path: Path) -> None:
     model, tok = tiny_model
-    teacher = LocalModelTeacher(model=model, tokenizer=tok, sampling=SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))
+    teacher = LocalModelTeacher(model=model, tokenizer=tok, sampling=SamplingParams(max_tokens=6, temperature=1.0, seed=0))
     tasks = _short_tasks(3, 4)
     samples = synthesize(ARITH, teacher, effort="low", n=2, seed=0, out=tmp_path / "local.jsonl", tokenizer=tok, tasks=tasks)
     assert len(read_jsonl(tmp_path / "local.jsonl")) == 2
@@ -500,7 +500,7 @@ def test_local_model_teacher_greedy_matches_hf_generate(tiny_model: tuple[Any, A
 
     model, tok = tiny_model
     x = XTML(tok)
-    teacher = LocalModelTeacher(model=model, tokenizer=tok, sampling=SamplingParams(max_new_tokens=10, temperature=0.0), concurrency=4)
+    teacher = LocalModelTeacher(model=model, tokenizer=tok, sampling=SamplingParams(max_tokens=10, temperature=0.0), concurrency=4)
     prompts = [x.render(list(t.messages), effort=e, add_generation_prompt=True).ids
                for t, e in zip(_short_tasks(3, 41, 5, 777), ("low", "max", "high", "low"))]
 
@@ -527,7 +527,7 @@ def test_local_model_teacher_samples_do_not_depend_on_concurrency(tiny_model: tu
     tasks = _short_tasks(3, 4, 5)
 
     def run(concurrency: int, seed: int = 0, order: list[Task] = tasks) -> dict[str, Any]:
-        sp = SamplingParams(max_new_tokens=6, temperature=1.0, seed=seed)
+        sp = SamplingParams(max_tokens=6, temperature=1.0, seed=seed)
         teacher = LocalModelTeacher(model=model, tokenizer=tok, sampling=sp, concurrency=concurrency)
         samples = synthesize(ARITH, teacher, effort="high", n=3, seed=0, tokenizer=tok, tasks=order)
         return {s["task_id"]: s["messages"] for s in samples}

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from k3post.constants import Policy
 from k3post.envs.env import Environment, StepResult
 from k3post.envs.harness import Harness, HarnessConfig
 from k3post.envs.task import Task, Verdict
@@ -60,8 +61,6 @@ if TYPE_CHECKING:
 
 CHECKPOINT_VERSION = 1
 
-Policy = Callable[[list[dict[str, Any]], list[dict[str, Any]]], Any]
-"""``policy(messages, tools) -> assistant message`` (a dict), or an awaitable of one."""
 
 
 def offered_tools(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -116,7 +116,8 @@ def _api_key(env_name: str | None) -> str | None:
 
 
 def _teacher_factory(ns: argparse.Namespace) -> Any:
-    from k3post.synth.teachers import EndpointTeacher, LocalModelTeacher, ReferenceTeacher, SamplingParams
+    from k3post.rollout.engine import SamplingParams
+    from k3post.synth.teachers import EndpointTeacher, LocalModelTeacher, ReferenceTeacher
 
     if ns.teacher_url and ns.teacher_model_dir:
         raise UserError("give either --teacher-url (endpoint) or --teacher-model-dir (local model), not both")
@@ -131,7 +132,7 @@ def _teacher_factory(ns: argparse.Namespace) -> Any:
         return lambda fam: teacher
     if ns.teacher_model_dir:
         sp = SamplingParams(
-            max_new_tokens=ns.max_tokens or 512, temperature=1.0 if ns.temperature is None else ns.temperature, seed=ns.seed
+            max_tokens=ns.max_tokens or 512, temperature=1.0 if ns.temperature is None else ns.temperature, seed=ns.seed
         )
         local = LocalModelTeacher(ns.teacher_model_dir, sampling=sp)
         return lambda fam: local

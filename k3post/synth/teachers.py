@@ -22,21 +22,22 @@ Every teacher has a ``name`` (recorded in each sample) and ``concurrency`` (how 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from k3post.constants import EFFORTS
 from k3post.httpclient import RetryStats, RetryTransport, async_transport
-from k3post.envs.episode import OpenAIPolicy, Policy
+from k3post.constants import Policy
+from k3post.envs.episode import OpenAIPolicy
 from k3post.envs.task import Task
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from k3post.rollout.embedded import EmbeddedEngine
-    from k3post.rollout.engine import GenerationRequest, GenerationResult
+    from k3post.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
 
 __all__ = [
     "Teacher",
@@ -46,7 +47,6 @@ __all__ = [
     "RetryStats",
     "LocalModelTeacher",
     "EngineBatcher",
-    "SamplingParams",
 ]
 
 
@@ -162,25 +162,6 @@ class EndpointTeacher:
 # --------------------------------------------------------------------------- local model teacher
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Sampling for `LocalModelTeacher`. ``temperature == 0`` is greedy."""
-
-    max_new_tokens: int = 512
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams.max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-
-
 class EngineBatcher:
     """Lets many coroutines of one event loop share a steppable rollout engine: each awaits its
     own request while a driver task steps the engine, so requests submitted while others run
@@ -242,7 +223,7 @@ class LocalModelTeacher:
 
     Per turn: render the conversation with the effort option and the generation prefix
     (`XTML.render(..., add_generation_prompt=True)`), sample until ``<|end_of_msg|>`` or
-    ``max_new_tokens`` with `k3post.rollout.EmbeddedEngine`, and parse the completion with
+    ``sampling.max_tokens`` with `k3post.rollout.EmbeddedEngine`, and parse the completion with
     `XTML.parse`. A completion that does not parse (or never ends) still becomes an assistant
     message, so the episode goes on and the sample is recorded: its ``content`` is the decoded
     text and ``xtml_error`` says what was wrong, which the structure stage rejects.
@@ -250,7 +231,7 @@ class LocalModelTeacher:
 
     Up to ``concurrency`` episodes run at once on one event loop; their turns are requests of one
     shared engine (`EngineBatcher`), batched together. Turn t of the episode of ``task`` at
-    ``effort`` samples with seed ``request_seed(sampling.seed, f"{task.id}/{effort}/{t}")``: with the
+    ``effort`` samples with seed ``request_seed(sampling.seed or 0, f"{task.id}/{effort}/{t}")``: with the
     engine's counter-based sampling a trajectory depends only on (seed, task, effort, weights),
     never on the concurrency or the order in which episodes run.
 
@@ -274,13 +255,16 @@ class LocalModelTeacher:
         """Args:
             model_dir: a folder holding the model and its tokenizer (``k3post init-model``, an SFT
                 ``final/``); or pass ``model`` and ``tokenizer`` directly.
-            sampling: sampling parameters (default `SamplingParams()`).
+            sampling: the engine's `k3post.rollout.SamplingParams` (default: T 1, ``max_tokens`` 512); its
+                ``stop_ids`` are replaced by ``<|end_of_msg|>`` and its ``seed`` is the base of every turn's
+                seed (None: 0).
             mode: XTML mode, ``think`` or ``instruct``.
             concurrency: episodes run at once (their turns decode together in the engine).
             engine: an `EmbeddedEngine` over ``model`` to sample with (default: one built here
                 with ``concurrency`` slots). A QAT model (``apply_qat``) samples with its MX
                 fake-quant forward either way.
         """
+        from k3post.rollout.engine import SamplingParams
         from k3post.rollout.factory import build_engine
         from k3post.xtml import XTML
 
@@ -304,7 +288,7 @@ class LocalModelTeacher:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.xtml = XTML(tokenizer)
-        self.sampling = sampling or SamplingParams()
+        self.sampling = sampling or SamplingParams(max_tokens=512)
         self.mode = mode
         self.name = f"local:{model_dir}" if model_dir is not None else f"local:{type(model).__name__}"
         self.concurrency = concurrency
@@ -314,19 +298,12 @@ class LocalModelTeacher:
 
     async def generate(self, prompt_ids: list[int], seed: int) -> list[int]:
         """Completion ids for ``prompt_ids`` sampled with ``seed`` (ends with ``<|end_of_msg|>``
-        unless cut at max_new_tokens); batched with the other running episodes' turns."""
+        unless cut at sampling.max_tokens); batched with the other running episodes' turns."""
         from k3post.rollout.engine import GenerationRequest
-        from k3post.rollout.engine import SamplingParams as EngineSampling
 
-        sp = self.sampling
         self._requests += 1
-        request = GenerationRequest(
-            f"teacher-{self._requests}", list(prompt_ids),
-            EngineSampling(
-                temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_new_tokens,
-                stop_ids=(self.xtml.eom_id,), seed=seed,
-            ),
-        )
+        sampling = dataclasses.replace(self.sampling, stop_ids=(self.xtml.eom_id,), seed=seed)
+        request = GenerationRequest(f"teacher-{self._requests}", list(prompt_ids), sampling)
         return (await self._batcher.generate(request)).output_ids
 
     def policy(self, task: Task, effort: str) -> Policy:
@@ -341,7 +318,7 @@ class LocalModelTeacher:
         async def run(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
             nonlocal turn
             prompt = self.xtml.render(messages, tools=tools or None, effort=eff, mode=self.mode, add_generation_prompt=True)
-            completion = await self.generate(prompt.ids, request_seed(self.sampling.seed, f"{task.id}/{effort}/{turn}"))
+            completion = await self.generate(prompt.ids, request_seed(self.sampling.seed or 0, f"{task.id}/{effort}/{turn}"))
             turn += 1
             n = len(completion)
             if self.xtml.eom_id in completion:
@@ -349,7 +326,7 @@ class LocalModelTeacher:
                 n = len(completion)
             try:
                 if completion[-1:] != [self.xtml.eom_id]:
-                    raise XTMLParseError(len(completion), f"no <|end_of_msg|> within max_new_tokens={self.sampling.max_new_tokens}")
+                    raise XTMLParseError(len(completion), f"no <|end_of_msg|> within max_tokens={self.sampling.max_tokens}")
                 msg = self.xtml.parse(completion, mode=self.mode, after_prefix=True)
             except XTMLParseError as e:
                 return {"role": "assistant", "content": decode(self.tokenizer, completion), "reasoning_content": "",

@@ -1,7 +1,7 @@
 """Built-in task families for the three domains (general, agents, coding). See registry.py."""
 
+from k3post.constants import EFFORTS
 from k3post.envs.families.registry import (
-    EFFORTS,
     TaskFamily,
     default_families,
     families,

@@ -21,10 +21,10 @@ import json
 import random
 import re
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from k3post.constants import EFFORTS
+from k3post.constants import EFFORTS, Policy
 from k3post.envs.env import Environment
 from k3post.envs.task import DOMAINS, Task, canonical_json
 
@@ -43,8 +43,6 @@ __all__ = [
 ]
 
 
-Policy = Callable[[list[dict[str, Any]], list[dict[str, Any]]], dict[str, Any]]
-"""``policy(messages, tools) -> assistant message``."""
 
 _ARTICLES = ("the ", "a ", "an ")
 _PUNCT = string.punctuation.replace("-", "").replace("'", "")

@@ -27,13 +27,12 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import os
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from k3post.constants import EFFORTS
+from k3post.constants import Policy
 from k3post.envs.env import Environment
 from k3post.envs.task import DOMAINS, Task
 
-Policy = Callable[..., Any]  # messages, tools -> assistant message (sync or async)
 
 
 @runtime_checkable

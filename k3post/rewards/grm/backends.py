@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from k3post.envs.env import EpisodeLimits
-from k3post.envs.episode import Policy, run_episode
+from k3post.constants import Policy
+from k3post.envs.episode import run_episode
 from k3post.envs.task import Task, Verdict
 from k3post.errors import JudgeUnavailableError, infra_kind
 from k3post.rewards.grm.protocol import GRMJudgeEnv, judgement_reason
