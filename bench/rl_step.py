@@ -144,7 +144,9 @@ from k3post.envs.task import Task  # noqa: E402
 from k3post.models import build_tiny_moe  # noqa: E402
 from k3post.rewards.effort import BudgetTable, TaskSamples, task_key  # noqa: E402
 from k3post.loop import PolicyLoop  # noqa: E402
-from k3post.stages.rl import RLConfig, rl_signal, train_rl, train_tasks  # noqa: E402
+from k3post.config.rl import RLConfig
+from k3post.envs.families.streams import train_tasks
+from k3post.stages.rl import rl_signal, train_rl  # noqa: E402
 from k3post.stages.sft import SFTConfig, train_sft  # noqa: E402
 from k3post.tokenizer import train_tokenizer  # noqa: E402
 from k3post.xtml import XTML, XTMLParseError  # noqa: E402

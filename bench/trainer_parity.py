@@ -53,7 +53,9 @@ def run(out: Path) -> None:
     from k3post.models import build_tiny_moe, save_model
     from k3post.stages.mopd import MOPDConfig, train_mopd
     from k3post.rewards.effort import EffortConfig, estimate_budgets
-    from k3post.stages.rl import RLConfig, domain_families, train_rl, train_tasks
+    from k3post.config.rl import RLConfig
+    from k3post.envs.families.streams import domain_families, train_tasks
+    from k3post.stages.rl import train_rl
     from k3post.rollout.embedded import EmbeddedEngine
     from k3post.stages.sft import SFTConfig, train_sft
     from k3post.spec.data import target_generations

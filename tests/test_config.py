@@ -190,7 +190,7 @@ def test_stage_modules_reexport_their_configs():
     from k3post.stages.mopd import MOPDConfig
     from k3post.quant.qat import QATConfig
     from k3post.rewards.effort import EffortConfig
-    from k3post.stages.rl import RLConfig, loss_kwargs
+    from k3post.config.rl import RLConfig, loss_kwargs
     from k3post.rollout.factory import RolloutConfig
     from k3post.stages.sft import SFTConfig
     from k3post.trainer import OptimConfig

@@ -79,7 +79,7 @@ def test_rl_cli_on_a_local_checkpoint(checkpoints, family, tmp_path):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_mopd_on_a_local_checkpoint(checkpoints, xtml_tokenizer, family, tmp_path):
     from k3post.stages.mopd import MOPDConfig, train_mopd
-    from k3post.stages.rl import RLConfig
+    from k3post.config.rl import RLConfig
 
     folder = str(checkpoints[family])
     teacher = build_tiny_family(family, len(xtml_tokenizer), seed=1, initializer_range=0.1)

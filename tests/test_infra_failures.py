@@ -29,7 +29,8 @@ from k3post.errors import InfrastructureError, JudgeUnavailableError, infra_kind
 from k3post.loop import PolicyLoop
 from k3post.rewards.effort import BudgetTable, TaskSamples, task_key
 from k3post.rewards.grm import GroupGRM, PolicyJudge, judge_transport_failure
-from k3post.stages.rl import RLConfig, rl_signal
+from k3post.config.rl import RLConfig
+from k3post.stages.rl import rl_signal
 from k3post.rollout.evaluation import paired_passes, summarize_trajectories
 from k3post.rollout.trajectory import Group, Trajectory, outcome_metrics
 

@@ -36,7 +36,9 @@ from k3post.models import build_tiny_moe, save_model
 from k3post.policy_step import sequence_logprobs, token_logprobs
 from k3post.rewards.effort import BudgetTable, EffortConfig, TaskSamples, task_key
 from k3post.loop import train_policy
-from k3post.stages.rl import RLConfig, rl_signal, train_tasks
+from k3post.config.rl import RLConfig
+from k3post.envs.families.streams import train_tasks
+from k3post.stages.rl import rl_signal
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.evaluation import evaluate_episodes, run_episodes
 from k3post.stages.sft import SFTConfig, train_sft

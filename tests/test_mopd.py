@@ -28,7 +28,7 @@ from k3post.stages.mopd import (
     MOPDConfig, TeacherPool, effort_sampler, evaluate_mopd, initial_messages, mopd_checks, opd_signal, teacher_context,
     train_mopd,
 )
-from k3post.stages.rl import RLConfig
+from k3post.config.rl import RLConfig
 from k3post.rollout.agent_loop import AgentLoop, trajectory_seed
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.engine import SamplingParams, request_seed, token_uniform

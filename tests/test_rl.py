@@ -21,7 +21,9 @@ from k3post.envs.families.registry import get_family
 from k3post.models import build_tiny_moe
 from k3post.policy_step import TokenSequence, micro_batches, policy_step, token_logprobs
 from k3post.rewards.effort import BudgetTable, EffortConfig, TaskSamples, estimate_budgets
-from k3post.stages.rl import RLConfig, _score, domain_families, train_rl, train_tasks
+from k3post.config.rl import RLConfig
+from k3post.envs.families.streams import domain_families, train_tasks
+from k3post.stages.rl import _score, train_rl
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.trajectory import Group, Trajectory
 from k3post.stages.sft import SFTConfig, train_sft
@@ -121,7 +123,7 @@ def test_train_rollout_gap_with_qat_is_kernel_noise(warm_policy, tmp_path, monke
     (4.9e-3 with the XTML segment tokenizer of issue 17) and a max of 0.16-0.19, without its weight fake-quant 1.6-1.9e-2 / 0.45, the trainer without activation fake-quant
     6-7e-3 / 0.17 (docs/decisions.md)."""
     from k3post.quant.qat import QATConfig, apply_qat
-    from k3post.stages.rl import rollout_gap
+    from k3post.loop import rollout_gap
     from k3post.rollout.embedded import forward as embedded
 
     model0, tok = warm_policy
@@ -562,7 +564,7 @@ def test_judged_family_is_rewarded_by_the_grm_through_rl_judge(warm_policy, tmp_
 
 def test_loss_variants_from_config_reach_policy_loss():
     """Every loss knob of RLConfig is passed to policy_loss: a DAPO config gives the DAPO loss."""
-    from k3post.stages.rl import loss_kwargs
+    from k3post.config.rl import loss_kwargs
 
     cfg = RLConfig(log_ratio_min=-math.inf, log_ratio_max=math.inf, tau=0.0, clip_eps_low=0.2, clip_eps_high=0.28,
                    seq_mean=True)

@@ -209,7 +209,8 @@ def run_rl(cfg: K3Config) -> Path:
 def _rl_in(cfg: K3Config, run: Path, init: Path, summary: RunSummary) -> Path:
     """`run_rl` in its opened run folder, from the checkpoint ``init``."""
     from k3post.recipes.experts import domain_budgets, load_policy
-    from k3post.stages.rl import build_group_scorer, domain_families, judged_families, train_rl
+    from k3post.envs.families.streams import domain_families
+    from k3post.stages.rl import build_group_scorer, judged_families, train_rl
     from k3post.rollout.factory import build_engine, close_engine
 
     tokenizer = load_tokenizer(init)
@@ -271,7 +272,8 @@ def run_experts(cfg: K3Config) -> Path:
 def _experts_in(cfg: K3Config, run: Path, init: Path) -> Path:
     """`run_experts` in its opened run folder, from the checkpoint ``init``."""
     from k3post.recipes.experts import expert_grid, format_expert_grid, train_experts
-    from k3post.stages.rl import domain_families, judged_families
+    from k3post.envs.families.streams import domain_families
+    from k3post.stages.rl import judged_families
 
     metrics = MetricsLogger(run)
     out = run / "experts"
@@ -323,7 +325,7 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
     returns the summary written to ``run/mopd/summary.json``."""
     from k3post.recipes.experts import load_policy
     from k3post.stages.mopd import TeacherPool, eval_caps, evaluate_mopd, mopd_eval_tasks, train_mopd
-    from k3post.stages.rl import rollout_gap
+    from k3post.loop import rollout_gap
     from k3post.rollout.factory import build_engine, close_engine
 
     m = mopd_config_for_run(cfg, run / "experts")

@@ -47,8 +47,10 @@ from k3post.metrics import MetricsLogger
 from k3post.models import load_model
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rewards.effort import BudgetTable, Curriculum, estimate_budgets
-from k3post.stages.rl import (GroupScorer, RLConfig, build_group_scorer, domain_families, eval_tasks, judged_families, rollout_gap,
-                       train_rl, sampled_eval, train_tasks)
+from k3post.config.rl import RLConfig
+from k3post.envs.families.streams import domain_families, eval_tasks, train_tasks
+from k3post.loop import rollout_gap
+from k3post.stages.rl import GroupScorer, build_group_scorer, judged_families, train_rl, sampled_eval
 from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.evaluation import evaluate_episodes, paired_passes, paired_shares
 from k3post.stats import paired_change, paired_mean_change

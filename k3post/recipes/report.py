@@ -236,7 +236,7 @@ def _gate_part(gates: dict[str, Any]) -> str:
 
 
 def _gap_table(rows: list[tuple[str, dict[str, float]]]) -> str:
-    """The train–rollout log-prob gap of RL / MOPD runs (`k3post.stages.rl.rollout_gap`)."""
+    """The train–rollout log-prob gap of RL / MOPD runs (`k3post.loop.rollout_gap`)."""
     rows = [(name, g) for name, g in rows if g and g.get("tokens")]
     if not rows:
         return ""

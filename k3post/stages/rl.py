@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from k3post.algos.advantages import group_advantages_from_groups
-from k3post.config.rl import RLConfig, loss_kwargs
+from k3post.config.rl import RLConfig
 from k3post.config.rollout import EngineConfig
 from k3post.envs.families.registry import get_family
 from k3post.envs.families.streams import domain_families, eval_tasks, train_tasks
@@ -48,7 +48,7 @@ from k3post.envs.task import Task
 from k3post.errors import JudgeUnavailableError
 from k3post.metrics import MetricsLogger
 from k3post.models import load_model
-from k3post.loop import PolicyLoop, Signal, StageLog, rollout_gap, train_policy
+from k3post.loop import Signal, StageLog, train_policy
 from k3post.policy_step import TokenSequence
 from k3post.rewards.effort import BudgetTable, group_override
 from k3post.rewards.grm import EngineJudge, GroupGRM, PolicyJudge, estimate_l0, trajectory_candidate
@@ -61,9 +61,8 @@ from k3post.xtml import XTML
 
 log = logging.getLogger("k3post.rl")  # the name users filter on, kept when the module moved to stages/
 
-__all__ = ["RLConfig", "RLResult", "GroupScorer", "Signal", "PolicyLoop", "domain_families", "train_tasks", "eval_tasks", "loss_kwargs",
-           "rl_signal", "train_policy", "train_rl", "check_turn_caps", "rollout_gap", "build_group_scorer",
-           "judged_families", "judge_model_dir", "sampled_eval", "select_by_pass", "VerifierScorer", "apply_judge_gate"]
+__all__ = ["RLResult", "GroupScorer", "rl_signal", "train_rl", "check_turn_caps", "build_group_scorer", "judged_families",
+           "judge_model_dir", "sampled_eval", "select_by_pass", "VerifierScorer", "apply_judge_gate"]
 
 @dataclass
 class RLResult:
