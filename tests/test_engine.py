@@ -39,8 +39,10 @@ from k3post.rollout import (
 from k3post.rollout.adapters import (
     SGLangEngine,
     VLLMEngine,
+    from_sglang_input_logprobs,
     from_sglang_output,
     from_vllm_output,
+    from_vllm_prompt_logprobs,
     normalize_finish_reason,
     to_sglang_sampling_params,
     to_vllm_sampling_kwargs,
@@ -1030,6 +1032,55 @@ def test_sglang_conversions():
     assert normalize_finish_reason(None) == "abort"
     with pytest.raises(ValueError, match="unknown finish reason"):
         normalize_finish_reason("weird")
+
+
+def test_score_conversions_of_the_offline_engines():
+    """The offline vLLM / SGLang engines' scoring answers as `ScoringEngine.score` rows: vLLM's ``prompt_logprobs``
+    (None, then token id -> Logprob per position, possibly with other candidates), SGLang's
+    ``input_token_logprobs``; an answer missing a position's token, with other token ids or a null log-prob is a
+    ValueError naming the sequence."""
+    lp = lambda x: SimpleNamespace(logprob=x, rank=1, decoded_token=None)  # noqa: E731  vllm.Logprob
+    ids = [[5, 6, 7], [8]]
+    outs = [SimpleNamespace(prompt_logprobs=[None, {6: lp(-0.5), 3: lp(-0.1)}, {7: lp(-2.0)}]),
+            SimpleNamespace(prompt_logprobs=[None])]
+    assert from_vllm_prompt_logprobs(ids, outs) == [[-0.5, -2.0], []]
+    with pytest.raises(ValueError, match="sequence 0, position 2"):
+        from_vllm_prompt_logprobs(ids, [SimpleNamespace(prompt_logprobs=[None, {6: lp(-0.5)}, {4: lp(-1.0)}]), outs[1]])
+    with pytest.raises(ValueError, match="sequence 1: prompt_logprobs"):
+        from_vllm_prompt_logprobs(ids, [outs[0], SimpleNamespace(prompt_logprobs=None)])
+    sg = [{"meta_info": {"input_token_logprobs": [[None, 5, None], [-0.5, 6, None], [-2.0, 7, None]]}},
+          {"meta_info": {"input_token_logprobs": [[None, 8, None]]}}]
+    assert from_sglang_input_logprobs(ids, sg) == [[-0.5, -2.0], []]
+    with pytest.raises(ValueError, match="sequence 0"):
+        from_sglang_input_logprobs(ids, [{"meta_info": {"input_token_logprobs": [[None, 5, None], [-0.5, 9, None],
+                                                                                  [-2.0, 7, None]]}}, sg[1]])
+    with pytest.raises(ValueError, match="sequence 0"):
+        from_sglang_input_logprobs(ids, [{"meta_info": {"input_token_logprobs": [[None, 5, None], [None, 6, None],
+                                                                                  [-2.0, 7, None]]}}, sg[1]])
+
+
+def test_embedded_score_is_the_models_forward_and_leaves_requests_alone(tiny):
+    """`EmbeddedEngine.score` returns log p(ids[t] | ids[:t]) for t >= 1 from the model's own forward (an HF
+    forward's log-softmax, to fp32 rounding), for sequences of any length in one call, and does not disturb a
+    request in flight: the request's tokens and log-probs equal those of an engine that never scored."""
+    model, tok = tiny
+    engine = EmbeddedEngine(model, tok, max_batch_size=2)
+    ids = [_prompt(9, 3, len(tok)), _prompt(4, 5, len(tok)), [7]]
+    with torch.inference_mode():
+        for seq, got in zip(ids, engine.score(ids)):
+            want = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
+            assert len(got) == len(seq) - 1
+            assert all(abs(g - float(want[t - 1, seq[t]])) <= 1e-5 for t, g in zip(range(1, len(seq)), got))
+    ref = EmbeddedEngine(model, tok, max_batch_size=2).generate(_requests(len(tok), 1))[0]
+    engine.add_request(_requests(len(tok), 1)[0])
+    engine.step()
+    engine.score(ids)
+    done = _run_until(engine, 50)
+    assert done["r0"].output_ids == ref.output_ids and done["r0"].output_logprobs == ref.output_logprobs
+    with pytest.raises(ValueError, match="sequence 1, position 0"):
+        engine.score([[5], [len(tok)]])
+    with pytest.raises(ValueError, match="sequence 0 must be a non-empty"):
+        engine.score([[]])
 
 
 @pytest.mark.gpu

@@ -138,3 +138,17 @@ def test_sglang_generate_regressions(d: Any) -> None:
     was already a DialectError)."""
     with pytest.raises(DialectError, match=r"^http://server[:/]"):
         SGLangDialect().parse_generate(URL, "r1", d, 3)
+
+
+@FAST
+@given(json_values, st.lists(st.lists(st.integers(0, 20), min_size=1, max_size=4), min_size=1, max_size=3))
+def test_scoring_answers(d: Any, ids: list[list[int]]) -> None:
+    """Whatever a server answers to a scoring call, each dialect's `parse_score` gives rows that fit ``ids`` or a
+    `DialectError` naming the server."""
+    for dialect in (K3postDialect(), SGLangDialect(), VLLMDialect()):
+        try:
+            rows = dialect.parse_score(URL, d, ids)
+        except DialectError as e:
+            assert str(e).startswith(URL), str(e)
+            continue
+        assert [len(r) for r in rows] == [len(s) - 1 for s in ids] and all(isinstance(x, float) for r in rows for x in r)

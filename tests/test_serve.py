@@ -373,6 +373,49 @@ def test_echo_scores_prompts_and_serves_an_mopd_teacher(served: Served) -> None:
     pool.close()
 
 
+def _nested_close(got: list[list[float]], want: list[list[float]], tol: float = 1e-5) -> bool:
+    """Same shape, every value within ``tol`` (the JSON round trip keeps float32 values exactly; batching
+    other sequences beside one moves its last bits)."""
+    return [len(g) for g in got] == [len(w) for w in want] and all(
+        abs(a - b) <= tol for g, w in zip(got, want) for a, b in zip(g, w))
+
+
+def test_score_route_and_http_engine_score_equal_the_local_forward(served: Served) -> None:
+    """The engine API's ``POST /score`` gives each sequence's log-probs after its first token under the served
+    model, the numbers of `EmbeddedEngine.score` and of the model's own forward; `HTTPEngine.score` (the
+    `ScoringEngine` client) returns the same through the k3post dialect, in the order given; a one-token
+    sequence scores to []; a token outside the vocabulary, an empty sequence or one over max_model_len is a 400
+    naming it, and the client raises it as a ValueError naming the server."""
+    from k3post.policy_step import sequence_logprobs
+    from k3post.rollout.engine import ScoringEngine
+    from k3post.rollout.http_engine import HTTPEngine
+
+    engine = served.app.state.server.runner.engine
+    x = XTML(served.tok)
+    ids = [x.render(MESSAGES + [REPLY], tools=TOOLS, effort="high").ids, served.tok.encode("Hello there", add_special_tokens=False),
+           [7]]
+    local = [lp[1:] for lp in sequence_logprobs(engine.model, ids, 4096)]
+    assert isinstance(engine, ScoringEngine) and engine.score(ids) == local and local[2] == []
+    r = _post(served, "/score", {"input_ids": ids})
+    assert r.status_code == 200, r.text
+    assert _nested_close(r.json()["logprobs"], local) and r.json()["weight_version"] == engine.version
+    vocab = served.app.state.server.vocab
+    for bad, what in (([[5, vocab]], "input_ids[0]"), ([[]], "input_ids"), ([[5] * 1100], "input_ids[0] has 1100 tokens"),
+                      ("5 6", "input_ids")):
+        r = _post(served, "/score", {"input_ids": bad})
+        assert r.status_code == 400 and what in r.json()["error"]["message"], (bad, r.text)
+    client = HTTPEngine([served.url], dialect="k3post")
+    try:
+        assert isinstance(client, ScoringEngine)
+        assert _nested_close(client.score(ids[::-1]), local[::-1])
+        with pytest.raises(ValueError, match=f"{served.url}/score answered HTTP 400"):
+            client.score([[5, vocab]])
+        with pytest.raises(ValueError, match="sequence 1, position 2"):
+            client.score([[5, 6], [5, 6, -1]])  # checked before anything is sent
+    finally:
+        client.close()
+
+
 def test_runner_call_runs_on_the_engine_thread_and_raises_its_error(served: Served) -> None:
     runner = served.app.state.server.runner
 

@@ -20,6 +20,7 @@ import asyncio
 import copy
 import importlib.util
 import json
+import re
 import os
 import socket
 import subprocess
@@ -39,6 +40,7 @@ from k3post.rollout.engine import GenerationRequest, SamplingParams
 from k3post.rollout.http_engine import HTTPEngine
 from k3post.rollout.server_dialects import (
     DialectError,
+    K3postDialect,
     SGLangDialect,
     VLLMDialect,
     parse_version,
@@ -617,3 +619,82 @@ def test_real_vllm_server(gpu_model_dir: Path, tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+# --------------------------------------------------------------------------- scoring (ScoringEngine over HTTP)
+
+
+def _scoring_servers(dialect: str, down: tuple[str, ...] = ()) -> tuple[HTTPEngine, list[tuple[str, Any]]]:
+    """An HTTPEngine over servers a and b speaking ``dialect``, whose 'model' gives token t after any context the
+    log-prob -0.001 * t; the servers in ``down`` refuse every connection. Returns the engine and the scoring
+    calls (host, body) the servers answered."""
+    seen: list[tuple[str, Any]] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        host, path = request.url.host, request.url.path
+        if host in down:
+            raise httpx.ConnectError("connection refused", request=request)
+        if path == "/get_model_info":
+            return httpx.Response(200, json={"weight_version": "3", "is_generation": True, "max_batch_size": 4,
+                                             "max_model_len": 64, "qat": None})
+        if path == "/get_server_info":
+            return httpx.Response(200, json={"context_length": 64, "max_running_requests": 4})
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 64}]})
+        body = json.loads(request.content)
+        seen.append((host, body))
+        if dialect == "k3post":
+            return httpx.Response(200, json={"logprobs": [[-0.001 * t for t in s[1:]] for s in body["input_ids"]],
+                                             "weight_version": 3})
+        if dialect == "sglang":
+            assert body["sampling_params"] == {"max_new_tokens": 0} and body["logprob_start_len"] == 0
+            return httpx.Response(200, json=[{"text": "", "meta_info": {"input_token_logprobs": [
+                [None if i == 0 else -0.001 * t, t, None] for i, t in enumerate(s)]}} for s in body["input_ids"]])
+        assert body["echo"] is True and body["max_tokens"] == 1 and body["model"] == "m"
+        return httpx.Response(200, json={"choices": [{"index": i, "text": "", "logprobs": {
+            "tokens": [f"token_id:{t}" for t in s + [9]], "token_logprobs": [None] + [-0.001 * t for t in s[1:]] + [-0.5]}}
+            for i, s in enumerate(body["prompt"])]})
+
+    eng = HTTPEngine(["http://a", "http://b"], dialect=dialect, transport=httpx.MockTransport(handle), backoff_s=0.0,
+                     max_retries=1, server_slots=4)
+    return eng, seen
+
+
+@pytest.mark.parametrize("dialect", ["k3post", "sglang", "vllm"])
+def test_http_engine_scores_through_every_dialect(dialect: str) -> None:
+    """`HTTPEngine.score` sends each dialect's scoring call (k3post ``/score``, SGLang's prefill-only ``/generate``,
+    vLLM's ``echo`` completion), splits the sequences over the live servers and returns one log-prob per token
+    after the first, in the order given (vLLM's extra sampled token dropped); when a server is down its share is
+    scored on the other."""
+    from k3post.rollout.engine import ScoringEngine
+
+    ids = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14]]
+    want = [[-0.001 * t for t in s[1:]] for s in ids]
+    eng, seen = _scoring_servers(dialect)
+    with eng:
+        assert isinstance(eng, ScoringEngine)
+        assert eng.score(ids) == want
+    assert sorted(h for h, _ in seen) == ["a", "b"]  # one call per server
+    eng, seen = _scoring_servers(dialect, down=("a",))
+    with eng:
+        assert eng.score(ids) == want
+    assert {h for h, _ in seen} == {"b"}
+
+
+@pytest.mark.parametrize("dialect", ["k3post", "sglang", "vllm"])
+def test_scoring_answers_that_do_not_fit_are_dialect_errors(dialect: str) -> None:
+    """A scoring answer with the wrong number of log-probs, a null or text log-prob, other token ids than the
+    ones sent, or too few answers is a `DialectError` naming the server, never a silent misalignment."""
+    d = {"k3post": K3postDialect(), "sglang": SGLangDialect(), "vllm": VLLMDialect()}[dialect]
+    ids = [[5, 6, 7]]
+    good = {"k3post": {"logprobs": [[-0.1, -0.2]]},
+            "sglang": [{"meta_info": {"input_token_logprobs": [[None, 5, None], [-0.1, 6, None], [-0.2, 7, None]]}}],
+            "vllm": {"choices": [{"index": 0, "logprobs": {"tokens": ["token_id:5", "token_id:6", "token_id:7", "token_id:1"],
+                                                          "token_logprobs": [None, -0.1, -0.2, -0.9]}}]}}[dialect]
+    assert d.parse_score(URL, good, ids) == [[-0.1, -0.2]]
+    bad = json.loads(json.dumps(good).replace("-0.2", "null"))
+    shifted = json.loads(json.dumps(good).replace('"token_id:6"', '"token_id:4"').replace("[-0.1, 6,", "[-0.1, 4,"))
+    short = {"k3post": {"logprobs": [[-0.1]]}, "sglang": [], "vllm": {"choices": []}}[dialect]
+    for answer in ([bad, short] + ([shifted] if dialect != "k3post" else [])):
+        with pytest.raises(DialectError, match="^" + re.escape(URL)):
+            d.parse_score(URL, answer, ids)

@@ -23,6 +23,7 @@ Shape legend: none (lists of token ids and floats only).
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ import torch
 from k3post.rollout.engine import GenerationRequest, GenerationResult, NamedTensors, SamplingParams
 
 __all__ = [
+    "from_sglang_input_logprobs",
+    "from_vllm_prompt_logprobs",
     "VLLMEngine",
     "SGLangEngine",
     "import_optional",
@@ -159,6 +162,53 @@ def from_sglang_output(req: GenerationRequest, output: Mapping[str, Any], versio
     )
 
 
+def _finite_row(b: int, row: list[Any], n: int) -> list[float]:
+    if len(row) != n - 1 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in row):
+        raise ValueError(f"sequence {b} ({n} tokens): expected {n - 1} finite log-probs, got {str(row)[:200]}")
+    return [float(x) for x in row]
+
+
+def from_vllm_prompt_logprobs(ids: Sequence[Sequence[int]], outputs: Sequence[Any]) -> list[list[float]]:
+    """`ScoringEngine.score` rows from ``vllm.LLM.generate`` outputs run with ``prompt_logprobs=0``: each
+    output's ``prompt_logprobs`` holds None for the first token, then per position a mapping token id ->
+    ``Logprob`` that includes the prompt's own token. ValueError naming the sequence when one is missing."""
+    if len(outputs) != len(ids):
+        raise ValueError(f"expected {len(ids)} outputs, got {len(outputs)}")
+    rows = []
+    for b, (seq, out) in enumerate(zip(ids, outputs)):
+        plp = getattr(out, "prompt_logprobs", None)
+        if not isinstance(plp, (list, tuple)) or len(plp) != len(seq):
+            raise ValueError(f"sequence {b}: prompt_logprobs {str(plp)[:120]} do not cover its {len(seq)} tokens "
+                             "(run with prompt_logprobs=0)")
+        row = []
+        for t in range(1, len(seq)):
+            entry = plp[t].get(seq[t]) if isinstance(plp[t], Mapping) else None
+            if entry is None:
+                raise ValueError(f"sequence {b}, position {t}: no log-prob of its token {seq[t]}")
+            row.append(getattr(entry, "logprob", entry))
+        rows.append(_finite_row(b, row, len(seq)))
+    return rows
+
+
+def from_sglang_input_logprobs(ids: Sequence[Sequence[int]], outputs: Any) -> list[list[float]]:
+    """`ScoringEngine.score` rows from SGLang answers run with ``return_logprob``, ``logprob_start_len`` 0 and
+    ``max_new_tokens`` 0 (the offline ``Engine.generate`` and the HTTP ``/generate`` answer alike): each answer's
+    ``meta_info.input_token_logprobs`` is ``[logprob, token_id, text]`` per input token, no log-prob for the
+    first. The token ids must be the ones sent; ValueError naming the sequence otherwise."""
+    answers = [outputs] if isinstance(outputs, Mapping) else list(outputs)
+    if len(answers) != len(ids):
+        raise ValueError(f"expected {len(ids)} answers, got {len(answers)}")
+    rows = []
+    for b, (seq, a) in enumerate(zip(ids, answers)):
+        entries = a["meta_info"]["input_token_logprobs"]
+        if not isinstance(entries, list) or len(entries) != len(seq) or any(
+                not isinstance(e, (list, tuple)) or len(e) < 2 or int(e[1]) != t for e, t in zip(entries, seq)):
+            raise ValueError(f"sequence {b}: meta_info.input_token_logprobs do not cover its {len(seq)} input tokens: "
+                             f"{str(entries)[:200]}")
+        rows.append(_finite_row(b, [e[0] for e in entries[1:]], len(seq)))
+    return rows
+
+
 def _named_list(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
     for name, t in items:
@@ -228,6 +278,13 @@ class VLLMEngine(_BlockingEngine):
         outs = self._llm.generate(prompts, params, use_tqdm=False)
         return [from_vllm_output(r, o, self._version) for r, o in zip(requests, outs)]
 
+    def score(self, ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """`ScoringEngine.score`: ``LLM.generate`` with ``prompt_logprobs=0`` and one greedy token (ignored)."""
+        seqs = [list(map(int, s)) for s in ids]
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outs = self._llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
+        return from_vllm_prompt_logprobs(seqs, outs)
+
     def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
         """Load weights into every worker's model (``collective_rpc`` -> ``model.load_weights``;
         vLLM v1 needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to ship the function) and drop
@@ -263,6 +320,14 @@ class SGLangEngine(_BlockingEngine):
         if isinstance(outs, Mapping):
             outs = [outs]
         return [from_sglang_output(r, o, self._version) for r, o in zip(requests, outs)]
+
+    def score(self, ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """`ScoringEngine.score`: a prefill-only ``Engine.generate`` (``max_new_tokens`` 0) with the input's
+        log-probs from its first token."""
+        seqs = [list(map(int, s)) for s in ids]
+        outs = self._engine.generate(input_ids=seqs, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                     logprob_start_len=0)
+        return from_sglang_input_logprobs(seqs, outs)
 
     def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> int:
         """``Engine.update_weights_from_tensor`` (flushes the radix cache)."""

@@ -40,6 +40,8 @@ __all__ = [
     "KVState",
     "RolloutEngine",
     "SteppableEngine",
+    "ScoringEngine",
+    "check_score_ids",
     "generate_by_stepping",
     "QueuedRequestsMixin",
     "shared_prefix_len",
@@ -284,6 +286,35 @@ class RolloutEngine(Protocol):
     def update_weights(self, named_tensors: NamedTensors) -> int:
         """Load weights by HF parameter name and bump the version; returns the new version."""
         ...
+
+
+@runtime_checkable
+class ScoringEngine(Protocol):
+    """An engine that also scores given token ids with its current weights (prefill only, no sampling): the
+    log-probs MOPD teachers give the student's tokens, and what an OpenAI ``echo`` request returns."""
+
+    def score(self, ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Per sequence, ``out[b][t - 1] = log p(ids[b][t] | ids[b][:t])`` for t = 1 .. len(ids[b]) - 1, under the
+        raw model distribution (no temperature), in the order of ``ids``. A one-token sequence gets ``[]``."""
+        ...
+
+
+def check_score_ids(ids: Sequence[Sequence[int]], vocab: int, max_model_len: int | None = None) -> list[list[int]]:
+    """``ids`` as lists of ints for ``score``; ValueError naming the sequence (and the token position) when one is
+    empty, longer than ``max_model_len`` (None: no cap) or holds a token outside [0, vocab)."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise ValueError(f"score: ids must be a sequence of token-id sequences, got {type(ids).__name__}")
+    out = []
+    for b, seq in enumerate(ids):
+        if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence) or not seq:
+            raise ValueError(f"score: sequence {b} must be a non-empty sequence of token ids, got {seq!r:.80}")
+        if max_model_len is not None and len(seq) > max_model_len:
+            raise ValueError(f"score: sequence {b} has {len(seq)} tokens, more than max_model_len {max_model_len}")
+        for t, tok in enumerate(seq):
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
+                raise ValueError(f"score: sequence {b}, position {t}: {tok!r} is not a token id in [0, {vocab})")
+        out.append([int(t) for t in seq])
+    return out
 
 
 @runtime_checkable

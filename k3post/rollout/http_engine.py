@@ -82,6 +82,7 @@ from k3post.rollout.engine import (
     GenerationResult,
     KVState,
     NamedTensors,
+    check_score_ids,
     generate_by_stepping,
     request_seed,
 )
@@ -660,6 +661,45 @@ class HTTPEngine:
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Run ``requests`` to completion; results in request order (the engine must be idle)."""
         return generate_by_stepping(self, requests)
+
+    def score(self, ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """`k3post.rollout.engine.ScoringEngine.score` on the servers (their dialect's scoring call: ``/score`` on
+        ``k3post serve``, a prefill-only ``/generate`` on SGLang, an ``echo`` completion on vLLM): the sequences
+        are split over the live servers, one call each; the share of a server that dies is scored again on
+        another. A server's refusal (HTTP 4xx / 5xx) is a ValueError naming it and its message; every answer is
+        checked (`server_dialects`: one finite log-prob per token after the first, the token ids echoed)."""
+        seqs = check_score_ids(ids, 2**62, self.max_model_len)  # the servers check the vocabulary
+        out: list[list[float] | None] = [None] * len(seqs)
+
+        async def on(server: _Server, idx: list[int]) -> list[list[float]]:
+            chunk = [seqs[i] for i in idx]
+            call = self.dialect.score_call(chunk)
+            r = await self._post(server, call.path, call.body)
+            if r.status_code != 200:
+                raise ValueError(f"score: {server.url}{call.path} answered HTTP {r.status_code}: {r.text[:300]}")
+            return self.dialect.parse_score(server.url, r.json(), chunk)
+
+        async def spread(idx: list[int]) -> list[Any]:
+            live = self._live()
+            if not live:
+                raise EngineUnavailableError(f"no engine server left: {', '.join(s.url + ' (dead)' for s in self._servers)}")
+            parts = [(s, idx[k::len(live)]) for k, s in enumerate(live)]
+            results = await asyncio.gather(*[on(s, p) for s, p in parts if p], return_exceptions=True)
+            return list(zip([p for _, p in parts if p], results))
+
+        pending = list(range(len(seqs)))
+        while pending:
+            retry: list[int] = []
+            for idx, res in self._call(spread(pending)):
+                if isinstance(res, _ServerDown):
+                    retry += idx
+                elif isinstance(res, BaseException):
+                    raise res
+                else:
+                    for i, lps in zip(idx, res):
+                        out[i] = lps
+            pending = retry
+        return [lps for lps in out if lps is not None]
 
     def export_kv(self, request_id: str) -> KVState:
         """Not supported: no KV cache crosses the wire (``kv_transfer = False``)."""

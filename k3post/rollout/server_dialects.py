@@ -76,11 +76,13 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3post.rollout.adapters import normalize_finish_reason, to_sglang_sampling_params, to_vllm_sampling_kwargs
+from k3post.rollout.adapters import (from_sglang_input_logprobs, normalize_finish_reason, to_sglang_sampling_params,
+                                     to_vllm_sampling_kwargs)
 from k3post.rollout.engine import GenerationRequest
 
 __all__ = [
@@ -178,6 +180,21 @@ def _continuation(req: GenerationRequest, ids: Sequence[int]) -> GenerationReque
                              given_logprobs=[0.0] * len(ids), given_versions=[0] * len(ids))
 
 
+def _scores(ids: Sequence[Sequence[int]], rows: Any, where: str) -> list[list[float]]:
+    """Check ``rows[b]`` (a score answer's per-sequence log-probs, already without the first token's) against
+    ``ids``: one list per sequence, ``len(ids[b]) - 1`` finite numbers each."""
+    if not isinstance(rows, list) or len(rows) != len(ids):
+        raise DialectError(f"{where}: expected {len(ids)} lists of log-probs, got {str(rows)[:200]}")
+    out = []
+    for b, (seq, row) in enumerate(zip(ids, rows)):
+        if not isinstance(row, list) or len(row) != len(seq) - 1 or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in row):
+            raise DialectError(f"{where}: sequence {b} ({len(seq)} tokens) needs {len(seq) - 1} finite log-probs, "
+                               f"got {str(row)[:200]}")
+        out.append([float(x) for x in row])
+    return out
+
+
 class K3postDialect:
     """``k3post serve``: HTTPEngine's own code path; model info from ``GET /get_model_info``."""
 
@@ -195,6 +212,14 @@ class K3postDialect:
 
     def abort_call(self, wire_rid: str) -> Call | None:
         return Call("POST", "/abort_request", {"rid": wire_rid})
+
+    def score_call(self, ids: Sequence[Sequence[int]]) -> Call:
+        """``POST /score`` (`k3post.serve.engine_api`)."""
+        return Call("POST", "/score", {"input_ids": [list(s) for s in ids]})
+
+    @_parses_answers
+    def parse_score(self, url: str, d: Any, ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        return _scores(ids, _field(d, "logprobs", f"{url}/score"), f"{url}/score")
 
 
 class SGLangDialect:
@@ -276,6 +301,17 @@ class SGLangDialect:
 
     def abort_call(self, wire_rid: str) -> Call | None:
         return Call("POST", "/abort_request", {"rid": wire_rid})
+
+    def score_call(self, ids: Sequence[Sequence[int]]) -> Call:
+        """A batched prefill-only ``POST /generate``: no new token, the input's log-probs from its first token."""
+        return Call("POST", "/generate", {"input_ids": [list(s) for s in ids], "sampling_params": {"max_new_tokens": 0},
+                                          "return_logprob": True, "logprob_start_len": 0})
+
+    @_parses_answers
+    def parse_score(self, url: str, d: Any, ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """The answers' input-token log-probs (`k3post.rollout.adapters.from_sglang_input_logprobs`, shared with
+        the offline SGLang engine)."""
+        return from_sglang_input_logprobs(ids, d)
 
     def init_weight_calls(self) -> list[Call]:
         return []
@@ -378,6 +414,33 @@ class VLLMDialect:
     def abort_call(self, wire_rid: str) -> Call | None:
         """None: a request is aborted by closing its stream (module doc)."""
         return None
+
+    def score_call(self, ids: Sequence[Sequence[int]]) -> Call:
+        """``POST /v1/completions`` with ``echo``: the prompt's log-probs, then one greedy token that is ignored
+        (``max_tokens`` 1: not every vLLM version accepts 0)."""
+        return Call("POST", "/v1/completions", {
+            "model": self.model, "prompt": [list(s) for s in ids], "echo": True, "logprobs": 0, "max_tokens": 1,
+            "temperature": 0.0, "n": 1, "return_tokens_as_token_ids": True, "skip_special_tokens": False})
+
+    @_parses_answers
+    def parse_score(self, url: str, d: Any, ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """``choices[b].logprobs.token_logprobs`` over the echoed prompt (None first), the sampled token's dropped;
+        the echoed tokens must be the ones sent."""
+        where = f"{url}/v1/completions (scoring)"
+        choices = _field(d, "choices", where)
+        if not isinstance(choices, list) or len(choices) != len(ids):
+            raise DialectError(f"{where}: expected {len(ids)} choices, got {str(choices)[:200]}")
+        rows = []
+        for b, (seq, c) in enumerate(zip(ids, sorted(choices, key=lambda c: int(_field(c, "index", where))))):
+            lp = _field(c, "logprobs", f"{where} choices[{b}]")
+            tokens, lps = _field(lp, "tokens", f"{where} choices[{b}].logprobs"), lp.get("token_logprobs")
+            echoed = [int(t.removeprefix("token_id:")) if isinstance(t, str) and t.startswith("token_id:") else None
+                      for t in tokens[: len(seq)]]
+            if echoed != list(seq) or not isinstance(lps, list) or len(lps) < len(seq):
+                raise DialectError(f"{where}: choices[{b}] does not echo its {len(seq)} prompt tokens with their "
+                                   f"log-probs (send echo: true, return_tokens_as_token_ids: true): {str(lp)[:200]}")
+            rows.append(lps[1: len(seq)])
+        return _scores(ids, rows, where)
 
     def init_weight_calls(self) -> list[Call]:
         return [Call("POST", "/init_weight_transfer_engine", {"init_info": {}})]

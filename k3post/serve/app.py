@@ -108,7 +108,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from k3post.policy_step import micro_batches, sequence_logprobs
 from k3post.rollout.engine import GenerationRequest, GenerationResult, SamplingParams, request_seed
 from k3post.serve.engine_api import engine_router
 from k3post.serve.runner import EngineRunner, ErrorEvent, FinishEvent, RunnerEvent, TokenEvent
@@ -359,19 +358,6 @@ def _render_param(message: str) -> str:
 # --------------------------------------------------------------------------- in-flight requests
 
 
-def _admit(srv: "ServerState", k: int) -> None:
-    """Room for ``k`` more engine requests: a 429 (retry later) when the server is full, a 400 when
-    ``k`` alone is over the limit (retrying cannot help)."""
-    limit = srv.config.limits.max_inflight
-    if k > limit:
-        raise APIError(f"the request needs {k} engine requests (prompts x n), more than this server's limit of "
-                       f"{limit} in flight (ServeLimits.max_inflight)", code="limit_exceeded")
-    if srv.inflight + k > limit:
-        raise APIError(f"the server is busy: {srv.inflight} requests in flight, the limit is {limit} "
-                       "(ServeLimits.max_inflight); retry later", status=429, code="server_busy",
-                       type_="rate_limit_error")
-
-
 class _Inflight:
     """The engine requests of one HTTP request (its n choices) and their event stream.
 
@@ -381,7 +367,7 @@ class _Inflight:
 
     def __init__(self, srv: "ServerState", requests: list[GenerationRequest], *, stream: bool) -> None:
         limits = srv.config.limits
-        _admit(srv, len(requests))
+        srv.admit(len(requests))
         self.srv = srv
         self.runner = srv.runner
         self.requests = requests
@@ -780,42 +766,18 @@ async def _echo(srv: ServerState, body: Mapping[str, Any], prompts: list[list[in
     for i, ids in enumerate(prompts):
         if len(ids) > srv.max_model_len:
             raise APIError(f"prompt {i} has {len(ids)} tokens, more than the model's {srv.max_model_len}", param="prompt")
-    scores = await _score_in_steps(srv, prompts)
+    scores = await srv.score(prompts)
     choices = []
     for i, (ids, lps) in enumerate(zip(prompts, scores)):
         logprobs = None
         if want_logprobs:
-            logprobs = {"tokens": [srv.token_str(t) for t in ids], "token_logprobs": [None, *lps[1:]],
+            logprobs = {"tokens": [srv.token_str(t) for t in ids], "token_logprobs": [None, *lps],
                         "top_logprobs": None, "text_offset": text_offsets(srv.tokenizer, ids)}
         choices.append({"index": i, "text": decode(srv.tokenizer, ids), "logprobs": logprobs, "finish_reason": "length"})
     n_prompt = sum(len(ids) for ids in prompts)
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": srv.config.model_name, "system_fingerprint": srv.fingerprint(), "choices": choices,
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}}
-
-
-async def _score_in_steps(srv: ServerState, prompts: list[list[int]]) -> list[list[float]]:
-    """`sequence_logprobs` of ``prompts``, one engine-thread call per forward of at most
-    ``echo_batch_tokens`` padded tokens, so the engine steps other clients' generation in between;
-    counted in flight (429 when full) and bounded by ``request_timeout_s`` (504, checked between forwards)."""
-    limits = srv.config.limits
-    _admit(srv, len(prompts))
-    deadline = time.monotonic() + limits.request_timeout_s
-    scores: list[list[float]] = [[] for _ in prompts]
-    srv.inflight += len(prompts)
-    try:
-        for idx in micro_batches([len(p) for p in prompts], limits.echo_batch_tokens):
-            if time.monotonic() > deadline:
-                raise APIError(f"the request took longer than {limits.request_timeout_s:g} s "
-                               "(ServeLimits.request_timeout_s)", status=504, code="timeout", type_="server_error")
-            group = [prompts[i] for i in idx]
-            out = await srv.runner.call(
-                lambda engine, group=group: sequence_logprobs(engine.model, group, limits.echo_batch_tokens))
-            for i, lps in zip(idx, out):
-                scores[i] = lps
-    finally:
-        srv.inflight -= len(prompts)
-    return scores
 
 
 # --------------------------------------------------------------------------- chat streaming

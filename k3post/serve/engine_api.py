@@ -31,6 +31,10 @@ a k3post server at the level of token ids, log-probs and policy versions:
   engine's default stop ids (``<|end_of_msg|>``), as in SGLang; ``stop_ids`` (k3post)
   replaces them (``[]``: never stop early). Log-probs are those of the raw model
   distribution (the engine convention). Unknown sampling keys are a 400 naming the key.
+* ``POST /score`` ``{"input_ids": [[int, ...], ...]}`` (k3post): the served model's log-probs of each given
+  sequence, prefill only: ``{"logprobs": [[log p(ids[t] | ids[:t]) for t >= 1], ...], "weight_version"}``
+  (`k3post.rollout.engine.ScoringEngine`; `HTTPEngine.score` is its client). Batched between engine steps
+  like the OpenAI ``echo`` (``ServeLimits.echo_batch_tokens``), counted in flight (429 when full).
 * ``POST /abort_request`` ``{"rid"}`` (or ``{"abort_all": true}``): the pending ``/generate``
   of that request answers with its partial output, finish_reason ``abort``. Unknown ids
   are ignored (the request may have just finished).
@@ -359,6 +363,19 @@ def engine_router(srv: ServerState) -> APIRouter:
             raise APIError(str(e), status=500, type_="server_error") from None
         return generate_response(result, given=len(req.given_ids), return_logprob=return_logprob,
                                  weight_version=version(), tokenizer=srv.tokenizer)
+
+    @router.post("/score")
+    async def score(request: Request) -> dict[str, Any]:
+        body = await json_body(request)
+        seqs = body.get("input_ids")
+        if not isinstance(seqs, list) or not seqs or not all(isinstance(s, list) and s for s in seqs):
+            raise APIError("'input_ids' must be a non-empty list of non-empty token-id lists", param="input_ids")
+        prompts = [_ids(s, f"input_ids[{b}]", srv.vocab) for b, s in enumerate(seqs)]
+        for b, p in enumerate(prompts):
+            if len(p) > srv.max_model_len:
+                raise APIError(f"input_ids[{b}] has {len(p)} tokens, more than the model's {srv.max_model_len}",
+                               param="input_ids")
+        return {"logprobs": await srv.score(prompts), "weight_version": version()}
 
     @router.post("/abort_request")
     async def abort_request(request: Request) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from k3post.constants import DEFAULT_EFFORT
+from k3post.policy_step import micro_batches
 from k3post.tokenizer import decode
 from k3post.xtml import EFFORTS, XTML, XTMLParseError
 
@@ -223,6 +224,41 @@ class ServerState:
         self.inflight = 0  # engine requests of HTTP clients queued or running (`_Inflight`)
 
     # ------------------------------------------------------------------ helpers
+    def admit(self, k: int) -> None:
+        """Room for ``k`` more engine requests: a 429 (retry later) when the server is full, a 400 when
+        ``k`` alone is over the limit (retrying cannot help)."""
+        limit = self.config.limits.max_inflight
+        if k > limit:
+            raise APIError(f"the request needs {k} engine requests (prompts x n), more than this server's limit of "
+                           f"{limit} in flight (ServeLimits.max_inflight)", code="limit_exceeded")
+        if self.inflight + k > limit:
+            raise APIError(f"the server is busy: {self.inflight} requests in flight, the limit is {limit} "
+                           "(ServeLimits.max_inflight); retry later", status=429, code="server_busy",
+                           type_="rate_limit_error")
+
+    async def score(self, prompts: list[list[int]]) -> list[list[float]]:
+        """The engine's `score` of ``prompts`` (``out[b][t - 1] = log p(prompts[b][t] | prompts[b][:t])``), one
+        engine-thread call per batch of at most ``echo_batch_tokens`` padded tokens, so the engine steps other
+        clients' generation in between; counted in flight (429 when full) and bounded by ``request_timeout_s``
+        (504, checked between batches)."""
+        limits = self.config.limits
+        self.admit(len(prompts))
+        deadline = time.monotonic() + limits.request_timeout_s
+        scores: list[list[float]] = [[] for _ in prompts]
+        self.inflight += len(prompts)
+        try:
+            for idx in micro_batches([len(p) for p in prompts], limits.echo_batch_tokens):
+                if time.monotonic() > deadline:
+                    raise APIError(f"the request took longer than {limits.request_timeout_s:g} s "
+                                   "(ServeLimits.request_timeout_s)", status=504, code="timeout", type_="server_error")
+                group = [prompts[i] for i in idx]
+                out = await self.runner.call(lambda engine, group=group: engine.score(group))
+                for i, lps in zip(idx, out):
+                    scores[i] = lps
+        finally:
+            self.inflight -= len(prompts)
+        return scores
+
     def check_model(self, body: Mapping[str, Any]) -> None:
         model = body.get("model")
         if model is not None and model != self.config.model_name:

@@ -64,12 +64,12 @@ from k3post.envs.families.streams import domain_families, eval_tasks, train_task
 from k3post.envs.task import Task
 from k3post.metrics import MetricsLogger
 from k3post.models import load_model
-from k3post.policy_step import TokenSequence, sequence_logprobs
+from k3post.policy_step import TokenSequence
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.loop import Signal, StageLog, train_policy
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.factory import build_engine, close_engine
-from k3post.rollout.engine import request_seed, token_uniform
+from k3post.rollout.engine import ScoringEngine, request_seed, token_uniform
 from k3post.rollout.evaluation import evaluate_episodes, make_env, paired_passes
 from k3post.rollout.trajectory import Group, Trajectory
 from k3post.stats import paired_change, paired_ratio
@@ -127,8 +127,9 @@ def effort_sampler(mix: Mapping[str, float], seed: int) -> Callable[[Task], str]
 class TeacherPool:
     """Teachers for log-prob scoring only (prefill, no sampling), by expert name.
 
-    A local teacher (a model folder) is loaded on first use into CPU memory; at most ``max_resident`` stay
-    loaded, the least recently used is dropped first. An endpoint teacher (an ``http(s)://`` base URL) is
+    A local teacher (a model folder) is loaded on first use into CPU memory and scores through an engine the
+    factory builds over it (`scorer`, `k3post.rollout.engine.ScoringEngine`); at most ``max_resident`` stay
+    loaded, the least recently used is dropped first (with its engine). An endpoint teacher (an ``http(s)://`` base URL) is
     asked for prompt log-probs (module doc) through the retrying client (`k3post.httpclient`: ``retry``, default
     4 retries with backoff on 408 / 429 / 5xx and transport errors; its counters are ``retry.stats``). ``stats``
     counts loads, hits, evictions, endpoint requests, scored sequences and tokens.
@@ -162,6 +163,7 @@ class TeacherPool:
         self.timeout_s = timeout_s
         self.retry = retry if retry is not None else RetryTransport()
         self._resident: OrderedDict[str, torch.nn.Module] = OrderedDict()
+        self._scorers: dict[str, ScoringEngine] = {}  # the engines that score with the resident local teachers
         self._client: Any = None
         self.stats = {"loads": 0, "hits": 0, "evictions": 0, "endpoint_requests": 0, "sequences": 0, "tokens": 0}
 
@@ -191,6 +193,8 @@ class TeacherPool:
             return self._resident[expert]
         while len(self._resident) >= self.max_resident:
             old, _ = self._resident.popitem(last=False)
+            if old in self._scorers:
+                close_engine(self._scorers.pop(old))
             self.stats["evictions"] += 1
             log.info("teacher %s evicted", old)
         model = load_model(spec, self.dtype)
@@ -200,6 +204,17 @@ class TeacherPool:
         self.stats["loads"] += 1
         self._resident[expert] = model
         return model
+
+    def scorer(self, expert: str) -> ScoringEngine:
+        """The engine that scores with the local teacher ``expert`` (built by the factory over `model`, one per
+        resident teacher, closed when the teacher is evicted)."""
+        model = self.model(expert)
+        engine = self._scorers.get(expert)
+        if engine is None or getattr(engine, "model", None) is not model:
+            engine = build_engine(model, None, role=f"MOPD teacher {expert}", max_batch_size=1,
+                                  max_prefill_tokens=self.batch_tokens)
+            self._scorers[expert] = engine
+        return engine
 
     def score(self, expert: str, ids: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]) -> list[list[float]]:
         """``out[b][j] = log π_expert(ids[b][p] | ids[b][:p])`` for p = positions[b][j] (1 ≤ p < len(ids[b])):
@@ -214,8 +229,8 @@ class TeacherPool:
         self.stats["tokens"] += sum(len(p) for p in positions)
         if is_url(spec):
             return self._score_endpoint(expert, spec, ids, positions)
-        full = sequence_logprobs(self.model(expert), ids, self.batch_tokens)
-        return [[lp[p] for p in pos] for lp, pos in zip(full, positions)]
+        full = self.scorer(expert).score(ids)  # full[b][p - 1] = log p(ids[b][p] | ids[b][:p])
+        return [[lp[p - 1] for p in pos] for lp, pos in zip(full, positions)]
 
     def score_all(self, jobs: Mapping[str, tuple[Sequence[Sequence[int]], Sequence[Sequence[int]]]]) -> dict[str, list[list[float]]]:
         """`score` for several experts: ``jobs[expert] = (ids, positions)``. Resident teachers go first, then
@@ -249,7 +264,10 @@ class TeacherPool:
         return [[float(lp[p]) for p in pos] for lp, pos in zip(token_lps, positions)]
 
     def close(self) -> None:
-        """Drop every resident teacher and the HTTP client."""
+        """Drop every resident teacher, its scoring engine and the HTTP client."""
+        for engine in self._scorers.values():
+            close_engine(engine)
+        self._scorers.clear()
         self._resident.clear()
         if self._client is not None:
             self._client.close()

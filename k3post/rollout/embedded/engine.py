@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3post.config.rollout import QAT_OP_ORDERS
+from k3post.policy_step import sequence_logprobs
 from k3post.quant import qat as qat_module
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rollout.embedded.forward import LeanForward, lean_blocker
@@ -68,6 +69,7 @@ from k3post.rollout.engine import (
     KVState,
     NamedTensors,
     QueuedRequestsMixin,
+    check_score_ids,
     generate_by_stepping,
     request_seed,
     sample_from_logits,
@@ -473,6 +475,15 @@ class EmbeddedEngine(QueuedRequestsMixin):
                 targets[name].copy_(t.to(targets[name].device, targets[name].dtype))
         self._version = self._version + 1 if version is None else int(version)
         return self._version
+
+    def score(self, ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """`ScoringEngine.score` with the model's own forward (HF's, under QAT its MX fake-quant forward: the
+        numbers the trainer computes), batched by ``max_prefill_tokens`` padded tokens. It reads no slot and no
+        rotary table of the engine, so requests in flight are untouched and ``max_model_len`` does not cap it
+        (the model's forward does: a MOPD teacher scores the student's context under its own effort header, a
+        few tokens longer); call it between steps (the engine is not thread-safe)."""
+        seqs = check_score_ids(ids, self._vocab)
+        return [lp[1:] for lp in sequence_logprobs(self.model, seqs, self.max_prefill_tokens)]
 
     def refresh_weights(self) -> None:
         """Drop the engine's derived copies of the weights (rebuilt on next use). Needed only after changing
