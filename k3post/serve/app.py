@@ -572,181 +572,195 @@ def create_app(runner: EngineRunner, tokenizer: Any, config: ServeConfig, *, man
         srv.check_model({"model": model_id})
         return model_card()
 
-    # ------------------------------------------------------------------ chat
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        body = await json_body(request)
-        srv.check_model(body)
-        messages = _messages(body)
-        tools = _tools(body)
-        mode, effort = _effort(body, config.default_effort)
-        stop = body.get("stop")
-        if stop:
-            raise APIError("'stop' strings are not supported on chat completions (a turn ends at <|end_of_msg|>); "
-                           "use /v1/completions or 'stop_token_ids'", param="stop", code="unsupported_parameter")
-        want_logprobs = _boolean(body, "logprobs")
-        top_lp = _integer(body, "top_logprobs", lo=0, hi=20)
-        if top_lp:
-            raise APIError("'top_logprobs' > 0 is not supported: only the sampled token's log-prob is recorded",
-                           param="top_logprobs", code="unsupported_parameter")
-        stream = _boolean(body, "stream")
-        include_usage = stream and _include_usage(body)
-        _check_prompt_chars(config.limits, _text_chars(messages, tools, body.get("tool_choice"),
-                                                       body.get("response_format")), "messages")
-        try:  # tokenising in a worker thread: the event loop (other clients, /health) goes on meanwhile
-            rendered = await asyncio.to_thread(
-                srv.xtml.render, messages, tools=tools, effort=effort, mode=mode, add_generation_prompt=True,
-                tool_choice=body.get("tool_choice"), response_format=body.get("response_format"))
-        except ValueError as e:
-            raise APIError(str(e), param=_render_param(str(e))) from None
-        prompt = rendered.ids
-        samp = _sampling(body, prompt_len=len(prompt), max_model_len=srv.max_model_len, vocab=srv.vocab,
-                         default_stop_ids=srv.default_stop_ids, default_max_tokens=config.default_max_tokens,
-                         prompt_param="messages", limits=config.limits)
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        reqs = [GenerationRequest(f"{cid}-{i}", prompt, sampling=sp) for i, sp in enumerate(samp.params)]
-        base = {"id": cid, "created": created, "model": config.model_name}
+        return await _chat_completions(srv, await json_body(request))
 
-        def finish_reason(res: GenerationResult, msg: Mapping[str, Any]) -> str:
-            if res.finish_reason == "length":
-                return "length"
-            return "tool_calls" if msg.get("tool_calls") else "stop"
-
-        def usage(results: Sequence[GenerationResult]) -> dict[str, int]:
-            c = sum(r.num_tokens for r in results)
-            return {"prompt_tokens": len(prompt), "completion_tokens": c, "total_tokens": len(prompt) + c}
-
-        if stream:
-            inflight = _Inflight(srv, reqs, stream=True)
-            return StreamingResponse(
-                _chat_stream(srv, inflight, mode, base, want_logprobs, include_usage, finish_reason, usage),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-            )
-        inflight = _Inflight(srv, reqs, stream=False)
-        results: dict[int, GenerationResult] = {}
-        try:
-            async for ev in inflight.events():
-                if isinstance(ev, ErrorEvent):
-                    _raise_error_event(ev)
-                if isinstance(ev, FinishEvent):
-                    results[ev.tag] = ev.result
-        finally:
-            inflight.close()
-        choices = []
-        for i in range(samp.n):
-            res = results[i]
-            msg, err = srv.parse(res.output_ids, mode)
-            calls = [
-                {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": dict(c["function"])}
-                for c in msg["tool_calls"]
-            ]
-            message: dict[str, Any] = {
-                "role": "assistant",
-                "content": msg["content"] if (msg["content"] or not calls) else None,
-                "reasoning_content": msg["reasoning_content"],
-            }
-            if calls:
-                message["tool_calls"] = calls
-            choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish_reason(res, msg),
-                                      "logprobs": None}
-            if want_logprobs:
-                choice["logprobs"] = {"content": srv.logprob_entries(res.output_ids, res.output_logprobs)}
-            if err is not None:
-                choice["xtml_error"] = err
-            choices.append(choice)
-        ordered = [results[i] for i in range(samp.n)]
-        return {**base, "object": "chat.completion", "system_fingerprint": srv.fingerprint(), "choices": choices,
-                "usage": usage(ordered)}
-
-    # ------------------------------------------------------------------ completions
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        body = await json_body(request)
-        srv.check_model(body)
-        chars = _text_chars(body.get("prompt"))
-        _check_prompt_chars(config.limits, chars, "prompt")
-        # string prompts are tokenised in a worker thread: the event loop goes on meanwhile
-        prompts = await asyncio.to_thread(_prompts, body, srv) if chars else _prompts(body, srv)
-        if len(prompts) > config.limits.max_prompts:
-            raise APIError(f"'prompt' holds {len(prompts)} prompts; this server's limit is {config.limits.max_prompts} "
-                           "(ServeLimits.max_prompts)", param="prompt", code="limit_exceeded")
-        if body.get("suffix"):
-            raise APIError("'suffix' is not supported by this server", param="suffix", code="unsupported_parameter")
-        lp = _integer(body, "logprobs", lo=0, hi=20)
-        if lp is not None and lp > 1:
-            raise APIError("'logprobs' > 1 is not supported: only the sampled token's log-prob is recorded",
-                           param="logprobs", code="unsupported_parameter")
-        if _boolean(body, "echo"):
-            return await _echo(srv, body, prompts, lp is not None)
-        stops = body.get("stop")
-        if stops is None:
-            stops = []
-        elif isinstance(stops, str):
-            stops = [stops]
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise APIError("'stop' must be a non-empty string or a list of them", param="stop")
-        stream = _boolean(body, "stream")
-        include_usage = stream and _include_usage(body)
-        cid = f"cmpl-{uuid.uuid4().hex}"
-        reqs: list[GenerationRequest] = []
-        stop_ids: frozenset[int] = srv.default_stop_ids
-        for p, ids in enumerate(prompts):
-            samp = _sampling(body, prompt_len=len(ids), max_model_len=srv.max_model_len, vocab=srv.vocab,
-                             default_stop_ids=srv.default_stop_ids, default_max_tokens=config.default_max_tokens,
-                             prompt_param="prompt", limits=config.limits)
-            stop_ids = samp.stop_ids
-            for j, sp in enumerate(samp.params):
-                reqs.append(GenerationRequest(f"{cid}-{p}-{j}", ids, sampling=sp))
-        base = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": config.model_name}
-        n_prompt = sum(len(ids) for ids in prompts)
-        # stop strings need the tokens as they come, so choices stream internally when there are any
-        inflight = _Inflight(srv, reqs, stream=stream or bool(stops))
-        texts = [_CompletionText(srv, stops, stop_ids) for _ in reqs]
-        gen = _completion_events(srv, inflight, texts, lp is not None)
-        if stream:
-            async def sse() -> AsyncIterator[str]:
-                total = 0
-                try:
-                    async for i, text, finish, logprobs, n_tokens in gen:
-                        total += n_tokens
-                        yield _sse({**base, "choices": [{"index": i, "text": text, "logprobs": logprobs,
-                                                          "finish_reason": finish}]})
-                    if include_usage:
-                        yield _sse({**base, "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": total,
-                                                                     "total_tokens": n_prompt + total}})
-                except APIError as e:
-                    yield _sse(e.payload())
-                finally:
-                    inflight.close()
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        parts: dict[int, list[str]] = {i: [] for i in range(len(reqs))}
-        lps: dict[int, dict[str, Any]] = {}
-        finishes: dict[int, str] = {}
-        total = 0
-        try:
-            async for i, text, finish, logprobs, n_tokens in gen:
-                parts[i].append(text)
-                total += n_tokens
-                if logprobs is not None:
-                    acc = lps.setdefault(i, {"tokens": [], "token_logprobs": [], "top_logprobs": None, "text_offset": []})
-                    for key in ("tokens", "token_logprobs", "text_offset"):
-                        acc[key] += logprobs[key]
-                if finish is not None:
-                    finishes[i] = finish
-        finally:
-            inflight.close()
-        choices = [
-            {"index": i, "text": "".join(parts[i]), "logprobs": lps.get(i) if lp is not None else None,
-             "finish_reason": finishes.get(i, "stop")}
-            for i in range(len(reqs))
-        ]
-        return {**base, "system_fingerprint": srv.fingerprint(), "choices": choices,
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": total, "total_tokens": n_prompt + total}}
+        return await _completions(srv, await json_body(request))
 
     return app
+
+
+# --------------------------------------------------------------------------- chat completions
+
+
+async def _chat_completions(srv: ServerState, body: dict[str, Any]) -> Any:
+    """``POST /v1/chat/completions``: render the messages (XTML), sample ``n`` choices, parse each into an
+    assistant message (reasoning, content, tool calls); streamed as server-sent events when asked."""
+    srv.check_model(body)
+    messages = _messages(body)
+    tools = _tools(body)
+    mode, effort = _effort(body, srv.config.default_effort)
+    stop = body.get("stop")
+    if stop:
+        raise APIError("'stop' strings are not supported on chat completions (a turn ends at <|end_of_msg|>); "
+                       "use /v1/completions or 'stop_token_ids'", param="stop", code="unsupported_parameter")
+    want_logprobs = _boolean(body, "logprobs")
+    top_lp = _integer(body, "top_logprobs", lo=0, hi=20)
+    if top_lp:
+        raise APIError("'top_logprobs' > 0 is not supported: only the sampled token's log-prob is recorded",
+                       param="top_logprobs", code="unsupported_parameter")
+    stream = _boolean(body, "stream")
+    include_usage = stream and _include_usage(body)
+    _check_prompt_chars(srv.config.limits, _text_chars(messages, tools, body.get("tool_choice"),
+                                                   body.get("response_format")), "messages")
+    try:  # tokenising in a worker thread: the event loop (other clients, /health) goes on meanwhile
+        rendered = await asyncio.to_thread(
+            srv.xtml.render, messages, tools=tools, effort=effort, mode=mode, add_generation_prompt=True,
+            tool_choice=body.get("tool_choice"), response_format=body.get("response_format"))
+    except ValueError as e:
+        raise APIError(str(e), param=_render_param(str(e))) from None
+    prompt = rendered.ids
+    samp = _sampling(body, prompt_len=len(prompt), max_model_len=srv.max_model_len, vocab=srv.vocab,
+                     default_stop_ids=srv.default_stop_ids, default_max_tokens=srv.config.default_max_tokens,
+                     prompt_param="messages", limits=srv.config.limits)
+    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    reqs = [GenerationRequest(f"{cid}-{i}", prompt, sampling=sp) for i, sp in enumerate(samp.params)]
+    base = {"id": cid, "created": created, "model": srv.config.model_name}
+
+    def finish_reason(res: GenerationResult, msg: Mapping[str, Any]) -> str:
+        if res.finish_reason == "length":
+            return "length"
+        return "tool_calls" if msg.get("tool_calls") else "stop"
+
+    def usage(results: Sequence[GenerationResult]) -> dict[str, int]:
+        c = sum(r.num_tokens for r in results)
+        return {"prompt_tokens": len(prompt), "completion_tokens": c, "total_tokens": len(prompt) + c}
+
+    if stream:
+        inflight = _Inflight(srv, reqs, stream=True)
+        return StreamingResponse(
+            _chat_stream(srv, inflight, mode, base, want_logprobs, include_usage, finish_reason, usage),
+            media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+        )
+    inflight = _Inflight(srv, reqs, stream=False)
+    results: dict[int, GenerationResult] = {}
+    try:
+        async for ev in inflight.events():
+            if isinstance(ev, ErrorEvent):
+                _raise_error_event(ev)
+            if isinstance(ev, FinishEvent):
+                results[ev.tag] = ev.result
+    finally:
+        inflight.close()
+    choices = []
+    for i in range(samp.n):
+        res = results[i]
+        msg, err = srv.parse(res.output_ids, mode)
+        calls = [
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": dict(c["function"])}
+            for c in msg["tool_calls"]
+        ]
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": msg["content"] if (msg["content"] or not calls) else None,
+            "reasoning_content": msg["reasoning_content"],
+        }
+        if calls:
+            message["tool_calls"] = calls
+        choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish_reason(res, msg),
+                                  "logprobs": None}
+        if want_logprobs:
+            choice["logprobs"] = {"content": srv.logprob_entries(res.output_ids, res.output_logprobs)}
+        if err is not None:
+            choice["xtml_error"] = err
+        choices.append(choice)
+    ordered = [results[i] for i in range(samp.n)]
+    return {**base, "object": "chat.completion", "system_fingerprint": srv.fingerprint(), "choices": choices,
+            "usage": usage(ordered)}
+
+
+# --------------------------------------------------------------------------- completions
+
+
+async def _completions(srv: ServerState, body: dict[str, Any]) -> Any:
+    """``POST /v1/completions``: token-id or text prompts, ``n`` choices each, stop strings, ``echo`` for prompt
+    scoring; streamed as server-sent events when asked."""
+    srv.check_model(body)
+    chars = _text_chars(body.get("prompt"))
+    _check_prompt_chars(srv.config.limits, chars, "prompt")
+    # string prompts are tokenised in a worker thread: the event loop goes on meanwhile
+    prompts = await asyncio.to_thread(_prompts, body, srv) if chars else _prompts(body, srv)
+    if len(prompts) > srv.config.limits.max_prompts:
+        raise APIError(f"'prompt' holds {len(prompts)} prompts; this server's limit is {srv.config.limits.max_prompts} "
+                       "(ServeLimits.max_prompts)", param="prompt", code="limit_exceeded")
+    if body.get("suffix"):
+        raise APIError("'suffix' is not supported by this server", param="suffix", code="unsupported_parameter")
+    lp = _integer(body, "logprobs", lo=0, hi=20)
+    if lp is not None and lp > 1:
+        raise APIError("'logprobs' > 1 is not supported: only the sampled token's log-prob is recorded",
+                       param="logprobs", code="unsupported_parameter")
+    if _boolean(body, "echo"):
+        return await _echo(srv, body, prompts, lp is not None)
+    stops = body.get("stop")
+    if stops is None:
+        stops = []
+    elif isinstance(stops, str):
+        stops = [stops]
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise APIError("'stop' must be a non-empty string or a list of them", param="stop")
+    stream = _boolean(body, "stream")
+    include_usage = stream and _include_usage(body)
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    reqs: list[GenerationRequest] = []
+    stop_ids: frozenset[int] = srv.default_stop_ids
+    for p, ids in enumerate(prompts):
+        samp = _sampling(body, prompt_len=len(ids), max_model_len=srv.max_model_len, vocab=srv.vocab,
+                         default_stop_ids=srv.default_stop_ids, default_max_tokens=srv.config.default_max_tokens,
+                         prompt_param="prompt", limits=srv.config.limits)
+        stop_ids = samp.stop_ids
+        for j, sp in enumerate(samp.params):
+            reqs.append(GenerationRequest(f"{cid}-{p}-{j}", ids, sampling=sp))
+    base = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": srv.config.model_name}
+    n_prompt = sum(len(ids) for ids in prompts)
+    # stop strings need the tokens as they come, so choices stream internally when there are any
+    inflight = _Inflight(srv, reqs, stream=stream or bool(stops))
+    texts = [_CompletionText(srv, stops, stop_ids) for _ in reqs]
+    gen = _completion_events(srv, inflight, texts, lp is not None)
+    if stream:
+        async def sse() -> AsyncIterator[str]:
+            total = 0
+            try:
+                async for i, text, finish, logprobs, n_tokens in gen:
+                    total += n_tokens
+                    yield _sse({**base, "choices": [{"index": i, "text": text, "logprobs": logprobs,
+                                                      "finish_reason": finish}]})
+                if include_usage:
+                    yield _sse({**base, "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": total,
+                                                                 "total_tokens": n_prompt + total}})
+            except APIError as e:
+                yield _sse(e.payload())
+            finally:
+                inflight.close()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    parts: dict[int, list[str]] = {i: [] for i in range(len(reqs))}
+    lps: dict[int, dict[str, Any]] = {}
+    finishes: dict[int, str] = {}
+    total = 0
+    try:
+        async for i, text, finish, logprobs, n_tokens in gen:
+            parts[i].append(text)
+            total += n_tokens
+            if logprobs is not None:
+                acc = lps.setdefault(i, {"tokens": [], "token_logprobs": [], "top_logprobs": None, "text_offset": []})
+                for key in ("tokens", "token_logprobs", "text_offset"):
+                    acc[key] += logprobs[key]
+            if finish is not None:
+                finishes[i] = finish
+    finally:
+        inflight.close()
+    choices = [
+        {"index": i, "text": "".join(parts[i]), "logprobs": lps.get(i) if lp is not None else None,
+         "finish_reason": finishes.get(i, "stop")}
+        for i in range(len(reqs))
+    ]
+    return {**base, "system_fingerprint": srv.fingerprint(), "choices": choices,
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": total, "total_tokens": n_prompt + total}}
 
 
 # --------------------------------------------------------------------------- prompt scoring (echo)
