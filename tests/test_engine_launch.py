@@ -14,7 +14,8 @@ import pytest
 from k3post.config.rollout import EngineConfig
 from k3post.envs.families.registry import get_family
 from k3post.models import build_tiny_moe, save_model
-from k3post.stages.mopd import TeacherPool, evaluate_mopd
+from k3post.rollout.teachers import TeacherPool
+from k3post.stages.mopd import evaluate_mopd
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rollout import EmbeddedEngine, SamplingParams
 from k3post.rollout.engine import GenerationRequest

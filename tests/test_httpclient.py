@@ -81,7 +81,7 @@ def test_transport_errors_are_retried_then_raised() -> None:
 
 def test_mopd_endpoint_teacher_retries_a_busy_server() -> None:
     """A teacher behind a URL answered 503 once: scored on the retry (before the one client it raised at once)."""
-    from k3post.stages.mopd import TeacherPool
+    from k3post.rollout.teachers import TeacherPool
 
     answers = iter([httpx.Response(503, text="busy"),
                     httpx.Response(200, json={"choices": [{"index": 0, "logprobs": {"token_logprobs": [None, -0.5, -0.25]}}]})])

@@ -24,8 +24,10 @@ from k3post.envs.episode import run_episode_sync
 from k3post.envs.families.registry import get_family
 from k3post.envs.tools import openai_tools
 from k3post.models import build_tiny_moe, save_model
+from k3post.config.mopd import MOPDConfig
+from k3post.rollout.teachers import TeacherPool
 from k3post.stages.mopd import (
-    MOPDConfig, TeacherPool, effort_sampler, evaluate_mopd, initial_messages, mopd_checks, opd_signal, teacher_context,
+    effort_sampler, evaluate_mopd, initial_messages, mopd_checks, opd_signal, teacher_context,
     train_mopd,
 )
 from k3post.config.rl import RLConfig

@@ -343,7 +343,7 @@ def test_errors_through_openai_client(served: Served) -> None:
 def test_echo_scores_prompts_and_serves_an_mopd_teacher(served: Served) -> None:
     """``echo: true, max_tokens: 0`` returns each prompt's per-token log-probs under the served model (the
     same numbers as a local forward); `TeacherPool` uses this server as an endpoint teacher."""
-    from k3post.stages.mopd import TeacherPool
+    from k3post.rollout.teachers import TeacherPool
     from k3post.policy_step import sequence_logprobs
 
     model = served.app.state.server.runner.engine.model

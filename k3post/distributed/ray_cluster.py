@@ -438,12 +438,12 @@ class EngineServerActor:
 
 @ray.remote(num_cpus=0)
 class TeacherActor:
-    """A `k3post.stages.mopd.TeacherPool` of some experts in a Ray actor: log-prob scoring on its own bundle."""
+    """A `k3post.rollout.teachers.TeacherPool` of some experts in a Ray actor: log-prob scoring on its own bundle."""
 
     def __init__(self, experts: dict[str, str], **pool: Any) -> None:
         import torch
 
-        from k3post.stages.mopd import TeacherPool
+        from k3post.rollout.teachers import TeacherPool
 
         torch.set_num_threads(1)
         self.pool = TeacherPool(experts, **pool)
@@ -456,14 +456,14 @@ class TeacherActor:
 
 
 class RayTeacherPool:
-    """The `k3post.stages.mopd.TeacherPool` interface over `TeacherActor` s: the experts (sorted by name) are
+    """The `k3post.rollout.teachers.TeacherPool` interface over `TeacherActor` s: the experts (sorted by name) are
     dealt round-robin over the ``teachers`` slots, one actor per slot used, each with ``max_resident``
     of its experts in memory. `score_all` asks every actor at once. `model` loads an expert in this
     process (the evaluation samples it here). ``stats`` sums the actors' counters and this process's."""
 
     def __init__(self, cluster: RayCluster, experts: Mapping[str, str], *, max_resident: int = 3,
                  dtype: str = "float32", qat: Any = None, batch_tokens: int = 8192) -> None:
-        from k3post.stages.mopd import TeacherPool
+        from k3post.rollout.teachers import TeacherPool
 
         n = cluster.size("teachers")
         if n == 0:

@@ -30,7 +30,7 @@ from k3post.xtml import XTML
 
 if TYPE_CHECKING:
     from k3post.config.rollout import EngineConfig
-    from k3post.stages.mopd import MOPDConfig
+    from k3post.config.mopd import MOPDConfig
 
 log = logging.getLogger("k3post.commands")
 
@@ -324,7 +324,8 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
     """MOPD from ``init`` (the SFT checkpoint) into ``run/mopd``, then the student-vs-teacher table;
     returns the summary written to ``run/mopd/summary.json``."""
     from k3post.recipes.experts import load_policy
-    from k3post.stages.mopd import TeacherPool, eval_caps, evaluate_mopd, mopd_eval_tasks, train_mopd
+    from k3post.rollout.teachers import TeacherPool
+    from k3post.stages.mopd import eval_caps, evaluate_mopd, mopd_eval_tasks, train_mopd
     from k3post.loop import rollout_gap
     from k3post.rollout.factory import build_engine, close_engine
 
