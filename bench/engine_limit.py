@@ -114,7 +114,7 @@ def decode_step(model: torch.nn.Module, batch: int, context: int, steps: int, wa
 def qat_order_ratio(model: torch.nn.Module, batch: int, context: int, steps: int, repeats: int) -> dict[str, float]:
     """Paired per-round ratios, hf op order's decode step over the fast order's, on one QAT model (module doc)."""
     engines = {o: decoding_engine(model, batch, context, steps * (repeats + 1), qat_op_order=o) for o in ("fast", "hf")}
-    if engines["fast"]._weights().exact or not engines["hf"]._weights().exact:
+    if engines["fast"]._lean.weights().exact or not engines["hf"]._lean.weights().exact:
         raise RuntimeError("the QAT op-order comparison needs a model with QAT applied")
     times = interleaved({o: (lambda e=e: timed_decode(e, steps)) for o, e in engines.items()}, repeats=repeats)
     ratios = [h / f for h, f in zip(times["hf"], times["fast"])]

@@ -411,6 +411,7 @@ def test_killed_server_requests_rerouted(servers: dict[str, Server], model_dir: 
             groups = sch.run_iteration(tasks)
             paused = sch.paused()
             assert len(paused) == 4 and all(0 < t.num_sampled < 100 for t in paused)
+            at_pause = min(t.num_sampled for t in paused)
             # C hangs (generation paused) and then dies: whatever iteration 2 sends it cannot finish there
             calls0 = remote.calls_per_server[c.url]
             assert c.post("/pause_generation").status_code == 200
@@ -428,7 +429,9 @@ def test_killed_server_requests_rerouted(servers: dict[str, Server], model_dir: 
             killer.join(30)
             assert c.proc.poll() is not None and not sch.trajectories()
             assert remote.live_urls == [a.url] and remote.stats["dead_servers"] == 1 and remote.stats["reroutes"] >= 1
-            assert remote.stats["reroute_kept_tokens"] >= 30  # continuations re-routed with their tokens
+            # continuations re-routed with their tokens: each carries at least what its trajectory had at the pause
+            # (how many tokens that is depends on the machine's load when iteration 1 paused, not a fixed count)
+            assert remote.stats["reroute_kept_tokens"] >= remote.stats["reroutes"] * at_pause > 0
             print(f"fault: {remote.stats}")
     assert any("re-routing request" in r.getMessage() and c.url in r.getMessage() for r in caplog.records)
     assert any("marked dead" in r.getMessage() for r in caplog.records)
