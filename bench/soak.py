@@ -107,18 +107,21 @@ def slope_per_100(steps: list[int], ys: list[float]) -> float:
 
 def _probe(pl: Any, ckpt_root: Path) -> dict[str, float]:
     """What the loop's objects hold now (module doc). Weight plans are counted as the ones the engine's own
-    attributes reach (its current plan, and any container attribute holding plans), not process-wide, so
+    attributes and its forward's reach (the current plan, and any container attribute holding plans), not process-wide, so
     engines left alive by others in the same process (a test session) do not count."""
     import torch
 
     from k3post.rollout.embedded.forward import WeightPlan
 
     def own_plans(engine: Any) -> int:
+        """Plans held by the engine's attributes or by its forward's (`LeanForward` holds the current one)."""
         found: set[int] = set()
-        for value in vars(engine).values():
-            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple, set)) \
-                else (value,)
-            found.update(id(v) for v in items if isinstance(v, WeightPlan))
+        holders = [engine] + [v for v in vars(engine).values() if type(v).__module__.startswith("k3post.rollout.embedded")]
+        for holder in holders:
+            for value in vars(holder).values():
+                items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple, set)) \
+                    else (value,)
+                found.update(id(v) for v in items if isinstance(v, WeightPlan))
         return len(found)
 
     gc.collect()
