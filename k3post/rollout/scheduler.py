@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
