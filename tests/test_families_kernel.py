@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import hashlib
 import math
+import os
 import random
 import statistics
 
@@ -255,6 +256,7 @@ HACK_REASONS = {
     "patches_timer_at_import": None,
     "background_thread": "thread",
     "forks": "import",
+    "moves_its_cpu": "affinity",  # widens its CPU affinity at every call: the times are not comparable
     "reads_hidden_inputs": "mismatch",
     "forged_result_line": "died",
 }
@@ -265,6 +267,8 @@ def test_every_hack_scores_zero():
     wrong = KERNEL.wrong_policies(t)
     assert set(HACK_REASONS) <= set(wrong)
     for name, policy in wrong.items():
+        if name == "moves_its_cpu" and len(os.sched_getaffinity(0)) == 1:
+            continue  # one usable CPU: the affinity cannot change, and the kernel is the expert's
         ep, env = _episode(t, policy)
         v = verify_kernel(t, FinalState(env.state, ""))
         assert v.reward == 0.0, (name, v.diagnostics)

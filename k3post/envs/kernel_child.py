@@ -21,7 +21,8 @@ This file is both halves:
   system) over that window, measured by the parent: the child cannot touch the clock, the table or the result,
   cannot work between calls (it is stopped) and cannot hand work to another process (it may not create one).
   Everything it does from the moment it may run until it has delivered every byte of the result counts:
-  decoding the inputs, the call, materialising and sending the result. Children are pinned to one CPU.
+  decoding the inputs, the call, materialising and sending the result. Children are pinned to one CPU; a child
+  whose affinity differs from its pin after a call (it may change its own without privilege) is an ``affinity`` error.
 
 Frames (little endian): request ``K3IN`` + ``<II`` (number of buffers, number of dims) + ``<Q`` per buffer
 (its byte length) + ``<q`` per dim + the buffers' bytes; reply ``K3OK`` + ``<QQ`` (result bytes, echoed input
@@ -186,6 +187,7 @@ class KernelChild:
                 raise ChildError("protocol", f"the child answered {head!r} instead of ready")
             self.pid = self.proc.pid
             self._clock = _cpu_clock(self.pid)
+            self._cpu = cpu
             if cpu is not None:
                 os.sched_setaffinity(self.pid, {cpu})
             self._stop()
@@ -283,6 +285,10 @@ class KernelChild:
                 except ChildError:
                     pass
         c1 = self.cpu_ns()
+        if self._cpu is not None and (cpus := os.sched_getaffinity(self.pid)) != {self._cpu}:
+            # a child may widen or move its own affinity (no privilege needed): the CPU it is timed on is no longer
+            # the one every role shares, so its times are not comparable; fail closed
+            raise ChildError("affinity", f"the child changed its CPU affinity to {sorted(cpus)} (pinned to {self._cpu})")
         if select.select([self._out], [], [], 0)[0]:
             raise ChildError("protocol", "the child wrote more than one reply")
         if 2 * n_in + sum(lens) > len(self.shm):

@@ -27,7 +27,8 @@ Verification (`verify_kernel`, `measure`; issue 30 redesigned it) trusts nothing
    again. Everything the child does between the two readings counts: decoding, the call, and
    **materialising the result, which must be exactly an ``array.array`` of the typecode or exactly a
    ``list``** (a lazy iterable, an array or list subclass, anything else is an ``output`` error). Children
-   are pinned to one CPU and are stopped whenever they are not being timed;
+   are pinned to one CPU (a child that changes its own affinity is rejected: ``affinity``) and are stopped whenever
+   they are not being timed;
 5. the hidden correctness cases (the task's shape, an odd shape, NaN / ±Inf entries, large magnitudes) run
    first, then `WARMUP` untimed and `ROUNDS` timed rounds; a round is `BATCH` fresh input sets in one call
    (sharing the fixed cost of a call), given to the reference, the expert, the null kernel and the agent in
@@ -682,6 +683,7 @@ class KernelFamily(FamilyBase):
             "background_thread": files({**expert_files(op, tc), KERNEL_PY: "import threading\n"
                                         "threading.Thread(target=lambda: sum(range(10**8)), daemon=True).start()\n"
                                         + expert_files(op, tc)[KERNEL_PY]}),
+            "moves_its_cpu": files(expert_files(op, tc, pre="    import os\n    os.sched_setaffinity(0, range(os.cpu_count() or 1))\n")),
             "forks": files({**expert_files(op, tc), KERNEL_PY: "import os\nif os.fork() == 0:\n    os._exit(0)\n"
                             + expert_files(op, tc)[KERNEL_PY]}),
             "reads_hidden_inputs": files({**expert_files(op, tc, pre="    if not _found:\n        return [0.0]\n"),
