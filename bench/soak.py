@@ -116,8 +116,9 @@ def _probe(pl: Any, ckpt_root: Path) -> dict[str, float]:
     def own_plans(engine: Any) -> int:
         """Plans held by the engine's attributes or by its forward's (`LeanForward` holds the current one)."""
         found: set[int] = set()
-        holders = [engine] + [v for v in vars(engine).values() if type(v).__module__.startswith("k3post.rollout.embedded")]
-        for holder in holders:
+        for holder in (engine, getattr(engine, "_lean", None)):
+            if holder is None:
+                continue
             for value in vars(holder).values():
                 items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple, set)) \
                     else (value,)

@@ -33,6 +33,7 @@ import torch
 from k3post.rollout.engine import GenerationRequest, GenerationResult, NamedTensors, SamplingParams
 
 __all__ = [
+    "check_score_rows",
     "from_sglang_input_logprobs",
     "from_vllm_prompt_logprobs",
     "VLLMEngine",
@@ -162,10 +163,19 @@ def from_sglang_output(req: GenerationRequest, output: Mapping[str, Any], versio
     )
 
 
-def _finite_row(b: int, row: list[Any], n: int) -> list[float]:
-    if len(row) != n - 1 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in row):
-        raise ValueError(f"sequence {b} ({n} tokens): expected {n - 1} finite log-probs, got {str(row)[:200]}")
-    return [float(x) for x in row]
+def check_score_rows(ids: Sequence[Sequence[int]], rows: Any) -> list[list[float]]:
+    """``rows`` (an answer's log-probs per sequence, without the first token's) checked against the scored ``ids``:
+    one row per sequence, ``len(ids[b]) - 1`` finite numbers each; ValueError naming the sequence otherwise."""
+    if not isinstance(rows, list) or len(rows) != len(ids):
+        raise ValueError(f"expected {len(ids)} rows of log-probs, got {str(rows)[:200]}")
+    out = []
+    for b, (seq, row) in enumerate(zip(ids, rows)):
+        n = len(seq)
+        if not isinstance(row, list) or len(row) != n - 1 or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in row):
+            raise ValueError(f"sequence {b} ({n} tokens): expected {n - 1} finite log-probs, got {str(row)[:200]}")
+        out.append([float(x) for x in row])
+    return out
 
 
 def from_vllm_prompt_logprobs(ids: Sequence[Sequence[int]], outputs: Sequence[Any]) -> list[list[float]]:
@@ -186,8 +196,8 @@ def from_vllm_prompt_logprobs(ids: Sequence[Sequence[int]], outputs: Sequence[An
             if entry is None:
                 raise ValueError(f"sequence {b}, position {t}: no log-prob of its token {seq[t]}")
             row.append(getattr(entry, "logprob", entry))
-        rows.append(_finite_row(b, row, len(seq)))
-    return rows
+        rows.append(row)
+    return check_score_rows(ids, rows)
 
 
 def from_sglang_input_logprobs(ids: Sequence[Sequence[int]], outputs: Any) -> list[list[float]]:
@@ -205,8 +215,8 @@ def from_sglang_input_logprobs(ids: Sequence[Sequence[int]], outputs: Any) -> li
                 not isinstance(e, (list, tuple)) or len(e) < 2 or int(e[1]) != t for e, t in zip(entries, seq)):
             raise ValueError(f"sequence {b}: meta_info.input_token_logprobs do not cover its {len(seq)} input tokens: "
                              f"{str(entries)[:200]}")
-        rows.append(_finite_row(b, [e[0] for e in entries[1:]], len(seq)))
-    return rows
+        rows.append([e[0] for e in entries[1:]])
+    return check_score_rows(ids, rows)
 
 
 def _named_list(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:

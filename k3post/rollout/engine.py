@@ -299,9 +299,9 @@ class ScoringEngine(Protocol):
         ...
 
 
-def check_score_ids(ids: Sequence[Sequence[int]], vocab: int, max_model_len: int | None = None) -> list[list[int]]:
+def check_score_ids(ids: Sequence[Sequence[int]], vocab: int | None = None, max_model_len: int | None = None) -> list[list[int]]:
     """``ids`` as lists of ints for ``score``; ValueError naming the sequence (and the token position) when one is
-    empty, longer than ``max_model_len`` (None: no cap) or holds a token outside [0, vocab)."""
+    empty, longer than ``max_model_len`` or holds a token outside [0, vocab) (either None: no bound), or not an int."""
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
         raise ValueError(f"score: ids must be a sequence of token-id sequences, got {type(ids).__name__}")
     out = []
@@ -311,8 +311,8 @@ def check_score_ids(ids: Sequence[Sequence[int]], vocab: int, max_model_len: int
         if max_model_len is not None and len(seq) > max_model_len:
             raise ValueError(f"score: sequence {b} has {len(seq)} tokens, more than max_model_len {max_model_len}")
         for t, tok in enumerate(seq):
-            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
-                raise ValueError(f"score: sequence {b}, position {t}: {tok!r} is not a token id in [0, {vocab})")
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0 or vocab is not None and tok >= vocab:
+                raise ValueError(f"score: sequence {b}, position {t}: {tok!r} is not a token id in [0, {vocab or 'vocab'})")
         out.append([int(t) for t in seq])
     return out
 

@@ -668,8 +668,8 @@ class HTTPEngine:
         are split over the live servers, one call each; the share of a server that dies is scored again on
         another. A server's refusal (HTTP 4xx / 5xx) is a ValueError naming it and its message; every answer is
         checked (`server_dialects`: one finite log-prob per token after the first, the token ids echoed)."""
-        seqs = check_score_ids(ids, 2**62, self.max_model_len)  # the servers check the vocabulary
-        out: list[list[float] | None] = [None] * len(seqs)
+        seqs = check_score_ids(ids, max_model_len=self.max_model_len)  # the servers check the vocabulary
+        out: list[list[float]] = [[] for _ in seqs]
 
         async def on(server: _Server, idx: list[int]) -> list[list[float]]:
             chunk = [seqs[i] for i in idx]
@@ -699,7 +699,7 @@ class HTTPEngine:
                     for i, lps in zip(idx, res):
                         out[i] = lps
             pending = retry
-        return [lps for lps in out if lps is not None]
+        return out
 
     def export_kv(self, request_id: str) -> KVState:
         """Not supported: no KV cache crosses the wire (``kv_transfer = False``)."""

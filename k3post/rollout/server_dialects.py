@@ -76,12 +76,11 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3post.rollout.adapters import (from_sglang_input_logprobs, normalize_finish_reason, to_sglang_sampling_params,
+from k3post.rollout.adapters import (check_score_rows, from_sglang_input_logprobs, normalize_finish_reason, to_sglang_sampling_params,
                                      to_vllm_sampling_kwargs)
 from k3post.rollout.engine import GenerationRequest
 
@@ -180,21 +179,6 @@ def _continuation(req: GenerationRequest, ids: Sequence[int]) -> GenerationReque
                              given_logprobs=[0.0] * len(ids), given_versions=[0] * len(ids))
 
 
-def _scores(ids: Sequence[Sequence[int]], rows: Any, where: str) -> list[list[float]]:
-    """Check ``rows[b]`` (a score answer's per-sequence log-probs, already without the first token's) against
-    ``ids``: one list per sequence, ``len(ids[b]) - 1`` finite numbers each."""
-    if not isinstance(rows, list) or len(rows) != len(ids):
-        raise DialectError(f"{where}: expected {len(ids)} lists of log-probs, got {str(rows)[:200]}")
-    out = []
-    for b, (seq, row) in enumerate(zip(ids, rows)):
-        if not isinstance(row, list) or len(row) != len(seq) - 1 or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in row):
-            raise DialectError(f"{where}: sequence {b} ({len(seq)} tokens) needs {len(seq) - 1} finite log-probs, "
-                               f"got {str(row)[:200]}")
-        out.append([float(x) for x in row])
-    return out
-
-
 class K3postDialect:
     """``k3post serve``: HTTPEngine's own code path; model info from ``GET /get_model_info``."""
 
@@ -219,7 +203,7 @@ class K3postDialect:
 
     @_parses_answers
     def parse_score(self, url: str, d: Any, ids: Sequence[Sequence[int]]) -> list[list[float]]:
-        return _scores(ids, _field(d, "logprobs", f"{url}/score"), f"{url}/score")
+        return check_score_rows(ids, _field(d, "logprobs", f"{url}/score"))
 
 
 class SGLangDialect:
@@ -440,7 +424,7 @@ class VLLMDialect:
                 raise DialectError(f"{where}: choices[{b}] does not echo its {len(seq)} prompt tokens with their "
                                    f"log-probs (send echo: true, return_tokens_as_token_ids: true): {str(lp)[:200]}")
             rows.append(lps[1: len(seq)])
-        return _scores(ids, rows, where)
+        return check_score_rows(ids, rows)
 
     def init_weight_calls(self) -> list[Call]:
         return [Call("POST", "/init_weight_transfer_engine", {"init_info": {}})]

@@ -115,8 +115,8 @@ class TeacherPool:
         """The engine that scores with the local teacher ``expert`` (built by the factory over `model`, one per
         resident teacher, closed when the teacher is evicted)."""
         model = self.model(expert)
-        engine = self._scorers.get(expert)
-        if engine is None or getattr(engine, "model", None) is not model:
+        engine = self._scorers.get(expert)  # dropped with its teacher on eviction and on close
+        if engine is None:
             engine = build_engine(model, None, role=f"MOPD teacher {expert}", max_batch_size=1,
                                   max_prefill_tokens=self.batch_tokens)
             self._scorers[expert] = engine
