@@ -22,6 +22,8 @@ from k3post.envs.families import default_families, families, get_family
 from k3post.envs.families.kernel.family import (
     KERNEL,
     MAX_RUNS,
+    REF_GATE,
+    ROLES,
     ROUND_ORDERS,
     ROUNDS,
     WARMUP,
@@ -109,31 +111,59 @@ def _rounds(cost: dict[str, float], slow: dict[int, float], orders=None) -> dict
 def test_load_on_one_position_of_the_round_pays_no_reference_copy():
     # the suite run of 2026-12-04 scored a reference copy (the patches_timer hack) 0.17 under load: with the
     # reference always first and unpaired medians, load that slows the round's first call reads as a speedup
-    cost = {"ref": 1.0, "agent": 1.0, "expert": 0.05, "null": 0.001}
-    for slow in ({0: 3.0}, {0: 3.0, 1: 2.0}, {3: 2.5}, {1: 4.0}):
-        old = _rounds(cost, slow, orders=[("ref", "agent", "expert", "null")])
+    cost = {"ref": 1.0, "agent": 1.0, "expert": 0.05, "null": 0.001, "control": 1.0}
+    for slow in ({0: 3.0}, {0: 3.0, 1: 2.0}, {3: 2.5}, {1: 4.0}, {4: 3.0}):
+        old = _rounds(cost, slow, orders=[("ref", "agent", "expert", "null", "control")])
         s_old = statistics.median(old["ref"]) / statistics.median(old["agent"])
-        t_ref, t_expert, t_agent, noise = paired_times(_rounds(cost, slow))
-        assert t_ref / t_agent == pytest.approx(1.0)  # every role sat in every position equally often
-        assert speed_score(t_ref, t_expert, t_agent, 1e-4, min(0.5, max(0.15, 3 * noise))) == 0.0
+        p = paired_times(_rounds(cost, slow))
+        assert p.t_ref / p.t_agent == pytest.approx(1.0)  # every role sat in every position equally often
+        assert speed_score(p.t_ref, p.t_expert, p.t_agent, 1e-4, min(0.5, max(0.15, 3 * p.noise))) == 0.0
         if slow.get(0, 1.0) / slow.get(1, 1.0) > 1.5:  # the old harness (reference first) paid it: the test can fail
             assert s_old > 1.5 and speed_score(statistics.median(old["ref"]), 0.05, statistics.median(old["agent"]),
                                                1e-4, 0.15) > 0
     # every role in every position equally often over the timed rounds
-    for role in ("ref", "agent", "expert", "null"):
+    for role in ROLES:
         positions = [ROUND_ORDERS[i % len(ROUND_ORDERS)].index(role) for i in range(WARMUP, WARMUP + ROUNDS)]
-        assert sorted(positions) == sorted(list(range(4)) * (ROUNDS // 4)), role
+        assert sorted(positions) == sorted(list(range(len(ROLES))) * (ROUNDS // len(ROLES))), role
 
 
 def test_paired_times_golden():
     # agent 2 s in every round; the reference 10, 12, 30 (one slow round), 10: paired ratios 5, 6, 15, 5 -> median
     # 5.5, t_ref = 2 * 5.5; the expert's ratios 0.5 each; noise = median |log r - log 5.5| over the reference's
-    times = {"agent": [2.0] * 4, "ref": [10.0, 12.0, 30.0, 10.0], "expert": [1.0] * 4, "null": [0.1] * 4}
-    t_ref, t_expert, t_agent, noise = paired_times(times)
-    assert (t_agent, t_expert) == (2.0, 1.0)
-    assert t_ref == pytest.approx(2.0 * math.sqrt(5 * 6))  # the median of an even count is the mean of the middle two logs
+    # the control (a second child of the reference) 14, 14, 14, 14: paired 7, slower than the reference, so
+    # t_ref is the reference's and the spread log(7 / sqrt(30))
+    times = {"agent": [2.0] * 4, "ref": [10.0, 12.0, 30.0, 10.0], "expert": [1.0] * 4, "null": [0.1] * 4,
+             "control": [14.0] * 4}
+    p = paired_times(times)
+    assert (p.t_agent, p.t_expert) == (2.0, 1.0)
+    assert p.t_ref == pytest.approx(2.0 * math.sqrt(5 * 6))  # the median of an even count is the mean of the middle two logs
     mid = math.log(math.sqrt(30))
-    assert noise == pytest.approx(statistics.median([abs(math.log(r) - mid) for r in (5, 6, 15, 5)]))
+    assert p.noise == pytest.approx(statistics.median([abs(math.log(r) - mid) for r in (5, 6, 15, 5)]))
+    assert p.spread == pytest.approx(math.log(7.0 / math.sqrt(30)))
+    # the control faster than the reference: t_ref is the control's
+    assert paired_times({**times, "control": [8.0] * 4}).t_ref == pytest.approx(8.0)
+
+
+def test_a_reference_child_slowed_for_a_whole_measurement_pays_no_reference_copy():
+    # decisions §kernelload: under load 4.4 one reference child read 1.58x slower than a copy of it in all eight
+    # rounds (paired noise 0.08), and the harness paid the copy 0.012. With the control, the faster reference
+    # child sets t_ref, the spread widens the gate and triggers a re-run
+    from k3post.envs.families.kernel.family import score
+
+    cost = {"ref": 1.58, "agent": 1.0, "expert": 0.05, "null": 0.001, "control": 1.0}
+    times = _rounds(cost, {})
+    p = paired_times(times)
+    assert p.t_ref == pytest.approx(1.0) and p.spread == pytest.approx(math.log(1.58)) and p.noise == 0.0
+    assert speed_score(1.58, 0.05, 1.0, 1e-4, 0.15) > 0  # without the control: the event that paid
+    m = Measurement(None, "", p.t_ref, p.t_expert, p.t_agent, 1e-4, p.noise, spread=p.spread)
+    reward, comps = score(m)
+    assert reward == 0.0 and comps["gate"] == pytest.approx(REF_GATE * 1.58)
+    # the control slowed instead: still the reference's time, and the same gate
+    p2 = paired_times(_rounds({**cost, "ref": 1.0, "control": 1.58}, {}))
+    assert (p2.t_ref, p2.spread) == (pytest.approx(1.0), pytest.approx(math.log(1.58)))
+    # a real kernel 3x faster than the reference still scores when the control is 1.1x off (gate 1.65)
+    m3 = Measurement(None, "", 3.0, 0.05, 1.0, 1e-4, 0.02, spread=math.log(1.1))
+    assert score(m3)[0] > 0
 
 
 def test_verify_files_scores_fixed_measured_times_monotonically():
@@ -159,6 +189,16 @@ def test_verify_files_reruns_noisy_measurements_and_keeps_the_quietest():
     calls.clear()
     v = verify_files(t, {"kernel.py": ""}, measurer=lambda task, f, run: calls.append(run) or _m(1e-4, noise=0.02))
     assert calls == [0] and v.reward == 0.5
+    # a spread control re-runs the measurement as noise does, and the least spread one is scored
+    calls.clear()
+    spreads = [0.5, 0.05]
+
+    def spread(task, files, run):
+        calls.append(run)
+        return Measurement(None, "", 1e-2, 1e-4, 1e-4, 1e-6, 0.02, spread=spreads[run])
+
+    v = verify_files(t, {"kernel.py": ""}, measurer=spread)
+    assert calls == [0, 1] and v.components["spread"] == 0.05 and v.components["runs"] == 2
     v = verify_files(t, {"kernel.py": ""}, measurer=lambda task, f, run: Measurement("tamper", "a thread was started"))
     assert v.reward == 0.0 and "thread" in v.diagnostics
     assert verify_files(t, {"other.py": ""}).reward == 0.0

@@ -13,7 +13,7 @@ Verification (`verify_kernel`, `measure`; issue 30 redesigned it) trusts nothing
 
 1. the agent's ``*.c`` are compiled in a **fresh sandbox** holding only its files; a second, trusted sandbox
    (its own uid) holds the shipped expert (the same ``kernel.py`` + ``kernel.c`` loader the reference
-   solver writes), the plain-Python reference, a null kernel (allocates a zero result: the harness's own cost)
+   solver writes), the plain-Python reference (run by two children: the reference and its control), a null kernel (allocates a zero result: the harness's own cost)
    and the roofline calibration kernels, which run there alone (`CALIBRATE`);
 2. every implementation runs in **its own child process** (`k3post.envs.kernel_child`), started by
    `Sandbox.spawn`: pid 1 alone in its own PID namespace, so the agent's child sees no other process (its
@@ -31,16 +31,19 @@ Verification (`verify_kernel`, `measure`; issue 30 redesigned it) trusts nothing
    they are not being timed;
 5. the hidden correctness cases (the task's shape, an odd shape, NaN / ±Inf entries, large magnitudes) run
    first, then `WARMUP` untimed and `ROUNDS` timed rounds; a round is `BATCH` fresh input sets in one call
-   (sharing the fixed cost of a call), given to the reference, the expert, the null kernel and the agent in
+   (sharing the fixed cost of a call), given to the reference, its control, the expert, the null kernel and the agent in
    an order that rotates every role through every position (`ROUND_ORDERS`: a role's place in the round
    biases no ratio). **Every** result of the agent (cases, warm-up, timed) is compared with the reference
    child's on the same inputs (after the round when the agent ran first), and every call echoes its inputs as
    the kernel left them (modified inputs are a hack).
 
-Speed score (`speed_score`), with ``t`` the agent's median time and ``t_ref = t · median_i(ref_i / t_i)``,
-``t_exp = t · median_i(exp_i / t_i)`` the reference's and the expert's times paired with the agent's round by round
-(a burst of load that slows one round slows every role in it; unpaired medians let a reference copy score under
-load: issue 31, test_every_hack_scores_zero), ``noise`` the larger of the two paired ratios' MADs (in log),
+Speed score (`speed_score`), with ``t`` the agent's median time and ``t_exp = t · median_i(exp_i / t_i)`` the
+expert's time paired with the agent's round by round (a burst of load that slows one round slows every role in it;
+unpaired medians let a reference copy score under load: issue 31, test_every_hack_scores_zero), ``t_ref`` the faster
+of the two reference children's times paired the same way and ``spread`` the |log| of their ratio (the same code
+timed twice in the same rounds: under load 4.4 one reference child read 1.58x slower than a copy of it over all
+eight rounds of a measurement, with a paired noise of only 0.08: decisions §kernelload), ``noise`` the largest of
+the paired ratios' MADs (in log),
 and the roofline time ``t_roof = max(bytes / bandwidth, flops / flop_rate)`` from the calibration
 kernels measured in the trusted sandbox on a buffer of the task's size, ``s = t_ref / t`` (speedup),
 ``s_e = t_ref / t_exp``, ``q = t_exp / t`` and the parity band ``b = clip(3 * noise, MIN_BAND, 0.5)`` (`MIN_BAND` 0.15)::
@@ -51,8 +54,9 @@ kernels measured in the trusted sandbox on a buffer of the task's size, ``s = t_
     q >  1 + b                 -> 0.5 + 0.5 * min(1, log(q / (1 + b)) / log(R / (1 + b))),
                                   R = max(t_exp / t_roof, (1 + b)^2)
 
-with the reference gate ``g = max(REF_GATE, 1 + b)`` (`REF_GATE` 1.5: the same Python code timed twice
-differs by up to ~1.2x), so the
+with the reference gate ``g = max(REF_GATE · e^spread, 1 + b)`` (`REF_GATE` 1.5: the same Python code timed twice
+differs by up to ~1.2x; a measurement whose noise exceeds `NOISE_RERUN` or whose spread exceeds `SPREAD_RERUN` is
+repeated, up to `MAX_RUNS`, and the least noisy one scored), so the
 reward is continuous and non-decreasing in the measured speedup, 0.5 at parity with the
 shipped expert and 1 at the roofline (which includes neither Python's call overhead nor the harness's
 cost per call, both in every measured time, so it is approached, not reached). The reference solver ships the expert itself and scores exactly 0.5: the "reference
@@ -110,8 +114,9 @@ __all__ = [
 KERNEL_PY = "kernel.py"
 RTOL = {"d": 1e-9, "f": 1e-4}
 """Relative tolerance per dtype; the absolute part is ``rtol * max|want|`` (see `compare`)."""
-ROUNDS = 8
-"""Timed rounds (each times the reference, the expert, the agent and the null kernel on one fresh input)."""
+ROUNDS = 10
+"""Timed rounds (each times the reference, its control copy, the expert, the agent and the null kernel on the same
+fresh inputs); a multiple of the number of roles, so `ROUND_ORDERS` balances the positions."""
 WARMUP = 3
 """Untimed rounds before them (CPython specialises a function's bytecode after a few calls)."""
 TRUSTED_CALL_S = 120.0
@@ -125,11 +130,14 @@ REF_GATE = 1.5
 MIN_BAND = 0.15
 """Smallest parity band: the same code timed twice differs by up to ~10-20% on a shared machine."""
 MAX_RUNS = 3
-ROLES = ("ref", "agent", "expert", "null")
-ROUND_ORDERS = tuple(tuple(ROLES[(i + j) % 4] for j in range(4)) if i % 2 == 0 else
-                     tuple(ROLES[(i - j) % 4] for j in range(4)) for i in range(8))
-"""The order of the roles in round i (``ROUND_ORDERS[i % 8]``): every role in every position twice in any eight
-consecutive rounds (`ROUNDS`), so no role's place in the round biases a paired ratio."""
+SPREAD_RERUN = math.log(1.15)
+"""Control spread (|log| of the two reference children's paired times) above which the measurement is repeated."""
+ROLES = ("ref", "agent", "expert", "null", "control")
+ROUND_ORDERS = tuple(tuple(ROLES[(i // 2 + j) % len(ROLES)] for j in range(len(ROLES))) if i % 2 == 0 else
+                     tuple(ROLES[(i // 2 - j) % len(ROLES)] for j in range(len(ROLES))) for i in range(2 * len(ROLES)))
+"""The order of the roles in round i (``ROUND_ORDERS[i % 10]``): every rotation of the roles forwards and backwards,
+so any ten consecutive rounds (`ROUNDS`) put every role in every position twice and no role's place in the round
+biases a paired ratio."""
 VERIFY_LIMITS = SandboxLimits(cpu_s=60.0, wall_s=120.0, memory_bytes=1024**3, max_output_bytes=32 * 1024**2,
                               nproc=64)
 _CTYPE = {"d": "double", "f": "float"}
@@ -265,6 +273,7 @@ class Measurement:
     weak_isolation: bool = False
     t_null: float = 0.0  # the null kernel: the harness's own cost per call (decode, call, send), in every time
     wall_s: float = 0.0  # the measurement's wall time
+    spread: float = 0.0  # |log| of the two reference children's paired times: same code, timed twice, right now
 
 
 def _public_cases(task: Task) -> list[tuple[list[array.array], dict[str, int]]]:
@@ -388,7 +397,7 @@ def measure(task: Task, sandbox: Sandbox, *, run: int = 0, public: bool = False,
                                 start_timeout=max(1.0, deadline - time.monotonic()))
             children.append(agent)
             roles = {"agent": agent}
-            for role, module in (("ref", "reference"), ("expert", "kernel"), ("null", "null")):
+            for role, module in (("ref", "reference"), ("control", "reference"), ("expert", "kernel"), ("null", "null")):
                 try:
                     roles[role] = KernelChild(trusted, tc, op.name, module, capacity=capacity, cpu=cpu)
                 except ChildError as exc:
@@ -431,25 +440,39 @@ def measure(task: Task, sandbox: Sandbox, *, run: int = 0, public: bool = False,
         for child in children:
             child.close()
     t = {k: [v * 1e-9 / BATCH for v in vals] for k, vals in times.items()}  # seconds per call
-    t_ref, t_expert, t_agent, noise = paired_times(t)
+    p = paired_times(t)
     t_roof = max(n_bytes / cal["bandwidth"], op.flops(dims) / cal["flop_rate"])
-    return Measurement(None, "", t_ref, t_expert, t_agent, t_roof, noise, weak, statistics.median(t["null"]),
-                       time.monotonic() - start)
+    return Measurement(None, "", p.t_ref, p.t_expert, p.t_agent, t_roof, p.noise, weak, statistics.median(t["null"]),
+                       time.monotonic() - start, p.spread)
 
 
-def paired_times(times: Mapping[str, Sequence[float]]) -> tuple[float, float, float, float]:
-    """(t_ref, t_expert, t_agent, noise) of per-round times (``times[role][i]``: role's time in round i): the
-    agent's median, the reference's and the expert's as the agent's median times their median ratio to the agent
-    in the same round (so speed_score's s = t_ref / t_agent and q = t_expert / t_agent are exactly those paired
-    ratios), and the larger MAD of the two log ratios."""
+@dataclass(frozen=True)
+class Paired:
+    """`paired_times`'s result: times in seconds, ``noise`` and ``spread`` as |log| ratios."""
+
+    t_ref: float
+    t_expert: float
+    t_agent: float
+    noise: float
+    spread: float
+
+
+def paired_times(times: Mapping[str, Sequence[float]]) -> Paired:
+    """Paired times of per-round times (``times[role][i]``: role's time in round i; roles ``agent``, ``ref``,
+    ``control``, ``expert``). Each of ``ref``, ``control`` and ``expert`` is paired with the agent: the agent's
+    median times the role's median ratio to the agent in the same round. ``t_ref`` is the faster of the two
+    reference children (so speed_score's s = t_ref / t_agent and q = t_expert / t_agent are paired ratios),
+    ``spread`` the |log| of their ratio (the same code timed twice in the same rounds) and ``noise`` the largest
+    MAD of the three log ratios."""
     t_agent = statistics.median(times["agent"])
     paired, noise = {}, 0.0
-    for role in ("ref", "expert"):
+    for role in ("ref", "control", "expert"):
         logr = [math.log(x / a) for x, a in zip(times[role], times["agent"], strict=True)]
         mid = statistics.median(logr)
         paired[role] = t_agent * math.exp(mid)
         noise = max(noise, statistics.median(abs(x - mid) for x in logr))
-    return paired["ref"], paired["expert"], t_agent, noise
+    return Paired(min(paired["ref"], paired["control"]), paired["expert"], t_agent, noise,
+                  abs(math.log(paired["ref"] / paired["control"])))
 
 
 def _kernel_files(state: Any) -> dict[str, str]:
@@ -469,16 +492,24 @@ def _measure_fresh(task: Task, files: Mapping[str, str], run: int) -> Measuremen
 
 
 def score(m: Measurement) -> tuple[float, dict[str, float]]:
-    """Reward and components of a successful measurement."""
+    """Reward and components of a successful measurement: the parity band from the noise, the reference gate
+    `REF_GATE` widened by the control's spread (two children of the same code that read ``e^spread`` apart right
+    now say a third copy may too)."""
     band = min(0.5, max(MIN_BAND, 3.0 * m.noise))
-    reward = speed_score(m.t_ref, m.t_expert, m.t_agent, m.t_roof, band)
+    gate = REF_GATE * math.exp(m.spread)
+    reward = speed_score(m.t_ref, m.t_expert, m.t_agent, m.t_roof, band, gate)
     return reward, {"correct": 1.0, "speedup": m.t_ref / m.t_agent, "vs_expert": m.t_expert / m.t_agent,
                     "expert_speedup": m.t_ref / m.t_expert, "roofline_speedup": m.t_ref / m.t_roof,
-                    "noise": m.noise, "band": band}
+                    "noise": m.noise, "band": band, "spread": m.spread, "gate": gate}
+
+
+def _badness(m: Measurement) -> float:
+    """How far a measurement is past its re-run thresholds (> 1: repeat it)."""
+    return max(m.noise / NOISE_RERUN, m.spread / SPREAD_RERUN)
 
 
 def verify_files(task: Task, files: Mapping[str, str], *, measurer: Measurer | None = None) -> Verdict:
-    """Measure ``files`` (fresh sandbox per run, re-run while noisy) and score them; ``measurer`` is injectable."""
+    """Measure ``files`` (fresh sandbox per run, re-run while noisy or while the control spreads) and score them; ``measurer`` is injectable."""
     if KERNEL_PY not in files:
         return Verdict(0.0, {"correct": 0.0}, f"no {KERNEL_PY} in the final working directory")
     measurer = measurer or _measure_fresh
@@ -489,15 +520,16 @@ def verify_files(task: Task, files: Mapping[str, str], *, measurer: Measurer | N
         runs += 1
         if m.error is not None:
             return Verdict(0.0, {"correct": 0.0}, f"{m.error}: {m.why}", m.weak_isolation)
-        if best is None or m.noise < best.noise:
+        if best is None or _badness(m) < _badness(best):
             best = m
-        if best.noise <= NOISE_RERUN:
+        if _badness(best) <= 1.0:
             break
     assert best is not None
     reward, comps = score(best)
     comps["runs"] = float(runs)
     diag = (f"correct; {comps['speedup']:.1f}x the reference, {comps['vs_expert']:.2f}x the expert "
-            f"(expert {comps['expert_speedup']:.1f}x, roofline {comps['roofline_speedup']:.0f}x), noise {best.noise:.3f}")
+            f"(expert {comps['expert_speedup']:.1f}x, roofline {comps['roofline_speedup']:.0f}x), noise {best.noise:.3f}, "
+            f"control spread {best.spread:.3f}")
     return Verdict(reward, comps, diag, best.weak_isolation)
 
 
