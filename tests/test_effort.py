@@ -135,15 +135,90 @@ def test_group_override_counts_output_tokens_for_agents():
     # high, limit 1.0 * 100; agents count output tokens: 90 keep 1, 101 -> -1, 150 -> -1
     # (counting thinking tokens 200 / 10 / 10 would have given [-1, 1, 0] instead)
     group = Group(0, task.to_dict(), [traj(0, 90, 200, 1.0), traj(1, 101, 10, 1.0), traj(2, 150, 10, 0.0)])
-    r_N, m = group_override(group, table, "high", EffortConfig())
+    r_N, m = group_override(group, table, "high", EffortConfig(reference_floor=False))
     assert r_N.tolist() == [1.0, -1.0, -1.0]
+    with pytest.raises(ValueError, match="no budget floor"):  # the floor is on by default and was never computed
+        group_override(group, table, "high", EffortConfig())
     assert m["mean_tokens"] == pytest.approx((90 + 101 + 150) / 3)
     other = get_family("agents.search").generate(2, seed=0)[1]
     with pytest.raises(ValueError, match="no b0"):
         table.b0(other)
 
 
+def test_budget_floor_golden():
+    cfg = EffortConfig()
+    # low: 0.4 * 262 = 104.8 < floor 263 -> 263; high: 262 > 200 -> 262; without the floor: 104.8
+    assert budget_limit(262.0, "low", "agents", cfg, floor=263.0) == 263.0
+    assert budget_limit(262.0, "high", "agents", cfg, floor=200.0) == 262.0
+    assert budget_limit(262.0, "low", "agents", EffortConfig(reference_floor=False), floor=263.0) == pytest.approx(104.8)
+    # T 263 at the floor keeps its reward, 264 is over; the floor of the second sample is below 0.4 * b0
+    r_N, m = override_rewards(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([263, 264, 50]),
+                              torch.tensor([262.0, 262.0, 100.0]), 0.4, torch.tensor([263.0, 263.0, 10.0]))
+    assert r_N.tolist() == [1.0, -1.0, -1.0] and m["violation_rate"] == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="floors"):
+        override_rewards(torch.tensor([1.0]), torch.tensor([1]), torch.tensor([1.0]), 0.4, torch.tensor([1.0, 2.0]))
+
+
+def test_reference_floor_keeps_the_reference_solution_inside_the_low_budget(xtml_tokenizer):
+    """The demo's agents.low collapsed (0.125 -> 0): its SFT model's correct answers are the family's low-effort
+    reference, T 259-269, and b0 (their 0.9-quantile) times τ_low = 0.4 put every one of them at -1. With the floor,
+    a sample as long as the reference keeps its reward at low effort; one token longer does not."""
+    from k3post.rollout.evaluation import reference_effort_tokens
+
+    xtml = XTML(xtml_tokenizer)
+    task = get_family("agents.search").generate(1, seed=0)[0]
+    floor = reference_effort_tokens(xtml, task, "low")
+    assert floor is not None and floor > 0
+    high = reference_effort_tokens(xtml, task, "high")
+    assert high is not None and high > floor  # the high reference adds its reasoning to the same calls
+    table = BudgetTable()
+    table.add_samples({task_key(task): TaskSamples(task.family, [floor] * 4, [True] * 4)}, q=0.9, min_b0=1.0)
+
+    def traj(j: int, out: int) -> Trajectory:
+        return Trajectory(traj_id=f"g0/s{j}", group_id=0, sample_index=j, seed=j, task=task.to_dict(), status="done",
+                          reward=1.0, domain="agents", output_tokens=out, thinking_tokens=0)
+
+    group = Group(0, task.to_dict(), [traj(0, floor), traj(1, floor + 1)])
+    off, _ = group_override(group, table, "low", EffortConfig(reference_floor=False))
+    assert off.tolist() == [-1.0, -1.0]  # 0.4 * b0 < floor: no correct answer fits
+    from k3post.rewards.effort import add_floors
+
+    assert add_floors(table, [task], lambda t: reference_effort_tokens(xtml, t, "low")) == 1
+    assert table.floor(task) == floor and add_floors(table, [task], lambda t: 1 / 0) == 0  # computed once
+    on, _ = group_override(group, table, "low", EffortConfig())
+    assert on.tolist() == [1.0, -1.0]
+    # a general task's T counts thinking only: the low-effort arithmetic reference does not think
+    arith = get_family("general.arithmetic").generate(1, seed=0)[0]
+    assert reference_effort_tokens(xtml, arith, "low") == 0 < reference_effort_tokens(xtml, arith, "max")
+
+
+def test_budget_table_floor_round_trip_and_bad_floor(tmp_path):
+    table = BudgetTable({"effort": "max"})
+    table.add_samples({"k": TaskSamples("agents.search", [10, 20], [True, False])}, q=0.9, min_b0=1.0)
+    table.entries["k"].floor = 263.0
+    again = BudgetTable.load(table.save(tmp_path / "b.json"))
+    assert again.floor("k") == 263.0 and again.b0("k") == table.b0("k")
+    data = table.to_dict()
+    data["entries"]["k"]["floor"] = -1
+    with pytest.raises(ValueError, match="floor"):
+        BudgetTable.from_dict(data)
+
+
 # --------------------------------------------------------------------------- the estimator
+
+
+def test_estimate_budgets_adds_floors_to_a_cached_table_without_the_model(xtml_tokenizer, tmp_path):
+    tasks = get_family("agents.search").generate(2, seed=0)
+    settings = {"effort": "max", "samples_per_task": 2, "seed": 0, "max_tokens": 8, "quantile": 0.9, "min_b0": 1.0,
+                "correct_reward": 1.0}
+    table = BudgetTable(settings)
+    table.add_samples({task_key(t): TaskSamples(t.family, [5, 6], [True, True]) for t in tasks}, q=0.9, min_b0=1.0)
+    path = table.save(tmp_path / "b0.json")
+    seen = []
+    got = estimate_budgets(None, tasks, xtml=XTML(xtml_tokenizer), samples_per_task=2, seed=0, max_tokens=8, path=path,
+                           floor=lambda t: seen.append(t.id) or 100 + len(seen))  # no engine: nothing is sampled
+    assert seen == [t.id for t in tasks] and [got.floor(t) for t in tasks] == [101.0, 102.0]
+    assert [BudgetTable.load(path).floor(t) for t in tasks] == [101.0, 102.0]  # saved back
 
 
 def test_quantile_golden():

@@ -24,6 +24,11 @@ class EffortConfig:
         b0_samples: K cold-start samples per task for the b0 estimate.
         b0_quantile: q of the estimate (quantile of T over a task's correct samples).
         min_b0: floor of every b0, in tokens (keeps limits and T/b0 defined).
+        reference_floor: no limit falls below T of the family's own scripted reference solution of the
+            task at its lowest effort (``low``): limit = max(s · b0, floor) **(ours, beyond SPEC)**. Without it
+            a τ_low · b0 under what the task's tool calls alone take makes every correct answer −1, and RL
+            learns to fail short: in the demo agents.low fell 0.125 -> 0 (budget 105 tokens, every reference
+            259-269) and coding.low trained on groups that were all −1 (decisions, issue 31 §floor).
         curriculum: the order in which each domain's effort experts are trained; each stage
             continues from the previous one's expert, the first from the SFT checkpoint.
     """
@@ -36,6 +41,7 @@ class EffortConfig:
     b0_samples: int = 4
     b0_quantile: float = 0.9
     min_b0: float = 1.0
+    reference_floor: bool = True
     curriculum: list[str] = field(default_factory=lambda: ["max", "high", "low"])
 
     def __post_init__(self) -> None:

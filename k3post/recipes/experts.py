@@ -52,7 +52,7 @@ from k3post.envs.families.streams import domain_families, eval_tasks, train_task
 from k3post.loop import rollout_gap
 from k3post.stages.rl import GroupScorer, build_group_scorer, judged_families, train_rl, sampled_eval
 from k3post.rollout.factory import build_engine, close_engine
-from k3post.rollout.evaluation import evaluate_episodes, paired_passes, paired_shares
+from k3post.rollout.evaluation import evaluate_episodes, paired_passes, paired_shares, reference_effort_tokens
 from k3post.stats import paired_change, paired_mean_change
 from k3post.threads import child_threads, exit_with_parent
 from k3post.tokenizer import load_tokenizer
@@ -79,12 +79,14 @@ def load_policy(path: str | Path, qat: QATConfig | None) -> torch.nn.Module:
 
 def domain_budgets(engine: Any, xtml: XTML, cfg: RLConfig, path: str | Path) -> BudgetTable:
     """b0 of every training task of ``cfg`` (its domain and families) from the cold-start model
-    behind ``engine``, at max effort and the domain's rollout temperature, cached in ``path`` (`estimate_budgets`)."""
+    behind ``engine``, at max effort and the domain's rollout temperature, with the floors of
+    `EffortConfig.reference_floor`, cached in ``path`` (`estimate_budgets`)."""
     ec = cfg.effort_control
     return estimate_budgets(
         engine, train_tasks(cfg.families, cfg.n_tasks, difficulty=cfg.difficulty, seed=cfg.seed), xtml=xtml,
         samples_per_task=ec.b0_samples, seed=cfg.seed, max_tokens=cfg.max_tokens, q=ec.b0_quantile,
         min_b0=ec.min_b0, temperature=cfg.temperature, path=path, progress=cfg.progress,
+        floor=(lambda t: reference_effort_tokens(xtml, t, "low")) if ec.reference_floor else None,
     )
 
 

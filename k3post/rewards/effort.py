@@ -38,6 +38,12 @@ the median is Q_0.5. Departures **(ours)**, beyond SPEC:
   cut by length / context / malformed output) and its reward is ≥ ``correct_reward`` (1.0);
   a sample whose infrastructure failed (``Trajectory.infra``) is no sample at all.
 
+The limit never falls below a floor when ``EffortConfig.reference_floor`` (default on, **ours**): T of the task's
+own scripted reference solution at ``low`` effort (`k3post.rollout.evaluation.reference_effort_tokens`), so
+limit = max(s_(d,e) · b0(x), floor(x)). For agentic tasks T counts every output token, tool-call syntax and
+arguments included, and a τ_low · b0 below what the calls alone take leaves no correct answer inside the budget:
+the demo's agents.search needs 259-269 tokens at low effort against a limit of 105 (decisions, issue 31 §floor).
+
 `BudgetTable` caches the estimate per task (key: `Task.content_hash`, the SHA-256 of the
 task's canonical JSON) with every sample's T(y) and correctness, as JSON written atomically
 (temporary file + ``os.replace``). A b0, once estimated, is frozen: estimating new tasks
@@ -70,6 +76,7 @@ from k3post.io import write_jsonl
 from k3post.xtml import XTML
 
 __all__ = [
+    "add_floors",
     "EffortConfig",
     "effort_scale",
     "budget_limit",
@@ -108,27 +115,31 @@ def effort_scale(effort: str, domain: str, cfg: EffortConfig) -> float:
     return min(tau, float(cfg.max_cap)) if effort == "max" else tau
 
 
-def budget_limit(b0: float, effort: str, domain: str, cfg: EffortConfig) -> float:
+def budget_limit(b0: float, effort: str, domain: str, cfg: EffortConfig, floor: float = 0.0) -> float:
     """The token limit of a problem with budget ``b0``: τ_e · b0, and min(τ_max · b0,
-    max_cap · b0) for ``max``. A sample is over budget when T(y) > limit."""
+    max_cap · b0) for ``max``; with ``cfg.reference_floor`` never below ``floor`` (T of the task's reference
+    solution at low effort, `BudgetTable.floor`). A sample is over budget when T(y) > limit."""
     if isinstance(b0, bool) or not isinstance(b0, (int, float)) or not math.isfinite(b0) or b0 < 0:
         raise ValueError(f"b0 must be a finite number >= 0, got {b0!r}")
-    return effort_scale(effort, domain, cfg) * float(b0)
+    limit = effort_scale(effort, domain, cfg) * float(b0)
+    return max(limit, float(floor)) if cfg.reference_floor else limit
 
 
 # =========================================================================== the override (pure)
 
 
 def override_rewards(
-    rewards_N: torch.Tensor, tokens_N: torch.Tensor, b0_N: torch.Tensor, scale: float
+    rewards_N: torch.Tensor, tokens_N: torch.Tensor, b0_N: torch.Tensor, scale: float,
+    floor_N: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """r'_i = −1 if T_i > scale · b0_i else r_i (SPEC §3.3).
+    """r'_i = −1 if T_i > max(scale · b0_i, floor_i) else r_i (SPEC §3.3; the floor is ours).
 
     Args:
         rewards_N: rewards r(x_i, y_i).
         tokens_N: T(y_i) (`Trajectory.effort_tokens`).
         b0_N: b0(x_i) of each sample's problem, > 0.
         scale: s_(d,e) (`effort_scale`).
+        floor_N: the smallest limit of each sample's problem (`BudgetTable.floor`); None: no floor.
 
     Returns:
         (rewards'_N in the dtype of ``rewards_N``, metrics): ``violation_rate`` (fraction of
@@ -150,7 +161,12 @@ def override_rewards(
         raise ValueError(f"every b0 must be finite and > 0, got {b0_N.tolist()}")
     if bool((t_N < 0).any()):
         raise ValueError(f"token counts must be >= 0, got {tokens_N.tolist()}")
-    over_N = t_N > float(scale) * b_N
+    limit_N = float(scale) * b_N
+    if floor_N is not None:
+        if floor_N.shape != b_N.shape:
+            raise ValueError(f"floors must be 1-D of the samples' length, got {tuple(floor_N.shape)}")
+        limit_N = torch.maximum(limit_N, floor_N.to(torch.float64))
+    over_N = t_N > limit_N
     out_N = torch.where(over_N, torch.full_like(rewards_N, -1.0), rewards_N)
     metrics = {
         "violation_rate": float(over_N.to(torch.float64).mean()),
@@ -167,15 +183,18 @@ def effort_override(
     effort: str,
     domain: str,
     cfg: EffortConfig,
+    floors: torch.Tensor | Sequence[float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """`override_rewards` at the limit of (``domain``, ``effort``) under ``cfg``: rewards
-    of samples with T(y) > s_(d,e) · b0(x) become −1. Returns (rewards'_N, metrics)."""
+    of samples with T(y) > `budget_limit` become −1 (``floors`` apply when ``cfg.reference_floor``).
+    Returns (rewards'_N, metrics)."""
     rewards_N = torch.as_tensor(rewards, dtype=torch.float32) if not isinstance(rewards, torch.Tensor) else rewards
     return override_rewards(
         rewards_N,
         torch.as_tensor(tokens, dtype=torch.float64),
         torch.as_tensor(b0s, dtype=torch.float64),
         effort_scale(effort, domain, cfg),
+        torch.as_tensor(floors, dtype=torch.float64) if floors is not None and cfg.reference_floor else None,
     )
 
 
@@ -183,11 +202,12 @@ def group_override(
     group: Group, table: "BudgetTable", effort: str, cfg: EffortConfig
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """`effort_override` of the K samples of one finished group: r from the trajectories,
-    T = `Trajectory.effort_tokens`, b0 of the group's task from ``table``, the task's domain."""
+    T = `Trajectory.effort_tokens`, b0 and the floor of the group's task from ``table``, the task's domain."""
     task = Task.from_dict(group.task)
     b0 = table.b0(task)
     tokens = [t.effort_tokens() for t in group.trajectories]
-    return effort_override(group.rewards, tokens, [b0] * len(tokens), effort, task.domain, cfg)
+    floors = [table.floor(task)] * len(tokens) if cfg.reference_floor else None
+    return effort_override(group.rewards, tokens, [b0] * len(tokens), effort, task.domain, cfg, floors)
 
 
 # =========================================================================== the b0 estimator (pure)
@@ -278,11 +298,15 @@ class BudgetEntry:
     b0: float
     source: str
     samples: TaskSamples
+    floor: float | None = None  # T of the task's reference solution at low effort; None: not computed yet
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
         s = self.samples
-        return {"b0": self.b0, "source": self.source, "family": s.family, "tokens": list(s.tokens), "correct": list(s.correct)}
+        out = {"b0": self.b0, "source": self.source, "family": s.family, "tokens": list(s.tokens), "correct": list(s.correct)}
+        if self.floor is not None:
+            out["floor"] = self.floor
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "BudgetEntry":
@@ -290,7 +314,11 @@ class BudgetEntry:
         b0 = float(data["b0"])
         if not (math.isfinite(b0) and b0 > 0) or data["source"] not in ("correct", "family_correct", "family_all"):
             raise ValueError(f"bad budget entry {dict(data)!r}")
-        return cls(b0, str(data["source"]), TaskSamples(str(data["family"]), list(data["tokens"]), list(data["correct"])))
+        floor = data.get("floor")
+        if floor is not None and not (isinstance(floor, (int, float)) and math.isfinite(floor) and floor >= 0):
+            raise ValueError(f"bad budget floor in {dict(data)!r}")
+        return cls(b0, str(data["source"]), TaskSamples(str(data["family"]), list(data["tokens"]), list(data["correct"])),
+                   None if floor is None else float(floor))
 
 
 class BudgetTable:
@@ -325,6 +353,17 @@ class BudgetTable:
             what = f"task {task_or_key.id!r} ({task_or_key.family})" if isinstance(task_or_key, Task) else f"task key {key!r}"
             raise ValueError(f"{what} has no b0 in the budget table; estimate it first (estimate_budgets)")
         return entry.b0
+
+    def floor(self, task_or_key: Task | str) -> float:
+        """The task's budget floor (`EffortConfig.reference_floor`): T of its reference solution at low effort,
+        0 when the reference does not solve it; ValueError when it was never estimated or its floor never
+        computed (`estimate_budgets` with ``floor``)."""
+        self.b0(task_or_key)  # the error for a task without an entry
+        key = task_key(task_or_key) if isinstance(task_or_key, Task) else task_or_key
+        floor = self.entries[key].floor
+        if floor is None:
+            raise ValueError(f"task key {key!r} has no budget floor in the table; estimate_budgets(floor=...) computes it")
+        return floor
 
     def pass_fraction(self, task_or_key: Task | str) -> float:
         """The share of a task's b0 samples that were correct (the cold-start model's pass rate on it);
@@ -408,6 +447,7 @@ def estimate_budgets(
     env_factory: Callable[[Task], Environment] | None = None,
     path: str | Path | None = None,
     progress: bool = False,
+    floor: Callable[[Task], int | None] | None = None,
 ) -> BudgetTable:
     """b0 of every task from the cold-start model behind ``engine`` (SPEC §3.3).
 
@@ -427,6 +467,10 @@ def estimate_budgets(
 
     With ``progress``: a log line saying what runs and how much (tasks x samples), and a progress bar over the
     episodes.
+
+    With ``floor`` (task -> T of its reference solution at low effort, None when it does not solve the task:
+    `k3post.rollout.evaluation.reference_effort_tokens`): every task's budget floor is computed where the table
+    lacks it (a table saved before floors existed gets them without re-running the cold-start model).
     """
     check_effort(effort)
     if isinstance(samples_per_task, bool) or not isinstance(samples_per_task, int) or samples_per_task < 1:
@@ -453,6 +497,8 @@ def estimate_budgets(
         if key not in table and key not in todo:
             todo[key] = task
     if not todo:
+        if floor is not None and add_floors(table, tasks, floor) and path is not None:
+            table.save(path)
         return table
     keys = list(todo)
     if progress:
@@ -478,9 +524,23 @@ def estimate_budgets(
         q=q,
         min_b0=min_b0,
     )
+    if floor is not None:
+        add_floors(table, tasks, floor)
     if path is not None:
         table.save(path)
     return table
+
+
+def add_floors(table: BudgetTable, tasks: Sequence[Task], floor: Callable[[Task], int | None]) -> int:
+    """`EffortConfig.reference_floor`'s floors: compute the floor of every task of ``tasks`` whose entry lacks one (0 when its reference fails); how many."""
+    n = 0
+    for task in tasks:
+        entry = table.entries[task_key(task)]
+        if entry.floor is None:
+            value = floor(task)
+            entry.floor = float(value) if value is not None else 0.0
+            n += 1
+    return n
 
 
 # =========================================================================== the curriculum

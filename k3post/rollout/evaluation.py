@@ -29,6 +29,7 @@ from k3post.stats import wilson_interval
 from k3post.xtml import OMIT_EFFORT, XTML
 
 __all__ = ["run_episodes", "evaluate_episodes", "summarize_trajectories", "paired_passes", "make_env", "local_env", "env_placement",
+           "reference_effort_tokens",
            "reference_turn_tokens"]
 
 
@@ -74,6 +75,34 @@ def reference_turn_tokens(xtml: XTML, tasks: Sequence[Task], effort: str, *, mod
             else:
                 longest, run = max(longest, run), 0
     return longest
+
+
+def reference_effort_tokens(xtml: XTML, task: Task, effort: str, *, mode: str = "think") -> int | None:
+    """T(y) (SPEC §3.3, `Trajectory.effort_tokens`) of the family's scripted reference solution of ``task`` at
+    ``effort``, rendered with ``xtml`` as a policy would sample it: every assistant token across turns for the
+    agentic domains, the thinking tokens (each turn up to its first ``<|close|>``) otherwise; None when the
+    reference does not solve the task. A budget below it excludes the family's own solution."""
+    from k3post.envs.episode import run_episode_sync
+
+    family = get_family(task.family)
+    ep = run_episode_sync(family.reference_policy(task, effort), local_env(task), task)
+    if ep.verdict is None or float(ep.reward or 0.0) < 1.0:
+        return None
+    r = xtml.render(ep.messages, tools=ep.tools or None, effort=effort, mode=mode)
+    if task.domain in ("agents", "coding"):
+        return sum(r.loss_mask)
+    total, in_turn, thinking = 0, False, False
+    for tok, m in zip(r.ids, r.loss_mask):  # the loss mask's runs are the assistant turns
+        if m and not in_turn:
+            in_turn, thinking = True, True
+        elif not m:
+            in_turn = False
+        if in_turn and thinking:
+            if tok == xtml.close_id:
+                thinking = False
+            else:
+                total += 1
+    return total
 
 
 def summarize_trajectories(trajs: Sequence[Trajectory], *, pass_threshold: float = 1.0) -> dict[str, Any]:

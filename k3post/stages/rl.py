@@ -50,10 +50,10 @@ from k3post.metrics import MetricsLogger
 from k3post.models import load_model
 from k3post.loop import Signal, StageLog, train_policy
 from k3post.policy_step import TokenSequence
-from k3post.rewards.effort import BudgetTable, group_override
+from k3post.rewards.effort import BudgetTable, add_floors, group_override
 from k3post.rewards.grm import EngineJudge, GroupGRM, PolicyJudge, estimate_l0, trajectory_candidate
 from k3post.rewards.judging import gate_judge, gate_summary
-from k3post.rollout.evaluation import evaluate_episodes, reference_turn_tokens, run_episodes
+from k3post.rollout.evaluation import evaluate_episodes, reference_effort_tokens, reference_turn_tokens, run_episodes
 from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.trajectory import Group
 from k3post.urls import is_url
@@ -271,6 +271,11 @@ def train_rl(
     missing = [t.id for t in tasks if t not in budgets]
     if missing:
         raise ValueError(f"the budget table lacks b0 for {len(missing)} training tasks (e.g. {missing[:3]}); run estimate_budgets")
+    if cfg.effort_control.reference_floor:  # limits never below the task's own reference solution (EffortConfig)
+        xtml = XTML(tokenizer)
+        if n := add_floors(budgets, tasks, lambda t: reference_effort_tokens(xtml, t, "low")):
+            log.info("%s.%s: budget floors of %d tasks from their reference solutions at low effort", cfg.domain,
+                     cfg.effort, n)
     tasks = select_by_pass(tasks, budgets, cfg)
     check_turn_caps(cfg, tokenizer, fams)
     step, rows, resumed_from, pl = train_policy(
