@@ -184,7 +184,7 @@ def warm_start(model: Any, tok: Any, xtml: XTML, tasks: Sequence[Task], args: ar
 def budget_table(tasks: Sequence[Task], max_tokens: int) -> BudgetTable:
     """b0 = ``max_tokens`` for every task: the override's limit τ·b0 is then never below the cap."""
     table = BudgetTable({"bench": "rl_step", "b0": max_tokens})
-    table.add_samples({task_key(t): TaskSamples(t.family, [max_tokens], [True]) for t in tasks}, q=0.9, min_b0=1.0)
+    table.add_samples({task_key(t): TaskSamples(t.family, [max_tokens], [True]) for t in tasks}, q=0.9, min_b0=1.0, floor=0.0)
     return table
 
 

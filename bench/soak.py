@@ -167,7 +167,7 @@ def _budgets(tasks: list[Any], b0: float = 16.0) -> Any:
     from k3post.rewards.effort import BudgetTable, TaskSamples
 
     table = BudgetTable({"soak": True})
-    table.add_samples({t.content_hash(): TaskSamples(t.family, [b0] * 3, [True] * 3) for t in tasks}, q=0.9, min_b0=1.0)
+    table.add_samples({t.content_hash(): TaskSamples(t.family, [b0] * 3, [True] * 3) for t in tasks}, q=0.9, min_b0=1.0, floor=0.0)
     return table
 
 

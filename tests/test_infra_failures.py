@@ -47,7 +47,7 @@ def _traj(j: int, reward: float | None, *, infra: str | None = None, gid: int = 
 
 def _budgets(*tasks) -> BudgetTable:
     table = BudgetTable({"test": "infra"})
-    table.add_samples({task_key(t): TaskSamples(t.family, [1000], [True]) for t in tasks}, q=0.9, min_b0=1.0)
+    table.add_samples({task_key(t): TaskSamples(t.family, [1000], [True]) for t in tasks}, q=0.9, min_b0=1.0, floor=0.0)
     return table
 
 

@@ -165,7 +165,7 @@ def _budgets(tasks, b0) -> BudgetTable:
     """b0 per task (a number for all, or task key -> b0)."""
     table = BudgetTable({"test": "learning"})
     table.add_samples({task_key(t): TaskSamples(t.family, [b0 if isinstance(b0, (int, float)) else b0[task_key(t)]], [True])
-                       for t in tasks}, q=0.9, min_b0=1.0)
+                       for t in tasks}, q=0.9, min_b0=1.0, floor=0.0)
     return table
 
 

@@ -156,7 +156,7 @@ def test_score_golden():
     fam = get_family("general.arithmetic")
     tasks = fam.generate(2, seed=3)
     table = BudgetTable({"test": True})
-    table.add_samples({**{t.content_hash(): TaskSamples(t.family, [10] * 3, [True] * 3) for t in tasks}}, q=0.9, min_b0=1.0)
+    table.add_samples({**{t.content_hash(): TaskSamples(t.family, [10] * 3, [True] * 3) for t in tasks}}, q=0.9, min_b0=1.0, floor=0.0)
 
     def traj(task, gid, j, reward, think):
         t = Trajectory(traj_id=f"g{gid}/s{j}", group_id=gid, sample_index=j, seed=j, task=task.to_dict(),
@@ -553,7 +553,7 @@ def test_judged_family_is_rewarded_by_the_grm_through_rl_judge(warm_policy, tmp_
         t.append(ids[1:], logprobs=[-1.0] * (len(ids) - 1), versions=[0] * (len(ids) - 1))
         trajs.append(t)
     table = BudgetTable()
-    table.add_samples({task.content_hash(): TaskSamples(task.family, [50, 50], [True, True])}, q=0.9, min_b0=1.0)
+    table.add_samples({task.content_hash(): TaskSamples(task.family, [50, 50], [True, True])}, q=0.9, min_b0=1.0, floor=0.0)
     scorer.l0 = {}  # no length guard: every comparison reaches the judge
     seqs, rows, adv = _score([Group(0, task.to_dict(), trajs)], scorer, table, _cfg(effort_control=EffortConfig()))
     assert [t.reward for t in trajs] == [0.5, 0.5, 0.5]
@@ -750,7 +750,7 @@ def test_one_rl_step_moves_log_probs_the_way_the_advantages_say(warm_policy, qat
             t.reward = float(t.sample_index % 3 == 0)
     groups = [Group(i, t.to_dict(), ts) for i, (t, ts) in enumerate(zip(tasks, per))]
     table = BudgetTable({"test": True})
-    table.add_samples({t.content_hash(): TaskSamples(t.family, [1000] * 3, [True] * 3) for t in tasks}, q=0.9, min_b0=1.0)
+    table.add_samples({t.content_hash(): TaskSamples(t.family, [1000] * 3, [True] * 3) for t in tasks}, q=0.9, min_b0=1.0, floor=0.0)
     seqs, rows, adv = _score(groups, None, table, RLConfig())
     assert adv == {"zero_variance_groups": 0.0, "trained_groups": 6.0} and rows["pass_rate"] == 18 / 48
 

@@ -378,18 +378,20 @@ class BudgetTable:
         return torch.tensor([self.b0(t) for t in tasks], dtype=torch.float64)
 
     # ------------------------------------------------------------------ estimation
-    def add_samples(self, samples: Mapping[str, TaskSamples], *, q: float, min_b0: float) -> None:
+    def add_samples(self, samples: Mapping[str, TaskSamples], *, q: float, min_b0: float,
+                    floor: float | None = None) -> None:
         """Estimate b0 of new tasks (keys not yet in the table) from their samples.
 
         The family medians are recomputed over every stored sample plus the new ones; the b0
-        of tasks already in the table stay as they were (estimated once)."""
+        of tasks already in the table stay as they were (estimated once). ``floor``: the new tasks' budget floor
+        given by hand (a table whose b0 are given by hand, in tests and benches); None: computed later (`add_floors`)."""
         new = {k: s for k, s in samples.items() if k not in self.entries}
         self.medians = family_medians([e.samples for e in self.entries.values()] + list(new.values()))
         for key, s in new.items():
             median, fallback = self.medians[s.family]
             correct = s.correct_tokens
             self.entries[key] = BudgetEntry(
-                estimate_b0(correct, median, q=q, min_b0=min_b0), "correct" if correct else fallback, s
+                estimate_b0(correct, median, q=q, min_b0=min_b0), "correct" if correct else fallback, s, floor
             )
 
     # ------------------------------------------------------------------ persistence
