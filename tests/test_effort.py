@@ -137,7 +137,7 @@ def test_group_override_counts_output_tokens_for_agents():
     group = Group(0, task.to_dict(), [traj(0, 90, 200, 1.0), traj(1, 101, 10, 1.0), traj(2, 150, 10, 0.0)])
     r_N, m = group_override(group, table, "high", EffortConfig(reference_floor=False))
     assert r_N.tolist() == [1.0, -1.0, -1.0]
-    with pytest.raises(ValueError, match="no budget floor"):  # the floor is on by default and was never computed
+    with pytest.raises(ValueError, match="no budget floor at high"):  # the floor is on by default, never computed
         group_override(group, table, "high", EffortConfig())
     assert m["mean_tokens"] == pytest.approx((90 + 101 + 150) / 3)
     other = get_family("agents.search").generate(2, seed=0)[1]
@@ -159,10 +159,11 @@ def test_budget_floor_golden():
         override_rewards(torch.tensor([1.0]), torch.tensor([1]), torch.tensor([1.0]), 0.4, torch.tensor([1.0, 2.0]))
 
 
-def test_reference_floor_keeps_the_reference_solution_inside_the_low_budget(xtml_tokenizer):
+def test_reference_floor_keeps_the_reference_solution_inside_its_effort_budget(xtml_tokenizer):
     """The demo's agents.low collapsed (0.125 -> 0): its SFT model's correct answers are the family's low-effort
     reference, T 259-269, and b0 (their 0.9-quantile) times τ_low = 0.4 put every one of them at -1. With the floor,
-    a sample as long as the reference keeps its reward at low effort; one token longer does not."""
+    a sample as long as the reference keeps its reward at low effort; one token longer does not. At high effort the
+    floor is the high reference's T (agents.high fell 0.156 -> 0.031 with a limit of b0 under it)."""
     from k3post.rollout.evaluation import reference_effort_tokens
 
     xtml = XTML(xtml_tokenizer)
@@ -183,10 +184,17 @@ def test_reference_floor_keeps_the_reference_solution_inside_the_low_budget(xtml
     assert off.tolist() == [-1.0, -1.0]  # 0.4 * b0 < floor: no correct answer fits
     from k3post.rewards.effort import add_floors
 
-    assert add_floors(table, [task], lambda t: reference_effort_tokens(xtml, t, "low")) == 1
-    assert table.floor(task) == floor and add_floors(table, [task], lambda t: 1 / 0) == 0  # computed once
+    assert add_floors(table, [task], lambda t, e: reference_effort_tokens(xtml, t, e), ["low"]) == 1
+    assert table.floor(task, "low") == floor and add_floors(table, [task], lambda t, e: 1 / 0, ["low"]) == 0  # once
+    with pytest.raises(ValueError, match="no budget floor at high"):
+        table.floor(task, "high")
     on, _ = group_override(group, table, "low", EffortConfig())
     assert on.tolist() == [1.0, -1.0]
+    assert add_floors(table, [task], lambda t, e: reference_effort_tokens(xtml, t, e)) == 2  # high and max
+    assert table.floor(task, "high") == high
+    at_high = Group(0, task.to_dict(), [traj(0, high), traj(1, high + 1)])
+    assert group_override(at_high, table, "high", EffortConfig())[0].tolist() == [1.0, -1.0]
+    assert group_override(at_high, table, "high", EffortConfig(reference_floor=False))[0].tolist() == [-1.0, -1.0]
     # a general task's T counts thinking only: the low-effort arithmetic reference does not think
     arith = get_family("general.arithmetic").generate(1, seed=0)[0]
     assert reference_effort_tokens(xtml, arith, "low") == 0 < reference_effort_tokens(xtml, arith, "max")
@@ -195,13 +203,16 @@ def test_reference_floor_keeps_the_reference_solution_inside_the_low_budget(xtml
 def test_budget_table_floor_round_trip_and_bad_floor(tmp_path):
     table = BudgetTable({"effort": "max"})
     table.add_samples({"k": TaskSamples("agents.search", [10, 20], [True, False])}, q=0.9, min_b0=1.0)
-    table.entries["k"].floor = 263.0
+    table.entries["k"].floors = {"low": 263.0, "high": 309.0}
     again = BudgetTable.load(table.save(tmp_path / "b.json"))
-    assert again.floor("k") == 263.0 and again.b0("k") == table.b0("k")
-    data = table.to_dict()
-    data["entries"]["k"]["floor"] = -1
-    with pytest.raises(ValueError, match="floor"):
-        BudgetTable.from_dict(data)
+    assert (again.floor("k", "low"), again.floor("k", "high")) == (263.0, 309.0) and again.b0("k") == table.b0("k")
+    for bad in ({"low": -1}, {"medium": 3}, {"low": True}, [263]):
+        data = table.to_dict()
+        data["entries"]["k"]["floors"] = bad
+        with pytest.raises(ValueError, match="floors"):
+            BudgetTable.from_dict(data)
+    table.add_samples({"j": TaskSamples("agents.search", [10], [True])}, q=0.9, min_b0=1.0, floor=0.0)
+    assert [table.floor("j", e) for e in ("low", "high", "max")] == [0.0, 0.0, 0.0]  # given by hand, every effort
 
 
 # --------------------------------------------------------------------------- the estimator
@@ -216,9 +227,10 @@ def test_estimate_budgets_adds_floors_to_a_cached_table_without_the_model(xtml_t
     path = table.save(tmp_path / "b0.json")
     seen = []
     got = estimate_budgets(None, tasks, xtml=XTML(xtml_tokenizer), samples_per_task=2, seed=0, max_tokens=8, path=path,
-                           floor=lambda t: seen.append(t.id) or 100 + len(seen))  # no engine: nothing is sampled
-    assert seen == [t.id for t in tasks] and [got.floor(t) for t in tasks] == [101.0, 102.0]
-    assert [BudgetTable.load(path).floor(t) for t in tasks] == [101.0, 102.0]  # saved back
+                           floor=lambda t, e: seen.append((t.id, e)) or 100 + len(seen))  # no engine: nothing sampled
+    assert seen == [(t.id, e) for t in tasks for e in ("low", "high", "max")]
+    assert [got.floor(t, "high") for t in tasks] == [102.0, 105.0]
+    assert [BudgetTable.load(path).floor(t, "max") for t in tasks] == [103.0, 106.0]  # saved back
 
 
 def test_quantile_golden():

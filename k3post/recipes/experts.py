@@ -86,7 +86,7 @@ def domain_budgets(engine: Any, xtml: XTML, cfg: RLConfig, path: str | Path) -> 
         engine, train_tasks(cfg.families, cfg.n_tasks, difficulty=cfg.difficulty, seed=cfg.seed), xtml=xtml,
         samples_per_task=ec.b0_samples, seed=cfg.seed, max_tokens=cfg.max_tokens, q=ec.b0_quantile,
         min_b0=ec.min_b0, temperature=cfg.temperature, path=path, progress=cfg.progress,
-        floor=(lambda t: reference_effort_tokens(xtml, t, "low")) if ec.reference_floor else None,
+        floor=(lambda t, e: reference_effort_tokens(xtml, t, e)) if ec.reference_floor else None,
     )
 
 
@@ -305,7 +305,9 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
             t_b = time.perf_counter()
             budgets = domain_budgets(engine, xtml, rcfg, budget_path)
             b0s = [budgets.b0(k) for k in budgets]
+            floors = {e: statistics.median(x.floors.get(e, 0.0) for x in budgets.entries.values()) for e in EFFORTS}
             table["budgets"][stage.domain] = {"tasks": len(b0s), "median_b0": statistics.median(b0s),
+                                              "median_floor": floors,
                                               "seconds": time.perf_counter() - t_b,
                                               "sources": dict(_count(e.source for e in budgets.entries.values()))}
         finally:

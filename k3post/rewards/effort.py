@@ -39,10 +39,11 @@ the median is Q_0.5. Departures **(ours)**, beyond SPEC:
   a sample whose infrastructure failed (``Trajectory.infra``) is no sample at all.
 
 The limit never falls below a floor when ``EffortConfig.reference_floor`` (default on, **ours**): T of the task's
-own scripted reference solution at ``low`` effort (`k3post.rollout.evaluation.reference_effort_tokens`), so
-limit = max(s_(d,e) · b0(x), floor(x)). For agentic tasks T counts every output token, tool-call syntax and
-arguments included, and a τ_low · b0 below what the calls alone take leaves no correct answer inside the budget:
-the demo's agents.search needs 259-269 tokens at low effort against a limit of 105 (decisions, issue 31 §floor).
+own scripted reference solution at the effort trained (`k3post.rollout.evaluation.reference_effort_tokens`), so
+limit = max(s_(d,e) · b0(x), floor_e(x)): the budget of effort e admits the solution the SFT data taught for e. For
+agentic tasks T counts every output token, tool-call syntax and arguments included, and a τ_low · b0 below what the
+calls alone take leaves no correct answer inside the budget: the demo's agents.search needs 259-269 tokens at low
+effort against a limit of 105, and its high reference 296-321 against 262 (decisions, issue 31 §floor).
 
 `BudgetTable` caches the estimate per task (key: `Task.content_hash`, the SHA-256 of the
 task's canonical JSON) with every sample's T(y) and correctness, as JSON written atomically
@@ -58,12 +59,13 @@ import json
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from k3post.constants import EFFORTS
 from k3post.config.effort import EffortConfig
 from k3post.envs.env import Environment
 from k3post.envs.families.common import check_effort
@@ -118,7 +120,7 @@ def effort_scale(effort: str, domain: str, cfg: EffortConfig) -> float:
 def budget_limit(b0: float, effort: str, domain: str, cfg: EffortConfig, floor: float = 0.0) -> float:
     """The token limit of a problem with budget ``b0``: τ_e · b0, and min(τ_max · b0,
     max_cap · b0) for ``max``; with ``cfg.reference_floor`` never below ``floor`` (T of the task's reference
-    solution at low effort, `BudgetTable.floor`). A sample is over budget when T(y) > limit."""
+    solution at ``effort``, `BudgetTable.floor`). A sample is over budget when T(y) > limit."""
     if isinstance(b0, bool) or not isinstance(b0, (int, float)) or not math.isfinite(b0) or b0 < 0:
         raise ValueError(f"b0 must be a finite number >= 0, got {b0!r}")
     limit = effort_scale(effort, domain, cfg) * float(b0)
@@ -206,7 +208,7 @@ def group_override(
     task = Task.from_dict(group.task)
     b0 = table.b0(task)
     tokens = [t.effort_tokens() for t in group.trajectories]
-    floors = [table.floor(task)] * len(tokens) if cfg.reference_floor else None
+    floors = [table.floor(task, effort)] * len(tokens) if cfg.reference_floor else None
     return effort_override(group.rewards, tokens, [b0] * len(tokens), effort, task.domain, cfg, floors)
 
 
@@ -298,14 +300,14 @@ class BudgetEntry:
     b0: float
     source: str
     samples: TaskSamples
-    floor: float | None = None  # T of the task's reference solution at low effort; None: not computed yet
+    floors: dict[str, float] = field(default_factory=dict)  # effort -> T of the task's reference solution at it
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
         s = self.samples
         out = {"b0": self.b0, "source": self.source, "family": s.family, "tokens": list(s.tokens), "correct": list(s.correct)}
-        if self.floor is not None:
-            out["floor"] = self.floor
+        if self.floors:
+            out["floors"] = dict(sorted(self.floors.items()))
         return out
 
     @classmethod
@@ -314,11 +316,13 @@ class BudgetEntry:
         b0 = float(data["b0"])
         if not (math.isfinite(b0) and b0 > 0) or data["source"] not in ("correct", "family_correct", "family_all"):
             raise ValueError(f"bad budget entry {dict(data)!r}")
-        floor = data.get("floor")
-        if floor is not None and not (isinstance(floor, (int, float)) and math.isfinite(floor) and floor >= 0):
-            raise ValueError(f"bad budget floor in {dict(data)!r}")
+        floors = data.get("floors", {})
+        if not isinstance(floors, Mapping) or any(
+                e not in EFFORTS or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+                for e, v in floors.items()):
+            raise ValueError(f"bad budget floors in {dict(data)!r}")
         return cls(b0, str(data["source"]), TaskSamples(str(data["family"]), list(data["tokens"]), list(data["correct"])),
-                   None if floor is None else float(floor))
+                   {str(e): float(v) for e, v in floors.items()})
 
 
 class BudgetTable:
@@ -354,15 +358,17 @@ class BudgetTable:
             raise ValueError(f"{what} has no b0 in the budget table; estimate it first (estimate_budgets)")
         return entry.b0
 
-    def floor(self, task_or_key: Task | str) -> float:
-        """The task's budget floor (`EffortConfig.reference_floor`): T of its reference solution at low effort,
-        0 when the reference does not solve it; ValueError when it was never estimated or its floor never
-        computed (`estimate_budgets` with ``floor``)."""
+    def floor(self, task_or_key: Task | str, effort: str) -> float:
+        """The task's budget floor at ``effort`` (`EffortConfig.reference_floor`): T of its reference solution at
+        that effort, 0 when the reference does not solve it; ValueError when the task was never estimated or that
+        floor never computed (`add_floors`, `estimate_budgets` with ``floor``)."""
+        check_effort(effort)
         self.b0(task_or_key)  # the error for a task without an entry
         key = task_key(task_or_key) if isinstance(task_or_key, Task) else task_or_key
-        floor = self.entries[key].floor
+        floor = self.entries[key].floors.get(effort)
         if floor is None:
-            raise ValueError(f"task key {key!r} has no budget floor in the table; estimate_budgets(floor=...) computes it")
+            raise ValueError(f"task key {key!r} has no budget floor at {effort} effort in the table; add_floors or "
+                             "estimate_budgets(floor=...) computes it")
         return floor
 
     def pass_fraction(self, task_or_key: Task | str) -> float:
@@ -383,15 +389,17 @@ class BudgetTable:
         """Estimate b0 of new tasks (keys not yet in the table) from their samples.
 
         The family medians are recomputed over every stored sample plus the new ones; the b0
-        of tasks already in the table stay as they were (estimated once). ``floor``: the new tasks' budget floor
-        given by hand (a table whose b0 are given by hand, in tests and benches); None: computed later (`add_floors`)."""
+        of tasks already in the table stay as they were (estimated once). ``floor``: the new tasks' budget floor at
+        every effort, given by hand (a table whose b0 are given by hand, in tests and benches); None: computed later
+        (`add_floors`)."""
         new = {k: s for k, s in samples.items() if k not in self.entries}
         self.medians = family_medians([e.samples for e in self.entries.values()] + list(new.values()))
         for key, s in new.items():
             median, fallback = self.medians[s.family]
             correct = s.correct_tokens
             self.entries[key] = BudgetEntry(
-                estimate_b0(correct, median, q=q, min_b0=min_b0), "correct" if correct else fallback, s, floor
+                estimate_b0(correct, median, q=q, min_b0=min_b0), "correct" if correct else fallback, s,
+                {} if floor is None else dict.fromkeys(EFFORTS, float(floor)),
             )
 
     # ------------------------------------------------------------------ persistence
@@ -449,7 +457,7 @@ def estimate_budgets(
     env_factory: Callable[[Task], Environment] | None = None,
     path: str | Path | None = None,
     progress: bool = False,
-    floor: Callable[[Task], int | None] | None = None,
+    floor: Callable[[Task, str], int | None] | None = None,
 ) -> BudgetTable:
     """b0 of every task from the cold-start model behind ``engine`` (SPEC §3.3).
 
@@ -470,9 +478,9 @@ def estimate_budgets(
     With ``progress``: a log line saying what runs and how much (tasks x samples), and a progress bar over the
     episodes.
 
-    With ``floor`` (task -> T of its reference solution at low effort, None when it does not solve the task:
-    `k3post.rollout.evaluation.reference_effort_tokens`): every task's budget floor is computed where the table
-    lacks it (a table saved before floors existed gets them without re-running the cold-start model).
+    With ``floor`` ((task, effort) -> T of its reference solution at that effort, None when it does not solve the
+    task: `k3post.rollout.evaluation.reference_effort_tokens`): every task's budget floor at every effort is computed
+    where the table lacks it (a table saved before floors existed gets them without re-running the cold-start model).
     """
     check_effort(effort)
     if isinstance(samples_per_task, bool) or not isinstance(samples_per_task, int) or samples_per_task < 1:
@@ -533,15 +541,18 @@ def estimate_budgets(
     return table
 
 
-def add_floors(table: BudgetTable, tasks: Sequence[Task], floor: Callable[[Task], int | None]) -> int:
-    """`EffortConfig.reference_floor`'s floors: compute the floor of every task of ``tasks`` whose entry lacks one (0 when its reference fails); how many."""
+def add_floors(table: BudgetTable, tasks: Sequence[Task], floor: Callable[[Task, str], int | None],
+               efforts: Sequence[str] = EFFORTS) -> int:
+    """`EffortConfig.reference_floor`'s floors: compute the floor at each of ``efforts`` of every task of ``tasks``
+    whose entry lacks it (``floor(task, effort)``; None, a reference that fails: 0); how many were computed."""
     n = 0
     for task in tasks:
         entry = table.entries[task_key(task)]
-        if entry.floor is None:
-            value = floor(task)
-            entry.floor = float(value) if value is not None else 0.0
-            n += 1
+        for effort in efforts:
+            if effort not in entry.floors:
+                value = floor(task, effort)
+                entry.floors[effort] = float(value) if value is not None else 0.0
+                n += 1
     return n
 
 

@@ -273,9 +273,9 @@ def train_rl(
         raise ValueError(f"the budget table lacks b0 for {len(missing)} training tasks (e.g. {missing[:3]}); run estimate_budgets")
     if cfg.effort_control.reference_floor:  # limits never below the task's own reference solution (EffortConfig)
         xtml = XTML(tokenizer)
-        if n := add_floors(budgets, tasks, lambda t: reference_effort_tokens(xtml, t, "low")):
-            log.info("%s.%s: budget floors of %d tasks from their reference solutions at low effort", cfg.domain,
-                     cfg.effort, n)
+        if n := add_floors(budgets, tasks, lambda t, e: reference_effort_tokens(xtml, t, e), [cfg.effort]):
+            log.info("%s.%s: budget floors of %d tasks from their reference solutions at %s effort", cfg.domain,
+                     cfg.effort, n, cfg.effort)
     tasks = select_by_pass(tasks, budgets, cfg)
     check_turn_caps(cfg, tokenizer, fams)
     step, rows, resumed_from, pl = train_policy(
