@@ -400,8 +400,9 @@ def test_score_route_and_http_engine_score_equal_the_local_forward(served: Serve
     assert r.status_code == 200, r.text
     assert _nested_close(r.json()["logprobs"], local) and r.json()["weight_version"] == engine.version
     vocab = served.app.state.server.vocab
-    for bad, what in (([[5, vocab]], "input_ids[0]"), ([[]], "input_ids"), ([[5] * 1100], "input_ids[0] has 1100 tokens"),
-                      ("5 6", "input_ids")):
+    for bad, what in (([[5, vocab]], f"sequence 0, position 1: {vocab} is not a token id"), ([[]], "sequence 0 must be"),
+                      ([[5, 6], [5] * 1100], "sequence 1 has 1100 tokens, more than max_model_len"),
+                      ([[5, True]], "position 1: True"), ("5 6", "'input_ids' must be")):
         r = _post(served, "/score", {"input_ids": bad})
         assert r.status_code == 400 and what in r.json()["error"]["message"], (bad, r.text)
     client = HTTPEngine([served.url], dialect="k3post")

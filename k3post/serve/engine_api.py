@@ -94,7 +94,7 @@ import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from k3post.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
+from k3post.rollout.engine import GenerationRequest, GenerationResult, SamplingParams, check_score_ids
 from k3post.serve.server import APIError, ServerState, json_body
 from k3post.tokenizer import decode
 
@@ -368,13 +368,12 @@ def engine_router(srv: ServerState) -> APIRouter:
     async def score(request: Request) -> dict[str, Any]:
         body = await json_body(request)
         seqs = body.get("input_ids")
-        if not isinstance(seqs, list) or not seqs or not all(isinstance(s, list) and s for s in seqs):
+        if not isinstance(seqs, list) or not seqs:
             raise APIError("'input_ids' must be a non-empty list of non-empty token-id lists", param="input_ids")
-        prompts = [_ids(s, f"input_ids[{b}]", srv.vocab) for b, s in enumerate(seqs)]
-        for b, p in enumerate(prompts):
-            if len(p) > srv.max_model_len:
-                raise APIError(f"input_ids[{b}] has {len(p)} tokens, more than the model's {srv.max_model_len}",
-                               param="input_ids")
+        try:  # the engine layer's own check (what HTTPEngine.score runs before sending), with the server's bounds
+            prompts = check_score_ids(seqs, srv.vocab, srv.max_model_len)
+        except ValueError as e:
+            raise APIError(f"'input_ids': {e}", param="input_ids") from None
         return {"logprobs": await srv.score(prompts), "weight_version": version()}
 
     @router.post("/abort_request")
