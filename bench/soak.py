@@ -279,7 +279,6 @@ def _tool_using(seed: int, families: tuple[str, ...], steps: int, work: Path, sf
     open / submit; write_file / run_tests, then the verifier's run in a fresh sandbox); RL samples at
     temperature 0.3 with lr 1e-6 (the calls stay what it learned; the trainer still steps every time)."""
     from k3post.stages.sft_data import default_corpus
-    from k3post.config.effort import EffortConfig
     from k3post.config.rl import RLConfig
     from k3post.data import Sample, render_record
     from k3post.envs.episode import run_episode_sync
