@@ -465,3 +465,38 @@ def test_estimate_budgets_untrained_model_falls_back_to_family_median(xtml_token
     assert changed  # the two temperatures sample differently: the check above can fail
     with pytest.raises(ValueError, match="temperature"):
         estimate_budgets(engine, tasks, **{**kw, "temperature": -1.0, "path": None})
+
+
+@pytest.mark.parametrize("family,effort", [("agents.search", "low"), ("agents.search", "high"),
+                                           ("coding.write_function", "low"), ("general.arithmetic", "max"),
+                                           ("general.arithmetic", "high")])
+def test_reference_floor_is_the_t_a_rollout_of_the_reference_counts(xtml_tokenizer, family, effort):
+    """The floor is what the budget check will count: a policy that samples exactly the reference's assistant tokens
+    through the real AgentLoop (a scripted engine; the loop renders its own prompts, runs the environment, counts
+    T with `Trajectory.effort_tokens`) gets reward 1 and T equal to `reference_effort_tokens`."""
+    from scripted_engine import ScriptedEngine
+
+    from k3post.envs.episode import run_episode_sync
+    from k3post.rollout.evaluation import local_env, reference_effort_tokens, run_episodes
+
+    xtml = XTML(xtml_tokenizer)
+    fam = get_family(family)
+    task = fam.generate(1, seed=0)[0]
+    ep = run_episode_sync(fam.reference_policy(task, effort), local_env(task), task)
+    r = xtml.render(ep.messages, tools=ep.tools or None, effort=effort, mode="think")
+    ids, mask = list(r.ids), list(r.loss_mask)
+    turns = {}  # start of each assistant turn -> its end (the loss mask's runs)
+    for i, m in enumerate(mask):
+        if m and (i == 0 or not mask[i - 1]):
+            j = i
+            while j < len(mask) and mask[j]:
+                j += 1
+            turns[i] = j
+
+    def script(req):  # the prompt must be the reference's context up to the turn: the loop renders as SFT did
+        n = len(req.prompt_ids)
+        assert n in turns and list(req.prompt_ids) == ids[:n], (n, sorted(turns))
+        return ids[n:turns[n]]
+
+    traj = run_episodes(ScriptedEngine(script, eom_id=xtml.eom_id), xtml, [task], effort=effort, max_tokens=4096)[0][0]
+    assert traj.reward == 1.0 and traj.effort_tokens() == reference_effort_tokens(xtml, task, effort) > 0
