@@ -500,3 +500,27 @@ def test_reference_floor_is_the_t_a_rollout_of_the_reference_counts(xtml_tokeniz
 
     traj = run_episodes(ScriptedEngine(script, eom_id=xtml.eom_id), xtml, [task], effort=effort, max_tokens=4096)[0][0]
     assert traj.reward == 1.0 and traj.effort_tokens() == reference_effort_tokens(xtml, task, effort) > 0
+
+
+def test_budget_summary_golden_and_the_report_prints_it(tmp_path):
+    """Three agents tasks: b0 100 / 200 / 300, floors at low 150 / 50 / 130 (0.4·b0 = 40 / 80 / 120): limits 150,
+    80, 130 -> median 130, two raised by the floor; at high (τ 1) floors 0 -> limits = b0, none raised."""
+    from k3post.recipes.report import _rl_section
+    from k3post.rewards.effort import budget_summary
+
+    table = BudgetTable()
+    for key, b0, low in (("a", 100, 150.0), ("b", 200, 50.0), ("c", 300, 130.0)):
+        table.add_samples({key: TaskSamples("agents.search", [b0], [True])}, q=0.9, min_b0=1.0)
+        table.entries[key].floors = {"low": low, "high": 0.0, "max": 0.0}
+    s = budget_summary(table, "agents", EffortConfig())
+    assert s["tasks"] == 3 and s["median_b0"] == 200.0
+    assert s["efforts"]["low"] == {"median_limit": 130.0, "median_floor": 130.0, "raised_by_floor": 2}
+    assert s["efforts"]["high"] == {"median_limit": 200.0, "median_floor": 0.0, "raised_by_floor": 0}
+    assert s["efforts"]["max"]["median_limit"] == 400.0  # min(τ_max 2, cap 4) · b0
+    off = budget_summary(table, "agents", EffortConfig(reference_floor=False))
+    assert off["efforts"]["low"]["median_limit"] == 80.0 and off["efforts"]["low"]["raised_by_floor"] == 0
+    expert = {"domain": "agents", "effort": "low", "sft_pass_rate": 0.1, "pass_rate": 0.2, "n": 32,
+              "sft_mean_effort_tokens": 250.0, "mean_effort_tokens": 240.0, "final_violation_rate": 0.0, "steps": 16,
+              "seconds": 60.0, "reward_curve": [0.1, 0.2], "eval": {"overall": {"effort_tokens": [240, 240]}}}
+    html = _rl_section(tmp_path, {"experts": {"experts": {"agents.low": expert}, "budgets": {"agents": s}}})
+    assert "low: median limit (raised by the floor)" in html and "130 (2/3)" in html

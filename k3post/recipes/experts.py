@@ -46,7 +46,7 @@ from k3post.io import atomic_write
 from k3post.metrics import MetricsLogger
 from k3post.models import load_model
 from k3post.quant.qat import QATConfig, apply_qat
-from k3post.rewards.effort import BudgetTable, Curriculum, estimate_budgets
+from k3post.rewards.effort import BudgetTable, Curriculum, budget_summary, estimate_budgets
 from k3post.config.rl import RLConfig
 from k3post.envs.families.streams import domain_families, eval_tasks, train_tasks
 from k3post.loop import rollout_gap
@@ -304,10 +304,7 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
         try:
             t_b = time.perf_counter()
             budgets = domain_budgets(engine, xtml, rcfg, budget_path)
-            b0s = [budgets.b0(k) for k in budgets]
-            floors = {e: statistics.median(x.floors.get(e, 0.0) for x in budgets.entries.values()) for e in EFFORTS}
-            table["budgets"][stage.domain] = {"tasks": len(b0s), "median_b0": statistics.median(b0s),
-                                              "median_floor": floors,
+            table["budgets"][stage.domain] = {**budget_summary(budgets, stage.domain, rcfg.effort_control),
                                               "seconds": time.perf_counter() - t_b,
                                               "sources": dict(_count(e.source for e in budgets.entries.values()))}
         finally:

@@ -385,6 +385,17 @@ def _rl_section(run: Path, summary: dict[str, Any]) -> str:
                  "same tasks gives p &lt; 0.05); <code>low</code> uses ≤ 40% of <code>max</code>'s "
                  "tokens; budget violations ≤ 3% at the end of each effort's training.</p>")
     parts.append(_table(["domain", "efforts where RL > SFT (p < 0.05)", "T(low) / T(max)", "≤ 0.4", "max violation rate", "≤ 3%"], checks))
+    budgets = {d: b for d, b in (table.get("budgets") or {}).items() if isinstance(b, dict) and b.get("efforts")}
+    if budgets:
+        parts.append("<p>Budgets (SPEC §3.3): b0 per task from the SFT model at max effort; the limit of effort e is "
+                     "τ_e · b0, never below T of the task's own reference solution at e when "
+                     "<code>rl.effort_control.reference_floor</code> is on (ours: a limit under the reference leaves "
+                     "no correct answer inside the budget; docs/decisions.md issue 31 §floor). Median limit per "
+                     "effort, and the tasks whose limit the floor raised.</p>")
+        parts.append(_table(["domain", "tasks", "median b0", *[f"{e}: median limit (raised by the floor)" for e in efforts]],
+                            [[d, b["tasks"], b["median_b0"],
+                              *[f"{b['efforts'][e]['median_limit']:.0f} ({b['efforts'][e]['raised_by_floor']}/{b['tasks']})"
+                                if e in b["efforts"] else "" for e in efforts]] for d, b in budgets.items()]))
     below = below_start_notes(ex)
     if below:
         parts.append("<p><b>Experts significantly below their SFT start</b> (paired McNemar p &lt; 0.05):</p><ul>"

@@ -79,6 +79,7 @@ from k3post.xtml import XTML
 
 __all__ = [
     "add_floors",
+    "budget_summary",
     "EffortConfig",
     "effort_scale",
     "budget_limit",
@@ -539,6 +540,24 @@ def estimate_budgets(
     if path is not None:
         table.save(path)
     return table
+
+
+def budget_summary(table: BudgetTable, domain: str, cfg: EffortConfig) -> dict[str, Any]:
+    """What the budgets of ``domain`` are, for the report: the tasks, the median b0, and per effort the median limit
+    (`budget_limit`, floors applied when ``cfg.reference_floor``), the median floor and how many tasks' limits the
+    floor raised above τ_e · b0."""
+    entries = list(table.entries.values())
+    if not entries:
+        return {"tasks": 0}
+    out: dict[str, Any] = {"tasks": len(entries), "median_b0": quantile([e.b0 for e in entries], 0.5),
+                           "reference_floor": bool(cfg.reference_floor), "efforts": {}}
+    for effort in EFFORTS:
+        scale = effort_scale(effort, domain, cfg)
+        floors = [e.floors.get(effort, 0.0) for e in entries]
+        limits = [budget_limit(e.b0, effort, domain, cfg, f) for e, f in zip(entries, floors)]
+        out["efforts"][effort] = {"median_limit": quantile(limits, 0.5), "median_floor": quantile(floors, 0.5),
+                                  "raised_by_floor": sum(lim > scale * e.b0 for e, lim in zip(entries, limits))}
+    return out
 
 
 def add_floors(table: BudgetTable, tasks: Sequence[Task], floor: Callable[[Task, str], int | None],
