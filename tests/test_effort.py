@@ -151,6 +151,12 @@ def test_budget_floor_golden():
     assert budget_limit(262.0, "low", "agents", cfg, floor=263.0) == 263.0
     assert budget_limit(262.0, "high", "agents", cfg, floor=200.0) == 262.0
     assert budget_limit(262.0, "low", "agents", EffortConfig(reference_floor=False), floor=263.0) == pytest.approx(104.8)
+    # max keeps τ_max · b0 (min(2, cap 4) · 142 = 284) under a longer max reference: the floor bounds reduced efforts only
+    assert budget_limit(142.0, "max", "coding", cfg, floor=618.0) == 284.0
+    from k3post.rewards.effort import floor_applies
+
+    assert [floor_applies(e, cfg) for e in ("low", "high", "max")] == [True, True, False]
+    assert not floor_applies("low", EffortConfig(reference_floor=False))
     # T 263 at the floor keeps its reward, 264 is over; the floor of the second sample is below 0.4 * b0
     r_N, m = override_rewards(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([263, 264, 50]),
                               torch.tensor([262.0, 262.0, 100.0]), 0.4, torch.tensor([263.0, 263.0, 10.0]))

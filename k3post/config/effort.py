@@ -24,8 +24,9 @@ class EffortConfig:
         b0_samples: K cold-start samples per task for the b0 estimate.
         b0_quantile: q of the estimate (quantile of T over a task's correct samples).
         min_b0: floor of every b0, in tokens (keeps limits and T/b0 defined).
-        reference_floor: no limit of effort e falls below T of the family's own scripted reference solution
-            of the task at e: limit = max(s_e · b0, floor_e) **(ours, beyond SPEC)**. Without it a τ_low · b0
+        reference_floor: no limit of a reduced effort e (high, low) falls below T of the family's own scripted
+            reference solution of the task at e: limit = max(s_e · b0, floor_e) **(ours, beyond SPEC)**; max keeps
+            τ_max · b0 (a floor there let coding.max stay long and fail on demo seed 1). Without it a τ_low · b0
             under what the task's tool calls alone take makes every correct answer −1, and RL learns to fail
             short: in the demo agents.low fell 0.125 -> 0 (budget 105 tokens, every low reference 259-269),
             agents.high 0.156 -> 0.031 (budget 262, every high reference 296-321) and coding.low trained on

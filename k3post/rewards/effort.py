@@ -38,9 +38,10 @@ the median is Q_0.5. Departures **(ours)**, beyond SPEC:
   cut by length / context / malformed output) and its reward is ≥ ``correct_reward`` (1.0);
   a sample whose infrastructure failed (``Trajectory.infra``) is no sample at all.
 
-The limit never falls below a floor when ``EffortConfig.reference_floor`` (default on, **ours**): T of the task's
-own scripted reference solution at the effort trained (`k3post.rollout.evaluation.reference_effort_tokens`), so
-limit = max(s_(d,e) · b0(x), floor_e(x)): the budget of effort e admits the solution the SFT data taught for e. For
+The limit of a reduced effort (high, low) never falls below a floor when ``EffortConfig.reference_floor`` (default
+on, **ours**): T of the task's own scripted reference solution at that effort
+(`k3post.rollout.evaluation.reference_effort_tokens`), so limit = max(s_(d,e) · b0(x), floor_e(x)): the budget of
+effort e admits the solution the SFT data taught for e. ``max`` keeps τ_max · b0 (`floor_applies`). For
 agentic tasks T counts every output token, tool-call syntax and arguments included, and a τ_low · b0 below what the
 calls alone take leaves no correct answer inside the budget: the demo's agents.search needs 259-269 tokens at low
 effort against a limit of 105, and its high reference 296-321 against 262 (decisions, issue 31 §floor).
@@ -80,6 +81,7 @@ from k3post.xtml import XTML
 __all__ = [
     "add_floors",
     "budget_summary",
+    "floor_applies",
     "EffortConfig",
     "effort_scale",
     "budget_limit",
@@ -118,6 +120,16 @@ def effort_scale(effort: str, domain: str, cfg: EffortConfig) -> float:
     return min(tau, float(cfg.max_cap)) if effort == "max" else tau
 
 
+def floor_applies(effort: str, cfg: EffortConfig) -> bool:
+    """Whether the reference floor bounds the limit of ``effort``: with ``cfg.reference_floor``, at the reduced
+    efforts (high, low), whose τ · b0 can fall under every correct answer. Not at max: its limit is τ_max · b0 ≥ 2 ×
+    what the model's own correct answers take (b0 is their 0.9-quantile), and a floor at the max reference (coding's
+    is 513–742 tokens against 2 · b0 ≈ 284) lifts the pressure off long failing answers: on demo seed 1 coding.max
+    ended at 0.203 with it against 0.469 without (decisions, issue 31 §floor)."""
+    check_effort(effort)
+    return bool(cfg.reference_floor) and effort != "max"
+
+
 def budget_limit(b0: float, effort: str, domain: str, cfg: EffortConfig, floor: float = 0.0) -> float:
     """The token limit of a problem with budget ``b0``: τ_e · b0, and min(τ_max · b0,
     max_cap · b0) for ``max``; with ``cfg.reference_floor`` never below ``floor`` (T of the task's reference
@@ -125,7 +137,7 @@ def budget_limit(b0: float, effort: str, domain: str, cfg: EffortConfig, floor: 
     if isinstance(b0, bool) or not isinstance(b0, (int, float)) or not math.isfinite(b0) or b0 < 0:
         raise ValueError(f"b0 must be a finite number >= 0, got {b0!r}")
     limit = effort_scale(effort, domain, cfg) * float(b0)
-    return max(limit, float(floor)) if cfg.reference_floor else limit
+    return max(limit, float(floor)) if floor_applies(effort, cfg) else limit
 
 
 # =========================================================================== the override (pure)
@@ -189,7 +201,7 @@ def effort_override(
     floors: torch.Tensor | Sequence[float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """`override_rewards` at the limit of (``domain``, ``effort``) under ``cfg``: rewards
-    of samples with T(y) > `budget_limit` become −1 (``floors`` apply when ``cfg.reference_floor``).
+    of samples with T(y) > `budget_limit` become −1 (``floors`` apply where `floor_applies`).
     Returns (rewards'_N, metrics)."""
     rewards_N = torch.as_tensor(rewards, dtype=torch.float32) if not isinstance(rewards, torch.Tensor) else rewards
     return override_rewards(
@@ -197,7 +209,7 @@ def effort_override(
         torch.as_tensor(tokens, dtype=torch.float64),
         torch.as_tensor(b0s, dtype=torch.float64),
         effort_scale(effort, domain, cfg),
-        torch.as_tensor(floors, dtype=torch.float64) if floors is not None and cfg.reference_floor else None,
+        torch.as_tensor(floors, dtype=torch.float64) if floors is not None and floor_applies(effort, cfg) else None,
     )
 
 
@@ -209,7 +221,7 @@ def group_override(
     task = Task.from_dict(group.task)
     b0 = table.b0(task)
     tokens = [t.effort_tokens() for t in group.trajectories]
-    floors = [table.floor(task, effort)] * len(tokens) if cfg.reference_floor else None
+    floors = [table.floor(task, effort)] * len(tokens) if floor_applies(effort, cfg) else None
     return effort_override(group.rewards, tokens, [b0] * len(tokens), effort, task.domain, cfg, floors)
 
 
@@ -544,7 +556,7 @@ def estimate_budgets(
 
 def budget_summary(table: BudgetTable, domain: str, cfg: EffortConfig) -> dict[str, Any]:
     """What the budgets of ``domain`` are, for the report: the tasks, the median b0, and per effort the median limit
-    (`budget_limit`, floors applied when ``cfg.reference_floor``), the median floor and how many tasks' limits the
+    (`budget_limit`, floors applied where `floor_applies`), the median floor and how many tasks' limits the
     floor raised above τ_e · b0."""
     entries = list(table.entries.values())
     if not entries:

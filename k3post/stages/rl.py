@@ -50,7 +50,7 @@ from k3post.metrics import MetricsLogger
 from k3post.models import load_model
 from k3post.loop import Signal, StageLog, train_policy
 from k3post.policy_step import TokenSequence
-from k3post.rewards.effort import BudgetTable, add_floors, group_override
+from k3post.rewards.effort import BudgetTable, add_floors, floor_applies, group_override
 from k3post.rewards.grm import EngineJudge, GroupGRM, PolicyJudge, estimate_l0, trajectory_candidate
 from k3post.rewards.judging import gate_judge, gate_summary
 from k3post.rollout.evaluation import evaluate_episodes, reference_effort_tokens, reference_turn_tokens, run_episodes
@@ -271,7 +271,7 @@ def train_rl(
     missing = [t.id for t in tasks if t not in budgets]
     if missing:
         raise ValueError(f"the budget table lacks b0 for {len(missing)} training tasks (e.g. {missing[:3]}); run estimate_budgets")
-    if cfg.effort_control.reference_floor:  # limits never below the task's own reference solution (EffortConfig)
+    if floor_applies(cfg.effort, cfg.effort_control):  # limits never below the task's reference solution (EffortConfig)
         xtml = XTML(tokenizer)
         if n := add_floors(budgets, tasks, lambda t, e: reference_effort_tokens(xtml, t, e), [cfg.effort]):
             log.info("%s.%s: budget floors of %d tasks from their reference solutions at %s effort", cfg.domain,
