@@ -46,7 +46,7 @@ from k3post.io import atomic_write
 from k3post.metrics import MetricsLogger
 from k3post.models import load_model
 from k3post.quant.qat import QATConfig, apply_qat
-from k3post.rewards.effort import BudgetTable, Curriculum, budget_summary, estimate_budgets
+from k3post.rewards.effort import BudgetTable, Curriculum, budget_summary, estimate_budgets, floor_applies
 from k3post.config.rl import RLConfig
 from k3post.envs.families.streams import domain_families, eval_tasks, train_tasks
 from k3post.loop import rollout_gap
@@ -80,13 +80,14 @@ def load_policy(path: str | Path, qat: QATConfig | None) -> torch.nn.Module:
 def domain_budgets(engine: Any, xtml: XTML, cfg: RLConfig, path: str | Path) -> BudgetTable:
     """b0 of every training task of ``cfg`` (its domain and families) from the cold-start model
     behind ``engine``, at max effort and the domain's rollout temperature, with the floors of
-    `EffortConfig.reference_floor`, cached in ``path`` (`estimate_budgets`)."""
+    `EffortConfig.reference_floor` at the efforts they bound (`floor_applies`), cached in ``path`` (`estimate_budgets`)."""
     ec = cfg.effort_control
+    floored = [e for e in EFFORTS if floor_applies(e, ec)]  # computed once here, where the floor bounds a limit
     return estimate_budgets(
         engine, train_tasks(cfg.families, cfg.n_tasks, difficulty=cfg.difficulty, seed=cfg.seed), xtml=xtml,
         samples_per_task=ec.b0_samples, seed=cfg.seed, max_tokens=cfg.max_tokens, q=ec.b0_quantile,
         min_b0=ec.min_b0, temperature=cfg.temperature, path=path, progress=cfg.progress,
-        floor=(lambda t, e: reference_effort_tokens(xtml, t, e)) if ec.reference_floor else None,
+        floor=(lambda t, e: reference_effort_tokens(xtml, t, e)) if floored else None, floor_efforts=floored,
     )
 
 

@@ -471,6 +471,7 @@ def estimate_budgets(
     path: str | Path | None = None,
     progress: bool = False,
     floor: Callable[[Task, str], int | None] | None = None,
+    floor_efforts: Sequence[str] = EFFORTS,
 ) -> BudgetTable:
     """b0 of every task from the cold-start model behind ``engine`` (SPEC §3.3).
 
@@ -492,8 +493,9 @@ def estimate_budgets(
     episodes.
 
     With ``floor`` ((task, effort) -> T of its reference solution at that effort, None when it does not solve the
-    task: `k3post.rollout.evaluation.reference_effort_tokens`): every task's budget floor at every effort is computed
-    where the table lacks it (a table saved before floors existed gets them without re-running the cold-start model).
+    task: `k3post.rollout.evaluation.reference_effort_tokens`): every task's budget floor at each of ``floor_efforts``
+    is computed where the table lacks it (a table saved before floors existed gets them without re-running the
+    cold-start model).
     """
     check_effort(effort)
     if isinstance(samples_per_task, bool) or not isinstance(samples_per_task, int) or samples_per_task < 1:
@@ -520,7 +522,7 @@ def estimate_budgets(
         if key not in table and key not in todo:
             todo[key] = task
     if not todo:
-        if floor is not None and add_floors(table, tasks, floor) and path is not None:
+        if floor is not None and add_floors(table, tasks, floor, floor_efforts) and path is not None:
             table.save(path)
         return table
     keys = list(todo)
@@ -548,7 +550,7 @@ def estimate_budgets(
         min_b0=min_b0,
     )
     if floor is not None:
-        add_floors(table, tasks, floor)
+        add_floors(table, tasks, floor, floor_efforts)
     if path is not None:
         table.save(path)
     return table

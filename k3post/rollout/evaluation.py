@@ -24,7 +24,7 @@ from k3post.envs.families.registry import get_family
 from k3post.envs.task import Task
 from k3post.rollout.agent_loop import AgentLoop, trajectory_seed
 from k3post.rollout.engine import SamplingParams
-from k3post.rollout.trajectory import Trajectory
+from k3post.rollout.trajectory import Trajectory, counts_output_tokens
 from k3post.stats import wilson_interval
 from k3post.xtml import OMIT_EFFORT, XTML
 
@@ -57,52 +57,51 @@ def env_placement(factory: Callable[[Task], Any]) -> Iterator[None]:
         _PLACEMENT.remove(factory)
 
 
+def _reference_rendering(xtml: XTML, task: Task, effort: str, mode: str, *, verify: bool) -> tuple[Any, Any]:
+    """(episode, rendering) of the family's scripted reference solution of ``task`` at ``effort``, run through its
+    environment here (``verify``: and judged by its verifier) and rendered with ``xtml``."""
+    from k3post.envs.episode import run_episode_sync
+
+    ep = run_episode_sync(get_family(task.family).reference_policy(task, effort), local_env(task), task, verify=verify)
+    return ep, xtml.render(ep.messages, tools=ep.tools or None, effort=effort, mode=mode)
+
+
+def _turn_spans(mask: Sequence[bool]) -> list[tuple[int, int]]:
+    """[start, end) of every run of the loss mask: the assistant turns of a rendering."""
+    spans, start = [], None
+    for i, m in enumerate([*mask, False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
 def reference_turn_tokens(xtml: XTML, tasks: Sequence[Task], effort: str, *, mode: str = "think") -> int:
     """The longest assistant turn, in tokens, of the families' scripted reference solutions of ``tasks``
     at ``effort`` (each run through its environment). A per-turn generation cap below it truncates the
     reference solution itself, so a policy cannot pass those tasks at that effort."""
-    from k3post.envs.episode import run_episode_sync
-
     longest = 0
     for task in tasks:
-        family = get_family(task.family)
-        ep = run_episode_sync(family.reference_policy(task, effort), local_env(task), task, verify=False)  # scripted: here
-        r = xtml.render(ep.messages, tools=ep.tools or None, effort=effort, mode=mode)
-        run = 0
-        for m in [*r.loss_mask, False]:  # the loss mask's runs are the assistant turns
-            if m:
-                run += 1
-            else:
-                longest, run = max(longest, run), 0
+        _, r = _reference_rendering(xtml, task, effort, mode, verify=False)  # scripted: no verdict needed
+        longest = max([longest, *(b - a for a, b in _turn_spans(r.loss_mask))])
     return longest
 
 
 def reference_effort_tokens(xtml: XTML, task: Task, effort: str, *, mode: str = "think") -> int | None:
     """T(y) (SPEC §3.3, `Trajectory.effort_tokens`) of the family's scripted reference solution of ``task`` at
-    ``effort``, rendered with ``xtml`` as a policy would sample it: every assistant token across turns for the
-    agentic domains, the thinking tokens (each turn up to its first ``<|close|>``) otherwise; None when the
-    reference does not solve the task. A budget below it excludes the family's own solution."""
-    from k3post.envs.episode import run_episode_sync
-
-    family = get_family(task.family)
-    ep = run_episode_sync(family.reference_policy(task, effort), local_env(task), task)
+    ``effort``, rendered with ``xtml`` as a policy would sample it: every assistant token across turns where the
+    domain counts output tokens (`counts_output_tokens`), else the thinking tokens (each turn up to its first
+    ``<|close|>``); None when the reference does not solve the task. A budget below it excludes the family's own
+    solution."""
+    ep, r = _reference_rendering(xtml, task, effort, mode, verify=True)
     if ep.verdict is None or float(ep.reward or 0.0) < 1.0:
         return None
-    r = xtml.render(ep.messages, tools=ep.tools or None, effort=effort, mode=mode)
-    if task.domain in ("agents", "coding"):
-        return sum(r.loss_mask)
-    total, in_turn, thinking = 0, False, False
-    for tok, m in zip(r.ids, r.loss_mask):  # the loss mask's runs are the assistant turns
-        if m and not in_turn:
-            in_turn, thinking = True, True
-        elif not m:
-            in_turn = False
-        if in_turn and thinking:
-            if tok == xtml.close_id:
-                thinking = False
-            else:
-                total += 1
-    return total
+    spans = _turn_spans(r.loss_mask)
+    if counts_output_tokens(task.domain):
+        return sum(b - a for a, b in spans)
+    return sum(next((k for k in range(a, b) if r.ids[k] == xtml.close_id), b) - a for a, b in spans)
 
 
 def summarize_trajectories(trajs: Sequence[Trajectory], *, pass_threshold: float = 1.0) -> dict[str, Any]:

@@ -36,7 +36,13 @@ from typing import Any, Literal
 from k3post.envs.task import Task
 
 __all__ = ["TrajectoryStatus", "TRAJECTORY_STATUSES", "MALFORMED_REASONS", "Trajectory", "Group", "outcome_metrics",
-           "infra_metrics"]
+           "infra_metrics", "counts_output_tokens"]
+
+def counts_output_tokens(domain: str | None) -> bool:
+    """Whether T(y) of SPEC §3.3 counts every output token in ``domain`` (the agentic domains "agents" and
+    "coding": reasoning, responses and tool-call arguments) rather than the thinking tokens only."""
+    return domain in ("agents", "coding")
+
 
 TrajectoryStatus = Literal["running", "paused", "done"]
 TRAJECTORY_STATUSES: tuple[str, ...] = ("running", "paused", "done")
@@ -154,9 +160,9 @@ class Trajectory:
         return min(vs) if vs else None
 
     def effort_tokens(self) -> int:
-        """T(y) of SPEC §3.3: all output tokens for agentic tasks (domain "agents" or
-        "coding"), thinking tokens otherwise."""
-        return self.output_tokens if self.domain in ("agents", "coding") else self.thinking_tokens
+        """T(y) of SPEC §3.3: all output tokens for agentic tasks (`counts_output_tokens`), thinking
+        tokens otherwise."""
+        return self.output_tokens if counts_output_tokens(self.domain) else self.thinking_tokens
 
     # ------------------------------------------------------------------ mutation
     def append(self, ids: list[int], *, logprobs: list[float] | None = None, versions: list[int] | None = None) -> None:
