@@ -60,9 +60,10 @@ def _on_ranks(fn, cfg, command: str):  # noqa: ANN001, ANN202
     ranks = cfg.distributed.fsdp.ranks
     if ranks > 1 and command in ("demo", "draft"):
         raise UserError(f"distributed.fsdp.ranks={ranks}: k3post {command} trains no sharded model; use 1 rank")
-    if ranks > 1 and command == "sft" and cfg.sft.mtp_weight > 0:
+    if ranks > 1 and command == "sft" and cfg.sft.mtp_weight > 0 and cfg.distributed.fsdp.strategy != "no_shard":
         raise UserError(f"sft.mtp_weight={cfg.sft.mtp_weight}: the MTP head is not supported with "
-                        f"distributed.fsdp.ranks={ranks} (set sft.mtp_weight=0 or distributed.fsdp.ranks=1)")
+                        f"distributed.fsdp.ranks={ranks} and strategy=full_shard (set distributed.fsdp.strategy="
+                        "no_shard, sft.mtp_weight=0 or distributed.fsdp.ranks=1)")
     from k3post.trainer.ranks import on_ranks
 
     d = cfg.distributed

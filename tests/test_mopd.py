@@ -595,3 +595,65 @@ def test_bad_mopd_config_fails_at_load(override, message):
 
     with pytest.raises(ValueError, match=message):
         load_config(None, [override])
+
+
+def test_evaluate_mopd_takes_a_known_teacher_evaluation_instead_of_running_it_again(xtml_tokenizer, folders):
+    """``known``: a teacher's own greedy episodes on the same tasks (the expert's held-out evaluation) stand for
+    it: the table equals the measured one but for ``teacher_source``, and that teacher is never loaded. A known
+    evaluation of other tasks is refused (it cannot be paired with the student's episodes)."""
+    from k3post.stages.mopd import _episodes
+
+    tok = xtml_tokenizer
+    x = XTML(tok)
+    experts = {"general.low": folders["t1"], "general.max": folders["t2"]}
+    student = EmbeddedEngine(_model(tok, 1, initializer_range=0.1), tok)
+    tasks = {"general": get_family("general.arithmetic").generate(3, seed=9)}
+    kw = dict(efforts=("low", "max"), max_tokens=12, teacher_sees_effort=True)
+    measured = evaluate_mopd(student, x, TeacherPool(experts), tasks, **kw)
+    pool = TeacherPool(experts)
+    own = _episodes(EmbeddedEngine(pool.model("general.max"), tok), x, tasks["general"], "max", 12)
+    pool = TeacherPool(experts)
+    reused = evaluate_mopd(student, x, pool, tasks, known={"general.max": own}, **kw)
+    assert pool.stats["loads"] == 1  # general.low only
+    src = [r.pop("teacher_source") for r in reused["rows"]]
+    assert src == ["measured here", "expert evaluation"]
+    for r in measured["rows"]:
+        r.pop("teacher_source")
+    assert json.dumps(reused, sort_keys=True, default=str) == json.dumps(measured, sort_keys=True, default=str)
+    other = _episodes(EmbeddedEngine(pool.model("general.max"), tok), x,
+                      get_family("general.arithmetic").generate(3, seed=10), "max", 12)
+    with pytest.raises(ValueError, match="known teacher evaluation of general.max ran other tasks"):
+        evaluate_mopd(student, x, pool, tasks, known={"general.max": other}, **kw)
+
+
+def test_reusable_teacher_evals_takes_only_the_runs_own_experts_measured_as_mopd_would(tmp_path):
+    """`reusable_teacher_evals`: an expert's held-out summary is reused only where it is the run's own expert
+    folder, evaluated at MOPD's per-turn cap on the same tasks in the same order, with the effort message and fp32
+    teachers; each difference leaves that expert to be measured."""
+    from dataclasses import replace
+
+    from k3post.config import load_config
+    from k3post.recipes.commands import mopd_config_for_run, reusable_teacher_evals
+    from k3post.stages.mopd import eval_caps, mopd_eval_tasks
+
+    cfg = load_config(None, ["mopd.domains=[general]", "rl.domain_overrides.general.eval_n=4"])
+    experts_dir = tmp_path / "experts"
+    for e in ("max", "high", "low"):
+        (experts_dir / f"general.{e}").mkdir(parents=True)
+        (experts_dir / f"general.{e}" / "config.json").write_text("{}")
+    m = mopd_config_for_run(cfg, experts_dir)
+    tasks, caps = mopd_eval_tasks(m), eval_caps(m)
+    ids = [t.id for t in tasks["general"]]
+    summary = {"task_ids": ids, "passed": [True, False, True, False], "pass_rate": 0.5}
+    table = {"experts": {"general.max": {"eval": {"overall": summary}},
+                         "general.high": {"eval": {"overall": {**summary, "task_ids": ids[::-1]}}},  # another order
+                         "general.low": {"eval": {"overall": summary}}}}
+    (experts_dir / "table.json").write_text(json.dumps(table))
+    efforts = ["max", "high", "low"]
+    assert set(reusable_teacher_evals(cfg, m, experts_dir, tasks, caps, efforts)) == {"general.max", "general.low"}
+    foreign = replace(m, experts={**m.experts, "general.low": str(tmp_path / "elsewhere")})
+    assert set(reusable_teacher_evals(cfg, foreign, experts_dir, tasks, caps, efforts)) == {"general.max"}
+    assert reusable_teacher_evals(cfg, m, experts_dir, tasks, {"general": caps["general"] + 1}, efforts) == {}
+    assert reusable_teacher_evals(cfg, replace(m, teacher_sees_effort=False), experts_dir, tasks, caps, efforts) == {}
+    assert reusable_teacher_evals(cfg, replace(m, teacher_dtype="bfloat16"), experts_dir, tasks, caps, efforts) == {}
+    assert reusable_teacher_evals(cfg, m, tmp_path / "none", tasks, caps, efforts) == {}

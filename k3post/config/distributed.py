@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["MIXED_PRECISIONS", "LAYOUTS", "ROLES", "FSDPConfig", "RolesConfig", "DistributedConfig"]
+__all__ = ["MIXED_PRECISIONS", "LAYOUTS", "ROLES", "STRATEGIES", "FSDPConfig", "RolesConfig", "DistributedConfig"]
 
 MIXED_PRECISIONS = ("fp32", "bf16")
+STRATEGIES = ("full_shard", "no_shard")
 LAYOUTS = ("colocated", "disaggregated")
 ROLES = ("trainers", "engines", "env_workers", "teachers", "judges")
 
@@ -17,8 +18,12 @@ class FSDPConfig:
     """The sharded trainer (PyTorch FSDP2, ``fully_shard``).
 
     Fields:
-        ranks: trainer processes; each holds 1/ranks of every parameter, gradient and optimizer moment.
-            1 is the single-process `k3post.trainer.Trainer`.
+        ranks: trainer processes; each holds 1/ranks of every parameter, gradient and optimizer moment
+            (``full_shard``) or a whole replica (``no_shard``). 1 is the single-process `k3post.trainer.Trainer`.
+        strategy: "full_shard": FSDP2 (`k3post.trainer.fsdp.FSDPTrainer`); "no_shard": every rank a full
+            replica, the gradients summed once a step (`k3post.trainer.replicated.ReplicatedTrainer`, DDP's
+            scheme): no collective inside the forward, so a small model on CPU cores gains from the ranks, and
+            the MTP head (``sft.mtp_weight``) trains on them; single-process checkpoints.
         mixed_precision: "fp32" (no policy) or "bf16": forward / backward in bf16 (the all-gathered
             parameters are cast), gradients reduced in fp32, fp32 master weights and optimizer state.
         cpu_offload: keep the sharded parameters, gradients and optimizer state on the CPU
@@ -32,6 +37,7 @@ class FSDPConfig:
     """
 
     ranks: int = 1
+    strategy: str = "full_shard"
     mixed_precision: str = "fp32"
     cpu_offload: bool = False
     timeout_s: float = 1800.0
@@ -43,6 +49,11 @@ class FSDPConfig:
         if self.mixed_precision not in MIXED_PRECISIONS:
             raise ValueError(f"distributed.fsdp.mixed_precision must be one of {MIXED_PRECISIONS}, "
                              f"got {self.mixed_precision!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"distributed.fsdp.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.strategy == "no_shard" and (self.mixed_precision != "fp32" or self.cpu_offload):
+            raise ValueError("distributed.fsdp.strategy=no_shard trains fp32 replicas in place: mixed_precision=bf16 "
+                             "and cpu_offload are full_shard settings")
         _positive("distributed.fsdp.timeout_s", self.timeout_s)
         _count("distributed.fsdp.max_restarts", self.max_restarts, 0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -320,6 +320,32 @@ def mopd_config_for_run(cfg: K3Config, experts_dir: Path) -> "MOPDConfig":
     return replace(m, experts=experts)
 
 
+def reusable_teacher_evals(cfg: K3Config, m: "MOPDConfig", experts_dir: Path, tasks: Mapping[str, Sequence[Any]],
+                           caps: Mapping[str, int], efforts: Sequence[str]) -> dict[str, Any]:
+    """Expert → its own held-out evaluation (``experts_dir/table.json``) where that is the episodes `evaluate_mopd`
+    would run for it as a teacher: the teacher is this run's expert folder, it sees its effort message, the same
+    engine kind, fp32 weights (as `load_policy` trained and evaluated them, QAT as ``cfg.qat``), the same per-turn
+    cap and the same held-out tasks in the same order. Any difference leaves the expert out (measured again)."""
+    from k3post.stages.mopd import expert_name
+
+    path = experts_dir / "table.json"
+    if not path.is_file() or not m.teacher_sees_effort or m.teacher_dtype != "float32":
+        return {}
+    table = json.loads(path.read_text()).get("experts", {})
+    out = {}
+    for d in tasks:
+        for e in efforts:
+            x = expert_name(d, e)
+            summary = (table.get(x) or {}).get("eval", {}).get("overall")
+            rcfg = cfg.rl.for_domain(d, e)
+            if (summary is None or Path(m.experts.get(x, "")) != experts_dir / x
+                    or rcfg.engine.kind != m.rl.engine.kind or rcfg.eval_max_tokens != caps[d]
+                    or list(summary.get("task_ids", [])) != [t.id for t in tasks[d]]):
+                continue
+            out[x] = summary
+    return out
+
+
 def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None = None) -> dict:
     """MOPD from ``init`` (the SFT checkpoint) into ``run/mopd``, then the student-vs-teacher table;
     returns the summary written to ``run/mopd/summary.json``."""
@@ -345,16 +371,22 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
         save_model(student, run / "mopd" / "final", tokenizer)
         engine = build_engine(student, tokenizer, engine=m.rl.engine, role="MOPD student (final)",
                               max_batch_size=m.rl.slots, seed=m.rl.seed)
-        # with two threads or more to spend: the student's episodes here, the local teachers' in a second process,
-        # each on its share (as the RL domain workers: one process gains little from a second thread here)
+        tasks, caps, efforts = mopd_eval_tasks(m), eval_caps(m), [e for e, w in m.effort_mix.items() if w > 0]
+        # a teacher that is one of this run's experts was evaluated on these very episodes when it was trained
+        known = reusable_teacher_evals(cfg, m, run / "experts", tasks, caps, efforts)
+        if known:
+            log.info("MOPD evaluation: %d of %d teachers' rows are their own held-out evaluations (same tasks, cap, "
+                     "effort message and weights); the rest are measured", len(known), len(tasks) * len(efforts))
+        # with two threads or more to spend and teachers left to measure: the student's episodes here, those
+        # teachers' in a second process, each on its share (as the RL domain workers: one process gains little
+        # from a second thread here)
         plan = command_plan(cfg, "mopd", workers={"MOPD evaluation (student, teachers)": 2})
-        split = plan.budget >= 2
+        split = plan.budget >= 2 and len(known) < len(tasks) * len(efforts)
         try:
             with use_threads(plan, "mopd: evaluation", run) if split else nullcontext():
-                table = evaluate_mopd(engine, XTML(tokenizer), pool, mopd_eval_tasks(m), max_tokens=eval_caps(m),
-                                      efforts=[e for e, w in m.effort_mix.items() if w > 0],
+                table = evaluate_mopd(engine, XTML(tokenizer), pool, tasks, max_tokens=caps, efforts=efforts,
                                       teacher_sees_effort=m.teacher_sees_effort, engine=m.rl.engine,
-                                      processes=2 if split else 1)
+                                      processes=2 if split else 1, known=known)
         finally:
             close_engine(engine)
         teacher_stats = dict(pool.stats)  # training and evaluation together

@@ -378,6 +378,7 @@ def evaluate_mopd(
     teacher_pass_min: float = 0.2,
     engine: EngineConfig | None = None,
     processes: int = 1,
+    known: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The student vs each teacher on held-out ``tasks`` (domain → tasks, e.g. `mopd_eval_tasks`): greedy episodes of the student at each effort and of expert (d, e) as it scores in
     MOPD (no effort message unless ``teacher_sees_effort``); pass rate with its Wilson interval, the paired
@@ -388,11 +389,20 @@ def evaluate_mopd(
     engine (default: embedded; over ``http`` each teacher runs on launched servers of its own).
     ``processes`` = 2 (embedded engines only): the local teachers' episodes run in a spawned process (the threads of
     the caller's plan, `k3post.threads.child_threads`; each teacher loaded there from its folder as the pool loads
-    it) while this one runs the student's: the same episodes, so the same table."""
+    it) while this one runs the student's: the same episodes, so the same table.
+    ``known``: expert → the summary of its greedy episodes on exactly these tasks at its effort and cap, measured
+    before (the experts' own held-out evaluation, `reusable_teacher_evals`): used as the teacher's numbers instead
+    of running them again (ValueError when its tasks are not the domain's); its row says ``teacher_source``."""
     cells = [(d, e, expert_name(d, e), max_tokens if isinstance(max_tokens, int) else max_tokens[d])
              for d in tasks for e in efforts]
-    local = [(d, e, x, cap) for d, e, x, cap in cells if not is_url(pool.experts.get(x, ""))]
+    known = dict(known or {})
+    for d, _, x, _ in cells:
+        if x in known and list(known[x]["task_ids"]) != [t.id for t in tasks[d]]:
+            raise ValueError(f"known teacher evaluation of {x} ran other tasks than the {len(tasks[d])} held-out "
+                             f"tasks of {d}: measure it here instead")
+    local = [(d, e, x, cap) for d, e, x, cap in cells if not is_url(pool.experts.get(x, "")) and x not in known]
     workers = job = None
+    teachers: dict[str, Any] = {}
     if processes > 1 and local and (engine is None or engine.kind == "embedded"):
         import multiprocessing as mp
 
@@ -406,13 +416,14 @@ def evaluate_mopd(
             teachers, stats = job.get()
             for k, v in stats.items():  # the worker's teacher loads count in the pool's
                 pool.stats[k] = pool.stats.get(k, 0) + v
-        else:
+        elif local:
             teachers = _teacher_cells(pool, xtml, local, tasks, teacher_sees_effort, student.max_batch_size,
                                       student.max_model_len, engine)
     finally:
         if workers is not None:
             workers.terminate()
             workers.join()
+    teachers.update(known)
     rows = []
     for d, e, x, _ in cells:
         s = students[x]
@@ -424,7 +435,8 @@ def evaluate_mopd(
         else:
             t = teachers[x]
             row.update(teacher_pass=t["pass_rate"], teacher_ci95=t["pass_ci95"], teacher_tokens=t["mean_effort_tokens"],
-                       student_vs_teacher=paired_change(*paired_passes(t, s)))  # same tasks (infra left out)
+                       student_vs_teacher=paired_change(*paired_passes(t, s)),  # same tasks (infra left out)
+                       teacher_source="expert evaluation" if x in known else "measured here")
         rows.append(row)
     return mopd_checks(rows, pass_ratio_min=pass_ratio_min, token_tolerance=token_tolerance, teacher_pass_min=teacher_pass_min)
 

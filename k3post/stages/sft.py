@@ -8,8 +8,10 @@ The loop, as the algorithm box reads::
             [sft.mtp_weight > 0, step >= sft.mtp_start_fraction * sft.steps]
                                   loss += mtp_weight * CE(MTP head, token t+2) / N_mtp_tokens(step)
         clip grads; AdamW step; warmup+cosine LR          `sft_step`: the trainer's step (build_trainer: one
-                                                          process, or sharded over distributed.fsdp.ranks)
-                                                          with the SFT gradient function `SFTGrads`
+                                                          process, or over distributed.fsdp.ranks: sharded,
+                                                          or replicas with strategy=no_shard) with the SFT
+                                                          gradient function `SFTGrads`; a step with fewer
+                                                          micro-batches than ranks has its rows split over them
         log; checkpoint every `save_every`
 
 The loss is a token mean over the whole optimizer step (all micro-batches), so gradient accumulation gives
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -215,6 +217,15 @@ class SFTGrads:
                                    mtp_weight=self.mtp_weight, n_mtp=self.n_mtp, before_backward=before_backward)
         return {"loss": loss, "mtp_loss": mtp_loss}
 
+    def shipped(self) -> "SFTGrads":
+        """This function as sent to the other ranks of a replicated trainer: without the MTP head's weights (each
+        rank trains its own replica of it, `on_rank`)."""
+        return replace(self, mtp=None)
+
+    def on_rank(self, extra: Any) -> "SFTGrads":
+        """A shipped function bound to this rank's trainer's extra module (the MTP head) when it trains one."""
+        return replace(self, mtp=extra) if self.mtp_weight > 0 and self.mtp is None else self
+
 
 def sft_step(trainer: Any, batches: Sequence[PackedBatch], *, lr: float | None = None, precision: str = "fp32",
              mtp: MTPHead | None = None, mtp_weight: float = 0.0) -> dict[str, float]:
@@ -265,6 +276,7 @@ def train_sft(
     home = next(model.parameters()).device  # where the model goes back to after training on cfg.device
     trainer = build_trainer(model, OptimConfig(lr=cfg.lr, betas=list(cfg.betas), eps=1e-8, weight_decay=cfg.weight_decay),
                             device=cfg.device, pad_id=pad_id, grad_clip=cfg.grad_clip, extra=mtp)
+    ranks = getattr(trainer, "world", 1)  # the ranks a data-parallel trainer splits each step's micro-batches over
     start, stream, losses, mtp_losses = 0, _DataStream(samples, cfg, seed), [], []
     window_loss, window_n = 0.0, 0  # token-weighted loss sum and tokens since the last logged row
     resumed_from = None
@@ -290,7 +302,10 @@ def train_sft(
     t0, tokens_seen, loss_val = time.perf_counter(), 0, float("nan")
     window_t, window_tok = time.perf_counter(), 0
     for step in range(start, cfg.steps):
-        batches = [collate(samples, stream.next(), cfg.max_len, pad_id) for _ in range(cfg.grad_accum)]
+        step_rows = [stream.next() for _ in range(cfg.grad_accum)]
+        if ranks > len(step_rows):  # a data-parallel trainer: every rank gets a share of the step's rows
+            step_rows = [part for rows in step_rows for part in (rows[r::ranks] for r in range(ranks)) if part]
+        batches = [collate(samples, rows, cfg.max_len, pad_id) for rows in step_rows]
         n_tok = sum(b.n_target_tokens for b in batches)
         lr = lr_at(step, cfg)
         step_mtp = mtp if step >= mtp_start else None  # before the start: the plain SFT step exactly

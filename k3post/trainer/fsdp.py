@@ -71,7 +71,7 @@ from k3post.distributed.weight_sync import named_weights
 from k3post.trainer.local import Trainer
 from k3post.threads import exit_with_parent
 
-__all__ = ["FSDPTrainer", "launch_local", "free_port"]
+__all__ = ["FSDPTrainer", "launch_local", "free_port", "sum_over_ranks"]
 
 log = logging.getLogger("k3post.fsdp")
 
@@ -106,6 +106,20 @@ def launch_local(worker: Callable[..., Any], ranks: int, *args: Any, backend: st
         raise ValueError(f"launch_local: ranks must be >= 1, got {ranks}")
     torch.multiprocessing.start_processes(_rank_entry, args=(worker, ranks, free_port(), backend, threads, args),
                                           nprocs=ranks, join=True, start_method="spawn")
+
+
+def sum_over_ranks(sums: Mapping[str, float]) -> dict[str, float]:
+    """A step's sums added over the ranks of the default group, ``max/`` keys maximised (a key a rank lacks counts
+    as 0, or −inf for a max). Collective."""
+    # a rank without micro-batches (or without tokens of some kind) has fewer keys: agree on the union first
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(sums))
+    keys = sorted(set().union(*every))
+    add = torch.tensor([0.0 if k.startswith("max/") else sums.get(k, 0.0) for k in keys], dtype=torch.float64)
+    top = torch.tensor([sums.get(k, -math.inf) if k.startswith("max/") else 0.0 for k in keys], dtype=torch.float64)
+    dist.all_reduce(add)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return {k: float(top[i] if k.startswith("max/") else add[i]) for i, k in enumerate(keys)}
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -211,16 +225,7 @@ class FSDPTrainer(Trainer):
             (logits.float().sum() * 0.0).backward()
 
     def _reduce(self, sums: Mapping[str, float]) -> dict[str, float]:
-        """Sums added over the ranks, ``max/`` keys maximised (a key a rank lacks counts as 0, or −inf for a max)."""
-        # a rank without micro-batches (or without tokens of some kind) has fewer keys: agree on the union first
-        every: list[Any] = [None] * self.world
-        dist.all_gather_object(every, sorted(sums))
-        keys = sorted(set().union(*every))
-        add = torch.tensor([0.0 if k.startswith("max/") else sums.get(k, 0.0) for k in keys], dtype=torch.float64)
-        top = torch.tensor([sums.get(k, -math.inf) if k.startswith("max/") else 0.0 for k in keys], dtype=torch.float64)
-        dist.all_reduce(add)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        return {k: float(top[i] if k.startswith("max/") else add[i]) for i, k in enumerate(keys)}
+        return sum_over_ranks(sums)
 
     # ----------------------------------------------------------------- weights
 

@@ -123,10 +123,11 @@ def build_trainer(model: torch.nn.Module, optim: OptimConfig, *, extra: torch.nn
     leader = leading()
     if leader is None:
         return Trainer(model, optim, extra=extra, **trainer_kwargs)
-    if extra is not None:
-        raise ValueError("sft.mtp_weight > 0: the MTP head is not supported with distributed.fsdp.ranks > 1 "
-                         "(set sft.mtp_weight=0 or distributed.fsdp.ranks=1)")
-    return leader.build_trainer(model, optim, **trainer_kwargs)
+    if extra is not None and leader.fsdp.strategy != "no_shard":
+        raise ValueError("sft.mtp_weight > 0: the MTP head is not supported with distributed.fsdp.ranks > 1 and "
+                         "strategy=full_shard (set distributed.fsdp.strategy=no_shard, sft.mtp_weight=0 or "
+                         "distributed.fsdp.ranks=1)")
+    return leader.build_trainer(model, optim, **({"extra": extra} if extra is not None else {}), **trainer_kwargs)
 
 
 class Trainer:

@@ -9,7 +9,8 @@ report. The stage loops are the single-process ones; `k3post.trainer.build_train
 The other ranks only serve trainer calls:
 
     ("build", spec)               build the same model (rank 0's config and QAT scheme, its weights
-                                  broadcast) and the sharded trainer over it, replacing the last one
+                                  broadcast) and the trainer over it (sharded, or a replica with
+                                  ``fsdp.strategy=no_shard``), replacing the last one
     ("call", method, args, kw)    trainer.method(*args, **kw): step (with its gradient function), save / load_checkpoint, ...
     ("stop",)                     the command is done
 
@@ -67,10 +68,15 @@ class Leader:
         from k3post.trainer.fsdp import FSDPTrainer
         from k3post.distributed.weight_sync import module_qat
 
+        # the extra module (the MTP head, replicated trainers only) travels whole: each rank trains a replica
         spec = {"config": model.config, "dtype": next(model.parameters()).dtype, "qat": module_qat(model),
                 "names": list(model.state_dict()), "optim": optim, "kwargs": trainer_kwargs}
         self.tell(("build", spec))
         _broadcast_weights(model)
+        if self.fsdp.strategy == "no_shard":
+            from k3post.trainer.replicated import ReplicatedTrainer
+
+            return ReplicatedTrainer(model, optim, lead=self.tell, **trainer_kwargs)
         return FSDPTrainer(model, optim, mixed_precision=self.fsdp.mixed_precision, cpu_offload=self.fsdp.cpu_offload,
                            lead=self.tell, **trainer_kwargs)
 
@@ -100,6 +106,10 @@ def _follower_trainer(spec: dict[str, Any], fsdp: FSDPConfig) -> Any:
         raise RuntimeError(f"rank {dist.get_rank()}: the model built from rank 0's config has other tensors "
                            f"({sorted(set(names) ^ set(spec['names']))[:5]})")
     _broadcast_weights(model)
+    if fsdp.strategy == "no_shard":
+        from k3post.trainer.replicated import ReplicatedTrainer
+
+        return ReplicatedTrainer(model, spec["optim"], **spec["kwargs"])
     return FSDPTrainer(model, spec["optim"], mixed_precision=fsdp.mixed_precision, cpu_offload=fsdp.cpu_offload,
                        mirror=True, **spec["kwargs"])
 
