@@ -657,3 +657,42 @@ def test_reusable_teacher_evals_takes_only_the_runs_own_experts_measured_as_mopd
     assert reusable_teacher_evals(cfg, replace(m, teacher_sees_effort=False), experts_dir, tasks, caps, efforts) == {}
     assert reusable_teacher_evals(cfg, replace(m, teacher_dtype="bfloat16"), experts_dir, tasks, caps, efforts) == {}
     assert reusable_teacher_evals(cfg, m, tmp_path / "none", tasks, caps, efforts) == {}
+
+
+def test_domain_weights_give_a_domain_that_many_prompts_a_round(monkeypatch, xtml_tokenizer, folders, tmp_path):
+    """``mopd.domain_weights``: each family of a weighted domain gives its weight in prompts every round of the
+    stream (general 2 : coding 1 → g g c g g c ...), with n_tasks × weight of them in all; without weights the
+    families take turns as before. `train_mopd` hands the stream its weights."""
+    from k3post.envs.families.streams import train_tasks
+    import k3post.stages.mopd as mopd_mod
+
+    plain = train_tasks(["general.arithmetic", "coding.write_function"], 3, difficulty=1)
+    assert [t.family[0] for t in plain] == list("gcgcgc")
+    weighted = train_tasks(["general.arithmetic", "coding.write_function"], 3, difficulty=1, weights=[2, 1])
+    assert [t.family[0] for t in weighted] == list("ggcggcggc")
+    alone = train_tasks(["general.arithmetic"], 6, difficulty=1)  # the weighted family's own stream, in order
+    assert [t.id for t in weighted if t.family == "general.arithmetic"] == [t.id for t in alone]
+    with pytest.raises(ValueError, match="one weight >= 1 per family"):
+        train_tasks(["general.arithmetic"], 3, difficulty=1, weights=[0])
+    seen = {}
+    real = mopd_mod.train_tasks
+
+    def spy(fams, n, **kw):  # noqa: ANN001, ANN202
+        seen.update(fams=list(fams), weights=kw.get("weights"))
+        return real(fams, n, **kw)
+
+    monkeypatch.setattr(mopd_mod, "train_tasks", spy)
+    cfg = _run_cfg(folders, domain_weights={"general": 3}, rl={"steps": 1})
+    train_mopd(_model(xtml_tokenizer, 0), xtml_tokenizer, cfg, tmp_path / "w")
+    assert seen == {"fams": ["general.arithmetic"], "weights": [3]}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("mopd.domain_weights.general=0", "mopd.domain_weights must be whole numbers >= 1"),
+    ("mopd.domain_weights.web=2", r"unknown domain\(s\) \['web'\]"),
+])
+def test_bad_domain_weights_fail_at_load(override, message):
+    from k3post.config import load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [override])

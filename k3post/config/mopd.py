@@ -37,7 +37,9 @@ class MOPDConfig:
     (``http://host:port`` or ``.../v1``; the request's ``model`` is the URL's ``#fragment`` if it has one,
     else the expert name). ``effort_mix``: effort → weight of the per-prompt effort draw (normalised).
     ``domains``: the domains prompts come from; ``families``: domain → its families (a domain left out:
-    every verifiable family of it). ``r_max``: R_max of the per-token reward; ``w_orm``: weight of the
+    every verifiable family of it). ``domain_weights``: domain → how many prompts each of its families gives in
+    every round of the prompt stream (default 1: the families take turns); e.g. ``{general: 4}`` for a domain
+    whose episodes are short and whose teachers need many prompts to be matched. ``r_max``: R_max of the per-token reward; ``w_orm``: weight of the
     optional outcome advantage (group reward − group mean). ``max_resident``: local teachers held in CPU
     memory at once; ``teacher_dtype``: their dtype; ``teacher_batch_tokens``: padded tokens per teacher
     forward. ``teacher_sees_effort``: keep the thinking-effort message in the teacher's context (SPEC §4: no; default yes, because k3post's experts are trained with it, docs/decisions.md).
@@ -49,6 +51,7 @@ class MOPDConfig:
     effort_mix: dict[str, float] = field(default_factory=_default_mix)
     domains: list[str] = field(default_factory=lambda: ["general", "agents", "coding"])
     families: dict[str, list[str]] = field(default_factory=dict)
+    domain_weights: dict[str, int] = field(default_factory=dict)
     r_max: float = 5.0
     w_orm: float = 0.0
     max_resident: int = 3
@@ -70,9 +73,14 @@ class MOPDConfig:
         extra = sorted(set(self.families) - set(self.domains))
         if extra and not [d for d in extra if d not in DOMAINS]:
             raise ValueError(f"mopd.families names domains {extra} that are not in mopd.domains {list(self.domains)}")
-        bad = [d for d in list(self.domains) + list(self.families) if d not in DOMAINS]
+        bad = [d for d in list(self.domains) + list(self.families) + list(self.domain_weights) if d not in DOMAINS]
+        wrong = {d: w for d, w in self.domain_weights.items()
+                 if not isinstance(w, int) or isinstance(w, bool) or w < 1}
+        if wrong:
+            raise ValueError(f"mopd.domain_weights must be whole numbers >= 1 (prompts per family and round), got {wrong}")
         if bad:
-            raise ValueError(f"mopd.domains / mopd.families: unknown domain(s) {bad}; expected {DOMAINS}")
+            raise ValueError(f"mopd.domains / mopd.families / mopd.domain_weights: unknown domain(s) {bad}; "
+                             f"expected {DOMAINS}")
         if not (math.isfinite(self.r_max) and self.r_max > 0) or not self.w_orm >= 0 or self.max_resident < 1:
             raise ValueError(f"need mopd.r_max > 0, mopd.w_orm >= 0 and mopd.max_resident >= 1, got "
                              f"{self.r_max}, {self.w_orm}, {self.max_resident}")

@@ -287,7 +287,8 @@ def train_mopd(
     pool: TeacherPool | None = None,
 ) -> MOPDResult:
     """Distil the experts into ``student`` (in place; start it from the SFT checkpoint) with the loop of the
-    module doc over prompts of every domain, interleaved by family. ``teacher_qat`` applies the experts'
+    module doc over prompts of every domain, interleaved by family (``cfg.domain_weights``: a domain's families give
+    that many prompts a round). ``teacher_qat`` applies the experts'
     QAT to the local teachers. ``pool``: a caller's `TeacherPool` (left open, e.g. for `evaluate_mopd`
     with the teachers still resident); by default one is built from ``cfg`` and closed at the end.
     ``stop_after`` ends this call after that many steps (tests kill and resume).
@@ -295,8 +296,12 @@ def train_mopd(
     ``rl.domain_overrides``)."""
     t_start = time.perf_counter()
     _check_experts(cfg)
-    fams = [f for fs in mopd_families(cfg).values() for f in fs]
-    tasks = train_tasks(fams, cfg.rl.n_tasks, difficulty=cfg.rl.difficulty, seed=cfg.rl.seed)  # interleaved by family
+    by_domain = mopd_families(cfg)
+    fams = [f for fs in by_domain.values() for f in fs]
+    weights = [cfg.domain_weights.get(d, 1) for d, fs in by_domain.items() for _ in fs]
+    # interleaved by family, each giving its domain's weight in prompts a round
+    tasks = train_tasks(fams, cfg.rl.n_tasks, difficulty=cfg.rl.difficulty, seed=cfg.rl.seed,
+                        weights=weights if any(w != 1 for w in weights) else None)
     own = pool is None
     if pool is None:
         pool = TeacherPool(cfg.experts, max_resident=cfg.max_resident, dtype=cfg.teacher_dtype, qat=teacher_qat,

@@ -4,6 +4,7 @@ prompts and the held-out evaluation tasks, each a pure function of its arguments
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from k3post.envs.families.registry import families, get_family
 from k3post.envs.task import Task
@@ -28,16 +29,26 @@ def domain_families(domain: str, names: Sequence[str] = (), *, with_judge: bool 
     return fams
 
 
-def _interleave(per_family: list[list[Task]]) -> list[Task]:
-    out = []
+def _interleave(per_family: list[list[Any]], *, flatten: bool = False) -> list[Task]:
+    """One item of each family in turn (with ``flatten``, the items are lists of tasks, spliced in)."""
+    out: list[Any] = []
     for row in zip(*per_family):
-        out.extend(row)
+        for item in row:
+            out.extend(item) if flatten else out.append(item)
     return out
 
 
-def train_tasks(family_names: Sequence[str], n: int, *, difficulty: int, seed: int = 0) -> list[Task]:
-    """``n`` training tasks per family, interleaved (family 1, family 2, ..., family 1, ...)."""
-    return _interleave([get_family(f).generate(n, seed=_TRAIN_SEED + seed, difficulty=difficulty) for f in family_names])
+def train_tasks(family_names: Sequence[str], n: int, *, difficulty: int, seed: int = 0,
+                weights: Sequence[int] | None = None) -> list[Task]:
+    """``n`` training tasks per family, interleaved (family 1, family 2, ..., family 1, ...). With ``weights`` (one
+    whole number per family) family i gives ``weights[i]`` tasks in every round, and ``n · weights[i]`` in all."""
+    if weights is None:
+        return _interleave([get_family(f).generate(n, seed=_TRAIN_SEED + seed, difficulty=difficulty) for f in family_names])
+    if len(weights) != len(family_names) or any(w < 1 for w in weights):
+        raise ValueError(f"train_tasks: one weight >= 1 per family, got {list(weights)} for {list(family_names)}")
+    streams = [get_family(f).generate(n * w, seed=_TRAIN_SEED + seed, difficulty=difficulty)
+               for f, w in zip(family_names, weights)]
+    return _interleave([[ts[i:i + w] for i in range(0, len(ts), w)] for ts, w in zip(streams, weights)], flatten=True)
 
 
 def eval_tasks(family_names: Sequence[str], n: int, *, difficulty: int) -> list[Task]:
