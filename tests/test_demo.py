@@ -45,8 +45,13 @@ def test_demo_small_writes_run_folder(tmp_path):
     assert "  threads: 2\n" in (run / "config.yaml").read_text()
     plans = {p["name"]: (p["workers"], p["torch_threads"]) for p in json.loads((run / "threads.json").read_text())}
     assert plans == {"k3post demo": ({"trainer": 1}, 2), "demo: SFT": ({"SFT (QAT)": 1, "SFT (no QAT)": 1}, 1),
-                     "demo: RL experts": ({"RL domain workers": 3}, 1), "demo: drafts": ({"drafts": 2}, 1),
-                     "mopd: evaluation": ({"MOPD evaluation (student, teachers)": 2}, 1)}
+                     "demo: RL experts": ({"RL domain workers": 3}, 1), "demo: drafts": ({"drafts": 2}, 1)}
+    # no second MOPD evaluation process: every teacher is one of the run's experts, evaluated on these very tasks
+    # when it was trained (`reusable_teacher_evals`), so its row is that evaluation
+    mopd_rows = summary["mopd"]["table"]["rows"]
+    assert {r["teacher_source"] for r in mopd_rows} == {"expert evaluation"}
+    for r in mopd_rows:
+        assert r["teacher_pass"] == summary["experts"][r["expert"]]["pass_rate"]
     assert "<h2>Threads</h2>" in html
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["stage"] == "sft"] == [6]
