@@ -300,8 +300,7 @@ def train_mopd(
     fams = [f for fs in by_domain.values() for f in fs]
     weights = [cfg.domain_weights.get(d, 1) for d, fs in by_domain.items() for _ in fs]
     # interleaved by family, each giving its domain's weight in prompts a round
-    tasks = train_tasks(fams, cfg.rl.n_tasks, difficulty=cfg.rl.difficulty, seed=cfg.rl.seed,
-                        weights=weights if any(w != 1 for w in weights) else None)
+    tasks = train_tasks(fams, cfg.rl.n_tasks, difficulty=cfg.rl.difficulty, seed=cfg.rl.seed, weights=weights)
     own = pool is None
     if pool is None:
         pool = TeacherPool(cfg.experts, max_resident=cfg.max_resident, dtype=cfg.teacher_dtype, qat=teacher_qat,

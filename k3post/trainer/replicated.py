@@ -120,10 +120,9 @@ class ReplicatedTrainer(Trainer):
         return sum_over_ranks(sums)
 
     def _all_reduce_grads(self) -> None:
-        params = [p for p in self.params]
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        has = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32)
         dist.all_reduce(has)  # a parameter some rank gave a gradient gets one everywhere (zeros where it had none)
-        live = [p for p, h in zip(params, has.tolist()) if h]
+        live = [p for p, h in zip(self.params, has.tolist()) if h]
         if not live:
             return
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in live])

@@ -29,26 +29,25 @@ def domain_families(domain: str, names: Sequence[str] = (), *, with_judge: bool 
     return fams
 
 
-def _interleave(per_family: list[list[Any]], *, flatten: bool = False) -> list[Task]:
-    """One item of each family in turn (with ``flatten``, the items are lists of tasks, spliced in)."""
-    out: list[Any] = []
+def _interleave(per_family: list[list[Any]]) -> list[Any]:
+    out = []
     for row in zip(*per_family):
-        for item in row:
-            out.extend(item) if flatten else out.append(item)
+        out.extend(row)
     return out
 
 
 def train_tasks(family_names: Sequence[str], n: int, *, difficulty: int, seed: int = 0,
                 weights: Sequence[int] | None = None) -> list[Task]:
     """``n`` training tasks per family, interleaved (family 1, family 2, ..., family 1, ...). With ``weights`` (one
-    whole number per family) family i gives ``weights[i]`` tasks in every round, and ``n · weights[i]`` in all."""
-    if weights is None:
-        return _interleave([get_family(f).generate(n, seed=_TRAIN_SEED + seed, difficulty=difficulty) for f in family_names])
+    whole number per family; default 1 each) family i gives ``weights[i]`` tasks in every round, and ``n ·
+    weights[i]`` in all."""
+    weights = [1] * len(family_names) if weights is None else list(weights)
     if len(weights) != len(family_names) or any(w < 1 for w in weights):
-        raise ValueError(f"train_tasks: one weight >= 1 per family, got {list(weights)} for {list(family_names)}")
+        raise ValueError(f"train_tasks: one weight >= 1 per family, got {weights} for {list(family_names)}")
     streams = [get_family(f).generate(n * w, seed=_TRAIN_SEED + seed, difficulty=difficulty)
                for f, w in zip(family_names, weights)]
-    return _interleave([[ts[i:i + w] for i in range(0, len(ts), w)] for ts, w in zip(streams, weights)], flatten=True)
+    rounds = _interleave([[ts[i:i + w] for i in range(0, len(ts), w)] for ts, w in zip(streams, weights)])
+    return [t for chunk in rounds for t in chunk]
 
 
 def eval_tasks(family_names: Sequence[str], n: int, *, difficulty: int) -> list[Task]:
