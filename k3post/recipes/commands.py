@@ -19,6 +19,7 @@ from k3post.metrics import MetricsLogger
 from k3post.models import build_tiny_moe, count_parameters, load_model, new_folder, save_model
 from k3post.quant.qat import apply_qat
 from k3post.runs import RunSummary, open_run
+from k3post.stages.mopd import eval_caps, evaluate_mopd, expert_name, mopd_eval_tasks, train_mopd
 from k3post.stages.sft import train_sft
 from k3post.stages.sft_data import default_corpus, run_tokenizer, sft_samples, synthesize_sft_data
 from k3post.spec.layout import draft_aux_layers, draft_target
@@ -308,8 +309,6 @@ def raise_if_failed(table: dict) -> None:
 
 def mopd_config_for_run(cfg: K3Config, experts_dir: Path) -> "MOPDConfig":
     """``cfg.mopd`` with every missing teacher taken from ``experts_dir/<domain>.<effort>``."""
-    from k3post.stages.mopd import expert_name
-
     m = cfg.mopd
     experts = dict(m.experts)
     for d in m.domains:
@@ -326,8 +325,6 @@ def reusable_teacher_evals(cfg: K3Config, m: "MOPDConfig", experts_dir: Path, ta
     would run for it as a teacher: the teacher is this run's expert folder, it sees its effort message, the same
     engine kind, fp32 weights (as `load_policy` trained and evaluated them, QAT as ``cfg.qat``), the same per-turn
     cap and the same held-out tasks in the same order. Any difference leaves the expert out (measured again)."""
-    from k3post.stages.mopd import expert_name
-
     path = experts_dir / "table.json"
     if not path.is_file() or not m.teacher_sees_effort or m.teacher_dtype != "float32":
         return {}
@@ -351,7 +348,6 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
     returns the summary written to ``run/mopd/summary.json``."""
     from k3post.recipes.experts import load_policy
     from k3post.rollout.teachers import TeacherPool
-    from k3post.stages.mopd import eval_caps, evaluate_mopd, mopd_eval_tasks, train_mopd
     from k3post.loop import rollout_gap
     from k3post.rollout.factory import build_engine, close_engine
 
