@@ -141,6 +141,17 @@ def test_bad_family_tasks_names_the_entry(override, message):
         load_config(None, [override])
 
 
+def test_deal_efforts_names_families_and_rejects_a_bad_one():
+    assert load_config(None, ["data.deal_efforts=[coding.write_function]"]).data.deal_efforts == ["coding.write_function"]
+    assert load_config(None, []).data.deal_efforts == []
+    for override, message in [
+        ("data.deal_efforts=[coding.nope]", r"data.deal_efforts: unknown task family"),
+        ("data.deal_efforts=[general.arithmetic]", r"data.deal_efforts: general.arithmetic is the eval family"),
+    ]:
+        with pytest.raises((ValueError, ConfigError), match=message):
+            load_config(None, [override])
+
+
 def test_family_efforts_set_one_familys_efforts_and_name_a_bad_entry():
     cfg = load_config(None, ["data.family_efforts.agents.search=[high, low]"])
     assert cfg.data.efforts_of("agents.search") == ["high", "low"]

@@ -254,6 +254,15 @@ def test_recipe_sft_data_gives_a_family_its_own_efforts(tmp_path: Any, xtml_toke
     assert by[("agents.search", "high")] == by[("agents.search", "low")] == 3
     assert {e for f, e in by if f == "general.faithfulness"} == {"max", "high", "low"}
     assert {e for f, e in by if f == "general.arithmetic"} == {"max", "high", "low"}
+    # data.deal_efforts: the named family's tasks are dealt to its efforts (each solved once), the others untouched
+    cfg = load_config(None, ["data.n_train=2", "data.n_per_family=0", "data.family_tasks.coding.write_function=6",
+                             "data.family_tasks.agents.search=2", "data.deal_efforts=[coding.write_function]",
+                             "data.effort_mix={}", "sft.max_len=8192"])
+    recs = [json.loads(line) for line in synthesize_sft_data(cfg, tmp_path / "dealt", xtml_tokenizer).read_text().splitlines()]
+    coding = [r for r in recs if r["family"] == "coding.write_function"]
+    assert len(coding) == len({r["task_id"] for r in coding}) == 6
+    assert Counter(r["effort"] for r in coding) == {"max": 2, "high": 2, "low": 2}
+    assert Counter(r["family"] for r in recs)["agents.search"] == 2 * 2  # search at high and low (the default), not dealt
 
 
 @pytest.mark.usefixtures("one_torch_thread")

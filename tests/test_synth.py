@@ -109,6 +109,20 @@ def test_token_counts_exact_with_tokenizer_and_words_without(arith_samples: list
     assert count_sample_tokens(msgs, None, "low")["output"] == 9
 
 
+def test_dealt_efforts_solve_each_task_once(tmp_path: Path) -> None:
+    """deal=True: task i of the family is solved at efforts[i % k] only, so n tasks give n samples (not n * k), each a
+    distinct task, the efforts in turn."""
+    fam = find_family("coding.write_function")
+    path, funnel = build_sft_dataset([fam], ["max", "high", "low"], 6, 3, tmp_path / "d.jsonl", deal=True)
+    recs = read_jsonl(path)
+    ids = [t.id for t in fam.generate(6, seed=3)]
+    assert funnel.total == len(recs) == 6
+    assert sorted((ids.index(r["task_id"]), r["effort"]) for r in recs) == [
+        (0, "max"), (1, "high"), (2, "low"), (3, "max"), (4, "high"), (5, "low")]
+    every, _ = build_sft_dataset([fam], ["max", "high", "low"], 2, 3, tmp_path / "e.jsonl")
+    assert len(read_jsonl(every)) == 6 and len({r["task_id"] for r in read_jsonl(every)}) == 2
+
+
 def test_raw_file_is_appended_and_a_crashed_run_resumes(tmp_path: Path) -> None:
     raw = tmp_path / "raw.jsonl"
     first = synthesize(ARITH, effort="low", n=3, seed=1, out=raw)

@@ -25,6 +25,9 @@ class DataConfig:
     # efforts of the families named here (those of them in `efforts`; none: no samples), instead of `efforts`: the demo's
     # agents.search samples at high and low, where the tiny model learns whole episodes (docs/decisions.md, issue 31 §agents)
     family_efforts: dict[str, list[str]] = field(default_factory=lambda: {"agents.search": ["high", "low"]})
+    # families whose tasks are dealt to their efforts in turn (task i solved at effort i mod k only) instead of each
+    # task solved at every effort: as many samples from k times the tasks, so k times the distinct constants to copy
+    deal_efforts: list[str] = field(default_factory=list)
     n_eval: int = ranged(400, ge=0)  # held-out eval_family tasks, disjoint from training (400: a +5-point change is detectable)
     difficulty: int = ranged(1, ge=1)
     efforts: list[str] = field(default_factory=lambda: ["max", "high", "low"])
@@ -61,6 +64,13 @@ class DataConfig:
             if isinstance(efforts, str) or not efforts or not set(efforts) <= set(EFFORTS):
                 raise ValueError(f"data.family_efforts.{name}: a non-empty list of efforts out of {list(EFFORTS)}, "
                                  f"got {efforts!r}")
+        for name in self.deal_efforts:
+            try:
+                get_family(name)
+            except ValueError as e:
+                raise ValueError(f"data.deal_efforts: {e}") from None
+            if name == self.eval_family:
+                raise ValueError(f"data.deal_efforts: {name} is the eval family, whose efforts are weighted by data.effort_mix")
         if self.eval_family in self.family_efforts:
             raise ValueError(f"data.family_efforts.{self.eval_family}: the eval family's efforts are data.efforts "
                              "(weighted by data.effort_mix)")

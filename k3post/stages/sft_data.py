@@ -73,18 +73,19 @@ def synthesize_sft_data(cfg: K3Config, run: Path, tokenizer: Any, record: Any = 
     main_path, funnel = build_sft_dataset(
         [main], d.efforts, d.n_train, cfg.run.seed, run / "data" / "main.jsonl", tokenizer, difficulty=d.difficulty, config=verify
     )
-    groups: dict[tuple[int, tuple[str, ...]], list[Any]] = {}  # the other families, by number of tasks and efforts
+    groups: dict[tuple[int, tuple[str, ...], bool], list[Any]] = {}  # the other families, by tasks, efforts and dealing
     defaults = default_families()
     default_names = {f.name for f in defaults}
     named = [get_family(n) for n in d.family_tasks if n not in default_names]  # opt-in and plugin
     for f in defaults + named:  # families are used where data.family_tasks names them
         if f.name != main.name and d.tasks_of(f.name) > 0 and d.efforts_of(f.name):
-            groups.setdefault((d.tasks_of(f.name), tuple(d.efforts_of(f.name))), []).append(f)
+            groups.setdefault((d.tasks_of(f.name), tuple(d.efforts_of(f.name)), f.name in d.deal_efforts), []).append(f)
     rest_paths = []
-    for (n, efforts), fams in sorted(groups.items()):
-        name = "families" + ("" if n == d.n_per_family else f".n{n}") + ("" if list(efforts) == list(d.efforts) else "." + "-".join(efforts))
+    for (n, efforts, deal), fams in sorted(groups.items()):
+        name = ("families" + ("" if n == d.n_per_family else f".n{n}") + ("" if list(efforts) == list(d.efforts) else "." + "-".join(efforts))
+                + (".dealt" if deal else ""))
         path, rest_funnel = build_sft_dataset(fams, list(efforts), n, cfg.run.seed, run / "data" / f"{name}.jsonl", tokenizer,
-                                              difficulty=d.difficulty, config=verify)
+                                              difficulty=d.difficulty, config=verify, deal=deal)
         funnel.merge(rest_funnel)
         rest_paths.append(path)
     main_records = read_jsonl(main_path)

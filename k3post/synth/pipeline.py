@@ -283,6 +283,7 @@ def build_sft_dataset(
     judges: Mapping[str, Judge] | None = None,
     review_dir: str | Path | None = None,
     raw_out: str | Path | None = None,
+    deal: bool = False,
 ) -> tuple[Path, Funnel]:
     """Synthesize, verify and write an SFT dataset over ``families`` × ``efforts``.
 
@@ -298,6 +299,8 @@ def build_sft_dataset(
         teacher: ``family -> Teacher`` (default `ReferenceTeacher`).
         difficulty, config, judges, review_dir, raw_out: see `synthesize`, `VerifyConfig`,
             `VerifyContext`; ``raw_out`` overrides the raw file path.
+        deal: the tasks are dealt to the efforts in turn (task i is solved at ``efforts[i % len(efforts)]``
+            only) instead of each task at every effort.
 
     Returns:
         ``(out path, funnel)``; ``funnel.table()`` prints the per-stage counts.
@@ -316,8 +319,9 @@ def build_sft_dataset(
         d = min(difficulty, int(getattr(fam, "max_difficulty", difficulty)))
         tasks = fam.generate(n_per, seed=seed, difficulty=d)
         tch = make_teacher(fam)
-        for e in efforts:
-            samples += synthesize(fam, tch, effort=e, n=n_per, seed=seed, difficulty=d, out=raw, tokenizer=tokenizer, tasks=tasks, done=done)
+        for j, e in enumerate(efforts):
+            mine = list(tasks[j::len(efforts)]) if deal else tasks
+            samples += synthesize(fam, tch, effort=e, n=len(mine), seed=seed, difficulty=d, out=raw, tokenizer=tokenizer, tasks=mine, done=done)
     log.info("synthesized %d trajectories in %.1f s", len(samples), time.perf_counter() - t0)
     ctx = VerifyContext(config, tokenizer=tokenizer, judges=judges)
     return verify_and_route(samples, outp, ctx=ctx, review_dir=review_dir)

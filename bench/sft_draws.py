@@ -1,0 +1,103 @@
+"""Held-out pass of SFT models as the experts' "before" rows measure it, with why the coding episodes fail.
+
+    python bench/sft_draws.py runs/a/sft/final runs/b/sft/final ... [--config configs/demo.yaml] [--effort max]
+        [--coding-max-tokens 640] [--json out.json]
+
+For each model folder: greedy pass at ``--effort`` on the recipe's held-out tasks of each domain (coding and agents:
+``rl.eval_n`` of the domain's RL families; general: ``data.n_eval`` of them, the SFT evaluation's size), each turn capped at
+the domain's ``eval_max_tokens``, the mean effort tokens T, and the coding episodes by outcome: pass, a wrong answer,
+cut at the turn cap (``length``), malformed, or another end. Rates carry n and a 95% Wilson interval. Models are run
+with the config's QAT, one thread, as the demo's experts evaluate them. ``--coding-max-tokens`` raises the coding
+turn cap (does an episode cut at the cap finish, given room?).
+
+What a "draw" is: the same SFT recipe with another data order (``run.seed``), thread count or device. The demo's
+SFT draws spread widely in coding and agents (docs/decisions.md, issue 31 §draws18); compare recipes over several
+draws, never one. Not a timing benchmark. The final line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from k3post.config import load_config  # noqa: E402
+from k3post.envs.families.streams import domain_families, eval_tasks  # noqa: E402
+from k3post.recipes.experts import load_policy  # noqa: E402
+from k3post.rollout.evaluation import run_episodes  # noqa: E402
+from k3post.rollout.factory import build_engine, close_engine  # noqa: E402
+from k3post.stats import wilson_interval  # noqa: E402
+from k3post.tokenizer import load_tokenizer  # noqa: E402
+from k3post.xtml import XTML  # noqa: E402
+
+DOMAINS = ("coding", "agents", "general")
+
+
+def outcome(traj: object) -> str:
+    """pass | answer (ended with a wrong answer) | length (cut at the turn cap) | malformed | the trajectory's end."""
+    if (traj.reward or 0) >= 1:
+        return "pass"
+    if traj.malformed:
+        return "malformed"
+    return traj.finish or "unknown"
+
+
+def evaluate_model(path: str, cfg: object, effort: str, coding_max_tokens: int = 0) -> dict:
+    """Per domain: pass rate, n, Wilson interval, mean effort tokens and the episodes' outcomes."""
+    tok = load_tokenizer(path)
+    xtml = XTML(tok)
+    model = load_policy(path, cfg.qat)
+    out = {}
+    for dom in DOMAINS:
+        rc = cfg.rl.for_domain(dom, effort)
+        fams = domain_families(dom, rc.families, with_judge=False)
+        tasks = eval_tasks(fams, cfg.data.n_eval if dom == "general" else rc.eval_n, difficulty=rc.difficulty)
+        cap = coding_max_tokens if dom == "coding" and coding_max_tokens else rc.eval_max_tokens
+        engine = build_engine(model, tok, engine=rc.engine, role="probe", max_batch_size=rc.slots, seed=0)
+        try:
+            trajs = [t for ts in run_episodes(engine, xtml, tasks, effort=effort, max_tokens=cap) for t in ts]
+        finally:
+            close_engine(engine)
+        passed = sum(1 for t in trajs if outcome(t) == "pass")
+        lo, hi = wilson_interval(passed, len(trajs))
+        out[dom] = {"pass": passed / max(len(trajs), 1), "n": len(trajs), "ci95": [lo, hi], "turn_cap": cap,
+                    "mean_effort_tokens": sum(t.effort_tokens() for t in trajs) / max(len(trajs), 1),
+                    "outcomes": dict(collections.Counter(outcome(t) for t in trajs))}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("models", nargs="+", help="SFT model folders (sft/final, a checkpoint)")
+    p.add_argument("--config", default="configs/demo.yaml")
+    p.add_argument("--effort", default="max", choices=["max", "high", "low"])
+    p.add_argument("--coding-max-tokens", type=int, default=0, help="coding turn cap (0: the config's eval_max_tokens)")
+    p.add_argument("--json", default="", help="also write the JSON to this file")
+    args = p.parse_args(argv)
+    for m in args.models:
+        if not (Path(m) / "config.json").is_file():
+            p.error(f"{m}: no model folder (config.json missing)")
+    torch.set_num_threads(1)
+    cfg = load_config(args.config, [])
+    rows = {}
+    print(f"{'model':48} " + " ".join(f"{d:>22}" for d in DOMAINS) + "  coding outcomes")
+    for m in args.models:
+        r = rows[m] = evaluate_model(m, cfg, args.effort, args.coding_max_tokens)
+        cells = " ".join(f"{r[d]['pass']:.3f} [{r[d]['ci95'][0]:.2f},{r[d]['ci95'][1]:.2f}] T{r[d]['mean_effort_tokens']:>4.0f}"
+                         for d in DOMAINS)
+        print(f"{m[-48:]:48} {cells}  {r['coding']['outcomes']}", flush=True)
+    res = {"effort": args.effort, "config": args.config, "models": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
