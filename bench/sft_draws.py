@@ -1,14 +1,15 @@
 """Held-out pass of SFT models as the experts' "before" rows measure it, with why the coding episodes fail.
 
     python bench/sft_draws.py runs/a/sft/final runs/b/sft/final ... [--config configs/demo.yaml] [--effort max]
-        [--coding-max-tokens 640] [--json out.json]
+        [--coding-max-tokens 640] [--domains coding,agents,general] [--split test|validation] [--json out.json]
 
 For each model folder: greedy pass at ``--effort`` on the recipe's held-out tasks of each domain (coding and agents:
 ``rl.eval_n`` of the domain's RL families; general: ``data.n_eval`` of them, the SFT evaluation's size), each turn capped at
 the domain's ``eval_max_tokens``, the mean effort tokens T, and the coding episodes by outcome: pass, a wrong answer,
 cut at the turn cap (``length``), malformed, or another end. Rates carry n and a 95% Wilson interval. Models are run
 with the config's QAT, one thread, as the demo's experts evaluate them. ``--coding-max-tokens`` raises the coding
-turn cap (does an episode cut at the cap finish, given room?).
+turn cap (does an episode cut at the cap finish, given room?). ``--split validation`` scores as many tasks of another
+held-out seed (`k3post.envs.families.streams.VALIDATION_SEED`): choose between checkpoints there, report the test.
 
 What a "draw" is: the same SFT recipe with another data order (``run.seed``), thread count or device. The demo's
 SFT draws spread widely in coding and agents (docs/decisions.md, issue 31 §draws18); compare recipes over several
@@ -48,16 +49,17 @@ def outcome(traj: object) -> str:
     return traj.finish or "unknown"
 
 
-def evaluate_model(path: str, cfg: object, effort: str, coding_max_tokens: int = 0) -> dict:
+def evaluate_model(path: str, cfg: object, effort: str, coding_max_tokens: int = 0, domains: tuple[str, ...] = DOMAINS,
+                   split: str = "test") -> dict:
     """Per domain: pass rate, n, Wilson interval, mean effort tokens and the episodes' outcomes."""
     tok = load_tokenizer(path)
     xtml = XTML(tok)
     model = load_policy(path, cfg.qat)
     out = {}
-    for dom in DOMAINS:
+    for dom in domains:
         rc = cfg.rl.for_domain(dom, effort)
         fams = domain_families(dom, rc.families, with_judge=False)
-        tasks = eval_tasks(fams, cfg.data.n_eval if dom == "general" else rc.eval_n, difficulty=rc.difficulty)
+        tasks = eval_tasks(fams, cfg.data.n_eval if dom == "general" else rc.eval_n, difficulty=rc.difficulty, split=split)
         cap = coding_max_tokens if dom == "coding" and coding_max_tokens else rc.eval_max_tokens
         engine = build_engine(model, tok, engine=rc.engine, role="probe", max_batch_size=rc.slots, seed=0)
         try:
@@ -78,21 +80,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="configs/demo.yaml")
     p.add_argument("--effort", default="max", choices=["max", "high", "low"])
     p.add_argument("--coding-max-tokens", type=int, default=0, help="coding turn cap (0: the config's eval_max_tokens)")
+    p.add_argument("--domains", default=",".join(DOMAINS), help="comma-separated, of coding, agents, general")
+    p.add_argument("--split", default="test", choices=["test", "validation"],
+                   help="the held-out tests, or as many tasks of the validation seed (to choose a checkpoint)")
     p.add_argument("--json", default="", help="also write the JSON to this file")
     args = p.parse_args(argv)
+    domains = tuple(d for d in args.domains.split(",") if d)
+    if not domains or set(domains) - set(DOMAINS):
+        p.error(f"--domains: some of {','.join(DOMAINS)}, got {args.domains!r}")
     for m in args.models:
         if not (Path(m) / "config.json").is_file():
             p.error(f"{m}: no model folder (config.json missing)")
     torch.set_num_threads(1)
     cfg = load_config(args.config, [])
     rows = {}
-    print(f"{'model':48} " + " ".join(f"{d:>22}" for d in DOMAINS) + "  coding outcomes")
+    print(f"{'model':48} " + " ".join(f"{d:>22}" for d in domains) + f"  outcomes of {domains[0]}")
     for m in args.models:
-        r = rows[m] = evaluate_model(m, cfg, args.effort, args.coding_max_tokens)
+        r = rows[m] = evaluate_model(m, cfg, args.effort, args.coding_max_tokens, domains, args.split)
         cells = " ".join(f"{r[d]['pass']:.3f} [{r[d]['ci95'][0]:.2f},{r[d]['ci95'][1]:.2f}] T{r[d]['mean_effort_tokens']:>4.0f}"
-                         for d in DOMAINS)
-        print(f"{m[-48:]:48} {cells}  {r['coding']['outcomes']}", flush=True)
-    res = {"effort": args.effort, "config": args.config, "models": rows}
+                         for d in domains)
+        print(f"{m[-48:]:48} {cells}  {r[domains[0]]['outcomes']}", flush=True)
+    res = {"effort": args.effort, "config": args.config, "split": args.split, "models": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     print(json.dumps(res))

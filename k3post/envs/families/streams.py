@@ -13,6 +13,9 @@ __all__ = ["domain_families", "train_tasks", "eval_tasks"]
 
 # seeds of the task streams: training prompts and held-out evaluation never share a seed
 _TRAIN_SEED, _EVAL_SEED = 7_000, 9_000
+VALIDATION_SEED = 9_500
+"""Generation seed of `validation_tasks`: neither the training streams' (7,000 + run seed), the SFT data's (the run
+seed) nor the held-out tests' (9,000)."""
 
 
 def domain_families(domain: str, names: Sequence[str] = (), *, with_judge: bool = False) -> list[str]:
@@ -50,6 +53,10 @@ def train_tasks(family_names: Sequence[str], n: int, *, difficulty: int, seed: i
     return [t for chunk in rounds for t in chunk]
 
 
-def eval_tasks(family_names: Sequence[str], n: int, *, difficulty: int) -> list[Task]:
-    """``n`` held-out tasks per family (a seed the training stream never uses)."""
-    return _interleave([get_family(f).generate(n, seed=_EVAL_SEED, difficulty=difficulty) for f in family_names])
+def eval_tasks(family_names: Sequence[str], n: int, *, difficulty: int, split: str = "test") -> list[Task]:
+    """``n`` held-out tasks per family (a seed the training stream never uses). ``split="validation"``: as many
+    tasks of another held-out seed (`VALIDATION_SEED`), for choosing between models without touching the test."""
+    if split not in ("test", "validation"):
+        raise ValueError(f"eval_tasks: split is 'test' or 'validation', got {split!r}")
+    seed = _EVAL_SEED if split == "test" else VALIDATION_SEED
+    return _interleave([get_family(f).generate(n, seed=seed, difficulty=difficulty) for f in family_names])
