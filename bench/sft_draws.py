@@ -6,7 +6,8 @@
 For each model folder: greedy pass at ``--effort`` on the recipe's held-out tasks of each domain (coding and agents:
 ``rl.eval_n`` of the domain's RL families; general: ``data.n_eval`` of them, the SFT evaluation's size), each turn capped at
 the domain's ``eval_max_tokens``, the mean effort tokens T, and the coding episodes by outcome: pass, a wrong answer,
-cut at the turn cap (``length``), malformed, or another end. Rates carry n and a 95% Wilson interval. Models are run
+cut at the turn cap (``length``), malformed, or another end (`summarize_trajectories`: rates carry n and a 95% Wilson
+interval; infrastructure failures are counted apart, under ``infra``). Models are run
 with the config's QAT, one thread, as the demo's experts evaluate them. ``--coding-max-tokens`` raises the coding
 turn cap (does an episode cut at the cap finish, given room?). ``--split validation`` scores as many tasks of another
 held-out seed (`k3post.envs.families.streams.VALIDATION_SEED`): choose between checkpoints there, report the test.
@@ -31,9 +32,8 @@ import torch  # noqa: E402
 from k3post.config import load_config  # noqa: E402
 from k3post.envs.families.streams import domain_families, eval_tasks  # noqa: E402
 from k3post.recipes.experts import load_policy  # noqa: E402
-from k3post.rollout.evaluation import run_episodes  # noqa: E402
+from k3post.rollout.evaluation import run_episodes, summarize_trajectories  # noqa: E402
 from k3post.rollout.factory import build_engine, close_engine  # noqa: E402
-from k3post.stats import wilson_interval  # noqa: E402
 from k3post.tokenizer import load_tokenizer  # noqa: E402
 from k3post.xtml import XTML  # noqa: E402
 
@@ -66,11 +66,10 @@ def evaluate_model(path: str, cfg: object, effort: str, coding_max_tokens: int =
             trajs = [t for ts in run_episodes(engine, xtml, tasks, effort=effort, max_tokens=cap) for t in ts]
         finally:
             close_engine(engine)
-        passed = sum(1 for t in trajs if outcome(t) == "pass")
-        lo, hi = wilson_interval(passed, len(trajs))
-        out[dom] = {"pass": passed / max(len(trajs), 1), "n": len(trajs), "ci95": [lo, hi], "turn_cap": cap,
-                    "mean_effort_tokens": sum(t.effort_tokens() for t in trajs) / max(len(trajs), 1),
-                    "outcomes": dict(collections.Counter(outcome(t) for t in trajs))}
+        s = summarize_trajectories(trajs)  # infrastructure failures are counted apart, as in every evaluation
+        out[dom] = {"pass": s["pass_rate"], "n": s["n"], "ci95": s["pass_ci95"], "turn_cap": cap,
+                    "mean_effort_tokens": s["mean_effort_tokens"], "infra": s["infra"],
+                    "outcomes": dict(collections.Counter(outcome(t) for t in trajs if t.infra is None))}
     return out
 
 

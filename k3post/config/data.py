@@ -47,28 +47,25 @@ class DataConfig:
     def __post_init__(self) -> None:
         from k3post.envs.families.registry import get_family  # torch-free (the task families only)
 
-        for name, n in dict(self.family_tasks).items():
+        def known(key: str, name: str) -> None:  # an unknown family is an error naming the key it was given under
             try:
                 get_family(name)
             except ValueError as e:
-                raise ValueError(f"data.family_tasks.{name}: {e}") from None
+                raise ValueError(f"{key}: {e}") from None
+
+        for name, n in dict(self.family_tasks).items():
+            known(f"data.family_tasks.{name}", name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"data.family_tasks.{name}: must be a non-negative integer, got {n!r}")
         if self.eval_family in self.family_tasks:
             raise ValueError(f"data.family_tasks.{self.eval_family}: the eval family's task count is data.n_train")
         for name, efforts in dict(self.family_efforts).items():
-            try:
-                get_family(name)
-            except ValueError as e:
-                raise ValueError(f"data.family_efforts.{name}: {e}") from None
+            known(f"data.family_efforts.{name}", name)
             if isinstance(efforts, str) or not efforts or not set(efforts) <= set(EFFORTS):
                 raise ValueError(f"data.family_efforts.{name}: a non-empty list of efforts out of {list(EFFORTS)}, "
                                  f"got {efforts!r}")
         for name in self.deal_efforts:
-            try:
-                get_family(name)
-            except ValueError as e:
-                raise ValueError(f"data.deal_efforts: {e}") from None
+            known("data.deal_efforts", name)
             if name == self.eval_family:
                 raise ValueError(f"data.deal_efforts: {name} is the eval family, whose efforts are weighted by data.effort_mix")
         if self.eval_family in self.family_efforts:

@@ -9,12 +9,12 @@ from typing import Any
 from k3post.envs.families.registry import families, get_family
 from k3post.envs.task import Task
 
-__all__ = ["domain_families", "train_tasks", "eval_tasks"]
+__all__ = ["VALIDATION_SEED", "domain_families", "train_tasks", "eval_tasks"]
 
 # seeds of the task streams: training prompts and held-out evaluation never share a seed
 _TRAIN_SEED, _EVAL_SEED = 7_000, 9_000
 VALIDATION_SEED = 9_500
-"""Generation seed of `validation_tasks`: neither the training streams' (7,000 + run seed), the SFT data's (the run
+"""Generation seed of ``eval_tasks(..., split="validation")``: neither the training streams' (7,000 + run seed), the SFT data's (the run
 seed) nor the held-out tests' (9,000)."""
 
 
@@ -33,6 +33,7 @@ def domain_families(domain: str, names: Sequence[str] = (), *, with_judge: bool 
 
 
 def _interleave(per_family: list[list[Any]]) -> list[Any]:
+    """One item of each family in turn, for as many rounds as the shortest family has items."""
     out = []
     for row in zip(*per_family):
         out.extend(row)
