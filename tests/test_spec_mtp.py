@@ -157,9 +157,10 @@ def test_mtp_start_fraction_trains_plain_sft_until_then_and_resumes_across_it(to
     cfg = SFTConfig(steps=6, rows_per_batch=2, max_len=512, save_every=2, warmup_steps=2, progress=False, lr=2e-3,
                     mtp_weight=0.3, mtp_start_fraction=0.5, keep_last=3)
     plain = train_sft(_model(tok), tok, samples, SFTConfig(**{**vars(cfg), "mtp_weight": 0.0}), tmp_path / "plain")
-    late = train_sft(_model(tok), tok, samples, cfg, tmp_path / "late")
-    # step 3's main loss is measured before its update, the first with an MTP gradient in the trunk
+    late = train_sft(_model(tok), tok, samples, SFTConfig(**{**vars(cfg), "mtp_detach": False}), tmp_path / "late")
+    # step 3's main loss is measured before its update, the first with an MTP gradient in the trunk (joint training)
     assert late.losses[:4] == plain.losses[:4] and late.losses[4] != plain.losses[4]
+    cfg = SFTConfig(**{**vars(cfg), "mtp_detach": False})
     assert len(late.mtp_losses) == 3
     at_2 = load_mtp(tmp_path / "late" / "checkpoints" / "step-000002")
     from k3post.stages.sft import _new_mtp_head
@@ -172,3 +173,25 @@ def test_mtp_start_fraction_trains_plain_sft_until_then_and_resumes_across_it(to
     assert all(torch.equal(a, b) for a, b in zip(late.mtp.parameters(), resumed.mtp.parameters()))
     with pytest.raises(ValueError, match="sft.mtp_start_fraction"):
         train_sft(_model(tok), tok, samples, SFTConfig(**{**vars(cfg), "mtp_start_fraction": 1.0}), tmp_path / "bad")
+
+
+def test_a_detached_mtp_head_leaves_the_model_as_sft_without_it(tok, tmp_path):
+    """sft.mtp_detach (the default): the MTP loss trains the head alone, so the model's weights and losses after SFT
+    are those of the same SFT without a head, bit for bit, even from the first step and with a gradient norm the
+    head's own loss would clip (its gradient is clipped apart); the head still learns. With mtp_detach=false the MTP
+    gradient reaches the trunk (the weights differ). A regression test for the demo's late-started head, whose
+    first MTP steps (loss 7.5) sent the SFT loss from 0.1 to 1.3 (docs/decisions.md, issue 31 §mtp)."""
+    samples = _samples(tok, tmp_path, 40)
+    base = dict(steps=8, rows_per_batch=2, max_len=512, pack_len=512, save_every=100, warmup_steps=2, progress=False,
+                lr=3e-3, grad_clip=0.05)
+    plain_model, head_model, joint_model = _model(tok), _model(tok), _model(tok)
+    plain = train_sft(plain_model, tok, samples, SFTConfig(**base), tmp_path / "plain")
+    head = train_sft(head_model, tok, samples, SFTConfig(**base, mtp_weight=1.0), tmp_path / "head")
+    joint = train_sft(joint_model, tok, samples, SFTConfig(**base, mtp_weight=1.0, mtp_detach=False), tmp_path / "joint")
+    assert SFTConfig().mtp_detach is True
+    assert head.losses == plain.losses
+    for (name, a), b in zip(plain_model.state_dict().items(), head_model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert head.mtp_losses[-1] < head.mtp_losses[0]  # the head learns
+    assert joint.losses[1:] != plain.losses[1:]
+    assert any(not torch.equal(a, b) for a, b in zip(plain_model.state_dict().values(), joint_model.state_dict().values()))

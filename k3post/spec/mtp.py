@@ -63,11 +63,20 @@ class MTPHead(nn.Module):
         return self.midlayer(embeds_BTD, hidden_BTD, position_ids_BT, allowed_B1TT)
 
     def logits(self, target: nn.Module, next_ids_BT: torch.Tensor, hidden_BTD: torch.Tensor,
-               position_ids_BT: torch.Tensor, allowed_B1TT: torch.Tensor | None = None) -> torch.Tensor:
+               position_ids_BT: torch.Tensor, allowed_B1TT: torch.Tensor | None = None, *,
+               detach_target: bool = False) -> torch.Tensor:
         """logits_BTV for token t+2 from h_t and token ``next_ids_BT[t]`` (= x_{t+1}), through the target's
-        embedding and LM head."""
-        out_BTD = self(target.get_input_embeddings()(next_ids_BT), hidden_BTD, position_ids_BT, allowed_B1TT)
-        return target.get_output_embeddings()(self.norm(out_BTD))
+        embedding and LM head. ``detach_target``: no gradient reaches the target, neither through h_t nor
+        through the shared embedding and LM head (their weights are read detached): only the head learns."""
+        embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        if not detach_target:
+            out_BTD = self(embed(next_ids_BT), hidden_BTD, position_ids_BT, allowed_B1TT)
+            return lm_head(self.norm(out_BTD))
+        with torch.no_grad():
+            embeds_BTD = embed(next_ids_BT)
+        out_BTD = self(embeds_BTD, hidden_BTD.detach(), position_ids_BT, allowed_B1TT)
+        frozen = {name: p.detach() for name, p in lm_head.named_parameters()}
+        return torch.func.functional_call(lm_head, frozen, (self.norm(out_BTD),))
 
 
 class _Captured:
@@ -103,11 +112,12 @@ def mtp_labels(labels_BT: torch.Tensor, position_ids_BT: torch.Tensor) -> torch.
 
 
 def mtp_ce_sum(head: MTPHead, target: nn.Module, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
-               labels_BT: torch.Tensor, hidden_BTD: torch.Tensor, allowed_B1TT: torch.Tensor | None = None
-               ) -> torch.Tensor:
-    """Σ over MTP targets (``mtp_labels``) of −log q(x_{t+2}); the head reads x_{t+1} and h_t."""
+               labels_BT: torch.Tensor, hidden_BTD: torch.Tensor, allowed_B1TT: torch.Tensor | None = None, *,
+               detach_target: bool = False) -> torch.Tensor:
+    """Σ over MTP targets (``mtp_labels``) of −log q(x_{t+2}); the head reads x_{t+1} and h_t. ``detach_target``:
+    its gradient trains the head only (`MTPHead.logits`)."""
     next_ids_BT = torch.roll(input_ids_BT, -1, dims=1)  # the wrapped last column has label -100
-    logits_BTV = head.logits(target, next_ids_BT, hidden_BTD, position_ids_BT, allowed_B1TT)
+    logits_BTV = head.logits(target, next_ids_BT, hidden_BTD, position_ids_BT, allowed_B1TT, detach_target=detach_target)
     tgt_BT = mtp_labels(labels_BT, position_ids_BT)
     return F.cross_entropy(logits_BTV.flatten(0, 1).float(), tgt_BT.flatten(), ignore_index=-100, reduction="sum")
 

@@ -166,6 +166,7 @@ def sft_grads(
     mtp: MTPHead | None = None,
     mtp_weight: float = 0.0,
     n_mtp: int = 0,
+    mtp_detach: bool = False,
     before_backward: Callable[[int], None] | None = None,
 ) -> tuple[float, float]:
     """Forward and backward of the SFT loss over ``batches`` (gradients accumulate; not zeroed here):
@@ -175,7 +176,8 @@ def sft_grads(
     ``n_tok`` / ``n_mtp``: the trained tokens of the whole optimizer step (over every rank, for a sharded
     trainer), so the micro-batches' gradients add up to the token mean. ``precision`` "bf16" runs the forward
     under bf16 autocast. ``before_backward(i)`` runs before the i-th backward. The batches move to the model's
-    device. Returns the summed CE and MTP CE (not normalised)."""
+    device. ``mtp_detach``: the MTP term trains the head only (`k3post.spec.mtp.mtp_ce_sum`'s ``detach_target``), so
+    the model's gradients are those of the CE term alone. Returns the summed CE and MTP CE (not normalised)."""
     device = next(model.parameters()).device
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     total, mtp_total = 0.0, 0.0
@@ -189,7 +191,7 @@ def sft_grads(
             with autocast, capture_final_hidden(model) as final:
                 loss_sum = masked_ce_sum(model, b)
                 mtp_sum = mtp_ce_sum(mtp, model, b.input_ids_RL, b.position_ids_RL, b.labels_RL,
-                                     final.hidden_BTD, b.attention_mask_R1LL)
+                                     final.hidden_BTD, b.attention_mask_R1LL, detach_target=mtp_detach)
             loss = loss_sum / max(n_tok, 1) + mtp_weight * mtp_sum / max(n_mtp, 1)
             mtp_total += mtp_sum.item()
         if before_backward is not None:
@@ -210,11 +212,13 @@ class SFTGrads:
     mtp: MTPHead | None = None
     mtp_weight: float = 0.0
     n_mtp: int = 0
+    mtp_detach: bool = False
 
     def __call__(self, model: torch.nn.Module, micro_batches: Sequence[PackedBatch], *, version: int | None = None,
                  before_backward: Callable[[int], None] | None = None) -> dict[str, float]:
         loss, mtp_loss = sft_grads(model, micro_batches, n_tok=self.n_tok, precision=self.precision, mtp=self.mtp,
-                                   mtp_weight=self.mtp_weight, n_mtp=self.n_mtp, before_backward=before_backward)
+                                   mtp_weight=self.mtp_weight, n_mtp=self.n_mtp, mtp_detach=self.mtp_detach,
+                                   before_backward=before_backward)
         return {"loss": loss, "mtp_loss": mtp_loss}
 
     def shipped(self) -> "SFTGrads":
@@ -228,17 +232,18 @@ class SFTGrads:
 
 
 def sft_step(trainer: Any, batches: Sequence[PackedBatch], *, lr: float | None = None, precision: str = "fp32",
-             mtp: MTPHead | None = None, mtp_weight: float = 0.0) -> dict[str, float]:
+             mtp: MTPHead | None = None, mtp_weight: float = 0.0, mtp_detach: bool = False) -> dict[str, float]:
     """One SFT optimizer step through ``trainer`` (`k3post.trainer.Trainer.step` with `SFTGrads`: the token mean
     over ``batches``) at learning rate ``lr`` (None: unchanged); with ``mtp_weight`` > 0 the MTP head ``mtp``
-    (the trainer's ``extra`` module) trains too and its loss is added. Returns loss, grad_norm, target_tokens
+    (the trainer's ``extra`` module) trains too and its loss is added (``mtp_detach``: the head alone learns from
+    it). Returns loss, grad_norm, target_tokens
     (and mtp_loss)."""
     if mtp_weight > 0 and mtp is None:
         raise ValueError("sft_step: mtp_weight > 0 needs the MTP head (the trainer's extra module)")
     mtp = mtp if mtp_weight > 0 else None
     n_tok = sum(b.n_target_tokens for b in batches)
     n_mtp = sum(int((mtp_labels(b.labels_RL, b.position_ids_RL) != -100).sum()) for b in batches) if mtp else 0
-    sums = trainer.step(batches, SFTGrads(n_tok, precision, mtp, mtp_weight, n_mtp), lr=lr)
+    sums = trainer.step(batches, SFTGrads(n_tok, precision, mtp, mtp_weight, n_mtp, mtp_detach), lr=lr)
     out = {"loss": sums["loss"] / max(n_tok, 1), "grad_norm": sums["grad_norm"], "target_tokens": float(n_tok)}
     if mtp is not None:
         out["mtp_loss"] = sums["mtp_loss"] / max(n_mtp, 1)
@@ -275,7 +280,8 @@ def train_sft(
         use_packed_attention(model)  # before the trainer: its ranks build their models from this config
     home = next(model.parameters()).device  # where the model goes back to after training on cfg.device
     trainer = build_trainer(model, OptimConfig(lr=cfg.lr, betas=list(cfg.betas), eps=1e-8, weight_decay=cfg.weight_decay),
-                            device=cfg.device, pad_id=pad_id, grad_clip=cfg.grad_clip, extra=mtp)
+                            device=cfg.device, pad_id=pad_id, grad_clip=cfg.grad_clip, extra=mtp,
+                            **({"clip_extra_apart": True} if mtp is not None and cfg.mtp_detach else {}))
     ranks = getattr(trainer, "world", 1)  # the ranks a data-parallel trainer splits each step's micro-batches over
     start, stream, losses, mtp_losses = 0, _DataStream(samples, cfg, seed), [], []
     window_loss, window_n = 0.0, 0  # token-weighted loss sum and tokens since the last logged row
@@ -310,7 +316,7 @@ def train_sft(
         lr = lr_at(step, cfg)
         step_mtp = mtp if step >= mtp_start else None  # before the start: the plain SFT step exactly
         m = sft_step(trainer, batches, lr=lr, precision=cfg.precision, mtp=step_mtp,
-                     mtp_weight=cfg.mtp_weight if step_mtp else 0.0)
+                     mtp_weight=cfg.mtp_weight if step_mtp else 0.0, mtp_detach=cfg.mtp_detach)
         loss_val, grad_norm = m["loss"], m["grad_norm"]
         losses.append(loss_val)
         if step_mtp is not None:

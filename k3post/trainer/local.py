@@ -133,7 +133,10 @@ def build_trainer(model: torch.nn.Module, optim: OptimConfig, *, extra: torch.nn
 class Trainer:
     """One model and its optimizer on one device (module doc). ``grad_clip``: the gradient norm a step clips to
     (0: none); ``pad_id`` pads the idle forwards of a sharded trainer. ``extra``: a module trained beside the
-    model (the MTP head), its parameters after the model's in the optimizer."""
+    model (the MTP head), its parameters after the model's in the optimizer. ``clip_extra_apart``: the extra
+    module's gradient is clipped to ``grad_clip`` on its own norm and the model's on the model's (the step's
+    ``grad_norm`` is then the model's), so a module trained on detached inputs cannot shrink the model's update;
+    otherwise one global norm over both."""
 
     def __init__(
         self,
@@ -144,6 +147,7 @@ class Trainer:
         pad_id: int = 0,
         grad_clip: float = 1.0,
         extra: torch.nn.Module | None = None,
+        clip_extra_apart: bool = False,
     ) -> None:
         self.device = resolve_device(device)
         self.model = self._wrap(model.to(self.device))
@@ -154,6 +158,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.params, optim)
         self.pad_id = pad_id
         self.grad_clip = grad_clip
+        self.clip_extra_apart = clip_extra_apart and self.extra is not None
 
     # what a data-parallel trainer (k3post.trainer.fsdp.FSDPTrainer) replaces
     share_prefix = True  # a prompt shared by several sequences may run once (False: one forward per micro-batch)
@@ -168,8 +173,16 @@ class Trainer:
         return grads(items, None)
 
     def _finish(self) -> float:
-        """Clip, optimizer step, eval mode (the co-located engine decodes next); returns the gradient norm."""
-        grad_norm = clip_grad_norm(self.params, self.grad_clip)
+        """Clip, optimizer step, eval mode (the co-located engine decodes next); returns the gradient norm (the
+        model's alone with ``clip_extra_apart``)."""
+        if self.clip_extra_apart:
+            assert self.extra is not None
+            extra_params = list(self.extra.parameters())
+            n_model = len(self.params) - len(extra_params)
+            grad_norm = clip_grad_norm(self.params[:n_model], self.grad_clip)
+            clip_grad_norm(extra_params, self.grad_clip)
+        else:
+            grad_norm = clip_grad_norm(self.params, self.grad_clip)
         self.optimizer.step()
         self.model.eval()
         return grad_norm
