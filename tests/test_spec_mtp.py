@@ -195,3 +195,53 @@ def test_a_detached_mtp_head_leaves_the_model_as_sft_without_it(tok, tmp_path):
     assert head.mtp_losses[-1] < head.mtp_losses[0]  # the head learns
     assert joint.losses[1:] != plain.losses[1:]
     assert any(not torch.equal(a, b) for a, b in zip(plain_model.state_dict().values(), joint_model.state_dict().values()))
+
+
+def test_the_extra_modules_learning_rate_scale_and_its_own_clip():
+    """Trainer(extra_lr_scale=s): the extra module (the MTP head) is a parameter group of its own whose learning rate
+    follows the schedule times s, so AdamW's first step (|Δ| = lr for every element with a gradient well above eps)
+    moves its weights s times as far as the model's; clip_extra_apart clips each on its own norm and reports the
+    model's. Without either: one group, one global norm."""
+    from k3post.trainer import OptimConfig, Trainer
+
+    def run(**kw):
+        torch.manual_seed(0)
+        model, extra = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        before = [p.detach().clone() for p in [*model.parameters(), *extra.parameters()]]
+        tr = Trainer(model, OptimConfig(lr=1e-2, betas=[0.9, 0.95], eps=1e-12, weight_decay=0.0), grad_clip=1.0,
+                     extra=extra, **kw)
+
+        def grads(m, batch, *, version=None, before_backward=None):
+            x = torch.ones(2, 4)
+            (m(x).sum() + 100.0 * extra(x).pow(2).sum()).backward()
+            return {}
+
+        out = tr.step([0], grads, lr=1e-3)
+        moved = [(p.detach() - b).abs() for p, b in zip([*model.parameters(), *extra.parameters()], before)]
+        return tr, out, moved
+
+    tr, out, moved = run(extra_lr_scale=5.0, clip_extra_apart=True)
+    assert [g["lr"] for g in tr.optimizer.param_groups] == [1e-3, 5e-3]
+    assert all(torch.allclose(d, torch.full_like(d, 1e-3), rtol=1e-4) for d in moved[:2])
+    assert all(torch.allclose(d, torch.full_like(d, 5e-3), rtol=1e-4) for d in moved[2:])
+    assert out["grad_norm"] == pytest.approx(80 ** 0.5, rel=1e-6)  # the model's alone: 20 gradients of 2 (a batch of two ones)
+    tr, out, moved = run()
+    assert len(tr.optimizer.param_groups) == 1 and tr.optimizer.param_groups[0]["lr"] == 1e-3
+    assert out["grad_norm"] > 100.0  # one global norm over both
+
+
+def test_the_demo_trains_its_late_head_detached_at_its_own_learning_rate():
+    """The demo's SFT runs (both of the QAT pair) train the head from 80 % of the steps, detached, at 5× the
+    schedule's rate (demo.mtp_lr_scale); a user's sft.mtp_weight brings the sft.* head settings instead; a scale
+    <= 0 is refused naming the key."""
+    from k3post.config import ConfigError, load_config
+    from k3post.recipes.demo import demo_sft
+
+    s = demo_sft(load_config("configs/demo.yaml", []))
+    assert (s.mtp_weight, s.mtp_start_fraction, s.mtp_lr_scale, s.mtp_detach) == (0.3, 0.8, 5.0, True)
+    s = demo_sft(load_config("configs/demo.yaml", ["sft.mtp_weight=0.2", "sft.mtp_lr_scale=2"]))
+    assert (s.mtp_weight, s.mtp_start_fraction, s.mtp_lr_scale) == (0.2, 0.0, 2.0)
+    with pytest.raises((ConfigError, ValueError), match="mtp_lr_scale"):
+        load_config("configs/demo.yaml", ["demo.mtp_lr_scale=0"])
+    with pytest.raises((ConfigError, ValueError), match="sft.mtp_lr_scale"):
+        load_config("configs/demo.yaml", ["sft.mtp_lr_scale=0"])

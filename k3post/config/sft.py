@@ -36,6 +36,7 @@ class SFTConfig:
     device: str = "cpu"  # where the trainer runs: cpu | cuda | cuda:N (no CUDA: an error, never a silent CPU run); the model comes back to its own device after training
     mtp_weight: float = ranged(0.0, ge=0)  # weight of the MTP head's next-next-token loss (k3post.spec.mtp); 0 = no MTP head
     mtp_start_fraction: float = ranged(0.0, ge=0, lt=1)  # the MTP loss is on from step int(fraction * steps); earlier: no loss, no gradient to the head
+    mtp_lr_scale: float = ranged(1.0, gt=0)  # the MTP head's learning rate as a multiple of the SFT schedule's (its own AdamW parameter group)
     mtp_detach: bool = True  # the MTP loss trains the head only (the trunk's hidden state, embedding and LM head read detached, the head's gradient clipped apart): the model's weights are those of the same SFT without the head (EAGLE's frozen target). false: DeepSeek-V3's joint training, the MTP gradient reaching the trunk (docs/decisions.md, issue 31 §mtp)
     replay_induction: int = ranged(0, ge=0)  # induction rows (k3post.stages.pretrain.induction_samples, pretrain.seq_len tokens) mixed into the SFT samples: copying rehearsed while SFT teaches the formats (docs/decisions.md, issue 31 §replay)
 

@@ -69,11 +69,13 @@ def _run_dir(cfg: K3Config) -> Path:
 
 
 def demo_sft(cfg: K3Config) -> SFTConfig:
-    """The demo's SFT settings: ``sft.*`` with the MTP head of ``demo.mtp_weight`` / ``demo.mtp_start_fraction``
-    (both SFT runs, so the QAT comparison stays like with like); an ``sft.mtp_weight`` set by the user wins."""
+    """The demo's SFT settings: ``sft.*`` with the MTP head of ``demo.mtp_weight`` / ``demo.mtp_start_fraction`` /
+    ``demo.mtp_lr_scale`` (both SFT runs, so the QAT comparison stays like with like); an ``sft.mtp_weight`` set by
+    the user wins (with the ``sft.*`` head settings)."""
     if cfg.sft.mtp_weight > 0:
         return cfg.sft
-    return replace(cfg.sft, mtp_weight=cfg.demo.mtp_weight, mtp_start_fraction=cfg.demo.mtp_start_fraction)
+    return replace(cfg.sft, mtp_weight=cfg.demo.mtp_weight, mtp_start_fraction=cfg.demo.mtp_start_fraction,
+                   mtp_lr_scale=cfg.demo.mtp_lr_scale)
 
 
 def _baseline_worker(cfg: K3Config, run: Path, init_dir: Path, train_file: Path, out: Any) -> None:

@@ -136,7 +136,8 @@ class Trainer:
     model (the MTP head), its parameters after the model's in the optimizer. ``clip_extra_apart``: the extra
     module's gradient is clipped to ``grad_clip`` on its own norm and the model's on the model's (the step's
     ``grad_norm`` is then the model's), so a module trained on detached inputs cannot shrink the model's update;
-    otherwise one global norm over both."""
+    otherwise one global norm over both. ``extra_lr_scale``: the extra module's learning rate is this multiple of the
+    model's (a parameter group of its own; 1: one group, as before)."""
 
     def __init__(
         self,
@@ -148,6 +149,7 @@ class Trainer:
         grad_clip: float = 1.0,
         extra: torch.nn.Module | None = None,
         clip_extra_apart: bool = False,
+        extra_lr_scale: float = 1.0,
     ) -> None:
         self.device = resolve_device(device)
         self.model = self._wrap(model.to(self.device))
@@ -155,7 +157,13 @@ class Trainer:
         self.optim_cfg = optim
         self.params = [p for p in self.model.parameters() if p.requires_grad] + (
             list(self.extra.parameters()) if self.extra is not None else [])
-        self.optimizer = build_optimizer(self.params, optim)
+        if self.extra is not None and extra_lr_scale != 1.0:
+            n_model = len(self.params) - len(list(self.extra.parameters()))
+            self.optimizer = build_optimizer([{"params": self.params[:n_model]},
+                                              {"params": self.params[n_model:], "lr_scale": float(extra_lr_scale)}], optim)
+            self._set_lr(optim.lr)
+        else:
+            self.optimizer = build_optimizer(self.params, optim)
         self.pad_id = pad_id
         self.grad_clip = grad_clip
         self.clip_extra_apart = clip_extra_apart and self.extra is not None
@@ -188,10 +196,11 @@ class Trainer:
         return grad_norm
 
     def _set_lr(self, lr: float | None) -> None:
-        """Every parameter group's learning rate becomes ``lr`` (None: unchanged); it stays set for later steps."""
+        """Every parameter group's learning rate becomes ``lr`` times the group's ``lr_scale`` (1 unless set; None:
+        unchanged); it stays set for later steps."""
         if lr is not None:
             for g in self.optimizer.param_groups:
-                g["lr"] = lr
+                g["lr"] = lr * g.get("lr_scale", 1.0)
 
     def step(self, batch: Sequence[Any], grads_fn: Grads, *, lr: float | None = None,
              version: int | None = None) -> dict[str, float]:
