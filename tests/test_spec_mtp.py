@@ -117,10 +117,13 @@ def test_sft_trains_the_mtp_head(tok, tmp_path):
         assert torch.equal(v, saved.state_dict()[k])
 
 
-def test_sft_resume_with_mtp_is_exact(tok, tmp_path):
+@pytest.mark.parametrize("lr_scale", [1.0, 3.0])
+def test_sft_resume_with_mtp_is_exact(tok, tmp_path, lr_scale):
+    """A run stopped at step 3 and resumed ends bit-equal to an uninterrupted one, the head's own parameter group
+    (sft.mtp_lr_scale) included."""
     samples = _samples(tok, tmp_path, 60)
     cfg = SFTConfig(steps=6, rows_per_batch=2, max_len=512, save_every=3, warmup_steps=2, progress=False, lr=2e-3,
-                    mtp_weight=0.3)
+                    mtp_weight=0.3, mtp_lr_scale=lr_scale)
     full = train_sft(_model(tok), tok, samples, cfg, tmp_path / "full")
     _train_until(_model(tok), tok, samples, cfg, tmp_path / "part", stop_after=3)
     resumed = train_sft(_model(tok, seed=123), tok, samples, cfg, tmp_path / "part")
