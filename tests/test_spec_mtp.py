@@ -158,12 +158,11 @@ def test_mtp_start_fraction_trains_plain_sft_until_then_and_resumes_across_it(to
     outside [0, 1) is refused naming the key."""
     samples = _samples(tok, tmp_path, 60)
     cfg = SFTConfig(steps=6, rows_per_batch=2, max_len=512, save_every=2, warmup_steps=2, progress=False, lr=2e-3,
-                    mtp_weight=0.3, mtp_start_fraction=0.5, keep_last=3)
+                    mtp_weight=0.3, mtp_start_fraction=0.5, keep_last=3, mtp_detach=False)
     plain = train_sft(_model(tok), tok, samples, SFTConfig(**{**vars(cfg), "mtp_weight": 0.0}), tmp_path / "plain")
-    late = train_sft(_model(tok), tok, samples, SFTConfig(**{**vars(cfg), "mtp_detach": False}), tmp_path / "late")
+    late = train_sft(_model(tok), tok, samples, cfg, tmp_path / "late")
     # step 3's main loss is measured before its update, the first with an MTP gradient in the trunk (joint training)
     assert late.losses[:4] == plain.losses[:4] and late.losses[4] != plain.losses[4]
-    cfg = SFTConfig(**{**vars(cfg), "mtp_detach": False})
     assert len(late.mtp_losses) == 3
     at_2 = load_mtp(tmp_path / "late" / "checkpoints" / "step-000002")
     from k3post.stages.sft import _new_mtp_head

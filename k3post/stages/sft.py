@@ -281,8 +281,7 @@ def train_sft(
     home = next(model.parameters()).device  # where the model goes back to after training on cfg.device
     trainer = build_trainer(model, OptimConfig(lr=cfg.lr, betas=list(cfg.betas), eps=1e-8, weight_decay=cfg.weight_decay),
                             device=cfg.device, pad_id=pad_id, grad_clip=cfg.grad_clip, extra=mtp,
-                            **({"clip_extra_apart": True} if mtp is not None and cfg.mtp_detach else {}),
-                            **({"extra_lr_scale": cfg.mtp_lr_scale} if mtp is not None and cfg.mtp_lr_scale != 1.0 else {}))
+                            clip_extra_apart=cfg.mtp_detach, extra_lr_scale=cfg.mtp_lr_scale)
     ranks = getattr(trainer, "world", 1)  # the ranks a data-parallel trainer splits each step's micro-batches over
     start, stream, losses, mtp_losses = 0, _DataStream(samples, cfg, seed), [], []
     window_loss, window_n = 0.0, 0  # token-weighted loss sum and tokens since the last logged row

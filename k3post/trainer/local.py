@@ -155,18 +155,18 @@ class Trainer:
         self.model = self._wrap(model.to(self.device))
         self.extra = extra.to(self.device) if extra is not None else None
         self.optim_cfg = optim
-        self.params = [p for p in self.model.parameters() if p.requires_grad] + (
-            list(self.extra.parameters()) if self.extra is not None else [])
-        if self.extra is not None and extra_lr_scale != 1.0:
-            n_model = len(self.params) - len(list(self.extra.parameters()))
-            self.optimizer = build_optimizer([{"params": self.params[:n_model]},
-                                              {"params": self.params[n_model:], "lr_scale": float(extra_lr_scale)}], optim)
+        self._model_params = [p for p in self.model.parameters() if p.requires_grad]
+        self._extra_params = list(self.extra.parameters()) if self.extra is not None else []
+        self.params = self._model_params + self._extra_params
+        if self._extra_params and extra_lr_scale != 1.0:
+            self.optimizer = build_optimizer([{"params": self._model_params},
+                                              {"params": self._extra_params, "lr_scale": float(extra_lr_scale)}], optim)
             self._set_lr(optim.lr)
         else:
             self.optimizer = build_optimizer(self.params, optim)
         self.pad_id = pad_id
         self.grad_clip = grad_clip
-        self.clip_extra_apart = clip_extra_apart and self.extra is not None
+        self.clip_extra_apart = clip_extra_apart and bool(self._extra_params)
 
     # what a data-parallel trainer (k3post.trainer.fsdp.FSDPTrainer) replaces
     share_prefix = True  # a prompt shared by several sequences may run once (False: one forward per micro-batch)
@@ -184,11 +184,8 @@ class Trainer:
         """Clip, optimizer step, eval mode (the co-located engine decodes next); returns the gradient norm (the
         model's alone with ``clip_extra_apart``)."""
         if self.clip_extra_apart:
-            assert self.extra is not None
-            extra_params = list(self.extra.parameters())
-            n_model = len(self.params) - len(extra_params)
-            grad_norm = clip_grad_norm(self.params[:n_model], self.grad_clip)
-            clip_grad_norm(extra_params, self.grad_clip)
+            grad_norm = clip_grad_norm(self._model_params, self.grad_clip)
+            clip_grad_norm(self._extra_params, self.grad_clip)
         else:
             grad_norm = clip_grad_norm(self.params, self.grad_clip)
         self.optimizer.step()
