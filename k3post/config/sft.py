@@ -19,7 +19,7 @@ class SFTConfig:
     pack_len: int = ranged(256, ge=1)  # packed row length; a sample longer than this gets a row of its own
     rows_per_batch: int = ranged(8, ge=1)  # packed rows per micro-batch (a micro-batch holds <= rows_per_batch * pack_len tokens)
     grad_accum: int = ranged(1, ge=1)  # micro-batches per optimizer step
-    steps: int = ranged(2000, ge=1)  # optimizer steps
+    steps: int = ranged(3000, ge=1)  # optimizer steps (the demo's: at 3,000 general.max RL gains greedily and agents pass at high; docs/decisions.md, issue 31 §steps3000)
     lr: float = ranged(5e-3, ge=0)
     min_lr_ratio: float = ranged(0.1, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = ranged(30, ge=0)
