@@ -4,10 +4,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from k3post.config import ConfigError, load_config
 from k3post.data import load_sft_jsonl
 from k3post.models import build_tiny_family, build_tiny_moe, save_model
+from k3post.recipes.demo import demo_sft
 from k3post.stages.sft import SFTConfig, train_sft
 from k3post.spec.mtp import MTPHead, capture_final_hidden, load_mtp, mtp_ce_sum, mtp_labels, save_mtp
+from k3post.trainer import OptimConfig, Trainer
 from k3post.xtml import XTML
 
 from tests.test_sft import _records, _train_until, _write
@@ -204,8 +207,6 @@ def test_the_extra_modules_learning_rate_scale_and_its_own_clip():
     follows the schedule times s, so AdamW's first step (|Δ| = lr for every element with a gradient well above eps)
     moves its weights s times as far as the model's; clip_extra_apart clips each on its own norm and reports the
     model's. Without either: one group, one global norm."""
-    from k3post.trainer import OptimConfig, Trainer
-
     def run(**kw):
         torch.manual_seed(0)
         model, extra = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
@@ -236,9 +237,6 @@ def test_the_demo_trains_its_late_head_detached_at_its_own_learning_rate():
     """The demo's SFT runs (both of the QAT pair) train the head from 80 % of the steps, detached, at 5× the
     schedule's rate (demo.mtp_lr_scale); a user's sft.mtp_weight brings the sft.* head settings instead; a scale
     <= 0 is refused naming the key."""
-    from k3post.config import ConfigError, load_config
-    from k3post.recipes.demo import demo_sft
-
     s = demo_sft(load_config("configs/demo.yaml", []))
     assert (s.mtp_weight, s.mtp_start_fraction, s.mtp_lr_scale, s.mtp_detach) == (0.3, 0.8, 5.0, True)
     s = demo_sft(load_config("configs/demo.yaml", ["sft.mtp_weight=0.2", "sft.mtp_lr_scale=2"]))

@@ -85,7 +85,7 @@ class DemoConfig:
     drafts: list[str] = field(default_factory=lambda: ["lk_alpha", "kl"])  # EAGLE-3 drafts for the MOPD student, one per loss (draft.*); [] skips the stage
     mtp_weight: float = 0.3  # the demo's SFT runs train an MTP head (as sft.mtp_weight, which is off by default)
     mtp_start_fraction: float = 0.8  # ... from this fraction of sft.steps on (as sft.mtp_start_fraction)
-    mtp_lr_scale: float = 5.0  # ... at this multiple of the SFT schedule's learning rate (as sft.mtp_lr_scale): a head switched on late, on the frozen trunk, learns in its 400 steps (docs/decisions.md, issue 31 §mtp)
+    mtp_lr_scale: float = 5.0  # ... at this multiple of the SFT schedule's learning rate (as sft.mtp_lr_scale): a head switched on late, on the frozen trunk, learns in its last 20 % of the steps (measured at 400 of 2,000; docs/decisions.md, issue 31 §mtp)
     # stage 0 (k3post.stages.pretrain): build = use the cached base of the run's settings, building it (once) when missing;
     # cached = use it when cached, else start from random weights (and say so); none = random weights. The demo's
     # default is cached: building its base costs ~13 min of one core, beyond the demo's 15-minute budget, and
