@@ -78,8 +78,8 @@ def test_reference_pipeline_over_every_builtin_family(tmp_path: Path) -> None:
     assert {"general.arithmetic", "general.faithfulness", "general.writing"} <= fams
     assert funnel.total == len(recs) == 2 * 3 * len(fams)
     assert funnel.final["keep"] == funnel.total, funnel.table()
-    for st in funnel.stages.values():  # each stage saw every sample and kept it
-        assert (st.seen, st.kept, st.rejected, st.uncertain) == (funnel.total, funnel.total, 0, 0)
+    for stage in funnel.stages.values():  # each stage saw every sample and kept it
+        assert (stage.seen, stage.kept, stage.rejected, stage.uncertain) == (funnel.total, funnel.total, 0, 0)
     for r in recs:
         assert r["teacher"] == "reference" and r["seed"] == 0 and r["effort"] in ("low", "high", "max")
         assert r["reward"] == 1.0 and r["domain"] == r["family"].split(".")[0]
