@@ -146,6 +146,7 @@ class PolicyLoop:
         the signal, one trainer step, the weight push. Returns the step's metrics, with the time of each
         part (the caller logs them: nothing per step is kept here)."""
         t0 = time.perf_counter()
+        before = self.rollout.counters()
         groups: list[Group] = []
         finished: list[Group] = []  # every group the step's iterations completed (retried and dropped ones too)
         retried = dropped = iterations = 0
@@ -180,6 +181,7 @@ class PolicyLoop:
                "lr": lr, "version": float(version), "groups": float(len(groups)), "iterations": float(iterations),
                "rollout_s": t1 - t0, "score_s": t2 - t1, "update_s": t3 - t2, "step_s": t3 - t0,
                "kv_hit_rate": self.rollout.kv_hit_rate(), "paused": float(len(self.rollout.paused())),
+               **{k: v - before[k] for k, v in self.rollout.counters().items() if k in before},
                "mean_staleness": statistics.fmean(stale) if stale else 0.0,
                **outcome_metrics([t for g in groups for t in g.trajectories]),
                **infra_metrics([t for g in finished for t in g.trajectories]),
@@ -380,16 +382,31 @@ class StageLog:
 def rollout_gap(history: Iterable[Mapping[str, float]], prefix: str = "train/") -> dict[str, float]:
     """The train–rollout log-prob gap over a run's steps (`policy_step`'s ``rollout_gap_*``): the token-weighted
     mean and the max of |log π_trainer − log π_engine| over the sampled tokens each step trained with the
-    weights that sampled them, and how many tokens that was. ``history``: the steps' rows (a `StageLog`),
-    read once."""
-    n: float = 0
-    total: float = 0
-    top: float | None = None
+    weights that sampled them over KV of those weights (``mean``, ``max``, ``tokens``: the engine mismatch); the
+    same over the tokens those weights sampled over KV of older ones (``stale_kv_mean``, ``stale_kv_max``,
+    ``stale_kv_tokens``: a paused trajectory resumed on its kept KV, ``rl.resume_kv=reuse``); and over the
+    tokens older weights sampled (``moved_mean``, ``moved_tokens``: how far the policy moved since). ``history``:
+    the steps' rows (a `StageLog`), read once."""
+    parts = {"": "rollout_gap", "stale_kv_": "rollout_gap_stale_kv", "moved_": "policy_moved_gap"}
+    n = dict.fromkeys(parts, 0.0)
+    total = dict.fromkeys(parts, 0.0)
+    top: dict[str, float | None] = dict.fromkeys(parts, None)
     for h in history:
-        tokens = h.get(f"{prefix}rollout_gap_tokens", 0.0)
-        n += tokens
-        if tokens > 0:
-            total += h[f"{prefix}rollout_gap_mean"] * tokens
-        gap_max = h.get(f"{prefix}rollout_gap_max", 0.0)
-        top = gap_max if top is None else max(top, gap_max)
-    return {"mean": total / n if n else float("nan"), "max": float("nan") if top is None else top, "tokens": n}
+        for out, key in parts.items():
+            tokens = h.get(f"{prefix}{key}_tokens", 0.0)
+            n[out] += tokens
+            if tokens > 0:
+                total[out] += h[f"{prefix}{key}_mean"] * tokens
+            if f"{prefix}{key}_max" in h or not out:
+                gap_max = h.get(f"{prefix}{key}_max", 0.0)
+                top[out] = gap_max if top[out] is None else max(top[out], gap_max)  # type: ignore[type-var]
+    res: dict[str, float] = {}
+    for out in parts:
+        res[f"{out}tokens"] = n[out]
+        if out and not n[out]:  # no such token: no mean or max (NaN would make equal runs compare unequal)
+            continue
+        res[f"{out}mean"] = total[out] / n[out] if n[out] else float("nan")
+        if out != "moved_":
+            t = top[out]
+            res[f"{out}max"] = float("nan") if t is None else t
+    return res

@@ -65,6 +65,10 @@ class TokenSequence:
         versions: optional, the policy version that sampled each token (-1 elsewhere), as the rollout
             engine stamped it; `policy_step` measures the train–rollout gap on the tokens sampled by the
             weights it trains.
+        kv_versions: optional, per sampled token the oldest policy version among the KV entries it
+            attended to (-1: unknown), as the engine stamped it (`GenerationResult.output_kv_versions`):
+            a token sampled by the trained weights over KV computed before their update has its gap
+            counted apart (``rollout_gap_stale_kv_*``).
     """
 
     token_ids: list[int]
@@ -72,16 +76,18 @@ class TokenSequence:
     behavior_logp: list[float]
     advantages: list[float]
     versions: list[int] | None = None
+    kv_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
-        if not (len(self.mask) == len(self.behavior_logp) == len(self.advantages) == n) or (
-            self.versions is not None and len(self.versions) != n
+        if not (len(self.mask) == len(self.behavior_logp) == len(self.advantages) == n) or any(
+            x is not None and len(x) != n for x in (self.versions, self.kv_versions)
         ):
             raise ValueError(
                 f"TokenSequence fields differ in length: token_ids {n}, mask {len(self.mask)}, "
                 f"behavior_logp {len(self.behavior_logp)}, advantages {len(self.advantages)}"
                 + (f", versions {len(self.versions)}" if self.versions is not None else "")
+                + (f", kv_versions {len(self.kv_versions)}" if self.kv_versions is not None else "")
             )
         if n and self.mask[0]:
             raise ValueError("TokenSequence: the first token cannot be trainable (nothing predicts it)")
@@ -254,14 +260,18 @@ def plan_micro_batches(seqs: Sequence[TokenSequence], micro_batch_tokens: int, *
 
 def _collate(seqs: Sequence[TokenSequence], pad_id: int, version: int | None = None,
              device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-    """Right-padded batch tensors on ``device`` (built on the CPU, moved once); ``fresh`` marks the sampled
-    tokens stamped with ``version``."""
+    """Right-padded batch tensors on ``device`` (built on the CPU, moved once). With ``version``, the sampled
+    tokens are sorted by provenance: ``fresh`` (sampled by ``version`` over KV of that version, or of an unknown
+    one), ``stale_kv`` (sampled by ``version`` over KV older than it) and ``moved`` (sampled by an older
+    version: the policy has moved since)."""
     T = max(len(s.token_ids) for s in seqs)
     B = len(seqs)
     ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
     attn_BT = torch.zeros((B, T), dtype=torch.long)
     mask_BT = torch.zeros((B, T), dtype=torch.bool)
     fresh_BT = torch.zeros((B, T), dtype=torch.bool)
+    stale_kv_BT = torch.zeros((B, T), dtype=torch.bool)
+    moved_BT = torch.zeros((B, T), dtype=torch.bool)
     beh_BT = torch.zeros((B, T), dtype=torch.float32)
     adv_BT = torch.zeros((B, T), dtype=torch.float32)
     for b, s in enumerate(seqs):
@@ -270,10 +280,17 @@ def _collate(seqs: Sequence[TokenSequence], pad_id: int, version: int | None = N
         attn_BT[b, :n] = 1
         mask_BT[b, :n] = torch.tensor(s.mask, dtype=torch.bool)
         if version is not None and s.versions is not None:
-            fresh_BT[b, :n] = mask_BT[b, :n] & (torch.tensor(s.versions, dtype=torch.long) == version)
+            v_T = torch.tensor(s.versions, dtype=torch.long)
+            same_T = mask_BT[b, :n] & (v_T == version)
+            if s.kv_versions is not None:
+                kv_T = torch.tensor(s.kv_versions, dtype=torch.long)
+                stale_kv_BT[b, :n] = same_T & (kv_T >= 0) & (kv_T < version)
+            fresh_BT[b, :n] = same_T & ~stale_kv_BT[b, :n]
+            moved_BT[b, :n] = mask_BT[b, :n] & (v_T >= 0) & (v_T < version)
         beh_BT[b, :n] = torch.tensor(s.behavior_logp, dtype=torch.float32)
         adv_BT[b, :n] = torch.tensor(s.advantages, dtype=torch.float32)
-    out = {"ids": ids_BT, "attn": attn_BT, "mask": mask_BT, "fresh": fresh_BT, "behavior": beh_BT, "adv": adv_BT}
+    out = {"ids": ids_BT, "attn": attn_BT, "mask": mask_BT, "fresh": fresh_BT, "stale_kv": stale_kv_BT,
+           "moved": moved_BT, "behavior": beh_BT, "adv": adv_BT}
     if device is not None and torch.device(device).type != "cpu":
         out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
     return out
@@ -295,13 +312,15 @@ def policy_grads(
     step, over every rank). ``before_backward(i)`` runs before the i-th backward (a sharded trainer turns its
     gradient reduction on for the last one).
 
-    Returns sums to combine over ranks: ``loss``, ``forward_tokens``, ``gap_sum``, ``gap_n``, ``tokens``
-    (sampled tokens seen), ``sum/<metric>`` (policy_loss's metrics × their tokens), and maxima ``max/gap``,
-    ``max/max_abs_log_ratio``."""
+    Returns sums to combine over ranks: ``loss``, ``forward_tokens``, ``gap_sum``, ``gap_n`` (and
+    ``stale_kv_gap_sum`` / ``_n``, ``moved_gap_sum`` / ``_n``: the gap on the tokens `_collate` sorts apart),
+    ``tokens`` (sampled tokens seen), ``sum/<metric>`` (policy_loss's metrics × their tokens), and maxima
+    ``max/gap``, ``max/stale_kv_gap``, ``max/max_abs_log_ratio``."""
     kwargs = dict(loss_kwargs or {})
     device = next(model.parameters()).device
     out: dict[str, float] = {"loss": 0.0, "forward_tokens": 0.0, "gap_sum": 0.0, "gap_n": 0.0, "tokens": 0.0,
-                             "max/gap": 0.0, "max/max_abs_log_ratio": 0.0}
+                             "stale_kv_gap_sum": 0.0, "stale_kv_gap_n": 0.0, "moved_gap_sum": 0.0, "moved_gap_n": 0.0,
+                             "max/gap": 0.0, "max/stale_kv_gap": 0.0, "max/max_abs_log_ratio": 0.0}
     with weight_quant_cache(model):  # the weights are the same in every micro-batch: QAT quantizes them once
         for i, (group, prefix) in enumerate(groups):
             batch = _collate(group, pad_id, version, device)
@@ -317,11 +336,14 @@ def policy_grads(
             B, T = batch["ids"].shape
             out["forward_tokens"] += prefix + B * (T - prefix) if got is not None else B * T
             with torch.no_grad():
-                gap_N = (logp_BT.detach() - batch["behavior"])[batch["fresh"]].abs()
-                if gap_N.numel():
-                    out["gap_sum"] += float(gap_N.sum())
-                    out["max/gap"] = max(out["max/gap"], float(gap_N.max()))
-                    out["gap_n"] += gap_N.numel()
+                d_BT = (logp_BT.detach() - batch["behavior"]).abs()
+                for key, sel in (("gap", "fresh"), ("stale_kv_gap", "stale_kv"), ("moved_gap", "moved")):
+                    gap_N = d_BT[batch[sel]]
+                    if gap_N.numel():
+                        out[f"{key}_sum"] += float(gap_N.sum())
+                        out[f"{key}_n"] += gap_N.numel()
+                        if f"max/{key}" in out:
+                            out[f"max/{key}"] = max(out[f"max/{key}"], float(gap_N.max()))
             loss, m = policy_loss(
                 logp_BT, batch["behavior"], batch["adv"], batch["mask"], token_normalizer=float(token_normalizer),
                 entropy_BT=ent_BT, **kwargs,
@@ -353,6 +375,14 @@ def step_metrics(sums: Mapping[str, float], *, n_total: int, n_seqs: int, micro_
         n = sums["gap_n"]
         out.update(rollout_gap_mean=sums["gap_sum"] / n if n else float("nan"), rollout_gap_max=sums["max/gap"],
                    rollout_gap_tokens=float(n))
+        if "stale_kv_gap_n" in sums:  # sums of an older trainer process may lack them
+            ns, nm = sums["stale_kv_gap_n"], sums["moved_gap_n"]
+            out.update(rollout_gap_stale_kv_tokens=float(ns), policy_moved_gap_tokens=float(nm))
+            if ns:  # means and maxima only where there were such tokens (no NaN in the step's row)
+                out.update(rollout_gap_stale_kv_mean=sums["stale_kv_gap_sum"] / ns,
+                           rollout_gap_stale_kv_max=sums["max/stale_kv_gap"])
+            if nm:
+                out.update(policy_moved_gap_mean=sums["moved_gap_sum"] / nm)
     return out
 
 

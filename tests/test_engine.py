@@ -668,6 +668,8 @@ def test_update_weights_bumps_version_mid_generation(xtml_tokenizer):
         done.update({r.request_id: r for r in engine.step()})
     for r in done.values():
         assert r.output_versions[:4] == [0] * 4 and set(r.output_versions[4:]) == {5}
+        # a running sequence keeps the KV computed with version 0: every token attended to it
+        assert r.output_kv_versions == [0] * len(r.output_ids)
     with pytest.raises(ValueError, match="unknown parameter"):
         engine.update_weights({"nope.weight": new_w})
     with pytest.raises(ValueError, match="expects"):
@@ -676,6 +678,47 @@ def test_update_weights_bumps_version_mid_generation(xtml_tokenizer):
         engine.update_weights({name: new_w}, version=5)
     # fresh requests after the update see the new weights: parity with the updated model
     _assert_parity(model, engine.generate(_requests(len(tok), 2, seed0=9)))
+
+
+def test_kv_versions_say_which_weights_computed_the_kv_a_token_attended_to(xtml_tokenizer):
+    """A request paused at version 0 and continued at version 1: tokens sampled over the kept KV (resumed in the
+    engine, or exported and imported) carry kv_version 0; re-prefilled under the new weights, 1. The given
+    continuation tokens keep theirs, and the exported / kept `KVState` says how old its oldest entry is."""
+    tok = xtml_tokenizer
+    model = build_tiny_moe(len(tok), seed=4).eval()
+    sp = SamplingParams(max_tokens=10, stop_ids=(), seed=3)
+    prompt = _prompt(7, 5, len(tok))
+    weights = {n: p.detach() * 1.01 for n, p in model.named_parameters()}
+
+    def paused_then_updated() -> tuple[EmbeddedEngine, GenerationResult]:
+        engine = EmbeddedEngine(model, tok, max_batch_size=2)
+        engine.add_request(GenerationRequest("a", prompt, sp))
+        _run_until(engine, 4)
+        (part,) = engine.pause(["a"])
+        assert part.output_versions == [0] * 4 and part.output_kv_versions == [0] * 4
+        assert engine.update_weights(weights) == 1
+        return engine, part
+
+    engine, part = paused_then_updated()  # resumed in the engine: its KV is the version-0 one
+    engine.resume(["a"])
+    (res,) = _run_until(engine, 20).values()
+    assert res.output_versions == [0] * 4 + [1] * 6 and res.output_kv_versions == [0] * 10
+
+    engine, part = paused_then_updated()  # exported and imported: the same
+    kv = engine.export_kv("a")
+    assert (kv.weight_version, kv.oldest_version) == (0, 0)  # computed before the update
+    engine.add_request(GenerationRequest.continuation(part, sp), kv=kv)
+    (res,) = _run_until(engine, 20).values()
+    assert res.output_kv_versions == [0] * 10
+
+    engine, part = paused_then_updated()  # re-prefilled under version 1
+    engine.abort(["a"])
+    (res,) = engine.generate([GenerationRequest.continuation(part, sp)])
+    assert res.output_versions == [0] * 4 + [1] * 6 and res.output_kv_versions == [0] * 4 + [1] * 6
+    with pytest.raises(ValueError, match="same length"):
+        GenerationRequest("c", prompt, sp, given_ids=[5], given_logprobs=[0.0], given_versions=[0], given_kv_versions=[0, 0])
+    with pytest.raises(ValueError, match="newer than"):
+        KVState([torch.zeros(1, 1, 2)], [torch.zeros(1, 1, 2)], [5], 0, oldest_version=1)
 
 
 def test_prefix_sharing_of_k_samples(tiny):

@@ -137,6 +137,7 @@ def test_generate_equals_embedded_engine_and_continuation(servers: dict[str, Ser
         assert d["output_ids"] == ref.output_ids and _lp(d) == ref.output_logprobs  # bit for bit
         assert [x[1] for x in meta["output_token_logprobs"]] == ref.output_ids
         assert meta["versions"] == [0] * ref.num_tokens and meta["weight_version"] == 0
+        assert meta["kv_versions"] == [0] * ref.num_tokens
         assert meta["finish_reason"]["type"] == ref.finish_reason and meta["completion_tokens"] == ref.num_tokens
         assert isinstance(d["text"], str)
         # resume after 7 tokens (recorded log-probs and versions travel with them): the same output
@@ -144,6 +145,7 @@ def test_generate_equals_embedded_engine_and_continuation(servers: dict[str, Ser
         cont = {"output_ids": ref.output_ids[:k], "output_logprobs": ref.output_logprobs[:k], "output_versions": [0] * k}
         c = _generate(servers["B"], PROMPT, sp, continuation=cont)
         assert c["output_ids"] == ref.output_ids and c["meta_info"]["given_tokens"] == k
+        assert c["meta_info"]["kv_versions"] == [-1] * k + [0] * (ref.num_tokens - k)  # the server sampled the rest
         assert _lp(c)[:k] == ref.output_logprobs[:k]  # the recorded ones, as sent
         # the re-prefill computes position k in a prefill forward, not a decode step: last bits may move
         assert max(abs(x - y) for x, y in zip(_lp(c), ref.output_logprobs)) < TOL
@@ -345,6 +347,7 @@ def test_lambda_one_two_servers_equal_in_process(servers: dict[str, Server], mod
             r = ref[tid]
             assert t.token_ids == r.token_ids, tid  # bit-identical tokens
             assert t.versions == r.versions and t.trainable == r.trainable and t.finish == r.finish and t.reward == r.reward
+            assert t.kv_versions == r.kv_versions  # the servers' KV versions travel back with the tokens
             worst = max(worst, _max_lp_diff(t, r))
     print(f"lambda=1, two servers vs in-process: max |logprob diff| = {worst:.3g}")
     assert worst < TOL

@@ -293,6 +293,9 @@ class _Rollout:
     def kv_hit_rate(self):
         return 0.0
 
+    def counters(self):
+        return {}
+
     def paused(self):
         return []
 

@@ -98,6 +98,17 @@ def test_a_stage_log_reads_its_stage_back_in_step_order_and_marks_missing_steps(
     g = rollout_gap(log)
     assert g["mean"] == pytest.approx(0.25) and g["max"] == 0.9 and g["tokens"] == 40.0
     assert math.isnan(rollout_gap([])["mean"]) and math.isnan(rollout_gap([])["max"])
+    # the gap of tokens sampled over older KV and of tokens older weights sampled, by hand: (0.2·3 + 0.8·1) / 4 = 0.35,
+    # max 1.5; (0.4·2) / 2; steps without them (older rows) count nothing
+    rows = [{"train/rollout_gap_stale_kv_mean": 0.2, "train/rollout_gap_stale_kv_tokens": 3.0,
+             "train/rollout_gap_stale_kv_max": 1.5, "train/policy_moved_gap_mean": 0.4, "train/policy_moved_gap_tokens": 2.0},
+            {"train/rollout_gap_stale_kv_mean": 0.8, "train/rollout_gap_stale_kv_tokens": 1.0,
+             "train/rollout_gap_stale_kv_max": 0.8, "train/policy_moved_gap_mean": float("nan"),
+             "train/policy_moved_gap_tokens": 0.0}, {"train/rollout_gap_mean": 0.1, "train/rollout_gap_tokens": 1.0}]
+    g = rollout_gap(rows)
+    assert g["stale_kv_mean"] == pytest.approx(0.35) and g["stale_kv_max"] == 1.5 and g["stale_kv_tokens"] == 4.0
+    assert g["moved_mean"] == pytest.approx(0.4) and g["moved_tokens"] == 2.0 and g["mean"] == pytest.approx(0.1)
+    assert rollout_gap(rows[2:]) == {"mean": 0.1, "max": 0.0, "tokens": 1.0, "stale_kv_tokens": 0.0, "moved_tokens": 0.0}
     m.truncate("rl", 5)
     with caplog.at_level("WARNING", logger="k3post.loop"):
         _check_rows(m, "rl", 5, None)

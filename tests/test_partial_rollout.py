@@ -218,6 +218,45 @@ def test_staleness_admission_blocks_new_prompts(tiny):
     assert max(sch.staleness_hist) == 2 and min(sch.staleness_hist) == 0
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+def test_resume_kv_reuse_or_reprefill_and_the_gap_each_leaves(tiny, reuse):
+    """Trajectories paused across a weight update: with ``reuse_stale_kv`` (rl.resume_kv=reuse) the tokens they
+    sample next attend to KV of the old weights and say so (kv_version < version); the trainer's gap on exactly
+    those tokens is the stale KV's (`policy_grads` counts it apart, ``rollout_gap_stale_kv_*``), while the gap of
+    the tokens sampled over fresh KV stays at kernel noise. With re-prefill no token is stale."""
+    from k3post.policy_step import TokenSequence, policy_grads, step_metrics
+
+    model = build_tiny_moe(len(tiny[1]), seed=5, pad_token_id=tiny[1].pad_token_id,
+                           eos_token_id=tiny[1].convert_tokens_to_ids(EOM)).eval()
+    loop = AgentLoop(EmbeddedEngine(model, tiny[1], max_batch_size=4), tiny[2], FAM.make_env, sampling_fn=pareto_sampling)
+    sch = PartialRolloutScheduler(loop, n_prompts=2, k=2, lambda_=0.25, max_staleness=4, seed=3,
+                                  kv_pool=KVPool(1 << 30), reuse_stale_kv=reuse)
+    sch.add_prompts(FAM.generate(4, seed=6))
+    groups = list(sch.run_iteration())
+    assert sch.paused()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        new = {n: p.detach() + 0.05 * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+    loop.engine.update_weights(new)
+    groups += [gr for _, gs in _drain(sch) for gr in gs]
+    trajs = [t for gr in groups for t in gr.trajectories]
+    stamped = [(v, kv) for t in trajs for v, kv, m in zip(t.versions, t.kv_versions, t.trainable) if m]
+    assert all(0 <= kv <= v for v, kv in stamped)
+    assert all(kv == 0 for v, kv in stamped if v == 0)
+    n_stale = sum(kv < v for v, kv in stamped)
+    assert (n_stale > 0) if reuse else (n_stale == 0 and sch.stats["kv_stale_dropped"] > 0)
+    seqs = [TokenSequence(t.token_ids, t.trainable, t.logprobs, [0.0] * len(t.token_ids), t.versions, t.kv_versions)
+            for t in trajs if t.num_sampled]
+    sums = policy_grads(model, [([s], 0) for s in seqs], pad_id=0, token_normalizer=1.0, version=1)
+    m = step_metrics(sums, n_total=1, n_seqs=len(seqs), micro_batches=len(seqs), grad_norm=0.0, version=1)
+    model.zero_grad(set_to_none=True)
+    assert m["rollout_gap_tokens"] > 0 and m["rollout_gap_max"] < 1e-3  # fresh KV: engine and trainer agree
+    assert m["rollout_gap_stale_kv_tokens"] == n_stale
+    if reuse:
+        assert m["rollout_gap_stale_kv_mean"] > 100 * m["rollout_gap_max"]
+    assert m["policy_moved_gap_tokens"] == sum(v == 0 for v, _ in stamped) and m["policy_moved_gap_mean"] > 1e-3
+
+
 def _kv(n: int, version: int = 0) -> KVState:
     return KVState([torch.zeros(1, n, 2)], [torch.zeros(1, n, 2)], list(range(n)), version)
 
@@ -306,6 +345,11 @@ def test_trajectory_and_group_round_trip(tiny):
         assert back.trajectories == g.trajectories and back.rewards == g.rewards
     with pytest.raises(ValueError, match="status"):
         Trajectory(traj_id="x", group_id=0, sample_index=0, seed=0, task={}, status="lost")  # type: ignore[arg-type]
+    # a trajectory saved before kv_versions existed loads with -1 (unknown) for every token
+    t = next(t for g in groups for t in g.trajectories)
+    old = {k: v for k, v in t.to_dict().items() if k != "kv_versions"}
+    assert Trajectory.from_dict(old).kv_versions == [-1] * len(t.token_ids)
+    assert set(t.kv_versions) == {-1, 0} and all(kv == 0 for kv, m in zip(t.kv_versions, t.trainable) if m)
 
 
 def test_kv_pool_tensor_state_round_trip():

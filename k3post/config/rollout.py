@@ -21,6 +21,7 @@ ENGINE_FORWARDS = ("auto", "lean", "general")
 QAT_OP_ORDERS = ("hf", "fast")
 WEIGHT_SYNCS = ("disk", "distributed")
 ENGINE_DIALECTS = ("k3post", "sglang", "vllm")
+RESUME_KV = ("reuse", "reprefill")  # RolloutConfig.resume_kv
 
 
 @dataclass
@@ -124,7 +125,10 @@ class RolloutConfig:
     """One stage's rollout: ``n_prompts`` × ``k`` per iteration, ``lambda_`` and ``max_staleness`` (SPEC
     §3.2), ``temperature``, ``max_tokens`` per assistant turn, ``max_model_len``, ``slots`` (engine
     batch), ``kv_pool_mb``, ``effort`` (rendered into each prompt unless an ``effort_fn`` decides),
-    ``seed``, and ``engine`` (where it runs)."""
+    ``seed``, ``engine`` (where it runs), and ``resume_kv``: what a trajectory paused across a weight update
+    resumes from: "reuse" its KV cache computed with the older weights (its next tokens are sampled from a
+    mixed-version state; their ``kv_versions`` say so and the trainer counts their gap apart), or "reprefill"
+    its context under the new weights (`k3post.rollout.scheduler`, ``reuse_stale_kv``)."""
 
     n_prompts: int = 8
     k: int = 8
@@ -138,3 +142,8 @@ class RolloutConfig:
     effort: str | None = "max"
     seed: int = 0
     engine: EngineConfig = field(default_factory=EngineConfig)
+    resume_kv: str = "reuse"
+
+    def __post_init__(self) -> None:
+        if self.resume_kv not in RESUME_KV:
+            raise ValueError(f"resume_kv must be one of {RESUME_KV}, got {self.resume_kv!r}")

@@ -240,11 +240,20 @@ def _gap_table(rows: list[tuple[str, dict[str, float]]]) -> str:
     rows = [(name, g) for name, g in rows if g and g.get("tokens")]
     if not rows:
         return ""
+
+    def stale(g: dict[str, float]) -> list[Any]:
+        n = int(g.get("stale_kv_tokens", 0))
+        return [n, f"{g['stale_kv_mean']:.2e}" if n else "–", f"{g['stale_kv_max']:.2e}" if n else "–"]
+
     return ("<p>Train–rollout log-prob gap with QAT: |log π (trainer's forward) − log π (the rollout engine's, "
-            "recorded when it sampled)| over the tokens each step trained with the weights that sampled them "
-            "(SPEC §5: kernel noise only; a QAT path missing on either side gives a mean above 5e-3).</p>"
-            + _table(["run", "mean |Δ log p|", "max |Δ log p|", "tokens"],
-                     [[name, f"{g['mean']:.2e}", f"{g['max']:.2e}", int(g["tokens"])] for name, g in rows]))
+            "recorded when it sampled)| over the tokens each step trained with the weights that sampled them, "
+            "over KV cache of those weights (SPEC §5: kernel noise only; a QAT path missing on either side gives a "
+            "mean above 5e-3), and apart over the tokens they sampled over KV kept from older weights (a paused "
+            "trajectory resumed on its kept KV, <code>rl.resume_kv=reuse</code>: the policy's own change, not the "
+            "engine's).</p>"
+            + _table(["run", "mean |Δ log p|", "max |Δ log p|", "tokens", "tokens over older KV", "their mean",
+                      "their max"],
+                     [[name, f"{g['mean']:.2e}", f"{g['max']:.2e}", int(g["tokens"]), *stale(g)] for name, g in rows]))
 
 
 def _rate(p: float, ci: Sequence[float] | None) -> str:

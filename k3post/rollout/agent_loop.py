@@ -264,14 +264,15 @@ class AgentLoop:
         return GenerationRequest(
             self.request_id(traj), traj.token_ids[:k], sp,
             given_ids=traj.token_ids[k:], given_logprobs=traj.logprobs[k:], given_versions=traj.versions[k:],
-            keep_kv=self.reuse_kv,
+            keep_kv=self.reuse_kv, given_kv_versions=traj.kv_versions[k:],
         )
 
     def absorb_partial(self, traj: Trajectory, partial: GenerationResult) -> None:
         """Record a paused turn: its tokens so far replace the segment; the env state is saved."""
         self._check_result(traj, partial)
         traj.truncate_segment()
-        traj.append(partial.output_ids, logprobs=partial.output_logprobs, versions=partial.output_versions)
+        traj.append(partial.output_ids, logprobs=partial.output_logprobs, versions=partial.output_versions,
+                    kv_versions=partial.output_kv_versions)
         self.save_env(traj)
         traj.status = "paused"
         traj.pauses += 1
@@ -344,7 +345,7 @@ class AgentLoop:
         kv = self._take_kv(res.request_id) if self._take_kv is not None else None  # always taken: no leak
         traj.truncate_segment()
         seg = list(res.output_ids)
-        traj.append(seg, logprobs=res.output_logprobs, versions=res.output_versions)
+        traj.append(seg, logprobs=res.output_logprobs, versions=res.output_versions, kv_versions=res.output_kv_versions)
         traj.output_tokens += len(seg)
         if self.mode == "think":
             close = self.xtml.close_id

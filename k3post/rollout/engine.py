@@ -126,7 +126,8 @@ class GenerationRequest:
     """One sequence to sample.
 
     A *continuation* (resume by re-submission) carries the output tokens sampled earlier
-    in ``given_ids`` with their recorded log-probs and versions; the engine treats them
+    in ``given_ids`` with their recorded log-probs, versions and KV versions (``given_kv_versions``;
+    left empty: unknown, -1 each); the engine treats them
     as already generated (they appear first in the result, with their recorded values)
     and samples only the rest. Counter-based sampling makes the continuation draw
     exactly the tokens the uninterrupted run would have drawn.
@@ -146,6 +147,7 @@ class GenerationRequest:
     given_logprobs: list[float] = field(default_factory=list)
     given_versions: list[int] = field(default_factory=list)
     keep_kv: bool = False
+    given_kv_versions: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -158,13 +160,15 @@ class GenerationRequest:
         self.given_ids = _check_ids(f"request {self.request_id!r}: given_ids", self.given_ids)
         self.given_logprobs = [float(x) for x in self.given_logprobs]
         self.given_versions = [int(v) for v in self.given_versions]
+        self.given_kv_versions = [int(v) for v in self.given_kv_versions] or [-1] * len(self.given_ids)
         if not isinstance(self.keep_kv, bool):
             raise ValueError(f"request {self.request_id!r}: keep_kv must be a bool, got {self.keep_kv!r}")
         n = len(self.given_ids)
-        if len(self.given_logprobs) != n or len(self.given_versions) != n:
+        if len(self.given_logprobs) != n or len(self.given_versions) != n or len(self.given_kv_versions) != n:
             raise ValueError(
-                f"request {self.request_id!r}: given_ids ({n}), given_logprobs ({len(self.given_logprobs)}) and "
-                f"given_versions ({len(self.given_versions)}) must have the same length"
+                f"request {self.request_id!r}: given_ids ({n}), given_logprobs ({len(self.given_logprobs)}), "
+                f"given_versions ({len(self.given_versions)}) and given_kv_versions ({len(self.given_kv_versions)}) "
+                "must have the same length"
             )
         if n >= self.sampling.max_tokens:
             raise ValueError(
@@ -184,6 +188,7 @@ class GenerationRequest:
             given_logprobs=list(partial.output_logprobs),
             given_versions=list(partial.output_versions),
             keep_kv=keep_kv,
+            given_kv_versions=list(partial.output_kv_versions),
         )
 
 
@@ -193,7 +198,10 @@ class GenerationResult:
 
     ``output_ids`` includes any given continuation tokens first; ``output_logprobs[i]`` is
     the raw-model log-prob of ``output_ids[i]`` and ``output_versions[i]`` the policy
-    version that sampled it. ``finish_reason``: "stop" (a stop id, kept as the last
+    version that sampled it. ``output_kv_versions[i]``: the oldest policy version among the KV
+    entries that token attended to (below ``output_versions[i]`` when the sequence kept KV
+    computed before a weight update, `KVState.oldest_version`); -1 where the engine does not
+    say (left empty: -1 for every token). ``finish_reason``: "stop" (a stop id, kept as the last
     token), "length" (max_tokens or the engine's max_model_len), "abort", "paused".
     """
 
@@ -203,13 +211,16 @@ class GenerationResult:
     output_logprobs: list[float]
     output_versions: list[int]
     finish_reason: FinishReason
+    output_kv_versions: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
-        if not len(self.output_ids) == len(self.output_logprobs) == len(self.output_versions):
+        self.output_kv_versions = [int(v) for v in self.output_kv_versions] or [-1] * len(self.output_ids)
+        if not len(self.output_ids) == len(self.output_logprobs) == len(self.output_versions) == len(self.output_kv_versions):
             raise ValueError(
-                f"result {self.request_id!r}: output_ids, output_logprobs and output_versions differ in length"
+                f"result {self.request_id!r}: output_ids, output_logprobs, output_versions and output_kv_versions "
+                "differ in length"
             )
 
     @property
@@ -225,7 +236,8 @@ class KVState:
     ``keys[l]`` / ``values[l]``: layer l, [kv_heads, N, head_dim] for the N tokens
     ``context_ids`` (the prompt + every output token except the last one, which is the
     pending input of the next decode step). ``weight_version``: the policy version when
-    the newest of these entries was computed. Keys and values may differ in heads and width
+    the newest of these entries was computed; ``oldest_version``: when the oldest was (None:
+    ``weight_version``; older when the sequence kept its KV across a weight update). Keys and values may differ in heads and width
     (whatever the model caches: MLA holds its latent [1, N, kv_lora_rank] as keys and the shared
     rotary key [1, N, qk_rope_head_dim] as values); both cover the same N positions.
     """
@@ -234,8 +246,13 @@ class KVState:
     values: list[torch.Tensor]
     context_ids: list[int]
     weight_version: int
+    oldest_version: int | None = None
 
     def __post_init__(self) -> None:
+        if self.oldest_version is None:
+            self.oldest_version = self.weight_version
+        if self.oldest_version > self.weight_version:
+            raise ValueError(f"KVState: oldest_version {self.oldest_version} is newer than weight_version {self.weight_version}")
         if len(self.keys) != len(self.values) or not self.keys:
             raise ValueError("KVState needs one key and one value tensor per layer")
         n = len(self.context_ids)

@@ -225,7 +225,8 @@ class Rollout:
         self.pool = KVPool(cfg.kv_pool_mb << 20)
         self.scheduler = PartialRolloutScheduler(self.loop, n_prompts=cfg.n_prompts, k=cfg.k, lambda_=cfg.lambda_,
                                                  max_staleness=cfg.max_staleness, seed=cfg.seed, kv_pool=self.pool,
-                                                 max_concurrency=cfg.engine.max_concurrency or None)
+                                                 max_concurrency=cfg.engine.max_concurrency or None,
+                                                 reuse_stale_kv=cfg.resume_kv == "reuse")
 
     @property
     def version(self) -> int:
@@ -263,6 +264,16 @@ class Rollout:
 
     def kv_hit_rate(self) -> float:
         return self.scheduler.kv_hit_rate()
+
+    def counters(self) -> dict[str, float]:
+        """Running totals: paused KV states dropped as stale (``resume_kv=reprefill``) and, where the engine
+        counts them (not servers over HTTP), the context tokens it prefilled: the price of re-prefilling."""
+        out = {"kv_stale_dropped": float(self.scheduler.stats["kv_stale_dropped"])}
+        stats = getattr(self.engine, "stats", None)
+        prefill = stats.get("prefill_tokens") if isinstance(stats, Mapping) else None
+        if prefill is not None:
+            out["prefill_tokens"] = float(prefill)
+        return out
 
     def paused(self) -> list[Any]:
         return self.scheduler.paused()

@@ -123,6 +123,7 @@ class _Req:
     ids: list[int]  # the last known continuation: output tokens so far
     logprobs: list[float]
     versions: list[int]
+    kv_versions: list[int]  # per output token, as `GenerationResult.output_kv_versions` (-1: the server did not say)
     state: str = "running"  # "running" | "paused"
     server: _Server | None = None
     wire_rid: str | None = None  # the rid of the current /generate call
@@ -136,7 +137,7 @@ class _Req:
     def partial(self, finish: str) -> GenerationResult:
         r = self.request
         return GenerationResult(r.request_id, list(r.prompt_ids), list(self.ids), list(self.logprobs),
-                                list(self.versions), finish)  # type: ignore[arg-type]
+                                list(self.versions), finish, list(self.kv_versions))  # type: ignore[arg-type]
 
 
 class HTTPEngine:
@@ -382,7 +383,8 @@ class HTTPEngine:
         if request.sampling.seed is None:
             sampling = dataclasses.replace(request.sampling, seed=request_seed(self.seed, rid))
             request = dataclasses.replace(request, sampling=sampling)
-        rq = _Req(request, list(request.given_ids), list(request.given_logprobs), list(request.given_versions))
+        rq = _Req(request, list(request.given_ids), list(request.given_logprobs), list(request.given_versions),
+                  list(request.given_kv_versions))
         self._reqs[rid] = rq
         self.stats["requests"] += 1
         self._launch(rq)
@@ -458,8 +460,13 @@ class HTTPEngine:
             raise RuntimeError(f"{url}/generate: request {r.request_id!r}: the output does not start with the "
                                f"{len(rq.ids)} continuation tokens sent")
         finish = meta["finish_reason"]["type"]
+        # the continuation's KV versions are known here (the server re-prefilled it: its own say -1 for them)
+        kv = [int(v) for v in meta.get("kv_versions") or [-1] * len(ids)]
+        if len(kv) != len(ids):
+            raise RuntimeError(f"{url}/generate: request {r.request_id!r}: kv_versions do not match output_ids")
+        kv[: len(rq.kv_versions)] = rq.kv_versions
         return GenerationResult(r.request_id, list(r.prompt_ids), ids, [float(p[0]) for p in pairs],
-                                [int(v) for v in meta["versions"]], finish)
+                                [int(v) for v in meta["versions"]], finish, kv)
 
     async def _generate_dialect(self, server: _Server, rq: _Req) -> GenerationResult:
         """One SGLang / vLLM generate call continuing ``rq`` from its tokens so far; the new
@@ -483,6 +490,7 @@ class HTTPEngine:
         rq.ids += piece.ids
         rq.logprobs += piece.logprobs
         rq.versions += piece.versions
+        rq.kv_versions += [-1] * len(piece.ids)  # SGLang / vLLM do not say
 
     async def _stream_on(self, server: _Server, rq: _Req, call: server_dialects.Call) -> GenerationResult:
         """A streamed generate call (vllm): deltas are kept as they arrive; ``rq.halt`` closes the
@@ -584,6 +592,7 @@ class HTTPEngine:
             rq.pausing = False
             if res.finish_reason == "abort":
                 rq.ids, rq.logprobs, rq.versions = list(res.output_ids), list(res.output_logprobs), list(res.output_versions)
+                rq.kv_versions = list(res.output_kv_versions)
             else:
                 rq.final = res
         return [self._reqs[r] for r in wanted]
@@ -625,6 +634,7 @@ class HTTPEngine:
             if rq.final is not None:  # the last token stays with the final result
                 f = rq.final
                 rq.ids, rq.logprobs, rq.versions = f.output_ids[:-1], f.output_logprobs[:-1], f.output_versions[:-1]
+                rq.kv_versions = f.output_kv_versions[:-1]
             rq.state = "paused"
             rq.future = None
             self.stats["pauses"] += 1

@@ -129,14 +129,15 @@ class KVPool:
         that must resume exactly: a resumed paused trajectory then continues from the same KV
         (computed with older weights) instead of re-prefilling with the new ones. torch.save-able."""
         return [{"key": k, "keys": kv.keys, "values": kv.values, "context_ids": kv.context_ids,
-                 "version": kv.weight_version} for k, kv in self._entries.items()]
+                 "version": kv.weight_version, "oldest_version": kv.oldest_version} for k, kv in self._entries.items()]
 
     def load_tensor_state(self, saved: list[dict[str, Any]]) -> None:
         """Put back the entries of `tensor_state` in LRU order, without counting them as puts
         (call after `load_state_dict`, which restores the counters)."""
         self.clear()
         for e in saved:
-            kv = KVState(list(e["keys"]), list(e["values"]), list(e["context_ids"]), int(e["version"]))
+            kv = KVState(list(e["keys"]), list(e["values"]), list(e["context_ids"]), int(e["version"]),
+                         e.get("oldest_version"))  # older checkpoints: none saved, the newest version
             self._entries[str(e["key"])] = kv
             self.stats["bytes"] += kv.nbytes
         self.stats["peak_bytes"] = max(self.stats["peak_bytes"], self.stats["bytes"])

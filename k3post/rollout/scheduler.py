@@ -347,12 +347,15 @@ class PartialRolloutScheduler:
         kv = None
         if was_paused and expected:
             kv = self.kv_pool.take(tid) if self.kv_pool is not None else None
-            if kv is not None and not self.reuse_stale_kv and kv.weight_version != version:
+            if kv is not None and not self.reuse_stale_kv and kv.oldest_version != version:
                 kv = None
                 self.stats["kv_stale_dropped"] += 1
             self.stats["kv_pool_hits" if kv is not None else "kv_misses"] += 1
         else:  # a new turn: the KV of the trajectory's previous turn, when the engine kept it
             kv = self.loop.turn_kv(traj, req)
+            if kv is not None and not self.reuse_stale_kv and kv.oldest_version != version:
+                kv = None  # the previous turn's KV predates the weights: re-prefill the whole context
+                self.stats["kv_stale_dropped"] += 1
             if kv is not None:
                 self.stats["kv_turn_hits"] += 1
         self.engine.add_request(req, kv=kv)

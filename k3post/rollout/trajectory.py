@@ -7,6 +7,9 @@ A trajectory holds the whole token context of a multi-turn episode, token by tok
     trainable[i]   True iff the model sampled it (env / template tokens are False)
     logprobs[i]    behaviour log-prob log pi_old of a sampled token (0.0 for env tokens)
     versions[i]    policy version that sampled it (-1 for env tokens)
+    kv_versions[i] the oldest policy version among the KV entries a sampled token attended to (below
+                   versions[i] when the engine kept KV computed before a weight update; -1 for env
+                   tokens and where the engine does not say)
 
 so the trainer gets its loss mask, pi_old and staleness per token (STYLE.md point 5). The
 current turn's request is ``token_ids[:segment_start]``; tokens after ``segment_start`` are
@@ -73,7 +76,8 @@ class Trajectory:
         task: the task (`Task.to_dict`).
         tools: the OpenAI tool specs declared in the prompt.
         prompt_len: tokens of the initial rendered prompt.
-        token_ids / trainable / logprobs / versions: per context token, see the module doc.
+        token_ids / trainable / logprobs / versions / kv_versions: per context token, see the module doc
+            (``kv_versions`` left empty: -1 for every token, e.g. a trajectory saved before it existed).
         segment_start: where the current turn's sampled tokens start.
         turns: finished assistant turns.
         status: "running" (in the engine or about to be), "paused", "done".
@@ -110,6 +114,7 @@ class Trajectory:
     trainable: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    kv_versions: list[int] = field(default_factory=list)
     segment_start: int = 0
     turns: int = 0
     status: TrajectoryStatus = "running"
@@ -130,8 +135,11 @@ class Trajectory:
         if self.status not in TRAJECTORY_STATUSES:
             raise ValueError(f"trajectory {self.traj_id!r}: status must be one of {TRAJECTORY_STATUSES}, got {self.status!r}")
         n = len(self.token_ids)
-        if not (len(self.trainable) == len(self.logprobs) == len(self.versions) == n):
-            raise ValueError(f"trajectory {self.traj_id!r}: token_ids, trainable, logprobs and versions differ in length")
+        if not self.kv_versions:
+            self.kv_versions = [-1] * n
+        if not (len(self.trainable) == len(self.logprobs) == len(self.versions) == len(self.kv_versions) == n):
+            raise ValueError(f"trajectory {self.traj_id!r}: token_ids, trainable, logprobs, versions and kv_versions "
+                             "differ in length")
 
     # ------------------------------------------------------------------ views
     @property
@@ -165,27 +173,35 @@ class Trajectory:
         return self.output_tokens if counts_output_tokens(self.domain) else self.thinking_tokens
 
     # ------------------------------------------------------------------ mutation
-    def append(self, ids: list[int], *, logprobs: list[float] | None = None, versions: list[int] | None = None) -> None:
+    def append(self, ids: list[int], *, logprobs: list[float] | None = None, versions: list[int] | None = None,
+               kv_versions: list[int] | None = None) -> None:
         """Append context tokens: sampled ones when ``logprobs`` / ``versions`` are given
-        (trainable), else env tokens (log-prob 0, version -1)."""
+        (trainable; ``kv_versions`` when the engine gave them, else -1), else env tokens (log-prob 0,
+        version -1)."""
         if (logprobs is None) != (versions is None):
             raise ValueError("give both logprobs and versions (sampled tokens) or neither (env tokens)")
-        self.token_ids.extend(int(t) for t in ids)
         if logprobs is None or versions is None:
+            if kv_versions is not None:
+                raise ValueError("kv_versions belong to sampled tokens: give logprobs and versions too")
+            self.token_ids.extend(int(t) for t in ids)
             self.trainable.extend([False] * len(ids))
             self.logprobs.extend([0.0] * len(ids))
             self.versions.extend([-1] * len(ids))
+            self.kv_versions.extend([-1] * len(ids))
             return
-        if not (len(logprobs) == len(versions) == len(ids)):
-            raise ValueError("ids, logprobs and versions must have the same length")
+        kv = [-1] * len(ids) if kv_versions is None else [int(v) for v in kv_versions]
+        if not (len(logprobs) == len(versions) == len(kv) == len(ids)):
+            raise ValueError("ids, logprobs, versions and kv_versions must have the same length")
+        self.token_ids.extend(int(t) for t in ids)
         self.trainable.extend([True] * len(ids))
         self.logprobs.extend(float(x) for x in logprobs)
         self.versions.extend(int(v) for v in versions)
+        self.kv_versions.extend(kv)
 
     def truncate_segment(self) -> None:
         """Drop the current turn's sampled tokens (they come back from the engine's result)."""
         k = self.segment_start
-        del self.token_ids[k:], self.trainable[k:], self.logprobs[k:], self.versions[k:]
+        del self.token_ids[k:], self.trainable[k:], self.logprobs[k:], self.versions[k:], self.kv_versions[k:]
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:

@@ -23,7 +23,11 @@ a k3post server at the level of token ids, log-probs and policy versions:
        "meta_info": {"id", "finish_reason": {"type": "stop" | "length" | "abort", ...},
                      "prompt_tokens", "completion_tokens", "given_tokens",
                      "output_token_logprobs": [[logprob, token_id, null], ...]   (return_logprob),
-                     "versions": [int, ...], "weight_version": int}}
+                     "versions": [int, ...], "kv_versions": [int, ...], "weight_version": int}}
+
+  ``kv_versions[i]``: the oldest weight version among the KV entries output token i attended to (below
+  ``versions[i]`` when the request ran across a weight update; -1 for continuation tokens, which the
+  server did not sample).
 
   Sampling fields: ``top_k`` 0 or -1 disables it; ``max_new_tokens`` is the request's output
   budget, continuation tokens included (default: the room left under ``max_model_len``,
@@ -211,7 +215,8 @@ def generate_response(res: GenerationResult, *, given: int, return_logprob: bool
     meta: dict[str, Any] = {
         "id": res.request_id, "finish_reason": _finish_reason(res), "prompt_tokens": len(res.prompt_ids),
         "completion_tokens": res.num_tokens, "given_tokens": given, "cached_tokens": 0,
-        "versions": list(res.output_versions), "weight_version": weight_version,
+        "versions": list(res.output_versions), "kv_versions": list(res.output_kv_versions),
+        "weight_version": weight_version,
     }
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(res.output_ids, res.output_logprobs)]

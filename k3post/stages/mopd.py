@@ -225,7 +225,8 @@ def opd_signal(pool: TeacherPool, cfg: MOPDConfig, xtml: XTML) -> Signal:
         for t, r_T in zip(trajs, reward_BT.tolist()):
             it = iter(r_T)
             seqs.append(TokenSequence(list(t.token_ids), list(t.trainable), list(t.logprobs),
-                                      [next(it) if mk else 0.0 for mk in t.trainable], list(t.versions)))
+                                      [next(it) if mk else 0.0 for mk in t.trainable], list(t.versions),
+                                      list(t.kv_versions)))
         rewards = [float(t.reward or 0.0) for t in trajs]
         rows = {"opd_reward": m["mean_reward"], "opd_clip_frac": m["clip_frac"], "reverse_kl": m["reverse_kl"],
                 "opd_tokens": m["num_tokens"],

@@ -354,7 +354,8 @@ def _score(
         for t, a, v in zip(g.trajectories, a_g, ok):
             if v:  # an infrastructure failure is not in the loss
                 seqs.append(TokenSequence(list(t.token_ids), list(t.trainable), list(t.logprobs),
-                                          [a if m else 0.0 for m in t.trainable], list(t.versions)))
+                                          [a if m else 0.0 for m in t.trainable], list(t.versions),
+                                          list(t.kv_versions)))
     flat_in = [x for r in rewards_in for x in r]
     n = len(flat_in)
     nan = float("nan")

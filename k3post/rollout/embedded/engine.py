@@ -96,7 +96,9 @@ class _Seq:
     output_ids: list[int]
     logprobs: list[float]
     versions: list[int]
+    kv_versions: list[int]  # per output token: the oldest weight version among the KV entries it attended to
     n_cached: int = 0  # context positions whose K/V are in the slot cache (or in `kv`)
+    kv_oldest: int = -1  # the weight version of the oldest of those entries
     slot: int = -1
     kv: KVState | None = None  # imported / retained KV while queued or paused
     aux: list[torch.Tensor] = field(default_factory=list)  # speculative: target hidden [N, A, D] not yet drafted on
@@ -115,6 +117,7 @@ class _Seq:
             output_logprobs=list(self.logprobs),
             output_versions=list(self.versions),
             finish_reason=finish_reason,  # type: ignore[arg-type]
+            output_kv_versions=list(self.kv_versions),
         )
 
 
@@ -379,6 +382,7 @@ class EmbeddedEngine(QueuedRequestsMixin):
             output_ids=list(request.given_ids),
             logprobs=list(request.given_logprobs),
             versions=list(request.given_versions),
+            kv_versions=list(request.given_kv_versions),
             context=context,
         )
         if kv is not None:
@@ -418,7 +422,7 @@ class EmbeddedEngine(QueuedRequestsMixin):
         kv = seq.kv
         return KVState(
             keys=[k.to("cpu") for k in kv.keys], values=[v.to("cpu") for v in kv.values],
-            context_ids=list(kv.context_ids), weight_version=kv.weight_version,
+            context_ids=list(kv.context_ids), weight_version=kv.weight_version, oldest_version=kv.oldest_version,
         )
 
     def _take(self, request_ids: Sequence[str], what: str) -> list[tuple[_Seq, str]]:
@@ -443,7 +447,7 @@ class EmbeddedEngine(QueuedRequestsMixin):
         running_hit = [s for s in self._running if s.rid in found]
         for seq in running_hit:  # keep the KV cache of running ones before freeing slots
             keys, values = self.cache.export(seq.slot, seq.n_cached)
-            seq.kv = KVState(keys, values, seq.context[: seq.n_cached], self._version)
+            seq.kv = KVState(keys, values, seq.context[: seq.n_cached], self._version, seq.kv_oldest)
         self._free_slots({s.slot for s in running_hit})
         for rid in found:
             self._paused.pop(rid, None)
@@ -534,7 +538,7 @@ class EmbeddedEngine(QueuedRequestsMixin):
         for seq in finished:
             if seq.request.keep_kv and reasons.get(seq.rid) == "stop" and seq.slot >= 0:
                 keys, values = self.cache.export(seq.slot, seq.n_cached)
-                self._kept[seq.rid] = KVState(keys, values, seq.context[: seq.n_cached], self._version)
+                self._kept[seq.rid] = KVState(keys, values, seq.context[: seq.n_cached], self._version, seq.kv_oldest)
                 self.stats["kv_kept"] += 1
 
     def _free_slots(self, slots: set[int]) -> None:
@@ -574,10 +578,12 @@ class EmbeddedEngine(QueuedRequestsMixin):
             if seq.kv is not None:
                 self.cache.load(seq.slot, seq.kv.keys, seq.kv.values)
                 seq.n_cached = seq.kv.num_tokens
+                seq.kv_oldest = int(seq.kv.oldest_version)  # type: ignore[arg-type]
                 self.stats["kv_reused_tokens"] += seq.n_cached
                 seq.kv = None
-            else:
+            else:  # its whole KV is computed in this step, with the current weights
                 seq.n_cached = 0
+                seq.kv_oldest = self._version
             admitted.append(seq)
             free -= 1
         return admitted
@@ -603,10 +609,12 @@ class EmbeddedEngine(QueuedRequestsMixin):
             self._append(seq, tok, lp, finished, reasons)
 
     def _append(self, seq: _Seq, tok: int, logprob: float, finished: list[_Seq], reasons: dict[str, str]) -> bool:
-        """Append one sampled token (its log-prob, the current version); True when it finishes the request."""
+        """Append one sampled token (its log-prob, the current version, the oldest version in its KV); True when
+        it finishes the request."""
         seq.output_ids.append(tok)
         seq.logprobs.append(logprob)
         seq.versions.append(self._version)
+        seq.kv_versions.append(seq.kv_oldest)
         seq.context.append(tok)
         sp = seq.request.sampling
         reason = None
