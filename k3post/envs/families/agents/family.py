@@ -29,7 +29,6 @@ import copy
 import datetime as dt
 import json
 import random
-import re
 from typing import Any
 
 from k3post.envs.env import EpisodeLimits, ToolEnvironment
@@ -590,7 +589,6 @@ class AssistantFamily(FamilyBase):
                       f"{e['id']} to {d2} {t2}."),
                     [tool_call("c4", "calendar_move", {"event_id": e["id"], "date": d2, "start": t2})],
                 )
-                moved = {**e, "date": d2, "start": t2, "end": t2end}
                 before = [x for x in busy if minutes(x["end"]) <= minutes(t2)]
                 after = [x for x in busy if minutes(x["start"]) >= minutes(t2end)]
                 near = "".join([f", after {max(before, key=lambda x: x['end'])['id']}" if before else "",
