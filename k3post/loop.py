@@ -181,7 +181,7 @@ class PolicyLoop:
                "lr": lr, "version": float(version), "groups": float(len(groups)), "iterations": float(iterations),
                "rollout_s": t1 - t0, "score_s": t2 - t1, "update_s": t3 - t2, "step_s": t3 - t0,
                "kv_hit_rate": self.rollout.kv_hit_rate(), "paused": float(len(self.rollout.paused())),
-               **{k: v - before[k] for k, v in self.rollout.counters().items() if k in before},
+               **{k: v - before[k] for k, v in self.rollout.counters().items()},
                "mean_staleness": statistics.fmean(stale) if stale else 0.0,
                **outcome_metrics([t for g in groups for t in g.trajectories]),
                **infra_metrics([t for g in finished for t in g.trajectories]),
@@ -387,19 +387,17 @@ def rollout_gap(history: Iterable[Mapping[str, float]], prefix: str = "train/") 
     ``stale_kv_tokens``: a paused trajectory resumed on its kept KV, ``rl.resume_kv=reuse``); and over the
     tokens older weights sampled (``moved_mean``, ``moved_tokens``: how far the policy moved since). ``history``:
     the steps' rows (a `StageLog`), read once."""
-    parts = {"": "rollout_gap", "stale_kv_": "rollout_gap_stale_kv", "moved_": "policy_moved_gap"}
+    parts = {"": "rollout_gap", "stale_kv_": "rollout_gap_stale_kv", "moved_": "policy_moved_gap"}  # moved: no max
     n = dict.fromkeys(parts, 0.0)
     total = dict.fromkeys(parts, 0.0)
-    top: dict[str, float | None] = dict.fromkeys(parts, None)
+    top: dict[str, float] = {}  # a row without a max counts 0 (gaps are >= 0); none while no row was read
     for h in history:
         for out, key in parts.items():
             tokens = h.get(f"{prefix}{key}_tokens", 0.0)
             n[out] += tokens
             if tokens > 0:
                 total[out] += h[f"{prefix}{key}_mean"] * tokens
-            if f"{prefix}{key}_max" in h or not out:
-                gap_max = h.get(f"{prefix}{key}_max", 0.0)
-                top[out] = gap_max if top[out] is None else max(top[out], gap_max)  # type: ignore[type-var]
+            top[out] = max(top.get(out, 0.0), h.get(f"{prefix}{key}_max", 0.0))
     res: dict[str, float] = {}
     for out in parts:
         res[f"{out}tokens"] = n[out]
@@ -407,6 +405,5 @@ def rollout_gap(history: Iterable[Mapping[str, float]], prefix: str = "train/") 
             continue
         res[f"{out}mean"] = total[out] / n[out] if n[out] else float("nan")
         if out != "moved_":
-            t = top[out]
-            res[f"{out}max"] = float("nan") if t is None else t
+            res[f"{out}max"] = top.get(out, float("nan"))
     return res

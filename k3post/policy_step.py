@@ -375,14 +375,13 @@ def step_metrics(sums: Mapping[str, float], *, n_total: int, n_seqs: int, micro_
         n = sums["gap_n"]
         out.update(rollout_gap_mean=sums["gap_sum"] / n if n else float("nan"), rollout_gap_max=sums["max/gap"],
                    rollout_gap_tokens=float(n))
-        if "stale_kv_gap_n" in sums:  # sums of an older trainer process may lack them
-            ns, nm = sums["stale_kv_gap_n"], sums["moved_gap_n"]
-            out.update(rollout_gap_stale_kv_tokens=float(ns), policy_moved_gap_tokens=float(nm))
-            if ns:  # means and maxima only where there were such tokens (no NaN in the step's row)
-                out.update(rollout_gap_stale_kv_mean=sums["stale_kv_gap_sum"] / ns,
-                           rollout_gap_stale_kv_max=sums["max/stale_kv_gap"])
-            if nm:
-                out.update(policy_moved_gap_mean=sums["moved_gap_sum"] / nm)
+        ns, nm = sums["stale_kv_gap_n"], sums["moved_gap_n"]
+        out.update(rollout_gap_stale_kv_tokens=float(ns), policy_moved_gap_tokens=float(nm))
+        if ns:  # means and maxima only where there were such tokens (no NaN in the step's row)
+            out.update(rollout_gap_stale_kv_mean=sums["stale_kv_gap_sum"] / ns,
+                       rollout_gap_stale_kv_max=sums["max/stale_kv_gap"])
+        if nm:
+            out.update(policy_moved_gap_mean=sums["moved_gap_sum"] / nm)
     return out
 
 
