@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from k3post.envs.families.registry import get_family
 from k3post.models import build_tiny_moe
+from k3post.policy_step import TokenSequence, policy_grads, step_metrics
 from k3post.rollout import EmbeddedEngine, KVState, SamplingParams
 from k3post.rollout.agent_loop import AgentLoop, trajectory_seed
 from k3post.rollout.kv_pool import KVPool
@@ -224,8 +225,6 @@ def test_resume_kv_reuse_or_reprefill_and_the_gap_each_leaves(tiny, reuse):
     sample next attend to KV of the old weights and say so (kv_version < version); the trainer's gap on exactly
     those tokens is the stale KV's (`policy_grads` counts it apart, ``rollout_gap_stale_kv_*``), while the gap of
     the tokens sampled over fresh KV stays at kernel noise. With re-prefill no token is stale."""
-    from k3post.policy_step import TokenSequence, policy_grads, step_metrics
-
     model = build_tiny_moe(len(tiny[1]), seed=5, pad_token_id=tiny[1].pad_token_id,
                            eos_token_id=tiny[1].convert_tokens_to_ids(EOM)).eval()
     loop = AgentLoop(EmbeddedEngine(model, tiny[1], max_batch_size=4), tiny[2], FAM.make_env, sampling_fn=pareto_sampling)
