@@ -91,6 +91,7 @@ class LoopConfig(Protocol):
     infra_min_valid: int
     infra_retries: int
     infra_max_rate: float
+    routing_replay: str
 
     def rollout_config(self) -> RolloutConfig: ...
 
@@ -128,7 +129,8 @@ class PolicyLoop:
     def train_step(self, seqs: Sequence[TokenSequence], *, version: int, lr: float) -> dict[str, float]:
         """The trainer's step with the policy loss's gradient function (`k3post.policy_step.train_policy_step`)."""
         return train_policy_step(self.trainer, seqs, pad_id=self.pad_id, loss_kwargs=self.loss_kwargs,
-                                 micro_batch_tokens=self.cfg.micro_batch_tokens, version=version, lr=lr)
+                                 micro_batch_tokens=self.cfg.micro_batch_tokens, version=version, lr=lr,
+                                 routing_replay=self.cfg.routing_replay == "rollout-routes")
 
     @property
     def engine(self) -> Any:
@@ -385,13 +387,20 @@ def rollout_gap(history: Iterable[Mapping[str, float]], prefix: str = "train/") 
     weights that sampled them over KV of those weights (``mean``, ``max``, ``tokens``: the engine mismatch); the
     same over the tokens those weights sampled over KV of older ones (``stale_kv_mean``, ``stale_kv_max``,
     ``stale_kv_tokens``: a paused trajectory resumed on its kept KV, ``rl.resume_kv=reuse``); and over the
-    tokens older weights sampled (``moved_mean``, ``moved_tokens``: how far the policy moved since). ``history``:
-    the steps' rows (a `StageLog`), read once."""
+    tokens older weights sampled (``moved_mean``, ``moved_tokens``: how far the policy moved since). With routes
+    recorded (``rl.routing_replay`` measure / rollout-routes) also ``routing_mismatch_frac`` over
+    ``routing_positions``: the share of recorded context positions the trainer's own top-k routed differently from
+    the engine in some MoE layer. ``history``: the steps' rows (a `StageLog`), read once."""
     parts = {"": "rollout_gap", "stale_kv_": "rollout_gap_stale_kv", "moved_": "policy_moved_gap"}  # moved: no max
     n = dict.fromkeys(parts, 0.0)
     total = dict.fromkeys(parts, 0.0)
     top: dict[str, float] = {}  # a row without a max counts 0 (gaps are >= 0); none while no row was read
+    known = mismatched = 0.0
     for h in history:
+        k = h.get(f"{prefix}routing_known_tokens", 0.0)
+        if k:
+            known += k
+            mismatched += h[f"{prefix}routing_mismatch_frac"] * k
         for out, key in parts.items():
             tokens = h.get(f"{prefix}{key}_tokens", 0.0)
             n[out] += tokens
@@ -406,4 +415,6 @@ def rollout_gap(history: Iterable[Mapping[str, float]], prefix: str = "train/") 
         res[f"{out}mean"] = total[out] / n[out] if n[out] else float("nan")
         if out != "moved_":
             res[f"{out}max"] = top.get(out, float("nan"))
+    if known:
+        res.update(routing_positions=known, routing_mismatch_frac=mismatched / known)
     return res

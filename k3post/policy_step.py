@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from contextlib import nullcontext
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ import torch
 
 from k3post.algos.policy_loss import policy_loss
 from k3post.quant.qat import weight_quant_cache
+from k3post.routing_replay import RouteReplay, pad_routes
 from k3post.trainer.local import clip_grad_norm
 
 __all__ = ["TokenSequence", "token_logprobs", "shared_prefix_logprobs", "sequence_logprobs", "micro_batches",
@@ -69,6 +71,10 @@ class TokenSequence:
             attended to (-1: unknown), as the engine stamped it (`GenerationResult.output_kv_versions`):
             a token sampled by the trained weights over KV computed before their update has its gap
             counted apart (``rollout_gap_stale_kv_*``).
+        routes: optional, [<= T, M, K] int: the experts the engine routed context position t to in each MoE
+            layer (-1: unknown; `GenerationResult.routes`). The trainer counts the positions it routes
+            differently (``routing_mismatch_frac``) and, with routing replay on, routes them as recorded
+            (`k3post.routing_replay.RouteReplay`).
     """
 
     token_ids: list[int]
@@ -77,9 +83,13 @@ class TokenSequence:
     advantages: list[float]
     versions: list[int] | None = None
     kv_versions: list[int] | None = None
+    routes: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
+        if self.routes is not None and (self.routes.dim() != 3 or self.routes.shape[0] > n):
+            raise ValueError(f"TokenSequence: routes shaped {tuple(self.routes.shape)}, expected [<= {n} positions, "
+                             "MoE layers, top_k]")
         if not (len(self.mask) == len(self.behavior_logp) == len(self.advantages) == n) or any(
             x is not None and len(x) != n for x in (self.versions, self.kv_versions)
         ):
@@ -104,12 +114,17 @@ def token_logprobs(
     *,
     with_entropy: bool = False,
     entropy_mask_BT: torch.Tensor | None = None,
+    replay: RouteReplay | None = None,
+    routes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logp_BT[:, t] = log p(ids[:, t] | ids[:, <t])`` for t ≥ 1 and 0 at t = 0 (float32, with
     autograd when enabled), and the entropy of the predictive distribution at each position (detached;
     with ``entropy_mask_BT`` only at its positions, 0 elsewhere: the trainer needs it at sampled tokens
-    only, and the full [B, T, V] softmax is the largest piece of work after the forward)."""
-    logits_BTV = model(input_ids=ids_BT, attention_mask=attn_BT, use_cache=False).logits.float()
+    only, and the full [B, T, V] softmax is the largest piece of work after the forward). ``replay``: the
+    forward runs under `RouteReplay.replaying` of ``routes`` (recorded routes [B, T, M, K], -1 where unknown, and
+    [B, T] True where recorded under the trained weights)."""
+    with _replaying(replay, routes):
+        logits_BTV = model(input_ids=ids_BT, attention_mask=attn_BT, use_cache=False).logits.float()
     logsm_BTV = torch.log_softmax(logits_BTV[:, :-1], dim=-1)
     lp_BT = logsm_BTV.gather(-1, ids_BT[:, 1:, None]).squeeze(-1)
     zero_B1 = lp_BT.new_zeros(ids_BT.shape[0], 1)
@@ -125,6 +140,17 @@ def token_logprobs(
                 ent_BT = lp_BT.new_zeros(lp_BT.shape).masked_scatter_(m_BT, -(sel_NV.exp() * sel_NV).sum(-1))
             entropy_BT = torch.cat([zero_B1, ent_BT], dim=1)
     return logp_BT, entropy_BT
+
+
+def _replaying(replay: RouteReplay | None, routes: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
+    """`RouteReplay.replaying` of (routes [B, T, M, K], recorded under the trained weights [B, T]) flattened as
+    the model flattens its rows (a no-op without ``replay``)."""
+    if replay is None:
+        return nullcontext()
+    if routes is None:
+        return replay.replaying(None)
+    routes_BTMK, fresh_BT = routes
+    return replay.replaying(routes_BTMK.reshape(-1, *routes_BTMK.shape[2:]), fresh_BT.reshape(-1))
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str | None:
@@ -154,21 +180,30 @@ def shared_prefix_logprobs(
     prefix_len: int,
     *,
     entropy_mask_BT: torch.Tensor | None = None,
+    replay: RouteReplay | None = None,
+    routes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """`token_logprobs` for B rows that share ``ids_BT[:, :prefix_len]`` (all attended): the prefix runs
     once and its KV cache is broadcast to the rows (module doc). Positions 1 .. prefix_len − 1 get 0 (they
-    belong to the prompt and carry no loss). None when the model's cache cannot be broadcast."""
+    belong to the prompt and carry no loss). None when the model's cache cannot be broadcast. ``replay`` /
+    ``routes``: as in `token_logprobs` (the prefix replays row 0's routes)."""
     B, T = ids_BT.shape
     P = prefix_len
     kw = _cache_kwarg(model)
     if kw is None or not 1 <= P < T:
         return None
-    pre = model(input_ids=ids_BT[:1, :P], use_cache=True)
+    routes_pre = routes_rest = None
+    if routes is not None:
+        routes_pre, routes_rest = (routes[0][:1, :P], routes[1][:1, :P]), (routes[0][:, P:], routes[1][:, P:])
+    with _replaying(replay, routes_pre):
+        pre = model(input_ids=ids_BT[:1, :P], use_cache=True)
     cache = getattr(pre, kw, None)
     if cache is None or not _broadcast_cache(cache, B):
         return None
     pos_BS = torch.arange(P, T, device=ids_BT.device)[None].expand(B, -1)
-    rest = model(input_ids=ids_BT[:, P:], attention_mask=attn_BT, position_ids=pos_BS, use_cache=True, **{kw: cache})
+    with _replaying(replay, routes_rest):
+        rest = model(input_ids=ids_BT[:, P:], attention_mask=attn_BT, position_ids=pos_BS, use_cache=True,
+                     **{kw: cache})
     logits_BSV = torch.cat([pre.logits[:, -1:].expand(B, -1, -1), rest.logits[:, :-1]], dim=1).float()
     logsm_BSV = torch.log_softmax(logits_BSV, dim=-1)
     tgt_BS = ids_BT[:, P:]
@@ -291,6 +326,16 @@ def _collate(seqs: Sequence[TokenSequence], pad_id: int, version: int | None = N
         adv_BT[b, :n] = torch.tensor(s.advantages, dtype=torch.float32)
     out = {"ids": ids_BT, "attn": attn_BT, "mask": mask_BT, "fresh": fresh_BT, "stale_kv": stale_kv_BT,
            "moved": moved_BT, "behavior": beh_BT, "adv": adv_BT}
+    shapes = {tuple(s.routes.shape[1:]) for s in seqs if s.routes is not None}
+    if len(shapes) > 1:
+        raise ValueError(f"TokenSequence routes of one batch have different [MoE layers, top_k]: {sorted(shapes)}")
+    if shapes:  # routes, and which of them the trained weights computed: every position before a fresh token
+        M, K = shapes.pop()
+        out["routes"] = pad_routes([s.routes for s in seqs], T, M, K).long()
+        fresh_B1 = (fresh_BT * torch.arange(T)).max(dim=1, keepdim=True).values  # the last fresh token's index
+        if version is None or any(s.versions is None for s in seqs):  # provenance unknown: all the trained weights'
+            fresh_B1[torch.tensor([version is None or s.versions is None for s in seqs])] = T
+        out["routes_fresh"] = torch.arange(T)[None, :] < fresh_B1
     if device is not None and torch.device(device).type != "cpu":
         out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
     return out
@@ -305,6 +350,7 @@ def policy_grads(
     loss_kwargs: Mapping[str, Any] | None = None,
     version: int | None = None,
     before_backward: Callable[[int], None] | None = None,
+    routing_replay: bool = False,
 ) -> dict[str, float]:
     """Forward and backward of `policy_loss` over the micro-batches ``groups`` (each its sequences and their
     shared prefix length, as `plan_micro_batches` plans them), gradients accumulated into ``model``'s ``.grad``
@@ -315,8 +361,34 @@ def policy_grads(
     Returns sums to combine over ranks: ``loss``, ``forward_tokens``, ``gap_sum``, ``gap_n`` (and
     ``stale_kv_gap_sum`` / ``_n``, ``moved_gap_sum`` / ``_n``: the gap on the tokens `_collate` sorts apart),
     ``tokens`` (sampled tokens seen), ``sum/<metric>`` (policy_loss's metrics × their tokens), and maxima
-    ``max/gap``, ``max/stale_kv_gap``, ``max/max_abs_log_ratio``."""
+    ``max/gap``, ``max/stale_kv_gap``, ``max/max_abs_log_ratio``.
+
+    Sequences with recorded routes (`TokenSequence.routes`) add ``routes_known`` (positions with a record that
+    the trained weights computed: every position before a ``fresh`` token) and ``routes_mismatched`` (those the
+    trainer's own top-k routes differently in some MoE layer: the engine's mismatch), and ``routes_known_older`` /
+    ``routes_mismatched_older`` for the other recorded positions (computed by older weights: the policy moved);
+    with ``routing_replay`` the forward routes every recorded position as recorded
+    (`k3post.routing_replay.RouteReplay`)."""
     kwargs = dict(loss_kwargs or {})
+    replay = None
+    if any(s.routes is not None for group, _ in groups for s in group):
+        replay = RouteReplay(model)
+        replay.replay = bool(routing_replay)
+    try:
+        out = _policy_grads(model, groups, pad_id=pad_id, token_normalizer=token_normalizer, kwargs=kwargs,
+                            version=version, before_backward=before_backward, replay=replay)
+    finally:
+        if replay is not None:
+            replay.remove()
+    if replay is not None:
+        out.update(routes_known=float(replay.known), routes_mismatched=float(replay.mismatched),
+                   routes_known_older=float(replay.known_older), routes_mismatched_older=float(replay.mismatched_older))
+    return out
+
+
+def _policy_grads(model: torch.nn.Module, groups: Sequence[tuple[Sequence[TokenSequence], int]], *, pad_id: int,
+                  token_normalizer: float, kwargs: dict[str, Any], version: int | None,
+                  before_backward: Callable[[int], None] | None, replay: RouteReplay | None) -> dict[str, float]:
     device = next(model.parameters()).device
     out: dict[str, float] = {"loss": 0.0, "forward_tokens": 0.0, "gap_sum": 0.0, "gap_n": 0.0, "tokens": 0.0,
                              "stale_kv_gap_sum": 0.0, "stale_kv_gap_n": 0.0, "moved_gap_sum": 0.0, "moved_gap_n": 0.0,
@@ -324,15 +396,17 @@ def policy_grads(
     with weight_quant_cache(model):  # the weights are the same in every micro-batch: QAT quantizes them once
         for i, (group, prefix) in enumerate(groups):
             batch = _collate(group, pad_id, version, device)
+            routes = (batch["routes"], batch["routes_fresh"]) if "routes" in batch else None
             got = None
             if prefix:
-                got = shared_prefix_logprobs(model, batch["ids"], batch["attn"], prefix, entropy_mask_BT=batch["mask"])
+                got = shared_prefix_logprobs(model, batch["ids"], batch["attn"], prefix, entropy_mask_BT=batch["mask"],
+                                             replay=replay, routes=routes)
                 if got is None and type(model).__name__ not in _NO_SHARED_PREFIX:
                     _NO_SHARED_PREFIX.add(type(model).__name__)
                     log.warning("%s: its KV cache cannot be broadcast to the samples of a group; the trainer runs "
                                 "their shared prompt once per sample", type(model).__name__)
-            logp_BT, ent_BT = got if got is not None else token_logprobs(model, batch["ids"], batch["attn"],
-                                                                         entropy_mask_BT=batch["mask"])
+            logp_BT, ent_BT = got if got is not None else token_logprobs(
+                model, batch["ids"], batch["attn"], entropy_mask_BT=batch["mask"], replay=replay, routes=routes)
             B, T = batch["ids"].shape
             out["forward_tokens"] += prefix + B * (T - prefix) if got is not None else B * T
             with torch.no_grad():
@@ -382,6 +456,11 @@ def step_metrics(sums: Mapping[str, float], *, n_total: int, n_seqs: int, micro_
                        rollout_gap_stale_kv_max=sums["max/stale_kv_gap"])
         if nm:
             out.update(policy_moved_gap_mean=sums["moved_gap_sum"] / nm)
+    known, older = sums.get("routes_known", 0.0), sums.get("routes_known_older", 0.0)
+    if known:  # routes recorded by the engine: the share of positions the trainer routes differently
+        out.update(routing_known_tokens=known, routing_mismatch_frac=sums["routes_mismatched"] / known)
+    if older:  # ... and of those older weights routed (the policy moved since)
+        out.update(routing_older_tokens=older, routing_older_mismatch_frac=sums["routes_mismatched_older"] / older)
     return out
 
 
@@ -393,29 +472,32 @@ class PolicyGrads:
     pad_id: int
     token_normalizer: float
     loss_kwargs: Mapping[str, Any] | None = None
+    routing_replay: bool = False
 
     def __call__(self, model: torch.nn.Module, micro_batches: Sequence[tuple[Sequence[TokenSequence], int]], *,
                  version: int | None = None, before_backward: Callable[[int], None] | None = None) -> dict[str, float]:
         return policy_grads(model, micro_batches, pad_id=self.pad_id, token_normalizer=self.token_normalizer,
-                            loss_kwargs=self.loss_kwargs, version=version, before_backward=before_backward)
+                            loss_kwargs=self.loss_kwargs, version=version, before_backward=before_backward,
+                            routing_replay=self.routing_replay)
 
 
 def train_policy_step(trainer: Any, seqs: Sequence[TokenSequence], *, pad_id: int,
                       loss_kwargs: Mapping[str, Any] | None = None, micro_batch_tokens: int = 8192,
-                      version: int | None = None, lr: float | None = None) -> dict[str, float]:
+                      version: int | None = None, lr: float | None = None,
+                      routing_replay: bool = False) -> dict[str, float]:
     """One optimizer step of `policy_loss` over ``seqs`` through ``trainer`` (`k3post.trainer.Trainer.step` with
     `PolicyGrads`), at learning rate ``lr`` (None: the trainer's current one): the sequences with sampled tokens,
     planned into micro-batches of ``micro_batch_tokens`` (shared prompts run once when the trainer allows it,
     ``trainer.share_prefix``). Returns `policy_step`'s metrics; with no sampled token only the learning rate is
-    set."""
+    set. ``routing_replay``: route the sequences' recorded routes as the engine did (`policy_grads`)."""
     seqs = [s for s in seqs if s.num_trainable > 0]
     if not seqs:
-        trainer.step([], PolicyGrads(pad_id, 0.0, loss_kwargs), lr=lr, version=version)
+        trainer.step([], PolicyGrads(pad_id, 0.0, loss_kwargs, routing_replay), lr=lr, version=version)
         return {"num_tokens": 0.0, "num_sequences": 0.0}
     n_total = sum(s.num_trainable for s in seqs)
     groups = plan_micro_batches(seqs, micro_batch_tokens, share_prefix=trainer.share_prefix)
     sums = trainer.step([([seqs[j] for j in idx], prefix) for idx, prefix in groups],
-                        PolicyGrads(pad_id, n_total, loss_kwargs), lr=lr, version=version)
+                        PolicyGrads(pad_id, n_total, loss_kwargs, routing_replay), lr=lr, version=version)
     return step_metrics(sums, n_total=n_total, n_seqs=len(seqs), micro_batches=len(groups),
                         grad_norm=sums["grad_norm"], version=version)
 

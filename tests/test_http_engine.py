@@ -49,6 +49,7 @@ from k3post.rollout.http_engine import EngineUnavailableError, HTTPEngine
 from k3post.rollout.scheduler import PartialRolloutScheduler
 from k3post.serve.launch import LocalServers
 from k3post.rollout.trajectory import Group, Trajectory
+from k3post.routing_replay import decode_routes
 from k3post.xtml import EOM, XTML
 
 pytest.importorskip("uvicorn")
@@ -75,9 +76,11 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_servers(model_dir: Path, logs: Path, names: str, *, qat: bool = False) -> Iterator[dict[str, Server]]:
+def running_servers(model_dir: Path, logs: Path, names: str, *, qat: bool = False,
+                    record_routes: bool = False) -> Iterator[dict[str, Server]]:
     """Servers named by the letters of ``names`` (4 slots, one torch thread each), ready; stopped on exit."""
-    with LocalServers(model_dir, len(names), max_batch_size=4, qat=qat, threads=1, log_dir=logs) as ls:
+    with LocalServers(model_dir, len(names), max_batch_size=4, qat=qat, threads=1, log_dir=logs,
+                      record_routes=record_routes) as ls:
         yield {name: Server(p.url, p.proc, p.log) for name, p in zip(names, ls.servers)}
 
 
@@ -113,6 +116,29 @@ def _generate(s: Server, prompt: list[int], sp: SamplingParams, *, rid: str | No
     r = s.post("/generate", body)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def test_routes_come_back_over_http(servers: dict[str, Server], model_dir: Path, tmp_path: Path) -> None:
+    """k3post serve --record-routes returns every fed position's experts in /generate's meta_info.routes: bit for bit
+    the routes an in-process engine records for the same request (same model, same forwards), also through
+    `HTTPEngine`; a client that asks servers without the flag fails naming it, and a dialect that cannot say
+    fails at construction."""
+    sp = SamplingParams(max_tokens=12, seed=3)
+    [ref] = EmbeddedEngine(model_dir, max_batch_size=4, seed=0, record_routes=True).generate(
+        [GenerationRequest("r", PROMPT, sp)])
+    assert ref.routes is not None and len(ref.routes) == len(PROMPT) + ref.num_tokens - 1
+    with running_servers(model_dir, tmp_path, "R", record_routes=True) as srv:
+        d = _generate(srv["R"], PROMPT, sp)
+        assert d["output_ids"] == ref.output_ids and torch.equal(decode_routes(d["meta_info"]["routes"]), ref.routes)
+        with HTTPEngine([srv["R"].url], record_routes=True) as eng:
+            [got] = eng.generate([GenerationRequest("h", PROMPT, sp)])
+        assert got.output_ids == ref.output_ids and torch.equal(got.routes, ref.routes)
+    assert "routes" not in _generate(servers["A"], PROMPT, sp)["meta_info"]
+    with HTTPEngine([servers["A"].url], record_routes=True, max_retries=0) as eng:
+        with pytest.raises(Exception, match="--record-routes"):
+            eng.generate([GenerationRequest("h", PROMPT, sp)])
+    with pytest.raises(ValueError, match="record_routes"):
+        HTTPEngine([servers["A"].url], record_routes=True, dialect="sglang")
 
 
 def _lp(d: dict[str, Any]) -> list[float]:

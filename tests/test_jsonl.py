@@ -109,6 +109,12 @@ def test_a_stage_log_reads_its_stage_back_in_step_order_and_marks_missing_steps(
     assert g["stale_kv_mean"] == pytest.approx(0.35) and g["stale_kv_max"] == 1.5 and g["stale_kv_tokens"] == 4.0
     assert g["moved_mean"] == pytest.approx(0.4) and g["moved_tokens"] == 2.0 and g["mean"] == pytest.approx(0.1)
     assert rollout_gap(rows[2:]) == {"mean": 0.1, "max": 0.0, "tokens": 1.0, "stale_kv_tokens": 0.0, "moved_tokens": 0.0}
+    # routes routed differently, by hand: (0.1·100 + 0.4·50) / 150 = 0.2; a row without routes counts nothing
+    rows[0].update({"train/routing_known_tokens": 100.0, "train/routing_mismatch_frac": 0.1})
+    rows[1].update({"train/routing_known_tokens": 50.0, "train/routing_mismatch_frac": 0.4})
+    g = rollout_gap(rows)
+    assert g["routing_positions"] == 150.0 and g["routing_mismatch_frac"] == pytest.approx(0.2)
+    assert "routing_positions" not in rollout_gap(rows[2:])
     m.truncate("rl", 5)
     with caplog.at_level("WARNING", logger="k3post.loop"):
         _check_rows(m, "rl", 5, None)

@@ -144,6 +144,36 @@ def test_train_rollout_gap_with_qat_is_kernel_noise(warm_policy, tmp_path, monke
     assert broken["mean"] > 5 * 5e-4 and broken["max"] > 2e-2, broken
 
 
+@pytest.mark.parametrize("mode", ["off", "measure", "rollout-routes"])
+def test_routing_replay_modes_in_rl(warm_policy, tmp_path, mode):
+    """rl.routing_replay through `train_rl`, with QAT as the demo trains (λ = 0.5: trajectories pause and resume,
+    their routes with them): "off" records nothing; "measure" and "rollout-routes" log, every step, the recorded
+    context positions (at least every position before a sampled token) and the share the trainer's own top-k
+    routes differently. Engine and trainer run one op order here, so flips are last-bit ties: at most a few
+    percent (misplaced records would disagree on about half). The gap stays kernel noise (the bounds of
+    test_train_rollout_gap_with_qat_is_kernel_noise). Positions older weights routed (before the policy moved) are
+    counted apart: λ = 0.5 at lr 1e-3 puts ~10% of them on other experts."""
+    from k3post.loop import rollout_gap
+    from k3post.quant.qat import QATConfig, apply_qat
+
+    model0, tok = warm_policy
+    cfg = _cfg(steps=2, routing_replay=mode)
+    m = copy.deepcopy(model0)
+    apply_qat(m, QATConfig())
+    run = train_rl(m, tok, cfg, tmp_path / mode, budgets=_budgets(model0, tok, cfg), evaluate=False)
+    hist = run.metrics.rows()
+    g = rollout_gap(hist)
+    assert g["mean"] < 5e-4 and g["max"] < 2e-2, g
+    if mode == "off":
+        assert not any("train/routing_known_tokens" in h for h in hist) and "routing_positions" not in g
+        return
+    for h in hist:
+        positions = h.get("train/routing_known_tokens", 0.0) + h.get("train/routing_older_tokens", 0.0)
+        assert positions >= h["train/num_tokens"] > 0, h
+        assert 0.0 <= h.get("train/routing_mismatch_frac", 0.0) <= 0.05, h
+    assert g["routing_positions"] == sum(h.get("train/routing_known_tokens", 0.0) for h in hist) > 0
+
+
 def test_score_golden():
     """Rewards → override → advantages → sequences, by hand.
 
@@ -593,6 +623,8 @@ def test_masked_entropy_equals_full_entropy_at_the_mask(warm_policy):
 @pytest.mark.parametrize("override, message", [
     ("rl.effort=medium", "rl.effort must be one of"),
     ("rl.lr_schedule=cosine", "rl.lr_schedule must be one of"),
+    ("rl.routing_replay=r3", "rl.routing_replay must be one of"),
+    ("rl.domain_overrides.general.routing_replay=on", "rl.domain_overrides.general.routing_replay"),
     ("rl.domains=[general,web]", r"rl.domains: unknown domain\(s\) \['web'\]"),
     ("rl.domain_overrides.agents.foo=1", "rl.domain_overrides.agents.foo: not a numeric RL setting"),
     ("rl.domain_overrides.agents.steps=1.5", "rl.domain_overrides.agents.steps: must be an integer"),

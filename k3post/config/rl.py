@@ -11,7 +11,7 @@ from typing import Any
 from k3post.config.effort import EffortConfig
 from k3post.config.optim import OptimConfig, check_keep_last
 from k3post.config.ranges import check_range, field_range, ranged
-from k3post.config.rollout import RESUME_KV, EngineConfig, RolloutConfig
+from k3post.config.rollout import RESUME_KV, ROUTING_REPLAY, EngineConfig, RolloutConfig
 from k3post.constants import DOMAINS, EFFORTS
 from k3post.urls import is_url
 
@@ -22,7 +22,7 @@ LR_SCHEDULES = ("constant", "linear")
 TRAIN_PASS_EMPTY = ("error", "all")
 JUDGE_FALLBACKS = ("fail", "format_gate")
 CHOICE_OVERRIDES: dict[str, tuple[str, ...]] = {"lr_schedule": LR_SCHEDULES, "train_pass_empty": TRAIN_PASS_EMPTY,
-                                                "resume_kv": RESUME_KV}
+                                                "resume_kv": RESUME_KV, "routing_replay": ROUTING_REPLAY}
 # the loss switches an expert may set for itself (domain_overrides), besides the numeric fields
 BOOL_OVERRIDES: tuple[str, ...] = ("normalize_std", "skip_zero_variance", "seq_mean", "sequence_ratio", "stop_gradient_ratio")
 """The settings other than numbers that ``domain_overrides`` may set, with their choices."""
@@ -105,7 +105,9 @@ class RLConfig:
 
     Rollout: ``n_prompts`` × ``k`` per iteration, ``lambda_`` and ``max_staleness`` (SPEC §3.2),
     ``temperature``, ``max_tokens`` per assistant turn, ``slots`` (engine batch), ``kv_pool_mb``, ``resume_kv``
-    (`RolloutConfig`: what a trajectory paused across a weight update resumes from).
+    (`RolloutConfig`: what a trajectory paused across a weight update resumes from), ``routing_replay``
+    ("off" | "measure" | "rollout-routes", `k3post.routing_replay`: the engine records each position's experts,
+    the trainer counts the positions it routes differently and, with "rollout-routes", routes them as recorded).
     Loss (SPEC §3.1): ``log_ratio_min`` / ``log_ratio_max`` (the K2.5 band α, β), ``tau`` (the quadratic
     regulariser), ``clip_eps_low`` / ``clip_eps_high`` (PPO/DAPO clipping; inf = off),
     ``stop_gradient_ratio`` (CISPO), ``sequence_ratio`` (GSPO), ``seq_mean`` (sequence-mean aggregation);
@@ -168,6 +170,7 @@ class RLConfig:
     slots: int = ranged(32, ge=1)
     kv_pool_mb: int = ranged(64, ge=0)
     resume_kv: str = "reuse"
+    routing_replay: str = "off"
     difficulty: int = ranged(1, ge=1)
     n_tasks: int = ranged(320, ge=1)
     eval_n: int = ranged(400, ge=0)
@@ -224,6 +227,8 @@ class RLConfig:
             raise ValueError(f"rl.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if self.resume_kv not in RESUME_KV:
             raise ValueError(f"rl.resume_kv must be one of {RESUME_KV}, got {self.resume_kv!r}")
+        if self.routing_replay not in ROUTING_REPLAY:
+            raise ValueError(f"rl.routing_replay must be one of {ROUTING_REPLAY}, got {self.routing_replay!r}")
         if self.judge_fallback not in JUDGE_FALLBACKS:
             raise ValueError(f"rl.judge_fallback must be one of {JUDGE_FALLBACKS}, got {self.judge_fallback!r}")
         if self.train_pass_empty not in TRAIN_PASS_EMPTY:
@@ -282,7 +287,8 @@ class RLConfig:
         return RolloutConfig(n_prompts=self.n_prompts, k=self.k, lambda_=self.lambda_, max_staleness=self.max_staleness,
                              temperature=self.temperature, max_tokens=self.max_tokens, max_model_len=self.max_model_len,
                              slots=self.slots, kv_pool_mb=self.kv_pool_mb, effort=self.effort, seed=self.seed,
-                             engine=self.engine, resume_kv=self.resume_kv)
+                             engine=self.engine, resume_kv=self.resume_kv,
+                             record_routes=self.routing_replay != "off")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of the optimizer step that follows ``step`` finished steps: ``lr`` ("constant"), or

@@ -22,6 +22,10 @@ QAT_OP_ORDERS = ("hf", "fast")
 WEIGHT_SYNCS = ("disk", "distributed")
 ENGINE_DIALECTS = ("k3post", "sglang", "vllm")
 RESUME_KV = ("reuse", "reprefill")  # RolloutConfig.resume_kv
+ROUTING_REPLAY = ("off", "measure", "rollout-routes")
+"""``rl.routing_replay`` (`k3post.routing_replay`): "off" records nothing; "measure" has the engine record the experts
+it routed every position to and the trainer count the positions it routes differently (``routing_mismatch_frac``)
+while routing by itself; "rollout-routes" replays the engine's routes in the trainer's forward (R3)."""
 
 
 @dataclass
@@ -128,7 +132,8 @@ class RolloutConfig:
     ``seed``, ``engine`` (where it runs), and ``resume_kv``: what a trajectory paused across a weight update
     resumes from: "reuse" its KV cache computed with the older weights (its next tokens are sampled from a
     mixed-version state; their ``kv_versions`` say so and the trainer counts their gap apart), or "reprefill"
-    its context under the new weights (`k3post.rollout.scheduler`, ``reuse_stale_kv``)."""
+    its context under the new weights (`k3post.rollout.scheduler`, ``reuse_stale_kv``). ``record_routes``: the
+    engine records the experts every position was routed to (routing replay, `k3post.routing_replay`)."""
 
     n_prompts: int = 8
     k: int = 8
@@ -143,6 +148,7 @@ class RolloutConfig:
     seed: int = 0
     engine: EngineConfig = field(default_factory=EngineConfig)
     resume_kv: str = "reuse"
+    record_routes: bool = False
 
     def __post_init__(self) -> None:
         if self.resume_kv not in RESUME_KV:

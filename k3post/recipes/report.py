@@ -250,10 +250,14 @@ def _gap_table(rows: list[tuple[str, dict[str, float]]]) -> str:
             "over KV cache of those weights (SPEC §5: kernel noise only; a QAT path missing on either side gives a "
             "mean above 5e-3), and apart over the tokens they sampled over KV kept from older weights (a paused "
             "trajectory resumed on its kept KV, <code>rl.resume_kv=reuse</code>: the policy's own change, not the "
-            "engine's).</p>"
+            "engine's). Routed differently: the share of context positions the trainer's own top-k sends to other "
+            "experts than the engine did in some MoE layer (recorded with <code>rl.routing_replay</code> measure or "
+            "rollout-routes; the latter trains on the engine's routes).</p>"
             + _table(["run", "mean |Δ log p|", "max |Δ log p|", "tokens", "tokens over older KV", "their mean",
-                      "their max"],
-                     [[name, f"{g['mean']:.2e}", f"{g['max']:.2e}", int(g["tokens"]), *stale(g)] for name, g in rows]))
+                      "their max", "routed differently"],
+                     [[name, f"{g['mean']:.2e}", f"{g['max']:.2e}", int(g["tokens"]), *stale(g),
+                       f"{g['routing_mismatch_frac']:.4f} of {int(g['routing_positions'])}"
+                       if g.get("routing_positions") else "–"] for name, g in rows]))
 
 
 def _rate(p: float, ci: Sequence[float] | None) -> str:

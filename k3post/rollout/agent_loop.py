@@ -273,6 +273,7 @@ class AgentLoop:
         traj.truncate_segment()
         traj.append(partial.output_ids, logprobs=partial.output_logprobs, versions=partial.output_versions,
                     kv_versions=partial.output_kv_versions)
+        traj.set_routes(partial.routes)
         self.save_env(traj)
         traj.status = "paused"
         traj.pauses += 1
@@ -346,6 +347,7 @@ class AgentLoop:
         traj.truncate_segment()
         seg = list(res.output_ids)
         traj.append(seg, logprobs=res.output_logprobs, versions=res.output_versions, kv_versions=res.output_kv_versions)
+        traj.set_routes(res.routes)
         traj.output_tokens += len(seg)
         if self.mode == "think":
             close = self.xtml.close_id

@@ -202,7 +202,10 @@ class GenerationResult:
     entries that token attended to (below ``output_versions[i]`` when the sequence kept KV
     computed before a weight update, `KVState.oldest_version`); -1 where the engine does not
     say (left empty: -1 for every token). ``finish_reason``: "stop" (a stop id, kept as the last
-    token), "length" (max_tokens or the engine's max_model_len), "abort", "paused".
+    token), "length" (max_tokens or the engine's max_model_len), "abort", "paused". ``routes``: with
+    route recording on (`k3post.routing_replay`), [n, M, K] int16, the experts each context position
+    0..n-1 (prompt + output but tokens the engine has not fed yet) was routed to in each MoE layer; None
+    when the engine does not record them.
     """
 
     request_id: str
@@ -212,6 +215,7 @@ class GenerationResult:
     output_versions: list[int]
     finish_reason: FinishReason
     output_kv_versions: list[int] = field(default_factory=list)
+    routes: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
@@ -222,6 +226,10 @@ class GenerationResult:
                 f"result {self.request_id!r}: output_ids, output_logprobs, output_versions and output_kv_versions "
                 "differ in length"
             )
+        n_ctx = len(self.prompt_ids) + len(self.output_ids)
+        if self.routes is not None and (self.routes.dim() != 3 or self.routes.shape[0] > n_ctx):
+            raise ValueError(f"result {self.request_id!r}: routes shaped {tuple(self.routes.shape)}, expected "
+                             f"[<= {n_ctx} context positions, MoE layers, top_k]")
 
     @property
     def num_tokens(self) -> int:
@@ -239,7 +247,8 @@ class KVState:
     the newest of these entries was computed; ``oldest_version``: when the oldest was (None:
     ``weight_version``; older when the sequence kept its KV across a weight update). Keys and values may differ in heads and width
     (whatever the model caches: MLA holds its latent [1, N, kv_lora_rank] as keys and the shared
-    rotary key [1, N, qk_rope_head_dim] as values); both cover the same N positions.
+    rotary key [1, N, qk_rope_head_dim] as values); both cover the same N positions. ``routes``: [N, M, K]
+    experts of each position per MoE layer when the engine records them (`k3post.routing_replay`), else None.
     """
 
     keys: list[torch.Tensor]
@@ -247,6 +256,7 @@ class KVState:
     context_ids: list[int]
     weight_version: int
     oldest_version: int | None = None
+    routes: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.oldest_version is None:
@@ -262,6 +272,8 @@ class KVState:
                     f"KVState layer {i}: keys {tuple(k.shape)} / values {tuple(v.shape)} must both be "
                     f"[heads, {n}, width] for {n} context tokens"
                 )
+        if self.routes is not None and (self.routes.dim() != 3 or self.routes.shape[0] != n):
+            raise ValueError(f"KVState: routes shaped {tuple(self.routes.shape)}, expected [{n}, MoE layers, top_k]")
 
     @property
     def num_tokens(self) -> int:
@@ -271,7 +283,8 @@ class KVState:
     @property
     def nbytes(self) -> int:
         """Bytes held by the key and value tensors (for a pool sized in bytes)."""
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in zip(self.keys, self.values))
+        routes = 0 if self.routes is None else self.routes.numel() * self.routes.element_size()
+        return routes + sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in zip(self.keys, self.values))
 
 
 @runtime_checkable

@@ -135,7 +135,8 @@ def build_engine(
                              backoff_max_s=max(cfg.backoff_s, 8 * cfg.backoff_s), read_timeout_s=cfg.timeout_s,
                              weights_dir=cfg.sync_dir or None, shard_mb=cfg.bucket_mb, weight_sync=cfg.weight_sync,
                              sync_timeout_s=cfg.timeout_s, dialect="k3post" if servers is not None else cfg.dialect,
-                             server_slots=cfg.server_slots or None)
+                             server_slots=cfg.server_slots or None,
+                             record_routes=bool(embedded.get("record_routes")))
         except BaseException:
             if servers is not None:
                 servers.close()
@@ -156,7 +157,7 @@ def _launch_servers(model: torch.nn.Module | str | Path, tokenizer: Any | None, 
     from k3post.quant.qat import QATConfig
     from k3post.serve.launch import LocalServers
 
-    extra = sorted(set(embedded) - {"qat"})
+    extra = sorted(set(embedded) - {"qat", "record_routes"})
     if extra:
         raise ValueError(f"engine.kind is http: launched servers for the {role} take no {extra} (embedded-engine "
                          "settings)")
@@ -178,7 +179,7 @@ def _launch_servers(model: torch.nn.Module | str | Path, tokenizer: Any | None, 
         model_dir = Path(model)
     servers = LocalServers(model_dir, cfg.launch, max_batch_size=max_batch_size, max_model_len=max_model_len,
                            qat=qat is not None and qat.enabled, threads=cfg.launch_threads or _plan_threads(),
-                           remove_on_close=tmp)
+                           remove_on_close=tmp, record_routes=bool(embedded.get("record_routes")))
     log.info("engine for the %s: %d local server(s) %s", role, cfg.launch, servers.urls)
     return servers
 
@@ -213,7 +214,8 @@ class Rollout:
         self.cfg = cfg
         self.model = model
         self.engine = build_engine(model, tokenizer, engine=cfg.engine, max_batch_size=cfg.slots,
-                                   max_model_len=cfg.max_model_len, seed=cfg.seed)
+                                   max_model_len=cfg.max_model_len, seed=cfg.seed,
+                                   **({"record_routes": True} if cfg.record_routes else {}))
         if not getattr(self.engine, "shares_weights", False):
             # servers hold whatever they were started or last updated with: the run starts on the trainer's
             # weights, one version past the servers' (versions only ever grow on a server)

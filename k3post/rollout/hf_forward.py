@@ -28,11 +28,14 @@ Shape legend:
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import DynamicCache
+
+from k3post.routing_replay import RouteRecorder
 
 __all__ = ["HFForward", "SeqKVCache"]
 
@@ -146,6 +149,7 @@ class HFForward:
         self.capture_layers: tuple[int, ...] = ()  # decoder layers whose output hidden states forward_chunks keeps
         self.captured: torch.Tensor | None = None  # [B, T, A, D] of the last forward_chunks (rows right-padded)
         self._out: torch.Tensor | None = None
+        self.routes: RouteRecorder | None = None  # records each row's experts (routing replay) when set
         self.cache = SeqKVCache(self._probe(n_layers), num_slots, max_len, param.dtype, param.device)
 
     def _call(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, cache: DynamicCache,
@@ -232,7 +236,10 @@ class HFForward:
         attn_BL = None
         if min(row_starts) < L:
             attn_BL = (torch.arange(L + T, device=dev)[None] >= (L - pos_BT[:, :1])).long()
-        logits_BTV = self._call(ids_BT, pos_BT, cache, attn_BL, T if all_positions else 1)
+        rec = nullcontext() if self.routes is None else self.routes.rows(
+            torch.tensor(row_slots, device=dev).repeat_interleave(T), pos_BT.view(-1))
+        with rec:
+            logits_BTV = self._call(ids_BT, pos_BT, cache, attn_BL, T if all_positions else 1)
         self.cache.store(row_slots, [L - st for st in row_starts], cache)
         rows_R = torch.tensor(rows, device=dev)
         if self._out is None:  # [B, V], or [B, T_max, V] for all positions

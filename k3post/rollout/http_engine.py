@@ -86,6 +86,7 @@ from k3post.rollout.engine import (
     generate_by_stepping,
     request_seed,
 )
+from k3post.routing_replay import decode_routes
 from k3post.urls import is_url
 
 __all__ = ["HTTPEngine", "EngineUnavailableError"]
@@ -199,6 +200,7 @@ class HTTPEngine:
         server_slots: int | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         api_key: str | None = None,
+        record_routes: bool = False,
     ) -> None:
         if isinstance(urls, str) or not urls or not all(is_url(u) for u in urls):
             raise ValueError(f"urls must be a non-empty list of http(s):// base URLs, got {urls!r}")
@@ -223,6 +225,10 @@ class HTTPEngine:
             raise ValueError(f"weight_sync={weight_sync!r} is not available with dialect={dialect!r}: its servers "
                              "receive broadcasts in their own protocol, not k3post's DistributedSync buckets; use "
                              "weight_sync='disk'")
+        if record_routes and dialect != "k3post":
+            raise ValueError(f"record_routes (routing replay) needs k3post serve --record-routes servers: the {dialect} "
+                             "dialect returns no routed experts")
+        self.record_routes = bool(record_routes)
         self.default_stop_ids = None if default_stop_ids is None else [int(t) for t in default_stop_ids]
         self.server_slots = server_slots
         self.sync_address, self.sync_timeout_s = sync_address, float(sync_timeout_s)
@@ -445,10 +451,10 @@ class HTTPEngine:
         if resp.status_code != 200:
             raise RuntimeError(f"{server.url}/generate answered {resp.status_code} for request "
                                f"{r.request_id!r}: {resp.text[:500]}")
-        return self._result(rq, resp.json(), server.url)
+        return self._result(rq, resp.json(), server.url, self.record_routes)
 
     @staticmethod
-    def _result(rq: _Req, d: dict[str, Any], url: str) -> GenerationResult:
+    def _result(rq: _Req, d: dict[str, Any], url: str, want_routes: bool = False) -> GenerationResult:
         r = rq.request
         ids = [int(t) for t in d["output_ids"]]
         meta = d["meta_info"]
@@ -465,8 +471,14 @@ class HTTPEngine:
         if len(kv) != len(ids):
             raise RuntimeError(f"{url}/generate: request {r.request_id!r}: kv_versions do not match output_ids")
         kv[: len(rq.kv_versions)] = rq.kv_versions
+        routes = None
+        if want_routes:
+            if not isinstance(meta.get("routes"), str):
+                raise RuntimeError(f"{url}/generate returned no routes for request {r.request_id!r}: routing replay "
+                                   "needs servers started with k3post serve --record-routes")
+            routes = decode_routes(meta["routes"], f"{url}/generate meta_info.routes")
         return GenerationResult(r.request_id, list(r.prompt_ids), ids, [float(p[0]) for p in pairs],
-                                [int(v) for v in meta["versions"]], finish, kv)
+                                [int(v) for v in meta["versions"]], finish, kv, routes)
 
     async def _generate_dialect(self, server: _Server, rq: _Req) -> GenerationResult:
         """One SGLang / vLLM generate call continuing ``rq`` from its tokens so far; the new

@@ -11,6 +11,10 @@ A trajectory holds the whole token context of a multi-turn episode, token by tok
                    versions[i] when the engine kept KV computed before a weight update; -1 for env
                    tokens and where the engine does not say)
 
+and, when the engine records them (routing replay), ``routes``: the experts each context position was routed
+to in each MoE layer, [n <= T, M, K] as `k3post.routing_replay.encode_routes` text ("" when none), as the
+engine last fed that position (a later turn's result covers every position before it);
+
 so the trainer gets its loss mask, pi_old and staleness per token (STYLE.md point 5). The
 current turn's request is ``token_ids[:segment_start]``; tokens after ``segment_start`` are
 the part of the current turn sampled so far (non-empty only while paused mid-turn; they are
@@ -115,6 +119,7 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     kv_versions: list[int] = field(default_factory=list)
+    routes: str = ""
     segment_start: int = 0
     turns: int = 0
     status: TrajectoryStatus = "running"
@@ -202,6 +207,29 @@ class Trajectory:
         """Drop the current turn's sampled tokens (they come back from the engine's result)."""
         k = self.segment_start
         del self.token_ids[k:], self.trainable[k:], self.logprobs[k:], self.versions[k:], self.kv_versions[k:]
+        routes = self.routes_tensor()
+        if routes is not None and routes.shape[0] > k:
+            self.set_routes(routes[:k])
+
+    def set_routes(self, routes_NMK: Any) -> None:
+        """Record the engine's routes of context positions 0..n-1 ([n, M, K], `GenerationResult.routes`; they
+        replace what was recorded before: the engine's latest forward of those positions). None: no change."""
+        if routes_NMK is None:
+            return
+        from k3post.routing_replay import encode_routes
+
+        if routes_NMK.shape[0] > len(self.token_ids):
+            raise ValueError(f"trajectory {self.traj_id!r}: routes of {routes_NMK.shape[0]} positions for a context of "
+                             f"{len(self.token_ids)} tokens")
+        self.routes = encode_routes(routes_NMK)
+
+    def routes_tensor(self) -> Any:
+        """The recorded routes as a [n, M, K] int16 tensor, None when there are none."""
+        if not self.routes:
+            return None
+        from k3post.routing_replay import decode_routes
+
+        return decode_routes(self.routes, f"trajectory {self.traj_id!r} routes")
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:

@@ -51,6 +51,7 @@ def build_server(
     torch_threads: int | None = None,
     draft: str | None = None,
     num_draft_tokens: int = 4,
+    record_routes: bool = False,
 ) -> "FastAPI":
     """Load ``model_dir`` (model + tokenizer) into an `EmbeddedEngine` and return the app.
 
@@ -70,6 +71,8 @@ def build_server(
         torch_threads: torch CPU threads of the engine thread (None: torch's default).
         draft: speculative decoding with this draft folder (an EAGLE-3 export of ``k3post draft`` or a small
             causal LM; `k3post.config.rollout.EngineConfig.draft`), ``num_draft_tokens`` a round; None: off.
+        record_routes: the engine records the experts every position was routed to; ``/generate`` returns them
+            in ``meta_info.routes`` (routing replay, `k3post.routing_replay`).
     """
     from k3post.config.rollout import EngineConfig
     from k3post.quant.qat import QATConfig
@@ -93,6 +96,7 @@ def build_server(
     engine = build_engine(
         path, tokenizer, engine=EngineConfig(draft=draft or "", num_draft_tokens=num_draft_tokens),
         max_batch_size=max_batch_size, max_model_len=max_model_len, qat=QATConfig() if qat else None, seed=seed,
+        **({"record_routes": True} if record_routes else {}),
     )
     return create_app(EngineRunner(engine, torch_threads=torch_threads), tokenizer, config)
 
@@ -157,7 +161,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         ns.model_dir, model_name=ns.model_name, max_batch_size=ns.max_batch_size, max_model_len=ns.max_model_len,
         qat=ns.qat, seed=ns.seed, default_effort=ns.thinking_effort, default_max_tokens=ns.default_max_tokens or None,
         api_key=api_key, torch_threads=plan.per_process,
-        draft=ns.draft, num_draft_tokens=ns.num_draft_tokens, limits=limits,
+        draft=ns.draft, num_draft_tokens=ns.num_draft_tokens, limits=limits, record_routes=ns.record_routes,
     )
     print(f"serving {app.state.server.config.model_name} on http://{ns.host}:{ns.port}/v1")
     serve(app, host=ns.host, port=ns.port, log_level=ns.log_level)
@@ -202,6 +206,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "reaches the port can then pause the engine and load weights (README, Security)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads of the engine thread (0: the cores this process may use, k3post.threads)")
+    p.add_argument("--record-routes", action="store_true",
+                   help="record the experts every position was routed to and return them in /generate's "
+                        "meta_info.routes (routing replay: rl.routing_replay over engine.kind http)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(fn=cmd_serve)
     return p

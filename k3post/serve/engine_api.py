@@ -25,6 +25,10 @@ a k3post server at the level of token ids, log-probs and policy versions:
                      "output_token_logprobs": [[logprob, token_id, null], ...]   (return_logprob),
                      "versions": [int, ...], "kv_versions": [int, ...], "weight_version": int}}
 
+  A server started with ``--record-routes`` adds ``"routes"``: the experts every context position the engine
+  fed (prompt and output but the last token) was routed to per MoE layer, `k3post.routing_replay.encode_routes`
+  text ("TxMxK:" + base64 int16).
+
   ``kv_versions[i]``: the oldest weight version among the KV entries output token i attended to (below
   ``versions[i]`` when the request ran across a weight update; -1 for continuation tokens, which the
   server did not sample).
@@ -99,6 +103,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from k3post.rollout.engine import GenerationRequest, GenerationResult, SamplingParams, check_score_ids
+from k3post.routing_replay import encode_routes
 from k3post.serve.server import APIError, ServerState, json_body
 from k3post.tokenizer import decode
 
@@ -220,6 +225,8 @@ def generate_response(res: GenerationResult, *, given: int, return_logprob: bool
     }
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(res.output_ids, res.output_logprobs)]
+    if res.routes is not None:  # k3post serve --record-routes
+        meta["routes"] = encode_routes(res.routes)
     text = decode(tokenizer, res.output_ids) if tokenizer is not None else None
     return {"text": text, "output_ids": list(res.output_ids), "meta_info": meta}
 

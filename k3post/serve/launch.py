@@ -89,6 +89,7 @@ class LocalServers:
         host: str = "127.0.0.1",
         ready_timeout_s: float = 180.0,
         remove_on_close: str | Path | None = None,
+        record_routes: bool = False,
     ) -> None:
         self.remove_on_close = Path(remove_on_close) if remove_on_close is not None else None
         self.servers: list[ServerProcess] = []
@@ -112,6 +113,8 @@ class LocalServers:
             self._args += ["--max-model-len", str(max_model_len)]
         if threads is not None:
             self._args += ["--threads", str(threads)]
+        if record_routes:
+            self._args += ["--record-routes"]
         try:
             for i in range(n):
                 self._start(i)

@@ -226,7 +226,7 @@ def opd_signal(pool: TeacherPool, cfg: MOPDConfig, xtml: XTML) -> Signal:
             it = iter(r_T)
             seqs.append(TokenSequence(list(t.token_ids), list(t.trainable), list(t.logprobs),
                                       [next(it) if mk else 0.0 for mk in t.trainable], list(t.versions),
-                                      list(t.kv_versions)))
+                                      list(t.kv_versions), t.routes_tensor()))
         rewards = [float(t.reward or 0.0) for t in trajs]
         rows = {"opd_reward": m["mean_reward"], "opd_clip_frac": m["clip_frac"], "reverse_kl": m["reverse_kl"],
                 "opd_tokens": m["num_tokens"],

@@ -355,7 +355,7 @@ def _score(
             if v:  # an infrastructure failure is not in the loss
                 seqs.append(TokenSequence(list(t.token_ids), list(t.trainable), list(t.logprobs),
                                           [a if m else 0.0 for m in t.trainable], list(t.versions),
-                                          list(t.kv_versions)))
+                                          list(t.kv_versions), t.routes_tensor()))
     flat_in = [x for r in rewards_in for x in r]
     n = len(flat_in)
     nan = float("nan")

@@ -78,6 +78,7 @@ from k3post.rollout.engine import (
     token_uniforms,
 )
 from k3post.rollout.hf_forward import HFForward
+from k3post.routing_replay import RouteRecorder
 from k3post.rollout.speculative import DraftRow, SpeculativeConfig, row_sampling_probs, stream_uniforms, verify_drafts
 from k3post.rollout.speculative import STREAM_ACCEPT, STREAM_RESIDUAL
 
@@ -104,6 +105,7 @@ class _Seq:
     aux: list[torch.Tensor] = field(default_factory=list)  # speculative: target hidden [N, A, D] not yet drafted on
     aux_start: int = 0  # context position of aux's first row
     context: list[int] = field(default_factory=list)  # prompt + output_ids
+    routes: torch.Tensor | None = None  # recorded routes of the fed positions, taken when the request left its slot
 
     @property
     def rid(self) -> str:
@@ -118,6 +120,7 @@ class _Seq:
             output_versions=list(self.versions),
             finish_reason=finish_reason,  # type: ignore[arg-type]
             output_kv_versions=list(self.kv_versions),
+            routes=self.kv.routes if self.kv is not None else self.routes,
         )
 
 
@@ -170,6 +173,10 @@ class EmbeddedEngine(QueuedRequestsMixin):
             a bit into ~1e-4 of log-prob. Measured in RL (docs/decisions.md, issue 32 §qatorder): "fast"
             1.1-1.3x a decode step, a train-rollout gap ~4x larger (median per step 4e-6 against 1e-6):
             an opt-in (``engine.qat_op_order``).
+        record_routes: record the experts every fed position was routed to in every MoE layer (routing
+            replay, `k3post.routing_replay`): they move with the KV (prefix sharing, pause / resume, kept
+            multi-turn KV) and come back in `GenerationResult.routes`. ValueError when the model's routers
+            are not plain top-k routers.
 
     ``shares_weights``: the engine decodes with the model object's own parameters, so a co-located
     trainer's optimizer step is visible to it and a weight push is a version bump
@@ -195,6 +202,7 @@ class EmbeddedEngine(QueuedRequestsMixin):
         path: str = "auto",
         speculative: SpeculativeConfig | None = None,
         qat_op_order: str = "hf",
+        record_routes: bool = False,
     ) -> None:
         model: Any
         if isinstance(model_or_dir, (str, Path)):
@@ -265,6 +273,9 @@ class EmbeddedEngine(QueuedRequestsMixin):
             self._forward = self._lean = LeanForward(model, max_batch_size, self.max_model_len, qat_op_order=qat_op_order,
                                                      dense_moe_max_tokens=dense_moe_max_tokens)
         self.cache = self._forward.cache
+        self._routes: RouteRecorder | None = None
+        if record_routes:
+            self._routes = self._forward.routes = RouteRecorder(model, max_batch_size, self.max_model_len, self.device)
         self._version = 0
         self._queue: deque[_Seq] = deque()
         self._running: list[_Seq] = []  # index == slot
@@ -423,6 +434,7 @@ class EmbeddedEngine(QueuedRequestsMixin):
         return KVState(
             keys=[k.to("cpu") for k in kv.keys], values=[v.to("cpu") for v in kv.values],
             context_ids=list(kv.context_ids), weight_version=kv.weight_version, oldest_version=kv.oldest_version,
+            routes=kv.routes,
         )
 
     def _take(self, request_ids: Sequence[str], what: str) -> list[tuple[_Seq, str]]:
@@ -446,8 +458,7 @@ class EmbeddedEngine(QueuedRequestsMixin):
         self._queue = deque(s for s in self._queue if s.rid not in found)
         running_hit = [s for s in self._running if s.rid in found]
         for seq in running_hit:  # keep the KV cache of running ones before freeing slots
-            keys, values = self.cache.export(seq.slot, seq.n_cached)
-            seq.kv = KVState(keys, values, seq.context[: seq.n_cached], self._version, seq.kv_oldest)
+            seq.kv = self._export_kv(seq)
         self._free_slots({s.slot for s in running_hit})
         for rid in found:
             self._paused.pop(rid, None)
@@ -531,15 +542,26 @@ class EmbeddedEngine(QueuedRequestsMixin):
                 self.model.train()
         return [s.result(reasons[s.rid]) for s in finished]
 
+    def _export_kv(self, seq: _Seq) -> KVState:
+        """A CPU copy of the slot state of a running request: positions 0..n_cached-1 (KV, and routes when
+        recorded)."""
+        keys, values = self.cache.export(seq.slot, seq.n_cached)
+        routes = None if self._routes is None else self._routes.cache.export(seq.slot, seq.n_cached)
+        return KVState(keys, values, seq.context[: seq.n_cached], self._version, seq.kv_oldest, routes)
+
     def _keep_finished_kv(self, finished: list[_Seq], reasons: dict[str, str]) -> None:
         """Copy the slot KV of finished ``keep_kv`` requests that stopped ("stop") to CPU
         before their slots are freed: positions 0..n_cached-1, i.e. the context but the
-        last sampled token."""
+        last sampled token; with route recording, every finished request's routes too."""
         for seq in finished:
-            if seq.request.keep_kv and reasons.get(seq.rid) == "stop" and seq.slot >= 0:
-                keys, values = self.cache.export(seq.slot, seq.n_cached)
-                self._kept[seq.rid] = KVState(keys, values, seq.context[: seq.n_cached], self._version, seq.kv_oldest)
+            if seq.slot < 0:
+                continue
+            if seq.request.keep_kv and reasons.get(seq.rid) == "stop":
+                self._kept[seq.rid] = kv = self._export_kv(seq)
+                seq.routes = kv.routes
                 self.stats["kv_kept"] += 1
+            elif self._routes is not None:
+                seq.routes = self._routes.cache.export(seq.slot, seq.n_cached)
 
     def _free_slots(self, slots: set[int]) -> None:
         """Remove the sequences in ``slots``; the last running ones move into the holes left
@@ -552,7 +574,7 @@ class EmbeddedEngine(QueuedRequestsMixin):
         movers = [seq for seq in self._running[n_keep:] if seq.slot not in slots]
         with torch.inference_mode():  # the cache holds inference tensors; pause / abort run outside step()
             for hole, seq in zip(holes, movers):
-                self.cache.copy_slot(seq.slot, hole, seq.n_cached)
+                self._copy_slot(seq.slot, hole, seq.n_cached)
                 seq.slot = hole
         for i in slots:
             self._running[i].slot = -1
@@ -577,6 +599,8 @@ class EmbeddedEngine(QueuedRequestsMixin):
             self._running.append(seq)
             if seq.kv is not None:
                 self.cache.load(seq.slot, seq.kv.keys, seq.kv.values)
+                if self._routes is not None:
+                    self._routes.cache.load(seq.slot, seq.kv.num_tokens, seq.kv.routes)
                 seq.n_cached = seq.kv.num_tokens
                 seq.kv_oldest = int(seq.kv.oldest_version)  # type: ignore[arg-type]
                 self.stats["kv_reused_tokens"] += seq.n_cached
@@ -731,6 +755,12 @@ class EmbeddedEngine(QueuedRequestsMixin):
             return logits_BV if logits else None
         return self._lean.forward_chunks(chunks, starts, slots, logits=logits, all_positions=all_positions)
 
+    def _copy_slot(self, src: int, dst: int, length: int) -> None:
+        """The first ``length`` cached positions of slot ``src`` (KV, routes when recorded) into slot ``dst``."""
+        self.cache.copy_slot(src, dst, length)
+        if self._routes is not None:
+            self._routes.cache.copy_slot(src, dst, length)
+
     def _share_common_prefix(self, rows: list[_Seq]) -> None:
         """Prefix sharing across different prompts admitted together: when fresh rows share
         a common prefix of at least ``min_shared_prefix`` tokens (e.g. the system / effort
@@ -743,7 +773,7 @@ class EmbeddedEngine(QueuedRequestsMixin):
         self._forward_chunks([first[:n]], [0], [fresh[0].slot], logits=False)
         for s in fresh:
             if s is not fresh[0]:
-                self.cache.copy_slot(fresh[0].slot, s.slot, n)
+                self._copy_slot(fresh[0].slot, s.slot, n)
             s.n_cached = n
         self.stats["shared_prefix_tokens"] += n * (len(fresh) - 1)
 
@@ -778,7 +808,7 @@ class EmbeddedEngine(QueuedRequestsMixin):
             assert s is rows[b]
             for m in members:
                 if m is not s:
-                    self.cache.copy_slot(s.slot, m.slot, len(s.context))
+                    self._copy_slot(s.slot, m.slot, len(s.context))
                 m.n_cached = len(m.context)
                 out_seqs.append(m)
                 out_rows.append(b)

@@ -50,6 +50,8 @@ Shape legend:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +63,7 @@ from k3post.quant import qat as qat_module
 from k3post.quant.mx import MX_FORMATS, fake_quant_fp8_lastdim, fake_quant_mx
 from k3post.quant.qat import QATConfig
 from k3post.rollout.kv_cache import SlotKVCache
+from k3post.routing_replay import RouteRecorder
 from k3post.rollout.segments import attention_segments
 
 __all__ = ["LEAN_MODEL_TYPES", "LeanForward", "Norm", "WeightPlan", "fake_quant_act", "lean_blocker", "norm_of", "rms", "rotate",
@@ -336,6 +339,12 @@ class LeanForward:
         self._neg_inf = torch.full((), float("-inf"), dtype=self.dtype, device=self.device)
         self.capture_layers: tuple[int, ...] = ()
         self.captured: torch.Tensor | None = None  # [B, T, A, D] of the last forward that captured
+        self.routes: RouteRecorder | None = None  # records each row's experts (routing replay) when set
+
+    def _recording(self, slots_N: torch.Tensor, pos_N: torch.Tensor, valid_N: torch.Tensor | None = None) -> Any:
+        """A context in which the forward's rows (row n: position pos_N[n] of slot slots_N[n]) have their
+        experts recorded (`k3post.routing_replay.RouteRecorder`); a no-op without a recorder."""
+        return nullcontext() if self.routes is None else self.routes.rows(slots_N, pos_N, valid_N)
 
     def weights(self) -> WeightPlan:
         """The forward's view of the model weights (fused q/k/v, stacked q/k norm weights,
@@ -455,7 +464,8 @@ class LeanForward:
         N = h_ND.shape[0]
         mlp = self._layers[li].mlp
         if lw.moe is not None and N <= self.dense_moe_max_tokens:
-            return self.dense_moe(lw.moe, mlp, h_ND, x_ND, w.exact)
+            return self.dense_moe(lw.moe, mlp, h_ND, x_ND, w.exact,
+                                  None if self.routes is None else lambda e_NK: self.routes.record(li, e_NK))
         # QAT: the expert weights are fake-quantized once per weight version, not once per call (the same
         # values: 0.6 ms of a 1.6 ms MoE call at 256 tokens; docs/decisions.md, issue 32 §segments)
         with qat_module.weight_quant_cache(mlp, self._wq_stores[li]):
@@ -485,7 +495,8 @@ class LeanForward:
         )
 
     @staticmethod
-    def dense_moe(m: _MoEWeights, mlp: Any, h_ND: torch.Tensor, x_ND: torch.Tensor, exact: bool) -> torch.Tensor:
+    def dense_moe(m: _MoEWeights, mlp: Any, h_ND: torch.Tensor, x_ND: torch.Tensor, exact: bool,
+                  on_route: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """x + MoE(h) for a few tokens: every expert runs on every token as dense GEMMs
         (cheaper than a grouped GEMM at decode batch sizes), with routing weights that are
         zero outside each token's top-k:
@@ -506,7 +517,8 @@ class LeanForward:
         weighted sum over experts in expert order, then the residual): the engine's
         ``qat_op_order="hf"``. Under QAT both forms fake-quantize the same tensors (h before the
         up GEMM, a before the down GEMM; the router reads h unquantized, so the fast form
-        does not fuse the router into the up GEMM then).
+        does not fuse the router into the up GEMM then). ``on_route(e_NK)`` receives the chosen experts
+        when the engine routes (a router module called here reports through its own hooks).
         """
         N, X, I = h_ND.shape[0], m.n_experts, m.width
         logits_NX: torch.Tensor | None = None
@@ -527,6 +539,8 @@ class LeanForward:
         else:
             top_NK, e_NK = torch.topk(logits_NX, m.top_k, dim=-1)
             w_NK = torch.softmax(top_NK, dim=-1)
+        if on_route is not None and logits_NX is not None:
+            on_route(e_NK)
         if w_NK.dtype != h_ND.dtype:
             w_NK = w_NK.to(h_ND.dtype)
         w_NX = h_ND.new_zeros(N, X).scatter_(1, e_NK, w_NK)
@@ -609,21 +623,22 @@ class LeanForward:
         cos_B1E, sin_B1E = self._rotary(pos_B)
         index_BG = self.cache.step_index(pos_B)
         x_BD = self._embed_ids(w, ids_B)
-        for li, lw in enumerate(w.layers):
-            qkv_BF = lw.qkv(rms(x_BD, lw.in_norm, w.exact))
-            qk_BNE = self._qk_rotary(w, lw, qkv_BF[:, :NE].view(B, H + G, E), cos_B1E, sin_B1E)
-            self.cache.write_step(li, index_BG, qk_BNE[:, H:], qkv_BF[:, NE:].view(B, G, E))
-            k_BGLE, v_BGLE = self.cache.view(li, B, L)
-            if len(segs) == 1:
-                o_BF = self.attend_step(w, qk_BNE[:, :H], k_BGLE, v_BGLE, mask)
-            else:  # no row padded to a much longer one: one call per range a..b-1 over n positions
-                assert mask is not None
-                o_BF = torch.cat([
-                    self.attend_step(w, qk_BNE[a:b, :H], k_BGLE[a:b, :, :n], v_BGLE[a:b, :, :n],
-                                      mask[a:b, ..., :n] if w.exact else mask[a * G : b * G, :, :n])
-                    for a, b, n in segs
-                ])
-            x_BD = self._mlp(w, li, self._o_proj(w, lw, li, x_BD, o_BF))
+        with self._recording(torch.arange(B, device=dev), pos_B):
+            for li, lw in enumerate(w.layers):
+                qkv_BF = lw.qkv(rms(x_BD, lw.in_norm, w.exact))
+                qk_BNE = self._qk_rotary(w, lw, qkv_BF[:, :NE].view(B, H + G, E), cos_B1E, sin_B1E)
+                self.cache.write_step(li, index_BG, qk_BNE[:, H:], qkv_BF[:, NE:].view(B, G, E))
+                k_BGLE, v_BGLE = self.cache.view(li, B, L)
+                if len(segs) == 1:
+                    o_BF = self.attend_step(w, qk_BNE[:, :H], k_BGLE, v_BGLE, mask)
+                else:  # no row padded to a much longer one: one call per range a..b-1 over n positions
+                    assert mask is not None
+                    o_BF = torch.cat([
+                        self.attend_step(w, qk_BNE[a:b, :H], k_BGLE[a:b, :, :n], v_BGLE[a:b, :, :n],
+                                          mask[a:b, ..., :n] if w.exact else mask[a * G : b * G, :, :n])
+                        for a, b, n in segs
+                    ])
+                x_BD = self._mlp(w, li, self._o_proj(w, lw, li, x_BD, o_BF))
         return self._logits(w, x_BD)
 
     def verify(self, chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
@@ -652,15 +667,16 @@ class LeanForward:
         w = self.weights()
         x_ND = self._embed_ids(w, ids_BT.view(N))
         aux: dict[int, torch.Tensor] = {}
-        for li, lw in enumerate(w.layers):
-            qkv_NF = lw.qkv(rms(x_ND, lw.in_norm, w.exact))
-            qk_NME = self._qk_rotary(w, lw, qkv_NF[:, :NE].view(N, H + G, E), cos_N1E, sin_N1E)
-            self.cache.write_step(li, index_NG, qk_NME[:, H:], qkv_NF[:, NE:].view(N, G, E))
-            k_BGLE, v_BGLE = self.cache.view(li, B, L)
-            o_BHTE = self._attend(qk_NME[:, :H].view(B, T, H, E).transpose(1, 2), k_BGLE, v_BGLE, keep_B1TL)
-            x_ND = self._mlp(w, li, self._o_proj(w, lw, li, x_ND, o_BHTE.transpose(1, 2).reshape(N, H * E)))
-            if li in self.capture_layers:
-                aux[li] = x_ND.view(B, T, -1)
+        with self._recording(torch.arange(B, device=dev).repeat_interleave(T), pos_BT.view(N)):
+            for li, lw in enumerate(w.layers):
+                qkv_NF = lw.qkv(rms(x_ND, lw.in_norm, w.exact))
+                qk_NME = self._qk_rotary(w, lw, qkv_NF[:, :NE].view(N, H + G, E), cos_N1E, sin_N1E)
+                self.cache.write_step(li, index_NG, qk_NME[:, H:], qkv_NF[:, NE:].view(N, G, E))
+                k_BGLE, v_BGLE = self.cache.view(li, B, L)
+                o_BHTE = self._attend(qk_NME[:, :H].view(B, T, H, E).transpose(1, 2), k_BGLE, v_BGLE, keep_B1TL)
+                x_ND = self._mlp(w, li, self._o_proj(w, lw, li, x_ND, o_BHTE.transpose(1, 2).reshape(N, H * E)))
+                if li in self.capture_layers:
+                    aux[li] = x_ND.view(B, T, -1)
         if self.capture_layers:
             self.captured = torch.stack([aux[i] for i in self.capture_layers], dim=2)
         return self._logits(w, x_ND).view(B, T, -1)
@@ -684,6 +700,7 @@ class LeanForward:
         for b, c in enumerate(chunks):
             ids_BT[b, : lens[b]] = torch.tensor(c, dtype=torch.long)
         t_T = torch.arange(T, device=dev)
+        valid_BT = t_T[None, :] < torch.tensor(lens, device=dev)[:, None]
         start_B = torch.tensor(starts, dtype=torch.long, device=dev)
         qpos_BT = (start_B[:, None] + t_T[None, :]).clamp_(max=self.max_model_len - 1)
         all_fresh = not any(starts)
@@ -696,17 +713,18 @@ class LeanForward:
         x_BTD = self._embed_ids(w, ids_BT)
         cos_BT1E, sin_BT1E = self._rotary(qpos_BT)
         aux: dict[int, torch.Tensor] = {}
-        for li, lw in enumerate(w.layers):
-            q_BHTE, k_BGTE, v_BGTE = self._qkv(w, lw, x_BTD, cos_BT1E, sin_BT1E)
-            for b in range(B):
-                self.cache.write_block(li, slots[b], starts[b], k_BGTE[b, :, : lens[b]], v_BGTE[b, :, : lens[b]])
-            if all_fresh:
-                k_BGLE, v_BGLE = k_BGTE, v_BGTE
-            else:
-                k_BGLE, v_BGLE = self.cache.gather(li, slots, L)
-            x_BTD = self._finish_layer(w, li, x_BTD, self._attend(q_BHTE, k_BGLE, v_BGLE, mask_B1TL))
-            if li in self.capture_layers:
-                aux[li] = x_BTD
+        with self._recording(torch.tensor(slots, device=dev).repeat_interleave(T), qpos_BT.view(-1), valid_BT.view(-1)):
+            for li, lw in enumerate(w.layers):
+                q_BHTE, k_BGTE, v_BGTE = self._qkv(w, lw, x_BTD, cos_BT1E, sin_BT1E)
+                for b in range(B):
+                    self.cache.write_block(li, slots[b], starts[b], k_BGTE[b, :, : lens[b]], v_BGTE[b, :, : lens[b]])
+                if all_fresh:
+                    k_BGLE, v_BGLE = k_BGTE, v_BGTE
+                else:
+                    k_BGLE, v_BGLE = self.cache.gather(li, slots, L)
+                x_BTD = self._finish_layer(w, li, x_BTD, self._attend(q_BHTE, k_BGLE, v_BGLE, mask_B1TL))
+                if li in self.capture_layers:
+                    aux[li] = x_BTD
         if self.capture_layers:
             self.captured = torch.stack([aux[i] for i in self.capture_layers], dim=2)
         if not logits:
