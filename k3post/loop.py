@@ -8,7 +8,9 @@
         train_step(seqs)                           the trainer's step with the policy loss's gradient
                                                    function (`train_policy_step`, SPEC §3.1)
         rollout.push_weights(trainer)              policy version + 1
-        metrics; checkpoint                        weights, optimizer, rollout state: exact resume
+        online_draft.step(groups)                  rl.draft only: the rollout's EAGLE-3 draft trains against the
+                                                   updated policy (k3post.spec.online)
+        metrics; checkpoint                        weights, optimizer, rollout state (and the draft): exact resume
 
 `PolicyLoop` holds the two seams (`k3post.rollout.factory.Rollout`, `k3post.trainer.Trainer`) and is
 the body; `train_policy` drives it with checkpoints, metrics and a progress bar. Where the rollout runs
@@ -55,12 +57,15 @@ import torch
 from tqdm import tqdm
 
 from k3post.checkpoint import latest_checkpoint, resuming
+from k3post.config.draft import DraftConfig
 from k3post.envs.task import Task
 from k3post.errors import InfrastructureError, StepFailed
 from k3post.metrics import MetricsLogger, iter_metrics
 from k3post.policy_step import TokenSequence, train_policy_step
 from k3post.rollout.factory import Rollout, RolloutConfig
 from k3post.rollout.trajectory import Group, infra_metrics, outcome_metrics
+from k3post.spec.data import DraftSample
+from k3post.spec.online import OnlineDraft
 from k3post.trainer import OptimConfig, build_trainer
 
 log = logging.getLogger(__name__)
@@ -92,6 +97,9 @@ class LoopConfig(Protocol):
     infra_retries: int
     infra_max_rate: float
     routing_replay: str
+    draft: str
+    draft_steps: int
+    draft_lr: float
 
     def rollout_config(self) -> RolloutConfig: ...
 
@@ -122,6 +130,11 @@ class PolicyLoop:
         self.trainer = build_trainer(model, cfg.optim_config(), device=cfg.device, pad_id=pad_id, grad_clip=cfg.grad_clip)
         self.model = model  # trained in place (a sharded trainer copies its weights back after every step)
         self.rollout = Rollout(self.model, tokenizer, cfg.rollout_config(), effort_fn=effort_fn)
+        self.online_draft: OnlineDraft | None = None  # rl.draft: the rollout's draft, trained after every step
+        if cfg.draft:
+            self.online_draft = OnlineDraft(self.rollout.engine.speculative.drafter, self.model,
+                                            DraftConfig(lr=cfg.draft_lr, progress=False), steps=cfg.draft_steps,
+                                            pad_id=pad_id, seed=cfg.rollout_config().seed)
         self.step_no, self.cursor = 0, 0
         self.last_groups: list[Group] = []  # the groups the last step trained on
         self.infra_retries: dict[str, int] = {}  # task id -> re-runs of its group after infrastructure failures
@@ -177,13 +190,23 @@ class PolicyLoop:
         train_m = self.train_step(seqs, version=self.rollout.version, lr=lr)
         version = self.rollout.push_weights(self.trainer.named_weights)
         t3 = time.perf_counter()
+        draft_m: dict[str, float] = {}
+        if self.online_draft is not None:  # the draft follows the policy it now drafts for
+            draft_m = self.online_draft.step([DraftSample(list(t.token_ids), list(t.trainable))
+                                              for g in groups for t in g.trajectories if t.infra is None])
+        t4 = time.perf_counter()
+        counters = {k: v - before[k] for k, v in self.rollout.counters().items()}
+        if counters.get("spec_drafted"):  # speculative rollout: the share of drafted tokens the policy accepted
+            counters["spec_acceptance_rate"] = counters["spec_accepted"] / counters["spec_drafted"]
         self.step_no += 1
         stale = [x for g in groups for x in g.staleness()]
         rec = {**sig, **{f"train/{k}": v for k, v in train_m.items()},
                "lr": lr, "version": float(version), "groups": float(len(groups)), "iterations": float(iterations),
-               "rollout_s": t1 - t0, "score_s": t2 - t1, "update_s": t3 - t2, "step_s": t3 - t0,
+               "rollout_s": t1 - t0, "score_s": t2 - t1, "update_s": t3 - t2, "step_s": t4 - t0,
+               **({"draft_s": t4 - t3} if self.online_draft is not None else {}),
+               **{f"draft/{k}": v for k, v in draft_m.items()},
                "kv_hit_rate": self.rollout.kv_hit_rate(), "paused": float(len(self.rollout.paused())),
-               **{k: v - before[k] for k, v in self.rollout.counters().items()},
+               **counters,
                "mean_staleness": statistics.fmean(stale) if stale else 0.0,
                **outcome_metrics([t for g in groups for t in g.trajectories]),
                **infra_metrics([t for g in finished for t in g.trajectories]),
@@ -233,6 +256,7 @@ class PolicyLoop:
             "scheduler": rollout["scheduler"], "kv_pool": rollout["kv_pool"], "engine_version": rollout["engine_version"],
             "cursor": self.cursor, "config": asdict(self.cfg),  # type: ignore[call-overload]
             "infra_retries": dict(self.infra_retries),
+            **({"online_draft": self.online_draft.state_dict()} if self.online_draft is not None else {}),
         }, keep_last=self.cfg.keep_last)
 
     def load(self, ckpt: Path) -> list[dict[str, float]] | None:
@@ -245,6 +269,11 @@ class PolicyLoop:
         self.rollout.load_state_dict(state)
         self.step_no, self.cursor = int(state["step"]), int(state["cursor"])
         self.infra_retries = {str(k): int(v) for k, v in dict(state.get("infra_retries") or {}).items()}
+        if self.online_draft is not None:
+            if "online_draft" not in state:
+                raise ValueError(f"{ckpt}: rl.draft is set but the checkpoint was written without an online draft; "
+                                 "resume with the run's own settings or start a new run")
+            self.online_draft.load_state_dict(state["online_draft"])
         legacy = state.get("history")
         return None if legacy is None else list(legacy)
 
@@ -305,6 +334,11 @@ def train_policy(
                 sink.sync()  # the rows up to the checkpoint's step are as durable as the checkpoint
                 pl.save(ckpt_root)
         bar.close()
+        if pl.online_draft is not None and pl.step_no == cfg.steps:  # the draft that followed the policy, servable
+            from k3post.spec.export import export_eagle3
+
+            log.info("%s: the online draft -> %s", stage,
+                     export_eagle3(pl.online_draft.draft, Path(out_dir) / "draft", nonstock=True))
     except BaseException:
         pl.close()
         raise

@@ -107,6 +107,42 @@ def test_rl_trains_and_resumes_exactly_after_a_kill(warm_policy, tmp_path):
     assert [s for s, _ in old.metrics.items()] == [1, 2, 3, 4]
 
 
+def test_rl_with_an_online_draft_drafts_trains_and_resumes_exactly(warm_policy, tmp_path):
+    """rl.draft: the rollout drafts with the EAGLE-3 draft (speculative decoding: every step drafts, and logs the
+    share accepted), the draft trains after every RL step (its loss and α in the row) and is exported at the end;
+    killed after 2 steps and resumed, the run gives the same rows, policy and draft (the draft's weights and
+    optimizer are in the RL checkpoint). A frozen draft (rl.draft_steps=0) leaves the export equal to its start."""
+    from k3post.spec.eagle3 import Eagle3Draft
+    from k3post.spec.export import export_eagle3, load_eagle3
+
+    model0, tok = warm_policy
+    L = model0.config.num_hidden_layers
+    start = export_eagle3(Eagle3Draft.from_target(model0, (1, max(1, L // 2), L)), tmp_path / "eagle3", nonstock=True)
+    cfg = _cfg(steps=3, save_every=1, draft=str(start), draft_steps=2)
+    budgets = _budgets(model0, tok, cfg)
+    a = copy.deepcopy(model0)
+    rows = train_rl(a, tok, cfg, tmp_path / "a", budgets=budgets, evaluate=False).metrics.rows()
+    for h in rows:
+        assert h["spec_drafted"] > 0 and 0.0 <= h["spec_acceptance_rate"] <= 1.0, h
+        assert h["draft/loss"] > 0 and 0.0 <= h["draft/alpha_0"] <= 1.0 and h["draft_s"] > 0, h
+    b = copy.deepcopy(model0)
+    assert train_rl(b, tok, cfg, tmp_path / "b", budgets=budgets, evaluate=False, stop_after=2).steps == 2
+    assert not (tmp_path / "b" / "draft").exists()  # exported when the run ends
+    b2 = copy.deepcopy(model0)
+    rb = train_rl(b2, tok, cfg, tmp_path / "b", budgets=budgets, evaluate=False)
+    assert rb.resumed_from == 2 and _strip(rb.metrics.rows()) == _strip(rows)
+    for (n, p), q in zip(a.named_parameters(), b2.parameters()):
+        assert torch.equal(p, q), n
+    da, db, d0 = (load_eagle3(d).state_dict() for d in (tmp_path / "a" / "draft", tmp_path / "b" / "draft", start))
+    assert all(torch.equal(v, db[k]) for k, v in da.items())
+    assert not torch.equal(da["fc.weight"], d0["fc.weight"])  # it moved with the policy
+    frozen = train_rl(copy.deepcopy(model0), tok, replace(cfg, draft_steps=0, steps=1), tmp_path / "f",
+                      budgets=budgets, evaluate=False).metrics.rows()
+    assert "draft/loss" not in frozen[0]
+    df = load_eagle3(tmp_path / "f" / "draft").state_dict()
+    assert all(torch.equal(v, df[k]) for k, v in d0.items())
+
+
 def _as_old_checkpoint(ckpt, rows):
     """Rewrite ``ckpt``'s trainer state as k3post wrote it before issue 20's fix: with ``history``, the
     loop's per-step rows."""

@@ -107,7 +107,9 @@ class RLConfig:
     ``temperature``, ``max_tokens`` per assistant turn, ``slots`` (engine batch), ``kv_pool_mb``, ``resume_kv``
     (`RolloutConfig`: what a trajectory paused across a weight update resumes from), ``routing_replay``
     ("off" | "measure" | "rollout-routes", `k3post.routing_replay`: the engine records each position's experts,
-    the trainer counts the positions it routes differently and, with "rollout-routes", routes them as recorded).
+    the trainer counts the positions it routes differently and, with "rollout-routes", routes them as recorded),
+    ``draft`` (an EAGLE-3 export: speculative decoding in rollout, and the draft trained online on the policy's
+    rollouts, ``draft_steps`` optimizer steps at ``draft_lr`` after every RL step, 0: frozen; `k3post.spec.online`).
     Loss (SPEC §3.1): ``log_ratio_min`` / ``log_ratio_max`` (the K2.5 band α, β), ``tau`` (the quadratic
     regulariser), ``clip_eps_low`` / ``clip_eps_high`` (PPO/DAPO clipping; inf = off),
     ``stop_gradient_ratio`` (CISPO), ``sequence_ratio`` (GSPO), ``seq_mean`` (sequence-mean aggregation);
@@ -171,6 +173,9 @@ class RLConfig:
     kv_pool_mb: int = ranged(64, ge=0)
     resume_kv: str = "reuse"
     routing_replay: str = "off"
+    draft: str = ""
+    draft_steps: int = ranged(2, ge=0)
+    draft_lr: float = ranged(3e-4, gt=0)
     difficulty: int = ranged(1, ge=1)
     n_tasks: int = ranged(320, ge=1)
     eval_n: int = ranged(400, ge=0)
@@ -284,10 +289,16 @@ class RLConfig:
 
     def rollout_config(self) -> RolloutConfig:
         """The rollout seam's settings (`k3post.rollout.factory.Rollout`)."""
+        engine = self.engine
+        if self.draft:  # the rollout drafts with the draft the loop trains online (k3post.spec.online)
+            if engine.draft and engine.draft != self.draft:
+                raise ValueError(f"rl.draft ({self.draft}) and rl.engine.draft ({engine.draft}) name different drafts: "
+                                 "set rl.draft only (it sets the engine's)")
+            engine = replace(engine, draft=self.draft)
         return RolloutConfig(n_prompts=self.n_prompts, k=self.k, lambda_=self.lambda_, max_staleness=self.max_staleness,
                              temperature=self.temperature, max_tokens=self.max_tokens, max_model_len=self.max_model_len,
                              slots=self.slots, kv_pool_mb=self.kv_pool_mb, effort=self.effort, seed=self.seed,
-                             engine=self.engine, resume_kv=self.resume_kv,
+                             engine=engine, resume_kv=self.resume_kv,
                              record_routes=self.routing_replay != "off")
 
     def lr_at(self, step: int) -> float:

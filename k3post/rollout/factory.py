@@ -269,12 +269,14 @@ class Rollout:
 
     def counters(self) -> dict[str, float]:
         """Running totals: paused KV states dropped as stale (``resume_kv=reprefill``) and, where the engine
-        counts them (not servers over HTTP), the context tokens it prefilled: the price of re-prefilling."""
+        counts them (not servers over HTTP), the context tokens it prefilled: the price of re-prefilling; with
+        speculative decoding, the tokens drafted, accepted and emitted (``spec_*``)."""
         out = {"kv_stale_dropped": float(self.scheduler.stats["kv_stale_dropped"])}
         stats = getattr(self.engine, "stats", None)
-        prefill = stats.get("prefill_tokens") if isinstance(stats, Mapping) else None
-        if prefill is not None:
-            out["prefill_tokens"] = float(prefill)
+        stats = stats if isinstance(stats, Mapping) else {}
+        for key in ("prefill_tokens", "spec_drafted", "spec_accepted", "spec_emitted"):  # spec_*: speculative rollout
+            if stats.get(key) is not None:
+                out[key] = float(stats[key])
         return out
 
     def paused(self) -> list[Any]:
