@@ -65,6 +65,7 @@ from k3post.policy_step import TokenSequence, train_policy_step
 from k3post.rollout.factory import Rollout, RolloutConfig
 from k3post.rollout.trajectory import Group, infra_metrics, outcome_metrics
 from k3post.spec.data import DraftSample
+from k3post.spec.export import export_eagle3
 from k3post.spec.online import OnlineDraft
 from k3post.trainer import OptimConfig, build_trainer
 
@@ -335,8 +336,6 @@ def train_policy(
                 pl.save(ckpt_root)
         bar.close()
         if pl.online_draft is not None and pl.step_no == cfg.steps:  # the draft that followed the policy, servable
-            from k3post.spec.export import export_eagle3
-
             log.info("%s: the online draft -> %s", stage,
                      export_eagle3(pl.online_draft.draft, Path(out_dir) / "draft", nonstock=True))
     except BaseException:

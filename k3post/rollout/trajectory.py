@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from k3post.envs.task import Task
+from k3post.routing_replay import decode_routes, encode_routes
 
 __all__ = ["TrajectoryStatus", "TRAJECTORY_STATUSES", "MALFORMED_REASONS", "Trajectory", "Group", "outcome_metrics",
            "infra_metrics", "counts_output_tokens"]
@@ -216,8 +217,6 @@ class Trajectory:
         replace what was recorded before: the engine's latest forward of those positions). None: no change."""
         if routes_NMK is None:
             return
-        from k3post.routing_replay import encode_routes
-
         if routes_NMK.shape[0] > len(self.token_ids):
             raise ValueError(f"trajectory {self.traj_id!r}: routes of {routes_NMK.shape[0]} positions for a context of "
                              f"{len(self.token_ids)} tokens")
@@ -227,8 +226,6 @@ class Trajectory:
         """The recorded routes as a [n, M, K] int16 tensor, None when there are none."""
         if not self.routes:
             return None
-        from k3post.routing_replay import decode_routes
-
         return decode_routes(self.routes, f"trajectory {self.traj_id!r} routes")
 
     # ------------------------------------------------------------------ (de)serialisation
