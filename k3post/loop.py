@@ -64,6 +64,7 @@ from k3post.metrics import MetricsLogger, iter_metrics
 from k3post.policy_step import TokenSequence, train_policy_step
 from k3post.rollout.factory import Rollout, RolloutConfig
 from k3post.rollout.trajectory import Group, infra_metrics, outcome_metrics
+from k3post.routing_replay import check_replayable
 from k3post.spec.data import DraftSample
 from k3post.spec.export import export_eagle3
 from k3post.spec.online import OnlineDraft
@@ -128,6 +129,8 @@ class PolicyLoop:
         self.cfg, self.tokenizer, self.signal = cfg, tokenizer, signal
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.pad_id, self.loss_kwargs = pad_id, cfg.loss_kwargs()  # what `train_policy_step` is handed every step
+        if cfg.routing_replay == "rollout-routes":  # fail before training when the routers cannot be replayed
+            check_replayable(model)
         self.trainer = build_trainer(model, cfg.optim_config(), device=cfg.device, pad_id=pad_id, grad_clip=cfg.grad_clip)
         self.model = model  # trained in place (a sharded trainer copies its weights back after every step)
         self.rollout = Rollout(self.model, tokenizer, cfg.rollout_config(), effort_fn=effort_fn)

@@ -49,7 +49,7 @@ from torch import nn
 from k3post.config.rollout import ROUTING_REPLAY
 
 __all__ = ["ROUTING_REPLAY_MODES", "RouteCache", "RouteRecorder", "RouteReplay", "decode_routes", "encode_routes",
-           "moe_routers", "pad_routes", "route_shape"]
+           "check_replayable", "moe_routers", "pad_routes", "route_shape"]
 
 ROUTING_REPLAY_MODES = ROUTING_REPLAY  # rl.routing_replay's choices (defined with the torch-free config)
 
@@ -58,10 +58,11 @@ _ROUTE_DTYPE = torch.int16
 
 def moe_routers(model: nn.Module, *, probe: bool = True) -> list[tuple[int, nn.Module]]:
     """(decoder layer index, router module) of every routed-experts layer of ``model`` (its
-    ``model.layers[i].mlp.gate``), checked to be a plain top-k router that routing replay can drive: one
+    ``model.layers[i].mlp.gate`` or ``.router``), checked to be a top-k router whose choice can be recorded: one
     ``weight`` [X, D], an int ``top_k`` and, with ``probe``, a forward that returns (logits [N, X], weights [N, K],
-    experts [N, K] int) on a probe input (the trainer checks the output at its first forward instead: a sharded
-    module cannot run alone). ValueError naming the layer otherwise, and when the model has no such layer."""
+    experts [N, K] int) on a probe input (the trainer checks its outputs at each forward instead: a sharded module
+    cannot run alone). ValueError naming the layer otherwise, and when the model has no routed-experts layer.
+    Replaying needs more (`check_replayable`)."""
     inner = getattr(model, "model", model)
     layers = getattr(inner, "layers", None)
     if layers is None:
@@ -69,7 +70,7 @@ def moe_routers(model: nn.Module, *, probe: bool = True) -> list[tuple[int, nn.M
     out: list[tuple[int, nn.Module]] = []
     for i, layer in enumerate(layers):
         mlp = getattr(layer, "mlp", None)
-        gate = getattr(mlp, "gate", None)
+        gate = getattr(mlp, "gate", None) or getattr(mlp, "router", None)
         if gate is None or getattr(mlp, "experts", None) is None:
             continue  # a dense MLP layer (mlp_only_layers): nothing to route
         w = getattr(gate, "weight", None)
@@ -95,6 +96,19 @@ def _check_router_output(li: int, gate: nn.Module, out: Any, n: int) -> None:
             and tuple(out[1].shape) == tuple(out[2].shape) == (n, K) and not out[2].is_floating_point()):
         raise ValueError(f"routing replay: layer {li}'s router {type(gate).__name__} does not return "
                          "(logits [N, experts], weights [N, top_k], experts [N, top_k])")
+
+
+def check_replayable(model: nn.Module) -> None:
+    """ValueError naming the first router whose weights replay could not recompute: on a probe input its experts must
+    be the top-k of p = softmax(its logits) and its weights p or p / sum p at them (`_output_rule`; Qwen-MoE's,
+    Mixtral's and gpt-oss's routers are, DeepSeek-V3's grouped sigmoid router is not). Run on the unsharded model
+    before training (``rl.routing_replay=rollout-routes``); the trainer's hooks check every forward's output too."""
+    for li, gate in moe_routers(model):
+        w = gate.weight
+        h_ND = torch.randn(16, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+        with torch.no_grad():
+            logits_NX, w_NK, e_NK = gate(h_ND)
+            _output_rule(li, gate, torch.softmax(logits_NX, dtype=torch.float, dim=-1), w_NK, e_NK)
 
 
 def route_shape(model: nn.Module, *, probe: bool = True) -> tuple[dict[int, int], int, int]:
@@ -258,7 +272,7 @@ class RouteReplay:
             e_NK = torch.where(known_N[:, None], rec_NK, own_NK)
             p_NX = torch.softmax(logits_NX, dtype=torch.float, dim=-1)
             p_NK = p_NX.gather(1, e_NK)
-            if _renormalises(module, p_NX, w_NK, own_NK):
+            if _output_rule(li, module, p_NX, w_NK, own_NK):
                 p_NK = p_NK / p_NK.sum(dim=-1, keepdim=True)
             return logits_NX, p_NK.to(w_NK.dtype), e_NK
         return hook
@@ -284,17 +298,21 @@ class RouteReplay:
             self._routes = self._differ = None
 
 
-def _renormalises(router: nn.Module, p_NX: torch.Tensor, w_NK: torch.Tensor, own_NK: torch.Tensor) -> bool:
-    """Whether ``router`` renormalises its top-k probabilities: its ``norm_topk_prob`` when it has one (Qwen-MoE),
-    else read off its own output (Mixtral's router always does and says nothing): which of p and p / sum p its
-    weights are closer to."""
-    flag = getattr(router, "norm_topk_prob", None)
-    if isinstance(flag, bool):
-        return flag
+def _output_rule(li: int, router: nn.Module, p_NX: torch.Tensor, w_NK: torch.Tensor, own_NK: torch.Tensor) -> bool:
+    """Whether ``router`` renormalises its top-k probabilities, read off this forward's own output (the rule of
+    `topk_router_rule`, which the trainer cannot probe on a sharded module): its experts must be the top-k of p =
+    softmax(logits) and its weights p or p / sum p at them. ValueError naming the layer otherwise (a grouped, biased
+    or sigmoid router)."""
     with torch.no_grad():
-        p_NK = p_NX.gather(1, own_NK)
+        top_NK, e_NK = torch.topk(p_NX, own_NK.shape[1], dim=-1)
         w = w_NK.float()
-        return bool((w - p_NK / p_NK.sum(-1, keepdim=True)).abs().max() < (w - p_NK).abs().max())
+        if e_NK.shape == own_NK.shape and torch.equal(e_NK, own_NK):
+            for norm in (isinstance(getattr(router, "norm_topk_prob", None), bool) and router.norm_topk_prob, True, False):
+                want = top_NK / top_NK.sum(-1, keepdim=True) if norm else top_NK
+                if torch.allclose(w, want, rtol=1e-5, atol=1e-7):
+                    return bool(norm)
+    raise ValueError(f"routing replay: layer {li}'s router {type(router).__name__} does not weight a plain top-k of the "
+                     "softmax of its logits (a grouped, biased or sigmoid router): replay could not recompute its weights")
 
 
 def pad_routes(routes: Sequence[torch.Tensor | None], T: int, M: int, K: int) -> torch.Tensor:

@@ -296,3 +296,42 @@ def test_a_router_without_a_renormalise_flag_is_read_off_its_output(renorm):
         got = model(ids).logits
     rp.remove()
     assert rp.known == ids.shape[1] and rp.mismatched == 0 and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+def test_families_record_and_replay_or_refuse(family):
+    """docs/post-train-your-own-model.md: every MoE family's routes are recorded, on the engine path it takes, where
+    the model's own routing puts them. Replay recomputes the weights from the softmax of the router's logits, which
+    the plain top-k routers follow (Qwen2-MoE with its shared expert, Qwen3-MoE, Mixtral, and gpt-oss, whose bias is
+    in its logits): replaying their own routes gives the same logits (gpt-oss's up to fp32 rounding). DeepSeek-V3's grouped sigmoid router is
+    refused before training (`check_replayable`, naming its first MoE layer: layer 0 is dense) and by the hook."""
+    from k3post.models import build_tiny_family
+    from k3post.routing_replay import check_replayable
+
+    model = build_tiny_family(family, V, seed=0, pad_token_id=0, eos_token_id=1).eval()
+    res = EmbeddedEngine(model, max_batch_size=3, max_model_len=64, record_routes=True, stop_ids=()).generate(
+        _requests(3))
+    known, bad = _own_mismatch(model, res)
+    assert known == sum(len(r.routes) for r in res) and bad <= MAX_MISMATCH * known  # type: ignore[arg-type]
+    ids = torch.tensor([res[0].prompt_ids + res[0].output_ids])
+    routes = torch.full((ids.shape[1],) + tuple(res[0].routes.shape[1:]), -1, dtype=torch.long)
+    routes[: len(res[0].routes)] = res[0].routes.long()
+    rp = RouteReplay(model)
+    rp.replay = True
+    try:
+        if family == "deepseek_v3":
+            with pytest.raises(ValueError, match="layer 1's router .* plain top-k"):
+                check_replayable(model)
+            with pytest.raises(ValueError, match="layer 1's router .* plain top-k"), rp.replaying(routes):
+                model(ids)
+            return
+        check_replayable(model)
+        with torch.no_grad():
+            ref = model(ids).logits
+        with torch.no_grad(), rp.replaying(routes):
+            got = model(ids).logits
+    finally:
+        rp.remove()
+    if rp.mismatched == 0:  # gpt-oss softmaxes its top-k logits, replay gathers the full softmax and renormalises:
+        # the same weights up to fp32 rounding (a few ulps, ~1e-7 relative), not bit for bit
+        assert torch.equal(got, ref) if family != "gpt_oss" else torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
