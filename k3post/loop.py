@@ -117,6 +117,8 @@ class PolicyLoop:
     iteration of the module doc, `save` / `load` a checkpoint with exact resume. `train_policy` drives
     it; benchmarks time `step` on their own prompts."""
 
+    online_draft: OnlineDraft | None = None  # rl.draft: the rollout's draft, trained after every step
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -134,7 +136,6 @@ class PolicyLoop:
         self.trainer = build_trainer(model, cfg.optim_config(), device=cfg.device, pad_id=pad_id, grad_clip=cfg.grad_clip)
         self.model = model  # trained in place (a sharded trainer copies its weights back after every step)
         self.rollout = Rollout(self.model, tokenizer, cfg.rollout_config(), effort_fn=effort_fn)
-        self.online_draft: OnlineDraft | None = None  # rl.draft: the rollout's draft, trained after every step
         if cfg.draft:
             self.online_draft = OnlineDraft(self.rollout.engine.speculative.drafter, self.model,
                                             DraftConfig(lr=cfg.draft_lr, progress=False), steps=cfg.draft_steps,
