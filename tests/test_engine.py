@@ -1168,3 +1168,22 @@ def test_shared_prefix_len_leaves_each_context_a_token_and_respects_the_minimum(
     assert shared_prefix_len([a, list(a)], 1) == 4  # identical: all but the last token, which must produce logits
     assert shared_prefix_len([a, b, [1, 7]], 1) == 1 and shared_prefix_len([a, b, [7]], 1) == 0
     assert shared_prefix_len([a], 1) == 0 and shared_prefix_len([a, b], 0) == 0  # one row; sharing off
+
+
+def test_a_bf16_model_on_the_lean_path_follows_its_own_forward(xtml_tokenizer):
+    """A bf16 model's q / k norms are HF modules (they compute in fp32 and cast back), not the lean forward's fused
+    fp32 RMSNorm: each must run on its own heads. Before, the k heads got the q norm's weight, and on the demo's
+    general.max expert in bf16 a few tokens per sequence were off by up to 5.2 nats (decisions §bf16qknorm). Here
+    k_norm's weight is 3x q_norm's, so that mistake moves every logit by O(1). bf16 keeps 8 bits of mantissa: two
+    correct bf16 forwards of these logits (|logit| < 8) may differ by a few of its 2^-8 steps (measured 0.012-0.023
+    over three seeds), well below 0.1; the k heads normed with the q weight are off by 0.34-0.60."""
+    tok = xtml_tokenizer
+    model = build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id, eos_token_id=tok.convert_tokens_to_ids(EOM))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_norm.weight.mul_(3.0)
+    model = model.to(torch.bfloat16).eval()
+    engine = EmbeddedEngine(model, max_batch_size=4, max_model_len=128, path="lean")
+    res = engine.generate(_requests(model.config.vocab_size, 4))
+    worst = max((torch.tensor(r.output_logprobs) - _hf_logprobs(model, r)).abs().max().item() for r in res)
+    assert worst < 0.1, worst

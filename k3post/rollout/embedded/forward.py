@@ -87,12 +87,27 @@ Norm = _RMSNorm | nn.Module
 def norm_of(norm: nn.Module, weight: torch.Tensor | None = None) -> Norm:
     """``norm`` as a ``Norm``: an ``_RMSNorm`` when it is a plain RMSNorm (a ``weight`` and
     a ``variance_epsilon``, class name ending in RMSNorm, fp32), else the module. ``weight``
-    overrides the module's weight (the per-head q/k norm weights stacked as [H+G, E])."""
+    overrides the module's weight (the per-head q/k norm weights stacked as [H+G, E]); it needs a plain
+    RMSNorm (ValueError otherwise: the module would apply its own weight to every head)."""
     w = getattr(norm, "weight", None)
     eps = getattr(norm, "variance_epsilon", None)
     if w is None or eps is None or type(norm).__name__[-7:] != "RMSNorm" or w.dtype != torch.float32:
+        if weight is not None:
+            raise ValueError(f"norm_of: a stacked weight needs a plain fp32 RMSNorm, got {type(norm).__name__} ({w.dtype if w is not None else 'no weight'})")
         return norm
     return _RMSNorm(w if weight is None else weight, float(eps), torch.tensor(float(eps), dtype=w.dtype, device=w.device))
+
+
+class _QKNorm(nn.Module):
+    """Per-head q / k norms that are not plain fp32 RMSNorms (a bf16 model's, whose HF module computes in fp32 and
+    casts back): the model's q norm on the first ``n_q`` heads of a [S, H+G, E] block, its k norm on the rest."""
+
+    def __init__(self, q_norm: nn.Module, k_norm: nn.Module, n_q: int) -> None:
+        super().__init__()
+        self.q_norm, self.k_norm, self.n_q = q_norm, k_norm, n_q
+
+    def forward(self, qk_SNE: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q_norm(qk_SNE[..., : self.n_q, :]), self.k_norm(qk_SNE[..., self.n_q :, :])], dim=-2)
 
 
 def rms(x_SD: torch.Tensor, norm: Norm, exact: bool) -> torch.Tensor:
@@ -372,7 +387,10 @@ class LeanForward:
             k_norm: Any = getattr(attn, "k_norm", None)
             qk_norm = None
             if q_norm is not None and k_norm is not None:
-                qk_norm = norm_of(q_norm, torch.cat([q_norm.weight.expand(H, -1), k_norm.weight.expand(G, -1)]))
+                if isinstance(norm_of(q_norm), _RMSNorm) and isinstance(norm_of(k_norm), _RMSNorm):
+                    qk_norm = norm_of(q_norm, torch.cat([q_norm.weight.expand(H, -1), k_norm.weight.expand(G, -1)]))
+                else:  # each module on its own heads (before, a bf16 model's k heads got the q norm's weight)
+                    qk_norm = _QKNorm(q_norm, k_norm, H)
             o = attn.o_proj
             layers.append(_LayerWeights(
                 in_norm=norm_of(layer.input_layernorm),
@@ -533,7 +551,7 @@ class LeanForward:
         if logits_NX is None:
             _, w_NK, e_NK = mlp.gate(h_ND)
         elif exact or not m.norm_topk:
-            w_NK, e_NK = torch.topk(torch.softmax(logits_NX, dim=-1), m.top_k, dim=-1)
+            w_NK, e_NK = torch.topk(torch.softmax(logits_NX, dim=-1, dtype=torch.float), m.top_k, dim=-1)  # as HF: fp32
             if m.norm_topk:
                 w_NK /= w_NK.sum(dim=-1, keepdim=True)
         else:
