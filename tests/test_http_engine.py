@@ -405,9 +405,11 @@ def test_lambda_07_two_servers_nothing_lost_or_duplicated(servers: dict[str, Ser
     assert sorted(g.group_id for g in groups) == list(range(12))
     pauses = [t.pauses for g in groups for t in g.trajectories]
     print(f"lambda=0.7, two servers: {len(groups)} groups, pauses per trajectory {sorted(pauses)}, engine {remote.stats}")
-    # the first iteration (12 fresh trajectories) stops at ceil(0.7 * 12) = 9 completions and pauses the
-    # other 3; later ones pause up to 3 more each (how many, and which, depends on timing)
-    assert sum(pauses) >= 3
+    # the first iteration (12 fresh trajectories) stops at ceil(0.7 * 12) = 9 completions and pauses those still
+    # running; later ones pause more. How many depends on timing: completions arrive in bunches on a busy machine
+    # (2 pauses in all with the full suite running beside it, 9 alone), so only "some" is certain: the heavy-tailed
+    # lengths (pareto_sampling) leave a long one running
+    assert sum(pauses) >= 1
     # the tokens of an uninterrupted in-process run
     fresh = [Trajectory(traj_id=t.traj_id, group_id=t.group_id, sample_index=t.sample_index, seed=t.seed, task=t.task)
              for g in groups for t in g.trajectories]
