@@ -139,7 +139,7 @@ class PolicyLoop:
         if cfg.draft:
             self.online_draft = OnlineDraft(self.rollout.engine.speculative.drafter, self.model,
                                             DraftConfig(lr=cfg.draft_lr, progress=False), steps=cfg.draft_steps,
-                                            pad_id=pad_id, seed=cfg.rollout_config().seed)
+                                            pad_id=pad_id, seed=self.rollout.cfg.seed)
         self.step_no, self.cursor = 0, 0
         self.last_groups: list[Group] = []  # the groups the last step trained on
         self.infra_retries: dict[str, int] = {}  # task id -> re-runs of its group after infrastructure failures

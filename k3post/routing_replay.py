@@ -49,7 +49,7 @@ from torch import nn
 from k3post.config.rollout import ROUTING_REPLAY
 
 __all__ = ["ROUTING_REPLAY_MODES", "RouteCache", "RouteRecorder", "RouteReplay", "decode_routes", "encode_routes",
-           "check_replayable", "moe_routers", "pad_routes", "route_shape"]
+           "check_replayable", "moe_routers", "pad_routes", "route_shape", "softmax_topk_rule"]
 
 ROUTING_REPLAY_MODES = ROUTING_REPLAY  # rl.routing_replay's choices (defined with the torch-free config)
 
@@ -102,7 +102,7 @@ def check_replayable(model: nn.Module) -> None:
     """ValueError naming the first router whose weights replay could not recompute: on a probe input its experts must
     be the top-k of p = softmax(its logits) and its weights p or p / sum p at them (`_output_rule`; Qwen-MoE's,
     Mixtral's and gpt-oss's routers are, DeepSeek-V3's grouped sigmoid router is not). Run on the unsharded model
-    before training (``rl.routing_replay=rollout-routes``); the trainer's hooks check every forward's output too."""
+    before training (``rl.routing_replay=rollout-routes``); the trainer's hooks check each router's output again at its first replayed forward of every step."""
     for li, gate in moe_routers(model):
         w = gate.weight
         h_ND = torch.randn(16, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
@@ -182,7 +182,7 @@ class RouteCache:
 
 
 class RouteRecorder:
-    """Writes each forward's routes into a `RouteCache` (module doc). ``install`` hooks the model's routers
+    """Writes each forward's routes into a `RouteCache` (module doc). It hooks the model's routers when built
     (for forwards that call them as modules); a forward runs inside ``rows`` (its rows' slots and positions),
     and each MoE layer's choice reaches ``record`` (directly or through the hook)."""
 
@@ -244,6 +244,7 @@ class RouteReplay:
         self.replay = False
         self._routes: torch.Tensor | None = None  # [N, M, K] of the current forward
         self._differ: torch.Tensor | None = None  # [N] bool: own routing differs in some layer so far
+        self._rule: dict[int, bool] = {}  # MoE layer -> renormalises (read off its first replayed output)
         self._hooks = [gate.register_forward_hook(self._hook(li)) for li, gate in moe_routers(model, probe=False)]
 
     def remove(self) -> None:
@@ -272,7 +273,9 @@ class RouteReplay:
             e_NK = torch.where(known_N[:, None], rec_NK, own_NK)
             p_NX = torch.softmax(logits_NX, dtype=torch.float, dim=-1)
             p_NK = p_NX.gather(1, e_NK)
-            if _output_rule(li, module, p_NX, w_NK, own_NK):
+            if m not in self._rule:  # a router's rule is its structure: checked once per RouteReplay (training step)
+                self._rule[m] = _output_rule(li, module, p_NX, w_NK, own_NK)
+            if self._rule[m]:
                 p_NK = p_NK / p_NK.sum(dim=-1, keepdim=True)
             return logits_NX, p_NK.to(w_NK.dtype), e_NK
         return hook
@@ -298,19 +301,31 @@ class RouteReplay:
             self._routes = self._differ = None
 
 
-def _output_rule(li: int, router: nn.Module, p_NX: torch.Tensor, w_NK: torch.Tensor, own_NK: torch.Tensor) -> bool:
-    """Whether ``router`` renormalises its top-k probabilities, read off this forward's own output (the rule of
-    `topk_router_rule`, which the trainer cannot probe on a sharded module): its experts must be the top-k of p =
-    softmax(logits) and its weights p or p / sum p at them. ValueError naming the layer otherwise (a grouped, biased
-    or sigmoid router)."""
+def softmax_topk_rule(p_NX: torch.Tensor, w_NK: torch.Tensor, e_NK: torch.Tensor, k: int,
+                      order: Sequence[bool] = (True, False)) -> bool | None:
+    """Which softmax top-k rule a router's output (weights ``w_NK``, experts ``e_NK``) follows, given p = softmax of
+    its logits: its experts are the top-``k`` of p, and its weights p / sum_k p (True) or p (False) at them, tried in
+    ``order``. None when neither (a grouped, biased or sigmoid router)."""
     with torch.no_grad():
-        top_NK, e_NK = torch.topk(p_NX, own_NK.shape[1], dim=-1)
+        top_NK, want_e_NK = torch.topk(p_NX, k, dim=-1)
+        if e_NK.shape != want_e_NK.shape or not torch.equal(e_NK, want_e_NK):
+            return None
         w = w_NK.float()
-        if e_NK.shape == own_NK.shape and torch.equal(e_NK, own_NK):
-            for norm in (isinstance(getattr(router, "norm_topk_prob", None), bool) and router.norm_topk_prob, True, False):
-                want = top_NK / top_NK.sum(-1, keepdim=True) if norm else top_NK
-                if torch.allclose(w, want, rtol=1e-5, atol=1e-7):
-                    return bool(norm)
+        for norm in order:
+            if torch.allclose(w, top_NK / top_NK.sum(-1, keepdim=True) if norm else top_NK, rtol=1e-5, atol=1e-7):
+                return bool(norm)
+    return None
+
+
+def _output_rule(li: int, router: nn.Module, p_NX: torch.Tensor, w_NK: torch.Tensor, own_NK: torch.Tensor) -> bool:
+    """Whether ``router`` renormalises its top-k probabilities, read off this forward's own output
+    (`softmax_topk_rule`; the trainer cannot probe a sharded module), its ``norm_topk_prob`` tried first when it has
+    one. ValueError naming the layer when it follows neither rule (a grouped, biased or sigmoid router)."""
+    flag = getattr(router, "norm_topk_prob", None)
+    rule = softmax_topk_rule(p_NX, w_NK, own_NK, own_NK.shape[1], (flag, True, False) if isinstance(flag, bool)
+                             else (True, False))
+    if rule is not None:
+        return rule
     raise ValueError(f"routing replay: layer {li}'s router {type(router).__name__} does not weight a plain top-k of the "
                      "softmax of its logits (a grouped, biased or sigmoid router): replay could not recompute its weights")
 

@@ -63,7 +63,7 @@ from k3post.quant import qat as qat_module
 from k3post.quant.mx import MX_FORMATS, fake_quant_fp8_lastdim, fake_quant_mx
 from k3post.quant.qat import QATConfig
 from k3post.rollout.kv_cache import SlotKVCache
-from k3post.routing_replay import RouteRecorder
+from k3post.routing_replay import RouteRecorder, softmax_topk_rule
 from k3post.rollout.segments import attention_segments
 
 __all__ = ["LEAN_MODEL_TYPES", "LeanForward", "Norm", "WeightPlan", "fake_quant_act", "lean_blocker", "norm_of", "rms", "rotate",
@@ -183,14 +183,7 @@ def topk_router_rule(router: Any, X: int, D: int) -> bool | None:
         out = router(h_ND)
         if not (isinstance(out, tuple) and len(out) == 3):
             return None
-        p_NK, e_NK = torch.topk(torch.softmax(F.linear(h_ND, weight).float(), dim=-1), router.top_k, dim=-1)
-        if out[2].shape != e_NK.shape or not torch.equal(out[2], e_NK):
-            return None
-        for norm in (True, False):
-            w_NK = p_NK / p_NK.sum(dim=-1, keepdim=True) if norm else p_NK
-            if torch.allclose(out[1].float(), w_NK, rtol=1e-5, atol=1e-7):
-                return norm
-    return None
+        return softmax_topk_rule(torch.softmax(F.linear(h_ND, weight).float(), dim=-1), out[1], out[2], router.top_k)
 
 
 @dataclass(frozen=True)
