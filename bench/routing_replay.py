@@ -62,6 +62,41 @@ def _requests(prompts: list[list[int]], k: int, max_tokens: int) -> list[Any]:
             for i, p in enumerate(prompts) for j in range(k)]
 
 
+def sampling_args(doc: str | None, *, max_tokens: int) -> argparse.ArgumentParser:
+    """The command line of a bench that samples the demo's prompts: model / tokenizer folders, prompts, samples per
+    prompt, tokens per sample, engine slots, timing repeats."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model folder (default: a fresh tiny Qwen3-MoE)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=max_tokens)
+    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    return ap
+
+
+def qat_model(model_dir: str | None, tokenizer_dir: str | None) -> tuple[torch.nn.Module, Any]:
+    """(model with the demo's MX QAT applied, in eval mode; its tokenizer): the folder's, or a fresh tiny Qwen3-MoE
+    and a small XTML tokenizer trained here."""
+    from k3post.models import build_tiny_moe, load_model
+    from k3post.quant.qat import QATConfig, apply_qat
+    from k3post.tokenizer import load_tokenizer
+
+    if model_dir is None:
+        from k3post.tokenizer import train_tokenizer
+        from k3post.xtml import EOM
+
+        tok = train_tokenizer(["What is 12 + 30? The answer is 42. Let me think step by step."] * 50, vocab_size=400)
+        model = build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id,
+                               eos_token_id=tok.convert_tokens_to_ids(EOM))
+    else:
+        tok = load_tokenizer(tokenizer_dir or model_dir)
+        model = load_model(model_dir)
+    apply_qat(model, QATConfig())
+    return model.eval(), tok
+
+
 def _engine(model: torch.nn.Module, tok: Any, slots: int, *, record: bool, op_order: str = "hf") -> Any:
     from k3post.rollout import EmbeddedEngine
 
@@ -95,32 +130,9 @@ def _trainer_pass(trainer: torch.nn.Module, seqs: list[Any], replay: bool) -> di
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="model folder (default: a fresh tiny Qwen3-MoE)")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--slots", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    args = sampling_args(__doc__, max_tokens=128).parse_args()
     torch.set_num_threads(1)
-    from k3post.models import build_tiny_moe, load_model
-    from k3post.quant.qat import QATConfig, apply_qat
-    from k3post.tokenizer import load_tokenizer
-
-    if args.model is None:
-        from k3post.tokenizer import train_tokenizer
-        from k3post.xtml import EOM
-
-        tok = train_tokenizer(["What is 12 + 30? The answer is 42. Let me think step by step."] * 50, vocab_size=400)
-        model = build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id,
-                               eos_token_id=tok.convert_tokens_to_ids(EOM))
-    else:
-        tok = load_tokenizer(args.tokenizer or args.model)
-        model = load_model(args.model)
-    apply_qat(model, QATConfig())
-    model.eval()
+    model, tok = qat_model(args.model, args.tokenizer)
     reqs = _requests(_prompts(tok, args.prompts), args.k, args.max_tokens)
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     conditions = {

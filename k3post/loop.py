@@ -99,6 +99,7 @@ class LoopConfig(Protocol):
     infra_retries: int
     infra_max_rate: float
     routing_replay: str
+    exact: bool
     draft: str
     draft_steps: int
     draft_lr: float
@@ -148,7 +149,7 @@ class PolicyLoop:
         """The trainer's step with the policy loss's gradient function (`k3post.policy_step.train_policy_step`)."""
         return train_policy_step(self.trainer, seqs, pad_id=self.pad_id, loss_kwargs=self.loss_kwargs,
                                  micro_batch_tokens=self.cfg.micro_batch_tokens, version=version, lr=lr,
-                                 routing_replay=self.cfg.routing_replay == "rollout-routes")
+                                 routing_replay=self.cfg.routing_replay == "rollout-routes", exact=self.cfg.exact)
 
     @property
     def engine(self) -> Any:

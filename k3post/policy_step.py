@@ -34,9 +34,7 @@ Shape legend: B sequences, T positions (right-padded), V vocabulary.
 
 from __future__ import annotations
 
-import inspect
 import logging
-from contextlib import nullcontext
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,11 +43,12 @@ import torch
 
 from k3post.algos.policy_loss import policy_loss
 from k3post.quant.qat import weight_quant_cache
+from k3post.rollout.embedded.exact import exact_forward_for
 from k3post.routing_replay import RouteReplay, pad_routes
+from k3post.scoring import micro_batches, shared_prefix_logprobs, token_logprobs
 from k3post.trainer.local import clip_grad_norm
 
-__all__ = ["TokenSequence", "token_logprobs", "shared_prefix_logprobs", "sequence_logprobs", "micro_batches",
-           "plan_micro_batches", "policy_grads", "PolicyGrads", "step_metrics", "train_policy_step", "policy_step"]
+__all__ = ["TokenSequence", "plan_micro_batches", "policy_grads", "PolicyGrads", "step_metrics", "train_policy_step", "policy_step"]
 
 log = logging.getLogger(__name__)
 _NO_SHARED_PREFIX: set[str] = set()  # model classes already logged as using the full forward
@@ -105,153 +104,6 @@ class TokenSequence:
     @property
     def num_trainable(self) -> int:
         return sum(self.mask)
-
-
-def token_logprobs(
-    model: torch.nn.Module,
-    ids_BT: torch.Tensor,
-    attn_BT: torch.Tensor,
-    *,
-    with_entropy: bool = False,
-    entropy_mask_BT: torch.Tensor | None = None,
-    replay: RouteReplay | None = None,
-    routes: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``logp_BT[:, t] = log p(ids[:, t] | ids[:, <t])`` for t ≥ 1 and 0 at t = 0 (float32, with
-    autograd when enabled), and the entropy of the predictive distribution at each position (detached;
-    with ``entropy_mask_BT`` only at its positions, 0 elsewhere: the trainer needs it at sampled tokens
-    only, and the full [B, T, V] softmax is the largest piece of work after the forward). ``replay``: the
-    forward runs under `RouteReplay.replaying` of ``routes`` (recorded routes [B, T, M, K], -1 where unknown, and
-    [B, T] True where recorded under the trained weights)."""
-    with _replaying(replay, routes):
-        logits_BTV = model(input_ids=ids_BT, attention_mask=attn_BT, use_cache=False).logits.float()
-    logsm_BTV = torch.log_softmax(logits_BTV[:, :-1], dim=-1)
-    lp_BT = logsm_BTV.gather(-1, ids_BT[:, 1:, None]).squeeze(-1)
-    zero_B1 = lp_BT.new_zeros(ids_BT.shape[0], 1)
-    logp_BT = torch.cat([zero_B1, lp_BT], dim=1)
-    entropy_BT = None
-    if with_entropy or entropy_mask_BT is not None:
-        with torch.no_grad():
-            if entropy_mask_BT is None:
-                ent_BT = -(logsm_BTV.exp() * logsm_BTV).sum(-1)
-            else:
-                m_BT = entropy_mask_BT[:, 1:].bool()
-                sel_NV = logsm_BTV[m_BT]
-                ent_BT = lp_BT.new_zeros(lp_BT.shape).masked_scatter_(m_BT, -(sel_NV.exp() * sel_NV).sum(-1))
-            entropy_BT = torch.cat([zero_B1, ent_BT], dim=1)
-    return logp_BT, entropy_BT
-
-
-def _replaying(replay: RouteReplay | None, routes: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
-    """`RouteReplay.replaying` of (routes [B, T, M, K], recorded under the trained weights [B, T]) flattened as
-    the model flattens its rows (a no-op without ``replay``)."""
-    if replay is None:
-        return nullcontext()
-    if routes is None:
-        return replay.replaying(None)
-    routes_BTMK, fresh_BT = routes
-    return replay.replaying(routes_BTMK.reshape(-1, *routes_BTMK.shape[2:]), fresh_BT.reshape(-1))
-
-
-def _cache_kwarg(model: torch.nn.Module) -> str | None:
-    """The name of the forward's KV-cache argument ("cache" in transformers ≥ 5.x, "past_key_values"
-    before), or None when it has neither."""
-    params = inspect.signature(model.forward).parameters
-    return next((k for k in ("cache", "past_key_values") if k in params), None)
-
-
-def _broadcast_cache(cache: Any, rows: int) -> bool:
-    """Expand a batch-1 KV cache to ``rows`` rows in place (views; autograd flows back to the one row).
-    False when the cache is not a list of layers holding ``keys`` / ``values`` tensors."""
-    layers = getattr(cache, "layers", None)
-    if not layers or not all(isinstance(getattr(layer, "keys", None), torch.Tensor)
-                             and isinstance(getattr(layer, "values", None), torch.Tensor) for layer in layers):
-        return False
-    for layer in layers:
-        layer.keys = layer.keys.expand(rows, *layer.keys.shape[1:])
-        layer.values = layer.values.expand(rows, *layer.values.shape[1:])
-    return True
-
-
-def shared_prefix_logprobs(
-    model: torch.nn.Module,
-    ids_BT: torch.Tensor,
-    attn_BT: torch.Tensor,
-    prefix_len: int,
-    *,
-    entropy_mask_BT: torch.Tensor | None = None,
-    replay: RouteReplay | None = None,
-    routes: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """`token_logprobs` for B rows that share ``ids_BT[:, :prefix_len]`` (all attended): the prefix runs
-    once and its KV cache is broadcast to the rows (module doc). Positions 1 .. prefix_len − 1 get 0 (they
-    belong to the prompt and carry no loss). None when the model's cache cannot be broadcast. ``replay`` /
-    ``routes``: as in `token_logprobs` (the prefix replays row 0's routes)."""
-    B, T = ids_BT.shape
-    P = prefix_len
-    kw = _cache_kwarg(model)
-    if kw is None or not 1 <= P < T:
-        return None
-    routes_pre = routes_rest = None
-    if routes is not None:
-        routes_pre, routes_rest = (routes[0][:1, :P], routes[1][:1, :P]), (routes[0][:, P:], routes[1][:, P:])
-    with _replaying(replay, routes_pre):
-        pre = model(input_ids=ids_BT[:1, :P], use_cache=True)
-    cache = getattr(pre, kw, None)
-    if cache is None or not _broadcast_cache(cache, B):
-        return None
-    pos_BS = torch.arange(P, T, device=ids_BT.device)[None].expand(B, -1)
-    with _replaying(replay, routes_rest):
-        rest = model(input_ids=ids_BT[:, P:], attention_mask=attn_BT, position_ids=pos_BS, use_cache=True,
-                     **{kw: cache})
-    logits_BSV = torch.cat([pre.logits[:, -1:].expand(B, -1, -1), rest.logits[:, :-1]], dim=1).float()
-    logsm_BSV = torch.log_softmax(logits_BSV, dim=-1)
-    tgt_BS = ids_BT[:, P:]
-    lp_BS = logsm_BSV.gather(-1, tgt_BS[..., None]).squeeze(-1)
-    logp_BT = torch.cat([lp_BS.new_zeros(B, P), lp_BS], dim=1)
-    entropy_BT = None
-    if entropy_mask_BT is not None:
-        with torch.no_grad():
-            m_BS = entropy_mask_BT[:, P:].bool()
-            sel_NV = logsm_BSV[m_BS]
-            ent_BS = lp_BS.new_zeros(lp_BS.shape).masked_scatter_(m_BS, -(sel_NV.exp() * sel_NV).sum(-1))
-            entropy_BT = torch.cat([lp_BS.new_zeros(B, P), ent_BS], dim=1)
-    return logp_BT, entropy_BT
-
-
-def sequence_logprobs(model: torch.nn.Module, ids: Sequence[Sequence[int]], batch_tokens: int) -> list[list[float]]:
-    """Per sequence, ``out[b][t] = log p(ids[b][t] | ids[b][:t])`` for t ≥ 1 (``out[b][0] = 0``): prefill
-    only, under ``torch.inference_mode``, sequences batched by `micro_batches` (``batch_tokens`` padded
-    tokens, right padding), float32. The scorer of MOPD teachers and of the server's ``echo``."""
-    out: list[list[float]] = [[] for _ in ids]
-    device = next(model.parameters()).device
-    for idx in micro_batches([len(s) for s in ids], batch_tokens):
-        T = max(len(ids[i]) for i in idx)
-        ids_BT = torch.zeros(len(idx), T, dtype=torch.long)
-        attn_BT = torch.zeros(len(idx), T, dtype=torch.long)
-        for row, i in enumerate(idx):
-            ids_BT[row, : len(ids[i])] = torch.tensor(list(ids[i]), dtype=torch.long)
-            attn_BT[row, : len(ids[i])] = 1
-        with torch.inference_mode():
-            logp_BT, _ = token_logprobs(model, ids_BT.to(device), attn_BT.to(device))
-        for row, i in enumerate(idx):
-            out[i] = logp_BT[row, : len(ids[i])].tolist()
-    return out
-
-
-def micro_batches(lengths: Sequence[int], micro_batch_tokens: int) -> list[list[int]]:
-    """Indices grouped longest first so that (rows × longest row) ≤ ``micro_batch_tokens``; a
-    sequence longer than the budget gets a micro-batch of its own."""
-    if micro_batch_tokens < 1:
-        raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    out: list[list[int]] = []
-    for i in order:
-        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= micro_batch_tokens:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
 
 
 def _prompt_len(s: TokenSequence) -> int:
@@ -351,6 +203,7 @@ def policy_grads(
     version: int | None = None,
     before_backward: Callable[[int], None] | None = None,
     routing_replay: bool = False,
+    exact: bool = False,
 ) -> dict[str, float]:
     """Forward and backward of `policy_loss` over the micro-batches ``groups`` (each its sequences and their
     shared prefix length, as `plan_micro_batches` plans them), gradients accumulated into ``model``'s ``.grad``
@@ -368,7 +221,12 @@ def policy_grads(
     trainer's own top-k routes differently in some MoE layer: the engine's mismatch), and ``routes_known_older`` /
     ``routes_mismatched_older`` for the other recorded positions (computed by older weights: the policy moved);
     with ``routing_replay`` the forward routes every recorded position as recorded
-    (`k3post.routing_replay.RouteReplay`)."""
+    (`k3post.routing_replay.RouteReplay`).
+
+    ``exact`` (``rl.exact``): the log-probs' values come from the exact forward
+    (`k3post.rollout.embedded.exact`), the engine's own, and their gradient from the model's forward:
+    ``logp = exact + (hf − hf.detach())``. A token the trained weights sampled (``fresh``) whose recorded log-prob
+    differs from it by any amount raises RuntimeError (fail closed: the exact mode's promise is broken)."""
     kwargs = dict(loss_kwargs or {})
     replay = None
     if any(s.routes is not None for group, _ in groups for s in group):
@@ -376,7 +234,7 @@ def policy_grads(
         replay.replay = bool(routing_replay)
     try:
         out = _policy_grads(model, groups, pad_id=pad_id, token_normalizer=token_normalizer, kwargs=kwargs,
-                            version=version, before_backward=before_backward, replay=replay)
+                            version=version, before_backward=before_backward, replay=replay, exact=exact)
     finally:
         if replay is not None:
             replay.remove()
@@ -388,7 +246,8 @@ def policy_grads(
 
 def _policy_grads(model: torch.nn.Module, groups: Sequence[tuple[Sequence[TokenSequence], int]], *, pad_id: int,
                   token_normalizer: float, kwargs: dict[str, Any], version: int | None,
-                  before_backward: Callable[[int], None] | None, replay: RouteReplay | None) -> dict[str, float]:
+                  before_backward: Callable[[int], None] | None, replay: RouteReplay | None,
+                  exact: bool = False) -> dict[str, float]:
     device = next(model.parameters()).device
     out: dict[str, float] = {"loss": 0.0, "forward_tokens": 0.0, "gap_sum": 0.0, "gap_n": 0.0, "tokens": 0.0,
                              "stale_kv_gap_sum": 0.0, "stale_kv_gap_n": 0.0, "moved_gap_sum": 0.0, "moved_gap_n": 0.0,
@@ -409,8 +268,13 @@ def _policy_grads(model: torch.nn.Module, groups: Sequence[tuple[Sequence[TokenS
                 model, batch["ids"], batch["attn"], entropy_mask_BT=batch["mask"], replay=replay, routes=routes)
             B, T = batch["ids"].shape
             out["forward_tokens"] += prefix + B * (T - prefix) if got is not None else B * T
+            if exact:  # the engine's values, the model's gradient
+                exact_BT = exact_forward_for(model, T).token_logprobs(batch["ids"], prefix)
+                logp_BT = exact_BT + (logp_BT - logp_BT.detach())
             with torch.no_grad():
                 d_BT = (logp_BT.detach() - batch["behavior"]).abs()
+                if exact:
+                    _check_exact(logp_BT.detach(), batch, group, version)
                 for key, sel in (("gap", "fresh"), ("stale_kv_gap", "stale_kv"), ("moved_gap", "moved")):
                     gap_N = d_BT[batch[sel]]
                     if gap_N.numel():
@@ -434,6 +298,22 @@ def _policy_grads(model: torch.nn.Module, groups: Sequence[tuple[Sequence[TokenS
                 elif k != "num_tokens":
                     out[f"sum/{k}"] = out.get(f"sum/{k}", 0.0) + v * n
     return out
+
+
+def _check_exact(logp_BT: torch.Tensor, batch: Mapping[str, torch.Tensor], group: Sequence[TokenSequence],
+                 version: int | None) -> None:
+    """RuntimeError naming the first token the trained weights sampled whose recorded log-prob is not the exact
+    forward's (``rl.exact``)."""
+    bad_BT = batch["fresh"] & (logp_BT != batch["behavior"])
+    if bool(bad_BT.any()):
+        b, t = (int(i) for i in bad_BT.nonzero()[0])
+        raise RuntimeError(
+            f"rl.exact: {int(bad_BT.sum())} token(s) sampled by version {version} have a recorded log-prob other than "
+            f"the trainer's exact forward (first: sequence {b} of its micro-batch, position {t}, token "
+            f"{group[b].token_ids[t]}: recorded {float(batch['behavior'][b, t])!r}, recomputed "
+            f"{float(logp_BT[b, t])!r}). The engine did not "
+            "run the exact forward on these weights (an HTTP server started without --exact, other weights), or this "
+            "machine's kernels are not batch-invariant")
 
 
 def step_metrics(sums: Mapping[str, float], *, n_total: int, n_seqs: int, micro_batches: int, grad_norm: float,
@@ -473,31 +353,33 @@ class PolicyGrads:
     token_normalizer: float
     loss_kwargs: Mapping[str, Any] | None = None
     routing_replay: bool = False
+    exact: bool = False
 
     def __call__(self, model: torch.nn.Module, micro_batches: Sequence[tuple[Sequence[TokenSequence], int]], *,
                  version: int | None = None, before_backward: Callable[[int], None] | None = None) -> dict[str, float]:
         return policy_grads(model, micro_batches, pad_id=self.pad_id, token_normalizer=self.token_normalizer,
                             loss_kwargs=self.loss_kwargs, version=version, before_backward=before_backward,
-                            routing_replay=self.routing_replay)
+                            routing_replay=self.routing_replay, exact=self.exact)
 
 
 def train_policy_step(trainer: Any, seqs: Sequence[TokenSequence], *, pad_id: int,
                       loss_kwargs: Mapping[str, Any] | None = None, micro_batch_tokens: int = 8192,
                       version: int | None = None, lr: float | None = None,
-                      routing_replay: bool = False) -> dict[str, float]:
+                      routing_replay: bool = False, exact: bool = False) -> dict[str, float]:
     """One optimizer step of `policy_loss` over ``seqs`` through ``trainer`` (`k3post.trainer.Trainer.step` with
     `PolicyGrads`), at learning rate ``lr`` (None: the trainer's current one): the sequences with sampled tokens,
     planned into micro-batches of ``micro_batch_tokens`` (shared prompts run once when the trainer allows it,
     ``trainer.share_prefix``). Returns `policy_step`'s metrics; with no sampled token only the learning rate is
-    set. ``routing_replay``: route the sequences' recorded routes as the engine did (`policy_grads`)."""
+    set. ``routing_replay``: route the sequences' recorded routes as the engine did; ``exact``: the exact forward's
+    log-prob values (`policy_grads`)."""
     seqs = [s for s in seqs if s.num_trainable > 0]
     if not seqs:
-        trainer.step([], PolicyGrads(pad_id, 0.0, loss_kwargs, routing_replay), lr=lr, version=version)
+        trainer.step([], PolicyGrads(pad_id, 0.0, loss_kwargs, routing_replay, exact), lr=lr, version=version)
         return {"num_tokens": 0.0, "num_sequences": 0.0}
     n_total = sum(s.num_trainable for s in seqs)
     groups = plan_micro_batches(seqs, micro_batch_tokens, share_prefix=trainer.share_prefix)
     sums = trainer.step([([seqs[j] for j in idx], prefix) for idx, prefix in groups],
-                        PolicyGrads(pad_id, n_total, loss_kwargs, routing_replay), lr=lr, version=version)
+                        PolicyGrads(pad_id, n_total, loss_kwargs, routing_replay, exact), lr=lr, version=version)
     return step_metrics(sums, n_total=n_total, n_seqs=len(seqs), micro_batches=len(groups),
                         grad_norm=sums["grad_norm"], version=version)
 

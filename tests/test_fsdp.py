@@ -39,7 +39,8 @@ from k3post.config import ConfigError, load_config
 from k3post.config.distributed import FSDPConfig
 from k3post.data import Sample, collate
 from k3post.models import build_tiny_moe, load_model
-from k3post.policy_step import TokenSequence, sequence_logprobs, train_policy_step
+from k3post.policy_step import TokenSequence, train_policy_step
+from k3post.scoring import sequence_logprobs
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.stages.sft import sft_step
 from k3post.trainer import OptimConfig, Trainer

@@ -41,8 +41,10 @@ from safetensors.torch import save_file
 
 from k3post.distributed.weight_sync import DiskSync
 from k3post.envs.families.registry import get_family
-from k3post.models import build_tiny_moe, save_model
+from k3post.models import build_tiny_moe, load_model, save_model
+from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rollout import EmbeddedEngine, SamplingParams
+from k3post.rollout.embedded.exact import exact_forward_for
 from k3post.rollout.agent_loop import AgentLoop
 from k3post.rollout.engine import GenerationRequest
 from k3post.rollout.http_engine import EngineUnavailableError, HTTPEngine
@@ -77,10 +79,10 @@ class Server:
 
 @contextlib.contextmanager
 def running_servers(model_dir: Path, logs: Path, names: str, *, qat: bool = False,
-                    record_routes: bool = False) -> Iterator[dict[str, Server]]:
+                    record_routes: bool = False, exact: bool = False) -> Iterator[dict[str, Server]]:
     """Servers named by the letters of ``names`` (4 slots, one torch thread each), ready; stopped on exit."""
     with LocalServers(model_dir, len(names), max_batch_size=4, qat=qat, threads=1, log_dir=logs,
-                      record_routes=record_routes) as ls:
+                      record_routes=record_routes, exact=exact) as ls:
         yield {name: Server(p.url, p.proc, p.log) for name, p in zip(names, ls.servers)}
 
 
@@ -139,6 +141,21 @@ def test_routes_come_back_over_http(servers: dict[str, Server], model_dir: Path,
             eng.generate([GenerationRequest("h", PROMPT, sp)])
     with pytest.raises(ValueError, match="record_routes"):
         HTTPEngine([servers["A"].url], record_routes=True, dialect="sglang")
+
+
+def test_an_exact_server_records_the_trainers_log_probs(model_dir: Path, tmp_path: Path) -> None:
+    """k3post serve --exact (rl.exact over engine.kind http): whatever batches the server forms from concurrent
+    requests, every log-prob it returns is the trainer's exact recomputation in this process, bit for bit."""
+    model = load_model(model_dir)
+    apply_qat(model, QATConfig())
+    reqs = [GenerationRequest(f"x{i}", PROMPT[: 3 + 2 * i], SamplingParams(max_tokens=10 + 3 * i, seed=i)) for i in range(5)]
+    with running_servers(model_dir, tmp_path, "X", qat=True, exact=True) as srv:
+        with HTTPEngine([srv["X"].url]) as eng:
+            got = eng.generate(reqs)
+    for r in got:
+        ids = r.prompt_ids + r.output_ids
+        lp = exact_forward_for(model, len(ids)).token_logprobs(torch.tensor([ids]))[0]
+        assert r.output_logprobs == lp[len(r.prompt_ids):].tolist(), r.request_id
 
 
 def _lp(d: dict[str, Any]) -> list[float]:

@@ -33,7 +33,7 @@ import torch
 from k3post.data import Sample, render_record
 from k3post.envs.families import get_family
 from k3post.models import build_tiny_moe, save_model
-from k3post.policy_step import sequence_logprobs, token_logprobs
+from k3post.scoring import sequence_logprobs, token_logprobs
 from k3post.rewards.effort import BudgetTable, EffortConfig, TaskSamples, task_key
 from k3post.loop import train_policy
 from k3post.config.rl import RLConfig

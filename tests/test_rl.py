@@ -19,7 +19,8 @@ from k3post.algos.policy_loss import policy_loss
 from k3post.data import Sample, render_record
 from k3post.envs.families.registry import get_family
 from k3post.models import build_tiny_moe
-from k3post.policy_step import TokenSequence, micro_batches, policy_step, token_logprobs
+from k3post.policy_step import TokenSequence, policy_step
+from k3post.scoring import micro_batches, token_logprobs
 from k3post.rewards.effort import BudgetTable, EffortConfig, TaskSamples, estimate_budgets
 from k3post.config.rl import RLConfig
 from k3post.envs.families.streams import domain_families, train_tasks
@@ -208,6 +209,27 @@ def test_routing_replay_modes_in_rl(warm_policy, tmp_path, mode):
         assert positions >= h["train/num_tokens"] > 0, h
         assert 0.0 <= h.get("train/routing_mismatch_frac", 0.0) <= 0.05, h
     assert g["routing_positions"] == sum(h.get("train/routing_known_tokens", 0.0) for h in hist) > 0
+
+
+def test_exact_mode_in_rl(warm_policy, tmp_path):
+    """rl.exact through `train_rl` with QAT and partial rollout (λ = 0.5): every token the trained weights sampled
+    has a gap of exactly 0 (the step raises otherwise); tokens older weights sampled still show the policy's move."""
+    from k3post.loop import rollout_gap
+    from k3post.quant.qat import QATConfig, apply_qat
+
+    model0, tok = warm_policy
+    with pytest.raises(ValueError, match="rl.exact=true needs rl.resume_kv=reprefill"):
+        _cfg(exact=True)
+    cfg = _cfg(steps=2, exact=True, resume_kv="reprefill")
+    assert cfg.rollout_config().exact
+    m = copy.deepcopy(model0)
+    apply_qat(m, QATConfig())
+    run = train_rl(m, tok, cfg, tmp_path / "exact", budgets=_budgets(model0, tok, cfg), evaluate=False)
+    hist = run.metrics.rows()
+    g = rollout_gap(hist)
+    assert g["max"] == 0.0 and g["mean"] == 0.0 and sum(h["train/rollout_gap_tokens"] for h in hist) > 0, g
+    assert sum(h["train/rollout_gap_stale_kv_tokens"] for h in hist) == 0
+    assert sum(h["train/policy_moved_gap_tokens"] for h in hist) > 0  # λ = 0.5: older weights sampled some
 
 
 def test_score_golden():

@@ -344,7 +344,7 @@ def test_echo_scores_prompts_and_serves_an_mopd_teacher(served: Served) -> None:
     """``echo: true, max_tokens: 0`` returns each prompt's per-token log-probs under the served model (the
     same numbers as a local forward); `TeacherPool` uses this server as an endpoint teacher."""
     from k3post.rollout.teachers import TeacherPool
-    from k3post.policy_step import sequence_logprobs
+    from k3post.scoring import sequence_logprobs
 
     model = served.app.state.server.runner.engine.model
     x = XTML(served.tok)
@@ -386,7 +386,7 @@ def test_score_route_and_http_engine_score_equal_the_local_forward(served: Serve
     `ScoringEngine` client) returns the same through the k3post dialect, in the order given; a one-token
     sequence scores to []; a token outside the vocabulary, an empty sequence or one over max_model_len is a 400
     naming it, and the client raises it as a ValueError naming the server."""
-    from k3post.policy_step import sequence_logprobs
+    from k3post.scoring import sequence_logprobs
     from k3post.rollout.engine import ScoringEngine
     from k3post.rollout.http_engine import HTTPEngine
 

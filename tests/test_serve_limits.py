@@ -147,7 +147,7 @@ def test_full_queue_is_429_with_retry_after_and_slow_request_504(model_dir: Path
 def test_echo_scores_in_bounded_steps(model_dir: Path) -> None:
     """Three 3-token prompts with echo_batch_tokens=8: two forwards (2 rows, then 1), each its own
     engine-thread call, and the same log-probs as one forward of all three."""
-    from k3post.policy_step import sequence_logprobs
+    from k3post.scoring import sequence_logprobs
 
     calls: list[int] = []
 

@@ -108,6 +108,9 @@ class RLConfig:
     (`RolloutConfig`: what a trajectory paused across a weight update resumes from), ``routing_replay``
     ("off" | "measure" | "rollout-routes", `k3post.routing_replay`: the engine records each position's experts,
     the trainer counts the positions it routes differently and, with "rollout-routes", routes them as recorded),
+    ``exact`` (the engine and the trainer's log-prob values run one batch-invariant forward, so every behaviour log-prob
+    equals the trainer's bit for bit, `k3post.rollout.embedded.exact`; fails closed where it cannot hold; needs
+    ``resume_kv`` "reprefill"),
     ``draft`` (an EAGLE-3 export: speculative decoding in rollout, and the draft trained online on the policy's
     rollouts, ``draft_steps`` optimizer steps at ``draft_lr`` after every RL step, 0: frozen; `k3post.spec.online`).
     Loss (SPEC §3.1): ``log_ratio_min`` / ``log_ratio_max`` (the K2.5 band α, β), ``tau`` (the quadratic
@@ -173,6 +176,7 @@ class RLConfig:
     kv_pool_mb: int = ranged(64, ge=0)
     resume_kv: str = "reuse"
     routing_replay: str = "off"
+    exact: bool = False
     draft: str = ""
     draft_steps: int = ranged(2, ge=0)
     draft_lr: float = ranged(3e-4, gt=0)
@@ -234,6 +238,9 @@ class RLConfig:
             raise ValueError(f"rl.resume_kv must be one of {RESUME_KV}, got {self.resume_kv!r}")
         if self.routing_replay not in ROUTING_REPLAY:
             raise ValueError(f"rl.routing_replay must be one of {ROUTING_REPLAY}, got {self.routing_replay!r}")
+        if self.exact and self.resume_kv != "reprefill":
+            raise ValueError("rl.exact=true needs rl.resume_kv=reprefill: a token sampled over KV kept from older weights "
+                             "equals no recomputation under the new ones")
         if self.judge_fallback not in JUDGE_FALLBACKS:
             raise ValueError(f"rl.judge_fallback must be one of {JUDGE_FALLBACKS}, got {self.judge_fallback!r}")
         if self.train_pass_empty not in TRAIN_PASS_EMPTY:
@@ -299,7 +306,7 @@ class RLConfig:
                              temperature=self.temperature, max_tokens=self.max_tokens, max_model_len=self.max_model_len,
                              slots=self.slots, kv_pool_mb=self.kv_pool_mb, effort=self.effort, seed=self.seed,
                              engine=engine, resume_kv=self.resume_kv,
-                             record_routes=self.routing_replay != "off")
+                             record_routes=self.routing_replay != "off", exact=self.exact)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of the optimizer step that follows ``step`` finished steps: ``lr`` ("constant"), or

@@ -133,7 +133,8 @@ class RolloutConfig:
     resumes from: "reuse" its KV cache computed with the older weights (its next tokens are sampled from a
     mixed-version state; their ``kv_versions`` say so and the trainer counts their gap apart), or "reprefill"
     its context under the new weights (`k3post.rollout.scheduler`, ``reuse_stale_kv``). ``record_routes``: the
-    engine records the experts every position was routed to (routing replay, `k3post.routing_replay`)."""
+    engine records the experts every position was routed to (routing replay, `k3post.routing_replay`). ``exact``: the
+    engine runs the batch-invariant exact forward (`k3post.rollout.embedded.exact`; launched servers get ``--exact``)."""
 
     n_prompts: int = 8
     k: int = 8
@@ -149,6 +150,7 @@ class RolloutConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     resume_kv: str = "reuse"
     record_routes: bool = False
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if self.resume_kv not in RESUME_KV:

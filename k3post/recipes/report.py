@@ -252,7 +252,9 @@ def _gap_table(rows: list[tuple[str, dict[str, float]]]) -> str:
             "trajectory resumed on its kept KV, <code>rl.resume_kv=reuse</code>: the policy's own change, not the "
             "engine's). Routed differently: the share of context positions the trainer's own top-k sends to other "
             "experts than the engine did in some MoE layer (recorded with <code>rl.routing_replay</code> measure or "
-            "rollout-routes; the latter trains on the engine's routes).</p>"
+            "rollout-routes; the latter trains on the engine's routes). With <code>rl.exact</code> the engine and "
+            "the trainer's log-prob values run one batch-invariant forward: the mean and max are exactly 0 (a step "
+            "with any gap there stops the run).</p>"
             + _table(["run", "mean |Δ log p|", "max |Δ log p|", "tokens", "tokens over older KV", "their mean",
                       "their max", "routed differently"],
                      [[name, f"{g['mean']:.2e}", f"{g['max']:.2e}", int(g["tokens"]), *stale(g),

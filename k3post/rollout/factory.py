@@ -157,7 +157,7 @@ def _launch_servers(model: torch.nn.Module | str | Path, tokenizer: Any | None, 
     from k3post.quant.qat import QATConfig
     from k3post.serve.launch import LocalServers
 
-    extra = sorted(set(embedded) - {"qat", "record_routes"})
+    extra = sorted(set(embedded) - {"qat", "record_routes", "exact"})
     if extra:
         raise ValueError(f"engine.kind is http: launched servers for the {role} take no {extra} (embedded-engine "
                          "settings)")
@@ -179,7 +179,8 @@ def _launch_servers(model: torch.nn.Module | str | Path, tokenizer: Any | None, 
         model_dir = Path(model)
     servers = LocalServers(model_dir, cfg.launch, max_batch_size=max_batch_size, max_model_len=max_model_len,
                            qat=qat is not None and qat.enabled, threads=cfg.launch_threads or _plan_threads(),
-                           remove_on_close=tmp, record_routes=bool(embedded.get("record_routes")))
+                           remove_on_close=tmp, record_routes=bool(embedded.get("record_routes")),
+                           exact=bool(embedded.get("exact")))
     log.info("engine for the %s: %d local server(s) %s", role, cfg.launch, servers.urls)
     return servers
 
@@ -215,7 +216,8 @@ class Rollout:
         self.model = model
         self.engine = build_engine(model, tokenizer, engine=cfg.engine, max_batch_size=cfg.slots,
                                    max_model_len=cfg.max_model_len, seed=cfg.seed,
-                                   **({"record_routes": True} if cfg.record_routes else {}))
+                                   **({"record_routes": True} if cfg.record_routes else {}),
+                                   **({"exact": True} if cfg.exact else {}))
         if not getattr(self.engine, "shares_weights", False):
             # servers hold whatever they were started or last updated with: the run starts on the trainer's
             # weights, one version past the servers' (versions only ever grow on a server)

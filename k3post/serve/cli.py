@@ -52,6 +52,7 @@ def build_server(
     draft: str | None = None,
     num_draft_tokens: int = 4,
     record_routes: bool = False,
+    exact: bool = False,
 ) -> "FastAPI":
     """Load ``model_dir`` (model + tokenizer) into an `EmbeddedEngine` and return the app.
 
@@ -73,6 +74,8 @@ def build_server(
             causal LM; `k3post.config.rollout.EngineConfig.draft`), ``num_draft_tokens`` a round; None: off.
         record_routes: the engine records the experts every position was routed to; ``/generate`` returns them
             in ``meta_info.routes`` (routing replay, `k3post.routing_replay`).
+        exact: the engine runs the exact forward (`k3post.rollout.embedded.exact`): its log-probs equal a trainer's
+            exact recomputation (``rl.exact``) bit for bit, whatever batches the server forms.
     """
     from k3post.config.rollout import EngineConfig
     from k3post.quant.qat import QATConfig
@@ -96,7 +99,7 @@ def build_server(
     engine = build_engine(
         path, tokenizer, engine=EngineConfig(draft=draft or "", num_draft_tokens=num_draft_tokens),
         max_batch_size=max_batch_size, max_model_len=max_model_len, qat=QATConfig() if qat else None, seed=seed,
-        **({"record_routes": True} if record_routes else {}),
+        **({"record_routes": True} if record_routes else {}), **({"exact": True} if exact else {}),
     )
     return create_app(EngineRunner(engine, torch_threads=torch_threads), tokenizer, config)
 
@@ -162,6 +165,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         qat=ns.qat, seed=ns.seed, default_effort=ns.thinking_effort, default_max_tokens=ns.default_max_tokens or None,
         api_key=api_key, torch_threads=plan.per_process,
         draft=ns.draft, num_draft_tokens=ns.num_draft_tokens, limits=limits, record_routes=ns.record_routes,
+        exact=ns.exact,
     )
     print(f"serving {app.state.server.config.model_name} on http://{ns.host}:{ns.port}/v1")
     serve(app, host=ns.host, port=ns.port, log_level=ns.log_level)
@@ -209,6 +213,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--record-routes", action="store_true",
                    help="record the experts every position was routed to and return them in /generate's "
                         "meta_info.routes (routing replay: rl.routing_replay over engine.kind http)")
+    p.add_argument("--exact", action="store_true",
+                   help="the batch-invariant exact forward: log-probs equal a trainer's exact recomputation bit for "
+                        "bit (rl.exact over engine.kind http; fails at start where this machine's kernels are not "
+                        "batch-invariant)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(fn=cmd_serve)
     return p

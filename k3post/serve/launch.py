@@ -90,6 +90,7 @@ class LocalServers:
         ready_timeout_s: float = 180.0,
         remove_on_close: str | Path | None = None,
         record_routes: bool = False,
+        exact: bool = False,
     ) -> None:
         self.remove_on_close = Path(remove_on_close) if remove_on_close is not None else None
         self.servers: list[ServerProcess] = []
@@ -115,6 +116,8 @@ class LocalServers:
             self._args += ["--threads", str(threads)]
         if record_routes:
             self._args += ["--record-routes"]
+        if exact:
+            self._args += ["--exact"]
         try:
             for i in range(n):
                 self._start(i)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from k3post.constants import DEFAULT_EFFORT
-from k3post.policy_step import micro_batches
+from k3post.scoring import micro_batches
 from k3post.tokenizer import decode
 from k3post.xtml import EFFORTS, XTML, XTMLParseError
 

@@ -59,9 +59,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3post.config.rollout import QAT_OP_ORDERS
-from k3post.policy_step import sequence_logprobs
+from k3post.scoring import sequence_logprobs
 from k3post.quant import qat as qat_module
 from k3post.quant.qat import QATConfig, apply_qat
+from k3post.rollout.embedded.exact import ExactForward, exact_forward_for
 from k3post.rollout.embedded.forward import LeanForward, lean_blocker
 from k3post.rollout.engine import (
     GenerationRequest,
@@ -173,6 +174,10 @@ class EmbeddedEngine(QueuedRequestsMixin):
             a bit into ~1e-4 of log-prob. Measured in RL (docs/decisions.md, issue 32 §qatorder): "fast"
             1.1-1.3x a decode step, a train-rollout gap ~4x larger (median per step 4e-6 against 1e-6):
             an opt-in (``engine.qat_op_order``).
+        exact: the exact forward (`k3post.rollout.embedded.exact`, ``engine.path`` "exact"): every log-prob the
+            engine records equals the trainer's recomputed one (`k3post.policy_step`, ``exact``) bit for bit, whatever
+            the batch composition, prefix sharing, pause / resume or server. ValueError for a model it cannot run
+            (`exact_blocker`), RuntimeError when this machine's kernels fail its batch-invariance self-check.
         record_routes: record the experts every fed position was routed to in every MoE layer (routing
             replay, `k3post.routing_replay`): they move with the KV (prefix sharing, pause / resume, kept
             multi-turn KV) and come back in `GenerationResult.routes`. ValueError when the model's routers
@@ -203,6 +208,7 @@ class EmbeddedEngine(QueuedRequestsMixin):
         speculative: SpeculativeConfig | None = None,
         qat_op_order: str = "hf",
         record_routes: bool = False,
+        exact: bool = False,
     ) -> None:
         model: Any
         if isinstance(model_or_dir, (str, Path)):
@@ -258,20 +264,28 @@ class EmbeddedEngine(QueuedRequestsMixin):
         self.dtype = param.dtype
         self._vocab = int(model.get_input_embeddings().num_embeddings)
 
-        blocker = lean_blocker(model, self.max_model_len)
-        if path == "lean" and blocker is not None:
-            raise ValueError(f"path='lean': the lean forward cannot run {type(model).__name__}: {blocker}")
-        self.path: str = "general" if path == "general" or blocker is not None else "lean"
-        why = "forced by path='general'" if path == "general" else blocker or "a Llama-style decoder it mirrors exactly"
-        log.info("EmbeddedEngine: %s path for %s (%s); under QAT the %s op order", self.path, type(model).__name__, why,
-                 qat_op_order)
         self._lean: LeanForward | None = None  # the lean path's forward (decode- and verify-shaped forwards too)
         self._forward: LeanForward | HFForward
-        if self.path == "general":
-            self._forward = HFForward(model, max_batch_size, self.max_model_len)
+        if exact:  # the batch-invariant forward (k3post.rollout.embedded.exact): fails closed where it cannot run
+            if path == "general":
+                raise ValueError("exact=True runs the exact forward; path='general' asks for the model's own forward")
+            self.path: str = "exact"
+            self._forward = ExactForward(model, max_batch_size, self.max_model_len)
+            log.info("EmbeddedEngine: exact path for %s (batch-invariant: log-probs equal the trainer's bit for bit)",
+                     type(model).__name__)
         else:
-            self._forward = self._lean = LeanForward(model, max_batch_size, self.max_model_len, qat_op_order=qat_op_order,
-                                                     dense_moe_max_tokens=dense_moe_max_tokens)
+            blocker = lean_blocker(model, self.max_model_len)
+            if path == "lean" and blocker is not None:
+                raise ValueError(f"path='lean': the lean forward cannot run {type(model).__name__}: {blocker}")
+            self.path = "general" if path == "general" or blocker is not None else "lean"
+            why = "forced by path='general'" if path == "general" else blocker or "a Llama-style decoder it mirrors exactly"
+            log.info("EmbeddedEngine: %s path for %s (%s); under QAT the %s op order", self.path, type(model).__name__, why,
+                     qat_op_order)
+            if self.path == "general":
+                self._forward = HFForward(model, max_batch_size, self.max_model_len)
+            else:
+                self._forward = self._lean = LeanForward(model, max_batch_size, self.max_model_len,
+                                                         qat_op_order=qat_op_order, dense_moe_max_tokens=dense_moe_max_tokens)
         self.cache = self._forward.cache
         self._routes: RouteRecorder | None = None
         if record_routes:
@@ -498,14 +512,17 @@ class EmbeddedEngine(QueuedRequestsMixin):
         (the model's forward does: a MOPD teacher scores the student's context under its own effort header, a
         few tokens longer); call it between steps (the engine is not thread-safe)."""
         seqs = check_score_ids(ids, self._vocab)
-        return [lp[1:] for lp in sequence_logprobs(self.model, seqs, self.max_prefill_tokens)]
+        forward = None
+        if self.path == "exact":  # the exact forward's numbers (a trainer's exact recomputation: rl.exact)
+            forward = exact_forward_for(self.model, max(len(s) for s in seqs)).token_logprobs
+        return [lp[1:] for lp in sequence_logprobs(self.model, seqs, self.max_prefill_tokens, forward=forward)]
 
     def refresh_weights(self) -> None:
         """Drop the engine's derived copies of the weights (rebuilt on next use). Needed only after changing
         parameters through ``.data`` (which bypasses the tensor version counter the lean forward watches);
         the general path reads the model's parameters directly."""
-        if self._lean is not None:
-            self._lean.refresh_weights()
+        if isinstance(self._forward, LeanForward):  # the lean or the exact forward
+            self._forward.refresh_weights()
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Run ``requests`` to completion; results in request order. The engine must be

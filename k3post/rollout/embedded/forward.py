@@ -308,6 +308,8 @@ class LeanForward:
     The surface it shares with `k3post.rollout.hf_forward.HFForward`: ``cache``, ``forward_chunks``,
     ``capture_layers`` (decoder layers whose output hidden states forwards keep) and ``captured``."""
 
+    _always_exact = False  # the exact forward (`k3post.rollout.embedded.exact`) keeps HF's forms with or without QAT
+
     def __init__(self, model: Any, num_slots: int, max_len: int, *, qat_op_order: str = "hf",
                  dense_moe_max_tokens: int = 64) -> None:
         cfg = model.config
@@ -369,7 +371,7 @@ class LeanForward:
 
     def _build_weights(self, key: tuple[tuple[int, int], ...]) -> WeightPlan:
         H, G = self._n_heads, self._n_kv
-        exact = self.qat_op_order == "hf" and any(k != id(None) for k, _ in key[len(self._param_slots):])  # QAT on
+        exact = self._always_exact or (self.qat_op_order == "hf" and any(k != id(None) for k, _ in key[len(self._param_slots):]))
         layers = []
         for li, layer in enumerate(self._layers):
             attn: Any = layer.self_attn
@@ -592,6 +594,22 @@ class LeanForward:
                               alpha=self.scaling)
         return torch.bmm(torch.softmax(s_XRL, dim=-1), v_BGLE.reshape(B * G, L, E)).view(B, H * E)
 
+    def _chunk_inputs(self, chunks: list[list[int]], starts: list[int]) -> tuple[
+            list[int], int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A chunk forward's inputs (the cache grown to hold them): chunk lengths, T (the longest), L (positions
+        attended), ids [B, T] right-padded with 0, t [T] = 0..T-1, valid [B, T] (t < the chunk's length), starts [B]."""
+        dev = self.device
+        lens = [len(c) for c in chunks]
+        T = max(lens)
+        L = max(st + n for st, n in zip(starts, lens))
+        self.cache.ensure_capacity(L)
+        ids_BT = torch.zeros(len(chunks), T, dtype=torch.long, device=dev)
+        for b, c in enumerate(chunks):
+            ids_BT[b, : lens[b]] = torch.tensor(c, dtype=torch.long)
+        t_T = torch.arange(T, device=dev)
+        valid_BT = t_T[None, :] < torch.tensor(lens, device=dev)[:, None]
+        return lens, T, L, ids_BT, t_T, valid_BT, torch.tensor(starts, dtype=torch.long, device=dev)
+
     def _embed_ids(self, w: WeightPlan, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, w.embed) if w.embed is not None else self._embed(ids)
 
@@ -701,18 +719,8 @@ class LeanForward:
         returns the logits [B, V] of each chunk's last token (None when ``logits`` is False; with
         ``all_positions`` [B, T, V] of every position, rows right-padded to the longest chunk T). The
         hidden states after ``capture_layers`` are kept in ``captured`` [B, T, A, D]."""
-        B = len(chunks)
-        dev = self.device
-        lens = [len(c) for c in chunks]
-        T = max(lens)
-        L = max(st + n for st, n in zip(starts, lens))
-        self.cache.ensure_capacity(L)
-        ids_BT = torch.zeros(B, T, dtype=torch.long, device=dev)
-        for b, c in enumerate(chunks):
-            ids_BT[b, : lens[b]] = torch.tensor(c, dtype=torch.long)
-        t_T = torch.arange(T, device=dev)
-        valid_BT = t_T[None, :] < torch.tensor(lens, device=dev)[:, None]
-        start_B = torch.tensor(starts, dtype=torch.long, device=dev)
+        B, dev = len(chunks), self.device
+        lens, T, L, ids_BT, t_T, valid_BT, start_B = self._chunk_inputs(chunks, starts)
         qpos_BT = (start_B[:, None] + t_T[None, :]).clamp_(max=self.max_model_len - 1)
         all_fresh = not any(starts)
         if all_fresh:  # plain causal attention over the new positions only (HF's prefill math)
