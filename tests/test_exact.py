@@ -206,6 +206,22 @@ def test_speculative_rounds_stay_exact():
         assert r.output_logprobs == _trainer_logprobs(model, r), r.request_id
 
 
+def test_the_exact_engine_records_routes_for_replay():
+    """rl.exact with rl.routing_replay: the exact engine records every fed position's experts, as the lean engine does
+    (the two route alike but at last-bit ties of the router logits)."""
+    model = _model()
+    reqs = _requests(3)
+    got = EmbeddedEngine(model, max_batch_size=4, max_model_len=256, exact=True, record_routes=True).generate(reqs)
+    ref = EmbeddedEngine(model, max_batch_size=4, max_model_len=256, record_routes=True).generate(reqs)
+    same = total = 0
+    for a, b in zip(got, ref):
+        assert a.routes is not None and b.routes is not None and bool((a.routes >= 0).all())
+        n = min(len(a.routes), len(b.routes), len(a.prompt_ids))  # the prompts: the same tokens on both
+        same += int((a.routes[:n] == b.routes[:n]).all(-1).all(-1).sum())
+        total += n
+    assert same >= 0.95 * total, (same, total)
+
+
 def test_the_engines_score_is_exact_too():
     model = _model()
     eng = EmbeddedEngine(model, max_batch_size=2, max_model_len=128, exact=True)
