@@ -269,7 +269,7 @@ def _policy_grads(model: torch.nn.Module, groups: Sequence[tuple[Sequence[TokenS
             B, T = batch["ids"].shape
             out["forward_tokens"] += prefix + B * (T - prefix) if got is not None else B * T
             if exact:  # the engine's values, the model's gradient
-                exact_BT = exact_forward_for(model, T).token_logprobs(batch["ids"], prefix)
+                exact_BT = exact_forward_for(model, T).token_logprobs(batch["ids"], prefix, batch["mask"])
                 logp_BT = exact_BT + (logp_BT - logp_BT.detach())
             with torch.no_grad():
                 d_BT = (logp_BT.detach() - batch["behavior"]).abs()

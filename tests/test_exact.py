@@ -118,6 +118,10 @@ def test_a_shared_prompt_run_once_gives_the_same_bits():
     fwd = exact_forward_for(model, 150)
     full, shared = fwd.token_logprobs(ids), fwd.token_logprobs(ids, prefix_len=70)
     assert torch.equal(shared[:, 70:], full[:, 70:]) and not shared[:, :70].any()
+    mask = torch.rand(ids.shape, generator=g) < 0.2  # the sampled tokens alone: the same bits there, 0 elsewhere
+    some = fwd.token_logprobs(ids, prefix_len=70, mask_BT=mask)
+    keep = mask & (torch.arange(150) >= 70)
+    assert torch.equal(some[keep], full[keep]) and not some[~keep].any()
     with pytest.raises(ValueError, match="prefix_len"):
         fwd.logits(ids, prefix_len=150)
 

@@ -343,11 +343,11 @@ class ExactForward(LeanForward):
     # ---- the trainer's surface -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def logits(self, ids_BT: torch.Tensor, prefix_len: int = 0) -> torch.Tensor:
-        """Logits of whole right-padded sequences (position t attends to 0..t; no cache): [B, T, V], or with
-        ``prefix_len`` P ≥ 1, when every row starts with the same P tokens, [B, T - P + 1, V] of positions P - 1 ..
-        T - 1: the prefix runs once (one row) and its keys and values serve every row, as the engine's prefix
-        sharing does (the same bits: a row's keys and values do not depend on the rows beside it)."""
+    def hidden(self, ids_BT: torch.Tensor, prefix_len: int = 0) -> torch.Tensor:
+        """The last layer's hidden states of whole right-padded sequences (position t attends to 0..t; no cache):
+        [B, T, D], or with ``prefix_len`` P ≥ 1, when every row starts with the same P tokens, [B, T - P + 1, D] of
+        positions P - 1 .. T - 1: the prefix runs once (one row) and its keys and values serve every row, as the
+        engine's prefix sharing does (the same bits: a row's keys and values do not depend on the rows beside it)."""
         B, T = ids_BT.shape
         P = int(prefix_len)
         if T > self.max_model_len:
@@ -360,7 +360,7 @@ class ExactForward(LeanForward):
         if not P:
             x_ND = self._layers_forward(w, self._embed_rows(w, ids_BT.reshape(-1)), B, T, pos_T.expand(B, T),
                                         lambda li, k, v: (k, v))
-            return self._head(w, x_ND).view(B, T, -1)
+            return x_ND.view(B, T, -1)
         kv_P: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def keep(li: int, k_1GPE: torch.Tensor, v_1GPE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,19 +376,36 @@ class ExactForward(LeanForward):
         x_ND = self._layers_forward(w, self._embed_rows(w, ids_BT[:, P:].reshape(-1)), B, T - P,
                                     pos_T[None, P:].expand(B, T - P), join)
         D = x_ND.shape[-1]
-        h_BSD = torch.cat([x_PD[-1:].expand(B, D)[:, None], x_ND.view(B, T - P, D)], dim=1)
-        return self._head(w, h_BSD.reshape(-1, D)).view(B, T - P + 1, -1)
+        return torch.cat([x_PD[-1:].expand(B, D)[:, None], x_ND.view(B, T - P, D)], dim=1)
 
-    def token_logprobs(self, ids_BT: torch.Tensor, prefix_len: int = 0) -> torch.Tensor:
+    @torch.no_grad()
+    def logits(self, ids_BT: torch.Tensor, prefix_len: int = 0) -> torch.Tensor:
+        """The logits of `hidden`'s positions: [B, T, V], or [B, T - P + 1, V] with ``prefix_len`` P."""
+        h_BSD = self.hidden(ids_BT, prefix_len)
+        B, S, D = h_BSD.shape
+        return self._head(self.weights(), h_BSD.reshape(B * S, D)).view(B, S, -1)
+
+    @torch.no_grad()
+    def token_logprobs(self, ids_BT: torch.Tensor, prefix_len: int = 0,
+                       mask_BT: torch.Tensor | None = None) -> torch.Tensor:
         """``logp[:, t] = log p(ids[:, t] | ids[:, <t])`` for t ≥ 1, 0 at t = 0, float32 without autograd: the
         values the engine recorded when it sampled those tokens with these weights, bit for bit. With
-        ``prefix_len`` P (every row starts with the same P tokens; `logits`) only t ≥ P are computed, 0 before."""
-        B, P = ids_BT.shape[0], int(prefix_len)
-        logits_BSV = self.logits(ids_BT, P)
-        with torch.no_grad():
-            tgt_BS = ids_BT[:, max(P, 1):, None].to(self.device)
-            lp_BS = torch.log_softmax(logits_BSV[:, :-1].float(), dim=-1).gather(-1, tgt_BS).squeeze(-1)
-            return torch.cat([lp_BS.new_zeros(B, max(P, 1)), lp_BS], dim=1)
+        ``prefix_len`` P (every row starts with the same P tokens; `hidden`) only t ≥ P are computed; with ``mask_BT``
+        only where it is True (the lm_head and the log-softmax run on those rows alone); 0 elsewhere."""
+        B, T = ids_BT.shape
+        P = int(prefix_len)
+        h_BSD = self.hidden(ids_BT, P)
+        want_BT = torch.zeros(B, T, dtype=torch.bool, device=self.device)
+        want_BT[:, max(P, 1):] = True
+        if mask_BT is not None:
+            want_BT &= mask_BT.to(self.device, torch.bool)
+        b_N, t_N = want_BT.nonzero(as_tuple=True)
+        ids_BT = ids_BT.to(self.device)
+        logits_NV = self._head(self.weights(), h_BSD[b_N, t_N - 1 - max(P - 1, 0)])
+        lp_N = torch.log_softmax(logits_NV.float(), dim=-1).gather(-1, ids_BT[b_N, t_N, None]).squeeze(-1)
+        out_BT = torch.zeros(B, T, dtype=torch.float32, device=self.device)
+        out_BT[b_N, t_N] = lp_N
+        return out_BT
 
 
 _FOR_MODEL: WeakKeyDictionary[nn.Module, ExactForward] = WeakKeyDictionary()
@@ -444,6 +461,11 @@ def check_batch_invariance(model: nn.Module) -> None:
     shared = fwd.token_logprobs(ids_BT[:2], prefix_len=20)  # the trainer's forward of a group sharing its prompt
     for b in range(2):
         compare("a shared prompt run once against the batch", b, range(20, lens[b]), shared[b, 20 : lens[b]])
+    mask_BT = torch.rand(ids_BT.shape, generator=g) < 0.3  # the sampled tokens only (the head on those rows)
+    some = fwd.token_logprobs(ids_BT, mask_BT=mask_BT)
+    for b, s in enumerate(seqs):
+        compare("the sampled positions alone against the batch", b, range(1, len(s)),
+                torch.where(mask_BT[b, 1 : len(s)], some[b, 1 : len(s)], ref[b, 1 : len(s)]))
 
     def lp(logits_V: torch.Tensor, tok: int) -> torch.Tensor:
         return torch.log_softmax(logits_V.float(), dim=-1)[tok]
