@@ -447,6 +447,20 @@ def _probe_reverse_kl(model, tok, pool: TeacherPool, experts: tuple[str, ...]) -
     return out
 
 
+def test_train_mopd_in_exact_mode(xtml_tokenizer, folders, tmp_path):
+    """mopd.rl.exact: the student's engine and its trainer run the exact forward, so every token the trained weights
+    sampled has a gap of exactly 0 (a step raises otherwise), with λ = 0.5 pausing and re-prefilling trajectories."""
+    from k3post.loop import rollout_gap
+    from k3post.quant.qat import QATConfig, apply_qat
+
+    student = _model(xtml_tokenizer, 0)
+    apply_qat(student, QATConfig())
+    cfg = _run_cfg(folders, rl=dict(steps=2, exact=True, resume_kv="reprefill"))
+    res = train_mopd(student, xtml_tokenizer, cfg, tmp_path / "x")
+    g = rollout_gap(res.metrics.rows())
+    assert res.steps == 2 and g["tokens"] > 0 and g["max"] == 0.0, g
+
+
 @pytest.mark.slow
 def test_train_mopd_moves_the_student_toward_its_teacher(xtml_tokenizer, folders, tmp_path):
     """6 MOPD steps against teacher t1 (both efforts) cut the student's reverse KL to t1 on held-out prompts
