@@ -254,4 +254,8 @@ def test_models_the_exact_forward_cannot_run_are_refused():
         EmbeddedEngine(_model(), max_batch_size=2, max_model_len=128, exact=True, path="general")
     assert exact_blocker(_model(), 128) is None
     assert TILE == 16 and KEY_BLOCK == 64
-    assert isinstance(exact_forward_for(_model(), 10), ExactForward)
+    m = _model()
+    first = exact_forward_for(m, 10)
+    assert isinstance(first, ExactForward) and exact_forward_for(m, first.max_model_len) is first
+    grown = exact_forward_for(m, first.max_model_len + 1)  # rebuilt, to twice the length: not once per new length
+    assert grown is not first and grown.max_model_len == 2 * first.max_model_len

@@ -414,11 +414,14 @@ _LOCK = threading.Lock()
 
 def exact_forward_for(model: nn.Module, length: int) -> ExactForward:
     """The trainer's exact forward of ``model`` (one per model, one cache slot), covering sequences of ``length``
-    tokens (rebuilt longer when needed)."""
+    tokens (rebuilt when a longer one comes, to twice the length it had or more: a run's growing sequences rebuild
+    it a few times, not once per new longest sequence)."""
     with _LOCK:
         fwd = _FOR_MODEL.get(model)
         if fwd is None or fwd.max_model_len < length:
-            fwd = _FOR_MODEL[model] = ExactForward(model, 1, max(length, 2 * KEY_BLOCK))
+            size = max(length, 2 * fwd.max_model_len if fwd is not None else 8 * KEY_BLOCK)
+            limit = getattr(model.config, "max_position_embeddings", None) or size  # e.g. under a sliding window
+            fwd = _FOR_MODEL[model] = ExactForward(model, 1, max(length, min(size, limit)))
         return fwd
 
 
