@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3post.models import build_tiny_moe
+from k3post.models import build_tiny_family, build_tiny_moe
 from k3post.policy_step import TokenSequence, policy_grads
 from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rollout import EmbeddedEngine, SamplingParams
@@ -243,6 +243,26 @@ def test_the_self_check_fails_closed_on_kernels_that_are_not_batch_invariant(mon
         check_batch_invariance(model)
     monkeypatch.undo()
     check_batch_invariance(model)  # the real kernels pass
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral"])
+def test_other_families_run_exactly(family):
+    """Dense gated MLPs (Llama, Qwen3) and Mixtral's router: the model's forward to fp32 rounding, and the engine's
+    log-probs the trainer's bit for bit."""
+    model = build_tiny_family(family, V, seed=0, pad_token_id=0, eos_token_id=1).eval()
+    ids = torch.randint(2, V, (2, 80), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        hf = model(input_ids=ids).logits
+    torch.testing.assert_close(exact_forward_for(model, 80).logits(ids), hf, rtol=1e-5, atol=1e-5)
+    for r in EmbeddedEngine(model, max_batch_size=3, max_model_len=256, exact=True).generate(_requests(4)):
+        assert r.output_logprobs == _trainer_logprobs(model, r), (family, r.request_id)
+
+
+@pytest.mark.parametrize("family, why", [("qwen2_moe", "neither plain routed experts nor a plain gated MLP"),
+                                         ("gpt_oss", "not one the lean forward mirrors"),
+                                         ("deepseek_v3", "not one the lean forward mirrors")])
+def test_families_it_cannot_run_are_named(family, why):
+    assert why in (exact_blocker(build_tiny_family(family, V), 128) or "")
 
 
 def test_models_the_exact_forward_cannot_run_are_refused():

@@ -193,7 +193,6 @@ class ExactForward(LeanForward):
         if why is not None:
             raise ValueError(f"rl.exact: the exact forward cannot run {type(model).__name__}: {why}")
         super().__init__(model, num_slots, max_len, qat_op_order="hf", dense_moe_max_tokens=0)
-        self._dense_mlp = [not ok for ok in self._dense_moe_ok]
         if check:
             check_batch_invariance(model)
 
