@@ -28,6 +28,7 @@ from k3post.routing_replay import RouteReplay
 
 __all__ = ["micro_batches", "sequence_logprobs", "shared_prefix_logprobs", "token_logprobs"]
 
+
 def token_logprobs(
     model: torch.nn.Module,
     ids_BT: torch.Tensor,

@@ -4,22 +4,15 @@ of two arms run in the same process."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.bench_module import run_bench
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_reports_the_gap_invariance_and_costs():
-    root = Path(__file__).parents[1]
-    out = subprocess.run([sys.executable, str(root / "bench" / "exact_mode.py"), "--prompts", "2", "--k", "2",
-                          "--max-tokens", "8", "--repeats", "1"], capture_output=True, text=True, cwd=root,
-                         timeout=600, check=True)
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = run_bench("exact_mode", "--prompts", "2", "--k", "2", "--max-tokens", "8", "--repeats", "1")
     assert res["batch_invariant"] is True and res["sampled_tokens"] > 0
     assert res["gap_exact_max"] == 0.0 and res["gap_exact_mean"] == 0.0
     assert res["gap_default_max"] >= res["gap_default_mean"] >= 0.0

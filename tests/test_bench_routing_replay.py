@@ -4,14 +4,9 @@ ending where the model starts sampling)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.bench_module import load_bench
+from tests.bench_module import load_bench, run_bench
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -26,11 +21,7 @@ def test_prompts_end_where_sampling_starts(xtml_tokenizer):
 
 
 def test_runs_every_condition_and_reports_the_cost():
-    root = Path(__file__).parents[1]
-    out = subprocess.run([sys.executable, str(root / "bench" / "routing_replay.py"), "--prompts", "2", "--k", "2",
-                          "--max-tokens", "8", "--repeats", "1"], capture_output=True, text=True, cwd=root,
-                         timeout=600, check=True)
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = run_bench("routing_replay", "--prompts", "2", "--k", "2", "--max-tokens", "8", "--repeats", "1")
     for cond in ("demo", "qat_fast", "bf16", "batch1"):
         row = res[cond]
         assert row["positions"] >= row["sampled_tokens"] > 0 and 0.0 <= row["mismatch_off"] <= 1.0, (cond, row)

@@ -41,6 +41,7 @@ Shape legend: as `k3post.rollout.embedded.forward`; besides
 from __future__ import annotations
 
 import threading
+from itertools import groupby
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -49,8 +50,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3post.quant import qat as qat_module
-from k3post.rollout.embedded.forward import (LeanForward, WeightPlan, _MoEWeights, fake_quant_act, lean_blocker, rms, rotate,
-                                             topk_router_rule)
+from k3post.rollout.embedded.forward import (LeanForward, WeightPlan, _MoEWeights, expert_act, fake_quant_act, lean_blocker,
+                                             rms, rotate, topk_router_rule)
 
 __all__ = ["KEY_BLOCK", "QUERY_TILE", "TILE", "ExactForward", "check_batch_invariance", "exact_attention", "exact_blocker",
            "exact_forward_for", "tiled_mm"]
@@ -115,15 +116,11 @@ def exact_attention(q_BHTE: torch.Tensor, k_BGLE: torch.Tensor, v_BGLE: torch.Te
     # the softmax runs on the real rows only when one tile holds them all (a decode step: R of QT rows); elementwise
     # ops and reductions over a block's keys give a row the same bits either way (whole 64-key rows: no scalar tail)
     rows = M if Q == 1 else QT
-    # the key blocks each query tile reads (its last position's block and those before), in runs of equal count
+    # the key blocks each query tile reads (its last position's block and those before), over runs of equal count
     need_Q = (qpos_XQr.amax(dim=(0, 2)) // KB + 1).tolist()
-    runs: list[tuple[int, int, int]] = []
-    for qi, c in enumerate(need_Q):
-        if runs and runs[-1][2] == c and runs[-1][1] == qi:
-            runs[-1] = (runs[-1][0], qi + 1, c)
-        else:
-            runs.append((qi, qi + 1, c))
-    for qa, qb, C in runs:
+    qb = 0
+    for C, run in groupby(need_Q):  # query tiles qa..qb-1 read key blocks 0..C-1
+        qa, qb = qb, qb + len(list(run))
         # chunks of (row, tile) pairs: a bmm's per-entry result does not depend on how many entries it holds
         q_step = max(1, min(qb - qa, _MAX_TILES // C))
         x_step = max(1, _MAX_TILES // (C * q_step))
@@ -219,13 +216,7 @@ class ExactForward(LeanForward):
         y_NKD = h_ND.new_zeros(N, K, D)
         for x in torch.unique(e_NK).tolist():
             n_idx, k_idx = (e_NK == x).nonzero(as_tuple=True)
-            gu_n2I = _linear(hq_ND[n_idx], up_w[x * 2 * I : (x + 1) * 2 * I])
-            if m.apply_gate is not None:
-                a_nI = m.apply_gate(gu_n2I)
-            else:
-                a_nI = m.act(gu_n2I[:, :I]) * gu_n2I[:, I:]
-            if m.qat is not None:
-                a_nI = fake_quant_act(a_nI, m.qat.activation_format, m.qat.block_size)
+            a_nI = expert_act(m, _linear(hq_ND[n_idx], up_w[x * 2 * I : (x + 1) * 2 * I]))
             y_NKD[n_idx, k_idx] = tiled_mm(a_nI, down_w[x * I : (x + 1) * I])
         return self._combine(x_ND, w_NK, y_NKD)
 
@@ -248,13 +239,7 @@ class ExactForward(LeanForward):
         n = -(-N // TILE)
         h_nTD = F.pad(hq_ND, (0, 0, 0, n * TILE - N)).view(1, n, TILE, D).expand(X, n, TILE, D).reshape(X * n, TILE, D)
         up_nD2I = m.up.w.view(X, 1, 2 * I, D).expand(X, n, 2 * I, D).reshape(X * n, 2 * I, D).transpose(1, 2)
-        gu_nT2I = torch.bmm(h_nTD, up_nD2I)
-        if m.apply_gate is not None:
-            a_nTI = m.apply_gate(gu_nT2I.reshape(-1, 2 * I)).view(X * n, TILE, I)
-        else:
-            a_nTI = m.act(gu_nT2I[..., :I]) * gu_nT2I[..., I:]
-        if m.qat is not None:
-            a_nTI = fake_quant_act(a_nTI, m.qat.activation_format, m.qat.block_size)
+        a_nTI = expert_act(m, torch.bmm(h_nTD, up_nD2I))
         down_nID = m.down_w.view(X, 1, I, D).expand(X, n, I, D).reshape(X * n, I, D)
         return torch.bmm(a_nTI, down_nID).view(X, n * TILE, D)[:, :N]
 

@@ -66,7 +66,7 @@ from k3post.rollout.kv_cache import SlotKVCache
 from k3post.routing_replay import RouteRecorder, softmax_topk_rule
 from k3post.rollout.segments import attention_segments
 
-__all__ = ["LEAN_MODEL_TYPES", "LeanForward", "Norm", "WeightPlan", "fake_quant_act", "lean_blocker", "norm_of", "rms", "rotate",
+__all__ = ["LEAN_MODEL_TYPES", "LeanForward", "Norm", "WeightPlan", "expert_act", "fake_quant_act", "lean_blocker", "norm_of", "rms", "rotate",
            "topk_router_rule"]
 
 
@@ -227,6 +227,17 @@ class _MoEWeights:
     act: Any  # the expert activation (F.silu for a plain SiLU module)
     apply_gate: Any  # the experts module's own ``_apply_gate``, or None for act(gate) * up
     qat: QATConfig | None
+
+
+def expert_act(m: _MoEWeights, gu_S2I: torch.Tensor) -> torch.Tensor:
+    """An expert's activation a [*S, I] from its gate / up output [*S, 2I]: ``act(gate) * up`` (or the experts
+    module's own ``_apply_gate``), MXFP8 fake-quantized along I under QAT (the down GEMM's input)."""
+    I = m.width
+    if m.apply_gate is not None:
+        a_SI = m.apply_gate(gu_S2I.reshape(-1, 2 * I)).view(*gu_S2I.shape[:-1], I)
+    else:
+        a_SI = m.act(gu_S2I[..., :I]) * gu_S2I[..., I:]
+    return a_SI if m.qat is None else fake_quant_act(a_SI, m.qat.activation_format, m.qat.block_size)
 
 
 @dataclass(frozen=True)
@@ -557,13 +568,7 @@ class LeanForward:
         if w_NK.dtype != h_ND.dtype:
             w_NK = w_NK.to(h_ND.dtype)
         w_NX = h_ND.new_zeros(N, X).scatter_(1, e_NK, w_NK)
-        if m.apply_gate is not None:
-            a_NXI = m.apply_gate(gu_NF.reshape(N * X, 2 * I)).view(N, X, I)
-        else:
-            gu_NX2 = gu_NF.view(N, X, 2 * I)
-            a_NXI = m.act(gu_NX2[..., :I]) * gu_NX2[..., I:]
-        if m.qat is not None:
-            a_NXI = fake_quant_act(a_NXI, m.qat.activation_format, m.qat.block_size)
+        a_NXI = expert_act(m, gu_NF.view(N, X, 2 * I))
         if exact:
             y_XND = torch.bmm(a_NXI.transpose(0, 1), m.down_w.view(X, I, -1))
             return x_ND + (y_XND * w_NX.t()[:, :, None]).sum(dim=0)
