@@ -21,7 +21,8 @@ import subprocess
 import time
 import warnings
 
-from k3post.envs.sandbox import Sandbox, SandboxLimits, _inner_python
+from k3post.envs.sandbox import Sandbox, SandboxLimits
+from k3post.envs.sandbox.host import _inner_python
 
 
 def _percentile(values: list[float], q: float) -> float:

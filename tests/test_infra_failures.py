@@ -99,7 +99,7 @@ def test_a_tool_handler_whose_sandbox_is_gone_raises_instead_of_answering_the_mo
 @pytest.mark.skipif("bwrap" not in available_backends(), reason="bwrap is not usable here")
 def test_a_sandbox_whose_launcher_vanished_raises_sandbox_unavailable(monkeypatch):
     """Before: Popen's FileNotFoundError (or, behind prlimit, an exit status the verifier read as failed tests)."""
-    import k3post.envs.sandbox as sbx
+    import k3post.envs.sandbox.core as sbx  # where Sandbox looks the launcher up
 
     real = sbx._bwrap_argv
     monkeypatch.setattr(sbx, "_bwrap_argv", lambda *a, **k: ["/nonexistent/bwrap", *real(*a, **k)[1:]])

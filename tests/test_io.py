@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / "k3post"
 
 #: the one writer allowed to replace files without `k3post.io`: the sandbox's own working directory, which is
 #: thrown away with the sandbox (atomic for the sandboxed process that reads it, durability not wanted)
-OWN_WRITERS = {"k3post/envs/sandbox.py": 1}
+OWN_WRITERS = {"k3post/envs/sandbox/core.py": 1}
 
 
 def _fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -159,7 +159,7 @@ def test_backend_override_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_fallback_to_rlimit_warns_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
-    import k3post.envs.sandbox as sandbox_mod
+    import k3post.envs.sandbox.core as sandbox_mod  # the backends' probe cache lives beside Sandbox
 
     monkeypatch.delenv("K3POST_SANDBOX_BACKEND", raising=False)
     monkeypatch.setenv("K3POST_ALLOW_WEAK_ISOLATION", "1")  # without it: tests/test_sandbox_isolation.py
@@ -240,7 +240,7 @@ def test_workdir_visible_at_sandbox_dir(ns_sb: Sandbox) -> None:
 
 def test_host_python_mode() -> None:
     """python='host' exposes this interpreter read-only, or refuses clearly when it can't."""
-    from k3post.envs.sandbox import _inner_python, _world_traversable
+    from k3post.envs.sandbox.host import _inner_python, _world_traversable
 
     with pytest.raises(ValueError):
         Sandbox(python="java")

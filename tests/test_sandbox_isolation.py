@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from test_sandbox import FAST, NAMESPACE_BACKENDS, REPO_ROOT, _make, _py
 
-import k3post.envs.sandbox as sandbox_mod
+import k3post.envs.sandbox.core as sandbox_mod  # the backends' probe cache lives beside Sandbox
 from k3post.config import load_config
 from k3post.config.sandbox import apply_sandbox_config
 from k3post.envs.sandbox import Sandbox, SandboxUnavailableError, available_backends
