@@ -3,10 +3,10 @@ step, eager against compiled, at fixed batch B and context, with and without QAT
 
     python bench/compile_decode.py [--batches 1,8,32] [--context 128] [--calls 30] [--repeats 7] [--no-qat]
 
-For each B an engine holds B rows at the same position (`engine_limit.decoding_engine`). ``decode_stack`` is the
-layer stack of `LeanForward.decode` as one function (embedding, per layer q/k/v, q/k norm and rotary, the KV write,
-attention over the slot cache with an explicit mask, o_proj, the MoE, then the final norm and lm_head): the same ops
-the engine runs, without its segment split and its Python around the step. It is checked against
+For each B an engine holds B rows at the same position (`engine_limit.decoding_engine`). ``decode_stack`` is
+`LeanForward.decode_stack`, the tensor work of the engine's decode step (embedding, per layer q/k/v, q/k norm and
+rotary, the KV write, attention over the slot cache, o_proj, the MoE, then the final norm and lm_head), called with
+one explicit mask and one attention range instead of the step's segment split, and without the Python around it. It is checked against
 ``LeanForward.decode`` (max |Δ| printed; 0 expected), then compiled with ``torch.compile(dynamic=False)`` (one graph
 for this B and context) and timed against its eager self in ``--repeats`` interleaved rounds of ``--calls`` calls
 (`common.interleaved`). Printed per (QAT, B): eager and compiled ms per call, their paired ratio (median, min-max
@@ -41,29 +41,18 @@ from engine_limit import decoding_engine  # noqa: E402
 
 from k3post.models import build_tiny_moe  # noqa: E402
 from k3post.quant.qat import QATConfig, apply_qat  # noqa: E402
-from k3post.rollout.embedded.forward import LeanForward, WeightPlan, rms  # noqa: E402
+from k3post.rollout.embedded.forward import LeanForward, WeightPlan  # noqa: E402
 
 
 def decode_stack(lf: LeanForward, w: WeightPlan, ids_B: torch.Tensor, pos_B: torch.Tensor, keep_BL: torch.Tensor,
                  B: int, L: int) -> torch.Tensor:
-    """Logits [B, V] of one decode step over slots 0..B-1 at positions pos_B, attending where keep_BL (module doc)."""
-    H, G, E = lf._n_heads, lf._n_kv, lf._head_dim
-    NE = (H + G) * E
+    """Logits [B, V] of one decode step over slots 0..B-1 at positions pos_B, attending where keep_BL: the engine's
+    own ``LeanForward.decode_stack`` with one explicit mask and one attention range (module doc)."""
     if w.exact:
         mask = keep_BL.view(B, 1, 1, L)
     else:
-        mask = torch.where(keep_BL, lf._zero, lf._neg_inf).repeat_interleave(G, dim=0).view(B * G, 1, L)
-    cos_B1E, sin_B1E = lf._rotary(pos_B)
-    index_BG = lf.cache.step_index(pos_B)
-    x_BD = lf._embed_ids(w, ids_B)
-    for li, lw in enumerate(w.layers):
-        qkv_BF = lw.qkv(rms(x_BD, lw.in_norm, w.exact))
-        qk_BNE = lf._qk_rotary(w, lw, qkv_BF[:, :NE].view(B, H + G, E), cos_B1E, sin_B1E)
-        lf.cache.write_step(li, index_BG, qk_BNE[:, H:], qkv_BF[:, NE:].view(B, G, E))
-        k_BGLE, v_BGLE = lf.cache.view(li, B, L)
-        o_BF = lf.attend_step(w, qk_BNE[:, :H], k_BGLE, v_BGLE, mask)
-        x_BD = lf._mlp(w, li, lf._o_proj(w, lw, li, x_BD, o_BF))
-    return lf._logits(w, x_BD)
+        mask = torch.where(keep_BL, lf._zero, lf._neg_inf).repeat_interleave(lf._n_kv, dim=0).view(B * lf._n_kv, 1, L)
+    return lf.decode_stack(w, ids_B, pos_B, mask, [(0, B, L)], L)
 
 
 def measure_one(model: torch.nn.Module, batch: int, context: int, calls: int, repeats: int) -> dict[str, Any]:

@@ -643,8 +643,7 @@ class LeanForward:
         w = self.weights()
         pos_B = torch.tensor(pos_list, dtype=torch.long, device=dev)
         ids_B = torch.tensor(ids, dtype=torch.long, device=dev)
-        H, G, E = self._n_heads, self._n_kv, self._head_dim
-        NE = (H + G) * E
+        G = self._n_kv
         mask = None  # every row attends to its positions 0..pos_b: no mask when all sit at L - 1
         segs = [(0, B, L)]
         if min(pos_list) < L - 1:
@@ -654,25 +653,35 @@ class LeanForward:
                 mask = keep_BL.view(B, 1, 1, L)
             else:
                 mask = torch.where(keep_BL, self._zero, self._neg_inf).repeat_interleave(G, dim=0).view(B * G, 1, L)
+        with self._recording(torch.arange(B, device=dev), pos_B):
+            return self.decode_stack(w, ids_B, pos_B, mask, segs, L)
+
+    def decode_stack(self, w: WeightPlan, ids_B: torch.Tensor, pos_B: torch.Tensor, mask: torch.Tensor | None,
+                     segs: list[tuple[int, int, int]], L: int) -> torch.Tensor:
+        """The tensor work of ``decode``: logits [B, V] of ``ids_B`` at ``pos_B`` over L cached positions, with
+        ``mask`` (None when every row sits at L - 1; boolean [B, 1, 1, L] when ``w.exact``, else additive
+        [B*G, 1, L]) and the attention ranges ``segs`` ((a, b, n): rows a..b-1 over n positions)."""
+        B = ids_B.shape[0]
+        H, G, E = self._n_heads, self._n_kv, self._head_dim
+        NE = (H + G) * E
         cos_B1E, sin_B1E = self._rotary(pos_B)
         index_BG = self.cache.step_index(pos_B)
         x_BD = self._embed_ids(w, ids_B)
-        with self._recording(torch.arange(B, device=dev), pos_B):
-            for li, lw in enumerate(w.layers):
-                qkv_BF = lw.qkv(rms(x_BD, lw.in_norm, w.exact))
-                qk_BNE = self._qk_rotary(w, lw, qkv_BF[:, :NE].view(B, H + G, E), cos_B1E, sin_B1E)
-                self.cache.write_step(li, index_BG, qk_BNE[:, H:], qkv_BF[:, NE:].view(B, G, E))
-                k_BGLE, v_BGLE = self.cache.view(li, B, L)
-                if len(segs) == 1:
-                    o_BF = self.attend_step(w, qk_BNE[:, :H], k_BGLE, v_BGLE, mask)
-                else:  # no row padded to a much longer one: one call per range a..b-1 over n positions
-                    assert mask is not None
-                    o_BF = torch.cat([
-                        self.attend_step(w, qk_BNE[a:b, :H], k_BGLE[a:b, :, :n], v_BGLE[a:b, :, :n],
-                                          mask[a:b, ..., :n] if w.exact else mask[a * G : b * G, :, :n])
-                        for a, b, n in segs
-                    ])
-                x_BD = self._mlp(w, li, self._o_proj(w, lw, li, x_BD, o_BF))
+        for li, lw in enumerate(w.layers):
+            qkv_BF = lw.qkv(rms(x_BD, lw.in_norm, w.exact))
+            qk_BNE = self._qk_rotary(w, lw, qkv_BF[:, :NE].view(B, H + G, E), cos_B1E, sin_B1E)
+            self.cache.write_step(li, index_BG, qk_BNE[:, H:], qkv_BF[:, NE:].view(B, G, E))
+            k_BGLE, v_BGLE = self.cache.view(li, B, L)
+            if len(segs) == 1:
+                o_BF = self.attend_step(w, qk_BNE[:, :H], k_BGLE, v_BGLE, mask)
+            else:  # no row padded to a much longer one: one call per range a..b-1 over n positions
+                assert mask is not None
+                o_BF = torch.cat([
+                    self.attend_step(w, qk_BNE[a:b, :H], k_BGLE[a:b, :, :n], v_BGLE[a:b, :, :n],
+                                      mask[a:b, ..., :n] if w.exact else mask[a * G : b * G, :, :n])
+                    for a, b, n in segs
+                ])
+            x_BD = self._mlp(w, li, self._o_proj(w, lw, li, x_BD, o_BF))
         return self._logits(w, x_BD)
 
     def verify(self, chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
