@@ -447,9 +447,11 @@ def two_lengths(traj: Trajectory, turn: int) -> SamplingParams:
 def test_killed_server_requests_rerouted(servers: dict[str, Server], model_dir: Path, xtml_tokenizer: Any,
                                          caplog: pytest.LogCaptureFixture) -> None:
     """Iteration 1 (λ = 0.5) pauses the four long trajectories after ~40 tokens; iteration 2 resumes
-    them (two on A, two on C) while C hangs (generation paused) and is then killed: C's continuations
-    restart on A from the tokens they had, and every trajectory ends with the tokens of an uninterrupted
-    run. (Killing C after a number of its steps raced with the iteration finishing first.)"""
+    them over A and C while C hangs (generation paused) and is then killed: C's continuations restart on A
+    from the tokens they had, and every trajectory ends with the tokens of an uninterrupted run. (Killing C
+    after a number of its steps raced with the iteration finishing first. C is killed once a continuation
+    has reached it: a request on the hung C holds the iteration open, so nothing races. Waiting for two
+    failed under load, because least-loaded routing sent only one there when completions came in a bunch.)"""
     a, c = servers["A"], servers["C"]
     tasks = FAM.generate(4, seed=13)
     with caplog.at_level(logging.WARNING, logger="k3post.rollout.http"):
@@ -466,7 +468,7 @@ def test_killed_server_requests_rerouted(servers: dict[str, Server], model_dir: 
 
             def kill_c_mid_iteration() -> None:
                 deadline = time.time() + 60
-                while remote.calls_per_server[c.url] < calls0 + 2:  # two continuations went to C
+                while remote.calls_per_server[c.url] < calls0 + 1:  # a continuation went to C (it hangs there)
                     assert time.time() < deadline
                     time.sleep(0.05)
                 c.proc.kill()
