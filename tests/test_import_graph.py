@@ -63,6 +63,22 @@ def test_the_trainer_knows_no_algorithm(graph: Any) -> None:
     assert not any(bad.values()), bad
 
 
+#: modules over 800 lines (issue 33's measure: at most 3), each with why it stays long; a module that grows past 800
+#: is split, or added here with its reason
+LONG_MODULES_ALLOWED = {
+    "k3post.envs.families.webdev.specs": "the web-app kinds' specs: HTML, JS and CSS templates with their checks",
+    "k3post.rollout.http_engine": "the HTTP engine client: routing, retries, dead-server handling, pause / resume",
+    "k3post.distributed.weight_sync": "the weight-sync transports: in-process, disk, gloo / NCCL, CUDA IPC",
+}
+
+
+def test_no_new_module_over_800_lines(graph: Any) -> None:
+    """Issue 33 took the long modules from 10 to 3 (the sandbox, serve.app and the embedded engine were split in its
+    twenty-fourth session): none may come back over 800 lines unlisted."""
+    long = dict(graph.long_modules(800))
+    assert set(long) <= set(LONG_MODULES_ALLOWED), f"over 800 lines, split them: {sorted(set(long) - set(LONG_MODULES_ALLOWED))}"
+    assert len(LONG_MODULES_ALLOWED) <= 3
+
 def test_the_graph_sees_function_level_imports_and_leaves_type_checking_out(tmp_path: Path) -> None:
     """On a small package: a circle closed only by an import inside a function is found, relative imports
     resolve, a ``TYPE_CHECKING`` import is no edge, and a module over the line limit is reported."""
