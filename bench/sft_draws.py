@@ -30,12 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from k3post.config import load_config  # noqa: E402
-from k3post.envs.families.streams import domain_families, eval_tasks  # noqa: E402
-from k3post.recipes.experts import load_policy  # noqa: E402
-from k3post.rollout.evaluation import run_episodes, summarize_trajectories  # noqa: E402
-from k3post.rollout.factory import build_engine, close_engine  # noqa: E402
-from k3post.tokenizer import load_tokenizer  # noqa: E402
-from k3post.xtml import XTML  # noqa: E402
+from k3post.recipes.select import domain_pass  # noqa: E402
 
 DOMAINS = ("coding", "agents", "general")
 
@@ -51,25 +46,15 @@ def outcome(traj: object) -> str:
 
 def evaluate_model(path: str, cfg: object, effort: str, coding_max_tokens: int = 0, domains: tuple[str, ...] = DOMAINS,
                    split: str = "test") -> dict:
-    """Per domain: pass rate, n, Wilson interval, mean effort tokens and the episodes' outcomes."""
-    tok = load_tokenizer(path)
-    xtml = XTML(tok)
-    model = load_policy(path, cfg.qat)
+    """Per domain: pass rate, n, Wilson interval, mean effort tokens and the episodes' outcomes
+    (`k3post.recipes.select.domain_pass`, which ``sft.select: validation`` scores checkpoints with)."""
+    got = domain_pass(path, cfg, effort, domains, split=split,
+                      max_tokens={"coding": coding_max_tokens} if coding_max_tokens else None)
     out = {}
-    for dom in domains:
-        rc = cfg.rl.for_domain(dom, effort)
-        fams = domain_families(dom, rc.families, with_judge=False)
-        tasks = eval_tasks(fams, cfg.data.n_eval if dom == "general" else rc.eval_n, difficulty=rc.difficulty, split=split)
-        cap = coding_max_tokens if dom == "coding" and coding_max_tokens else rc.eval_max_tokens
-        engine = build_engine(model, tok, engine=rc.engine, role="probe", max_batch_size=rc.slots, seed=0)
-        try:
-            trajs = [t for ts in run_episodes(engine, xtml, tasks, effort=effort, max_tokens=cap) for t in ts]
-        finally:
-            close_engine(engine)
-        s = summarize_trajectories(trajs)  # infrastructure failures are counted apart, as in every evaluation
-        out[dom] = {"pass": s["pass_rate"], "n": s["n"], "ci95": s["pass_ci95"], "turn_cap": cap,
+    for dom, s in got.items():  # infrastructure failures are counted apart, as in every evaluation
+        out[dom] = {"pass": s["pass_rate"], "n": s["n"], "ci95": s["pass_ci95"], "turn_cap": s["turn_cap"],
                     "mean_effort_tokens": s["mean_effort_tokens"], "infra": s["infra"],
-                    "outcomes": dict(collections.Counter(outcome(t) for t in trajs if t.infra is None))}
+                    "outcomes": dict(collections.Counter(outcome(t) for t in s["trajectories"] if t.infra is None))}
     return out
 
 

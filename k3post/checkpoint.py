@@ -223,8 +223,14 @@ def _step_folders(root: Path) -> list[Path]:
     return sorted((p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()), key=checkpoint_step)
 
 
+def intact_checkpoints(root: str | Path) -> list[Path]:
+    """The complete step checkpoints under ``root`` (`checkpoint_problem` finds nothing wrong), oldest first."""
+    return [p for p in _step_folders(Path(root)) if checkpoint_problem(p) is None]
+
+
 def _newest_intact(root: Path) -> Path | None:
-    return next((p for p in reversed(_step_folders(root)) if checkpoint_problem(p) is None), None)
+    intact = intact_checkpoints(root)
+    return intact[-1] if intact else None
 
 
 def broken_checkpoint(ckpt_root: str | Path) -> tuple[str, Path | None] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from k3post.config.optim import check_keep_last
+from k3post.constants import DOMAINS, EFFORTS
 from k3post.config.ranges import ranged
 
 __all__ = ["SFTConfig"]
@@ -39,6 +40,10 @@ class SFTConfig:
     mtp_lr_scale: float = ranged(1.0, gt=0)  # the MTP head's learning rate as a multiple of the SFT schedule's (its own AdamW parameter group)
     mtp_detach: bool = True  # the MTP loss trains the head only (the trunk's hidden state, embedding and LM head read detached, the head's gradient clipped apart): the model's weights are those of the same SFT without the head (EAGLE's frozen target). false: DeepSeek-V3's joint training, the MTP gradient reaching the trunk (docs/decisions.md, issue 31 §mtp)
     replay_induction: int = ranged(0, ge=0)  # induction rows (k3post.stages.pretrain.induction_samples, pretrain.seq_len tokens) mixed into the SFT samples: copying rehearsed while SFT teaches the formats (docs/decisions.md, issue 31 §replay)
+    select: str = "last"  # the SFT model: last (the final step) | validation (the kept checkpoint that passes most validation tasks at select_effort, k3post.recipes.select; needs keep_last >= 2)
+    select_domains: list[str] = field(default_factory=lambda: ["general", "agents", "coding"])  # domains the validation score averages
+    select_effort: str = "max"  # the effort the checkpoints are scored at (greedy, as the experts' "before" rows)
+    select_n: int = ranged(64, ge=1)  # validation tasks per domain and checkpoint
 
     def __post_init__(self) -> None:
         check_keep_last(self.keep_last, "sft.keep_last")
@@ -46,6 +51,15 @@ class SFTConfig:
             raise ValueError(f"sft.precision must be fp32 or bf16, got {self.precision!r}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"sft.betas must be two numbers in [0, 1), got {list(self.betas)!r}")
+        if self.select not in ("last", "validation"):
+            raise ValueError(f"sft.select must be last or validation, got {self.select!r}")
+        if not self.select_domains or set(self.select_domains) - set(DOMAINS):
+            raise ValueError(f"sft.select_domains must be a non-empty list of {list(DOMAINS)}, got {list(self.select_domains)!r}")
+        if self.select_effort not in EFFORTS:
+            raise ValueError(f"sft.select_effort must be one of {list(EFFORTS)}, got {self.select_effort!r}")
+        if self.select == "validation" and self.keep_last < 2:
+            raise ValueError(f"sft.select=validation chooses between the kept checkpoints, but sft.keep_last is {self.keep_last}: "
+                             "keep at least 2 (e.g. sft.keep_last=6 with sft.save_every=200 covers the last 1,000 steps)")
         if self.on_bad_sample not in ("error", "skip"):
             raise ValueError(f"sft.on_bad_sample must be error or skip, got {self.on_bad_sample!r}")
         if self.mode not in ("think", "instruct"):

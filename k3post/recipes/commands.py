@@ -18,6 +18,7 @@ from k3post.errors import UserError, attach_run_log
 from k3post.metrics import MetricsLogger
 from k3post.models import build_tiny_moe, count_parameters, load_model, new_folder, save_model
 from k3post.quant.qat import apply_qat
+from k3post.recipes.select import select_checkpoint
 from k3post.runs import RunSummary, open_run
 from k3post.stages.mopd import eval_caps, evaluate_mopd, expert_name, mopd_eval_tasks, train_mopd
 from k3post.stages.sft import train_sft
@@ -150,6 +151,9 @@ def _sft_in(cfg: K3Config, run: Path, summary: RunSummary) -> Path:
         save_mtp(res.mtp, final)
     summary.update(sft=sft_summary(res, stats, len(quantized)))
     print(f"SFT done: {res.steps} steps, final loss {res.final_loss:.4f}, {res.wall_s:.0f} s → {final}")
+    choice = select_checkpoint(cfg, run / "sft")  # sft.select=validation: final becomes the best kept checkpoint
+    if choice is not None:
+        summary.update(sft_selection=choice)
     return final
 
 

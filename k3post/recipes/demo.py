@@ -30,12 +30,14 @@ from typing import Any
 
 import torch
 
+from k3post.checkpoint import load_weights_into
 from k3post.errors import UserError
 from k3post.config import K3Config
 from k3post.config.sft import SFTConfig
 from k3post.io import write_jsonl
 from k3post.recipes.evaluate import evaluate_family
 from k3post.recipes.experts import train_experts
+from k3post.recipes.select import select_checkpoint
 from k3post.metrics import MetricsLogger
 from k3post.models import PRESETS, build_tiny_moe, count_parameters, load_model, save_model
 from k3post.stages.pretrain import base_key, base_record, build_base, cache_root, cached_base, copy_probe, copy_warning
@@ -324,6 +326,11 @@ def _run_demo(cfg: K3Config) -> Path:
         if res.mtp is not None:  # the draft stage starts from it (draft.mtp)
             save_mtp(res.mtp, run / "sft" / "final")
         summary.update(sft=sft_summary(res, stats, len(quantized)))
+        choice = select_checkpoint(cfg, run / "sft")  # sft.select=validation: the best kept checkpoint
+        if choice is not None:
+            summary.update(sft_selection=choice)
+            if choice["chosen"] != choice["last"]:  # what the SFT evaluation below measures is the chosen model
+                load_weights_into(model, run / "sft" / "final")
         if baseline_proc is not None:
             summary.update(sft_noqat=_join_baseline(*baseline_proc))
     phase("sft", t0)

@@ -191,6 +191,16 @@ def _sft_section(run: Path, summary: dict[str, Any]) -> str:
         ("QAT", "qat"), ("resumed from step", "resumed_from"),
     ]
     parts.append(_table([""] + runs, [[label] + [summary[t].get(k, "") for t in runs] for label, k in keys]))
+    sel = summary.get("sft_selection")
+    if sel:  # sft.select=validation (k3post.recipes.select)
+        doms = list(sel["rows"][0]["domains"]) if sel["rows"] else []
+        parts.append(f"<p>The SFT model is the kept checkpoint with the highest mean validation pass at {html.escape(sel['effort'])} "
+                     f"({sel['n_per_domain']} validation tasks per domain, greedy): <b>{html.escape(sel['chosen'])}</b>; "
+                     f"the last one is {html.escape(sel['last'])}"
+                     + (" (sft/last)." if sel["chosen"] != sel["last"] else ".") + "</p>")
+        parts.append(_table(["checkpoint"] + doms + ["mean", "chosen"],
+                            [[r["checkpoint"]] + [_rate(r["domains"][d]["pass"], r["domains"][d]["ci95"]) for d in doms]
+                             + [r["mean_pass"], "✓" if r["checkpoint"] == sel["chosen"] else ""] for r in sel["rows"]]))
     return "\n".join(parts)
 
 
