@@ -17,6 +17,7 @@ Shape legend: none.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import statistics
@@ -48,7 +49,8 @@ def domain_pass(path: str | Path, cfg: "K3Config", effort: str, domains: Sequenc
     """Greedy pass of the model in ``path`` at ``effort`` on each domain's held-out tasks as the experts' "before"
     rows score them (the domain's RL families, each turn capped at its ``eval_max_tokens`` or ``max_tokens[domain]``;
     general: ``data.n_eval`` tasks, the others ``rl.eval_n``; ``n`` overrides both), on the ``split`` ("test" or
-    "validation"). Per domain: `summarize_trajectories`'s summary with the turn cap and the trajectories."""
+    "validation"), on an embedded engine in this process (the domain's engine settings otherwise). Per domain:
+    `summarize_trajectories`'s summary with the turn cap and the trajectories."""
     tok = load_tokenizer(path)
     xtml = XTML(tok)
     model = load_policy(path, cfg.qat)
@@ -59,7 +61,9 @@ def domain_pass(path: str | Path, cfg: "K3Config", effort: str, domains: Sequenc
         count = n if n is not None else (cfg.data.n_eval if dom == "general" else rc.eval_n)
         tasks = eval_tasks(fams, count, difficulty=rc.difficulty, split=split)
         cap = (max_tokens or {}).get(dom) or rc.eval_max_tokens
-        engine = build_engine(model, tok, engine=rc.engine, role="checkpoint score", max_batch_size=rc.slots, seed=0)
+        # in this process, on these weights: a run's http engines serve another model (the policy it trains)
+        local = dataclasses.replace(rc.engine, kind="embedded", urls=[], launch=0)
+        engine = build_engine(model, tok, engine=local, role="checkpoint score", max_batch_size=rc.slots, seed=0)
         try:
             trajs = [t for ts in run_episodes(engine, xtml, tasks, effort=effort, max_tokens=cap) for t in ts]
         finally:
