@@ -6,8 +6,8 @@ step, eager against compiled, at fixed batch B and context, with and without QAT
 For each B an engine holds B rows at the same position (`engine_limit.decoding_engine`). ``decode_stack`` is
 `LeanForward.decode_stack`, the tensor work of the engine's decode step (embedding, per layer q/k/v, q/k norm and
 rotary, the KV write, attention over the slot cache, o_proj, the MoE, then the final norm and lm_head), called with
-one explicit mask and one attention range instead of the step's segment split, and without the Python around it. It is checked against
-``LeanForward.decode`` (max |Δ| printed; 0 expected), then compiled with ``torch.compile(dynamic=False)`` (one graph
+one explicit mask (``LeanForward.decode_mask``) and one attention range instead of the step's segment split, and
+without the Python around it. It is checked against ``LeanForward.decode`` (max |Δ| printed; 0 expected), then compiled with ``torch.compile(dynamic=False)`` (one graph
 for this B and context) and timed against its eager self in ``--repeats`` interleaved rounds of ``--calls`` calls
 (`common.interleaved`). Printed per (QAT, B): eager and compiled ms per call, their paired ratio (median, min-max
 over the rounds), the compile's seconds (the first call; it reads and fills inductor's on-disk cache, so a second
@@ -44,14 +44,10 @@ from k3post.quant.qat import QATConfig, apply_qat  # noqa: E402
 from k3post.rollout.embedded.forward import LeanForward, WeightPlan  # noqa: E402
 
 
-def decode_stack(lf: LeanForward, w: WeightPlan, ids_B: torch.Tensor, pos_B: torch.Tensor, keep_BL: torch.Tensor,
+def decode_stack(lf: LeanForward, w: WeightPlan, ids_B: torch.Tensor, pos_B: torch.Tensor, mask: torch.Tensor,
                  B: int, L: int) -> torch.Tensor:
-    """Logits [B, V] of one decode step over slots 0..B-1 at positions pos_B, attending where keep_BL: the engine's
-    own ``LeanForward.decode_stack`` with one explicit mask and one attention range (module doc)."""
-    if w.exact:
-        mask = keep_BL.view(B, 1, 1, L)
-    else:
-        mask = torch.where(keep_BL, lf._zero, lf._neg_inf).repeat_interleave(lf._n_kv, dim=0).view(B * lf._n_kv, 1, L)
+    """Logits [B, V] of one decode step over slots 0..B-1 at positions pos_B: the engine's own
+    ``LeanForward.decode_stack`` with one explicit mask (``LeanForward.decode_mask``) and one attention range."""
     return lf.decode_stack(w, ids_B, pos_B, mask, [(0, B, L)], L)
 
 
@@ -65,8 +61,7 @@ def measure_one(model: torch.nn.Module, batch: int, context: int, calls: int, re
     g = torch.Generator().manual_seed(batch)
     ids_B = torch.randint(5, model.config.vocab_size, (batch,), generator=g)
     pos_B = torch.full((batch,), pos, dtype=torch.long)
-    keep_BL = lf._pos_P[:L] <= pos_B[:, None]
-    args = (lf, w, ids_B, pos_B, keep_BL, batch, L)
+    args = (lf, w, ids_B, pos_B, lf.decode_mask(w, pos_B, L), batch, L)
     with torch.inference_mode():
         eager = decode_stack(*args)
         row: dict[str, Any] = {"batch": batch, "stack_vs_decode": float((eager - lf.decode(ids_B.tolist(), [pos] * batch)).abs().max())}

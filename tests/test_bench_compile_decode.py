@@ -31,7 +31,8 @@ def test_the_stack_is_the_engines_decode_step(qat):
     ids = [7, 8, 9]
     pos_B = torch.tensor(pos)
     with torch.inference_mode():
-        got = bench.decode_stack(lf, lf.weights(), torch.tensor(ids), pos_B, lf._pos_P[:L] <= pos_B[:, None], 3, L)
+        w = lf.weights()
+        got = bench.decode_stack(lf, w, torch.tensor(ids), pos_B, lf.decode_mask(w, pos_B, L), 3, L)
         want = lf.decode(ids, pos)
     assert torch.equal(got, want)
 

@@ -643,18 +643,22 @@ class LeanForward:
         w = self.weights()
         pos_B = torch.tensor(pos_list, dtype=torch.long, device=dev)
         ids_B = torch.tensor(ids, dtype=torch.long, device=dev)
-        G = self._n_kv
         mask = None  # every row attends to its positions 0..pos_b: no mask when all sit at L - 1
         segs = [(0, B, L)]
         if min(pos_list) < L - 1:
             segs = attention_segments([p + 1 for p in pos_list])
-            keep_BL = self._pos_P[:L] <= pos_B[:, None]
-            if w.exact:
-                mask = keep_BL.view(B, 1, 1, L)
-            else:
-                mask = torch.where(keep_BL, self._zero, self._neg_inf).repeat_interleave(G, dim=0).view(B * G, 1, L)
+            mask = self.decode_mask(w, pos_B, L)
         with self._recording(torch.arange(B, device=dev), pos_B):
             return self.decode_stack(w, ids_B, pos_B, mask, segs, L)
+
+    def decode_mask(self, w: WeightPlan, pos_B: torch.Tensor, L: int) -> torch.Tensor:
+        """``decode_stack``'s mask for rows at positions pos_B over L cached positions (row b keeps 0..pos_b):
+        boolean [B, 1, 1, L] when ``w.exact``, else additive (0 / -inf) [B*G, 1, L], one row per (row, kv head)."""
+        B, G = pos_B.shape[0], self._n_kv
+        keep_BL = self._pos_P[:L] <= pos_B[:, None]
+        if w.exact:
+            return keep_BL.view(B, 1, 1, L)
+        return torch.where(keep_BL, self._zero, self._neg_inf).repeat_interleave(G, dim=0).view(B * G, 1, L)
 
     def decode_stack(self, w: WeightPlan, ids_B: torch.Tensor, pos_B: torch.Tensor, mask: torch.Tensor | None,
                      segs: list[tuple[int, int, int]], L: int) -> torch.Tensor:
