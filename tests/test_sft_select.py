@@ -109,3 +109,12 @@ def test_checkpoints_are_scored_in_process_whatever_engine_the_run_uses(run):
     cfg = load_config(cfg_path, ["rl.engine.kind=http", "rl.engine.urls=[http://127.0.0.1:9]"])
     got = select_mod.domain_pass(r / "sft" / "checkpoints" / CKPTS[0], cfg, "max", ["general"], split="validation", n=2)
     assert got["general"]["n"] == 2 and not got["general"]["infra"]
+
+
+def test_no_checkpoint_left_to_choose_from_is_named(tmp_path):
+    from k3post.errors import UserError
+
+    cfg = load_config(None, ["sft.select=validation", "sft.keep_last=3"])
+    (tmp_path / "sft" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(UserError, match="no complete checkpoint under .*checkpoints"):
+        select_mod.select_checkpoint(cfg, tmp_path / "sft")

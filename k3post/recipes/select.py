@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from k3post.checkpoint import checkpoint_step, intact_checkpoints
 from k3post.envs.families.streams import domain_families, eval_tasks
+from k3post.errors import UserError
 from k3post.io import atomic_write
 from k3post.recipes.experts import load_policy
 from k3post.rollout.evaluation import run_episodes, summarize_trajectories
@@ -101,7 +102,8 @@ def select_checkpoint(cfg: "K3Config", sft_dir: Path) -> dict[str, Any] | None:
         return None
     ckpts = intact_checkpoints(sft_dir / "checkpoints")
     if not ckpts:
-        raise ValueError(f"sft.select=validation: no complete checkpoint under {sft_dir / 'checkpoints'} to choose from")
+        raise UserError(f"sft.select=validation: no complete checkpoint under {sft_dir / 'checkpoints'} to choose from "
+                        "(were they deleted?); run with sft.select=last to keep the final step's model")
     names = [p.name for p in ckpts]
     done_file = sft_dir / SELECTION_FILE
     if done_file.is_file():
