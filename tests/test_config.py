@@ -122,13 +122,16 @@ def test_domain_rl_setting_as_overrides_and_in_the_full_recipe(domain, setting):
 
 
 def test_demo_agents_and_coding_roll_out_as_their_settings():
-    """The demo's agents and coding experts sample, pick tasks and stay on-policy exactly as the settings that made
-    RL beat SFT (fewer steps and tasks)."""
+    """The demo's coding experts sample, pick tasks and stay on-policy exactly as the setting that made RL beat SFT
+    (fewer steps and tasks); its agents experts pick tasks and stay on-policy as theirs, at T 0.5 where
+    `AGENTS_RL_SETTING` samples at T 1 over its larger pool (issue 31 §agents25)."""
     base = load_config(None)
     for domain, setting in (("agents", AGENTS_RL_SETTING), ("coding", CODING_RL_SETTING)):
         got = base.rl.for_domain(domain, "max")
-        for key in ("temperature", "train_pass_min", "train_pass_empty", "lambda_", "max_staleness"):
+        for key in ("train_pass_min", "train_pass_empty", "lambda_", "max_staleness"):
             assert getattr(got, key) == setting[domain][key], (domain, key)
+    assert base.rl.for_domain("coding", "max").temperature == CODING_RL_SETTING["coding"]["temperature"] == 0.5
+    assert (base.rl.for_domain("agents", "max").temperature, AGENTS_RL_SETTING["agents"]["temperature"]) == (0.5, 1.0)
 
 
 @pytest.mark.parametrize("override, message", [
