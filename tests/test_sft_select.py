@@ -10,6 +10,7 @@ import pytest
 
 from k3post.cli import main
 from k3post.config import load_config
+from k3post.errors import UserError
 from k3post.recipes import select as select_mod
 from k3post.recipes.report import write_report
 from tests.test_sft import _records, _write
@@ -112,8 +113,6 @@ def test_checkpoints_are_scored_in_process_whatever_engine_the_run_uses(run):
 
 
 def test_no_checkpoint_left_to_choose_from_is_named(tmp_path):
-    from k3post.errors import UserError
-
     cfg = load_config(None, ["sft.select=validation", "sft.keep_last=3"])
     (tmp_path / "sft" / "checkpoints").mkdir(parents=True)
     with pytest.raises(UserError, match="no complete checkpoint under .*checkpoints"):

@@ -75,13 +75,14 @@ AGENTS_RL_SETTING: dict[str, dict[str, Any]] = {
 }
 """The agents setting that makes RL beat its SFT start (docs/decisions.md, issue 31 §agents25): rollouts at T 1, a
 curriculum of the tasks b0's 4 samples solved sometimes but not always (1-3 of 4) out of a pool of 768, so each of the
-256 groups (4 a step, on-policy, 64 steps) is a task seen about once; lr 6e-4 decaying linearly; held-out avg@4 at the rollout
-temperature on 100 tasks beside greedy. From the demo's 2,000-step seed-0 SFT model (search at max is not in its data,
-and there it samples robustly at T 0.5: 3.4 of 4 groups without variance) held-out avg@4 went 0.185 -> 0.265 (p 0.005;
-0.2575, p 0.016 with every task b0 solved at least once), greedy 0.27 -> 0.30. The earlier setting (T 0.5, 192 tasks,
-lr 2e-4: 0.11 -> 0.25 from the SFT model of 2026-12-04, issue 31 §agentslearn) did not move this model (§slow24). It
-costs ~20 minutes of one core for agents.max (b0 over 768 tasks ~8 min), so the demo keeps its smaller agents experts
-(`default_domain_overrides`); configs/full.yaml and the slow test `tests/test_rl_learns.py` use it."""
+256 groups (4 a step, on-policy, 64 steps) is a task seen about once; lr 6e-4 decaying linearly; held-out avg@4 at the
+rollout temperature on 100 tasks beside greedy. From the demo's 2,000-step seed-0 SFT model (search at max is not in its
+data, and there its episodes hardly vary at T 0.5: 2.9-3.2 of a step's 4 groups without reward variance) held-out avg@4
+went 0.185 -> 0.265 (p 0.005; 0.2575, p 0.016 with every task b0 solved at least once), greedy 0.27 -> 0.30. The
+earlier setting (T 0.5, 192 tasks, lr 2e-4: 0.11 -> 0.25 from the SFT model of 2026-12-04, issue 31 §agentslearn) did
+not move this model (§slow24). It costs ~20 minutes of one core for agents.max (b0 over 768 tasks ~8.5 min), so the
+demo keeps its smaller agents experts (`default_domain_overrides`); configs/full.yaml and the slow test
+`tests/test_rl_learns.py` use it."""
 
 
 CODING_RL_SETTING: dict[str, dict[str, Any]] = {
