@@ -166,9 +166,9 @@ def _sft_stage(fx: dict[str, Path], steps: int) -> Stage:
 
 
 def _rl_overrides(steps: int) -> list[str]:
-    return [f"rl.steps={steps}", "rl.n_tasks=4", "rl.n_prompts=3", "rl.k=2", "rl.slots=3", "rl.eval_n=2", "rl.max_tokens=24",
-            "rl.eval_max_tokens=8", "rl.lambda_=0.5", "rl.kv_pool_mb=4", "rl.save_every=1", "rl.keep_last=2",
-            "rl.families=[general.arithmetic]", "rl.progress=false", "rl.lr=1e-3", "qat.enabled=false",
+    return [f"rl.steps={steps}", "rl.n_tasks=4", "rl.rollout.n_prompts=3", "rl.rollout.k=2", "rl.rollout.slots=3", "rl.eval_n=2", "rl.rollout.max_tokens=24",
+            "rl.eval_max_tokens=8", "rl.rollout.lambda_=0.5", "rl.rollout.kv_pool_mb=4", "rl.save_every=1", "rl.keep_last=2",
+            "rl.families=[general.arithmetic]", "rl.progress=false", "rl.optim.lr=1e-3", "qat.enabled=false",
             "rl.effort_control.b0_samples=1"]
 
 

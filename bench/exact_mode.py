@@ -1,4 +1,4 @@
-"""Benchmark: what the exact mode (``rl.exact``, `k3post.rollout.embedded.exact`) buys and costs against the default
+"""Benchmark: what the exact mode (``rl.rollout.exact``, `k3post.rollout.embedded.exact`) buys and costs against the default
 engine and trainer.
 
 Setup: as `bench/routing_replay.py` (a model folder with the demo's MX QAT applied, default a fresh tiny Qwen3-MoE;

@@ -13,8 +13,8 @@ others), the mean of:
 * ``T``: SPEC §3.3's count, thinking tokens on the general domain and every output token on the agentic
   ones (agents, coding);
 
-and, at ``max``, the longest assistant turn (against the per-turn ``rl.max_tokens``) and the longest context
-(against ``sft.max_len`` and ``rl.max_model_len``).
+and, at ``max``, the longest assistant turn (against the per-turn ``rl.rollout.max_tokens``) and the longest context
+(against ``sft.max_len`` and ``rl.rollout.max_model_len``).
 
 Per domain (the tasks of its families pooled, ``n`` each): the mean T per effort, T(low) / T(max), and the
 per-task violations: tasks whose T is not strictly increasing low < high < max (a low as long as its high

@@ -144,7 +144,7 @@ from k3post.envs.task import Task  # noqa: E402
 from k3post.models import build_tiny_moe  # noqa: E402
 from k3post.rewards.effort import BudgetTable, TaskSamples, task_key  # noqa: E402
 from k3post.loop import PolicyLoop  # noqa: E402
-from k3post.config.rl import RLConfig
+from k3post.config import LossConfig, PolicyOptimConfig, RLConfig, RolloutConfig
 from k3post.envs.families.streams import train_tasks
 from k3post.stages.rl import rl_signal, train_rl  # noqa: E402
 from k3post.stages.sft import SFTConfig, train_sft  # noqa: E402
@@ -197,11 +197,12 @@ def rl_config(args: argparse.Namespace, *, skip_zero_variance: bool = False) -> 
     """k3post's settings: `RLConfig`'s defaults (K2.5 loss, token mean, no std division) but for the
     bench's sizes, λ = 1 (synchronous, like TRL) and ``skip_zero_variance``."""
     return RLConfig(
-        domain="general", effort=args.effort, families=[FAMILY], steps=rounds(args),
-        n_prompts=args.n, k=args.k, lambda_=1.0, temperature=1.0, max_tokens=args.max_tokens,
-        max_model_len=args.max_model_len, slots=args.n * args.k, difficulty=args.difficulty,
-        n_tasks=args.n * rounds(args), lr=args.lr, weight_decay=0.0, grad_clip=1.0, seed=args.seed, progress=False,
-        skip_zero_variance=skip_zero_variance,
+        domain="general", effort=args.effort, families=[FAMILY], steps=rounds(args), difficulty=args.difficulty,
+        n_tasks=args.n * rounds(args), seed=args.seed, progress=False,
+        rollout=RolloutConfig(n_prompts=args.n, k=args.k, lambda_=1.0, temperature=1.0, max_tokens=args.max_tokens,
+                              max_model_len=args.max_model_len, slots=args.n * args.k),
+        optim=PolicyOptimConfig(lr=args.lr, weight_decay=0.0, grad_clip=1.0),
+        loss=LossConfig(skip_zero_variance=skip_zero_variance),
     )
 
 
@@ -239,7 +240,7 @@ class K3PostArm:
 
     def step(self) -> float:
         """One `PolicyLoop.step`; records its parts and returns its ``step_s``."""
-        i, n = len(self.rec), self.cfg.n_prompts
+        i, n = len(self.rec), self.cfg.rollout.n_prompts
         want = {t.id for t in self.tasks[i * n : (i + 1) * n]}
         rec = self.pl.step(self.tasks)
         got = {g.task["id"] for g in self.pl.last_groups}
@@ -257,10 +258,10 @@ class K3PostArm:
             # positions the training forward ran (padding included; a group's shared prompt counts once) and
             # prompt + completion of every trained sequence (what a forward without prompt sharing runs)
             "forward_tokens": rec.get("train/forward_tokens", 0.0),
-            "sequence_tokens": float(sum(len(t.token_ids) for t in trajs)) if not self.cfg.skip_zero_variance else 0.0,
+            "sequence_tokens": float(sum(len(t.token_ids) for t in trajs)) if not self.cfg.loss.skip_zero_variance else 0.0,
         }
         r["update_rest_s"] = r["update_s"] - r["forward_s"] - r["optimizer_s"]
-        if not self.cfg.skip_zero_variance and (r["trained_groups"] != r["groups"] or r["trained_seqs"] != r["completions"]):
+        if not self.cfg.loss.skip_zero_variance and (r["trained_groups"] != r["groups"] or r["trained_seqs"] != r["completions"]):
             raise RuntimeError(f"{self.name} step {i}: trained {r['trained_seqs']:.0f} of {r['completions']:.0f} sequences "
                                "(equal work needs every group trained)")
         self.rec.append(r)

@@ -5,7 +5,7 @@ it, plus what says whether the policy moved.
     python bench/rl_sweep.py RUN POINT [--domain general|agents|coding] [key=value ...]
 
 RUN: a demo run folder holding ``sft/final`` (e.g. one run with ``rl.steps=0``); the config is the demo's,
-``configs/demo.yaml``, with the overrides on top (``rl.lr=3e-4 rl.temperature=1.2 ...``). The expert is trained
+``configs/demo.yaml``, with the overrides on top (``rl.optim.lr=3e-4 rl.rollout.temperature=1.2 ...``). The expert is trained
 exactly as `k3post demo` trains it (`train_domain_experts`, one torch thread, the demo's QAT), into
 ``RUN/sweep/POINT/``. b0 and the SFT "before" row are computed once per run (``RUN/sweep/_before``) and reused
 by every point (they depend on neither the optimiser nor the sampling settings; ``RUN/sweep/_before.DOMAIN``

@@ -1,5 +1,5 @@
 """Benchmark: how often the rollout engine and the trainer route a token to different experts, what that does to the
-train-rollout log-prob gap, what routing replay (`k3post.routing_replay`, ``rl.routing_replay``) leaves of it, and
+train-rollout log-prob gap, what routing replay (`k3post.routing_replay`, ``rl.rollout.routing_replay``) leaves of it, and
 what recording costs.
 
 Setup: a model folder (default: a fresh tiny Qwen3-MoE built here; the numbers of docs/decisions.md §routingreplay use

@@ -8,7 +8,7 @@ What each number measures:
       ranks2      2 trainer ranks (`k3post.trainer.ranks.on_ranks`, FSDP2 over gloo), rank 1 a local process,
                   embedded engine on rank 0
       ranks2_ray  the same with rank 1 a `TrainerRankActor` on a Ray placement group (``distributed.enabled``)
-      servers1    one process, rollout on 1 local engine server (``rl.engine.kind=http``, ``launch=1``)
+      servers1    one process, rollout on 1 local engine server (``rl.rollout.engine.kind=http``, ``launch=1``)
       servers2    one process, rollout on 2 local engine servers
     Each arm's run (set-up, spawn, actor or server start excluded from the step time) is repeated
     ``--repeats`` times, interleaved, the order rotated every round (bench/common.py). Ratios (step time of
@@ -53,8 +53,7 @@ import torch
 
 from k3post.stages.sft_data import default_corpus
 from k3post.config.distributed import DistributedConfig, FSDPConfig, RolesConfig
-from k3post.config.rl import RLConfig
-from k3post.config.rollout import EngineConfig
+from k3post.config import EngineConfig, PolicyOptimConfig, RLConfig, RolloutConfig
 from k3post.trainer.ranks import on_ranks
 from k3post.envs.families.streams import train_tasks
 from k3post.loop import PolicyLoop
@@ -76,7 +75,7 @@ def _timed_steps(model_dir: str, rl: RLConfig, steps: int) -> float:
     from k3post.models import load_model
 
     tasks = train_tasks([FAMILY], rl.n_tasks, difficulty=rl.difficulty, seed=rl.seed)
-    pl = PolicyLoop(load_model(model_dir), tok, rl, signal=rl_signal(budget_table(tasks, rl.max_tokens), rl))
+    pl = PolicyLoop(load_model(model_dir), tok, rl, signal=rl_signal(budget_table(tasks, rl.rollout.max_tokens), rl))
     try:
         pl.step(tasks)
         return statistics.median(pl.step(tasks)["step_s"] for _ in range(steps))
@@ -95,9 +94,10 @@ CAVEAT = {"ranks2_vs_ranks1": "2 ranks share the 2 cores 1 process uses, plus an
 def rl_arms(model_dir: Path, args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
     from k3post.distributed.ray_cluster import RayFollowers
 
-    rl = RLConfig(domain="general", families=[FAMILY], n_prompts=2, k=4, n_tasks=8, lambda_=1.0, max_tokens=32,
-                  slots=8, progress=False, lr=1e-4)
-    http = lambda n: replace(rl, engine=EngineConfig(kind="http", launch=n, launch_threads=1))  # noqa: E731
+    rl = RLConfig(domain="general", families=[FAMILY], n_tasks=8, progress=False, optim=PolicyOptimConfig(lr=1e-4),
+                  rollout=RolloutConfig(n_prompts=2, k=4, lambda_=1.0, max_tokens=32, slots=8))
+    http = lambda n: replace(rl, rollout=replace(rl.rollout, engine=EngineConfig(kind="http", launch=n,  # noqa: E731
+                                                                                 launch_threads=1)))
     on_ray = lambda: RayFollowers(cluster)  # noqa: E731
     runs = {"ranks1": (1, rl, None), "ranks2": (2, rl, None), "ranks2_ray": (2, rl, on_ray),
             "servers1": (1, http(1), None), "servers2": (1, http(2), None)}

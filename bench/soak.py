@@ -266,8 +266,9 @@ def _single_turn(seed: int, families: tuple[str, ...], steps: int, **rl: Any) ->
 
     tok = train_tokenizer(default_corpus(1, n_main=10), vocab_size=320)
     model = build_tiny_moe(len(tok), seed=seed, pad_token_id=tok.pad_token_id, eos_token_id=XTML(tok).eom_id, **_TINY)
-    cfg = RLConfig(domain=families[0].split(".")[0], families=list(families), steps=steps, n_tasks=8, max_tokens=24,
-                   lr=1e-3, seed=seed, effort_control=EffortConfig(tau_max=1.0, max_cap=1.0), **rl)
+    cfg = RLConfig(domain=families[0].split(".")[0], families=list(families), steps=steps, n_tasks=8, seed=seed,
+                   effort_control=EffortConfig(tau_max=1.0, max_cap=1.0)).with_settings(
+        {"rollout": {"max_tokens": 24}, "optim": {"lr": 1e-3}}).with_settings(rl)
     tasks = train_tasks(cfg.families, cfg.n_tasks, difficulty=cfg.difficulty, seed=seed)
     return tok, model, cfg, tasks, _budgets(tasks)
 
@@ -293,8 +294,9 @@ def _tool_using(seed: int, families: tuple[str, ...], steps: int, work: Path, sf
     tok = train_tokenizer(default_corpus(n_per_family=2, n_main=4), vocab_size=1024)
     xtml = XTML(tok)
     model = build_tiny_moe(len(tok), seed=seed, pad_token_id=tok.pad_token_id, eos_token_id=xtml.eom_id, **_TOOL_TINY)
-    cfg = RLConfig(domain=families[0].split(".")[0], families=list(families), steps=steps, n_tasks=n_tasks, max_tokens=192,
-                   effort="high", temperature=0.3, lr=1e-6, seed=seed, **rl)
+    cfg = RLConfig(domain=families[0].split(".")[0], families=list(families), steps=steps, n_tasks=n_tasks,
+                   effort="high", seed=seed).with_settings(
+        {"rollout": {"max_tokens": 192, "temperature": 0.3}, "optim": {"lr": 1e-6}}).with_settings(rl)
     tasks = train_tasks(cfg.families, cfg.n_tasks, difficulty=cfg.difficulty, seed=seed)
     samples = []
     for task in tasks:
@@ -340,8 +342,8 @@ def run_soak(steps: int, work: str | Path, *, sample_every: int = 10, warmup: in
     os.chmod(own_tmp, 0o711)
     tempfile.tempdir = own_tmp
     procs_before = descendants()
-    rl = dict(n_prompts=2, k=2, slots=3, lambda_=0.5, kv_pool_mb=kv_pool_mb, save_every=save_every,
-              keep_last=keep_last, progress=False)
+    rl = dict(rollout={"n_prompts": 2, "k": 2, "slots": 3, "lambda_": 0.5, "kv_pool_mb": kv_pool_mb},
+              save_every=save_every, keep_last=keep_last, progress=False)
     t_setup = time.perf_counter()
     try:
         tok, model, cfg, tasks, budgets = (_tool_using(seed, families, steps, work, sft_steps, tool_tasks, **rl) if tools
@@ -400,7 +402,8 @@ def run_soak(steps: int, work: str | Path, *, sample_every: int = 10, warmup: in
                                                                "decode_tokens")},
         "processes": {"before": procs_before, "after": procs_after}, "sandbox_dirs_after": dirs_after,
         "kv_pool_budget_bytes": kv_pool_mb << 20, "kv_pool_stats": dict(pl.rollout.pool.stats),
-        "bounds": {"slots": cfg.slots, "samples_per_iteration": cfg.n_prompts * cfg.k, "n_prompts": cfg.n_prompts},
+        "bounds": {"slots": cfg.rollout.slots, "samples_per_iteration": cfg.rollout.n_prompts * cfg.rollout.k,
+                   "n_prompts": cfg.rollout.n_prompts},
         "slopes_per_100_steps": slopes,
         "max_after_warmup": {k: max(s[k] for s in after) for k in keys} if after else {},
         "first_after_warmup": after[0] if after else {}, "last": samples[-1] if samples else {},

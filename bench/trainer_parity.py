@@ -53,7 +53,7 @@ def run(out: Path) -> None:
     from k3post.models import build_tiny_moe, save_model
     from k3post.stages.mopd import MOPDConfig, train_mopd
     from k3post.rewards.effort import EffortConfig, estimate_budgets
-    from k3post.config.rl import RLConfig
+    from k3post.config import PolicyOptimConfig, RLConfig, RolloutConfig
     from k3post.envs.families.streams import domain_families, train_tasks
     from k3post.stages.rl import train_rl
     from k3post.rollout.embedded import EmbeddedEngine
@@ -92,12 +92,14 @@ def run(out: Path) -> None:
         res["sft_mtp"] = {"weights": _state(m2), "mtp": _state(r2.mtp), "losses": r2.losses, "mtp_losses": r2.mtp_losses}
         print("sft_mtp", r2.losses[-1], r2.mtp_losses, flush=True)
 
-        rl_cfg = RLConfig(domain="general", families=["general.arithmetic"], steps=2, n_prompts=3, k=4, n_tasks=6,
-                          max_tokens=40, lambda_=0.5, eval_n=4, eval_max_tokens=40, save_every=1, progress=False,
-                          lr=1e-3, micro_batch_tokens=256, effort_control=EffortConfig(tau_max=1.0, max_cap=1.0))
+        rl_cfg = RLConfig(domain="general", families=["general.arithmetic"], steps=2, n_tasks=6, eval_n=4,
+                          eval_max_tokens=40, save_every=1, progress=False, micro_batch_tokens=256,
+                          effort_control=EffortConfig(tau_max=1.0, max_cap=1.0),
+                          rollout=RolloutConfig(n_prompts=3, k=4, max_tokens=40, lambda_=0.5),
+                          optim=PolicyOptimConfig(lr=1e-3))
         tasks = train_tasks(domain_families(rl_cfg.domain, rl_cfg.families), rl_cfg.n_tasks, difficulty=rl_cfg.difficulty)
         budgets = estimate_budgets(EmbeddedEngine(model, tok), tasks, xtml=x, samples_per_task=4, seed=0,
-                                   max_tokens=rl_cfg.max_tokens)
+                                   max_tokens=rl_cfg.rollout.max_tokens)
         policy = copy.deepcopy(model)
         rr = train_rl(policy, tok, rl_cfg, root / "rl", budgets=budgets, evaluate=False)
         res["rl"] = {"weights": _state(policy), "rows": _rows(rr.metrics)}
@@ -106,8 +108,9 @@ def run(out: Path) -> None:
         teacher = str(save_model(tiny(1, initializer_range=0.1), root / "t1"))
         mcfg = MOPDConfig(experts={"general.high": teacher, "general.max": teacher}, effort_mix={"high": 0.5, "max": 0.5},
                           domains=["general"], families={"general": ["general.arithmetic"]}, max_resident=1,
-                          rl=RLConfig(steps=2, n_prompts=3, k=3, n_tasks=6, max_tokens=24, lambda_=0.5, save_every=1,
-                                      progress=False, lr=3e-3), teacher_sees_effort=False)
+                          rl=RLConfig(steps=2, n_tasks=6, save_every=1, progress=False,
+                                      rollout=RolloutConfig(n_prompts=3, k=3, max_tokens=24, lambda_=0.5),
+                                      optim=PolicyOptimConfig(lr=3e-3)), teacher_sees_effort=False)
         student = tiny(0)
         rm = train_mopd(student, tok, mcfg, root / "mopd")
         res["mopd"] = {"weights": _state(student), "rows": _rows(rm.metrics)}

@@ -68,7 +68,9 @@ from k3post.routing_replay import check_replayable
 from k3post.spec.data import DraftSample
 from k3post.spec.export import export_eagle3
 from k3post.spec.online import OnlineDraft
-from k3post.trainer import OptimConfig, build_trainer
+from k3post.config.loss import LossConfig
+from k3post.config.optim import PolicyOptimConfig
+from k3post.trainer import build_trainer
 
 log = logging.getLogger(__name__)
 
@@ -86,31 +88,26 @@ class LoopConfig(Protocol):
     """What the loop reads from a stage's config (`k3post.config.rl.RLConfig` is one)."""
 
     steps: int
-    n_prompts: int
-    k: int
-    lambda_: float
+    effort: str
+    seed: int
+    rollout: RolloutConfig
+    optim: PolicyOptimConfig
+    loss: LossConfig
     save_every: int
     keep_last: int
     progress: bool
     micro_batch_tokens: int
-    grad_clip: float
     device: str
     infra_min_valid: int
     infra_retries: int
     infra_max_rate: float
-    routing_replay: str
-    exact: bool
     draft: str
     draft_steps: int
     draft_lr: float
 
     def rollout_config(self) -> RolloutConfig: ...
 
-    def optim_config(self) -> OptimConfig: ...
-
     def lr_at(self, step: int) -> float: ...
-
-    def loss_kwargs(self) -> dict[str, Any]: ...
 
 
 class PolicyLoop:
@@ -131,16 +128,17 @@ class PolicyLoop:
     ) -> None:
         self.cfg, self.tokenizer, self.signal = cfg, tokenizer, signal
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.pad_id, self.loss_kwargs = pad_id, cfg.loss_kwargs()  # what `train_policy_step` is handed every step
-        if cfg.routing_replay == "rollout-routes":  # fail before training when the routers cannot be replayed
+        self.pad_id, self.loss_kwargs = pad_id, cfg.loss.policy_loss_kwargs()  # what `train_policy_step` is handed every step
+        if cfg.rollout.routing_replay == "rollout-routes":  # fail before training when the routers cannot be replayed
             check_replayable(model)
-        self.trainer = build_trainer(model, cfg.optim_config(), device=cfg.device, pad_id=pad_id, grad_clip=cfg.grad_clip)
+        self.trainer = build_trainer(model, cfg.optim, device=cfg.device, pad_id=pad_id, grad_clip=cfg.optim.grad_clip)
         self.model = model  # trained in place (a sharded trainer copies its weights back after every step)
-        self.rollout = Rollout(self.model, tokenizer, cfg.rollout_config(), effort_fn=effort_fn)
+        self.rollout = Rollout(self.model, tokenizer, cfg.rollout_config(), effort=cfg.effort, seed=cfg.seed,
+                               effort_fn=effort_fn)
         if cfg.draft:
             self.online_draft = OnlineDraft(self.rollout.engine.speculative.drafter, self.model,
                                             DraftConfig(lr=cfg.draft_lr, progress=False), steps=cfg.draft_steps,
-                                            pad_id=pad_id, seed=self.rollout.cfg.seed)
+                                            pad_id=pad_id, seed=cfg.seed)
         self.step_no, self.cursor = 0, 0
         self.last_groups: list[Group] = []  # the groups the last step trained on
         self.infra_retries: dict[str, int] = {}  # task id -> re-runs of its group after infrastructure failures
@@ -149,7 +147,8 @@ class PolicyLoop:
         """The trainer's step with the policy loss's gradient function (`k3post.policy_step.train_policy_step`)."""
         return train_policy_step(self.trainer, seqs, pad_id=self.pad_id, loss_kwargs=self.loss_kwargs,
                                  micro_batch_tokens=self.cfg.micro_batch_tokens, version=version, lr=lr,
-                                 routing_replay=self.cfg.routing_replay == "rollout-routes", exact=self.cfg.exact)
+                                 routing_replay=self.cfg.rollout.routing_replay == "rollout-routes",
+                                 exact=self.cfg.rollout.exact)
 
     @property
     def engine(self) -> Any:
@@ -173,9 +172,9 @@ class PolicyLoop:
         retried = dropped = iterations = 0
         while not groups:  # an iteration that completes no whole group leaves nothing to train on: run another
             if iterations == _MAX_EMPTY_ITERATIONS:
-                raise RuntimeError(f"{iterations} partial-rollout iterations completed no group of {self.cfg.k} samples "
-                                   f"(n_prompts={self.cfg.n_prompts}, lambda_={self.cfg.lambda_})")
-            while self.rollout.num_pending_prompts < self.cfg.n_prompts:
+                raise RuntimeError(f"{iterations} partial-rollout iterations completed no group of {self.cfg.rollout.k} samples "
+                                   f"(n_prompts={self.cfg.rollout.n_prompts}, lambda_={self.cfg.rollout.lambda_})")
+            while self.rollout.num_pending_prompts < self.cfg.rollout.n_prompts:
                 self.rollout.add_prompts([tasks[self.cursor % len(tasks)]])
                 self.cursor += 1
             got = self.rollout.run_iteration()
@@ -424,9 +423,9 @@ def rollout_gap(history: Iterable[Mapping[str, float]], prefix: str = "train/") 
     mean and the max of |log π_trainer − log π_engine| over the sampled tokens each step trained with the
     weights that sampled them over KV of those weights (``mean``, ``max``, ``tokens``: the engine mismatch); the
     same over the tokens those weights sampled over KV of older ones (``stale_kv_mean``, ``stale_kv_max``,
-    ``stale_kv_tokens``: a paused trajectory resumed on its kept KV, ``rl.resume_kv=reuse``); and over the
+    ``stale_kv_tokens``: a paused trajectory resumed on its kept KV, ``rl.rollout.resume_kv=reuse``); and over the
     tokens older weights sampled (``moved_mean``, ``moved_tokens``: how far the policy moved since). With routes
-    recorded (``rl.routing_replay`` measure / rollout-routes) also ``routing_mismatch_frac`` over
+    recorded (``rl.rollout.routing_replay`` measure / rollout-routes) also ``routing_mismatch_frac`` over
     ``routing_positions``: the share of recorded context positions the trainer's own top-k routed differently from
     the engine in some MoE layer. ``history``: the steps' rows (a `StageLog`), read once."""
     parts = {"": "rollout_gap", "stale_kv_": "rollout_gap_stale_kv", "moved_": "policy_moved_gap"}  # moved: no max

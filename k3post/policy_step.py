@@ -223,7 +223,7 @@ def policy_grads(
     with ``routing_replay`` the forward routes every recorded position as recorded
     (`k3post.routing_replay.RouteReplay`).
 
-    ``exact`` (``rl.exact``): the log-probs' values come from the exact forward
+    ``exact`` (``rl.rollout.exact``): the log-probs' values come from the exact forward
     (`k3post.rollout.embedded.exact`), the engine's own, and their gradient from the model's forward:
     ``logp = exact + (hf − hf.detach())``. A token the trained weights sampled (``fresh``) whose recorded log-prob
     differs from it by any amount raises RuntimeError (fail closed: the exact mode's promise is broken)."""
@@ -303,12 +303,12 @@ def _policy_grads(model: torch.nn.Module, groups: Sequence[tuple[Sequence[TokenS
 def _check_exact(logp_BT: torch.Tensor, batch: Mapping[str, torch.Tensor], group: Sequence[TokenSequence],
                  version: int | None) -> None:
     """RuntimeError naming the first token the trained weights sampled whose recorded log-prob is not the exact
-    forward's (``rl.exact``)."""
+    forward's (``rl.rollout.exact``)."""
     bad_BT = batch["fresh"] & (logp_BT != batch["behavior"])
     if bool(bad_BT.any()):
         b, t = (int(i) for i in bad_BT.nonzero()[0])
         raise RuntimeError(
-            f"rl.exact: {int(bad_BT.sum())} token(s) sampled by version {version} have a recorded log-prob other than "
+            f"rl.rollout.exact: {int(bad_BT.sum())} token(s) sampled by version {version} have a recorded log-prob other than "
             f"the trainer's exact forward (first: sequence {b} of its micro-batch, position {t}, token "
             f"{group[b].token_ids[t]}: recorded {float(batch['behavior'][b, t])!r}, recomputed "
             f"{float(logp_BT[b, t])!r}). The engine did not "

@@ -51,7 +51,7 @@ from k3post.config.rollout import ROUTING_REPLAY
 __all__ = ["ROUTING_REPLAY_MODES", "RouteCache", "RouteRecorder", "RouteReplay", "decode_routes", "encode_routes",
            "check_replayable", "moe_routers", "pad_routes", "route_shape", "softmax_topk_rule"]
 
-ROUTING_REPLAY_MODES = ROUTING_REPLAY  # rl.routing_replay's choices (defined with the torch-free config)
+ROUTING_REPLAY_MODES = ROUTING_REPLAY  # rl.rollout.routing_replay's choices (defined with the torch-free config)
 
 _ROUTE_DTYPE = torch.int16
 
@@ -102,7 +102,7 @@ def check_replayable(model: nn.Module) -> None:
     """ValueError naming the first router whose weights replay could not recompute: on a probe input its experts must
     be the top-k of p = softmax(its logits) and its weights p or p / sum p at them (`_output_rule`; Qwen-MoE's,
     Mixtral's and gpt-oss's routers are, DeepSeek-V3's grouped sigmoid router is not). Run on the unsharded model
-    before training (``rl.routing_replay=rollout-routes``); the trainer's hooks check each router's output again at its first replayed forward of every step."""
+    before training (``rl.rollout.routing_replay=rollout-routes``); the trainer's hooks check each router's output again at its first replayed forward of every step."""
     for li, gate in moe_routers(model):
         w = gate.weight
         h_ND = torch.randn(16, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)

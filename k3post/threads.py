@@ -329,7 +329,7 @@ def command_plan(cfg: Any, command: str, *, workers: Mapping[str, int] | None = 
         workers = {"trainer": 1}
         if not cfg.distributed.enabled and cfg.distributed.fsdp.ranks > 1 and command in ("sft", "rl", "experts", "mopd"):
             workers[RANKS] = cfg.distributed.fsdp.ranks - 1
-        engine = cfg.mopd.rl.engine if command == "mopd" else cfg.rl.engine
+        engine = cfg.mopd.rl.rollout.engine if command == "mopd" else cfg.rl.rollout.engine
         if command in ("rl", "experts", "mopd") and engine.kind == "http" and engine.launch:
             workers["engine servers"] = engine.launch
     return plan_threads(cores or seen_cores(), workers, cfg.run.threads)

@@ -108,9 +108,9 @@ def test_trl_arm_runs_k3post_compute_settings(xtml_tokenizer, tmp_path):
     assert cfg.importance_sampling_level == "token" and cfg.top_entropy_quantile == 1.0 and cfg.entropy_coef == 0.0
     # sampling and optimizer as k3post's RLConfig in the bench
     rl = bench.rl_config(args)
-    assert (cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_completion_length) == (rl.temperature, 1.0, 0, rl.max_tokens)
+    assert (cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_completion_length) == (rl.rollout.temperature, 1.0, 0, rl.rollout.max_tokens)
     assert (cfg.learning_rate, cfg.adam_beta1, cfg.adam_beta2, cfg.weight_decay, cfg.max_grad_norm) == (
-        rl.lr, 0.9, 0.95, rl.weight_decay, rl.grad_clip)
+        rl.optim.lr, 0.9, 0.95, rl.optim.weight_decay, rl.optim.grad_clip)
     assert cfg.lr_scheduler_type == "constant" and cfg.router_aux_loss_coef == 0.0 and not cfg.use_vllm
     assert bench.trl_config_dict(cfg)["gradient_checkpointing"] is False  # the JSON-able copy the bench prints
 

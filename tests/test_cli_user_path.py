@@ -73,11 +73,11 @@ def test_sft_and_rl_run_folders_report(tiny_model_dir, tmp_path, capsys, caplog)
     assert summary["status"] == "done" and summary["command"] == "sft"
     assert summary["model"].startswith(f"qwen3_moe from {tiny_model_dir}")
     assert summary["sft"]["steps"] == 2 and summary["sft"]["n_samples"] == 6
-    rl = ["rl.steps=2", "rl.n_tasks=2", "rl.n_prompts=2", "rl.k=2", "rl.eval_n=2", "rl.max_tokens=12",
+    rl = ["rl.steps=2", "rl.n_tasks=2", "rl.rollout.n_prompts=2", "rl.rollout.k=2", "rl.eval_n=2", "rl.rollout.max_tokens=12",
           "rl.eval_max_tokens=8", "rl.families=[general.arithmetic]", "rl.progress=true",
           "rl.effort_control.b0_samples=1",
           # the recipe's general.max setting (GENERAL_MAX_SETTING) sizes the domain itself: shrunk too
-          "rl.domain_overrides.general.n_tasks=2", "rl.domain_overrides.general.eval_n=2", "rl.domain_overrides.general.max.n_prompts=2",
+          "rl.domain_overrides.general.n_tasks=2", "rl.domain_overrides.general.eval_n=2", "rl.domain_overrides.general.max.rollout.n_prompts=2",
           "rl.domain_overrides.general.max.eval_samples=0"]
     capsys.readouterr()
     with caplog.at_level("INFO"):

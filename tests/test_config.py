@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from k3post.config import ConfigError, K3Config, load_config, to_yaml
-from k3post.config.rl import AGENTS_RL_SETTING, CODING_RL_SETTING, domain_override_args
+from k3post.config.rl import AGENTS_RL_SETTING, CODING_RL_SETTING, domain_override_args, flat_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,10 +90,10 @@ def test_dotted_override_reaches_mapping_entries_whose_names_contain_dots():
 def test_domain_overrides_set_the_lr_schedule_and_numbers_given_as_text():
     """``lr_schedule`` (a choice, not a number) may be set per domain; a number written as YAML 1.1 reads 2e-4
     (text) is still a number."""
-    cfg = load_config(None, ["rl.domain_overrides.general.lr_schedule=linear", "rl.domain_overrides.general.lr=2e-4"])
+    cfg = load_config(None, ["rl.domain_overrides.general.optim.lr_schedule=linear", "rl.domain_overrides.general.optim.lr=2e-4"])
     general, agents = cfg.rl.for_domain("general", "max"), cfg.rl.for_domain("agents", "max")
-    assert (general.lr_schedule, general.lr) == ("linear", 2e-4)
-    assert (agents.lr_schedule, agents.lr) == (cfg.rl.lr_schedule, cfg.rl.lr) == ("constant", 1e-4)
+    assert (general.optim.lr_schedule, general.optim.lr) == ("linear", 2e-4)
+    assert (agents.optim.lr_schedule, agents.optim.lr) == (cfg.rl.optim.lr_schedule, cfg.rl.optim.lr) == ("constant", 1e-4)
     assert general.lr_at(general.steps - 1) == pytest.approx(2e-4 / general.steps)
 
 
@@ -106,19 +106,20 @@ def test_domain_rl_setting_as_overrides_and_in_the_full_recipe(domain, setting):
     base = load_config(None)
     for effort in ("max", "high", "low"):
         got, was = cfg.rl.for_domain(domain, effort), base.rl.for_domain(domain, effort)
-        want = {**setting[domain], **setting.get(f"{domain}.{effort}", {})}
-        assert {k: getattr(got, k) for k in want} == want
-        assert (got.max_tokens, got.k) == (was.max_tokens, was.k)  # the fields it does not name are the demo's
+        want = {**flat_settings(domain, setting[domain]), **flat_settings(effort, setting.get(f"{domain}.{effort}"))}
+        assert {k: got.setting(k) for k in want} == want
+        # the fields it does not name are the demo's
+        assert (got.rollout.max_tokens, got.rollout.k) == (was.rollout.max_tokens, was.rollout.k)
     assert cfg.rl.for_domain(domain, "high").steps == base.rl.for_domain(domain, "high").steps == 16
     full = load_config(ROOT / "configs/full.yaml")
     families = [f for f in full.rl.families if f.startswith(f"{domain}.")]
     for effort in ("max", "high", "low"):
         got = full.rl.for_domain(domain, effort)
-        want = {**setting[domain], **setting.get(f"{domain}.{effort}", {})}
+        want = {**flat_settings(domain, setting[domain]), **flat_settings(effort, setting.get(f"{domain}.{effort}"))}
         want.update(n_tasks=want["n_tasks"] // len(families), eval_n=want["eval_n"] // len(families))
         if effort != "max":
             want.pop("steps", None)
-        assert {k: getattr(got, k) for k in want} == want, effort
+        assert {k: got.setting(k) for k in want} == want, effort
 
 
 def test_demo_agents_and_coding_roll_out_as_their_settings():
@@ -128,10 +129,12 @@ def test_demo_agents_and_coding_roll_out_as_their_settings():
     base = load_config(None)
     for domain, setting in (("agents", AGENTS_RL_SETTING), ("coding", CODING_RL_SETTING)):
         got = base.rl.for_domain(domain, "max")
-        for key in ("train_pass_min", "train_pass_empty", "lambda_", "max_staleness"):
-            assert getattr(got, key) == setting[domain][key], (domain, key)
-    assert base.rl.for_domain("coding", "max").temperature == CODING_RL_SETTING["coding"]["temperature"] == 0.5
-    assert (base.rl.for_domain("agents", "max").temperature, AGENTS_RL_SETTING["agents"]["temperature"]) == (0.5, 1.0)
+        want = flat_settings(domain, setting[domain])
+        for key in ("train_pass_min", "train_pass_empty", "rollout.lambda_", "rollout.max_staleness"):
+            assert got.setting(key) == want[key], (domain, key)
+    assert base.rl.for_domain("coding", "max").rollout.temperature == CODING_RL_SETTING["coding"]["rollout"]["temperature"] == 0.5
+    assert (base.rl.for_domain("agents", "max").rollout.temperature,
+            AGENTS_RL_SETTING["agents"]["rollout"]["temperature"]) == (0.5, 1.0)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -196,6 +199,30 @@ def test_mopd_imports_nothing_from_rl():
     assert not [m for m in imported if m == "k3post.stages.rl" or m.startswith("k3post.stages.rl.")], imported
 
 
+def test_rl_components_are_sections_whose_defaults_are_declared_once():
+    """``rl.rollout`` / ``rl.optim`` / ``rl.loss`` are the components' own dataclasses (each default declared there);
+    MOPD's RL settings are the same tree; an RL setting's key from before the sections names its key now, in a config
+    file, on the command line and in ``domain_overrides``."""
+    import dataclasses
+
+    from k3post.config import LossConfig, PolicyOptimConfig, RLConfig, RolloutConfig
+    from k3post.config.rl import MOVED_KEYS
+
+    cfg = load_config(None)
+    assert (type(cfg.rl.rollout), type(cfg.rl.optim), type(cfg.rl.loss)) == (RolloutConfig, PolicyOptimConfig, LossConfig)
+    assert cfg.rl.rollout.lambda_ == RolloutConfig().lambda_ == cfg.mopd.rl.rollout.lambda_ == 0.7
+    assert (cfg.mopd.rl.rollout.n_prompts, cfg.mopd.rl.rollout.k) == (6, 4)
+    top = {f.name for f in dataclasses.fields(RLConfig)}
+    for old, new in MOVED_KEYS.items():  # every moved key names a field that exists, and none lives on twice
+        section, name = new.split(".")
+        assert old not in top and name in {f.name for f in dataclasses.fields(type(getattr(cfg.rl, section)))}, old
+        with pytest.raises(ConfigError, match=rf"'rl.{old}' is now 'rl.{new}'"):
+            load_config(None, [f"rl.{old}=1"])
+    with pytest.raises(ValueError, match=r"rl.domain_overrides.coding.seq_mean: moved to rl.domain_overrides.coding.loss.seq_mean"):
+        RLConfig(domain_overrides={"coding": {"seq_mean": True}})
+    assert RLConfig().with_settings({"rollout": {"k": 2}, "optim.lr": 3e-4}).setting("rollout.k") == 2
+
+
 def test_stage_modules_reexport_their_configs():
     import k3post.config as c
     from k3post.data import DataConfig
@@ -204,7 +231,7 @@ def test_stage_modules_reexport_their_configs():
     from k3post.stages.mopd import MOPDConfig
     from k3post.quant.qat import QATConfig
     from k3post.rewards.effort import EffortConfig
-    from k3post.config.rl import RLConfig, loss_kwargs
+    from k3post.config.rl import RLConfig
     from k3post.rollout.factory import RolloutConfig
     from k3post.stages.sft import SFTConfig
     from k3post.trainer import OptimConfig
@@ -213,7 +240,7 @@ def test_stage_modules_reexport_their_configs():
             RolloutConfig, SFTConfig, OptimConfig) == (c.DataConfig, c.EvalConfig, c.ModelConfig, c.TokenizerConfig,
                                                        c.MOPDConfig, c.QATConfig, c.EffortConfig, c.RLConfig,
                                                        c.RolloutConfig, c.SFTConfig, c.OptimConfig)
-    assert loss_kwargs(RLConfig())["tau"] == RLConfig().tau
+    assert RLConfig().loss.policy_loss_kwargs()["tau"] == RLConfig().loss.tau == 0.01
 
 
 def test_constants_are_the_names_the_modules_use():
@@ -268,4 +295,4 @@ def test_a_range_error_names_where_the_value_was_set(tmp_path):
     with pytest.raises(ConfigError, match=r"^override 'sft.warmup_steps=-1': sft.warmup_steps must be an integer >= 0, got -1$"):
         load_config(p, ["sft.lr=0.1", "sft.warmup_steps=-1"])
     assert load_config(p, ["sft.lr=0.1"]).sft.lr == 0.1
-    assert load_config(None, ["rl.clip_eps_low=.inf", "rl.log_ratio_min=-.inf"]).rl.log_ratio_min == float("-inf")
+    assert load_config(None, ["rl.loss.clip_eps_low=.inf", "rl.loss.log_ratio_min=-.inf"]).rl.loss.log_ratio_min == float("-inf")

@@ -118,8 +118,8 @@ BLOCKS: dict[tuple[str, str], Run | NotRun] = {
                   "rl.effort=max rl.steps=100"): Run("slow", sizes=TOY_DEMO, needs=("demo_sft",)),
     ("README.md", "k3post serve runs/demo/sft/final --port 30001 & k3post serve runs/demo/sft/final --port 30002 &"):
         Run("slow", sizes=TOY_DEMO, needs=("demo_sft",)),
-    ("README.md", "k3post demo run.name=demo_http rl.engine.kind=http rl.engine.launch=1 mopd.rl.engine.kind=http "
-                  "mopd.rl.engine.launch=1"): Run("slow", sizes=TOY_DEMO),
+    ("README.md", "k3post demo run.name=demo_http rl.rollout.engine.kind=http rl.rollout.engine.launch=1 mopd.rl.rollout.engine.kind=http "
+                  "mopd.rl.rollout.engine.launch=1"): Run("slow", sizes=TOY_DEMO),
     (_OWN, "k3post add-tokens /models/my-llama /models/my-llama-xtml"): Run("fast", subs=(("/models/", "models/"),)),
     (_OWN, "k3post sft my-model.yaml"): Run("slow", sizes=_OWN_SIZES),
     ("docs/extending.md", "K3POST_FAMILIES=reverse_words PYTHONPATH=docs/examples k3post tasks check "
@@ -408,7 +408,7 @@ def test_extending_snippets_are_what_k3post_reads(tmp_path):
     cfg_file = tmp_path / "dapo.yaml"
     cfg_file.write_text(loss.text)
     rl = load_config(cfg_file).rl
-    want = yaml.safe_load(loss.text)["rl"]
-    assert {k: getattr(rl, k) for k in want} == want and rl.clip_eps_high == 0.28
+    want = yaml.safe_load(loss.text)["rl"]["loss"]
+    assert {k: getattr(rl.loss, k) for k in want} == want and rl.loss.clip_eps_high == 0.28
     (toml,) = blocks("docs/extending.md", ("toml",))
     assert list(tomllib.loads(toml.text)["project"]["entry-points"]) == [PLUGIN_GROUP]

@@ -1,4 +1,4 @@
-"""The exact mode (issue 35, ``rl.exact``, `k3post.rollout.embedded.exact`): the engine's behaviour log-probs equal the
+"""The exact mode (issue 35, ``rl.rollout.exact``, `k3post.rollout.embedded.exact`): the engine's behaviour log-probs equal the
 trainer's recomputed ones bit for bit whatever the batch composition, prefix sharing, pause / resume or slot count,
 and the mode fails closed where that cannot hold."""
 
@@ -184,7 +184,7 @@ def test_policy_grads_use_exact_values_and_fail_closed_on_any_gap():
     bad = copy.deepcopy(seqs)
     t = bad[1].mask.index(True) + 2
     bad[1].behavior_logp[t] = float(torch.nextafter(torch.tensor(bad[1].behavior_logp[t]), torch.tensor(0.0)))
-    with pytest.raises(RuntimeError, match=rf"rl.exact: 1 token\(s\) sampled by version 0 .*position {t}"):
+    with pytest.raises(RuntimeError, match=rf"rl.rollout.exact: 1 token\(s\) sampled by version 0 .*position {t}"):
         policy_grads(model, [(bad, 0)], pad_id=0, token_normalizer=60.0, version=0, exact=True)
     # tokens an older version sampled are not held to it (the policy moved: partial rollout)
     out = policy_grads(model, [(bad, 0)], pad_id=0, token_normalizer=60.0, version=1, exact=True)
@@ -208,7 +208,7 @@ def test_speculative_rounds_stay_exact():
 
 
 def test_the_exact_engine_records_routes_for_replay():
-    """rl.exact with rl.routing_replay: the exact engine records every fed position's experts, as the lean engine does
+    """rl.rollout.exact with rl.rollout.routing_replay: the exact engine records every fed position's experts, as the lean engine does
     (the two route alike but at last-bit ties of the router logits)."""
     model = _model()
     reqs = _requests(3)
@@ -265,7 +265,7 @@ def test_families_it_cannot_run_are_named(family, why):
 def test_models_the_exact_forward_cannot_run_are_refused():
     bf16 = build_tiny_moe(V, seed=0).to(torch.bfloat16)
     assert "float32" in (exact_blocker(bf16, 128) or "")
-    with pytest.raises(ValueError, match="rl.exact: the exact forward cannot run .*float32"):
+    with pytest.raises(ValueError, match="rl.rollout.exact: the exact forward cannot run .*float32"):
         EmbeddedEngine(bf16, max_batch_size=2, max_model_len=128, exact=True)
     with pytest.raises(ValueError, match="path='general'"):
         EmbeddedEngine(_model(), max_batch_size=2, max_model_len=128, exact=True, path="general")

@@ -147,7 +147,7 @@ def test_effort_orders_reasoning_length(fam: FamilyBase) -> None:
         for e in EFFORTS:
             totals[e] += think[e]
     assert totals["max"] > totals["high"] > totals["low"]
-    # sized against the real budgets (synthesis budgets, sft.max_len, the per-turn rl.max_tokens) in tokens:
+    # sized against the real budgets (synthesis budgets, sft.max_len, the per-turn rl.rollout.max_tokens) in tokens:
     # tests/test_reference_effort_levels.py
 
 

@@ -62,7 +62,7 @@ def test_sft_cli_on_a_local_checkpoint(checkpoints, family, tmp_path):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_rl_cli_on_a_local_checkpoint(checkpoints, family, tmp_path):
     args = [f"run.root={tmp_path}", "run.name=r", f"rl.init={checkpoints[family]}", "rl.steps=1", "rl.n_tasks=2",
-            "rl.n_prompts=2", "rl.k=2", "rl.eval_n=2", "rl.max_tokens=12", "rl.eval_max_tokens=8",
+            "rl.rollout.n_prompts=2", "rl.rollout.k=2", "rl.eval_n=2", "rl.rollout.max_tokens=12", "rl.eval_max_tokens=8",
             "rl.families=[general.arithmetic]", "rl.progress=false", "qat.enabled=false",
             "rl.effort_control.b0_samples=1",
             # the recipe sizes general itself (config.rl.GENERAL_MAX_SETTING): shrunk too
@@ -79,15 +79,15 @@ def test_rl_cli_on_a_local_checkpoint(checkpoints, family, tmp_path):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_mopd_on_a_local_checkpoint(checkpoints, xtml_tokenizer, family, tmp_path):
     from k3post.stages.mopd import MOPDConfig, train_mopd
-    from k3post.config.rl import RLConfig
+    from k3post.config import PolicyOptimConfig, RLConfig, RolloutConfig
 
     folder = str(checkpoints[family])
     teacher = build_tiny_family(family, len(xtml_tokenizer), seed=1, initializer_range=0.1)
     save_model(teacher, tmp_path / "teacher", xtml_tokenizer)
     cfg = MOPDConfig(experts={"general.max": str(tmp_path / "teacher")}, effort_mix={"max": 1.0}, domains=["general"],
                      families={"general": ["general.arithmetic"]}, max_resident=1, teacher_sees_effort=False,
-                     rl=RLConfig(steps=1, n_prompts=2, k=2, n_tasks=2, max_tokens=12, save_every=10, progress=False,
-                                 lr=1e-3))
+                     rl=RLConfig(steps=1, n_tasks=2, save_every=10, progress=False,
+                                 rollout=RolloutConfig(n_prompts=2, k=2, max_tokens=12), optim=PolicyOptimConfig(lr=1e-3)))
     student = load_model(folder)
     start = copy.deepcopy(dict(student.named_parameters()))
     res = train_mopd(student, xtml_tokenizer, cfg, tmp_path / "out")

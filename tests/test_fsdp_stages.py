@@ -26,9 +26,9 @@ from test_sft import _records, _write
 
 SFT_ARGS = ["run.threads=1", "sft.steps=4", "sft.rows_per_batch=2", "sft.grad_accum=3", "sft.save_every=2", "sft.log_every=1",
             "sft.progress=false", "sft.lr=2e-3", "sft.warmup_steps=1", "sft.max_len=512"]
-RL_ARGS = ["run.threads=1", "rl.steps=2", "rl.n_tasks=4", "rl.n_prompts=2", "rl.k=4", "rl.lambda_=1.0", "rl.max_tokens=40",
+RL_ARGS = ["run.threads=1", "rl.steps=2", "rl.n_tasks=4", "rl.rollout.n_prompts=2", "rl.rollout.k=4", "rl.rollout.lambda_=1.0", "rl.rollout.max_tokens=40",
            "rl.eval_n=2", "rl.eval_max_tokens=16", "rl.effort_control.tau_max=1.0", "rl.effort_control.max_cap=1.0", "rl.families=[general.arithmetic]", "rl.progress=false",
-           "rl.lr=1e-2", "rl.micro_batch_tokens=256", "rl.save_every=1", "qat.enabled=false",
+           "rl.optim.lr=1e-2", "rl.micro_batch_tokens=256", "rl.save_every=1", "qat.enabled=false",
            # the recipe sizes general itself (config.rl.GENERAL_MAX_SETTING): shrunk too
            "rl.domain_overrides.general.n_tasks=2", "rl.domain_overrides.general.eval_n=2", "rl.domain_overrides.general.max.eval_samples=0"]
 
@@ -232,4 +232,4 @@ def test_scale_out_example_configs_load(name):
 
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"))
     assert cfg.distributed.fsdp.ranks in (4, 32) and cfg.distributed.fsdp.mixed_precision == "bf16"
-    assert cfg.rl.engine.kind == "http" and cfg.rl.engine.dialect in ("vllm", "sglang") and cfg.rl.device == "cuda"
+    assert cfg.rl.rollout.engine.kind == "http" and cfg.rl.rollout.engine.dialect in ("vllm", "sglang") and cfg.rl.device == "cuda"

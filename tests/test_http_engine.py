@@ -144,7 +144,7 @@ def test_routes_come_back_over_http(servers: dict[str, Server], model_dir: Path,
 
 
 def test_an_exact_server_records_the_trainers_log_probs(model_dir: Path, tmp_path: Path) -> None:
-    """k3post serve --exact (rl.exact over engine.kind http): whatever batches the server forms from concurrent
+    """k3post serve --exact (rl.rollout.exact over engine.kind http): whatever batches the server forms from concurrent
     requests, every log-prob it returns is the trainer's exact recomputation in this process, bit for bit."""
     model = load_model(model_dir)
     apply_qat(model, QATConfig())
@@ -519,11 +519,11 @@ def test_rollout_config_switch_http_equals_embedded(servers: dict[str, Server], 
 
     a = servers["A"]
     model = load_model(model_dir)
-    base = dict(n_prompts=2, k=2, lambda_=1.0, max_tokens=16, slots=4, effort=None, seed=7)
+    base = dict(n_prompts=2, k=2, lambda_=1.0, max_tokens=16, slots=4)
     tasks = FAM.generate(2, seed=5)
     runs = {}
     for kind, engine in (("embedded", EngineConfig()), ("http", EngineConfig(kind="http", urls=[a.url], backoff_s=0.05))):
-        ro = Rollout(model, xtml_tokenizer, RolloutConfig(**base, engine=engine))
+        ro = Rollout(model, xtml_tokenizer, RolloutConfig(**base, engine=engine), effort=None, seed=7)
         ro.add_prompts(tasks)
         runs[kind] = (ro, _flat(ro.run_iteration()))
     ro_http = runs["http"][0]
@@ -573,12 +573,12 @@ def _signs_signal(groups):
 
 
 def _rl_run(model_dir: Path, tok: Any, engine: Any, lambda_: float, steps: int) -> tuple[list, list[dict]]:
-    from k3post.config.rl import RLConfig
+    from k3post.config import PolicyOptimConfig, RLConfig, RolloutConfig
     from k3post.loop import PolicyLoop
     from k3post.models import load_model
 
-    cfg = RLConfig(n_prompts=3, k=2, lambda_=lambda_, max_tokens=24, slots=4, lr=1e-2, seed=3, effort="max",
-                   progress=False, engine=engine)
+    cfg = RLConfig(seed=3, effort="max", progress=False, optim=PolicyOptimConfig(lr=1e-2),
+                   rollout=RolloutConfig(n_prompts=3, k=2, lambda_=lambda_, max_tokens=24, slots=4, engine=engine))
     pl = PolicyLoop(load_model(model_dir), tok, cfg, signal=_signs_signal)
     tasks = FAM.generate(12, seed=21)
     groups, recs = [], []
@@ -614,7 +614,7 @@ def _same_steps(got_groups: list, got_recs: list[dict], ref_groups: list, ref_re
 
 
 def test_rl_loop_over_two_servers_equals_in_process(rl_servers: list[Server], model_dir: Path, xtml_tokenizer: Any) -> None:
-    """`PolicyLoop` with ``rl.engine.kind = http`` over two server processes: at λ = 1 every step samples
+    """`PolicyLoop` with ``rl.rollout.engine.kind = http`` over two server processes: at λ = 1 every step samples
     the in-process run's tokens (the servers get the trainer's weights each step: the trained version's
     train–rollout gap stays at kernel noise, the servers end at the loop's version); at λ = 0.7 every
     trajectory is trained once, none lost or duplicated."""

@@ -52,10 +52,9 @@ def _budgets(*tasks) -> BudgetTable:
 
 
 def _cfg(**kw) -> RLConfig:
-    base = dict(domain="general", families=["general.arithmetic"], k=4, n_prompts=1, progress=False, effort="max",
-                effort_control=EffortConfig(max_cap=100.0))
-    base.update(kw)
-    return RLConfig(**base)
+    base = dict(domain="general", families=["general.arithmetic"], rollout={"k": 4, "n_prompts": 1}, progress=False,
+                effort="max", effort_control=EffortConfig(max_cap=100.0))
+    return RLConfig().with_settings(base).with_settings(kw)
 
 
 # --------------------------------------------------------------------------- the kinds

@@ -279,7 +279,7 @@ def test_recipe_judge_evaluation_of_an_untrained_model(tmp_path: Any, xtml_token
 
     tok = xtml_tokenizer
     save_model(build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id), tmp_path / "m", tok)
-    cfg = load_config(None, ["data.judge_eval=2", "qat.enabled=false", "rl.slots=4"])
+    cfg = load_config(None, ["data.judge_eval=2", "qat.enabled=false", "rl.rollout.slots=4"])
     assert not judge_eval_enabled(cfg)  # neither taught to judge nor RL's judge
     assert judge_eval_enabled(load_config(None, ["rl.judge=policy"])) and judge_eval_enabled(load_config(None, ["data.judge_tasks=1"]))
     metrics = MetricsLogger(tmp_path, tensorboard=False)
@@ -358,6 +358,7 @@ def test_an_untrained_judge_fails_its_gate_closed_or_falls_back_to_the_verifier(
     import json
 
     from k3post.config.rl import RLConfig
+    from k3post.config.rollout import RolloutConfig
     from k3post.models import build_tiny_moe, save_model
     from k3post.recipes.report import write_report
     from k3post.stages.rl import VerifierScorer, build_group_scorer
@@ -365,7 +366,8 @@ def test_an_untrained_judge_fails_its_gate_closed_or_falls_back_to_the_verifier(
 
     tok = xtml_tokenizer
     save_model(build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id), tmp_path / "m", tok)
-    kw = dict(judge=str(tmp_path / "m"), judge_min_agreement=0.6, judge_gate_pairs=1, slots=2, max_tokens=16)
+    kw = dict(judge=str(tmp_path / "m"), judge_min_agreement=0.6, judge_gate_pairs=1,
+              rollout=RolloutConfig(slots=2, max_tokens=16))
     with pytest.raises(ValueError, match=r"on 0/2 = 0\.00 .*valid 0/2"):
         build_group_scorer(RLConfig(**kw), tmp_path / "m", tok, ["general.writing"])
     scorer = build_group_scorer(RLConfig(**kw, judge_fallback="format_gate"), tmp_path / "m", tok,

@@ -154,11 +154,10 @@ def _pass_rate(world, model, tasks, *, effort="low", max_tokens=40, temperature=
 
 
 def _rl_cfg(**kw) -> RLConfig:
-    base = dict(domain="general", families=[FAMILY], steps=10, n_prompts=4, k=8, n_tasks=16, lambda_=1.0,
-                temperature=0.7, max_tokens=40, lr=1e-3, save_every=10**6, progress=False, effort="low",
-                effort_control=EffortConfig(tau_low=100.0, max_cap=100.0))
-    base.update(kw)
-    return RLConfig(**base)
+    base = dict(domain="general", families=[FAMILY], steps=10, n_tasks=16, save_every=10**6, progress=False,
+                effort="low", effort_control=EffortConfig(tau_low=100.0, max_cap=100.0),
+                rollout={"n_prompts": 4, "k": 8, "lambda_": 1.0, "temperature": 0.7, "max_tokens": 40}, optim={"lr": 1e-3})
+    return RLConfig().with_settings(base).with_settings(kw)
 
 
 def _budgets(tasks, b0) -> BudgetTable:
@@ -237,7 +236,7 @@ def test_effort_override_shortens_thinking(world, bug, tmp_path):
 
     b0 = {task_key(t): statistics.median(lengths) for t, lengths in zip(tasks, thinking(5))}
     t0 = statistics.fmean(x for ts in thinking(77) for x in ts)
-    cfg = _rl_cfg(effort="max", max_tokens=160, steps=8, effort_control=EffortConfig(tau_max=1.0, max_cap=1.0))
+    cfg = _rl_cfg(effort="max", rollout={"max_tokens": 160}, steps=8, effort_control=EffortConfig(tau_max=1.0, max_cap=1.0))
     _train_rl(world, model, cfg, tasks, _budgets(tasks, b0), tmp_path / "rl")
     t1 = statistics.fmean(x for ts in thinking(77) for x in ts)
     assert t0 > 80 and t1 <= 0.7 * t0, (t0, t1)
@@ -278,7 +277,7 @@ def test_mopd_lowers_reverse_kl(world, sft_low, tmp_path, seed):
 
     kl0 = reverse_kl()
     cfg = MOPDConfig(experts={"general.low": str(teacher_dir)}, effort_mix={"low": 1.0}, domains=["general"],
-                     families={"general": [FAMILY]}, rl=_rl_cfg(steps=24, k=4, temperature=1.0, seed=seed))
+                     families={"general": [FAMILY]}, rl=_rl_cfg(steps=24, rollout={"k": 4, "temperature": 1.0}, seed=seed))
     train_mopd(student, world["tok"], cfg, tmp_path / "mopd")
     kl1 = reverse_kl()
     assert kl0 > 0.05 and kl1 <= 0.3 * kl0, (kl0, kl1)  # kl0 measured 0.12-0.62

@@ -112,16 +112,18 @@ CONFIG_BAD = [
     (b"sft:\n  lrr: 1\n", "unknown config key 'sft.lrr' (did you mean 'sft.lr'?)"),
     (b"sft: 3\n", "'sft' is a section; give it a mapping, not 3"),
     (b"sft:\n  lr: -1.0\n", "sft.lr must be a number >= 0, got -1.0"),
-    (b"rl:\n  lambda_: 1.5\n", "rl.lambda_ must be in (0, 1], got 1.5"),
-    (b"mopd:\n  rl:\n    k: 0\n", "mopd.rl.k must be an integer >= 1, got 0"),
+    (b"rl:\n  rollout:\n    lambda_: 1.5\n", "rl.rollout.lambda_ must be in (0, 1], got 1.5"),
+    (b"mopd:\n  rl:\n    rollout: {k: 0}\n", "mopd.rl.rollout.k must be an integer >= 1, got 0"),
     (b"eval:\n  temperature: .nan\n", "eval.temperature must be a number >= 0, got nan"),
     (b"data:\n  difficulty: 0\n", "data.difficulty must be an integer >= 1, got 0"),
+    (b"mopd:\n  rl:\n    lr: 1.0e-3\n", "'mopd.rl.lr' is now 'mopd.rl.optim.lr' (an RL stage's rollout, optimizer and loss "
+                                        "settings have sections of their own)"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("text, message", CONFIG_BAD, ids=["dup-section", "dup-key", "utf8", "list", "unknown", "section",
                                                            "range-lr", "range-lambda", "range-nested", "range-nan",
-                                                           "range-int"])
+                                                           "range-int", "moved"])
 def test_config_file(tmp_path: Path, text: bytes, message: str, capsys: pytest.CaptureFixture[str]) -> None:
     """load_config and the command line (``k3post sft CONFIG``: exit 2, one line, no run folder made)."""
     path = tmp_path / "cfg.yaml"
@@ -139,10 +141,10 @@ def test_config_file(tmp_path: Path, text: bytes, message: str, capsys: pytest.C
     ("rl.keep_last=0", "rl.keep_last must be an integer >= 1 (checkpoints kept on disk), got 0"),
     ("sft.keep_last=-3", "sft.keep_last must be an integer >= 1 (checkpoints kept on disk), got -3"),
     ("rl.domain_overrides.agents.steps=-2", "rl.domain_overrides.agents.steps must be an integer >= 0, got -2"),
-    ("rl.domain_overrides.coding.lambda_=0", "rl.domain_overrides.coding.lambda_ must be in (0, 1], got 0.0"),
-    ("rl.domain_overrides.general.lr_schedule=cosine",
-     "rl.domain_overrides.general.lr_schedule: must be one of ('constant', 'linear'), got 'cosine'"),
-    ("rl.domain_overrides.general.lr=fast", "rl.domain_overrides.general.lr: must be a number, got 'fast'"),
+    ("rl.domain_overrides.coding.rollout.lambda_=0", "rl.domain_overrides.coding.rollout.lambda_ must be in (0, 1], got 0.0"),
+    ("rl.domain_overrides.general.optim.lr_schedule=cosine",
+     "rl.domain_overrides.general.optim.lr_schedule: must be one of ('constant', 'linear'), got 'cosine'"),
+    ("rl.domain_overrides.general.optim.lr=fast", "rl.domain_overrides.general.optim.lr: must be a number, got 'fast'"),
     ("sft.steps=0", "override 'sft.steps=0': sft.steps must be an integer >= 1, got 0"),
 ])  # fmt: skip
 def test_config_ranges_on_the_command_line(tmp_path: Path, override: str, message: str,

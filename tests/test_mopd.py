@@ -391,11 +391,12 @@ def test_opd_signal_leaves_infra_failures_out(xtml_tokenizer, folders, student_g
 
 
 def _run_cfg(folders, **kw) -> MOPDConfig:
-    rl = dict(steps=4, n_prompts=3, k=3, n_tasks=6, max_tokens=24, lambda_=0.5, save_every=2, progress=False, lr=3e-3)
-    rl.update(kw.pop("rl", {}))
+    rl = RLConfig().with_settings(dict(steps=4, n_tasks=6, save_every=2, progress=False, optim={"lr": 3e-3},
+                                       rollout={"n_prompts": 3, "k": 3, "max_tokens": 24, "lambda_": 0.5}))
+    rl = rl.with_settings(kw.pop("rl", {}))
     base = dict(experts={"general.high": folders["t1"], "general.max": folders["t1"]},
                 effort_mix={"high": 0.5, "max": 0.5}, domains=["general"], families={"general": ["general.arithmetic"]},
-                max_resident=1, rl=RLConfig(**rl), teacher_sees_effort=False)
+                max_resident=1, rl=rl, teacher_sees_effort=False)
     base.update(kw)
     return MOPDConfig(**base)
 
@@ -448,14 +449,14 @@ def _probe_reverse_kl(model, tok, pool: TeacherPool, experts: tuple[str, ...]) -
 
 
 def test_train_mopd_in_exact_mode(xtml_tokenizer, folders, tmp_path):
-    """mopd.rl.exact: the student's engine and its trainer run the exact forward, so every token the trained weights
+    """mopd.rl.rollout.exact: the student's engine and its trainer run the exact forward, so every token the trained weights
     sampled has a gap of exactly 0 (a step raises otherwise), with λ = 0.5 pausing and re-prefilling trajectories."""
     from k3post.loop import rollout_gap
     from k3post.quant.qat import QATConfig, apply_qat
 
     student = _model(xtml_tokenizer, 0)
     apply_qat(student, QATConfig())
-    cfg = _run_cfg(folders, rl=dict(steps=2, exact=True, resume_kv="reprefill"))
+    cfg = _run_cfg(folders, rl=dict(steps=2, rollout={"exact": True, "resume_kv": "reprefill"}))
     res = train_mopd(student, xtml_tokenizer, cfg, tmp_path / "x")
     g = rollout_gap(res.metrics.rows())
     assert res.steps == 2 and g["tokens"] > 0 and g["max"] == 0.0, g
@@ -471,7 +472,8 @@ def test_train_mopd_moves_the_student_toward_its_teacher(xtml_tokenizer, folders
     student = _model(tok, 0)
     pool = TeacherPool({"t1": folders["t1"], "t2": folders["t2"]}, max_resident=2)
     before = _probe_reverse_kl(student, tok, pool, ("t1", "t2"))
-    cfg = _run_cfg(folders, max_resident=2, rl=dict(steps=6, n_prompts=4, k=4, n_tasks=16, save_every=100, lr=5e-3))
+    cfg = _run_cfg(folders, max_resident=2, rl=dict(steps=6, n_tasks=16, save_every=100, optim={"lr": 5e-3},
+                                                    rollout={"n_prompts": 4, "k": 4}))
     res = train_mopd(student, tok, cfg, tmp_path / "run")
     after = _probe_reverse_kl(student, tok, pool, ("t1", "t2"))
     for e in ("high", "max"):

@@ -221,7 +221,7 @@ def test_staleness_admission_blocks_new_prompts(tiny):
 
 @pytest.mark.parametrize("reuse", [True, False])
 def test_resume_kv_reuse_or_reprefill_and_the_gap_each_leaves(tiny, reuse):
-    """Trajectories paused across a weight update: with ``reuse_stale_kv`` (rl.resume_kv=reuse) the tokens they
+    """Trajectories paused across a weight update: with ``reuse_stale_kv`` (rl.rollout.resume_kv=reuse) the tokens they
     sample next attend to KV of the old weights and say so (kv_version < version); the trainer's gap on exactly
     those tokens is the stale KV's (`policy_grads` counts it apart, ``rollout_gap_stale_kv_*``), while the gap of
     the tokens sampled over fresh KV stays at kernel noise. With re-prefill no token is stale."""

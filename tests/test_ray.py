@@ -151,7 +151,7 @@ def _cli(warm_policy, tmp_path: Path, command: str, *overrides: str) -> list[str
     cfg = tmp_path / "c.yaml"
     cfg.write_text("run: {name: r}\n")
     return [command, str(cfg), f"run.root={tmp_path}", "run.name=r", f"rl.init={init}", "rl.n_tasks=2",
-            "rl.n_prompts=1", "rl.k=2", "rl.eval_n=2", "rl.max_tokens=16", "rl.eval_max_tokens=16",
+            "rl.rollout.n_prompts=1", "rl.rollout.k=2", "rl.eval_n=2", "rl.rollout.max_tokens=16", "rl.eval_max_tokens=16",
             "rl.families=[general.arithmetic]", "rl.progress=false", "qat.enabled=false", "distributed.enabled=true",
             "rl.domain_overrides.general.n_tasks=2", "rl.domain_overrides.general.eval_n=2", "rl.domain_overrides.general.max.eval_samples=0",  # the recipe sizes general itself
             *overrides]
@@ -260,8 +260,8 @@ def test_a_killed_engine_actor_restarts_and_its_trajectories_resume(cluster, mod
 # 4 prompts x 8 samples a step: the warm policy passes 3-6 % of its samples at T 1, so with 2 x 4 a run's groups could
 # all fail (no advantage, no gradient) and the comparison below would hold trivially; 12 groups of 8 leave that at
 # <= 0.97^96 ~ 5 % for the weakest policy seen, 0.3 % for today's
-RANKS_ARGS = ("rl.steps=3", "rl.save_every=1", "rl.lambda_=1.0", "rl.k=8", "rl.n_prompts=4", "rl.max_tokens=80",
-              "rl.optimizer=sgd", "rl.lr=0.5", "distributed.cpus_per_bundle=0.15", "distributed.roles.engines=1",
+RANKS_ARGS = ("rl.steps=3", "rl.save_every=1", "rl.rollout.lambda_=1.0", "rl.rollout.k=8", "rl.rollout.n_prompts=4", "rl.rollout.max_tokens=80",
+              "rl.optim.name=sgd", "rl.optim.lr=0.5", "distributed.cpus_per_bundle=0.15", "distributed.roles.engines=1",
               "distributed.roles.trainers=2")
 ON_RAY = ("distributed.fsdp.ranks=2", "distributed.roles.env_workers=1")
 
@@ -580,7 +580,7 @@ def test_a_killed_env_worker_without_retries_fails_its_episodes_with_a_reason(bu
 
 # general.writing (non-verifiable), the cold-start model as the judge; K = 3: 3 pairs a group, each judged (the warm
 # policy never writes a valid judgement: judged, retried, then a tie) or decided by the length guard
-JUDGED = ("rl.steps=1", "rl.families=[general.writing]", "rl.judge=policy", "rl.k=3", "rl.slots=8")
+JUDGED = ("rl.steps=1", "rl.families=[general.writing]", "rl.judge=policy", "rl.rollout.k=3", "rl.rollout.slots=8")
 
 
 def _record_judgements(monkeypatch) -> list:
@@ -719,7 +719,8 @@ def test_cli_mopd_on_ray_equals_one_process(warm_policy, folders, cluster, tmp_p
         f"general.max: {folders['t2']}}}\n"
         "  effort_mix: {low: 0.0, high: 0.5, max: 0.5}\n  domains: [general]\n"
         "  families: {general: [general.arithmetic]}\n  max_resident: 1\n"
-        "  rl: {steps: 2, n_prompts: 2, k: 2, n_tasks: 4, max_tokens: 24, lambda_: 1.0, optimizer: sgd, lr: 0.05,\n"
+        "  rl: {steps: 2, rollout: {n_prompts: 2, k: 2, max_tokens: 24, lambda_: 1.0}, optim: {name: sgd, lr: 0.05},\n"
+        "       n_tasks: 4,\n"
         "       save_every: 1, eval_n: 2, eval_max_tokens: 16, progress: false}\n")
 
     def mopd(name: str, *overrides: str) -> Path:

@@ -73,11 +73,11 @@ def test_effort_row_on_references(counts, seed, domain):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_references_within_budgets(counts, seed):
     """Every reference within the synthesis budget of its (domain, effort), the SFT max_len, and at max every
-    turn within configs/full.yaml's per-turn rl.max_tokens of its domain (a longer turn would be cut in RL; the
+    turn within configs/full.yaml's per-turn rl.rollout.max_tokens of its domain (a longer turn would be cut in RL; the
     demo's tokenizer and caps: tests/test_rl.py::test_default_turn_caps_fit_every_reference_turn)."""
     budgets, max_len = VerifyConfig().budgets, SFTConfig().max_len
     full = load_config(Path(__file__).resolve().parents[1] / "configs" / "full.yaml").rl  # the recipe this tokenizer mimics
-    per_turn = {d: min(full.for_domain(d).max_tokens, full.for_domain(d).eval_max_tokens) for d in ("agents", "coding")}
+    per_turn = {d: min(full.for_domain(d).rollout.max_tokens, full.for_domain(d).eval_max_tokens) for d in ("agents", "coding")}
     for domain, fams in counts[seed].items():
         for fam, rows in fams.items():
             for e in EFFORTS:

@@ -22,6 +22,7 @@ from k3post.models import build_tiny_moe
 from k3post.policy_step import TokenSequence, policy_step
 from k3post.scoring import micro_batches, token_logprobs
 from k3post.rewards.effort import BudgetTable, EffortConfig, TaskSamples, estimate_budgets
+from k3post.config.loss import LossConfig
 from k3post.config.rl import RLConfig
 from k3post.envs.families.streams import domain_families, train_tasks
 from k3post.stages.rl import _score, train_rl
@@ -52,17 +53,17 @@ def warm_policy(xtml_tokenizer, tmp_path_factory):
 
 
 def _cfg(**kw) -> RLConfig:
-    base = dict(domain="general", families=["general.arithmetic"], steps=4, n_prompts=3, k=4, n_tasks=6,
-                max_tokens=40, lambda_=0.5, eval_n=4, eval_max_tokens=40, save_every=2, progress=False, lr=1e-3,
-                effort_control=EffortConfig(tau_max=1.0, max_cap=1.0))
-    base.update(kw)
-    return RLConfig(**base)
+    """The tests' RL config; ``kw`` as `RLConfig.with_settings` takes it (e.g. ``rollout={"k": 2}``)."""
+    base = dict(domain="general", families=["general.arithmetic"], steps=4, n_tasks=6, eval_n=4, eval_max_tokens=40,
+                save_every=2, progress=False, effort_control=EffortConfig(tau_max=1.0, max_cap=1.0),
+                rollout={"n_prompts": 3, "k": 4, "max_tokens": 40, "lambda_": 0.5}, optim={"lr": 1e-3})
+    return RLConfig().with_settings(base).with_settings(kw)
 
 
 def _budgets(model, tok, cfg: RLConfig) -> BudgetTable:
     tasks = train_tasks(domain_families(cfg.domain, cfg.families), cfg.n_tasks, difficulty=cfg.difficulty)
     return estimate_budgets(EmbeddedEngine(model, tok), tasks, xtml=XTML(tok), samples_per_task=4, seed=0,
-                            max_tokens=cfg.max_tokens)
+                            max_tokens=cfg.rollout.max_tokens)
 
 
 def _strip(history):
@@ -75,9 +76,9 @@ def test_rl_trains_and_resumes_exactly_after_a_kill(warm_policy, tmp_path):
     with 40-token turns pauses trajectories, so the resumed run needs the saved scheduler + KV pool.
     The per-step rows are in metrics.jsonl, not in the checkpoint; a checkpoint of an older k3post (its rows
     also in ``history``) still resumes: the history is ignored, or puts back rows the file lacks. The learning rate
-    decays linearly (rl.lr_schedule): the resumed run continues the schedule from its step, not from the top."""
+    decays linearly (rl.optim.lr_schedule): the resumed run continues the schedule from its step, not from the top."""
     model0, tok = warm_policy
-    cfg = _cfg(lr_schedule="linear")
+    cfg = _cfg(optim={"lr_schedule": "linear"})
     budgets = _budgets(model0, tok, cfg)
     a = copy.deepcopy(model0)
     ra = train_rl(a, tok, cfg, tmp_path / "a", budgets=budgets, evaluate=False)
@@ -164,7 +165,7 @@ def test_train_rollout_gap_with_qat_is_kernel_noise(warm_policy, tmp_path, monke
     from k3post.rollout.embedded import forward as embedded
 
     model0, tok = warm_policy
-    cfg = _cfg(steps=2, lambda_=1.0)
+    cfg = _cfg(steps=2, rollout={"lambda_": 1.0})
     budgets = _budgets(model0, tok, cfg)
 
     def gaps(tag):
@@ -183,7 +184,7 @@ def test_train_rollout_gap_with_qat_is_kernel_noise(warm_policy, tmp_path, monke
 
 @pytest.mark.parametrize("mode", ["off", "measure", "rollout-routes"])
 def test_routing_replay_modes_in_rl(warm_policy, tmp_path, mode):
-    """rl.routing_replay through `train_rl`, with QAT as the demo trains (λ = 0.5: trajectories pause and resume,
+    """rl.rollout.routing_replay through `train_rl`, with QAT as the demo trains (λ = 0.5: trajectories pause and resume,
     their routes with them): "off" records nothing; "measure" and "rollout-routes" log, every step, the recorded
     context positions (at least every position before a sampled token) and the share the trainer's own top-k
     routes differently. Engine and trainer run one op order here, so flips are last-bit ties: at most a few
@@ -194,7 +195,7 @@ def test_routing_replay_modes_in_rl(warm_policy, tmp_path, mode):
     from k3post.quant.qat import QATConfig, apply_qat
 
     model0, tok = warm_policy
-    cfg = _cfg(steps=2, routing_replay=mode)
+    cfg = _cfg(steps=2, rollout={"routing_replay": mode})
     m = copy.deepcopy(model0)
     apply_qat(m, QATConfig())
     run = train_rl(m, tok, cfg, tmp_path / mode, budgets=_budgets(model0, tok, cfg), evaluate=False)
@@ -212,15 +213,15 @@ def test_routing_replay_modes_in_rl(warm_policy, tmp_path, mode):
 
 
 def test_exact_mode_in_rl(warm_policy, tmp_path):
-    """rl.exact through `train_rl` with QAT and partial rollout (λ = 0.5): every token the trained weights sampled
+    """rl.rollout.exact through `train_rl` with QAT and partial rollout (λ = 0.5): every token the trained weights sampled
     has a gap of exactly 0 (the step raises otherwise); tokens older weights sampled still show the policy's move."""
     from k3post.loop import rollout_gap
     from k3post.quant.qat import QATConfig, apply_qat
 
     model0, tok = warm_policy
-    with pytest.raises(ValueError, match="rl.exact=true needs rl.resume_kv=reprefill"):
-        _cfg(exact=True)
-    cfg = _cfg(steps=2, exact=True, resume_kv="reprefill")
+    with pytest.raises(ValueError, match="rollout.exact=true needs rollout.resume_kv=reprefill"):
+        _cfg(rollout={"exact": True})
+    cfg = _cfg(steps=2, rollout={"exact": True, "resume_kv": "reprefill"})
     assert cfg.rollout_config().exact
     m = copy.deepcopy(model0)
     apply_qat(m, QATConfig())
@@ -239,7 +240,7 @@ def test_score_golden():
       rewards [1, 0, 1, 1], thinking tokens [5, 8, 25, 12] → sample 2 exceeds 20 → r' = [1, 0, −1, 1]
       mean r' = 0.25 → A = [0.75, −0.25, −1.25, 0.75]
     Group 1: rewards [1, 1, 1, 1], T all 5 → zero variance → A = 0 on its tokens (the regulariser still acts,
-    SPEC §3.1), or dropped with rl.skip_zero_variance.
+    SPEC §3.1), or dropped with rl.loss.skip_zero_variance.
     """
     fam = get_family("general.arithmetic")
     tasks = fam.generate(2, seed=3)
@@ -258,7 +259,7 @@ def test_score_golden():
     assert adv == {"zero_variance_groups": 1.0, "trained_groups": 2.0}
     assert [s.advantages for s in seqs] == [[0.0, a, a, 0.0] for a in (0.75, -0.25, -1.25, 0.75, 0, 0, 0, 0)]
     assert sum(s.num_trainable for s in seqs) == 16  # N counts the zero-variance group's tokens too
-    skipped, _, adv = _score([g0, g1], None, table, RLConfig(skip_zero_variance=True))
+    skipped, _, adv = _score([g0, g1], None, table, RLConfig().with_settings({"loss.skip_zero_variance": True}))
     assert adv == {"zero_variance_groups": 1.0, "trained_groups": 1.0} and skipped == seqs[:4]
     assert rows["reward"] == pytest.approx(7 / 8)
     assert rows["reward_after_override"] == pytest.approx((1 + 0 - 1 + 1 + 4) / 8)
@@ -409,8 +410,8 @@ def test_cli_rl_trains_one_expert(warm_policy, tmp_path):
 
     model, tok = warm_policy
     init = _save(model, tok, tmp_path / "init")
-    args = [f"run.root={tmp_path}", "run.name=r", f"rl.init={init}", "rl.steps=2", "rl.n_tasks=4", "rl.n_prompts=2",
-            "rl.k=4", "rl.eval_n=4", "rl.max_tokens=32", "rl.eval_max_tokens=32", "rl.families=[general.arithmetic]",
+    args = [f"run.root={tmp_path}", "run.name=r", f"rl.init={init}", "rl.steps=2", "rl.n_tasks=4", "rl.rollout.n_prompts=2",
+            "rl.rollout.k=4", "rl.eval_n=4", "rl.rollout.max_tokens=32", "rl.eval_max_tokens=32", "rl.families=[general.arithmetic]",
             "rl.progress=false", "qat.enabled=false",
             # the recipe sizes general itself (config.rl.GENERAL_MAX_SETTING): shrunk too
             "rl.domain_overrides.general.n_tasks=4", "rl.domain_overrides.general.eval_n=4",
@@ -448,7 +449,7 @@ def test_experts_curriculum_chains_and_resumes(warm_policy, tmp_path):
         assert 0.0 <= e["pass_rate"] <= 1.0 and e["eval"]["overall"]["n"] == 4
         smp, after = e["sampled"], e["eval"]["sampled"]["overall"]
         before = table["before"]["general"][name.split(".")[1]]["sampled"]
-        assert after["n"] == before["n"] == 8 and smp["k"] == 2 and smp["temperature"] == cfg.temperature
+        assert after["n"] == before["n"] == 8 and smp["k"] == 2 and smp["temperature"] == cfg.rollout.temperature
         assert smp["rl"] == after["pass_rate"] and smp["sft"] == before["pass_rate"]
         assert smp["change"]["n"] == 4 and smp["change"]["delta"] == pytest.approx(smp["rl"] - smp["sft"])
         assert sorted(set(after["task_ids"])) == sorted(set(e["eval"]["overall"]["task_ids"]))  # the greedy row's tasks
@@ -483,7 +484,7 @@ def test_experts_curriculum_chains_and_resumes(warm_policy, tmp_path):
 
 def _two_domains(**kw) -> RLConfig:
     """general (2 steps) and agents (1 step, tiny), max -> low."""
-    small = {"steps": 1, "n_prompts": 1, "n_tasks": 2, "eval_n": 2, "max_tokens": 24, "eval_max_tokens": 24}
+    small = {"steps": 1, "n_tasks": 2, "eval_n": 2, "eval_max_tokens": 24, "rollout": {"n_prompts": 1, "max_tokens": 24}}
     return _cfg(domains=["general", "agents"], families=["general.arithmetic", "agents.search"], steps=2, n_tasks=4,
                 effort_control=EffortConfig(curriculum=["max", "low"], b0_samples=2, tau_max=1.0, max_cap=1.0),
                 domain_overrides={"agents": small}, **kw)
@@ -605,8 +606,8 @@ def test_cli_failure_that_is_not_input_points_at_the_run_log(warm_policy, tmp_pa
     (bad / "latest").write_text("step-000001")
     cfg = tmp_path / "c.yaml"
     cfg.write_text("run: {name: r}\n")
-    args = [f"run.root={tmp_path}", f"rl.init={init}", "rl.steps=1", "rl.n_tasks=2", "rl.n_prompts=1", "rl.k=2",
-            "rl.max_tokens=16", "rl.families=[general.arithmetic]", "rl.progress=false", "qat.enabled=false",
+    args = [f"run.root={tmp_path}", f"rl.init={init}", "rl.steps=1", "rl.n_tasks=2", "rl.rollout.n_prompts=1", "rl.rollout.k=2",
+            "rl.rollout.max_tokens=16", "rl.families=[general.arithmetic]", "rl.progress=false", "qat.enabled=false",
             "rl.effort_control.b0_samples=1"]
     assert main(["rl", str(cfg), *args]) == 1
     err = capsys.readouterr().err
@@ -627,7 +628,7 @@ def test_judged_family_is_rewarded_by_the_grm_through_rl_judge(warm_policy, tmp_
 
     model, tok = warm_policy
     init = _save(model, tok, tmp_path / "init")
-    cfg = _cfg(judge="policy", max_tokens=16, slots=8)
+    cfg = _cfg(judge="policy", rollout={"max_tokens": 16, "slots": 8})
     scorer = build_group_scorer(cfg, init, tok, ["general.arithmetic", "general.writing"])
     assert scorer is not None and set(scorer.l0) == {"general.writing"} and scorer.l0["general.writing"] >= 0
     assert build_group_scorer(_cfg(judge=""), init, tok, ["general.writing"]) is None
@@ -652,11 +653,10 @@ def test_judged_family_is_rewarded_by_the_grm_through_rl_judge(warm_policy, tmp_
 
 def test_loss_variants_from_config_reach_policy_loss():
     """Every loss knob of RLConfig is passed to policy_loss: a DAPO config gives the DAPO loss."""
-    from k3post.config.rl import loss_kwargs
 
-    cfg = RLConfig(log_ratio_min=-math.inf, log_ratio_max=math.inf, tau=0.0, clip_eps_low=0.2, clip_eps_high=0.28,
-                   seq_mean=True)
-    kw = loss_kwargs(cfg)
+    cfg = RLConfig(loss=LossConfig(log_ratio_min=-math.inf, log_ratio_max=math.inf, tau=0.0, clip_eps_low=0.2,
+                                   clip_eps_high=0.28, seq_mean=True))
+    kw = cfg.loss.policy_loss_kwargs()
     assert kw == {"log_ratio_min": -math.inf, "log_ratio_max": math.inf, "tau": 0.0, "clip_eps_low": 0.2,
                   "clip_eps_high": 0.28, "stop_gradient_ratio": False, "sequence_ratio": False, "seq_mean": True}
     # ratio 1.5 with A = 1 is clipped to 1.28; seq-mean over one sequence of two tokens (ratios 1.5 and 1.0):
@@ -680,14 +680,14 @@ def test_masked_entropy_equals_full_entropy_at_the_mask(warm_policy):
 
 @pytest.mark.parametrize("override, message", [
     ("rl.effort=medium", "rl.effort must be one of"),
-    ("rl.lr_schedule=cosine", "rl.lr_schedule must be one of"),
-    ("rl.routing_replay=r3", "rl.routing_replay must be one of"),
-    ("rl.domain_overrides.general.routing_replay=on", "rl.domain_overrides.general.routing_replay"),
+    ("rl.optim.lr_schedule=cosine", "rl.optim.lr_schedule must be one of"),
+    ("rl.rollout.routing_replay=r3", "rl.rollout.routing_replay must be one of"),
+    ("rl.domain_overrides.general.rollout.routing_replay=on", "rl.domain_overrides.general.rollout.routing_replay"),
     ("rl.domains=[general,web]", r"rl.domains: unknown domain\(s\) \['web'\]"),
     ("rl.domain_overrides.agents.foo=1", "rl.domain_overrides.agents.foo: not a numeric RL setting"),
     ("rl.domain_overrides.agents.steps=1.5", "rl.domain_overrides.agents.steps: must be an integer"),
     ("rl.train_pass_max=1.5", "rl.train_pass_max"),
-    ("rl.domain_overrides.general.max.normalize_std=maybe", "rl.domain_overrides.general.max.normalize_std: must be true or false"),
+    ("rl.domain_overrides.general.max.loss.normalize_std=maybe", "rl.domain_overrides.general.max.loss.normalize_std: must be true or false"),
     ("rl.domain_overrides.general.max.progress=false", "rl.domain_overrides.general.max.progress: not a numeric RL setting"),
 ])
 def test_bad_rl_config_fails_at_load_naming_the_key(override, message, tmp_path):
@@ -711,7 +711,7 @@ def test_avg_at_k_set_for_one_expert_samples_the_sft_model_at_that_effort_only(w
     model, tok = warm_policy
     init = _save(model, tok, tmp_path / "init")
     cfg = _cfg(domains=["general"], steps=1, effort_control=EffortConfig(curriculum=["max", "low"]), n_tasks=4,
-               domain_overrides={"general.max": {"eval_samples": 2, "temperature": 0.7}})
+               domain_overrides={"general.max": {"eval_samples": 2, "rollout": {"temperature": 0.7}}})
     table = train_experts(init, cfg, tmp_path / "experts")
     before = table["before"]["general"]
     assert "sampled" in before["max"] and "sampled" not in before["low"]
@@ -726,21 +726,31 @@ def test_expert_overrides_apply_after_the_domain_s_and_cannot_split_its_task_set
     define the domain's shared task sets (b0 table, "before" row) are refused there, as are unknown efforts."""
     from k3post.config import load_config
 
-    cfg = RLConfig(steps=40, domain_overrides={"agents": {"steps": 24, "eval_n": 50}, "agents.low": {"steps": 12, "lr": 5e-5}})
+    cfg = RLConfig(steps=40, domain_overrides={"agents": {"steps": 24, "eval_n": 50},
+                                               "agents.low": {"steps": 12, "optim": {"lr": 5e-5}}})
     low, mx = cfg.for_domain("agents", "low"), cfg.for_domain("agents", "max")
-    assert (low.effort, low.steps, low.lr, low.eval_n) == ("low", 12, 5e-5, 50)
-    assert (mx.effort, mx.steps, mx.lr, mx.eval_n) == ("max", 24, cfg.lr, 50)
+    assert (low.effort, low.steps, low.optim.lr, low.eval_n) == ("low", 12, 5e-5, 50)
+    assert (mx.effort, mx.steps, mx.optim.lr, mx.eval_n) == ("max", 24, cfg.optim.lr, 50)
     assert cfg.for_domain("agents").steps == 24 and cfg.for_domain("general", "low").steps == 40
     with pytest.raises(ValueError, match=r"rl.domain_overrides.agents.low: \['n_tasks'\] define the domain's task sets"):
         RLConfig(domain_overrides={"agents.low": {"n_tasks": 4}})
     assert RLConfig(domain_overrides={"agents.max": {"eval_samples": 8}}).for_domain("agents", "max").eval_samples == 8
-    std = load_config(None, ["rl.domain_overrides.general.max.normalize_std=true"]).rl  # a loss switch, per expert
-    assert std.for_domain("general", "max").normalize_std and not std.for_domain("general", "low").normalize_std
+    std = load_config(None, ["rl.domain_overrides.general.max.loss.normalize_std=true"]).rl  # a loss switch, per expert
+    assert std.for_domain("general", "max").loss.normalize_std and not std.for_domain("general", "low").loss.normalize_std
     # the nested form (a YAML mapping, or rl.domain_overrides.agents.low.steps=12 on the command line) is the same,
     # and wins over the dotted key it repeats (the command line over the config file)
-    nested = RLConfig(domain_overrides={"agents": {"eval_n": 50, "low": {"steps": 12}}, "agents.low": {"steps": 30, "lr": 5e-5}})
-    assert nested.domain_overrides == {"agents": {"eval_n": 50}, "agents.low": {"steps": 12, "lr": 5e-5}}
-    assert load_config(None, ["rl.domain_overrides.general.max.lr=1e-4"]).rl.for_domain("general", "max").lr == 1e-4
+    nested = RLConfig(domain_overrides={"agents": {"eval_n": 50, "low": {"steps": 12}},
+                                        "agents.low": {"steps": 30, "optim.lr": 5e-5}})
+    assert nested.domain_overrides == {"agents": {"eval_n": 50}, "agents.low": {"steps": 12, "optim.lr": 5e-5}}
+    # a section's fields likewise: nested or dotted, the nested value winning
+    both = RLConfig(domain_overrides={"agents": {"rollout.k": 2, "rollout": {"k": 6, "temperature": 0.5}}})
+    assert both.domain_overrides == {"agents": {"rollout.k": 6, "rollout.temperature": 0.5}}
+    assert (both.for_domain("agents").rollout.k, both.for_domain("agents").rollout.temperature) == (6, 0.5)
+    assert load_config(None, ["rl.domain_overrides.general.max.optim.lr=1e-4"]).rl.for_domain("general", "max").optim.lr == 1e-4
+    with pytest.raises(ValueError, match=r"rl.domain_overrides.agents.lr: moved to rl.domain_overrides.agents.optim.lr"):
+        RLConfig(domain_overrides={"agents": {"lr": 1e-4}})
+    with pytest.raises(ValueError, match=r"rl.domain_overrides.agents.engine: not a section of RL settings"):
+        RLConfig(domain_overrides={"agents": {"engine": {"kind": "http"}}})
     with pytest.raises(ValueError, match=r"rl.domain_overrides.general.max: expected a mapping of RL settings .* got 5"):
         RLConfig(domain_overrides={"general": {"max": 5}})
     with pytest.raises(ValueError, match="rl.domain_overrides.agents.medium: unknown effort 'medium'"):
@@ -775,7 +785,7 @@ def test_reference_turn_tokens_is_the_longest_assistant_turn(xtml_tokenizer):
 
 
 def test_default_turn_caps_fit_every_reference_turn(tmp_path):
-    """The shipped per-domain caps (rl.max_tokens / rl.eval_max_tokens after rl.domain_overrides) leave room
+    """The shipped per-domain caps (rl.rollout.max_tokens / rl.eval_max_tokens after rl.domain_overrides) leave room
     for the reference solution's longest turn of each demo family at every effort, with the demo's tokenizer:
     a cap below it makes the tasks unsolvable at that effort (agents / coding at max used to be cut at 128)."""
     from k3post.config import K3Config
@@ -789,18 +799,18 @@ def test_default_turn_caps_fit_every_reference_turn(tmp_path):
         for e in ("max", "high", "low"):
             rc = replace(cfg.rl.for_domain(d), effort=e)
             longest = check_turn_caps(rc, tok, fams, n=16)
-            assert longest <= min(rc.max_tokens, rc.eval_max_tokens), (d, e, longest)
+            assert longest <= min(rc.rollout.max_tokens, rc.eval_max_tokens), (d, e, longest)
 
 
 def test_turn_cap_below_the_reference_warns_naming_the_key(xtml_tokenizer, caplog):
     from k3post.stages.rl import check_turn_caps
 
-    cfg = _cfg(domain="coding", families=["coding.write_function"], max_tokens=32, eval_max_tokens=4096)
+    cfg = _cfg(domain="coding", families=["coding.write_function"], rollout={"max_tokens": 32}, eval_max_tokens=4096)
     with caplog.at_level("WARNING", logger="k3post.rl"):
         longest = check_turn_caps(cfg, xtml_tokenizer, ["coding.write_function"], n=2)
     msgs = [r.getMessage() for r in caplog.records]
     assert longest > 32
-    assert any("rl.max_tokens = 32" in m and "rl.domain_overrides.coding.max_tokens" in m for m in msgs), msgs
+    assert any("rl.rollout.max_tokens = 32" in m and "rl.domain_overrides.coding.rollout.max_tokens" in m for m in msgs), msgs
     assert not any("eval_max_tokens" in m for m in msgs)
 
 
@@ -809,7 +819,7 @@ def test_every_step_trains_on_at_least_one_group(warm_policy, tmp_path):
     has all 4, so a step runs iterations until one has; each step then has groups and bumps the version
     once (it used to count an empty iteration as a step: no data, a wasted optimizer step)."""
     model0, tok = warm_policy
-    cfg = _cfg(n_prompts=2, k=4, lambda_=0.125, steps=3, max_tokens=96)
+    cfg = _cfg(rollout={"n_prompts": 2, "k": 4, "lambda_": 0.125, "max_tokens": 96}, steps=3)
     budgets = _budgets(model0, tok, cfg)
     res = train_rl(copy.deepcopy(model0), tok, cfg, tmp_path / "r", budgets=budgets, evaluate=False)
     assert res.metrics.series("version") == [1.0, 2.0, 3.0]

@@ -416,7 +416,7 @@ def _rl_run(tmp_path: Path, *overrides: str):  # noqa: ANN202
 
 def test_rl_settings_are_per_expert_and_restart_moves_only_that_stage_aside(tmp_path):
     """Each RL expert (rl/<domain>.<effort>) has its own record: another domain is not a change; a changed
-    rl.lr for the same expert is refused; run.restart=true moves rl/general.max to rl/general.max.restart-1
+    rl.optim.lr for the same expert is refused; run.restart=true moves rl/general.max to rl/general.max.restart-1
     and leaves the rest of the run (sft/, the other expert) where it was."""
     from k3post.runs import open_run, release_runs
 
@@ -425,14 +425,14 @@ def test_rl_settings_are_per_expert_and_restart_moves_only_that_stage_aside(tmp_
         open_run(run, _rl_run(tmp_path), "rl")
         (run / "rl" / "general.max").mkdir(parents=True)
         (run / "sft").mkdir()
-        open_run(run, _rl_run(tmp_path, "rl.domain=coding", "rl.lr=0.5"), "rl")
+        open_run(run, _rl_run(tmp_path, "rl.domain=coding", "rl.optim.lr=0.5"), "rl")
         (run / "rl" / "coding.max").mkdir(parents=True)
-        with pytest.raises(UserError, match=r"rl/general.max ran with other settings; changed: rl.lr: 0.0001 → 0.5"):
-            open_run(run, _rl_run(tmp_path, "rl.lr=0.5"), "rl")
-        open_run(run, _rl_run(tmp_path, "rl.lr=0.5", "run.restart=true"), "rl")
+        with pytest.raises(UserError, match=r"rl/general.max ran with other settings; changed: rl.optim.lr: 0.0001 → 0.5"):
+            open_run(run, _rl_run(tmp_path, "rl.optim.lr=0.5"), "rl")
+        open_run(run, _rl_run(tmp_path, "rl.optim.lr=0.5", "run.restart=true"), "rl")
         assert sorted(p.name for p in (run / "rl").iterdir()) == ["coding.max", "general.max.restart-1"]
         assert (run / "sft").is_dir()
-        open_run(run, _rl_run(tmp_path, "rl.lr=0.5"), "rl")  # now the expert's settings
+        open_run(run, _rl_run(tmp_path, "rl.optim.lr=0.5"), "rl")  # now the expert's settings
     finally:
         release_runs()
 

@@ -47,10 +47,10 @@ def test_engine_config_names_the_bad_key():
     with pytest.raises(ValueError, match=r"engine.urls: not http\(s\) URLs: \['localhost:30000'\]"):
         EngineConfig(kind="http", urls=["localhost:30000"])
     with pytest.raises(ValueError, match="engine.kind must be one of"):
-        load_config(overrides=["rl.engine.kind=grpc"])
-    with pytest.raises(ConfigError, match="rl.engine.kindd"):
-        load_config(overrides=["rl.engine.kindd=http"])
-    assert load_config(overrides=["rl.engine.kind=http", "rl.engine.urls=[http://127.0.0.1:1]"]).rl.engine.urls == [
+        load_config(overrides=["rl.rollout.engine.kind=grpc"])
+    with pytest.raises(ConfigError, match="rl.rollout.engine.kindd"):
+        load_config(overrides=["rl.rollout.engine.kindd=http"])
+    assert load_config(overrides=["rl.rollout.engine.kind=http", "rl.rollout.engine.urls=[http://127.0.0.1:1]"]).rl.rollout.engine.urls == [
         "http://127.0.0.1:1"]
     with pytest.raises(ValueError, match=r"engine.max_concurrency must be >= 0 \(0: the whole workload\), got -1"):
         EngineConfig(max_concurrency=-1)

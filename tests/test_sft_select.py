@@ -107,7 +107,7 @@ def test_checkpoints_are_scored_in_process_whatever_engine_the_run_uses(run):
     """A run whose RL engines are remote servers (serving the policy it trains) still scores each checkpoint on its
     own weights: the scorer builds an embedded engine (no server listens at the URL below)."""
     r, cfg_path = run
-    cfg = load_config(cfg_path, ["rl.engine.kind=http", "rl.engine.urls=[http://127.0.0.1:9]"])
+    cfg = load_config(cfg_path, ["rl.rollout.engine.kind=http", "rl.rollout.engine.urls=[http://127.0.0.1:9]"])
     got = select_mod.domain_pass(r / "sft" / "checkpoints" / CKPTS[0], cfg, "max", ["general"], split="validation", n=2)
     assert got["general"]["n"] == 2 and not got["general"]["infra"]
 

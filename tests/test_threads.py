@@ -183,7 +183,7 @@ def test_command_plan_counts_local_ranks_and_launched_servers():
     from k3post.config import load_config
 
     cores = Cores(8, 8)
-    cfg = load_config(None, ["distributed.fsdp.ranks=2", "rl.engine.kind=http", "rl.engine.launch=1"])
+    cfg = load_config(None, ["distributed.fsdp.ranks=2", "rl.rollout.engine.kind=http", "rl.rollout.engine.launch=1"])
     assert command_plan(cfg, "rl", cores=cores).workers == {"trainer": 1, "trainer ranks": 1, "engine servers": 1}
     assert command_plan(cfg, "rl", cores=cores).per_process == 2  # 8 // 3
     assert command_plan(cfg, "draft", cores=cores).workers == {"trainer": 1}

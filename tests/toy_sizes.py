@@ -12,18 +12,18 @@ TOY_SFT = [
 
 # Stage 2 / 3 at toy size: 2 efforts per domain, a step or two each; the EAGLE-3 drafts (LK_alpha and KL)
 TOY_STAGES = [
-    "rl.steps=2", "rl.n_prompts=2", "rl.k=4", "rl.n_tasks=4", "rl.eval_n=4", "rl.max_tokens=24", "rl.eval_max_tokens=24",
+    "rl.steps=2", "rl.rollout.n_prompts=2", "rl.rollout.k=4", "rl.n_tasks=4", "rl.eval_n=4", "rl.rollout.max_tokens=24", "rl.eval_max_tokens=24",
     "rl.effort_control.curriculum=[max,low]", "rl.effort_control.b0_samples=2", "rl.progress=false",
     *(f"{sec}.domain_overrides.{d}.{k}={v}" for sec in ("rl", "mopd.rl") for d in ("agents", "coding")
-      for k, v in (("steps", 1), ("n_prompts", 1), ("n_tasks", 2), ("eval_n", 2), ("max_tokens", 24),
+      for k, v in (("steps", 1), ("rollout.n_prompts", 1), ("n_tasks", 2), ("eval_n", 2), ("rollout.max_tokens", 24),
                    ("eval_max_tokens", 24))),
     # general at the sizes above, also where a recipe sizes the domain itself (configs/full.yaml)
     *(f"{sec}.domain_overrides.general.{k}={v}" for sec in ("rl", "mopd.rl")
-      for k, v in (("n_tasks", 4), ("eval_n", 4), ("max_tokens", 24), ("eval_max_tokens", 24))),
+      for k, v in (("n_tasks", 4), ("eval_n", 4), ("rollout.max_tokens", 24), ("eval_max_tokens", 24))),
     # general.max's own batch (the demo's 32 prompts and avg@8) at the toy size
-    *(f"{sec}.domain_overrides.general.max.{k}={v}" for sec in ("rl", "mopd.rl") for k, v in (("n_prompts", 2), ("eval_samples", 2))),
-    "mopd.rl.steps=2", "mopd.rl.n_prompts=3", "mopd.rl.k=2", "mopd.rl.n_tasks=2", "mopd.rl.eval_n=2",
-    "mopd.rl.max_tokens=24", "mopd.rl.eval_max_tokens=24", "mopd.rl.progress=false", "mopd.effort_mix.high=0",
+    *(f"{sec}.domain_overrides.general.max.{k}={v}" for sec in ("rl", "mopd.rl") for k, v in (("rollout.n_prompts", 2), ("eval_samples", 2))),
+    "mopd.rl.steps=2", "mopd.rl.rollout.n_prompts=3", "mopd.rl.rollout.k=2", "mopd.rl.n_tasks=2", "mopd.rl.eval_n=2",
+    "mopd.rl.rollout.max_tokens=24", "mopd.rl.eval_max_tokens=24", "mopd.rl.progress=false", "mopd.effort_mix.high=0",
     "draft.families=[general.arithmetic]", "draft.efforts=[low]", "draft.n_per_family=10", "draft.max_tokens=16",
     "draft.steps=2", "draft.batch_size=2", "draft.ttt_steps=2", "draft.save_every=1", "draft.log_every=1",
     "draft.progress=false",

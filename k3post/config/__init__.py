@@ -6,7 +6,7 @@ Each component owns a small typed dataclass in a module of this package (``confi
 file loads no model code. This module assembles them into one :class:`K3Config` and loads it with
 OmegaConf structured configs, which type-check every value. An unknown or mistyped key is a
 ``ConfigError`` naming the key, the file it came from and the closest valid key; a value outside its
-field's declared range (`k3post.config.ranges`: ``sft.lr >= 0``, ``rl.lambda_`` in (0, 1], ...) one naming
+field's declared range (`k3post.config.ranges`: ``sft.lr >= 0``, ``rl.rollout.lambda_`` in (0, 1], ...) one naming
 the key, the range, the value and where it was set.
 
     cfg = load_config("configs/demo.yaml", ["sft.lr=3e-4", "run.name=try2"])
@@ -36,7 +36,9 @@ from k3post.config.optim import OptimConfig
 from k3post.config.pretrain import PretrainConfig
 from k3post.config.quant import QATConfig
 from k3post.config.ranges import RangeError, check_ranges, ranged
-from k3post.config.rl import GENERAL_MAX_SETTING, RLConfig, default_domain_overrides
+from k3post.config.loss import LossConfig
+from k3post.config.optim import PolicyOptimConfig
+from k3post.config.rl import GENERAL_MAX_SETTING, MOVED_KEYS, RLConfig, default_domain_overrides
 from k3post.config.rollout import EngineConfig, RolloutConfig
 from k3post.config.sandbox import SandboxConfig, apply_sandbox_config
 from k3post.config.sft import SFTConfig
@@ -44,7 +46,8 @@ from k3post.errors import UserError
 from k3post.yamlio import read_yaml_mapping
 
 __all__ = ["ConfigError", "RunConfig", "DemoConfig", "K3Config", "load_config", "to_yaml", "DataConfig", "EffortConfig",
-           "EvalConfig", "ModelConfig", "TokenizerConfig", "MOPDConfig", "OptimConfig", "QATConfig", "RLConfig",
+           "EvalConfig", "ModelConfig", "TokenizerConfig", "MOPDConfig", "OptimConfig", "PolicyOptimConfig", "LossConfig",
+           "QATConfig", "RLConfig",
            "EngineConfig", "RolloutConfig", "SFTConfig", "DraftConfig", "SandboxConfig", "apply_sandbox_config",
            "DistributedConfig", "FSDPConfig", "PretrainConfig"]
 
@@ -152,6 +155,9 @@ def _check_keys(tree: Any, valid: dict[str, type | None], source: str, prefix: s
         return
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
+        if dotted not in valid and valid.get(prefix[:-1]) is RLConfig and key in MOVED_KEYS:
+            raise ConfigError(f"{source}: '{dotted}' is now '{prefix}{MOVED_KEYS[key]}' (an RL stage's rollout, "
+                              "optimizer and loss settings have sections of their own)")
         if dotted not in valid:
             siblings = [k for k in valid if k.rsplit(".", 1)[0] == dotted.rsplit(".", 1)[0] or "." not in k]
             section = [k for k in valid if "." in dotted and k.rsplit(".", 1)[0] == dotted.rsplit(".", 1)[0]]
@@ -223,7 +229,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         except OmegaConfBaseException as e:
             key = getattr(e, "full_key", None) or ""
             raise ConfigError(f"{source}: bad value for '{key}': {e.msg if hasattr(e, 'msg') else e}") from e
-    obj = OmegaConf.to_object(merged)
+    try:
+        obj = OmegaConf.to_object(merged)
+    except ValueError as e:  # a section's own check names its key within the section: name the whole key
+        raise ValueError(_whole_key(str(e), layers)) from None
     assert isinstance(obj, K3Config)
     try:
         check_ranges(obj)
@@ -231,6 +240,26 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         where = next((source for source, tree in reversed(layers) if _sets(tree, e.key)), "the defaults")
         raise ConfigError(f"{where}: {e}") from None
     return obj
+
+
+def _whole_key(message: str, layers: Sequence[tuple[str, Any]]) -> str:
+    """``message`` of a config section's check (``rollout.exact=true needs ...``, the key as the section knows it)
+    with that key as the layers set it (``rl.rollout.exact``; the last layer that sets a key ending so)."""
+    head = message.split(" ", 1)[0].split("=", 1)[0].rstrip(":")
+    if "." not in head:
+        return message
+    for _, tree in reversed(layers):
+        for key in _dotted_keys(tree):
+            if key.endswith("." + head):
+                return key[: -len(head)] + message
+    return message
+
+
+def _dotted_keys(tree: Any, prefix: str = "") -> Iterator[str]:
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield f"{prefix}{k}"
+            yield from _dotted_keys(v, f"{prefix}{k}.")
 
 
 def _sets(tree: Any, dotted: str) -> bool:

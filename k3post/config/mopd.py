@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from k3post.config.ranges import ranged
 from k3post.config.rl import RLConfig
+from k3post.config.rollout import RolloutConfig
 from k3post.constants import DOMAINS, EFFORTS
 
 __all__ = ["MOPDConfig", "effort_weights"]
@@ -58,7 +59,7 @@ class MOPDConfig:
     teacher_dtype: str = "float32"
     teacher_batch_tokens: int = ranged(8192, ge=1)
     teacher_sees_effort: bool = True  # departure from SPEC §4, see docs/decisions.md
-    rl: RLConfig = field(default_factory=lambda: RLConfig(steps=24, n_prompts=6, k=4))
+    rl: RLConfig = field(default_factory=lambda: RLConfig(steps=24, rollout=RolloutConfig(n_prompts=6, k=4)))
 
     def __post_init__(self) -> None:
         """Reject a bad config when it loads (before any teacher is loaded or step run)."""

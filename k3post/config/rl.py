@@ -1,35 +1,51 @@
-"""Settings of one RL run and of `k3post experts` (`k3post.stages.rl` reads them), with the views the loop's
-seams take: `RLConfig.rollout_config`, `RLConfig.optim_config` and `loss_kwargs`."""
+"""Settings of one RL run and of `k3post experts` (`k3post.stages.rl` reads them). Each component the loop builds has
+its own section, which builds its part: ``rl.rollout`` (`RolloutConfig`, the rollout and its engine), ``rl.optim``
+(`PolicyOptimConfig`, the trainer's optimizer) and ``rl.loss`` (`LossConfig`, the policy loss)."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from collections.abc import Mapping
 from typing import Any
 
 from k3post.config.effort import EffortConfig
-from k3post.config.optim import OptimConfig, check_keep_last
+from k3post.config.loss import LossConfig
+from k3post.config.optim import LR_SCHEDULES, PolicyOptimConfig, check_keep_last
 from k3post.config.ranges import check_range, field_range, ranged
-from k3post.config.rollout import RESUME_KV, ROUTING_REPLAY, EngineConfig, RolloutConfig
+from k3post.config.rollout import RESUME_KV, ROUTING_REPLAY, RolloutConfig
 from k3post.constants import DOMAINS, EFFORTS
 from k3post.urls import is_url
 
-__all__ = ["AGENTS_RL_SETTING", "CODING_RL_SETTING", "GENERAL_MAX_SETTING", "LR_SCHEDULES", "RLConfig", "default_domain_overrides",
-           "domain_override_args", "loss_kwargs"]
+__all__ = ["AGENTS_RL_SETTING", "CODING_RL_SETTING", "GENERAL_MAX_SETTING", "MOVED_KEYS", "RLConfig",
+           "default_domain_overrides", "domain_override_args", "flat_settings"]
 
-LR_SCHEDULES = ("constant", "linear")
 TRAIN_PASS_EMPTY = ("error", "all")
 JUDGE_FALLBACKS = ("fail", "format_gate")
-CHOICE_OVERRIDES: dict[str, tuple[str, ...]] = {"lr_schedule": LR_SCHEDULES, "train_pass_empty": TRAIN_PASS_EMPTY,
-                                                "resume_kv": RESUME_KV, "routing_replay": ROUTING_REPLAY}
+SECTIONS: dict[str, type] = {"rollout": RolloutConfig, "optim": PolicyOptimConfig, "loss": LossConfig}
+"""``RLConfig``'s component sections, each built by its own dataclass."""
+CHOICE_OVERRIDES: dict[str, tuple[str, ...]] = {"optim.lr_schedule": LR_SCHEDULES, "train_pass_empty": TRAIN_PASS_EMPTY,
+                                                "rollout.resume_kv": RESUME_KV, "rollout.routing_replay": ROUTING_REPLAY}
 # the loss switches an expert may set for itself (domain_overrides), besides the numeric fields
-BOOL_OVERRIDES: tuple[str, ...] = ("normalize_std", "skip_zero_variance", "seq_mean", "sequence_ratio", "stop_gradient_ratio")
-"""The settings other than numbers that ``domain_overrides`` may set, with their choices."""
+BOOL_OVERRIDES: tuple[str, ...] = ("loss.normalize_std", "loss.skip_zero_variance", "loss.seq_mean", "loss.sequence_ratio",
+                                   "loss.stop_gradient_ratio")
+"""The settings other than numbers that ``domain_overrides`` may set (dotted under their section), with their choices."""
+
+MOVED_KEYS: dict[str, str] = {
+    **{name: f"rollout.{name}" for name in ("n_prompts", "k", "lambda_", "max_staleness", "temperature", "max_tokens",
+                                            "max_model_len", "slots", "kv_pool_mb", "resume_kv", "routing_replay",
+                                            "exact", "engine")},
+    **{name: f"optim.{name}" for name in ("lr", "lr_schedule", "weight_decay", "grad_clip")},
+    "optimizer": "optim.name",
+    **{name: f"loss.{name}" for name in ("log_ratio_min", "log_ratio_max", "tau", "clip_eps_low", "clip_eps_high",
+                                         "stop_gradient_ratio", "sequence_ratio", "seq_mean", "normalize_std",
+                                         "skip_zero_variance")},
+}
+"""An RL setting's key before the sections (k3post <= 2026-12-06: ``rl.lr``) → its key now (``rl.optim.lr``), for
+the error that names it (`k3post.config.load_config`, ``domain_overrides``)."""
 
 
-_CURRICULUM_ROLLOUTS: dict[str, Any] = {"temperature": 0.5, "train_pass_min": 0.01, "train_pass_empty": "all",
-                                        "lambda_": 1, "max_staleness": 0}
+_CURRICULUM_ROLLOUTS: dict[str, Any] = {"rollout": {"temperature": 0.5, "lambda_": 1, "max_staleness": 0},
+                                        "train_pass_min": 0.01, "train_pass_empty": "all"}
 """How the demo's agents and coding experts and `CODING_RL_SETTING` roll out and pick their tasks: T 0.5, the tasks b0
 solved at least once (every task, with a warning, when it solved none), on-policy. `AGENTS_RL_SETTING` starts from it and
 samples at T 1 over a larger pool (issue 31 §agents25)."""
@@ -44,19 +60,21 @@ def default_domain_overrides() -> dict[str, dict[str, Any]]:
         # T 0.5, the tasks b0 solved (of 64), on-policy (issue 31 §agentslearn: with the SFT models of then, at T 1 70-90 %
         # of the episodes ended malformed and the demo's agents.low fell 7 -> 2 of 32); AGENTS_RL_SETTING's T 1 over a
         # 768-task pool (§agents25) costs its b0 alone ~8 minutes of one core, more than the demo's agents experts
-        "agents": {"steps": 16, "n_prompts": 2, "n_tasks": 64, "eval_n": 32, "max_tokens": 256, "eval_max_tokens": 256,
-                   **_CURRICULUM_ROLLOUTS},
+        "agents": {"steps": 16, "n_tasks": 64, "eval_n": 32, "eval_max_tokens": 256, **_CURRICULUM_ROLLOUTS,
+                   "rollout": {**_CURRICULUM_ROLLOUTS["rollout"], "n_prompts": 2, "max_tokens": 256}},
         # the same rollouts, 4 prompts a step at lr 2e-4 decaying linearly, 64 held-out tasks: from an SFT model that
         # passes 31 % (200 SFT tasks of coding.write_function, the demo's data) coding.max's 16 steps went 0.31 -> 0.67
         # (n 64, p 6e-6; issue 31 §coding)
-        "coding": {"steps": 16, "n_prompts": 4, "n_tasks": 64, "eval_n": 64, "max_tokens": 384, "eval_max_tokens": 384,
-                   **_CURRICULUM_ROLLOUTS, "lr": 2e-4, "lr_schedule": "linear"},
+        "coding": {"steps": 16, "n_tasks": 64, "eval_n": 64, "eval_max_tokens": 384, **_CURRICULUM_ROLLOUTS,
+                   "rollout": {**_CURRICULUM_ROLLOUTS["rollout"], "n_prompts": 4, "max_tokens": 384},
+                   "optim": {"lr": 2e-4, "lr_schedule": "linear"}},
     }
 
 
 GENERAL_MAX_SETTING: dict[str, dict[str, Any]] = {
-    "general": {"n_tasks": 1280, "eval_n": 800, "slots": 256},
-    "general.max": {"n_prompts": 32, "lr": 2e-4, "lr_schedule": "linear", "lambda_": 1, "max_staleness": 0, "eval_samples": 8},
+    "general": {"n_tasks": 1280, "eval_n": 800, "rollout": {"slots": 256}},
+    "general.max": {"rollout": {"n_prompts": 32, "lambda_": 1, "max_staleness": 0},
+                    "optim": {"lr": 2e-4, "lr_schedule": "linear"}, "eval_samples": 8},
 }
 """What `k3post demo` / `rl` / `experts` (the recipe's ``rl``, `k3post.config.K3Config`) add for general.max: 32 prompts a
 step, each prompt once (40 × 32 = 1,280 tasks), lr 2e-4 decaying linearly, on-policy, and held-out avg@8 at T 1
@@ -69,8 +87,9 @@ demo's SFT model in 333 s instead of 455 s, the same learning (docs/decisions.md
 
 
 AGENTS_RL_SETTING: dict[str, dict[str, Any]] = {
-    "agents": {"n_prompts": 4, "n_tasks": 768, "eval_n": 100, **_CURRICULUM_ROLLOUTS, "temperature": 1.0,
-               "train_pass_max": 0.75, "lr": 6e-4, "lr_schedule": "linear"},
+    "agents": {"n_tasks": 768, "eval_n": 100, **_CURRICULUM_ROLLOUTS, "train_pass_max": 0.75,
+               "rollout": {**_CURRICULUM_ROLLOUTS["rollout"], "n_prompts": 4, "temperature": 1.0},
+               "optim": {"lr": 6e-4, "lr_schedule": "linear"}},
     "agents.max": {"steps": 64, "eval_samples": 4},
 }
 """The agents setting that makes RL beat its SFT start (docs/decisions.md, issue 31 §agents25): rollouts at T 1, a
@@ -86,7 +105,8 @@ demo keeps its smaller agents experts (`default_domain_overrides`); configs/full
 
 
 CODING_RL_SETTING: dict[str, dict[str, Any]] = {
-    "coding": {"n_prompts": 4, "n_tasks": 256, "eval_n": 200, **_CURRICULUM_ROLLOUTS, "lr": 2e-4, "lr_schedule": "linear"},
+    "coding": {"n_tasks": 256, "eval_n": 200, **_CURRICULUM_ROLLOUTS, "rollout": {**_CURRICULUM_ROLLOUTS["rollout"], "n_prompts": 4},
+               "optim": {"lr": 2e-4, "lr_schedule": "linear"}},
     "coding.max": {"steps": 64, "eval_samples": 4},
 }
 """`AGENTS_RL_SETTING`'s recipe for coding (docs/decisions.md, issue 31 §coding): T 0.5 rollouts on the tasks b0 solved,
@@ -98,44 +118,37 @@ of one core for coding.max; configs/full.yaml uses it."""
 
 
 def domain_override_args(setting: dict[str, dict[str, Any]]) -> list[str]:
-    """``setting`` (expert or domain → fields) as command-line overrides, ``rl.domain_overrides.<key>.<field>=<value>``,
-    each merged into the config's entry for that key instead of replacing it."""
-    return [f"rl.domain_overrides.{key}.{name}={value}" for key, fields in setting.items() for name, value in fields.items()]
+    """``setting`` (expert or domain → fields, a section's fields in a mapping of their own) as command-line
+    overrides, ``rl.domain_overrides.<key>.<field>=<value>`` (``...<key>.<section>.<field>=<value>``), each merged
+    into the config's entry for that key instead of replacing it."""
+    return [f"rl.domain_overrides.{key}.{name}={value}" for key, values in setting.items()
+            for name, value in flat_settings(f"rl.domain_overrides.{key}", values).items()]
 
 
 @dataclass
 class RLConfig:
     """Settings of one RL run (one domain at one effort) and of `k3post experts`.
 
-    Rollout: ``n_prompts`` × ``k`` per iteration, ``lambda_`` and ``max_staleness`` (SPEC §3.2),
-    ``temperature``, ``max_tokens`` per assistant turn, ``slots`` (engine batch), ``kv_pool_mb``, ``resume_kv``
-    (`RolloutConfig`: what a trajectory paused across a weight update resumes from), ``routing_replay``
-    ("off" | "measure" | "rollout-routes", `k3post.routing_replay`: the engine records each position's experts,
-    the trainer counts the positions it routes differently and, with "rollout-routes", routes them as recorded),
-    ``exact`` (the engine and the trainer's log-prob values run one batch-invariant forward, so every behaviour log-prob
-    equals the trainer's bit for bit, `k3post.rollout.embedded.exact`; fails closed where it cannot hold; needs
-    ``resume_kv`` "reprefill"),
+    Components, each a section that builds its part: ``rollout`` (`RolloutConfig`: ``n_prompts`` × ``k`` per
+    iteration, ``lambda_`` and ``max_staleness`` (SPEC §3.2), ``temperature``, ``max_tokens`` per assistant turn,
+    ``slots``, ``kv_pool_mb``, ``resume_kv``, ``routing_replay``, ``exact`` and the ``engine``), ``optim``
+    (`PolicyOptimConfig`: ``lr`` with ``lr_schedule``, ``weight_decay``, ``grad_clip``, the optimizer's ``name``) and
+    ``loss`` (`LossConfig`: the policy loss of SPEC §3.1 and its variants, ``normalize_std``, ``skip_zero_variance``).
+    ``micro_batch_tokens``: padded tokens per trainer forward.
     ``draft`` (an EAGLE-3 export: speculative decoding in rollout, and the draft trained online on the policy's
     rollouts, ``draft_steps`` optimizer steps at ``draft_lr`` after every RL step, 0: frozen; `k3post.spec.online`).
-    Loss (SPEC §3.1): ``log_ratio_min`` / ``log_ratio_max`` (the K2.5 band α, β), ``tau`` (the quadratic
-    regulariser), ``clip_eps_low`` / ``clip_eps_high`` (PPO/DAPO clipping; inf = off),
-    ``stop_gradient_ratio`` (CISPO), ``sequence_ratio`` (GSPO), ``seq_mean`` (sequence-mean aggregation);
-    e.g. DAPO: ``log_ratio_min=-.inf log_ratio_max=.inf tau=0 clip_eps_low=0.2 clip_eps_high=0.28``.
-    ``skip_zero_variance``: drop groups whose rewards are all equal from the loss (DAPO's dynamic-sampling
-    shortcut). Off by default: SPEC §3.1 applies τ·ℓ² to every sampled token and N counts them all, so such
-    groups train with advantage 0 (only the regulariser acts on their possibly stale tokens).
     Tasks: ``families``, the families trained in each domain (a domain with none listed trains all its
-    verifiable families, plus the non-verifiable ones when a ``judge`` is set), ``difficulty``, ``n_tasks`` training prompts per family (cycled), ``eval_n``
-    held-out tasks per family, evaluated greedily and, with ``eval_samples`` = k > 0, also k times each at
-    ``temperature`` (avg@k: the expected reward RL optimises, paired per task with the SFT model's, same seeds).
+    verifiable families, plus the non-verifiable ones when a ``judge`` is set), ``difficulty``, ``n_tasks`` training
+    prompts per family (cycled), ``eval_n`` held-out tasks per family, evaluated greedily and, with ``eval_samples`` =
+    k > 0, also k times each at ``rollout.temperature`` (avg@k: the expected reward RL optimises, paired per task with
+    the SFT model's, same seeds).
     Prompt selection: with ``train_pass_min`` > 0 or ``train_pass_max`` < 1 the expert trains only on the
     training tasks whose pass fraction in their b0 samples (the cold-start model's, `rewards.effort`) lies in
     [train_pass_min, train_pass_max]: a prompt the model never or always solves gives a group without variance,
-    which carries no policy gradient (difficulty curriculum; set per expert like ``lr``). When none is in the range
-    (a cold-start model that solves none of them), ``train_pass_empty`` says what happens: "error" (the default) fails
-    the expert naming the settings; "all" trains on every task, with a warning in the log (an explicit opt-in: every
-    group then starts without variance, as without the curriculum).
-    Optimiser: ``lr`` with ``lr_schedule`` ("constant", or "linear" decay to ``lr / steps`` at the last step).
+    which carries no policy gradient (difficulty curriculum; set per expert like ``optim.lr``). When none is in the
+    range (a cold-start model that solves none of them), ``train_pass_empty`` says what happens: "error" (the default)
+    fails the expert naming the settings; "all" trains on every task, with a warning in the log (an explicit opt-in:
+    every group then starts without variance, as without the curriculum).
     Judge (SPEC §3.4): ``judge`` = "" (none), "policy" (the cold-start checkpoint through the embedded
     engine), a local checkpoint folder, or an OpenAI-compatible base URL (``judge_model`` names the
     served model); ``grm_sigma`` the length guard σ (ℓ0 measured on the cold-start model).
@@ -149,17 +162,18 @@ class RLConfig:
     Effort control (SPEC §3.3): ``effort`` and ``effort_control`` (τ per effort and domain, the b0
     estimate's samples and quantile, the curriculum order).
     Experts: ``domains``, each trained through ``effort_control.curriculum`` for ``steps`` per effort;
-    ``domain_overrides`` sets numeric fields (and ``lr_schedule`` and the loss switches of ``BOOL_OVERRIDES``) per domain (e.g. ``{agents: {steps: 4, eval_n: 24}}``:
-    agentic episodes cost far more than arithmetic ones) and, under a ``domain.effort`` key, per expert
-    (e.g. ``{agents.low: {steps: 12}}``, applied after the domain's); an expert key may not change what
-    defines the domain's task sets (``n_tasks``, ``eval_n``, ``difficulty``: b0 and the "before" row are
-    shared by its three experts). ``eval_samples`` may be set per expert (e.g. ``{general.max: {eval_samples: 8}}``:
-    avg@k where the paired test is wanted, not at every effort); the "before" row then holds the SFT model's avg@k
-    at exactly those efforts, with each expert's own k, temperature and seed. See `for_domain`.
+    ``domain_overrides`` sets numeric fields (and the choices of ``CHOICE_OVERRIDES`` and the loss switches of
+    ``BOOL_OVERRIDES``) per domain, a section's fields in a mapping of their own or dotted (e.g. ``{agents: {steps: 4,
+    eval_n: 24, rollout: {max_tokens: 256}}}``: agentic episodes cost far more than arithmetic ones) and, under a
+    ``domain.effort`` key, per expert (e.g. ``{agents.low: {steps: 12}}``, applied after the domain's); an expert key
+    may not change what defines the domain's task sets (``n_tasks``, ``eval_n``, ``difficulty``: b0 and the "before"
+    row are shared by its three experts). ``eval_samples`` may be set per expert (e.g. ``{general.max: {eval_samples:
+    8}}``: avg@k where the paired test is wanted, not at every effort); the "before" row then holds the SFT model's
+    avg@k at exactly those efforts, with each expert's own k, temperature and seed. See `for_domain`.
     ``init``: the checkpoint RL starts from (empty: the run folder's ``sft/final``).
     Infrastructure failures (`k3post.errors.InfrastructureError`: an env worker lost, the sandbox, the
     browser or the GRM judge unavailable; RL and MOPD, `k3post.loop`): such samples are masked out of their
-    group; a group left with fewer than ``infra_min_valid`` valid samples (capped at ``k``) is run again
+    group; a group left with fewer than ``infra_min_valid`` valid samples (capped at ``rollout.k``) is run again
     (a fresh group of the same prompt) up to ``infra_retries`` times, then dropped; a step whose share of
     such samples exceeds ``infra_max_rate`` raises (the infrastructure is broken, not the policy).
     """
@@ -169,18 +183,10 @@ class RLConfig:
     effort: str = "max"
     families: list[str] = field(default_factory=lambda: ["general.arithmetic", "agents.search", "coding.write_function"])
     steps: int = ranged(40, ge=0)  # 0: the demo skips the stage
-    n_prompts: int = ranged(8, ge=1)
-    k: int = ranged(8, ge=1)
-    lambda_: float = ranged(0.7, gt=0, le=1)
-    max_staleness: int = ranged(4, ge=0)
-    temperature: float = ranged(1.0, ge=0)
-    max_tokens: int = ranged(128, ge=1)
-    max_model_len: int = ranged(2048, ge=1)
-    slots: int = ranged(32, ge=1)
-    kv_pool_mb: int = ranged(64, ge=0)
-    resume_kv: str = "reuse"
-    routing_replay: str = "off"
-    exact: bool = False
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    optim: PolicyOptimConfig = field(default_factory=PolicyOptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    micro_batch_tokens: int = ranged(8192, ge=1)
     draft: str = ""
     draft_steps: int = ranged(2, ge=0)
     draft_lr: float = ranged(3e-4, gt=0)
@@ -192,21 +198,6 @@ class RLConfig:
     train_pass_min: float = ranged(0.0, ge=0, le=1)
     train_pass_max: float = ranged(1.0, ge=0, le=1)
     train_pass_empty: str = "error"
-    lr: float = ranged(1e-4, ge=0)
-    lr_schedule: str = "constant"
-    weight_decay: float = ranged(0.0, ge=0)
-    grad_clip: float = 1.0
-    micro_batch_tokens: int = ranged(8192, ge=1)
-    log_ratio_min: float = ranged(-math.log(2.0), le=0, inf_ok=True)
-    log_ratio_max: float = ranged(math.log(2.0), ge=0, inf_ok=True)
-    tau: float = ranged(0.01, ge=0)
-    clip_eps_low: float = ranged(math.inf, ge=0, inf_ok=True)
-    clip_eps_high: float = ranged(math.inf, ge=0, inf_ok=True)
-    stop_gradient_ratio: bool = False
-    sequence_ratio: bool = False
-    seq_mean: bool = False
-    normalize_std: bool = False
-    skip_zero_variance: bool = False
     judge: str = ""
     judge_model: str = ""
     grm_sigma: float = ranged(1.5, gt=0)
@@ -224,27 +215,19 @@ class RLConfig:
     seed: int = 0
     progress: bool = True
     device: str = "cpu"
-    optimizer: str = "adamw"
-    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
         check_keep_last(self.keep_last, "rl.keep_last")
-        self.domain_overrides = _flatten_expert_keys(self.domain_overrides)
+        self.domain_overrides = _flatten_overrides(self.domain_overrides)
         if is_url(self.judge) and not self.judge_model:
             raise ValueError("rl.judge is a URL: set rl.judge_model to the served model's name")
         if self.effort not in EFFORTS:
             raise ValueError(f"rl.effort must be one of {EFFORTS}, got {self.effort!r}")
         if self.train_pass_min > self.train_pass_max:
             raise ValueError(f"rl.train_pass_min ({self.train_pass_min}) must be <= rl.train_pass_max ({self.train_pass_max})")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"rl.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
-        if self.resume_kv not in RESUME_KV:
-            raise ValueError(f"rl.resume_kv must be one of {RESUME_KV}, got {self.resume_kv!r}")
-        if self.routing_replay not in ROUTING_REPLAY:
-            raise ValueError(f"rl.routing_replay must be one of {ROUTING_REPLAY}, got {self.routing_replay!r}")
-        if self.exact and self.resume_kv != "reprefill":
-            raise ValueError("rl.exact=true needs rl.resume_kv=reprefill: a token sampled over KV kept from older weights "
-                             "equals no recomputation under the new ones")
+        if self.draft and self.rollout.engine.draft and self.rollout.engine.draft != self.draft:
+            raise ValueError(f"rl.draft ({self.draft}) and rl.rollout.engine.draft ({self.rollout.engine.draft}) name "
+                             "different drafts: set rl.draft only (it sets the engine's)")
         if self.judge_fallback not in JUDGE_FALLBACKS:
             raise ValueError(f"rl.judge_fallback must be one of {JUDGE_FALLBACKS}, got {self.judge_fallback!r}")
         if self.train_pass_empty not in TRAIN_PASS_EMPTY:
@@ -270,83 +253,109 @@ class RLConfig:
                 raise ValueError(f"rl.domain_overrides.{d}: train_pass_min ({lo}) must be <= train_pass_max ({hi})")
 
     def _overrides(self, domain: str) -> dict[str, int | float | str]:
-        """``domain_overrides[domain]`` cast to the fields' types (ValueError naming a non-numeric or
-        non-integer setting, or one outside the field's range)."""
-        types = {f.name: type(getattr(self, f.name)) for f in fields(self)}
+        """``domain_overrides[domain]`` (dotted keys for a section's fields) cast to the fields' types (ValueError
+        naming a non-numeric or non-integer setting, one outside the field's range, or a key from before the
+        sections with its key now)."""
         over: dict[str, int | float | str] = {}
         for key, value in dict(self.domain_overrides.get(domain, {})).items():
+            where = f"rl.domain_overrides.{domain}.{key}"
+            if key in MOVED_KEYS:
+                raise ValueError(f"{where}: moved to rl.domain_overrides.{domain}.{MOVED_KEYS[key]}")
             if key in CHOICE_OVERRIDES:
                 if value not in CHOICE_OVERRIDES[key]:
-                    raise ValueError(f"rl.domain_overrides.{domain}.{key}: must be one of {CHOICE_OVERRIDES[key]}, "
-                                     f"got {value!r}")
+                    raise ValueError(f"{where}: must be one of {CHOICE_OVERRIDES[key]}, got {value!r}")
                 over[key] = str(value)
                 continue
-            if types.get(key) is bool and key in BOOL_OVERRIDES:
+            section, _, name = key.rpartition(".")
+            owner = getattr(self, section) if section in SECTIONS else self if not section else None
+            kind = type(getattr(owner, name)) if owner is not None and hasattr(owner, name) else None
+            if kind is bool and key in BOOL_OVERRIDES:
                 if not isinstance(value, bool) and str(value).lower() not in ("true", "false"):
-                    raise ValueError(f"rl.domain_overrides.{domain}.{key}: must be true or false, got {value!r}")
+                    raise ValueError(f"{where}: must be true or false, got {value!r}")
                 over[key] = value if isinstance(value, bool) else str(value).lower() == "true"
                 continue
-            if types.get(key) not in (int, float) or key == "seed":
-                raise ValueError(f"rl.domain_overrides.{domain}.{key}: not a numeric RL setting")
+            if kind not in (int, float) or key == "seed":
+                raise ValueError(f"{where}: not a numeric RL setting")
             try:  # a YAML or command-line value such as 2e-4 may arrive as text
                 number = float(value)
             except (TypeError, ValueError):
-                raise ValueError(f"rl.domain_overrides.{domain}.{key}: must be a number, got {value!r}") from None
-            if types[key] is int and number != int(number):
-                raise ValueError(f"rl.domain_overrides.{domain}.{key}: must be an integer, got {value}")
-            over[key] = types[key](number)
-            check_range(f"rl.domain_overrides.{domain}.{key}", over[key], field_range(type(self), key))
+                raise ValueError(f"{where}: must be a number, got {value!r}") from None
+            if kind is int and number != int(number):
+                raise ValueError(f"{where}: must be an integer, got {value}")
+            over[key] = kind(number)
+            check_range(where, over[key], field_range(type(owner), name))
         return over
 
+    def with_settings(self, settings: Mapping[str, Any]) -> "RLConfig":
+        """This config with ``settings`` set, written as under ``rl:`` in a config file: a section's fields in a
+        mapping of their own or dotted (``{"steps": 4, "rollout": {"k": 4}, "optim.lr": 1e-3}``). The values are
+        taken as given (a config file's are type- and range-checked when it loads); ValueError naming a key from
+        before the sections with its key now, TypeError naming an unknown one.
+
+            cfg = RLConfig(domain="general").with_settings({"steps": 4, "rollout": {"n_prompts": 3, "k": 4}})
+        """
+        flat: dict[str, Any] = {}
+        for key, value in settings.items():
+            if key in MOVED_KEYS:
+                raise ValueError(f"RL setting {key!r} is now {MOVED_KEYS[key]!r}")
+            if key in SECTIONS and isinstance(value, Mapping):
+                flat.update({f"{key}.{name}": v for name, v in value.items()})
+            else:
+                flat[key] = value
+        return self._with(flat)
+
+    def _with(self, over: Mapping[str, Any], **top: Any) -> "RLConfig":
+        """This config with ``over`` (dotted keys for a section's fields) and ``top`` set."""
+        sections: dict[str, dict[str, Any]] = {}
+        for key, value in over.items():
+            section, _, name = key.rpartition(".")
+            if section:
+                sections.setdefault(section, {})[name] = value
+            else:
+                top[key] = value
+        return replace(self, **top, **{s: replace(getattr(self, s), **values) for s, values in sections.items()})
+
+    def setting(self, key: str) -> Any:
+        """The value of ``key`` as `domain_overrides` and `with_settings` name it (``"steps"``, ``"rollout.k"``)."""
+        section, _, name = key.rpartition(".")
+        return getattr(getattr(self, section) if section else self, name)
+
     def rollout_config(self) -> RolloutConfig:
-        """The rollout seam's settings (`k3post.rollout.factory.Rollout`)."""
-        engine = self.engine
-        if self.draft:  # the rollout drafts with the draft the loop trains online (k3post.spec.online)
-            if engine.draft and engine.draft != self.draft:
-                raise ValueError(f"rl.draft ({self.draft}) and rl.engine.draft ({engine.draft}) name different drafts: "
-                                 "set rl.draft only (it sets the engine's)")
-            engine = replace(engine, draft=self.draft)
-        return RolloutConfig(n_prompts=self.n_prompts, k=self.k, lambda_=self.lambda_, max_staleness=self.max_staleness,
-                             temperature=self.temperature, max_tokens=self.max_tokens, max_model_len=self.max_model_len,
-                             slots=self.slots, kv_pool_mb=self.kv_pool_mb, effort=self.effort, seed=self.seed,
-                             engine=engine, resume_kv=self.resume_kv,
-                             record_routes=self.routing_replay != "off", exact=self.exact)
+        """The rollout seam's settings (`k3post.rollout.factory.Rollout`): ``rollout``, its engine drafting with
+        ``draft`` when set (the draft the loop trains online, `k3post.spec.online`)."""
+        if self.draft:
+            return replace(self.rollout, engine=replace(self.rollout.engine, draft=self.draft))
+        return self.rollout
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of the optimizer step that follows ``step`` finished steps: ``lr`` ("constant"), or
-        ``lr · (1 − step / steps)`` ("linear": from ``lr`` at the first step down to ``lr / steps`` at the last)."""
-        if self.lr_schedule == "linear" and self.steps > 0:
-            return self.lr * max(0.0, 1.0 - step / self.steps)
-        return self.lr
-
-    def optim_config(self) -> OptimConfig:
-        """The trainer's optimizer (AdamW betas 0.9 / 0.95, eps 1e-8 unless ``optimizer`` is sgd)."""
-        return OptimConfig(name=self.optimizer, lr=self.lr, weight_decay=self.weight_decay)
-
-    def loss_kwargs(self) -> dict[str, Any]:
-        """The `policy_loss` parameters (`loss_kwargs`)."""
-        return loss_kwargs(self)
+        """The learning rate of the optimizer step that follows ``step`` finished steps (`PolicyOptimConfig.lr_at`)."""
+        return self.optim.lr_at(step, self.steps)
 
     def for_domain(self, domain: str, effort: str | None = None) -> "RLConfig":
         """This config with ``domain`` set and its ``domain_overrides`` applied (each value cast to
         the field's type); with ``effort``, also ``effort`` set and the ``domain.effort`` overrides on top."""
         if effort is None:
-            return replace(self, domain=domain, **self._overrides(domain))
-        return replace(self, domain=domain, effort=effort, **{**self._overrides(domain), **self._overrides(f"{domain}.{effort}")})
+            return self._with(self._overrides(domain), domain=domain)
+        return self._with({**self._overrides(domain), **self._overrides(f"{domain}.{effort}")}, domain=domain, effort=effort)
 
 
-def _flatten_expert_keys(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """``{general: {max: {lr: 1e-4}, n_tasks: 64}}`` (how ``rl.domain_overrides.general.max.lr=1e-4`` on the command
-    line and a nested YAML mapping arrive) as ``{general: {n_tasks: 64}, general.max: {lr: 1e-4}}``. A value set both
-    ways takes the nested one: the command line can only write that form, and it overrides the config file's.
-    ValueError naming the key when a domain's or an expert's entry is not a mapping of settings."""
+def _flatten_overrides(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{general: {max: {optim: {lr: 1e-4}}, n_tasks: 64}}`` (how ``rl.domain_overrides.general.max.optim.lr=1e-4`` on
+    the command line and a nested YAML mapping arrive) as ``{general: {n_tasks: 64}, general.max: {optim.lr: 1e-4}}``.
+    A value set both ways takes the nested one: the command line can only write that form, and it overrides the
+    config file's. ValueError naming the key when a domain's or an expert's entry is not a mapping of settings."""
     out: dict[str, dict[str, Any]] = {}
     nested: dict[str, dict[str, Any]] = {}
     for key, values in dict(overrides).items():
         own = out.setdefault(key, {})
-        for k, v in _settings(f"rl.domain_overrides.{key}", values).items():
-            if k in EFFORTS and "." not in key:
-                nested.setdefault(f"{key}.{k}", {}).update(_settings(f"rl.domain_overrides.{key}.{k}", v))
+        for k, v in flat_settings(f"rl.domain_overrides.{key}", values).items():
+            if k.split(".", 1)[0] in EFFORTS and "." not in key:
+                effort, _, rest = k.partition(".")
+                entry = nested.setdefault(f"{key}.{effort}", {})
+                if rest:  # an expert's setting written dotted under its domain: {general: {max.optim.lr: ...}}
+                    entry[rest] = v
+                else:
+                    entry.update(flat_settings(f"rl.domain_overrides.{key}.{k}", v))
             else:
                 own[k] = v
     for key, values in nested.items():
@@ -354,17 +363,18 @@ def _flatten_expert_keys(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]
     return out
 
 
-def _settings(key: str, values: Any) -> dict[str, Any]:
-    """``values`` (a mapping of settings, or nothing) as a dict; ValueError naming ``key`` otherwise."""
+def flat_settings(key: str, values: Any) -> dict[str, Any]:
+    """``values`` (a mapping of settings, or nothing) as a dict, a section's mapping of fields as dotted keys
+    (``{rollout: {k: 4}}`` → ``{rollout.k: 4}``; a value written both ways takes the nested one); ValueError naming
+    ``key`` otherwise."""
     if values is None:
         return {}
     if not isinstance(values, Mapping):
         raise ValueError(f"{key}: expected a mapping of RL settings (e.g. {{steps: 16}}), got {values!r}")
-    return dict(values)
-
-
-def loss_kwargs(cfg: RLConfig) -> dict[str, Any]:
-    """The `policy_loss` parameters of ``cfg`` (see `k3post.algos.policy_loss` for each variant's setting)."""
-    return {"log_ratio_min": cfg.log_ratio_min, "log_ratio_max": cfg.log_ratio_max, "tau": cfg.tau,
-            "clip_eps_low": cfg.clip_eps_low, "clip_eps_high": cfg.clip_eps_high,
-            "stop_gradient_ratio": cfg.stop_gradient_ratio, "sequence_ratio": cfg.sequence_ratio, "seq_mean": cfg.seq_mean}
+    out = {k: v for k, v in dict(values).items() if not isinstance(v, Mapping) or k in EFFORTS}
+    for k, v in dict(values).items():
+        if isinstance(v, Mapping) and k not in EFFORTS:
+            if k not in SECTIONS:
+                raise ValueError(f"{key}.{k}: not a section of RL settings (one of {sorted(SECTIONS)})")
+            out.update({f"{k}.{name}": x for name, x in v.items()})
+    return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from k3post.config.ranges import ranged
 from k3post.urls import is_url
 
 __all__ = ["ENGINE_DIALECTS", "ENGINE_KINDS", "WEIGHT_SYNCS", "EngineConfig", "RolloutConfig"]
@@ -23,7 +24,7 @@ WEIGHT_SYNCS = ("disk", "distributed")
 ENGINE_DIALECTS = ("k3post", "sglang", "vllm")
 RESUME_KV = ("reuse", "reprefill")  # RolloutConfig.resume_kv
 ROUTING_REPLAY = ("off", "measure", "rollout-routes")
-"""``rl.routing_replay`` (`k3post.routing_replay`): "off" records nothing; "measure" has the engine record the experts
+"""``rl.rollout.routing_replay`` (`k3post.routing_replay`): "off" records nothing; "measure" has the engine record the experts
 it routed every position to and the trainer count the positions it routes differently (``routing_mismatch_frac``)
 while routing by itself; "rollout-routes" replays the engine's routes in the trainer's forward (R3)."""
 
@@ -126,32 +127,46 @@ class EngineConfig:
 
 @dataclass
 class RolloutConfig:
-    """One stage's rollout: ``n_prompts`` × ``k`` per iteration, ``lambda_`` and ``max_staleness`` (SPEC
-    §3.2), ``temperature``, ``max_tokens`` per assistant turn, ``max_model_len``, ``slots`` (engine
-    batch), ``kv_pool_mb``, ``effort`` (rendered into each prompt unless an ``effort_fn`` decides),
-    ``seed``, ``engine`` (where it runs), and ``resume_kv``: what a trajectory paused across a weight update
-    resumes from: "reuse" its KV cache computed with the older weights (its next tokens are sampled from a
-    mixed-version state; their ``kv_versions`` say so and the trainer counts their gap apart), or "reprefill"
-    its context under the new weights (`k3post.rollout.scheduler`, ``reuse_stale_kv``). ``record_routes``: the
-    engine records the experts every position was routed to (routing replay, `k3post.routing_replay`). ``exact``: the
-    engine runs the batch-invariant exact forward (`k3post.rollout.embedded.exact`; launched servers get ``--exact``)."""
+    """One stage's rollout (``rl.rollout``, `k3post.rollout.factory.Rollout`; SPEC §3.2): ``n_prompts`` × ``k`` per
+    iteration, ``lambda_`` and ``max_staleness`` (partial rollout), ``temperature``, ``max_tokens`` per assistant
+    turn, ``max_model_len``, ``slots`` (engine batch), ``kv_pool_mb``, ``engine`` (where it runs), and:
 
-    n_prompts: int = 8
-    k: int = 8
-    lambda_: float = 0.7
-    max_staleness: int = 4
-    temperature: float = 1.0
-    max_tokens: int = 128
-    max_model_len: int = 2048
-    slots: int = 32
-    kv_pool_mb: int = 64
-    effort: str | None = "max"
-    seed: int = 0
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    ``resume_kv``: what a trajectory paused across a weight update resumes from: "reuse" its KV cache computed with
+    the older weights (its next tokens are sampled from a mixed-version state; their ``kv_versions`` say so and the
+    trainer counts their gap apart), or "reprefill" its context under the new weights (`k3post.rollout.scheduler`,
+    ``reuse_stale_kv``).
+    ``routing_replay`` (`ROUTING_REPLAY`, `k3post.routing_replay`): "off"; "measure" (the engine records each
+    position's experts, the trainer counts the positions it routes differently); "rollout-routes" (the trainer routes
+    them as recorded).
+    ``exact``: the engine and the trainer's log-prob values run one batch-invariant forward, so every behaviour
+    log-prob equals the trainer's bit for bit (`k3post.rollout.embedded.exact`; launched servers get ``--exact``);
+    fails closed where it cannot hold; needs ``resume_kv`` "reprefill".
+    The effort rendered into each prompt and the engine's seed are the stage's (``Rollout(effort=, seed=)``)."""
+
+    n_prompts: int = ranged(8, ge=1)
+    k: int = ranged(8, ge=1)
+    lambda_: float = ranged(0.7, gt=0, le=1)
+    max_staleness: int = ranged(4, ge=0)
+    temperature: float = ranged(1.0, ge=0)
+    max_tokens: int = ranged(128, ge=1)
+    max_model_len: int = ranged(2048, ge=1)
+    slots: int = ranged(32, ge=1)
+    kv_pool_mb: int = ranged(64, ge=0)
     resume_kv: str = "reuse"
-    record_routes: bool = False
+    routing_replay: str = "off"
     exact: bool = False
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
         if self.resume_kv not in RESUME_KV:
-            raise ValueError(f"resume_kv must be one of {RESUME_KV}, got {self.resume_kv!r}")
+            raise ValueError(f"rollout.resume_kv must be one of {RESUME_KV}, got {self.resume_kv!r}")
+        if self.routing_replay not in ROUTING_REPLAY:
+            raise ValueError(f"rollout.routing_replay must be one of {ROUTING_REPLAY}, got {self.routing_replay!r}")
+        if self.exact and self.resume_kv != "reprefill":
+            raise ValueError("rollout.exact=true needs rollout.resume_kv=reprefill: a token sampled over KV kept from "
+                             "older weights equals no recomputation under the new ones")
+
+    @property
+    def record_routes(self) -> bool:
+        """The engine records the experts every position was routed to (routing replay, `k3post.routing_replay`)."""
+        return self.routing_replay != "off"

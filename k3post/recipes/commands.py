@@ -194,10 +194,10 @@ def _judge_servers(stack: ExitStack, cluster: Any, cfg: K3Config, init: Path, ru
         return None
     model_dir = judge_model_dir(cfg.rl, init)
     shutil.rmtree(run / "judges", ignore_errors=True)  # an earlier attempt's ports
-    actors = cluster.engine_servers(model_dir, run / "judges", role="judges", max_batch_size=cfg.rl.slots,
+    actors = cluster.engine_servers(model_dir, run / "judges", role="judges", max_batch_size=cfg.rl.rollout.slots,
                                     qat=cfg.qat.enabled, seed=cfg.rl.seed)
     stack.callback(cluster.kill, actors)
-    judge = engine_config(actors, EngineConfig(timeout_s=cfg.rl.engine.timeout_s))
+    judge = engine_config(actors, EngineConfig(timeout_s=cfg.rl.rollout.engine.timeout_s))
     log.info("GRM judge %s: %d engine server(s) on the judges bundles %s: %s", model_dir, n,
              [b for b, _ in cluster.placement.slots["judges"]], judge.urls)
     return judge
@@ -223,7 +223,7 @@ def _rl_in(cfg: K3Config, run: Path, init: Path, summary: RunSummary) -> Path:
     summary.update(model=describe_model(model, tokenizer, init))
     fams = domain_families(cfg.rl.domain, cfg.rl.families, with_judge=bool(cfg.rl.judge))
     rl = replace(cfg.rl.for_domain(cfg.rl.domain), families=fams)
-    engine = build_engine(model, tokenizer, engine=rl.engine, role="budgets (rl.init model)", max_batch_size=rl.slots,
+    engine = build_engine(model, tokenizer, engine=rl.rollout.engine, role="budgets (rl.init model)", max_batch_size=rl.rollout.slots,
                           seed=rl.seed)
     try:
         budgets = domain_budgets(engine, XTML(tokenizer), rl, run / f"budgets.{rl.domain}.json")
@@ -248,10 +248,10 @@ def _rl_in(cfg: K3Config, run: Path, init: Path, summary: RunSummary) -> Path:
 
             # a server's folder (port, weights kept for Ray's restarts) lives as long as this attempt's actors
             shutil.rmtree(run / "engines", ignore_errors=True)
-            actors = cluster.engine_servers(init, run / "engines", max_batch_size=rl.slots,
-                                            max_model_len=rl.max_model_len, qat=cfg.qat.enabled, seed=rl.seed)
+            actors = cluster.engine_servers(init, run / "engines", max_batch_size=rl.rollout.slots,
+                                            max_model_len=rl.rollout.max_model_len, qat=cfg.qat.enabled, seed=rl.seed)
             stack.callback(cluster.kill, actors)
-            rl = replace(rl, engine=engine_config(actors, rl.engine))
+            rl = replace(rl, rollout=replace(rl.rollout, engine=engine_config(actors, rl.rollout.engine)))
         res = train_rl(model, tokenizer, rl, run / "rl" / name, budgets=budgets, scorer=scorer, metrics=metrics,
                        stage=f"rl/{name}")
     final = save_model(model, run / "rl" / name / "final", tokenizer)
@@ -340,7 +340,7 @@ def reusable_teacher_evals(cfg: K3Config, m: "MOPDConfig", experts_dir: Path, ta
             summary = (table.get(x) or {}).get("eval", {}).get("overall")
             rcfg = cfg.rl.for_domain(d, e)
             if (summary is None or Path(m.experts.get(x, "")) != experts_dir / x
-                    or rcfg.engine.kind != m.rl.engine.kind or rcfg.eval_max_tokens != caps[d]
+                    or rcfg.rollout.engine.kind != m.rl.rollout.engine.kind or rcfg.eval_max_tokens != caps[d]
                     or list(summary.get("task_ids", [])) != [t.id for t in tasks[d]]):
                 continue
             out[x] = summary
@@ -369,8 +369,8 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
         stack.callback(pool.close)
         res = train_mopd(student, tokenizer, m, run / "mopd", metrics=metrics, teacher_qat=cfg.qat, pool=pool)
         save_model(student, run / "mopd" / "final", tokenizer)
-        engine = build_engine(student, tokenizer, engine=m.rl.engine, role="MOPD student (final)",
-                              max_batch_size=m.rl.slots, seed=m.rl.seed)
+        engine = build_engine(student, tokenizer, engine=m.rl.rollout.engine, role="MOPD student (final)",
+                              max_batch_size=m.rl.rollout.slots, seed=m.rl.seed)
         tasks, caps, efforts = mopd_eval_tasks(m), eval_caps(m), [e for e, w in m.effort_mix.items() if w > 0]
         # a teacher that is one of this run's experts was evaluated on these very episodes when it was trained
         known = reusable_teacher_evals(cfg, m, run / "experts", tasks, caps, efforts)
@@ -385,7 +385,7 @@ def distill(cfg: K3Config, init: Path, run: Path, metrics: MetricsLogger | None 
         try:
             with use_threads(plan, "mopd: evaluation", run) if split else nullcontext():
                 table = evaluate_mopd(engine, XTML(tokenizer), pool, tasks, max_tokens=caps, efforts=efforts,
-                                      teacher_sees_effort=m.teacher_sees_effort, engine=m.rl.engine,
+                                      teacher_sees_effort=m.teacher_sees_effort, engine=m.rl.rollout.engine,
                                       processes=2 if split else 1, known=known)
         finally:
             close_engine(engine)

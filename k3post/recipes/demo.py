@@ -418,7 +418,7 @@ def _run_demo(cfg: K3Config) -> Path:
             summary.update(draft=train_drafts(cfg, run, target_dir, cfg.demo.drafts, metrics, processes=n))
         phase("draft", t0)
 
-    k_of = {dom: cfg.rl.for_domain(dom, "max").k for dom in cfg.rl.domains}
+    k_of = {dom: cfg.rl.for_domain(dom, "max").rollout.k for dom in cfg.rl.domains}
     summary.update(domains=domains_to_show(table["experts"], k_of))
     for row in summary.data["domains"]:
         print(f"  domain {row['domain']:8}: n {row['n']}, {row['verdict']}")

@@ -85,8 +85,8 @@ def domain_budgets(engine: Any, xtml: XTML, cfg: RLConfig, path: str | Path) -> 
     floored = [e for e in EFFORTS if floor_applies(e, ec)]  # computed once here, where the floor bounds a limit
     return estimate_budgets(
         engine, train_tasks(cfg.families, cfg.n_tasks, difficulty=cfg.difficulty, seed=cfg.seed), xtml=xtml,
-        samples_per_task=ec.b0_samples, seed=cfg.seed, max_tokens=cfg.max_tokens, q=ec.b0_quantile,
-        min_b0=ec.min_b0, temperature=cfg.temperature, path=path, progress=cfg.progress,
+        samples_per_task=ec.b0_samples, seed=cfg.seed, max_tokens=cfg.rollout.max_tokens, q=ec.b0_quantile,
+        min_b0=ec.min_b0, temperature=cfg.rollout.temperature, path=path, progress=cfg.progress,
         floor=(lambda t, e: reference_effort_tokens(xtml, t, e)) if floored else None, floor_efforts=floored,
     )
 
@@ -300,8 +300,8 @@ def _train_stage(stage: Any, table: dict[str, Any], sft_dir: str | Path, cfg: RL
     budget_path = out / f"budgets.{stage.domain}.json"
     if not budget_path.is_file():  # once per domain, from the cold-start (SFT) model: b0 at max effort
         sft_model = load_policy(sft_dir, qat)
-        engine = build_engine(sft_model, tok, engine=rcfg.engine, role=f"{stage.domain} budgets (SFT model)",
-                              max_batch_size=rcfg.slots, seed=rcfg.seed)
+        engine = build_engine(sft_model, tok, engine=rcfg.rollout.engine, role=f"{stage.domain} budgets (SFT model)",
+                              max_batch_size=rcfg.rollout.slots, seed=rcfg.seed)
         try:
             t_b = time.perf_counter()
             budgets = domain_budgets(engine, xtml, rcfg, budget_path)
@@ -414,8 +414,8 @@ def _compute_before(domain: str, sft_dir: str | Path, cfg: RLConfig, qat: QATCon
     tok = load_tokenizer(sft_dir)
     xtml = XTML(tok)
     sft_model = load_policy(sft_dir, qat)
-    engine = build_engine(sft_model, tok, engine=rcfg.engine, role=f"{domain} 'before' row (SFT model)",
-                          max_batch_size=rcfg.slots, seed=rcfg.seed)
+    engine = build_engine(sft_model, tok, engine=rcfg.rollout.engine, role=f"{domain} 'before' row (SFT model)",
+                          max_batch_size=rcfg.rollout.slots, seed=rcfg.seed)
     try:
         held_out = eval_tasks(families, rcfg.eval_n, difficulty=rcfg.difficulty)
         row = {e: evaluate_episodes(engine, xtml, held_out, effort=e, max_tokens=rcfg.eval_max_tokens) for e in efforts}
@@ -473,7 +473,7 @@ def _sampled_change(before: Mapping[str, Any] | None, after: Mapping[str, Any] |
     if before is None or after is None:
         return None
     b, a = paired_shares(before, after["overall"])
-    return {"k": cfg.eval_samples, "temperature": cfg.temperature, "sft": before["pass_rate"],
+    return {"k": cfg.eval_samples, "temperature": cfg.rollout.temperature, "sft": before["pass_rate"],
             "rl": after["overall"]["pass_rate"], "change": paired_mean_change(b, a)}
 
 

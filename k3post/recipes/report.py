@@ -259,10 +259,10 @@ def _gap_table(rows: list[tuple[str, dict[str, float]]]) -> str:
             "recorded when it sampled)| over the tokens each step trained with the weights that sampled them, "
             "over KV cache of those weights (SPEC §5: kernel noise only; a QAT path missing on either side gives a "
             "mean above 5e-3), and apart over the tokens they sampled over KV kept from older weights (a paused "
-            "trajectory resumed on its kept KV, <code>rl.resume_kv=reuse</code>: the policy's own change, not the "
+            "trajectory resumed on its kept KV, <code>rl.rollout.resume_kv=reuse</code>: the policy's own change, not the "
             "engine's). Routed differently: the share of context positions the trainer's own top-k sends to other "
-            "experts than the engine did in some MoE layer (recorded with <code>rl.routing_replay</code> measure or "
-            "rollout-routes; the latter trains on the engine's routes). With <code>rl.exact</code> the engine and "
+            "experts than the engine did in some MoE layer (recorded with <code>rl.rollout.routing_replay</code> measure or "
+            "rollout-routes; the latter trains on the engine's routes). With <code>rl.rollout.exact</code> the engine and "
             "the trainer's log-prob values run one batch-invariant forward: the mean and max are exactly 0 (a step "
             "with any gap there stops the run).</p>"
             + _table(["run", "mean |Δ log p|", "max |Δ log p|", "tokens", "tokens over older KV", "their mean",

@@ -63,8 +63,8 @@ def domain_pass(path: str | Path, cfg: "K3Config", effort: str, domains: Sequenc
         tasks = eval_tasks(fams, count, difficulty=rc.difficulty, split=split)
         cap = (max_tokens or {}).get(dom) or rc.eval_max_tokens
         # in this process, on these weights: a run's http engines serve another model (the policy it trains)
-        local = dataclasses.replace(rc.engine, kind="embedded", urls=[], launch=0)
-        engine = build_engine(model, tok, engine=local, role="checkpoint score", max_batch_size=rc.slots, seed=0)
+        local = dataclasses.replace(rc.rollout.engine, kind="embedded", urls=[], launch=0)
+        engine = build_engine(model, tok, engine=local, role="checkpoint score", max_batch_size=rc.rollout.slots, seed=0)
         try:
             trajs = [t for ts in run_episodes(engine, xtml, tasks, effort=effort, max_tokens=cap) for t in ts]
         finally:

@@ -18,7 +18,7 @@ token across turns (reasoning, responses, tool-call arguments; tool results are 
 for the agentic domains "agents" and "coding".
 
 b0(x) is estimated once from the cold-start model (`estimate_budgets`): K samples of x at
-the RL rollouts' temperature (``rl.temperature``, 1 by default) with the effort message of the estimated effort (``max``) rendered exactly as
+the RL rollouts' temperature (``rl.rollout.temperature``, 1 by default) with the effort message of the estimated effort (``max``) rendered exactly as
 the rollout renders it (`AgentLoop(effort=...)` → the XTML ``thinking-effort`` option
 message), then
 

@@ -504,14 +504,14 @@ def recipe_judge_records(cfg: Any, xtml: Any) -> tuple[list[dict[str, Any]], dic
 
 
 def evaluate_recipe_judge(cfg: Any, model_dir: Any, metrics: Any = None, *, tag: str = "sft") -> dict[str, Any]:
-    """The model in ``model_dir`` as RL runs it as the judge (`EngineJudge.from_checkpoint` with ``rl.slots``,
-    ``rl.engine``, QAT as ``qat.enabled``, its default sampling) on the recipe's held-out pairs
+    """The model in ``model_dir`` as RL runs it as the judge (`EngineJudge.from_checkpoint` with ``rl.rollout.slots``,
+    ``rl.rollout.engine``, QAT as ``qat.enabled``, its default sampling) on the recipe's held-out pairs
     (`recipe_judge_pairs`), by `evaluate_judge`; one metrics row of stage ``judge/<tag>``."""
     from k3post.rewards.grm import EngineJudge
 
     _, held = recipe_judge_pairs(cfg.data, cfg.run.seed)
-    judge = EngineJudge.from_checkpoint(model_dir, qat=cfg.qat.enabled, max_batch_size=cfg.rl.slots, seed=cfg.run.seed,
-                                        engine=cfg.rl.engine)
+    judge = EngineJudge.from_checkpoint(model_dir, qat=cfg.qat.enabled, max_batch_size=cfg.rl.rollout.slots, seed=cfg.run.seed,
+                                        engine=cfg.rl.rollout.engine)
     try:
         res = evaluate_judge(judge, held)
     finally:

@@ -1,7 +1,7 @@
 """The rollout seam: `build_engine`, the one place engines are constructed, and `Rollout`, which owns a
 stage's engine, agent loop, KV pool and partial-rollout scheduler.
 
-    rollout = Rollout(model, tokenizer, RolloutConfig(...), effort_fn=...)
+    rollout = Rollout(model, tokenizer, RolloutConfig(...), effort="max", seed=0, effort_fn=...)
     rollout.add_prompts(tasks)
     groups  = rollout.run_iteration()            # partial rollout (SPEC §3.2), groups with all K samples
     ...train...
@@ -210,12 +210,16 @@ class Rollout:
         tokenizer: Any,
         cfg: RolloutConfig,
         *,
+        effort: str | None = "max",
+        seed: int = 0,
         effort_fn: Callable[[Any], str | None] | None = None,
     ) -> None:
-        self.cfg = cfg
+        """``effort``: rendered into each prompt unless ``effort_fn`` decides; ``seed``: the engine's and the
+        scheduler's."""
+        self.cfg, self.seed = cfg, seed
         self.model = model
         self.engine = build_engine(model, tokenizer, engine=cfg.engine, max_batch_size=cfg.slots,
-                                   max_model_len=cfg.max_model_len, seed=cfg.seed,
+                                   max_model_len=cfg.max_model_len, seed=seed,
                                    **({"record_routes": True} if cfg.record_routes else {}),
                                    **({"exact": True} if cfg.exact else {}))
         if not getattr(self.engine, "shares_weights", False):
@@ -225,10 +229,10 @@ class Rollout:
             log.info("rollout: pushed the trainer's initial weights to %s, version %d", type(self.engine).__name__, v)
         self.loop = AgentLoop(self.engine, XTML(tokenizer), make_env,
                               sampling=SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens),
-                              effort=cfg.effort, effort_fn=effort_fn)
+                              effort=effort, effort_fn=effort_fn)
         self.pool = KVPool(cfg.kv_pool_mb << 20)
         self.scheduler = PartialRolloutScheduler(self.loop, n_prompts=cfg.n_prompts, k=cfg.k, lambda_=cfg.lambda_,
-                                                 max_staleness=cfg.max_staleness, seed=cfg.seed, kv_pool=self.pool,
+                                                 max_staleness=cfg.max_staleness, seed=seed, kv_pool=self.pool,
                                                  max_concurrency=cfg.engine.max_concurrency or None,
                                                  reuse_stale_kv=cfg.resume_kv == "reuse")
 

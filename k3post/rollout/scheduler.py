@@ -72,6 +72,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k3post.config.rollout import RolloutConfig
 from k3post.envs.task import Task
 from k3post.io import atomic_write
 from k3post.rollout.agent_loop import AgentLoop, trajectory_seed
@@ -128,8 +129,8 @@ class PartialRolloutScheduler:
         *,
         n_prompts: int,
         k: int,
-        lambda_: float = 0.7,
-        max_staleness: int = 4,
+        lambda_: float = RolloutConfig.lambda_,
+        max_staleness: int = RolloutConfig.max_staleness,
         seed: int = 0,
         kv_pool: KVPool | None = None,
         resident_kv_bytes: int = 0,

@@ -75,7 +75,7 @@ def build_server(
         record_routes: the engine records the experts every position was routed to; ``/generate`` returns them
             in ``meta_info.routes`` (routing replay, `k3post.routing_replay`).
         exact: the engine runs the exact forward (`k3post.rollout.embedded.exact`): its log-probs equal a trainer's
-            exact recomputation (``rl.exact``) bit for bit, whatever batches the server forms.
+            exact recomputation (``rl.rollout.exact``) bit for bit, whatever batches the server forms.
     """
     from k3post.config.rollout import EngineConfig
     from k3post.quant.qat import QATConfig
@@ -212,10 +212,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="torch CPU threads of the engine thread (0: the cores this process may use, k3post.threads)")
     p.add_argument("--record-routes", action="store_true",
                    help="record the experts every position was routed to and return them in /generate's "
-                        "meta_info.routes (routing replay: rl.routing_replay over engine.kind http)")
+                        "meta_info.routes (routing replay: rl.rollout.routing_replay over engine.kind http)")
     p.add_argument("--exact", action="store_true",
                    help="the batch-invariant exact forward: log-probs equal a trainer's exact recomputation bit for "
-                        "bit (rl.exact over engine.kind http; fails at start where this machine's kernels are not "
+                        "bit (rl.rollout.exact over engine.kind http; fails at start where this machine's kernels are not "
                         "batch-invariant)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(fn=cmd_serve)

@@ -306,10 +306,12 @@ def train_mopd(
     if pool is None:
         pool = TeacherPool(cfg.experts, max_resident=cfg.max_resident, dtype=cfg.teacher_dtype, qat=teacher_qat,
                            batch_tokens=cfg.teacher_batch_tokens)
+    # one rollout for every domain's prompts: its turns get the longest of the domains' max_tokens
+    max_tokens = max(cfg.rl.for_domain(d).rollout.max_tokens for d in cfg.domains)
     try:
         step, rows, resumed_from, pl = train_policy(
-            student, tokenizer, replace(cfg.rl, max_tokens=max(cfg.rl.for_domain(d).max_tokens for d in cfg.domains)),
-            out_dir, tasks=tasks, signal=opd_signal(pool, cfg, XTML(tokenizer)),
+            student, tokenizer, replace(cfg.rl, rollout=replace(cfg.rl.rollout, max_tokens=max_tokens)), out_dir,
+            tasks=tasks, signal=opd_signal(pool, cfg, XTML(tokenizer)),
             effort_fn=effort_sampler(cfg.effort_mix, cfg.rl.seed), metrics=metrics, stage="mopd", resume=resume,
             stop_after=stop_after,
         )

@@ -14,7 +14,7 @@
 
 The loop itself (rollout, trainer step, weight push, checkpoints) is `k3post.loop`, shared with MOPD;
 this module is RL's signal and `train_rl` (its config is `k3post.config.rl`, its task streams
-`k3post.envs.families.streams`). With the embedded engine (``rl.engine.kind``) the engine shares the trainer's model (co-located, one process): the optimizer updates the parameters in
+`k3post.envs.families.streams`). With the embedded engine (``rl.rollout.engine.kind``) the engine shares the trainer's model (co-located, one process): the optimizer updates the parameters in
 place and the push bumps the policy version, so tokens sampled after the step carry the new version. With QAT applied to the model, the engine and the trainer run the
 same MX fake-quantized expert forward (§5): the train/rollout log-prob gap is logged every step.
 
@@ -104,7 +104,7 @@ def build_group_scorer(
     (`trajectory_candidate`) of the cold-start model on 16 of its training tasks at ``cfg.effort``.
     ``judge_engine``: an ``http`` `EngineConfig` of servers holding the judge model (the judge actors of
     ``distributed.roles.judges``, `k3post.distributed.ray_cluster`): the judge decodes there, not in
-    ``cfg.engine``; ℓ0 is measured here as always.
+    ``cfg.rollout.engine``; ℓ0 is measured here as always.
 
     With ``cfg.judge_min_agreement`` > 0 the judge passes its gate first (`gate_judge`); below it, the judge is
     closed and ``cfg.judge_fallback`` either raises ("fail") or returns a `VerifierScorer` ("format_gate"). The
@@ -120,8 +120,8 @@ def build_group_scorer(
             raise ValueError("rl.judge is a URL: set rl.judge_model to the served model's name")
         judge: Any = PolicyJudge.from_url(cfg.judge, cfg.judge_model)
     else:
-        judge = EngineJudge.from_checkpoint(path, qat=qat, max_batch_size=cfg.slots, seed=cfg.seed,
-                                            engine=judge_engine or cfg.engine, served=judge_engine is not None)
+        judge = EngineJudge.from_checkpoint(path, qat=qat, max_batch_size=cfg.rollout.slots, seed=cfg.seed,
+                                            engine=judge_engine or cfg.rollout.engine, served=judge_engine is not None)
     gate = apply_judge_gate(judge, cfg, judged)
     if gate is not None and not gate["passed"]:
         return VerifierScorer(gate)
@@ -129,12 +129,12 @@ def build_group_scorer(
     scorer = GroupGRM(judge, xtml, sigma=cfg.grm_sigma, seed=cfg.seed)
     scorer.gate = gate
     try:
-        engine = build_engine(load_model(cold_start), tokenizer, engine=cfg.engine,
-                              role="GRM length baseline (cold-start model)", max_batch_size=cfg.slots, seed=cfg.seed)
+        engine = build_engine(load_model(cold_start), tokenizer, engine=cfg.rollout.engine,
+                              role="GRM length baseline (cold-start model)", max_batch_size=cfg.rollout.slots, seed=cfg.seed)
         try:
             for fam in judged:
                 per_task = run_episodes(engine, xtml, train_tasks([fam], 16, difficulty=cfg.difficulty, seed=cfg.seed),
-                                        effort=cfg.effort, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                                        effort=cfg.effort, max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
                                         seed=cfg.seed)
                 scorer.l0[fam] = estimate_l0([trajectory_candidate(ts[0], xtml).length or 0 for ts in per_task])
         finally:
@@ -143,7 +143,7 @@ def build_group_scorer(
         scorer.close()
         raise
     log.info("GRM judge %s (%s), l0 %s", cfg.judge, f"on its servers {judge_engine.urls}" if judge_engine is not None
-             else f"on an rl.engine of kind {cfg.engine.kind}" if path is not None else "behind its URL", scorer.l0)
+             else f"on an rl.rollout.engine of kind {cfg.rollout.engine.kind}" if path is not None else "behind its URL", scorer.l0)
     return scorer
 
 
@@ -221,10 +221,10 @@ def rl_signal(budgets: BudgetTable, cfg: RLConfig, scorer: GroupScorer | None = 
 
 
 def sampled_eval(engine: Any, xtml: XTML, held_out: Sequence[Any], cfg: RLConfig, effort: str) -> dict[str, Any]:
-    """The held-out tasks run ``cfg.eval_samples`` times each at ``cfg.temperature`` (avg@k), with the same
+    """The held-out tasks run ``cfg.eval_samples`` times each at ``cfg.rollout.temperature`` (avg@k), with the same
     per-episode seeds for every model evaluated (the SFT model's "before" row and each expert: paired samples)."""
     return evaluate_episodes(engine, xtml, held_out, effort=effort, max_tokens=cfg.eval_max_tokens,
-                             temperature=cfg.temperature, samples=cfg.eval_samples, seed=_SAMPLED_EVAL_SEED + cfg.seed,
+                             temperature=cfg.rollout.temperature, samples=cfg.eval_samples, seed=_SAMPLED_EVAL_SEED + cfg.seed,
                              progress=f"held-out avg@{cfg.eval_samples}" if cfg.progress else None)
 
 
@@ -232,17 +232,17 @@ _SAMPLED_EVAL_SEED = 9_001  # not a training seed: the sampled held-out episodes
 
 
 def check_turn_caps(cfg: RLConfig, tokenizer: Any, family_names: Sequence[str], *, n: int = 8) -> int:
-    """Warn when ``cfg.max_tokens`` or ``cfg.eval_max_tokens`` (tokens per assistant turn) is below the
+    """Warn when ``cfg.rollout.max_tokens`` or ``cfg.eval_max_tokens`` (tokens per assistant turn) is below the
     longest turn of the families' reference solutions at ``cfg.effort`` (measured on ``n`` tasks per
     family): such a cap truncates a correct episode, so those tasks cannot pass at that effort. Returns
     that longest turn."""
     longest = reference_turn_tokens(XTML(tokenizer), train_tasks(family_names, n, difficulty=cfg.difficulty, seed=cfg.seed),
                                     cfg.effort)
-    for key in ("max_tokens", "eval_max_tokens"):
-        if getattr(cfg, key) < longest:
+    for key, cap in (("rollout.max_tokens", cfg.rollout.max_tokens), ("eval_max_tokens", cfg.eval_max_tokens)):
+        if cap < longest:
             log.warning("rl.%s = %d (%s @ %s) is below the longest reference assistant turn, %d tokens: a correct "
                         "episode would be cut off; raise it (e.g. rl.domain_overrides.%s.%s)",
-                        key, getattr(cfg, key), cfg.domain, cfg.effort, longest, cfg.domain, key)
+                        key, cap, cfg.domain, cfg.effort, longest, cfg.domain, key)
     return longest
 
 
@@ -346,10 +346,10 @@ def _score(
         rewards_in.append([x for x, v in zip(r, ok) if v])
         rewards_out.append([next(out) if v else 0.0 for v in ok])
         valid.append(ok)
-    adv = group_advantages_from_groups(rewards_out, normalize_std=cfg.normalize_std, valid=valid)
+    adv = group_advantages_from_groups(rewards_out, normalize_std=cfg.loss.normalize_std, valid=valid)
     seqs: list[TokenSequence] = []
     for g, a_g, skip, ok in zip(groups, adv.advantages, adv.skip, valid):
-        if skip and cfg.skip_zero_variance:
+        if skip and cfg.loss.skip_zero_variance:
             continue
         for t, a, v in zip(g.trajectories, a_g, ok):
             if v:  # an infrastructure failure is not in the loss
@@ -368,7 +368,7 @@ def _score(
         "budget_violation_rate": sums["violation_rate"] / n if n else 0.0,
         "effort_ratio": sums["mean_ratio"] / n if n else nan,
     }
-    trained = sum(any(ok) and not (skip and cfg.skip_zero_variance) for ok, skip in zip(valid, adv.skip))
+    trained = sum(any(ok) and not (skip and cfg.loss.skip_zero_variance) for ok, skip in zip(valid, adv.skip))
     zero = sum(skip and any(ok) for ok, skip in zip(valid, adv.skip))  # a group the judge could not score is not one
     adv_stats = {"zero_variance_groups": float(zero), "trained_groups": float(trained)}
     return seqs, rows, adv_stats

@@ -512,7 +512,7 @@ class EmbeddedEngine(QueuedRequestsMixin, SpeculativeRounds):
         few tokens longer); call it between steps (the engine is not thread-safe)."""
         seqs = check_score_ids(ids, self._vocab)
         forward = None
-        if self.path == "exact":  # the exact forward's numbers (a trainer's exact recomputation: rl.exact)
+        if self.path == "exact":  # the exact forward's numbers (a trainer's exact recomputation: rl.rollout.exact)
             forward = exact_forward_for(self.model, max(len(s) for s in seqs)).token_logprobs
         return [lp[1:] for lp in sequence_logprobs(self.model, seqs, self.max_prefill_tokens, forward=forward)]
 

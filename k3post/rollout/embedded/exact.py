@@ -1,4 +1,4 @@
-"""The exact forward (``rl.exact``): a forward whose logits for a position carry the same bits whatever else
+"""The exact forward (``rl.rollout.exact``): a forward whose logits for a position carry the same bits whatever else
 shares the forward, so the engine's behaviour log-probs equal the trainer's recomputed ones bit for bit, under any
 batch composition, prefix sharing, pause / resume or server (issue 35; docs/decisions.md §exactmode).
 
@@ -188,7 +188,7 @@ class ExactForward(LeanForward):
     def __init__(self, model: Any, num_slots: int, max_len: int, *, check: bool = True) -> None:
         why = exact_blocker(model, max_len)
         if why is not None:
-            raise ValueError(f"rl.exact: the exact forward cannot run {type(model).__name__}: {why}")
+            raise ValueError(f"rl.rollout.exact: the exact forward cannot run {type(model).__name__}: {why}")
         super().__init__(model, num_slots, max_len, qat_op_order="hf", dense_moe_max_tokens=0)
         if check:
             check_batch_invariance(model)
@@ -283,7 +283,7 @@ class ExactForward(LeanForward):
 
     def _embed_rows(self, w: WeightPlan, ids_N: torch.Tensor) -> torch.Tensor:
         if w.embed is None:
-            raise ValueError("rl.exact: the model's input embedding is not a plain nn.Embedding")
+            raise ValueError("rl.rollout.exact: the model's input embedding is not a plain nn.Embedding")
         return F.embedding(ids_N, w.embed)
 
     # ---- the engine's surface ------------------------------------------------------------------------------
@@ -335,7 +335,7 @@ class ExactForward(LeanForward):
         B, T = ids_BT.shape
         P = int(prefix_len)
         if T > self.max_model_len:
-            raise ValueError(f"rl.exact: a sequence of {T} tokens is longer than the exact forward's {self.max_model_len}")
+            raise ValueError(f"rl.rollout.exact: a sequence of {T} tokens is longer than the exact forward's {self.max_model_len}")
         if not 0 <= P < T:
             raise ValueError(f"prefix_len must be in [0, {T}), got {P}")
         ids_BT = ids_BT.to(self.device)
@@ -483,7 +483,7 @@ def check_batch_invariance(model: nn.Module) -> None:
                 torch.stack(got[b]))
     if problems:
         raise RuntimeError(
-            "rl.exact: the exact forward is not batch-invariant on this machine (torch "
+            "rl.rollout.exact: the exact forward is not batch-invariant on this machine (torch "
             f"{torch.__version__}, {torch.get_num_threads()} threads): " + "; ".join(problems[:3])
-            + ". Run with rl.exact=false (the default) or 1 thread (run.threads=1)")
+            + ". Run with rl.rollout.exact=false (the default) or 1 thread (run.threads=1)")
     _CHECKED.add(key)
