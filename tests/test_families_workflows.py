@@ -24,10 +24,10 @@ from k3post.envs.families.workflows.family import (
     DATA_REPORT,
     SPAN_IOU,
     _numbers,
-    judged_reward,
     span_iou,
     verify_contracts,
 )
+from k3post.rewards.grm.gated import judged_reward
 from tests.test_grm import ScriptedJudge, judged
 
 FAMILIES = [DATA_REPORT, CONTRACTS, DEEP_RESEARCH]
@@ -110,6 +110,9 @@ def test_grm_scores_the_narrative_behind_the_rule_gate() -> None:
     env.state.sandbox.write_file("out/answer.json", json.dumps({"region": task.metadata["worst"], "change_pp": task.metadata["margins"][task.metadata["worst"]]["change"]}))
     assert judged_reward(task, FinalState(env.state), judged(ScriptedJudge("no_scorepad")))[0::2] == (0.0, 0.0)
     env.state.close()
+    # the hook is the family's: one without a candidate has its verifier for its whole reward
+    with pytest.raises(ValueError, match="agents.contracts declares no GRM candidate"):
+        judged_reward(CONTRACTS.generate(1, seed=5)[0], FinalState(env.state), judged(ScriptedJudge()))
 
 
 def verify_data_report_of(task: Task, env: Any) -> Any:

@@ -320,7 +320,7 @@ def test_gate_passes_a_judge_that_judges_and_fails_one_that_always_prefers_a(pai
     (fail, the default) or returns the failed result (format_gate), closing the judge either way."""
     from k3post.config.rl import RLConfig
     from k3post.rewards.judging import gate_judge, judge_pairs
-    from k3post.stages.rl import apply_judge_gate
+    from k3post.rewards.judge import apply_judge_gate
 
     gate_pairs = judge_pairs(4, seed=0 + 3300, families=["general.writing"])
     good = gate_judge(PolicyJudge(correct_judge(gate_pairs)), ["general.writing"], n_pairs=4, min_agreement=0.6)
@@ -361,7 +361,7 @@ def test_an_untrained_judge_fails_its_gate_closed_or_falls_back_to_the_verifier(
     from k3post.config.rollout import RolloutConfig
     from k3post.models import build_tiny_moe, save_model
     from k3post.recipes.report import write_report
-    from k3post.stages.rl import VerifierScorer, build_group_scorer
+    from k3post.rewards.judge import VerifierScorer, build_group_scorer
     from k3post.rollout.trajectory import Group, Trajectory
 
     tok = xtml_tokenizer

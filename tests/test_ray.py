@@ -316,7 +316,7 @@ def test_ray_role_config_errors_name_the_keys(warm_policy, tmp_path, capsys, cap
     from k3post.recipes.commands import _judge_servers
     from k3post.config.rl import RLConfig
     from k3post.config.rollout import EngineConfig
-    from k3post.stages.rl import build_group_scorer
+    from k3post.rewards.judge import build_group_scorer
     from k3post.rollout.factory import build_engine
 
     assert main(_cli(warm_policy, tmp_path, "rl", "distributed.fsdp.ranks=2", "distributed.roles.trainers=1")) == 2

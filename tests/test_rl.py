@@ -624,7 +624,7 @@ def test_judged_family_is_rewarded_by_the_grm_through_rl_judge(warm_policy, tmp_
     """rl.judge = a local checkpoint: `build_group_scorer` measures ℓ0 on the cold-start model and runs the real
     judge protocol. This judge (a policy never trained to judge) never completes a valid judgement, so every
     comparison is retried and then a tie: rewards are all 0.5, the group has no variance and is skipped."""
-    from k3post.stages.rl import build_group_scorer
+    from k3post.rewards.judge import build_group_scorer
 
     model, tok = warm_policy
     init = _save(model, tok, tmp_path / "init")

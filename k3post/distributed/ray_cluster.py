@@ -26,7 +26,7 @@ which runs the stage and hands it the sharded trainer (`k3post.trainer.build_tra
 `k3post.recipes.experts.train_domain_experts` in a Ray worker. Environments run in `EnvWorkerActor` s behind
 `k3post.rollout.evaluation.make_env`. A GRM judge (``rl.judge`` a model folder, ``distributed.roles.judges`` > 0)
 is the same `EngineServerActor`, frozen (it refuses weight updates), on a judges bundle; every GRM scorer of
-the command is an `EngineJudge` over the ``http`` engine of those servers (`k3post.stages.rl.build_group_scorer`).
+the command is an `EngineJudge` over the ``http`` engine of those servers (`k3post.rewards.judge.build_group_scorer`).
 
 **Faults.** A killed engine-server actor is restarted by Ray (``engine_max_restarts``) on the same port with
 the weights it last loaded (each loaded version is kept in the actor's state folder; a judge's are its

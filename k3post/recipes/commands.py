@@ -183,7 +183,7 @@ def _judge_servers(stack: ExitStack, cluster: Any, cfg: K3Config, init: Path, ru
 
     from k3post.config.rollout import EngineConfig
     from k3post.distributed.ray_cluster import engine_config
-    from k3post.stages.rl import judge_model_dir
+    from k3post.rewards.judge import judge_model_dir
 
     n = cfg.distributed.roles.judges
     if n == 0:
@@ -215,7 +215,8 @@ def _rl_in(cfg: K3Config, run: Path, init: Path, summary: RunSummary) -> Path:
     """`run_rl` in its opened run folder, from the checkpoint ``init``."""
     from k3post.recipes.experts import domain_budgets, load_policy
     from k3post.envs.families.streams import domain_families
-    from k3post.stages.rl import build_group_scorer, judged_families, train_rl
+    from k3post.stages.rl import train_rl
+    from k3post.rewards.judge import build_group_scorer, judged_families
     from k3post.rollout.factory import build_engine, close_engine
 
     tokenizer = load_tokenizer(init)
@@ -278,7 +279,7 @@ def _experts_in(cfg: K3Config, run: Path, init: Path) -> Path:
     """`run_experts` in its opened run folder, from the checkpoint ``init``."""
     from k3post.recipes.experts import expert_grid, format_expert_grid, train_experts
     from k3post.envs.families.streams import domain_families
-    from k3post.stages.rl import judged_families
+    from k3post.rewards.judge import judged_families
 
     metrics = MetricsLogger(run)
     out = run / "experts"

@@ -50,7 +50,8 @@ from k3post.rewards.effort import BudgetTable, Curriculum, budget_summary, estim
 from k3post.config.rl import RLConfig
 from k3post.envs.families.streams import domain_families, eval_tasks, train_tasks
 from k3post.loop import rollout_gap
-from k3post.stages.rl import GroupScorer, build_group_scorer, judged_families, train_rl, sampled_eval
+from k3post.stages.rl import train_rl, sampled_eval
+from k3post.rewards.judge import GroupScorer, build_group_scorer, judged_families
 from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.evaluation import evaluate_episodes, paired_passes, paired_shares, reference_effort_tokens
 from k3post.stats import paired_change, paired_mean_change

@@ -26,7 +26,7 @@ from typing import Any
 
 from k3post.constants import EFFORTS, Policy
 from k3post.envs.env import Environment
-from k3post.envs.task import DOMAINS, Task, canonical_json
+from k3post.envs.task import DOMAINS, FinalState, Task, Verdict, canonical_json
 
 __all__ = [
     "EFFORTS",
@@ -155,6 +155,13 @@ class FamilyBase:
         """Words (names, name parts, titles) the family's tasks are made of, for the tokenizer's lexicon
         (`k3post.tokenizer.lexicon_corpus`); none by default."""
         return ()
+
+    def grm_candidate(self, task: Task, final: FinalState) -> tuple[Verdict, tuple[str, dict[str, str]] | None] | None:
+        """The GRM hook: (the rule verdict of ``final``, (the text a judge scores, its artifacts by name) or None
+        when the rule gate failed) for a family whose reward is its rule gate times a judged quality
+        (`k3post.rewards.grm.gated.judged_reward`, with the judge backend passed in there); None (the default): the
+        family's own verifier is its whole reward."""
+        return None
 
     # ------------------------------------------------------------------ to implement
 

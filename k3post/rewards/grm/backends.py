@@ -45,7 +45,7 @@ class PolicyJudge:
     OpenAI-compatible endpoint (`from_url`), ... Exceptions of the policy propagate: a broken judge
     must not silently turn rewards into ties. A transport failure after the transport's retries (the
     server unreachable, the connection lost, an overloaded answer: `judge_transport_failure`) is raised
-    as `JudgeUnavailableError`: the RL loop then gives the group no reward (`k3post.stages.rl.group_rewards`).
+    as `JudgeUnavailableError`: the RL loop then gives the group no reward (`k3post.rewards.judge.group_rewards`).
     """
 
     def __init__(self, policy: Policy, *, concurrency: int = 8, limits: EpisodeLimits | None = None) -> None:

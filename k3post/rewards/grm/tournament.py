@@ -361,7 +361,7 @@ class GroupGRM:
         self.seed = seed
         self.last: TournamentResult | None = None
         self.stats = TournamentStats()
-        self.gate: dict[str, Any] | None = None  # RL's judge gate result when one was measured (`k3post.stages.rl.apply_judge_gate`)
+        self.gate: dict[str, Any] | None = None  # RL's judge gate result when one was measured (`k3post.rewards.judge.apply_judge_gate`)
 
     def __call__(self, group: "Group") -> list[float]:
         """``rewards_K`` of the group's trajectories (seeded by ``seed`` and the group id)."""

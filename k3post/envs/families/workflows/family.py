@@ -18,7 +18,8 @@
     margin_pct = 100 (Σ revenue − Σ cost) / Σ revenue per region and quarter; change_pp = Q2 − Q1. Numbers
     match within `TOL` (0.051: the report's 2 decimals and the summary's 1 decimal both round within it).
     The verifier reads the final files only (`verify_data_report`); the reward is 1 iff every rule holds.
-    `judged_reward` multiplies that gate by a GRM quality score of the narrative (`k3post.rewards.grm`);
+    `k3post.rewards.grm.gated.judged_reward` multiplies that gate by a GRM quality score of the narrative, judging the
+    candidate the family declares (`DataReportFamily.grm_candidate`);
     a failed gate is 0 without asking the judge.
 
 ``agents.contracts`` (rule: span overlap)
@@ -50,7 +51,7 @@ from k3post.envs.sandbox_tools import TOOLS
 from k3post.envs.task import FinalState, Task, Verdict, register_verifier
 from k3post.envs.tools import ToolContext, ToolSpec
 
-__all__ = ["DataReportFamily", "ContractsFamily", "SPAN_IOU", "TOL", "judged_reward", "span_iou",
+__all__ = ["DataReportFamily", "ContractsFamily", "SPAN_IOU", "TOL", "report_candidate", "span_iou",
            "verify_data_report", "verify_contracts"]
 
 TOL = 0.051
@@ -138,6 +139,10 @@ class DataReportFamily(FamilyBase):
 
     def lexicon(self) -> tuple[str, ...]:
         return (*_REGIONS, *_PRODUCTS, "margin", "revenue", "cost", "quarter", "region")
+
+    def grm_candidate(self, task: Task, final: FinalState) -> tuple[Verdict, tuple[str, dict[str, str]] | None]:
+        """The narrative a GRM judges behind the rule gate (`report_candidate`)."""
+        return report_candidate(task, final)
 
     def _make(self, rng: random.Random, difficulty: int, task_id: str) -> Task | None:
         regions = sorted(rng.sample(_REGIONS, 4 + (difficulty > 1)))
@@ -294,25 +299,15 @@ def verify_data_report(task: Task, final: FinalState) -> Verdict:
     return Verdict(float(ok), comps, "" if ok else f"failed: {bad}; summary numbers {nums[:8]}")
 
 
-def judged_reward(task: Task, final: FinalState, backend: Any, *, max_retries: int = 1) -> tuple[float, Verdict, float | None]:
-    """(reward, rule verdict, narrative quality): reward = gate · q, with gate the rule verdict's reward and
-    q = Σ_c w_c s_c / (10 Σ_c w_c) ∈ [0, 1] from one GRM judgement of ``out/summary.md`` (report.csv as an
-    artifact) against the task's prompt (`k3post.rewards.grm.judge_task`, run by ``backend``, a
-    `JudgeBackend`). A failed gate returns 0 without a judge call (q None); a judgement still invalid after
-    ``max_retries`` retries gives q = 0."""
-    from k3post.rewards.grm import Candidate, judge_task, run_judgements
-
+def report_candidate(task: Task, final: FinalState) -> tuple[Verdict, tuple[str, dict[str, str]] | None]:
+    """``agents.data_report``'s GRM hook (`DataReportFamily.grm_candidate`): (rule verdict, (the narrative
+    ``out/summary.md``, its artifacts: ``out/report.csv``)), the candidate None when the rule gate fails (nothing to
+    judge). `k3post.rewards.grm.gated.judged_reward` turns it into gate · quality."""
     verdict = verify_data_report(task, final)
     if verdict.reward <= 0.0:
-        return 0.0, verdict, None
+        return verdict, None
     files, _, _ = final_state(final.state)
-    cand = Candidate(files["out/summary.md"], {"out/report.csv": files["out/report.csv"]})
-    jt = judge_task(prompt_text(task), [cand], task_id=f"grm-{task.id}", domain=task.domain)
-    (res,) = run_judgements(backend, [jt], max_retries)
-    if res.verdict is None:
-        return 0.0, verdict, 0.0
-    q = min(1.0, max(0.0, res.verdict.components["total.A"] / res.verdict.components["max_total"]))
-    return verdict.reward * q, verdict, q
+    return verdict, (files["out/summary.md"], {"out/report.csv": files["out/report.csv"]})
 
 
 # =========================================================================== contracts
