@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="steps of the bucketed arm (default --steps): e.g. 1.5x --steps compares at about equal time")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch-size", type=int, default=DraftConfig.batch_size, help="episodes per draft step")
+    ap.add_argument("--ttt-steps", type=int, default=DraftConfig.ttt_steps, help="unrolled training-time-test steps")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         held = target_generations(gen, xtml, fams, n_per_family=args.held_per_family, efforts=["low", "max"],
                                   max_tokens=args.max_tokens, seed=9_999)
         pad = tok.pad_token_id
-        base = DraftConfig(steps=args.steps, progress=False, save_every=10**9, log_every=args.steps)
+        base = DraftConfig(steps=args.steps, batch_size=args.batch_size, ttt_steps=args.ttt_steps, progress=False,
+                           save_every=10**9, log_every=args.steps)
         lengths = [min(len(s.ids), base.max_len) for s in train]
         print(f"families {fams}; {len(train)} training episodes (mean {statistics.mean(lengths):.0f} tokens, max "
               f"{max(lengths)}), {len(held)} held-out; setup {time.perf_counter() - t0:.0f} s", flush=True)

@@ -11,6 +11,12 @@ import os
 if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default") and "ONEDNN_MAX_CPU_ISA" not in os.environ:
     os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2" if os.environ["ATEN_CPU_CAPABILITY"].lower() == "avx2" else "SSE41"
 
+# pytest-xdist (pyproject.toml runs the suite on one worker per core): each worker, and every process its tests start,
+# runs one torch thread (`run.threads: 0` then plans one, `k3post.threads`), so the workers together never keep more
+# threads busy than there are cores (idle-spinning OpenMP threads of one worker would slow the other: issue 32)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import pytest
 from transformers import PreTrainedTokenizerFast
 
@@ -31,6 +37,17 @@ _CORPUS = [
     'message role="user" role="assistant" role="tool" tool="python" index="1"',
     'argument key="code" type="string" think response tools call json',
 ]
+
+
+MAX_WORKERS = 4
+"""The most pytest-xdist workers ``-n auto`` starts: the Ray, server and multi-rank tests start processes of their own,
+and on a large machine more workers than this queue on the same few long test files."""
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per core this process may use (its CPU affinity, not the machine's count), at most
+    `MAX_WORKERS`."""
+    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
 
 
 @pytest.fixture(scope="session")

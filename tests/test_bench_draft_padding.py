@@ -39,7 +39,7 @@ def test_padding_share_counts_the_batches_train_draft_draws():
 
 def test_a_tiny_run_reports_both_arms(capsys, one_torch_thread):
     bench.main(["--sft-steps", "0", "--n-per-family", "1", "--held-per-family", "1", "--max-tokens", "8",
-                "--steps", "2", "--repeats", "1"])
+                "--steps", "2", "--repeats", "1", "--batch-size", "2", "--ttt-steps", "2"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["speedup_n"] == 1.0 and len(out["seconds_random"]) == len(out["seconds_bucketed"]) == 1
     assert 0.0 <= out["padding_bucketed"] <= out["padding_random"] < 1.0

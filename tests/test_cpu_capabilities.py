@@ -30,7 +30,7 @@ def test_sensitive_tests_pass_with_avx2_kernels():
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
                            env=env, capture_output=True, text=True, check=True)
     assert probe.stdout.strip() == "AVX2"  # the setting really changes the kernels
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SENSITIVE], cwd=root, env=env,
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *SENSITIVE], cwd=root, env=env,
                          capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
 

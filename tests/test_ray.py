@@ -700,6 +700,8 @@ def test_cli_rl_judge_actor_equals_the_in_process_judge_and_survives_a_kill(warm
 # --------------------------------------------------------------------------- MOPD end to end on Ray
 
 
+@pytest.mark.slow  # the default run covers its seams apart: MOPD's teachers on Ray (test_mopd_with_two_teachers_on_ray_
+# equals_local), the loop on two trainer ranks and an engine actor from the command (test_cli_rl_two_trainer_ranks_...)
 def test_cli_mopd_on_ray_equals_one_process(warm_policy, folders, cluster, tmp_path):
     """`k3post mopd` with ``distributed.enabled=true``: 2 trainer ranks (rank 1 a Ray actor: no local rank was
     started), the two experts on two `TeacherActor` s, every episode's environment on an env worker, against the same command with Ray off on one

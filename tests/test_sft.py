@@ -280,7 +280,7 @@ def test_sft_command_without_data_file_synthesizes_the_builtin_set(tmp_path):
     cfg = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
     assert main([
         "sft", str(cfg), "sft.lr=3e-4", f"run.root={tmp_path}", "run.name=s", "data.n_train=10", "data.n_per_family=1",
-        "data.family_tasks.agents.search=1",
+        "data.family_tasks.agents.search=1", "data.family_tasks.coding.write_function=1",
         "data.corpus_per_family=1", "tokenizer.vocab_size=400", "sft.max_len=4096", "sft.rows_per_batch=1",
         "sft.steps=2", "sft.progress=false",
     ]) == 0
