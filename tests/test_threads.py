@@ -278,3 +278,15 @@ def test_a_child_exits_when_its_command_is_killed(tmp_path, watch):
     finally:
         if _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_the_test_run_starts_one_worker_per_allowed_core_at_most_four(monkeypatch):
+    """`tests/conftest.py`'s ``-n auto``: pytest-xdist workers follow the cores this process may use (its affinity, not
+    the machine's count), at least 1 and at most `MAX_WORKERS` (4)."""
+    import os
+
+    from tests import conftest
+
+    for cores, want in ((1, 1), (2, 2), (3, 3), (16, 4)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert conftest.pytest_xdist_auto_num_workers(None) == want, cores
