@@ -44,11 +44,13 @@ MOVED_KEYS: dict[str, str] = {
 the error that names it (`k3post.config.load_config`, ``domain_overrides``)."""
 
 
-_CURRICULUM_ROLLOUTS: dict[str, Any] = {"rollout": {"temperature": 0.5, "lambda_": 1, "max_staleness": 0},
-                                        "train_pass_min": 0.01, "train_pass_empty": "all"}
-"""How the demo's agents and coding experts and `CODING_RL_SETTING` roll out and pick their tasks: T 0.5, the tasks b0
-solved at least once (every task, with a warning, when it solved none), on-policy. `AGENTS_RL_SETTING` starts from it and
-samples at T 1 over a larger pool (issue 31 §agents25)."""
+def _curriculum(**rollout: Any) -> dict[str, Any]:
+    """How the demo's agents and coding experts and `CODING_RL_SETTING` roll out and pick their tasks: T 0.5, the tasks
+    b0 solved at least once (every task, with a warning, when it solved none), on-policy; ``rollout`` adds to (or
+    replaces) the rollout's part. `AGENTS_RL_SETTING` starts from it and samples at T 1 over a larger pool (issue 31
+    §agents25)."""
+    return {"rollout": {"temperature": 0.5, "lambda_": 1, "max_staleness": 0, **rollout},
+            "train_pass_min": 0.01, "train_pass_empty": "all"}
 
 
 def default_domain_overrides() -> dict[str, dict[str, Any]]:
@@ -60,14 +62,13 @@ def default_domain_overrides() -> dict[str, dict[str, Any]]:
         # T 0.5, the tasks b0 solved (of 64), on-policy (issue 31 §agentslearn: with the SFT models of then, at T 1 70-90 %
         # of the episodes ended malformed and the demo's agents.low fell 7 -> 2 of 32); AGENTS_RL_SETTING's T 1 over a
         # 768-task pool (§agents25) costs its b0 alone ~8 minutes of one core, more than the demo's agents experts
-        "agents": {"steps": 16, "n_tasks": 64, "eval_n": 32, "eval_max_tokens": 256, **_CURRICULUM_ROLLOUTS,
-                   "rollout": {**_CURRICULUM_ROLLOUTS["rollout"], "n_prompts": 2, "max_tokens": 256}},
+        "agents": {"steps": 16, "n_tasks": 64, "eval_n": 32, "eval_max_tokens": 256,
+                   **_curriculum(n_prompts=2, max_tokens=256)},
         # the same rollouts, 4 prompts a step at lr 2e-4 decaying linearly, 64 held-out tasks: from an SFT model that
         # passes 31 % (200 SFT tasks of coding.write_function, the demo's data) coding.max's 16 steps went 0.31 -> 0.67
         # (n 64, p 6e-6; issue 31 §coding)
-        "coding": {"steps": 16, "n_tasks": 64, "eval_n": 64, "eval_max_tokens": 384, **_CURRICULUM_ROLLOUTS,
-                   "rollout": {**_CURRICULUM_ROLLOUTS["rollout"], "n_prompts": 4, "max_tokens": 384},
-                   "optim": {"lr": 2e-4, "lr_schedule": "linear"}},
+        "coding": {"steps": 16, "n_tasks": 64, "eval_n": 64, "eval_max_tokens": 384,
+                   **_curriculum(n_prompts=4, max_tokens=384), "optim": {"lr": 2e-4, "lr_schedule": "linear"}},
     }
 
 
@@ -87,8 +88,7 @@ demo's SFT model in 333 s instead of 455 s, the same learning (docs/decisions.md
 
 
 AGENTS_RL_SETTING: dict[str, dict[str, Any]] = {
-    "agents": {"n_tasks": 768, "eval_n": 100, **_CURRICULUM_ROLLOUTS, "train_pass_max": 0.75,
-               "rollout": {**_CURRICULUM_ROLLOUTS["rollout"], "n_prompts": 4, "temperature": 1.0},
+    "agents": {"n_tasks": 768, "eval_n": 100, **_curriculum(n_prompts=4, temperature=1.0), "train_pass_max": 0.75,
                "optim": {"lr": 6e-4, "lr_schedule": "linear"}},
     "agents.max": {"steps": 64, "eval_samples": 4},
 }
@@ -105,8 +105,7 @@ demo keeps its smaller agents experts (`default_domain_overrides`); configs/full
 
 
 CODING_RL_SETTING: dict[str, dict[str, Any]] = {
-    "coding": {"n_tasks": 256, "eval_n": 200, **_CURRICULUM_ROLLOUTS, "rollout": {**_CURRICULUM_ROLLOUTS["rollout"], "n_prompts": 4},
-               "optim": {"lr": 2e-4, "lr_schedule": "linear"}},
+    "coding": {"n_tasks": 256, "eval_n": 200, **_curriculum(n_prompts=4), "optim": {"lr": 2e-4, "lr_schedule": "linear"}},
     "coding.max": {"steps": 64, "eval_samples": 4},
 }
 """`AGENTS_RL_SETTING`'s recipe for coding (docs/decisions.md, issue 31 §coding): T 0.5 rollouts on the tasks b0 solved,

@@ -216,7 +216,7 @@ class Rollout:
     ) -> None:
         """``effort``: rendered into each prompt unless ``effort_fn`` decides; ``seed``: the engine's and the
         scheduler's."""
-        self.cfg, self.seed = cfg, seed
+        self.cfg = cfg
         self.model = model
         self.engine = build_engine(model, tokenizer, engine=cfg.engine, max_batch_size=cfg.slots,
                                    max_model_len=cfg.max_model_len, seed=seed,
