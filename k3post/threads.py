@@ -272,13 +272,36 @@ def exit_with_parent(poll_s: float = 0.5, parent: int | None = None) -> None:
     known = multiprocessing.parent_process()
     if parent is None:
         parent = known.pid if known is not None and known.pid is not None else os.getppid()
+    started_by = os.getppid()
+
+    def alive() -> bool:
+        if started_by == parent:  # started by the parent itself (spawn, Popen)
+            return os.getppid() == parent
+        # started for the parent by a fork server (`k3post.workers`), or re-parented already: the server's
+        # child as long as the parent lives (the server exits with the parent, which re-parents this one)
+        return os.getppid() == started_by and pid_alive(parent)
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while alive():
             time.sleep(poll_s)
         os._exit(1)
 
     threading.Thread(target=watch, name="k3post-exit-with-parent", daemon=True).start()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a process that exited but was not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it exists
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):  # no /proc (macOS): os.kill's answer
+        return True
 
 
 def child_threads(default: int = 1) -> int:

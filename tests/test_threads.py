@@ -239,7 +239,11 @@ def child(watch):
     time.sleep(120)
 
 if __name__ == "__main__":
-    p = mp.get_context("spawn").Process(target=child, args=(sys.argv[1] == "watch",))
+    if sys.argv[2] == "forkserver":  # as the pipeline starts its workers: from a fork server
+        from k3post.workers import worker_process
+        p = worker_process(child, (sys.argv[1] == "watch",))
+    else:
+        p = mp.get_context("spawn").Process(target=child, args=(sys.argv[1] == "watch",))
     p.start()
     print(p.pid, flush=True)
     time.sleep(120)
@@ -255,19 +259,23 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
 @pytest.mark.parametrize("watch", [True, False])
-def test_a_child_exits_when_its_command_is_killed(tmp_path, watch):
-    """A spawned child that called exit_with_parent is gone within seconds of its parent's SIGKILL (which runs no
-    cleanup: a daemon child would survive it); without the call the child lives on (the control)."""
+def test_a_child_exits_when_its_command_is_killed(tmp_path, watch, start):
+    """A child that called exit_with_parent is gone within seconds of its parent's SIGKILL (which runs no
+    cleanup: a daemon child would survive it); without the call the child lives on (the control). Spawned, or
+    forked by `k3post.workers`' fork server (whose child the parent is not: the server outlives neither)."""
     import signal
     import subprocess
     import time
 
     script = tmp_path / "parent.py"
     script.write_text(_PARENT)
-    parent = subprocess.Popen([sys.executable, str(script), "watch" if watch else "plain"], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, str(script), "watch" if watch else "plain", start], stdout=subprocess.PIPE,
+                              text=True)
     child = int(parent.stdout.readline())
     try:
+        time.sleep(1.0)  # several of the watcher's polls: it keeps a child whose parent lives
         assert _alive(child)
         parent.send_signal(signal.SIGKILL)
         parent.wait()

@@ -26,6 +26,7 @@ from k3post.stages.sft_data import default_corpus, run_tokenizer, sft_samples, s
 from k3post.spec.layout import draft_aux_layers, draft_target
 from k3post.spec.mtp import MTPHead, load_mtp, save_mtp
 from k3post.threads import child_threads, command_plan, exit_with_parent, use_threads
+from k3post.workers import worker_pool
 from k3post.tokenizer import ensure_xtml_tokens, load_tokenizer, train_tokenizer
 from k3post.urls import is_url
 from k3post.xtml import XTML
@@ -530,9 +531,7 @@ def _drafts_in_processes(cfg: K3Config, run: Path, target_dir: Path, losses: lis
                          processes: int) -> dict[str, tuple[int, dict[str, Any]]]:
     """``_train_one_draft`` for each loss in spawned worker processes, at most ``processes`` at once; a worker's
     exception is raised here."""
-    import multiprocessing as mp
-
-    with mp.get_context("spawn").Pool(min(processes, len(losses)), maxtasksperchild=1) as pool:
+    with worker_pool(min(processes, len(losses)), maxtasksperchild=1) as pool:
         return dict(zip(losses, pool.starmap(_draft_worker, [(cfg, run, target_dir, loss) for loss in losses], chunksize=1)))
 
 

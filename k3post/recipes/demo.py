@@ -47,6 +47,7 @@ from k3post.recipes.report import write_report
 from k3post.stages.sft import train_sft
 from k3post.stages.sft_data import run_tokenizer, sft_samples, synthesize_sft_data
 from k3post.threads import active_plan, child_threads, command_plan, exit_with_parent, use_threads
+from k3post.workers import worker_context, worker_process
 from k3post.spec.mtp import save_mtp
 from k3post.recipes.commands import distill, raise_if_failed, sft_summary, train_drafts
 from k3post.runs import RunSummary, open_run
@@ -99,11 +100,8 @@ def _baseline_worker(cfg: K3Config, run: Path, init_dir: Path, train_file: Path,
 
 
 def _start_baseline(cfg: K3Config, run: Path, init_dir: Path, train_file: Path) -> tuple[Any, Any]:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_baseline_worker, args=(cfg, run, init_dir, train_file, out), daemon=True)
+    out = worker_context().Queue()
+    proc = worker_process(_baseline_worker, (cfg, run, init_dir, train_file, out), daemon=True)
     proc.start()
     return proc, out
 

@@ -56,6 +56,7 @@ from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.evaluation import evaluate_episodes, paired_passes, paired_shares, reference_effort_tokens
 from k3post.stats import paired_change, paired_mean_change
 from k3post.threads import child_threads, exit_with_parent
+from k3post.workers import worker_pool
 from k3post.tokenizer import load_tokenizer
 from k3post.xtml import XTML
 
@@ -181,11 +182,9 @@ def train_experts(
         chains = [[(job, e) for e in cfg.effort_control.curriculum] for job in jobs]
         tables = dict(zip(domains, cluster.run_chains(_expert_job, chains)))
     elif processes > 1 and len(domains) > 1 and scorer is None:
-        import multiprocessing as mp
-
         jobs = [  # scorers (judges) are built inside each worker from cfg.judge
             (d, str(sft_dir), cfg, str(out), qat, str(metrics_dir) if metrics_dir else None, judge_engine) for d in domains]
-        with mp.get_context("spawn").Pool(min(processes, len(domains)), maxtasksperchild=1) as pool:
+        with worker_pool(min(processes, len(domains)), maxtasksperchild=1) as pool:
             pending = [pool.apply_async(_domain_worker, (job,)) for job in jobs]
             # then each domain's "before" row as a job of its own: a worker whose domain finished early computes
             # it while that domain's worker trains (`before_row`: whoever reaches a row first computes it)

@@ -74,6 +74,7 @@ from k3post.rollout.teachers import TeacherPool
 from k3post.rollout.trajectory import Group, Trajectory
 from k3post.stats import paired_change, paired_ratio
 from k3post.threads import child_threads, exit_with_parent
+from k3post.workers import worker_pool
 from k3post.urls import is_url
 from k3post.xtml import EFFORTS, OMIT_EFFORT, XTML
 
@@ -411,9 +412,7 @@ def evaluate_mopd(
     workers = job = None
     teachers: dict[str, Any] = {}
     if processes > 1 and local and (engine is None or engine.kind == "embedded"):
-        import multiprocessing as mp
-
-        workers = mp.get_context("spawn").Pool(1)
+        workers = worker_pool(1)
         job = workers.apply_async(_teacher_episodes, ((
             local, {d: list(tasks[d]) for d, _, _, _ in local}, {x: pool.experts[x] for _, _, x, _ in local}, pool.dtype,
             pool.qat, xtml.tokenizer, teacher_sees_effort, student.max_batch_size, student.max_model_len),))
