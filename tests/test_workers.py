@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
 from k3post import workers
+
+_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _loaded(names: list[str]) -> dict[str, bool]:
@@ -64,3 +67,29 @@ def test_an_unknown_start_method_is_an_error_naming_the_variable(monkeypatch):
 def test_worker_pool_keeps_its_initializer(monkeypatch):
     with pytest.raises(TypeError, match="initializer"):
         workers.worker_pool(1, initializer=print)
+
+
+_CUDA_SPY = """
+import torch, importlib, json
+calls = []
+for name in ("is_available", "device_count", "_lazy_init", "init", "current_device"):
+    def spy(*a, _n=name, _f=getattr(torch.cuda, name), **k):
+        calls.append(_n)
+        return _f(*a, **k)
+    setattr(torch.cuda, name, spy)
+from k3post.workers import PRELOAD
+for m in PRELOAD:
+    importlib.import_module(m)
+print(json.dumps(calls))
+"""
+
+
+def test_the_preload_never_touches_cuda():
+    """The server forks every worker: had importing `PRELOAD` asked CUDA anything (``is_available`` initialises the
+    driver), a worker on a GPU machine would inherit a driver state that does not survive a fork."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _CUDA_SPY], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))})
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
