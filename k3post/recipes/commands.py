@@ -420,8 +420,8 @@ def train_drafts(cfg: K3Config, run: Path, target_dir: Path, losses: Sequence[st
     """EAGLE-3 drafts for the frozen target in ``target_dir`` (QAT as it runs), one per loss in ``losses``, all on
     the same data (the target's own episodes, `k3post.spec.data`; every tenth held out), steps and seed; each is
     trained into ``run/draft/<loss>`` and exported (vLLM / SGLang layout) to ``run/draft/<loss>/final``.
-    With ``processes`` > 1 the losses train side by side in that many spawned processes (each at the thread count
-    of the caller's plan, `k3post.threads.child_threads`), after the data is made once here; a failed one's
+    With ``processes`` > 1 the losses train side by side in that many worker processes (`k3post.workers`; each at
+    the thread count of the caller's plan, `k3post.threads.child_threads`), after the data is made once here; a failed one's
     exception is raised here. Returns (and writes to ``run/draft/summary.json``) held-out acceptance by depth at
     temperature 1 and 0 before and after training, and the expected acceptance length at k = 3 and 5 drafted tokens."""
     from k3post.envs.families import default_families
@@ -529,8 +529,8 @@ def _draft_worker(cfg: K3Config, run: Path, target_dir: Path, loss: str) -> tupl
 
 def _drafts_in_processes(cfg: K3Config, run: Path, target_dir: Path, losses: list[str],
                          processes: int) -> dict[str, tuple[int, dict[str, Any]]]:
-    """``_train_one_draft`` for each loss in spawned worker processes, at most ``processes`` at once; a worker's
-    exception is raised here."""
+    """``_train_one_draft`` for each loss in worker processes (`k3post.workers`), at most ``processes`` at once; a
+    worker's exception is raised here."""
     with worker_pool(min(processes, len(losses)), maxtasksperchild=1) as pool:
         return dict(zip(losses, pool.starmap(_draft_worker, [(cfg, run, target_dir, loss) for loss in losses], chunksize=1)))
 

@@ -158,8 +158,8 @@ def train_experts(
     the merged table (also written to ``table.json``; its domain × effort view with the targets checked,
     `expert_grid`, to ``grid.json``).
 
-    The domains' chains are independent, so with ``processes`` > 1 they train in that many spawned
-    processes (each with the threads of the plan in force, `k3post.threads.child_threads`, one without; metrics to ``metrics_dir`` through their own loggers, the
+    The domains' chains are independent, so with ``processes`` > 1 they train in that many worker
+    processes (`k3post.workers`; each with the threads of the plan in force, `k3post.threads.child_threads`, one without; metrics to ``metrics_dir`` through their own loggers, the
     JSONL file is shared under a file lock). A judge given as a live ``scorer`` object forces one
     process; ``cfg.judge`` is built inside each worker instead.
 

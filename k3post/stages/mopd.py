@@ -395,8 +395,8 @@ def evaluate_mopd(
     student's numbers only: its row has ``teacher_endpoint`` and NaN teacher numbers.
     ``max_tokens``: the per-turn cap, one for all or domain → cap (e.g. `eval_caps`). ``engine``: the teachers'
     engine (default: embedded; over ``http`` each teacher runs on launched servers of its own).
-    ``processes`` = 2 (embedded engines only): the local teachers' episodes run in a spawned process (the threads of
-    the caller's plan, `k3post.threads.child_threads`; each teacher loaded there from its folder as the pool loads
+    ``processes`` = 2 (embedded engines only): the local teachers' episodes run in a worker process (`k3post.workers`;
+    the threads of the caller's plan, `k3post.threads.child_threads`; each teacher loaded there from its folder as the pool loads
     it) while this one runs the student's: the same episodes, so the same table.
     ``known``: expert → the summary of its greedy episodes on exactly these tasks at its effort and cap, measured
     before (the experts' own held-out evaluation, `reusable_teacher_evals`): used as the teacher's numbers instead

@@ -99,8 +99,8 @@ def _rank_entry(rank: int, worker: Callable[..., Any], ranks: int, port: int, ba
 
 
 def launch_local(worker: Callable[..., Any], ranks: int, *args: Any, backend: str = "gloo", threads: int = 1) -> None:
-    """Run ``worker(rank, *args)`` in ``ranks`` spawned processes on this machine, in one process group
-    (rendezvous on 127.0.0.1 and a free port, as torchrun's env). ``worker`` must be importable (a
+    """Run ``worker(rank, *args)`` in ``ranks`` worker processes on this machine (`k3post.workers`), in one process
+    group (rendezvous on 127.0.0.1 and a free port, as torchrun's env). ``worker`` must be importable (a
     module-level function); it reports through files. ``threads``: torch threads per rank (0: torch's
     default). Raises when a rank fails (``torch.multiprocessing.ProcessRaisedException``)."""
     if ranks < 1:

@@ -167,7 +167,7 @@ def _follower_entry(i: int, world: int, init_method: str, fsdp: FSDPConfig, thre
 
 class Followers:
     """Ranks 1..N-1 of one attempt: started, watched, stopped. This class runs them as local processes
-    (spawned); `k3post.distributed.ray_cluster.RayFollowers` as Ray actors on the trainer bundles."""
+    (`k3post.workers`); `k3post.distributed.ray_cluster.RayFollowers` as Ray actors on the trainer bundles."""
 
     host = "127.0.0.1"  # where rank 0 listens for the rendezvous
 
