@@ -169,7 +169,14 @@ def _rl_overrides(steps: int) -> list[str]:
     return [f"rl.steps={steps}", "rl.n_tasks=4", "rl.rollout.n_prompts=3", "rl.rollout.k=2", "rl.rollout.slots=3", "rl.eval_n=2", "rl.rollout.max_tokens=24",
             "rl.eval_max_tokens=8", "rl.rollout.lambda_=0.5", "rl.rollout.kv_pool_mb=4", "rl.save_every=1", "rl.keep_last=2",
             "rl.families=[general.arithmetic]", "rl.progress=false", "rl.optim.lr=1e-3", "qat.enabled=false",
-            "rl.effort_control.b0_samples=1"]
+            "rl.effort_control.b0_samples=1",
+            # general and general.max's own settings (GENERAL_MAX_SETTING: 32 prompts on-policy, 256 slots, avg@8) back
+            # to this stage's: 3 slots for 6 samples at λ = 0.5 pause some of them
+            "rl.domain_overrides.general.n_tasks=4", "rl.domain_overrides.general.eval_n=2",
+            "rl.domain_overrides.general.rollout.slots=3", "rl.domain_overrides.general.max.rollout.n_prompts=3",
+            "rl.domain_overrides.general.max.rollout.lambda_=0.5", "rl.domain_overrides.general.max.rollout.max_staleness=4",
+            "rl.domain_overrides.general.max.optim.lr=1e-3", "rl.domain_overrides.general.max.optim.lr_schedule=constant",
+            "rl.domain_overrides.general.max.eval_samples=0"]
 
 
 def _rl_stage(fx: dict[str, Path], steps: int, init: Path) -> Stage:
@@ -198,7 +205,20 @@ def _mopd_stage(fx: dict[str, Path], steps: int, init: Path) -> Stage:
         run.mkdir(parents=True, exist_ok=True)
         rl = {k.split("=", 1)[0].removeprefix("rl."): v.split("=", 1)[1] for k, v in ((o, o) for o in _rl_overrides(steps))
               if k.startswith("rl.") and not k.startswith("rl.effort_control") and not k.startswith("rl.families")}
-        rl_yaml = ", ".join(f"{k}: {v}" for k, v in rl.items())
+        nested: dict[str, Any] = {}  # "rollout.k" -> {rollout: {k: ...}}: YAML takes a section's keys nested
+        for k, v in rl.items():
+            *path, leaf = k.split(".")
+            if path[:1] == ["domain_overrides"] and len(path) > 2 and path[2] in ("low", "high", "max"):
+                path[1:3] = [f"{path[1]}.{path[2]}"]  # an expert's own key: "general.max"
+            node = nested
+            for part in path:
+                node = node.setdefault(part, {})
+            node[leaf] = v
+
+        def flow(m: dict[str, Any]) -> str:
+            return "{" + ", ".join(f"{k}: {flow(v) if isinstance(v, dict) else v}" for k, v in m.items()) + "}"
+
+        rl_yaml = flow(nested)[1:-1]
         (run / "mopd.yaml").write_text(
             f"run: {{root: {run.parent}, name: {run.name}}}\nqat: {{enabled: false}}\n"
             f"mopd:\n  experts: {{general.max: {fx['model']}}}\n  effort_mix: {{low: 0.0, high: 0.0, max: 1.0}}\n  domains: [general]\n"
