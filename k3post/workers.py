@@ -31,13 +31,12 @@ log = logging.getLogger(__name__)
 __all__ = [
     "PRELOAD",
     "START_ENV",
-    "rank_entry_with_env",
     "start_env",
     "start_method",
+    "start_ranks",
     "worker_context",
     "worker_pool",
     "worker_process",
-    "worker_start",
 ]
 
 START_ENV = "K3POST_WORKER_START"
@@ -103,14 +102,17 @@ def worker_process(target: Callable[..., Any], args: tuple[Any, ...] = (), **kwa
     return worker_context().Process(target=_call_with_env, args=(dict(os.environ), target, *args), **kwargs)
 
 
-def worker_start() -> str:
-    """The start method name for ``torch.multiprocessing.start_processes`` (FSDP ranks): the worker context's,
-    with the server's preload set."""
-    worker_context()
-    return start_method()
+def start_ranks(entry: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, join: bool) -> Any:
+    """``torch.multiprocessing.start_processes`` of ``nprocs`` local ranks from the worker context: rank i runs
+    ``entry(i, *args)`` in the parent's environment of now (its context, as the function returns it, when
+    ``join`` is False)."""
+    import torch.multiprocessing  # here: this module stays free of torch (a spawned worker imports only what it runs)
+
+    worker_context()  # the server's preload set before torch starts it
+    return torch.multiprocessing.start_processes(_rank_with_env, args=(dict(os.environ), entry, *args), nprocs=nprocs,
+                                                 join=join, start_method=start_method())
 
 
-def rank_entry_with_env(rank: int, env: Mapping[str, str], target: Callable[..., Any], *args: Any) -> Any:
-    """For ``torch.multiprocessing.start_processes(rank_entry_with_env, args=(env, target, *args), ...)``."""
+def _rank_with_env(rank: int, env: Mapping[str, str], entry: Callable[..., Any], *args: Any) -> Any:
     start_env(env)
-    return target(rank, *args)
+    return entry(rank, *args)

@@ -55,7 +55,7 @@ from k3post.rewards.judge import GroupScorer, build_group_scorer, judged_familie
 from k3post.rollout.factory import build_engine, close_engine
 from k3post.rollout.evaluation import evaluate_episodes, paired_passes, paired_shares, reference_effort_tokens
 from k3post.stats import paired_change, paired_mean_change
-from k3post.threads import child_threads, exit_with_parent
+from k3post.threads import child_threads, exit_with_parent, pid_alive
 from k3post.workers import worker_pool
 from k3post.tokenizer import load_tokenizer
 from k3post.xtml import XTML
@@ -394,15 +394,7 @@ def _claim_alive(path: Path) -> bool:
         pid = int(path.read_text() or "0")
     except (OSError, ValueError):
         return True  # being written: its owner is alive
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid <= 0 or pid_alive(pid)
 
 
 def _compute_before(domain: str, sft_dir: str | Path, cfg: RLConfig, qat: QATConfig | None,

@@ -68,9 +68,6 @@ class RLResult:
     seconds: float
 
 
-
-
-
 def rl_signal(budgets: BudgetTable, cfg: RLConfig, scorer: GroupScorer | None = None) -> Signal:
     """The RL signal (SPEC §3): verifier or GRM reward → effort override → group advantage."""
     def signal(groups: Sequence[Group]) -> tuple[list[TokenSequence], dict[str, float]]:

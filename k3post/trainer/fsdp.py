@@ -70,7 +70,7 @@ from k3post.config.optim import OptimConfig
 from k3post.distributed.weight_sync import named_weights
 from k3post.trainer.local import Trainer
 from k3post.threads import exit_with_parent
-from k3post.workers import rank_entry_with_env, worker_start
+from k3post.workers import start_ranks
 
 __all__ = ["FSDPTrainer", "launch_local", "free_port", "sum_over_ranks"]
 
@@ -105,9 +105,7 @@ def launch_local(worker: Callable[..., Any], ranks: int, *args: Any, backend: st
     default). Raises when a rank fails (``torch.multiprocessing.ProcessRaisedException``)."""
     if ranks < 1:
         raise ValueError(f"launch_local: ranks must be >= 1, got {ranks}")
-    env = dict(os.environ)
-    torch.multiprocessing.start_processes(rank_entry_with_env, args=(env, _rank_entry, worker, ranks, free_port(), backend,
-                                          threads, args), nprocs=ranks, join=True, start_method=worker_start())
+    start_ranks(_rank_entry, (worker, ranks, free_port(), backend, threads, args), ranks, join=True)
 
 
 def sum_over_ranks(sums: Mapping[str, float]) -> dict[str, float]:

@@ -46,7 +46,7 @@ from k3post.config.optim import OptimConfig
 from k3post.threads import RANKS, active_plan
 from k3post.trainer.local import leading, leading_ranks
 from k3post.threads import exit_with_parent
-from k3post.workers import rank_entry_with_env, worker_start
+from k3post.workers import start_ranks
 
 __all__ = ["Followers", "Leader", "on_ranks", "serve_rank"]
 
@@ -172,9 +172,7 @@ class Followers:
     host = "127.0.0.1"  # where rank 0 listens for the rendezvous
 
     def start(self, world: int, init_method: str, fsdp: FSDPConfig, threads: int) -> None:
-        self.procs = torch.multiprocessing.start_processes(
-            rank_entry_with_env, args=(dict(os.environ), _follower_entry, world, init_method, fsdp, threads),
-            nprocs=world - 1, join=False, start_method=worker_start())
+        self.procs = start_ranks(_follower_entry, (world, init_method, fsdp, threads), world - 1, join=False)
 
     def lost(self, wait_s: float) -> list[str]:
         """The followers that died (one line each), waiting up to ``wait_s`` for a death to show."""
