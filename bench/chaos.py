@@ -198,31 +198,19 @@ def _rl_stage(fx: dict[str, Path], steps: int, init: Path) -> Stage:
 
 
 def _mopd_stage(fx: dict[str, Path], steps: int, init: Path) -> Stage:
+    # the RL stage's settings as MOPD's (``mopd.rl.*`` on the command line, where the loader takes dotted keys)
+    rl = [f"mopd.{o}" for o in _rl_overrides(steps)
+          if o.startswith("rl.") and not o.startswith(("rl.effort_control", "rl.families"))]
+
     def argv(run: Path) -> list[str]:
-        return _cli("mopd", str(run / "mopd.yaml"), f"rl.init={init}")
+        return _cli("mopd", str(run / "mopd.yaml"), f"rl.init={init}", *rl)
 
     def setup(run: Path) -> None:
         run.mkdir(parents=True, exist_ok=True)
-        rl = {k.split("=", 1)[0].removeprefix("rl."): v.split("=", 1)[1] for k, v in ((o, o) for o in _rl_overrides(steps))
-              if k.startswith("rl.") and not k.startswith("rl.effort_control") and not k.startswith("rl.families")}
-        nested: dict[str, Any] = {}  # "rollout.k" -> {rollout: {k: ...}}: YAML takes a section's keys nested
-        for k, v in rl.items():
-            *path, leaf = k.split(".")
-            if path[:1] == ["domain_overrides"] and len(path) > 2 and path[2] in ("low", "high", "max"):
-                path[1:3] = [f"{path[1]}.{path[2]}"]  # an expert's own key: "general.max"
-            node = nested
-            for part in path:
-                node = node.setdefault(part, {})
-            node[leaf] = v
-
-        def flow(m: dict[str, Any]) -> str:
-            return "{" + ", ".join(f"{k}: {flow(v) if isinstance(v, dict) else v}" for k, v in m.items()) + "}"
-
-        rl_yaml = flow(nested)[1:-1]
         (run / "mopd.yaml").write_text(
             f"run: {{root: {run.parent}, name: {run.name}}}\nqat: {{enabled: false}}\n"
             f"mopd:\n  experts: {{general.max: {fx['model']}}}\n  effort_mix: {{low: 0.0, high: 0.0, max: 1.0}}\n  domains: [general]\n"
-            f"  families: {{general: [general.arithmetic]}}\n  max_resident: 1\n  rl: {{{rl_yaml}}}\n")
+            f"  families: {{general: [general.arithmetic]}}\n  max_resident: 1\n")
 
     return Stage("mopd", argv, _ckpt_progress("mopd/checkpoints", steps),
                  _compare_training("mopd/final", "mopd", "mopd/checkpoints", 2), setup)
