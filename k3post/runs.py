@@ -34,7 +34,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
-from k3post.config import K3Config, to_yaml
+from k3post.config import K3Config, config_tree, to_yaml
 from k3post.errors import UserError, attach_run_log
 from k3post.io import atomic_write
 from k3post.spec.layout import draft_aux_layers, draft_target
@@ -115,9 +115,7 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def _settings(cfg: K3Config, stage: str) -> dict[str, Any]:
     """The stage's keys of `STAGES` (less `FREE_KEYS`) → their values, as JSON reads them back."""
-    from omegaconf import OmegaConf
-
-    flat = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    flat = _flatten(config_tree(cfg))
     keep = {k: v for k, v in flat.items() if _relevant(k, stage)}
     return json.loads(json.dumps(keep))
 

@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
+import functools
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any, Sequence
 
 import yaml
 from omegaconf import OmegaConf
+from omegaconf._utils import get_omega_conf_dumper
 from omegaconf.errors import OmegaConfBaseException
 
 from k3post.config.data import DataConfig
@@ -45,7 +50,7 @@ from k3post.config.sft import SFTConfig
 from k3post.errors import UserError
 from k3post.yamlio import read_yaml_mapping
 
-__all__ = ["ConfigError", "RunConfig", "DemoConfig", "K3Config", "load_config", "to_yaml", "DataConfig", "EffortConfig",
+__all__ = ["ConfigError", "RunConfig", "DemoConfig", "K3Config", "load_config", "config_tree", "to_yaml", "DataConfig", "EffortConfig",
            "EvalConfig", "ModelConfig", "TokenizerConfig", "MOPDConfig", "OptimConfig", "PolicyOptimConfig", "LossConfig",
            "QATConfig", "RLConfig",
            "EngineConfig", "RolloutConfig", "SFTConfig", "DraftConfig", "SandboxConfig", "apply_sandbox_config",
@@ -133,24 +138,29 @@ def _field_types(cls: type, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """(dotted key, resolved type) of every field of a dataclass tree, sections before their fields."""
     for f in dataclasses.fields(cls):
         dotted = f"{prefix}{f.name}"
-        ftype = f.type if not isinstance(f.type, str) else _resolve(cls, f.name)
+        ftype = f.type if not isinstance(f.type, str) else _type_hints(cls)[f.name]
         yield dotted, ftype
         if dataclasses.is_dataclass(ftype):
             yield from _field_types(ftype, dotted + ".")
 
 
-def _valid_keys(cls: type) -> dict[str, type | None]:
-    """All dotted keys of a dataclass tree → the dataclass type of a section (None for leaves)."""
-    return {k: (t if dataclasses.is_dataclass(t) else None) for k, t in _field_types(cls)}
+# The config classes do not change while the program runs, so what is read off their fields is read once per
+# class: resolving the string annotations (``from __future__ import annotations``) of every field through
+# `typing.get_type_hints` was half of a `load_config` call (0.17 s), which every command and many tests make.
 
 
-def _resolve(cls: type, name: str) -> Any:
-    import typing
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
-    return typing.get_type_hints(cls)[name]
+
+@functools.cache
+def _valid_keys(cls: type) -> Mapping[str, type | None]:
+    """All dotted keys of a dataclass tree → the dataclass type of a section (None for leaves); read-only."""
+    return MappingProxyType({k: (t if dataclasses.is_dataclass(t) else None) for k, t in _field_types(cls)})
 
 
-def _check_keys(tree: Any, valid: dict[str, type | None], source: str, prefix: str = "") -> None:
+def _check_keys(tree: Any, valid: Mapping[str, type | None], source: str, prefix: str = "") -> None:
     if not isinstance(tree, dict):
         return
     for key, value in tree.items():
@@ -172,18 +182,17 @@ def _check_keys(tree: Any, valid: dict[str, type | None], source: str, prefix: s
             _check_keys(value, valid, source, dotted + ".")
 
 
-def _flat_mappings(cls: type) -> set[str]:
+@functools.cache
+def _flat_mappings(cls: type) -> frozenset[str]:
     """Dotted keys of the dict fields whose values are not mappings (``data.family_tasks``,
     ``mopd.experts``): their own keys may contain dots (family and expert names)."""
-    import typing
-
     out: set[str] = set()
     for dotted, ftype in _field_types(cls):
         if typing.get_origin(ftype) is dict:
             value = typing.get_args(ftype)[1] if typing.get_args(ftype) else Any
             if typing.get_origin(value) is not dict and value is not dict:
                 out.add(dotted)
-    return out
+    return frozenset(out)
 
 
 def _dotlist_tree(overrides: Sequence[str]) -> list[tuple[str, dict]]:
@@ -224,8 +233,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     layers.extend((f"override '{item}'", tree) for item, tree in _dotlist_tree(overrides))
     for source, tree in layers:
         _check_keys(tree, valid, source)
-        try:
-            merged = OmegaConf.merge(merged, OmegaConf.create(tree))
+        try:  # in place: `OmegaConf.merge` would deep-copy the whole config once per layer (~15 ms an override)
+            merged.merge_with(OmegaConf.create(tree))
         except OmegaConfBaseException as e:
             key = getattr(e, "full_key", None) or ""
             raise ConfigError(f"{source}: bad value for '{key}': {e.msg if hasattr(e, 'msg') else e}") from e
@@ -271,6 +280,24 @@ def _sets(tree: Any, dotted: str) -> bool:
     return True
 
 
+def config_tree(cfg: Any) -> Any:
+    """A loaded config (or any section of it) as plain values: dicts in field order, lists (for lists and
+    tuples), enum names and scalars, as ``OmegaConf.to_container`` gives them. Read straight off the dataclasses:
+    OmegaConf builds and deep-copies a node per value (~70 ms a config), every command did it twice (the run's
+    ``config.yaml``, the settings `k3post.runs` records) and a test file of commands several times over."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: config_tree(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, Mapping):
+        return {k: config_tree(v) for k, v in cfg.items()}
+    if isinstance(cfg, (list, tuple)):
+        return [config_tree(v) for v in cfg]
+    if isinstance(cfg, enum.Enum):
+        return cfg.name
+    return cfg
+
+
 def to_yaml(cfg: K3Config) -> str:
-    """The resolved config as YAML (written into every run folder)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The resolved config as YAML (written into every run folder): OmegaConf's YAML of it, byte for byte
+    (tests/test_config.py), from `config_tree`."""
+    return yaml.dump(config_tree(cfg), Dumper=get_omega_conf_dumper(), default_flow_style=False, allow_unicode=True,
+                     sort_keys=False)
