@@ -14,6 +14,8 @@ import copy
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -574,6 +576,35 @@ def test_a_killed_env_worker_without_retries_fails_its_episodes_with_a_reason(bu
     adv = group_advantages_from_groups([[float(t.reward or 0.0) for t in g] for g in groups],
                                        valid=[[t.infra is None for t in g] for g in groups])
     assert all(a == 0.0 for g, a_g in zip(groups, adv.advantages) for t, a in zip(g, a_g) if t.infra)
+
+
+
+_ENV_WORKER_IMPORTS = """
+import sys
+import k3post.distributed.env_workers  # what Ray imports to unpickle EnvWorkerActor
+from k3post.envs.episode import run_episode_sync
+from k3post.envs.families.registry import families, local_env
+for fam in families():
+    task = fam.generate(1, seed=0)[0]
+    if fam.name == "coding.webdev":  # its verifier drives Chromium (seconds): the reset builds its environment
+        import asyncio
+        asyncio.run(local_env(task).reset(task))
+        continue
+    run_episode_sync(fam.reference_policy(task, "low"), local_env(task), task, verify=True)
+print(sorted(m for m in ("torch", "transformers", "k3post.rollout", "k3post.tokenizer") if m in sys.modules))
+"""
+
+
+def test_an_env_worker_runs_every_family_without_torch():
+    """An env worker imports its module and builds, steps and verifies environments: none of that needs torch
+    or the rollout (each worker paid ~2 s of a core for them at every start and restart, 11 starts in this
+    file). A fresh interpreter, so nothing else has imported them already."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    res = subprocess.run([sys.executable, "-c", _ENV_WORKER_IMPORTS], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "[]", res.stdout
 
 
 # --------------------------------------------------------------------------- GRM judges on their bundles

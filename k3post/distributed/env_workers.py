@@ -9,8 +9,9 @@ rollout's `AgentLoop` holds a `RemoteEnvironment` in its place.
 evaluation and the budgets call): `remote_environments` installs `EnvWorkerPool.environment`, so the agent
 loop, the scheduler and the stage loops do not change. A `RemoteEnvironment` has the interface the agent
 loop uses (``reset``, ``step``, ``verify``, ``tool_specs``, ``state_dict``, ``load_state_dict``, ``close``);
-each call is one Ray call to its worker, which builds the family's environment (`local_env`) and keeps it
-live between calls. New episodes are dealt round-robin over the workers.
+each call is one Ray call to its worker, which builds the family's environment
+(`k3post.envs.families.registry.local_env`) and keeps it live between calls. New episodes are dealt
+round-robin over the workers. A worker imports no torch: it runs environments only.
 
 **Faults.** Every ``reset`` and ``step`` returns the episode's ``state_dict`` (sandbox snapshot included)
 with its result, and the `RemoteEnvironment` keeps it: that is the episode's saved state. When a call finds
@@ -45,6 +46,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from k3post.config.sandbox import SandboxConfig, apply_sandbox_config
 from k3post.envs.env import EnvironmentLost, StepResult
+from k3post.envs.families.registry import local_env
 from k3post.envs.task import Task, Verdict
 from k3post.envs.tools import ToolSpec
 
@@ -60,11 +62,8 @@ class EnvWorkerActor:
     since), else ``(True, result)``."""
 
     def __init__(self, sandbox: SandboxConfig | None = None) -> None:
-        import torch
-
-        from k3post.rollout.evaluation import local_env
-
-        torch.set_num_threads(1)
+        # no torch here: the environments are tools, sandboxes and verifiers (their children run the agent's
+        # code); a worker that imported the rollout would pay ~2 s of a core at every (re)start for nothing
         if sandbox is not None:
             apply_sandbox_config(sandbox)
         self._local_env = local_env

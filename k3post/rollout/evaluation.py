@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from k3post.envs.families.registry import get_family
+from k3post.envs.families.registry import get_family, local_env
 from k3post.envs.task import Task
 from k3post.rollout.agent_loop import AgentLoop, trajectory_seed
 from k3post.rollout.engine import SamplingParams
@@ -34,11 +34,6 @@ __all__ = ["run_episodes", "evaluate_episodes", "summarize_trajectories", "paire
 
 
 _PLACEMENT: list[Callable[[Task], Any]] = []  # env factories installed by `env_placement`, innermost last
-
-
-def local_env(task: Task) -> Any:
-    """A fresh environment for ``task`` from its registered family, in this process."""
-    return get_family(task.family).make_env(task)
 
 
 def make_env(task: Task) -> Any:

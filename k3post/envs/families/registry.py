@@ -187,6 +187,12 @@ def get_family(name: str) -> TaskFamily:
     return _FAMILIES[name]
 
 
+def local_env(task: Task) -> Environment:
+    """A fresh environment for ``task`` from its registered family, in this process (the rollout's `make_env`
+    places it elsewhere: `k3post.rollout.evaluation.env_placement`)."""
+    return get_family(task.family).make_env(task)
+
+
 def families(domain: str | None = None) -> list[TaskFamily]:
     """All registered families, optionally of one domain, sorted by name."""
     load_builtin()
