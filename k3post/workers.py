@@ -1,5 +1,6 @@
 """Worker processes of one command (the demo's SFT pair, the RL domain workers, the drafts, MOPD's teacher
-worker, FSDP ranks): started from a fork server that has imported torch, transformers and k3post once.
+worker, FSDP ranks, the engine servers of ``engine.launch``): started from a fork server that has imported
+torch, transformers and k3post once.
 
 A spawned child imports torch, transformers and the k3post stage it runs before it does any work: ~5 s of one
 core each (`python -X importtime -c "import k3post.stages.rl"`), which the demo pays for nine children and the
@@ -49,6 +50,7 @@ PRELOAD: tuple[str, ...] = (
     "k3post.recipes.commands",
     "k3post.stages.mopd",
     "k3post.trainer.fsdp",
+    "k3post.serve.app",  # engine servers a command launches (`k3post.serve.launch`)
 )
 
 _logged: list[str] = []
@@ -97,9 +99,12 @@ def worker_pool(processes: int, **kwargs: Any) -> Any:
     return worker_context().Pool(processes, initializer=start_env, initargs=(dict(os.environ),), **kwargs)
 
 
-def worker_process(target: Callable[..., Any], args: tuple[Any, ...] = (), **kwargs: Any) -> Any:
-    """A ``Process`` of the worker context running ``target(*args)`` in the parent's environment of now."""
-    return worker_context().Process(target=_call_with_env, args=(dict(os.environ), target, *args), **kwargs)
+def worker_process(target: Callable[..., Any], args: tuple[Any, ...] = (), *, env: Mapping[str, str] | None = None,
+                   **kwargs: Any) -> Any:
+    """A ``Process`` of the worker context running ``target(*args)`` in the parent's environment of now, with
+    ``env``'s variables set over it."""
+    return worker_context().Process(target=_call_with_env, args=({**os.environ, **(env or {})}, target, *args),
+                                    **kwargs)
 
 
 def start_ranks(entry: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, join: bool) -> Any:

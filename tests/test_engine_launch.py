@@ -20,7 +20,7 @@ from k3post.quant.qat import QATConfig, apply_qat
 from k3post.rollout import EmbeddedEngine, SamplingParams
 from k3post.rollout.engine import GenerationRequest
 from k3post.rollout.factory import build_engine, close_engine
-from k3post.serve.launch import LocalServers
+from k3post.serve.launch import LocalServers, ServerHandle
 from k3post.xtml import EOM, XTML
 
 pytest.importorskip("uvicorn")
@@ -68,6 +68,7 @@ def test_launched_servers_sample_what_the_embedded_engine_samples(xtml_tokenizer
         servers = eng._close_hooks[0].__self__  # the LocalServers the engine owns
         assert isinstance(servers, LocalServers) and servers.urls == eng.urls and len(servers.servers) == 1
         procs, folder = [s.proc for s in servers.servers], servers.remove_on_close
+        assert all(isinstance(p, ServerHandle) for p in procs)  # a worker of this process (k3post.workers)
         assert folder is not None and (folder / "model" / "config.json").is_file()
         got = [eng.generate([r])[0] for r in reqs]
     finally:
@@ -92,6 +93,25 @@ def test_a_server_that_cannot_start_names_its_log(tmp_path: Path, xtml_tokenizer
         LocalServers(bad, 1, ready_timeout_s=120)
     with pytest.raises(ValueError, match="not a model folder"):
         LocalServers(tmp_path, 1)
+
+
+def _launch_in_a_pool_worker(model_dir: str) -> tuple[str, int]:
+    """In a daemonic worker (as the experts' pool workers are): start a server, ask its /health, stop it."""
+    import httpx
+
+    with LocalServers(model_dir, 1, ready_timeout_s=120, threads=1) as servers:
+        s = servers.servers[0]
+        return type(s.proc).__name__, httpx.get(s.url + "/health", timeout=10).status_code
+
+
+def test_a_pool_worker_launches_its_servers_as_fresh_interpreters(tmp_path: Path, xtml_tokenizer):
+    """multiprocessing lets a daemonic process (a pool worker: the experts' domain workers) start no process of
+    its own, so there a server is a fresh ``python -m k3post serve`` (logged), which serves the same."""
+    from k3post.workers import worker_pool
+
+    save_model(_model(xtml_tokenizer), tmp_path / "m", xtml_tokenizer)
+    with worker_pool(1) as pool:
+        assert pool.apply(_launch_in_a_pool_worker, (str(tmp_path / "m"),)) == ("Popen", 200)
 
 
 @pytest.mark.slow  # ~35 s: two teachers, a server each
@@ -133,9 +153,10 @@ def test_evaluate_family_over_a_launched_server_equals_in_process(xtml_tokenizer
 _LAUNCHER = '''
 import sys, time
 from k3post.serve.launch import LocalServers
-servers = LocalServers(sys.argv[1], 1, ready_timeout_s=120)
-print(servers.servers[0].proc.pid, flush=True)
-time.sleep(300)
+if __name__ == "__main__":  # the server is a worker process (k3post.workers), which imports this module again
+    servers = LocalServers(sys.argv[1], 1, ready_timeout_s=120)
+    print(servers.servers[0].proc.pid, flush=True)
+    time.sleep(300)
 '''
 
 

@@ -1,6 +1,14 @@
 """Local engine servers: `LocalServers` starts ``k3post serve`` processes for a model folder on loopback,
 waits until each answers ``/health``, and stops them (terminate, then kill) when closed.
 
+A server is a worker process of the command (`k3post.workers`: forked from the server that imported the
+pipeline once, ~0.5 s of a core to start where a fresh ``python -m k3post serve`` took ~5 s) running the
+``k3post serve`` command line, its output in its log file; ``K3POST_WORKER_START=spawn`` starts it as a fresh
+interpreter instead, and so does a daemonic caller (a pool worker), which multiprocessing allows no child
+process (``python -m k3post serve``, logged). `ServerHandle` gives a worker the ``Popen`` methods the callers use.
+As for every worker process, a script that launches servers guards its top level with
+``if __name__ == "__main__":`` (multiprocessing runs the main module again in each worker).
+
 ``engine.kind = http`` with ``engine.launch = N`` uses it (`k3post.rollout.factory.build_engine`): every
 engine a stage builds then runs in N server processes of its own, the policy's (kept in step by weight
 pushes) and the frozen models' (the SFT model the experts' budgets and "before" row are measured on, the
@@ -15,7 +23,9 @@ a log file, whose tail is in the error when it exits or stays unhealthy past ``r
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
+import runpy
 import shutil
 import socket
 import subprocess
@@ -25,11 +35,12 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
 from k3post.threads import PARENT_ENV
+from k3post.workers import worker_process
 
 __all__ = ["LocalServers", "ServerProcess"]
 
@@ -44,19 +55,73 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+class ServerHandle:
+    """A server's worker process with the ``subprocess.Popen`` methods its callers use: ``pid``, ``poll``,
+    ``returncode``, ``terminate``, ``kill``, ``wait`` (``subprocess.TimeoutExpired`` past ``timeout``)."""
+
+    def __init__(self, process: Any, args: list[str]) -> None:
+        self._process, self.args = process, args
+
+    @property
+    def pid(self) -> int:
+        return int(self._process.pid)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def terminate(self) -> None:
+        self._process.terminate()
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return int(self._process.exitcode)
+
+
+def _serve(argv: list[str], log_path: str) -> None:
+    """In the server's process: ``k3post serve`` with ``argv``, stdout and stderr into ``log_path`` (appended),
+    stdin empty; exits with the command's status."""
+    out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    nothing = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(nothing, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    os.close(nothing)
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)  # a killed server's log holds what it printed
+    # `python -m k3post serve ...` in this process: the command line by name, as the spawned servers ran it
+    sys.argv = ["k3post", *argv]
+    runpy.run_module("k3post", run_name="__main__", alter_sys=True)  # exits with the command's status
+
+
 @dataclass
 class ServerProcess:
     """One running ``k3post serve``: its base URL, process and log file."""
 
     url: str
-    proc: subprocess.Popen[bytes]
+    proc: ServerHandle | subprocess.Popen[bytes]
     log: Path
 
     def tail(self, n: int = 3000) -> str:
         try:
-            return self.log.read_text(errors="replace")[-n:]
+            text = self.log.read_text(errors="replace")[-n:]
         except OSError:
             return "(no log)"
+        if not text and self.proc.poll() is not None and isinstance(self.proc, ServerHandle):
+            return ("(empty: the worker process exited before `k3post serve` ran; its error went to this process's "
+                    "stderr. A script that launches servers imports cleanly in a worker only under an "
+                    "`if __name__ == \"__main__\":` guard: k3post.workers)")
+        return text
 
 
 class LocalServers:
@@ -133,16 +198,27 @@ class LocalServers:
     def _spawn(self, i: int) -> ServerProcess:
         port = _free_port(self.host)
         logf = self.log_dir / f"server{i}.log"
-        env = dict(os.environ)
-        # the servers import the same k3post as this process (a source checkout on PYTHONPATH included)
+        # the servers import the same k3post as this process (a source checkout on PYTHONPATH included) and exit
+        # when this process is killed (k3post.threads.exit_with_parent)
         here = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
-        env[PARENT_ENV] = str(os.getpid())  # the server exits when this process is killed (k3post.threads)
-        cmd = [sys.executable, "-m", "k3post", "serve", str(self.model_dir), "--host", self.host, "--port", str(port),
-               *self._args]
-        with logf.open("wb") as out:
-            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        return ServerProcess(f"http://{self.host}:{port}", proc, logf)
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
+               PARENT_ENV: str(os.getpid())}
+        argv = ["serve", str(self.model_dir), "--host", self.host, "--port", str(port), *self._args]
+        if multiprocessing.current_process().daemon:
+            # a daemonic process (a multiprocessing pool's worker: the experts' domain workers) may start no
+            # process of multiprocessing's: the server is a fresh interpreter (~5 s of a core more to start)
+            log.info("engine server %d: a fresh `python -m k3post serve` (this process is a pool worker, which "
+                     "cannot start workers of its own)", i)
+            with logf.open("wb") as out:
+                popen = subprocess.Popen([sys.executable, "-m", "k3post", *argv], env={**os.environ, **env}, stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            return ServerProcess(f"http://{self.host}:{port}", popen, logf)
+        logf.write_bytes(b"")
+        # daemon: a command that exits without closing its servers stops them (multiprocessing terminates
+        # daemonic children at exit instead of waiting for them)
+        proc = worker_process(_serve, (argv, str(logf)), env=env, daemon=True, name=f"k3post serve {i}")
+        proc.start()
+        return ServerProcess(f"http://{self.host}:{port}", ServerHandle(proc, ["k3post", *argv]), logf)
 
     def _start(self, i: int) -> None:
         for attempt in range(_PORT_ATTEMPTS):
@@ -184,10 +260,10 @@ class LocalServers:
         if self.remove_on_close is not None:
             shutil.rmtree(self.remove_on_close, ignore_errors=True)
 
-    def __enter__(self) -> "LocalServers":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
