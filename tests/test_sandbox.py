@@ -730,3 +730,45 @@ def test_many_sequential_runs_leave_no_processes() -> None:
         for _ in range(50):
             s.run(["sh", "-c", f"sleep {mark} & echo started"], timeout=2)
     _assert_no_procs(mark)
+
+
+def test_open_sandboxes_never_share_a_uid_across_processes(monkeypatch):
+    """Every process's uid candidates start at (97·pid + count) mod the pool: two processes a pid apart meet after
+    97 sandboxes. A shared uid shares ``RLIMIT_NPROC`` (a browser's threads spent a kernel compile's budget: bwrap
+    failed with EAGAIN and a correct kernel scored 0, seen in the test run), so a uid is claimed with an exclusive
+    ``flock`` held while its sandbox is open. Two simulated processes (pids 1 apart) hold 200 claims each: all
+    distinct; a claim another real process holds is skipped; a released uid is free again."""
+    import itertools
+    import subprocess
+
+    from k3post.envs.sandbox import host
+
+    claims: list[tuple[int, int]] = []
+    try:
+        for pid in (50_000, 50_001):
+            monkeypatch.setattr(host.os, "getpid", lambda pid=pid: pid)
+            monkeypatch.setattr(host, "_uid_counter", itertools.count())
+            claims += [host._allocate_uid() for _ in range(200)]
+        assert len({uid for uid, _ in claims}) == 400
+    finally:
+        for _, fd in claims:
+            host.release_uid(fd)
+    # another process holds the first candidate of pid 60,000's first sandbox: it is skipped while held
+    first = host.UID_BASE + (60_000 * 97) % host.UID_POOL
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | "
+                               "os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()",
+                               str(host.UID_LOCKS / str(first))], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(host.os, "getpid", lambda: 60_000)
+        monkeypatch.setattr(host, "_uid_counter", itertools.count())
+        uid, fd = host._allocate_uid()
+        host.release_uid(fd)
+        assert uid == first + 1
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+    monkeypatch.setattr(host, "_uid_counter", itertools.count())
+    uid, fd = host._allocate_uid()
+    host.release_uid(fd)
+    assert uid == first

@@ -44,7 +44,9 @@ Resource limits are applied before the command starts or the run does not
 happen: a failed ``setrlimit`` raises :class:`RuntimeError` naming the limit.
 
 When the host process is root, every sandbox runs under its own unprivileged
-uid (allocated from :data:`UID_BASE`), because ``RLIMIT_NPROC`` is not
+uid (allocated from :data:`UID_BASE`, claimed with a ``flock`` in
+``host.UID_LOCKS`` while the sandbox is open, so no two open sandboxes on the
+host share one, whichever processes hold them), because ``RLIMIT_NPROC`` is not
 enforced for uid 0: the fork-bomb limit only holds for an unprivileged uid.
 The uid switch and the rlimits are applied by util-linux ``setpriv`` and
 ``prlimit`` placed in front of the command (keeping ``subprocess`` on its

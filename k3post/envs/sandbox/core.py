@@ -32,6 +32,7 @@ from k3post.envs.sandbox.host import (
     _safe_member,
     _scan_procs,
     _world_traversable,
+    release_uid,
     weak_isolation_allowed,
 )
 from k3post.envs.sandbox.launch import (
@@ -202,7 +203,10 @@ class Sandbox:
                 )
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
                 logger.warning(msg)
-        self._drop_uid: int | None = _allocate_uid() if _is_root() else None
+        self._uid_claim: int | None = None
+        self._drop_uid: int | None = None
+        if _is_root():
+            self._drop_uid, self._uid_claim = _allocate_uid()
         self._python, self._prefixes = _inner_python(python)
         if self._drop_uid is not None:
             for prefix in self._prefixes:
@@ -764,6 +768,8 @@ class Sandbox:
 
     def close(self) -> None:
         """Release resources; removes the working directory if it was created here."""
+        release_uid(getattr(self, "_uid_claim", None))  # also after a constructor that failed past the claim
+        self._uid_claim = None
         if getattr(self, "_closed", True):
             return
         self._closed = True

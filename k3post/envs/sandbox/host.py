@@ -3,12 +3,14 @@ is allowed (`k3post.envs.sandbox`)."""
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import logging
 import os
 import signal
 import sys
 import tarfile
+import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
@@ -25,11 +27,43 @@ _uid_counter = itertools.count()
 _uid_lock = threading.Lock()
 
 
-def _allocate_uid() -> int:
-    """Pick a host uid for a new sandbox (distinct per process and instance)."""
+UID_LOCKS = Path(tempfile.gettempdir()) / "k3post-sandbox-uids"
+"""Where a sandbox's uid is claimed: an exclusive ``flock`` on the file named by the uid, held while it is open."""
+
+
+def _allocate_uid() -> tuple[int, int]:
+    """A host uid for a new sandbox that no other open sandbox on this host holds, and the fd of its claim.
+
+    The candidates start at a point spread by pid and instance count and go up the pool; the first whose file in
+    `UID_LOCKS` this process can ``flock`` is taken, held until the sandbox closes (`release_uid`) or its process
+    dies. The start point alone was the whole allocation before: two processes' sandboxes shared a uid whenever
+    their points met (pids d apart, counts 97·d apart), and ``RLIMIT_NPROC`` counts every process and thread of
+    a uid, so one sandbox's processes (a browser's) spent the other's budget and its next process failed with
+    EAGAIN: a correct kernel that did not compile scored 0 (seen in the test run, two pytest workers)."""
+    UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
+    st = UID_LOCKS.lstat()
+    if not UID_LOCKS.is_dir() or UID_LOCKS.is_symlink() or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise RuntimeError(f"{UID_LOCKS}: the sandbox uid claims need a directory of this user's only (mode 0700); "
+                           "remove it or fix its owner and mode")
     with _uid_lock:
         n = next(_uid_counter)
-    return UID_BASE + (os.getpid() * 97 + n) % UID_POOL
+    start = (os.getpid() * 97 + n) % UID_POOL
+    for k in range(UID_POOL):
+        uid = UID_BASE + (start + k) % UID_POOL
+        fd = os.open(UID_LOCKS / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return uid, fd
+    raise RuntimeError(f"all {UID_POOL} sandbox uids from {UID_BASE} are held by open sandboxes")
+
+
+def release_uid(fd: int | None) -> None:
+    """Give back a uid `_allocate_uid` claimed (closing its fd drops the lock)."""
+    if fd is not None:
+        os.close(fd)
 
 
 def _is_root() -> bool:
