@@ -732,7 +732,7 @@ def test_many_sequential_runs_leave_no_processes() -> None:
     _assert_no_procs(mark)
 
 
-def test_open_sandboxes_never_share_a_uid_across_processes(monkeypatch):
+def test_open_sandboxes_never_share_a_uid_across_processes(monkeypatch, tmp_path):
     """Every process's uid candidates start at (97·pid + count) mod the pool: two processes a pid apart meet after
     97 sandboxes. A shared uid shares ``RLIMIT_NPROC`` (a browser's threads spent a kernel compile's budget: bwrap
     failed with EAGAIN and a correct kernel scored 0, seen in the test run), so a uid is claimed with an exclusive
@@ -755,9 +755,13 @@ def test_open_sandboxes_never_share_a_uid_across_processes(monkeypatch):
             host.release_uid(fd)
     # another process holds the first candidate of pid 60,000's first sandbox: it is skipped while held
     first = host.UID_BASE + (60_000 * 97) % host.UID_POOL
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | "
-                               "os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()",
-                               str(host.UID_LOCKS / str(first))], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    # (the holder has another $TMPDIR: every process on the host must see the same claims)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; from k3post.envs.sandbox.host import UID_LOCKS; "
+                               "fd = os.open(UID_LOCKS / sys.argv[1], os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); "
+                               "print('held', flush=True); sys.stdin.read()", str(first)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(
+                                  filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))})
     try:
         assert holder.stdout.readline().strip() == "held"
         monkeypatch.setattr(host.os, "getpid", lambda: 60_000)

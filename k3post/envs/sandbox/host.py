@@ -10,7 +10,6 @@ import os
 import signal
 import sys
 import tarfile
-import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
@@ -27,8 +26,9 @@ _uid_counter = itertools.count()
 _uid_lock = threading.Lock()
 
 
-UID_LOCKS = Path(tempfile.gettempdir()) / "k3post-sandbox-uids"
-"""Where a sandbox's uid is claimed: an exclusive ``flock`` on the file named by the uid, held while it is open."""
+UID_LOCKS = Path("/tmp/k3post-sandbox-uids")
+"""Where a sandbox's uid is claimed: an exclusive ``flock`` on the file named by the uid, held while it is open. A
+fixed path, not ``$TMPDIR``'s: every process on the host must see the same claims."""
 
 
 def _allocate_uid() -> tuple[int, int]:
