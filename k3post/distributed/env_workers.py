@@ -66,7 +66,6 @@ class EnvWorkerActor:
         # code); a worker that imported the rollout would pay ~2 s of a core at every (re)start for nothing
         if sandbox is not None:
             apply_sandbox_config(sandbox)
-        self._local_env = local_env
         self.envs: dict[str, Any] = {}
         self.calls = 0
         self._aio = asyncio.new_event_loop()
@@ -75,7 +74,7 @@ class EnvWorkerActor:
         """A new episode of ``task``: its initial messages, its tools (without handlers) and its state."""
         self.calls += 1
         t = Task.from_dict(task)
-        env = self._local_env(t)
+        env = local_env(t)
         messages = self._aio.run_until_complete(env.reset(t))
         self.envs[key] = env
         return messages, [dataclasses.replace(s, handler=None) for s in env.tool_specs()], env.state_dict()
@@ -83,7 +82,7 @@ class EnvWorkerActor:
     def load(self, key: str, state: Mapping[str, Any]) -> None:
         """The episode ``key`` from its saved state (a pause, or a worker lost)."""
         self.calls += 1
-        env = self._local_env(Task.from_dict(state["task"]))
+        env = local_env(Task.from_dict(state["task"]))
         env.load_state_dict(state)
         self.envs[key] = env
 

@@ -8,6 +8,7 @@ import itertools
 import logging
 import os
 import signal
+import stat
 import sys
 import tarfile
 import threading
@@ -42,7 +43,7 @@ def _allocate_uid() -> tuple[int, int]:
     EAGAIN: a correct kernel that did not compile scored 0 (seen in the test run, two pytest workers)."""
     UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
     st = UID_LOCKS.lstat()
-    if not UID_LOCKS.is_dir() or UID_LOCKS.is_symlink() or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:  # lstat: a link is no dir
         raise RuntimeError(f"{UID_LOCKS}: the sandbox uid claims need a directory of this user's only (mode 0700); "
                            "remove it or fix its owner and mode")
     with _uid_lock:
