@@ -298,3 +298,16 @@ def test_the_test_run_starts_one_worker_per_allowed_core_at_most_four(monkeypatc
     for cores, want in ((1, 1), (2, 2), (3, 3), (16, 4)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
         assert conftest.pytest_xdist_auto_num_workers(None) == want, cores
+
+
+def test_the_test_run_writes_bytecode_and_its_children_do_too():
+    """`tests/conftest.py` turns bytecode writing back on for the run (PYTHONDONTWRITEBYTECODE, which container images
+    and this project's CI set, made each of the run's processes compile k3post and the rewritten tests from source):
+    this worker writes it, and a process it starts inherits no PYTHONDONTWRITEBYTECODE."""
+    import subprocess
+    import sys
+
+    assert not sys.dont_write_bytecode
+    out = subprocess.run([sys.executable, "-c", "import os, sys; print(sys.dont_write_bytecode, 'PYTHONDONTWRITEBYTECODE' in os.environ)"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
