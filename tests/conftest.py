@@ -86,6 +86,41 @@ def one_torch_thread():
         os.environ["OMP_NUM_THREADS"] = env
 
 
+@pytest.fixture(scope="session")
+def warm_policy_trained(xtml_tokenizer, tmp_path_factory):
+    """(model, torch RNG state after training): `tests/test_rl.py`'s ``warm_policy`` (120 SFT steps of a tiny MoE
+    on general.arithmetic at max effort, one torch thread) trained once per pytest worker, not once per module that
+    uses it (test_rl, test_fsdp_stages, test_ray: ~7 s each). ``warm_policy`` hands each module a deep copy and sets
+    the torch RNG state the training left, so a module sees what training it in place gave (the training is
+    deterministic and draws from neither Python's nor NumPy's global generator)."""
+    import torch
+
+    from k3post.data import Sample, render_record
+    from k3post.envs.families.registry import get_family
+    from k3post.models import build_tiny_moe
+    from k3post.stages.sft import SFTConfig, train_sft
+    from k3post.synth.pipeline import synthesize
+    from k3post.xtml import XTML
+
+    tok = xtml_tokenizer
+    x = XTML(tok)
+    recs = synthesize(get_family("general.arithmetic"), effort="max", n=200, seed=1)
+    samples = [Sample(*render_record(x, r), source=str(i)) for i, r in enumerate(recs)]
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id, eos_token_id=x.eom_id,
+                               hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                               moe_intermediate_size=64, num_experts=4, intermediate_size=128)
+        cfg = SFTConfig(steps=120, lr=1e-2, pack_len=512, rows_per_batch=4, progress=False, log_every=1000,
+                        save_every=10_000)
+        train_sft(model, tok, samples, cfg, tmp_path_factory.mktemp("sft"), resume=False)
+    finally:
+        torch.set_num_threads(n)
+    return model, torch.get_rng_state()
+
+
 _AET_EVALUATIONS: dict[str, tuple[list, bool]] = {}  # session-wide: key = the checked tree + the scenarios
 
 
@@ -133,6 +168,36 @@ def aet_evaluate_once_module():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(aet, "evaluate", _evaluate_once(aet.evaluate, _AET_EVALUATIONS))
+        yield
+
+
+_BROWSER_RUNS: dict[str, object] = {}  # session-wide: key = the files, the runs and the options
+
+
+@pytest.fixture(scope="module")
+def webdev_browser_once_module():
+    """coding.webdev's browser runs (`browser.run_browser` as the family calls it: verification and the preview
+    tool) memoised for a module: a repeat of the same files, runs and options returns the first result. For tests
+    of what drives the family (the agent loop's fuzz), not of the browser: the webdev tests run every page they
+    check. A run that failed as a whole (timeout, memory, crash) is not kept."""
+    import copy
+    import json
+
+    import k3post.envs.families.webdev.family as webdev
+
+    real = webdev.run_browser
+
+    def run_browser(files, runs, **kw):
+        key = json.dumps([files, runs, kw], sort_keys=True)
+        if key not in _BROWSER_RUNS:
+            res = real(files, runs, **kw)
+            if res.error is not None:
+                return res
+            _BROWSER_RUNS[key] = res
+        return copy.deepcopy(_BROWSER_RUNS[key])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(webdev, "run_browser", run_browser)
         yield
 
 

@@ -47,11 +47,12 @@ KINDS = ("random", "reference", "cut", "specials", "bad_calls", "bad_index", "fa
 
 
 @pytest.fixture(scope="module")
-def world(aet_evaluate_once_module):
+def world(aet_evaluate_once_module, webdev_browser_once_module):
     """(tokenizer, xtml, {family: [(task, [assistant messages of its reference and wrong policies])]}).
 
-    The AET families' checks run once per distinct checked tree in this module (conftest.py: most wrong
-    policies and the adversarial episodes leave the tree as it started)."""
+    The AET families' checks run once per distinct checked tree in this module, and webdev's browser runs once per
+    distinct page and runs (conftest.py: most wrong policies and the adversarial episodes leave the tree as it
+    started; the adversary replays the reference pages)."""
     tok = train_tokenizer(default_corpus(n_per_family=1, n_main=2), vocab_size=800)
     xtml = XTML(tok)
     per_family: dict[str, list[tuple[Any, list[dict[str, Any]]]]] = {}

@@ -16,9 +16,7 @@ import pytest
 import torch
 
 from k3post.algos.policy_loss import policy_loss
-from k3post.data import Sample, render_record
 from k3post.envs.families.registry import get_family
-from k3post.models import build_tiny_moe
 from k3post.policy_step import TokenSequence, policy_step
 from k3post.scoring import micro_batches, token_logprobs
 from k3post.rewards.effort import BudgetTable, EffortConfig, TaskSamples, estimate_budgets
@@ -28,28 +26,18 @@ from k3post.envs.families.streams import domain_families, train_tasks
 from k3post.stages.rl import _score, train_rl
 from k3post.rollout.embedded import EmbeddedEngine
 from k3post.rollout.trajectory import Group, Trajectory
-from k3post.stages.sft import SFTConfig, train_sft
-from k3post.synth.pipeline import synthesize
 from k3post.xtml import XTML
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-             moe_intermediate_size=64, num_experts=4, intermediate_size=128)
-
 
 @pytest.fixture(scope="module")
-def warm_policy(xtml_tokenizer, tmp_path_factory):
-    """(model, tokenizer): 120 SFT steps on reference general.arithmetic traces at max effort."""
-    tok = xtml_tokenizer
-    x = XTML(tok)
-    recs = synthesize(get_family("general.arithmetic"), effort="max", n=200, seed=1)
-    samples = [Sample(*render_record(x, r), source=str(i)) for i, r in enumerate(recs)]
-    torch.manual_seed(0)
-    model = build_tiny_moe(len(tok), seed=0, pad_token_id=tok.pad_token_id, eos_token_id=x.eom_id, **_TINY)
-    cfg = SFTConfig(steps=120, lr=1e-2, pack_len=512, rows_per_batch=4, progress=False, log_every=1000, save_every=10_000)
-    train_sft(model, tok, samples, cfg, tmp_path_factory.mktemp("sft"), resume=False)
-    return model, tok
+def warm_policy(warm_policy_trained, xtml_tokenizer):
+    """(model, tokenizer): 120 SFT steps on reference general.arithmetic traces at max effort (trained once per
+    worker, `conftest.warm_policy_trained`; each module gets its own copy and the RNG state training left)."""
+    model, rng = warm_policy_trained
+    torch.set_rng_state(rng)
+    return copy.deepcopy(model), xtml_tokenizer
 
 
 def _cfg(**kw) -> RLConfig:
