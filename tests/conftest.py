@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-# Bytecode: where PYTHONDONTWRITEBYTECODE is set (container images often set it; this project's sessions and CI
-# run with it), every Python process of the run compiled k3post, and pytest rewrote every test module, from
-# source: each xdist worker's collection (16.5 CPU-s, 10 with the bytecode written) and each of the ~60
+# Bytecode: where PYTHONDONTWRITEBYTECODE is set (container images often set it; this project's sessions run with
+# it; whether CI does is not known), every Python process of the run compiled k3post, and pytest rewrote every test
+# module, from source: each xdist worker's collection (16.5 CPU-s, 10 with the bytecode written) and each of the ~45
 # processes that import the pipeline (Ray actors, fork servers, CLI and bench subprocesses: ~0.4 CPU-s each).
 # The test run writes bytecode, as Python does by default, into the tree's __pycache__ folders (gitignored);
 # the processes it starts inherit the setting. Read before the workers start (this file is an initial conftest).

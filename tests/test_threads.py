@@ -302,10 +302,9 @@ def test_the_test_run_starts_one_worker_per_allowed_core_at_most_four(monkeypatc
 
 def test_the_test_run_writes_bytecode_and_its_children_do_too():
     """`tests/conftest.py` turns bytecode writing back on for the run (PYTHONDONTWRITEBYTECODE, which container images
-    and this project's CI set, made each of the run's processes compile k3post and the rewritten tests from source):
+    and this project's sessions set, made each of the run's processes compile k3post and the rewritten tests from source):
     this worker writes it, and a process it starts inherits no PYTHONDONTWRITEBYTECODE."""
     import subprocess
-    import sys
 
     assert not sys.dont_write_bytecode
     out = subprocess.run([sys.executable, "-c", "import os, sys; print(sys.dont_write_bytecode, 'PYTHONDONTWRITEBYTECODE' in os.environ)"],
