@@ -75,8 +75,8 @@ def _decode_arms(model: torch.nn.Module, batches: list[int], position: int = 100
     return arms
 
 
-def main() -> None:
-    args = sampling_args(__doc__, max_tokens=64).parse_args()
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = sampling_args(__doc__, max_tokens=64).parse_args(argv)
     torch.set_num_threads(1)
     model, tok = qat_model(args.model, args.tokenizer)
     reqs = _requests(_prompts(tok, args.prompts), args.k, args.max_tokens)
@@ -111,6 +111,7 @@ def main() -> None:
           f"backward exact / default {out['trainer_exact_over_default']:.2f}; decode step exact / lean "
           + ", ".join(f"B={B} {out[f'decode_exact_over_lean_b{B}']:.2f}" for B in batches), flush=True)
     print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

@@ -129,8 +129,8 @@ def _trainer_pass(trainer: torch.nn.Module, seqs: list[Any], replay: bool) -> di
             "gap_mean": s["gap_sum"] / s["gap_n"], "gap_max": s["max/gap"], "tokens": s["gap_n"]}
 
 
-def main() -> None:
-    args = sampling_args(__doc__, max_tokens=128).parse_args()
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = sampling_args(__doc__, max_tokens=128).parse_args(argv)
     torch.set_num_threads(1)
     model, tok = qat_model(args.model, args.tokenizer)
     reqs = _requests(_prompts(tok, args.prompts), args.k, args.max_tokens)
@@ -176,6 +176,7 @@ def main() -> None:
           f"forward + backward with replay / without routes {out['trainer_replay_over_own']:.3f} "
           f"({out['trainer_replay_over_own_min']:.3f}..{out['trainer_replay_over_own_max']:.3f})", flush=True)
     print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

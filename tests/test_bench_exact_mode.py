@@ -4,15 +4,18 @@ of two arms run in the same process."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from tests.bench_module import run_bench
+from tests.bench_module import load_bench
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def test_reports_the_gap_invariance_and_costs():
-    res = run_bench("exact_mode", "--prompts", "2", "--k", "2", "--max-tokens", "8", "--repeats", "1")
+def test_reports_the_gap_invariance_and_costs(capsys):
+    res = load_bench("exact_mode").main(["--prompts", "2", "--k", "2", "--max-tokens", "8", "--repeats", "1"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == res  # the last line a reader parses
     assert res["batch_invariant"] is True and res["sampled_tokens"] > 0
     assert res["gap_exact_max"] == 0.0 and res["gap_exact_mean"] == 0.0
     assert res["gap_default_max"] >= res["gap_default_mean"] >= 0.0

@@ -4,9 +4,11 @@ ending where the model starts sampling)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from tests.bench_module import load_bench, run_bench
+from tests.bench_module import load_bench
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -20,8 +22,9 @@ def test_prompts_end_where_sampling_starts(xtml_tokenizer):
     assert len({r.sampling.seed for r in reqs}) == 6
 
 
-def test_runs_every_condition_and_reports_the_cost():
-    res = run_bench("routing_replay", "--prompts", "2", "--k", "2", "--max-tokens", "8", "--repeats", "1")
+def test_runs_every_condition_and_reports_the_cost(capsys):
+    res = load_bench("routing_replay").main(["--prompts", "2", "--k", "2", "--max-tokens", "8", "--repeats", "1"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == res  # the last line a reader parses
     for cond in ("demo", "qat_fast", "bf16", "batch1"):
         row = res[cond]
         assert row["positions"] >= row["sampled_tokens"] > 0 and 0.0 <= row["mismatch_off"] <= 1.0, (cond, row)
