@@ -240,8 +240,9 @@ def child(watch):
 
 if __name__ == "__main__":
     if sys.argv[2] == "forkserver":  # as the pipeline starts its workers: from a fork server
-        from k3post.workers import worker_process
-        p = worker_process(child, (sys.argv[1] == "watch",))
+        from k3post import workers
+        workers.PRELOAD = ()  # who is whose parent does not depend on what the server imports (torch: ~4.5 CPU-s)
+        p = workers.worker_process(child, (sys.argv[1] == "watch",))
     else:
         p = mp.get_context("spawn").Process(target=child, args=(sys.argv[1] == "watch",))
     p.start()
