@@ -80,6 +80,15 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+def _max_diff_experts_apart(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """(largest difference in the MoE experts' weights, largest elsewhere): the two bounds of a run whose fp32
+    reduction order differs (see `test_sft_command_on_two_ranks_equals_one_process`)."""
+    experts = [k for k in a if ".mlp.experts." in k]
+    rest = [k for k in a if k not in experts]
+    assert experts and rest
+    return _max_diff({k: a[k] for k in experts}, {k: b[k] for k in experts}), _max_diff({k: a[k] for k in rest}, {k: b[k] for k in rest})
+
+
 def _rel(x: float, y: float) -> float:
     return abs(x - y) / max(abs(x), abs(y), 1e-12)
 
@@ -121,11 +130,8 @@ def test_sft_command_on_two_ranks_equals_one_process(sft_runs, init_dir):
     # two experts' weights, and AdamW's first steps move an element by up to ~lr a step whatever its gradient's size,
     # so expert weights are bounded by lr × steps (8e-3; seen: 3.6e-4 in layer 1 with packed attention). Everything
     # else keeps the 1e-5 bound: a rank that skipped its share or summed wrongly moves every weight.
-    experts = [k for k in final_one if ".mlp.experts." in k]
-    rest = [k for k in final_one if k not in experts]
-    assert experts and rest
-    assert _max_diff({k: final_one[k] for k in rest}, {k: final_two[k] for k in rest}) < 1e-5
-    assert _max_diff({k: final_one[k] for k in experts}, {k: final_two[k] for k in experts}) < 2e-3 * 4
+    experts, rest = _max_diff_experts_apart(final_one, final_two)
+    assert rest < 1e-5 and experts < 2e-3 * 4, (experts, rest)
     assert _max_diff(final_one, _weights(init_dir)) > 1e-3  # the steps moved the weights
 
 
@@ -221,8 +227,15 @@ def test_rl_two_rank_checkpoint_resumes_on_one_rank_through_the_cli(rl_runs):
     for a, b in zip(two, res):
         assert a["reward_after_override"] == b["reward_after_override"], (a, b)
         assert _rel(a["train/entropy"], b["train/entropy"]) < 1e-6 and _rel(a["train/grad_norm"], b["train/grad_norm"]) < 1e-5
-    assert _max_diff(_weights(rl_runs / "two" / "rl" / "general.max" / "final"),
-                     _weights(rl_runs / "resumed" / "rl" / "general.max" / "final")) < 2e-6
+    # step 1 ran on 2 ranks in both runs (the resumed run restarts from its exact checkpoint), step 2 on 2 ranks
+    # against 1: one step with another fp32 reduction order. As in the SFT check above, AdamW turns last-bit gradient
+    # differences into weight differences of up to ~lr * 1e-3 a step (lr 1e-2: 1e-5; measured 1.1e-6), and an expert
+    # element by up to ~lr a step where a router tie sends a token elsewhere (measured 9.0e-6 in one element of 4096,
+    # against a 2e-6 bound this check had, which was read off one run). A resume that lost the optimizer state or
+    # replayed a step moves every weight by O(lr): the 1e-5 bound on the rest catches it.
+    experts, rest = _max_diff_experts_apart(_weights(rl_runs / "two" / "rl" / "general.max" / "final"),
+                                            _weights(rl_runs / "resumed" / "rl" / "general.max" / "final"))
+    assert rest < 1e-2 * 1e-3 and experts < 1e-2 * 1, (experts, rest)
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b-8gpu", "qwen3-30b-a3b-64gpu"])
