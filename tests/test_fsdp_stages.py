@@ -11,7 +11,6 @@ sharded trainer one forward: another summation order again, same tolerance. Meas
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
