@@ -339,6 +339,9 @@ def train_policy(
                 sink.sync()  # the rows up to the checkpoint's step are as durable as the checkpoint
                 pl.save(ckpt_root)
         bar.close()
+        # the caller evaluates on this engine; a server (no KV transfer) still holds the last step's paused
+        # requests, and evaluation ids are the training ids
+        pl.rollout.release_engine()
         if pl.online_draft is not None and pl.step_no == cfg.steps:  # the draft that followed the policy, servable
             log.info("%s: the online draft -> %s", stage,
                      export_eagle3(pl.online_draft.draft, Path(out_dir) / "draft", nonstock=True))

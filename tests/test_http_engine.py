@@ -444,6 +444,19 @@ def two_lengths(traj: Trajectory, turn: int) -> SamplingParams:
     return SamplingParams(max_tokens=40 + 60 * traj.sample_index, ignore_eos=True)
 
 
+def _assert_two_lengths_uninterrupted(groups: list[Group], model_dir: Path, tok: Any) -> None:
+    """The 8 trajectories of 4 tasks x 2 samples under `two_lengths` ended, each with the tokens (and, within TOL,
+    log-probs) an uninterrupted in-process run samples."""
+    got = _flat(groups)
+    assert len(got) == 8 and all(t.done and t.num_sampled == 40 + 60 * t.sample_index for t in got.values())
+    fresh = [Trajectory(traj_id=t.traj_id, group_id=t.group_id, sample_index=t.sample_index, seed=t.seed, task=t.task)
+             for t in got.values()]
+    _loop(_local(model_dir, slots=8), tok, sampling_fn=two_lengths).run(fresh)
+    for r in fresh:
+        assert got[r.traj_id].token_ids == r.token_ids, r.traj_id
+        assert _max_lp_diff(got[r.traj_id], r) < TOL
+
+
 def test_killed_server_requests_rerouted(servers: dict[str, Server], model_dir: Path, xtml_tokenizer: Any,
                                          caplog: pytest.LogCaptureFixture) -> None:
     """Iteration 1 (λ = 0.5) pauses the four long trajectories after ~40 tokens; iteration 2 resumes
@@ -485,14 +498,7 @@ def test_killed_server_requests_rerouted(servers: dict[str, Server], model_dir: 
             print(f"fault: {remote.stats}")
     assert any("re-routing request" in r.getMessage() and c.url in r.getMessage() for r in caplog.records)
     assert any("marked dead" in r.getMessage() for r in caplog.records)
-    got = _flat(groups)
-    assert len(got) == 8 and all(t.done and t.num_sampled == 40 + 60 * t.sample_index for t in got.values())
-    fresh = [Trajectory(traj_id=t.traj_id, group_id=t.group_id, sample_index=t.sample_index, seed=t.seed, task=t.task)
-             for t in got.values()]
-    _loop(_local(model_dir, slots=8), xtml_tokenizer, sampling_fn=two_lengths).run(fresh)
-    for r in fresh:
-        assert got[r.traj_id].token_ids == r.token_ids, r.traj_id
-        assert _max_lp_diff(got[r.traj_id], r) < TOL
+    _assert_two_lengths_uninterrupted(groups, model_dir, xtml_tokenizer)
 
     # a server refusing connections from the start is marked dead; requests go to the others
     with HTTPEngine([c.url, a.url], max_retries=1, backoff_s=0.01) as eng:
@@ -504,6 +510,33 @@ def test_killed_server_requests_rerouted(servers: dict[str, Server], model_dir: 
     # no server left: a clear error naming the URLs
     with pytest.raises(EngineUnavailableError, match=c.url.replace(".", r"\.")):
         HTTPEngine([c.url], max_retries=1, backoff_s=0.01)
+
+
+def test_a_released_engine_serves_the_training_ids_and_paused_trajectories_end_as_uninterrupted(
+        servers: dict[str, Server], model_dir: Path, xtml_tokenizer: Any) -> None:
+    """After the last RL step the held-out evaluation runs on the rollout's engine, under the training ids
+    (``g<i>/s<j>#t<k>``). A server keeps a paused request until it is resumed, so README's two-server `k3post rl` failed
+    there: "request id 'g3/s0#t0' is already running or paused in this engine". `release_engine` (which `train_policy`
+    calls after its last step) takes the paused requests out of the server. They lose nothing: resumed afterwards, they
+    end with the tokens of an uninterrupted run."""
+    from k3post.rollout.evaluation import run_episodes
+
+    tasks = FAM.generate(4, seed=13)
+    with HTTPEngine([servers["A"].url], backoff_s=0.05) as remote:
+        sch = PartialRolloutScheduler(_loop(remote, xtml_tokenizer, sampling_fn=two_lengths), n_prompts=4, k=2,
+                                      lambda_=0.5, seed=3)
+        groups = sch.run_iteration(tasks)
+        paused = sch.paused()  # the 100-token samples, 3 or 4 of them (how many end before λ is reached is timing)
+        assert paused
+        rid = f"{paused[0].traj_id}#t0"
+        with pytest.raises(ValueError, match="already running or paused"):  # what the evaluation hit
+            remote.add_request(GenerationRequest(rid, PROMPT, SamplingParams(max_tokens=4)))
+        sch.release_engine()
+        evaluated = run_episodes(remote, XTML(xtml_tokenizer), tasks, effort=None, max_tokens=8, samples=2)
+        assert rid.split("#")[0] in {t.traj_id for ts in evaluated for t in ts}  # the same ids, now free
+        groups += sch.run_iteration()
+        assert not sch.trajectories() and not remote.has_unfinished()
+    _assert_two_lengths_uninterrupted(groups, model_dir, xtml_tokenizer)
 
 
 # --------------------------------------------------------------------------- the Rollout seam (runs last: it moves A's version)

@@ -288,6 +288,10 @@ class Rollout:
     def paused(self) -> list[Any]:
         return self.scheduler.paused()
 
+    def release_engine(self) -> None:
+        """The engine holds no paused request of this rollout afterwards (`PartialRolloutScheduler.release_engine`)."""
+        self.scheduler.release_engine()
+
     def state_dict(self) -> dict[str, Any]:
         """Paused and finished-but-undispatched trajectories, the KV pool's tensors (engine-resident paused
         KV is moved to the pool first) and the engine version: torch.save-able."""

@@ -423,6 +423,16 @@ class PartialRolloutScheduler:
         train step needs the engine's memory)."""
         self._write_back(0)
 
+    def release_engine(self) -> None:
+        """Take every paused request out of the engine, so that it can serve other work under any request id
+        (the held-out evaluation after the last step reuses the training ids ``g<i>/s<j>#t<k>``). Engine-held
+        KV goes to the pool first, as `offload_kv` moves it. An engine without KV transfer (`HTTPEngine`) keeps a
+        paused request's tokens only; that request is aborted. Each trajectory keeps its tokens, log-probs and
+        versions here, and a later resume sends its whole context again, with the same tokens (`_submit`)."""
+        self._write_back(0)
+        for tid in list(self._resident):
+            self.engine.abort([self._resident.pop(tid).request_id])
+
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state: paused and finished-but-undispatched trajectories (with env
